@@ -1,0 +1,116 @@
+"""Array backend: NumPy on CPU, CuPy on GPU, chosen once per process.
+
+Layers never ask which backend is active: they take the array module of their inputs
+(`array_module(x)`). Only process setup (device binding) and data movement live here.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+_DEVICES = ("cpu", "gpu")
+
+
+class BackendError(RuntimeError):
+    """The requested device cannot be used (no CuPy, no GPU)."""
+
+
+def cupy_or_none() -> ModuleType | None:
+    """Return the cupy module when it imports and sees at least one GPU, else None."""
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:  # driver missing or broken: treat as no GPU
+        return None
+    return cupy
+
+
+def gpu_available() -> bool:
+    return cupy_or_none() is not None
+
+
+def select(device: str, local_rank: int = 0) -> ModuleType:
+    """Return numpy for 'cpu'; for 'gpu' bind this process to GPU local_rank % visible and return cupy.
+
+    CUDA_VISIBLE_DEVICES is respected because CuPy only enumerates the visible devices.
+    """
+    if device not in _DEVICES:
+        raise BackendError(f"device must be one of {_DEVICES}, got {device!r}")
+    if device == "cpu":
+        return np
+    cp = cupy_or_none()
+    if cp is None:
+        raise BackendError(
+            "--device gpu needs CuPy and an NVIDIA GPU; install the 'gpu' extra "
+            "(pip install 'hpcdl[gpu]') or run with --device cpu"
+        )
+    count = cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(local_rank % count).use()
+    return cp
+
+
+def array_module(x: Any) -> ModuleType:
+    """The array module (numpy or cupy) that owns x."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np
+    mod = type(x).__module__.split(".")[0]
+    if mod == "cupy":
+        import cupy  # noqa: PLC0415
+
+        return cupy
+    return np
+
+
+def is_device_array(x: Any) -> bool:
+    return array_module(x) is not np
+
+
+def to_host(x: Any) -> np.ndarray:
+    """Copy a device array to a NumPy array (no copy for NumPy input)."""
+    if is_device_array(x):
+        return x.get()
+    return np.asarray(x)
+
+
+def to_device(x: np.ndarray, xp: ModuleType) -> Any:
+    """Move a host array to the backend xp (no copy when xp is numpy)."""
+    if xp is np:
+        return x
+    return xp.asarray(x)
+
+
+def pinned_empty(shape: tuple[int, ...] | int, dtype: Any = np.float32) -> np.ndarray:
+    """A NumPy array backed by page-locked host memory when CuPy is present, else ordinary memory.
+
+    Pinned memory lets device<->host copies run asynchronously on a CUDA stream. The returned
+    array keeps the pinned allocation alive through its base.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dtype = np.dtype(dtype)
+    cp = cupy_or_none()
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if cp is None or nbytes == 0:
+        return np.empty(shape, dtype)
+    mem = cp.cuda.alloc_pinned_memory(nbytes)
+    return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+
+
+def visible_gpu_count() -> int:
+    cp = cupy_or_none()
+    return 0 if cp is None else int(cp.cuda.runtime.getDeviceCount())
+
+
+def cpu_threads_hint() -> int:
+    """Cores usable by this process (affinity-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

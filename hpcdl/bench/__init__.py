@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m hpcdl.bench <name> ...`; each prints ratios to a baseline measured in the same run."""

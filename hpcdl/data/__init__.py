@@ -1,0 +1,1 @@
+"""Data sets, sampling, minibatch loading and conversion tools."""
