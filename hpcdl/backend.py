@@ -38,7 +38,7 @@ def gpu_available() -> bool:
 
 
 def select(device: str, local_rank: int = 0) -> ModuleType:
-    """Return numpy for 'cpu'; for 'gpu' bind this process to GPU local_rank % visible and return cupy.
+    """numpy for 'cpu'; for 'gpu' bind to GPU (local_rank % visible GPUs) and return cupy.
 
     CUDA_VISIBLE_DEVICES is respected because CuPy only enumerates the visible devices.
     """
@@ -85,6 +85,12 @@ def to_device(x: np.ndarray, xp: ModuleType) -> Any:
     if xp is np:
         return x
     return xp.asarray(x)
+
+
+def synchronize(xp: ModuleType) -> None:
+    """Wait for queued device work (no-op for numpy); used where a step is timed."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
 
 
 def pinned_empty(shape: tuple[int, ...] | int, dtype: Any = np.float32) -> np.ndarray:

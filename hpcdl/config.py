@@ -1,0 +1,242 @@
+"""Training configuration: one dataclass, defaults in one place, TOML file + CLI flags.
+
+Precedence: defaults < `--config job.toml` < command-line flags. TOML keys are the flag names
+with underscores (`batch_size = 64`). Every value is validated before any MPI collective; an
+invalid one raises ConfigError with one sentence naming the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODELS = ("mlp", "cnn", "resnet20")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field."""
+
+
+@dataclass
+class TrainConfig:
+    data: str = ""
+    val_data: str | None = None
+    model: str = "cnn"
+    epochs: int = 10
+    batch_size: int = 32  # per rank
+    lr: float = 0.01  # base learning rate, before scaling
+    lr_scaling: str = "none"  # none | linear (lr * global_batch / base_batch)
+    base_batch: int | None = None  # reference batch for linear scaling; default: per-rank batch
+    warmup_epochs: float = 0.0
+    lr_decay: str = "none"  # none | cosine | step
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    device: str = "cpu"
+    seed: int = 0
+    shuffle: str = "global"
+    sync: str = "grad"  # grad | params:K
+    bucket_mb: float = 25.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps; 0 = at the end of every epoch only
+    resume: str = "none"  # none | auto | PATH
+    metrics: str | None = None
+    metrics_every: int = 10
+    quiet: bool = False
+    workers: int | None = None  # None: a fair share of the node's cores
+    prefetch: int = 4
+    augment: str = "none"
+    skip_bad_samples: bool = False
+    stage_dir: str | None = None
+    stage_threads: int = 8
+    stage_capacity: str | None = None
+    keep_staged: bool = False
+    stage_verify: bool = False
+    max_steps: int | None = None  # stop after this many global steps (benchmarks, tests)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def params_sync_every(self) -> int:
+        """K for --sync params:K, 0 for --sync grad."""
+        return 0 if self.sync == "grad" else int(self.sync.split(":")[1])
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return json.dumps(d, sort_keys=True)
+
+
+_CHOICES = {
+    "model": MODELS,
+    "lr_scaling": ("none", "linear"),
+    "lr_decay": ("none", "cosine", "step"),
+    "optimizer": ("sgd", "adam"),
+    "device": ("cpu", "gpu"),
+    "shuffle": ("global", "node", "none"),
+}
+_POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
+_NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
+_HELP = {
+    "data": "training data: HDF5 file, directory of HDF5 shards, or image folder root/<class>/",
+    "val_data": "validation data (same kinds as --data)",
+    "batch_size": "minibatch size per rank",
+    "lr": "base learning rate (before --lr-scaling)",
+    "sync": "grad: allreduce gradients every step; params:K: average parameters every K steps",
+    "bucket_mb": "gradient bucket size in MiB for the overlapping allreduce",
+    "checkpoint_every": "also checkpoint every N steps (0: only at epoch ends)",
+    "resume": "none, auto (latest checkpoint in --checkpoint-dir if any) or a checkpoint path",
+    "metrics": "write JSON lines (step, epoch, summary events) to this path",
+    "workers": "loader worker processes per rank (0: load in the training process)",
+    "prefetch": "shared-memory batch slots per rank",
+    "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
+    "stage_dir": "node-local directory to stage training files into (enables staging)",
+    "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%) staging may use",
+    "max_steps": "stop after this many steps in total",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if text.startswith(name):
+            return typ
+    return str
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing and exiting on every rank."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def build_parser(prog: str = "python -m hpcdl.train") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Data-parallel training under MPI.")
+    parser.add_argument("--config", help="TOML file whose keys are these flags with underscores")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        typ = _field_type(f)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _HELP.get(f.name)}
+        if typ is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = str  # converted and validated in one place, with our messages
+            if f.name in _CHOICES:
+                kwargs["metavar"] = "{" + ",".join(_CHOICES[f.name]) + "}"
+        parser.add_argument(_flag(f.name), **kwargs)
+    return parser
+
+
+def _convert(name: str, value: Any, typ: type, source: str) -> Any:
+    where = f"{_flag(name)} ({source})"
+    if value is None:
+        return None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable (permission denied)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, expected a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Build a validated TrainConfig from flags and an optional TOML file."""
+    args = build_parser().parse_args(argv)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+    values: dict[str, Any] = {}
+    if args.config:
+        for key, value in load_toml(args.config).items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"config file {args.config}: unknown key {key!r}")
+            values[name] = _convert(name, value, _field_type(fields[name]), args.config)
+    for name, f in fields.items():
+        flag_value = getattr(args, name)
+        if flag_value is not None:
+            values[name] = _convert(name, flag_value, _field_type(f), "command line")
+    cfg = TrainConfig(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    if not cfg.data:
+        raise ConfigError("--data is required: a path to HDF5 shards or an image folder")
+    for name, allowed in _CHOICES.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(
+                f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
+            )
+    for name in _POSITIVE_INT:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
+    for name in _NON_NEGATIVE:
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(cfg, name)}")
+    if not cfg.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {cfg.lr}")
+    if not cfg.bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.workers is not None and cfg.workers < 0:
+        raise ConfigError(f"--workers must be >= 0, got {cfg.workers}")
+    if cfg.base_batch is not None and cfg.base_batch < 1:
+        raise ConfigError(f"--base-batch must be a positive integer, got {cfg.base_batch}")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
+    if not re.fullmatch(r"grad|params:[1-9][0-9]*", cfg.sync):
+        raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
+    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_file():
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto/none)")
+    if cfg.resume == "auto" and not cfg.checkpoint_dir:
+        raise ConfigError("--resume auto needs --checkpoint-dir to look for checkpoints in")
+    if cfg.stage_capacity is not None and not re.fullmatch(
+        r"[0-9]+(\.[0-9]+)?([KMGT]i?B?|B|%)?", cfg.stage_capacity
+    ):
+        raise ConfigError(
+            f"--stage-capacity must be bytes (e.g. 200G) or a percentage (e.g. 80%), "
+            f"got {cfg.stage_capacity!r}"
+        )

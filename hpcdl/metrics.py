@@ -1,0 +1,139 @@
+"""Per-step timing, Keras-style progress output and JSON-lines metrics (rank 0 only).
+
+Format of the JSON lines: docs/internals.md, "Metrics JSONL".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part of one training step."""
+
+    t_data: float = 0.0  # waiting for the batch
+    t_compute: float = 0.0  # forward + backward (+ host-device copies)
+    t_comm_exposed: float = 0.0  # waiting for gradient buckets after backward ended
+    t_update: float = 0.0  # optimizer step
+    t_step: float = 0.0  # wall time of the whole step
+
+
+@dataclass
+class RunningMean:
+    """Sums of step parts and loss/accuracy over an epoch or a run."""
+
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    correct: int = 0
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+
+    def add(self, times: StepTimes, loss: float, correct: int, samples: int) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.loss_sum += loss
+        self.correct += correct
+        for name in STEP_PARTS:
+            self.parts[name] += getattr(times, name)
+
+    def mean_parts(self) -> dict[str, float]:
+        return {k: v / max(1, self.steps) for k, v in self.parts.items()}
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.steps)
+
+    @property
+    def acc(self) -> float:
+        return self.correct / max(1, self.samples)
+
+
+class MetricsWriter:
+    """Appends JSON lines to a file; a no-op when path is None (every rank but 0)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._fh: TextIO | None = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "a", buffering=1)
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fh is None:
+            return
+        record = {"event": event, "time": time.time(), **fields}
+        self._fh.write(json.dumps(record, default=_jsonable) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+class Progress:
+    """Keras-style progress: a live bar on a terminal, one line per epoch otherwise."""
+
+    WIDTH = 30
+
+    def __init__(
+        self, epochs: int, steps: int, enabled: bool, stream: TextIO | None = None
+    ) -> None:
+        self.epochs = epochs
+        self.steps = steps
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self.live = enabled and self.stream.isatty()
+        self._epoch_start = time.perf_counter()
+
+    def start_epoch(self, epoch: int) -> None:
+        self._epoch_start = time.perf_counter()
+        if self.enabled:
+            self.stream.write(f"Epoch {epoch + 1}/{self.epochs}\n")
+            self.stream.flush()
+
+    def _bar(self, done: int) -> str:
+        filled = int(self.WIDTH * done / max(1, self.steps))
+        arrow = ">" if filled < self.WIDTH else ""
+        bar = "=" * max(0, filled - (1 if arrow else 0)) + arrow
+        width = len(str(self.steps))
+        return f"{done:>{width}}/{self.steps} [{bar:<{self.WIDTH}}]"
+
+    def update(self, done: int, loss: float, acc: float) -> None:
+        if not self.live:
+            return
+        elapsed = time.perf_counter() - self._epoch_start
+        eta = elapsed / max(1, done) * (self.steps - done)
+        self.stream.write(
+            f"\r{self._bar(done)} - ETA: {eta:.0f}s - loss: {loss:.4f} - acc: {acc:.4f}"
+        )
+        self.stream.flush()
+
+    def end_epoch(self, done: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self._epoch_start
+        per_step = elapsed / max(1, done) * 1000
+        text = " - ".join(f"{k}: {v:.4f}" for k, v in values.items())
+        prefix = "\r" if self.live else ""
+        self.stream.write(
+            f"{prefix}{self._bar(done)} - {elapsed:.0f}s {per_step:.0f}ms/step - {text}\n"
+        )
+        self.stream.flush()
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            self.stream.write(line + "\n")
+            self.stream.flush()

@@ -1,0 +1,349 @@
+"""`mpirun -np N python -m hpcdl.train ...`: data-parallel training, one MPI rank per GPU.
+
+Read top to bottom: configuration, MPI and device, data, model, loop, evaluation, checkpoint.
+Every rank runs this file; rank 0 prints and writes metrics. Gradients are averaged with a
+bucketed allreduce that overlaps with backward (hpcdl.comm.reducer).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import numpy as np
+
+from hpcdl import backend, startup
+from hpcdl.comm import collectives, cuda_aware
+from hpcdl.comm.failure import (
+    StopAgreement,
+    SystemExitWithMessage,
+    install_abort_on_exception,
+)
+from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.world import World, init_world
+from hpcdl.config import ConfigError, TrainConfig, parse_args
+from hpcdl.data.sampler import eval_indices
+from hpcdl.metrics import MetricsWriter, Progress, RunningMean, StepTimes
+
+EXIT_STOPPED_BY_SIGNAL = 3
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as exc:
+        startup.print_once(f"hpcdl.train: error: {exc}")
+        return 2
+    world = init_world()
+    install_abort_on_exception(world.comm, world.rank)
+    try:
+        return train(cfg, world)
+    except SystemExitWithMessage as exc:
+        if exc.message:
+            print(f"hpcdl.train: error: {exc.message}", file=sys.stderr, flush=True)
+        return 2
+
+
+def train(cfg: TrainConfig, world: World) -> int:
+    say = Progress(cfg.epochs, 0, enabled=world.is_root and not cfg.quiet).say
+
+    # --- device and MPI capabilities -------------------------------------------------------
+    xp = backend.select(cfg.device, world.local_rank)
+    aware = cuda_aware.detect(world.comm, cfg.device)
+    host_staged = cfg.device == "gpu" and not aware.aware
+    say(
+        f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
+        f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
+    )
+
+    # --- data --------------------------------------------------------------------------------
+    train_ds, val_ds = startup.open_datasets(cfg, world)
+    sampler = startup.make_sampler(cfg, world, len(train_ds))
+    steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
+    global_batch = cfg.batch_size * world.size
+
+    # --- model, identical on every rank ------------------------------------------------------
+    from hpcdl import nn  # noqa: PLC0415
+
+    model = nn.build_model(
+        cfg.model,
+        input_shape=tuple(train_ds.sample_shape),
+        num_classes=train_ds.num_classes,
+        seed=cfg.seed,
+        xp=xp,
+    )
+    model.set_rng_state(nn.rank_rng_state(cfg.seed, world.rank))
+    startup.verify_same_run(world, cfg, startup.shapes(model))
+    collectives.broadcast(world.comm, model.params, host_staged=host_staged)
+    collectives.broadcast(world.comm, model.buffers, host_staged=host_staged)
+    optimizer = nn.make_optimizer(
+        cfg.optimizer,
+        model.params,
+        model.grads,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        weight_decay=cfg.weight_decay,
+    )
+    base_batch = cfg.base_batch or cfg.batch_size
+    lr = (
+        nn.schedule.scaled_lr(cfg.lr, global_batch, base_batch)
+        if cfg.lr_scaling == "linear"
+        else cfg.lr
+    )
+    start_epoch, start_step, global_step = startup.restore(cfg, world, model, optimizer)
+    if global_step:
+        say(f"hpcdl: resumed at epoch {start_epoch + 1}, step {start_step} ({cfg.resume})")
+
+    # --- staging and loaders -----------------------------------------------------------------
+    staging = None
+    if cfg.stage_dir:
+        from hpcdl.staging import StagingSession  # noqa: PLC0415
+
+        sampler_args = dict(
+            num_samples=len(train_ds),
+            world_size=world.size,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            ranks_per_node=world.local_size,
+        )
+        staging = StagingSession.start(
+            world,
+            train_ds,
+            sampler_args,
+            cfg.batch_size,
+            (start_epoch, cfg.epochs),
+            cfg.stage_dir,
+            cfg.stage_threads,
+            cfg.stage_capacity,
+            cfg.keep_staged,
+            cfg.stage_verify,
+        )
+    from hpcdl.data import Loader  # noqa: PLC0415
+
+    workers = startup.default_workers(world) if cfg.workers is None else cfg.workers
+    loader = Loader(
+        train_ds,
+        cfg.batch_size,
+        workers=workers,
+        prefetch=cfg.prefetch,
+        seed=cfg.seed,
+        augment=cfg.augment,
+        locate=staging.locator() if staging else None,
+        skip_bad_samples=cfg.skip_bad_samples,
+    )
+    val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed) if val_ds else None
+
+    reducer = None
+    if world.size > 1 and cfg.params_sync_every == 0:
+        reducer = GradientReducer(world.comm, model.grads, cfg.bucket_mb, host_staged=host_staged)
+    stop = StopAgreement(world.comm)
+    metrics = MetricsWriter(cfg.metrics if world.is_root else None)
+    metrics.write(
+        "start",
+        world_size=world.size,
+        global_batch=global_batch,
+        model=cfg.model,
+        device=cfg.device,
+        cuda_aware=aware.aware,
+        sync=cfg.sync,
+        steps_per_epoch=steps_per_epoch,
+        config=cfg.to_json(),
+    )
+    progress = Progress(cfg.epochs, steps_per_epoch, enabled=world.is_root and not cfg.quiet)
+
+    # --- training loop -----------------------------------------------------------------------
+    run = RunningMean()
+    history: dict = {}
+    stopped_by, checkpoint_path = None, None
+    run_start = time.perf_counter()
+    for epoch in range(start_epoch, cfg.epochs):
+        progress.start_epoch(epoch)
+        epoch_stats = RunningMean()
+        epoch_start = time.perf_counter()
+        first = start_step if epoch == start_epoch else 0
+        batches = sampler.batches(epoch, cfg.batch_size)[first:]
+        step = first
+        t_wait = time.perf_counter()
+        for images, labels in loader.iterate(batches, epoch, train=True):
+            stop.start_step()
+            t0 = time.perf_counter()
+            times = StepTimes(t_data=t0 - t_wait)
+
+            x = backend.to_device(images, xp)  # (B, C, H, W) float32
+            y = startup.to_labels(labels, xp)  # (B,) int64
+            logits = model.forward(x, train=True)
+            loss, dlogits = nn.softmax_cross_entropy(logits, y)
+            if reducer:
+                reducer.begin_step()
+            model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
+            backend.synchronize(xp)
+            t1 = time.perf_counter()
+            if reducer:
+                reducer.wait()  # gradients are now averaged over all ranks
+            t2 = time.perf_counter()
+            step_lr = nn.schedule.lr_at(
+                global_step, steps_per_epoch, lr, cfg.warmup_epochs, cfg.lr_decay, cfg.epochs
+            )
+            optimizer.step(step_lr)
+            if cfg.params_sync_every and (global_step + 1) % cfg.params_sync_every == 0:
+                collectives.allreduce_mean(world.comm, model.params, host_staged)
+            backend.synchronize(xp)
+            t3 = time.perf_counter()
+
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(
+                    f"loss became {loss} at step {global_step} (epoch {epoch + 1}) "
+                    f"on rank {world.rank}; lower --lr or check the input data"
+                )
+            times.t_compute, times.t_comm_exposed, times.t_update = t1 - t0, t2 - t1, t3 - t2
+            times.t_step = t3 - t_wait
+            correct = nn.accuracy_count(logits, y)
+            epoch_stats.add(times, loss, correct, len(labels))
+            run.add(times, loss, correct, len(labels))
+            step += 1
+            global_step += 1
+            if staging:
+                staging.consumed(epoch, step)
+            progress.update(step, epoch_stats.loss, epoch_stats.acc)
+            if global_step % cfg.metrics_every == 0:
+                metrics.write(
+                    "step",
+                    step=global_step,
+                    epoch=epoch,
+                    loss=loss,
+                    lr=step_lr,
+                    **vars(times),
+                    samples_per_s=global_batch / max(times.t_step, 1e-9),
+                )
+
+            end_of_epoch = step == steps_per_epoch
+            position = (epoch + 1, 0) if end_of_epoch else (epoch, step)
+            if stop.should_stop():
+                stopped_by = stop.signal_name
+                if cfg.checkpoint_dir:
+                    checkpoint_path = startup.save(
+                        cfg, world, model, optimizer, *position, global_step
+                    )
+                break
+            if (
+                cfg.checkpoint_dir
+                and cfg.checkpoint_every
+                and global_step % cfg.checkpoint_every == 0
+                and not end_of_epoch
+            ):
+                startup.save(cfg, world, model, optimizer, *position, global_step)
+            if cfg.max_steps and global_step >= cfg.max_steps:
+                break
+            t_wait = time.perf_counter()
+        if stopped_by:
+            break
+
+        # --- end of epoch: evaluate, report, checkpoint --------------------------------------
+        collectives.allreduce_mean(world.comm, model.buffers, host_staged)  # BatchNorm stats
+        seconds = time.perf_counter() - epoch_start
+        history = evaluate(world, model, val_loader, xp, cfg.batch_size, epoch_stats)
+        values = {k: history[k] for k in ("loss", "acc", "val_loss", "val_acc") if k in history}
+        progress.end_epoch(step, values)
+        stage_stats = staging.epoch_stats() if staging else None
+        metrics.write(
+            "epoch",
+            epoch=epoch,
+            **values,
+            seconds=seconds,
+            images_per_s=epoch_stats.samples * world.size / max(seconds, 1e-9),
+            staging=stage_stats,
+        )
+        if cfg.checkpoint_dir and step == steps_per_epoch:
+            checkpoint_path = startup.save(cfg, world, model, optimizer, epoch + 1, 0, global_step)
+        if cfg.max_steps and global_step >= cfg.max_steps:
+            break
+
+    # --- summary -----------------------------------------------------------------------------
+    elapsed = time.perf_counter() - run_start
+    stats = loader.stats()
+    bad = world.comm.allreduce(stats.get("bad_samples", 0))
+    metrics.write(
+        "summary",
+        world_size=world.size,
+        global_batch=global_batch,
+        epochs=cfg.epochs,
+        steps=global_step,
+        val_accuracy=history.get("val_acc"),
+        val_loss=history.get("val_loss"),
+        train_loss=history.get("loss"),
+        images_per_s=run.samples * world.size / max(elapsed, 1e-9),
+        mean_step=run.mean_parts(),
+        cuda_aware=aware.aware,
+        sync=cfg.sync,
+        staging=staging.epoch_stats() if staging else None,
+        bad_samples=bad,
+        stopped_by_signal=stopped_by is not None,
+        checkpoint=str(checkpoint_path) if checkpoint_path else None,
+    )
+    loader.close()
+    if val_loader:
+        val_loader.close()
+    if reducer:
+        reducer.close()
+    stop.close()
+    if staging:
+        staging.close()
+    metrics.close()
+    if stopped_by:
+        where = (
+            f"checkpoint at {checkpoint_path}"
+            if checkpoint_path
+            else "no checkpoint written (no --checkpoint-dir)"
+        )
+        if world.is_root:
+            print(f"hpcdl.train: stopped by signal {stopped_by}, {where}", flush=True)
+        return EXIT_STOPPED_BY_SIGNAL
+    if world.is_root and not cfg.quiet and "val_acc" in history:
+        print(
+            f"hpcdl.train: final val_acc {history['val_acc']:.4f} "
+            f"({run.samples * world.size / max(elapsed, 1e-9):.0f} images/s)",
+            flush=True,
+        )
+    return 0
+
+
+def evaluate(
+    world: World, model, val_loader, xp, batch_size: int, epoch_stats: RunningMean
+) -> dict[str, float]:
+    """Epoch metrics: training loss/acc over all ranks, and validation on every rank's shard."""
+    from hpcdl import nn  # noqa: PLC0415
+
+    sums = np.array(
+        [
+            epoch_stats.loss_sum,
+            epoch_stats.steps,
+            epoch_stats.correct,
+            epoch_stats.samples,
+            0.0,
+            0.0,
+            0.0,
+        ]
+    )
+    if val_loader is not None:
+        idx = eval_indices(len(val_loader.dataset), world.size, world.rank)
+        batches = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+        for images, labels in val_loader.iterate(batches, 0, train=False):
+            y = startup.to_labels(labels, xp)
+            logits = model.forward(backend.to_device(images, xp), train=False)
+            loss, _ = nn.softmax_cross_entropy(logits, y)
+            sums[4:] += (float(loss) * len(labels), nn.accuracy_count(logits, y), len(labels))
+    collectives.allreduce_sum(world.comm, sums)
+    result = {"loss": sums[0] / max(1, sums[1]), "acc": sums[2] / max(1, sums[3])}
+    if val_loader is not None and sums[6]:
+        result.update(val_loss=sums[4] / sums[6], val_acc=sums[5] / sums[6])
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
