@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SHUFFLE_MODES = ("global", "node", "none")
+_NODE_SPLIT_STREAM = 2**31  # RNG stream of the fixed sample-to-node split (shuffle='node')
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -76,7 +77,7 @@ class DistributedSampler:
             return perm[self.rank * per : (self.rank + 1) * per].astype(np.int64)
         nodes = self.world_size // self.ranks_per_node
         node, local = divmod(self.rank, self.ranks_per_node)
-        fixed = epoch_rng(self.seed, -1).permutation(n)
+        fixed = epoch_rng(self.seed, 0, stream=_NODE_SPLIT_STREAM).permutation(n)
         per_node = per * self.ranks_per_node
         block = fixed[node * per_node : (node + 1) * per_node]
         assert nodes * per_node <= n

@@ -1,0 +1,41 @@
+"""Shared fixtures. MPI tests are marked `mpi` and run under `mpirun -np 2 python -m pytest --with-mpi`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def mpirun_cmd(np_: int) -> list[str]:
+    """mpirun from the environment this Python belongs to, allowed to oversubscribe."""
+    mpirun = BIN / "mpirun"
+    return [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(np_), "--oversubscribe"]
+
+
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> Path:
+    """scikit-learn's digits converted to HDF5 shards (train/ and val/) once per session."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("digits")
+    subprocess.run(
+        [sys.executable, "-m", "hpcdl.data", "convert", "digits", str(out), "--shard-size", "400"],
+        check=True,
+        capture_output=True,
+    )
+    return out
