@@ -1,4 +1,4 @@
-"""Shared fixtures. MPI tests are marked `mpi` and run under `mpirun -np 2 python -m pytest --with-mpi`."""
+"""Shared fixtures. MPI tests are marked `mpi` and run under `mpirun -np 2 pytest --with-mpi`."""
 
 from __future__ import annotations
 

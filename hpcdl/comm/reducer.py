@@ -96,19 +96,35 @@ class GradientReducer:
             self._next += 1
 
     def wait(self) -> None:
-        """Block until every bucket is reduced and averaged; records the exposed wait time."""
+        """Block until every bucket is reduced and averaged; records the exposed wait time.
+
+        Buckets never marked ready during backward are reduced here on the calling thread,
+        after the thread's buckets, so the order on the communicator stays the same on every
+        rank and the tail skips a thread hand-off it could not overlap with anything anyway.
+        """
+        from mpi4py import MPI  # noqa: PLC0415
+
         start = time.perf_counter()
-        pending = len(self.buckets) - self._next
-        self.mark_ready(self.grads.size)
-        for _ in range(len(self.buckets)):
+        handed = self._next
+        for _ in range(handed):
             self._done.acquire()
         if self._error is not None:
             raise RuntimeError(f"gradient allreduce failed: {self._error}") from self._error
+        t_tail = time.perf_counter()
+        scale = 1.0 / self.world_size
+        event = None
+        if self.on_device and handed < len(self.buckets):
+            event = self.xp.cuda.Event(disable_timing=True)
+            event.record()
+        for bucket in self.buckets[handed:]:
+            self._reduce(MPI, bucket, event, scale)
+        self._next = len(self.buckets)
         if self.on_device:
             self._copy_stream.synchronize()
-        self.last_exposed_s = time.perf_counter() - start
-        self.last_comm_s = self._comm_s
-        self.last_unmarked = pending
+        end = time.perf_counter()
+        self.last_exposed_s = end - start
+        self.last_comm_s = self._comm_s + (end - t_tail)
+        self.last_unmarked = len(self.buckets) - handed
 
     def close(self) -> None:
         self._queue.put(None)

@@ -68,7 +68,7 @@ class DistributedSampler:
         return self.samples_per_rank // batch_size
 
     def indices(self, epoch: int) -> np.ndarray:
-        """Sample indices of this rank for one epoch, in reading order: int64 (samples_per_rank,)."""
+        """This rank's sample indices for one epoch, in reading order: int64 (samples_per_rank,)."""
         n, per = self.num_samples, self.samples_per_rank
         if self.shuffle == "none":
             return np.arange(self.rank * per, (self.rank + 1) * per, dtype=np.int64)

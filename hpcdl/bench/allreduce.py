@@ -1,0 +1,219 @@
+"""`mpirun -np N python -m hpcdl.bench allreduce`: GradientReducer vs flat and per-array Allreduce.
+
+For each gradient size list (ResNet-20's arrays; a 25M-parameter ResNet-50-like list) it measures,
+in the same run: one raw mpi4py Allreduce of the whole flat buffer ("flat"), one Allreduce per
+array ("naive", what per-tensor reduction without fusion does), and the GradientReducer with
+buckets marked ready back-to-front. Bus bandwidth = bytes * 2(p-1)/p / seconds (nccl-tests'
+definition). A second part runs a synthetic backward (NumPy GEMMs, which release the GIL) that
+marks buckets ready as it goes, and reports the exposed communication: how long the step waits
+after backward ends, as a fraction of the raw flat Allreduce time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from hpcdl.comm.reducer import GradientReducer
+
+
+def resnet20_shapes(classes: int = 10) -> list[tuple[int, ...]]:
+    """Parameter shapes of CIFAR ResNet-20 (conv weights, BN scale/shift, final dense)."""
+    shapes: list[tuple[int, ...]] = [(16, 3, 3, 3), (16,), (16,)]
+    cin = 16
+    for cout in (16, 32, 64):
+        for _ in range(3):
+            shapes += [(cout, cin, 3, 3), (cout,), (cout,), (cout, cout, 3, 3), (cout,), (cout,)]
+            cin = cout
+    return shapes + [(classes, 64), (classes,)]
+
+
+def resnet50_like_shapes() -> list[tuple[int, ...]]:
+    """161 arrays, about 25.6M parameters: ResNet-50's bottleneck layout."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    cin = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            out = width * 4
+            shapes += [(width, cin, 1, 1), (width,), (width,)]
+            shapes += [(width, width, 3, 3), (width,), (width,)]
+            shapes += [(out, width, 1, 1), (out,), (out,)]
+            if b == 0:
+                shapes += [(out, cin, 1, 1), (out,), (out,)]
+            cin = out
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def _time(comm, fn, repeats: int) -> float:
+    """Median seconds of fn() over repeats, ranks synchronised before each try."""
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    # The slowest rank defines a collective's time.
+    slowest = np.array(samples)
+    comm.Allreduce(_in_place(), slowest, op=_max_op())
+    return float(np.median(slowest))
+
+
+def _max_op():
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.MAX
+
+
+def _in_place():
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.IN_PLACE
+
+
+def measure(comm, shapes: list[tuple[int, ...]], bucket_mb: float, repeats: int) -> dict:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    sizes = [int(np.prod(s)) for s in shapes]
+    total = sum(sizes)
+    flat = np.random.default_rng(comm.rank).standard_normal(total).astype(np.float32)
+    arrays = [np.ones(n, np.float32) for n in sizes]
+    ends = np.cumsum(sizes[::-1])  # back-to-front readiness, as backward produces it
+    reducer = GradientReducer(comm, flat, bucket_mb=bucket_mb)
+
+    def run_flat() -> None:
+        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+
+    def run_naive() -> None:
+        for a in arrays:
+            comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+
+    def run_reducer() -> None:
+        reducer.begin_step()
+        for end in ends:
+            reducer.mark_ready(int(end))
+        reducer.wait()
+
+    for fn in (run_flat, run_naive, run_reducer):  # warm up connections and buffers
+        fn()
+    t_flat = _time(comm, run_flat, repeats)
+    t_naive = _time(comm, run_naive, repeats)
+    t_reducer = _time(comm, run_reducer, repeats)
+    reducer.close()
+    p = comm.size
+    factor = 2 * (p - 1) / p
+    nbytes = total * 4
+
+    def busbw(t: float) -> float:
+        return nbytes * factor / t / 1e9
+
+    return {
+        "arrays": len(sizes),
+        "parameters": total,
+        "bytes": nbytes,
+        "flat_s": t_flat,
+        "naive_s": t_naive,
+        "reducer_s": t_reducer,
+        "flat_busbw_gbs": busbw(t_flat),
+        "naive_busbw_gbs": busbw(t_naive),
+        "reducer_busbw_gbs": busbw(t_reducer),
+    }
+
+
+def measure_overlap(comm, total: int, bucket_mb: float, backward_factor: float) -> dict:
+    """Exposed communication with a synthetic backward lasting ~backward_factor x the allreduce."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    grads = np.ones(total, np.float32)
+    comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM)
+    t_raw = _time(comm, lambda: comm.Allreduce(MPI.IN_PLACE, grads, op=MPI.SUM), 5)
+    a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    gemm_s = (time.perf_counter() - t0) / 20
+    chunks = 32
+    gemms_per_chunk = max(1, int(backward_factor * t_raw / gemm_s / chunks))
+    reducer = GradientReducer(comm, grads, bucket_mb=bucket_mb)
+    exposed, backward = [], []
+    for _ in range(5):
+        comm.Barrier()
+        reducer.begin_step()
+        t0 = time.perf_counter()
+        for c in range(1, chunks + 1):
+            for _ in range(gemms_per_chunk):
+                a @ a
+            reducer.mark_ready(total * c // chunks)
+        backward.append(time.perf_counter() - t0)
+        reducer.wait()
+        exposed.append(reducer.last_exposed_s)
+    reducer.close()
+    t_exposed = float(np.median(exposed))
+    return {
+        "raw_allreduce_s": t_raw,
+        "backward_s": float(np.median(backward)),
+        "exposed_s": t_exposed,
+        "exposed_fraction_of_raw": t_exposed / t_raw,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.bench allreduce")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--backward-factor",
+        type=float,
+        default=3.0,
+        help="synthetic backward duration as a multiple of the raw allreduce",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    results = {}
+    for name, shapes in (
+        ("resnet20", resnet20_shapes()),
+        ("resnet50_like", resnet50_like_shapes()),
+    ):
+        results[name] = measure(comm, shapes, args.bucket_mb, args.repeats)
+    overlap = measure_overlap(
+        comm, results["resnet50_like"]["parameters"], args.bucket_mb, args.backward_factor
+    )
+    if comm.rank != 0:
+        return 0
+    print(f"ranks: {comm.size}  library: {MPI.Get_library_version().splitlines()[0]}")
+    print(
+        f"{'gradients':<15}{'arrays':>7}{'MB':>8}{'flat GB/s':>11}{'reducer GB/s':>14}"
+        f"{'naive GB/s':>12}{'reducer/flat':>14}{'reducer/naive':>15}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:<15}{r['arrays']:>7}{r['bytes'] / 1e6:>8.1f}{r['flat_busbw_gbs']:>11.2f}"
+            f"{r['reducer_busbw_gbs']:>14.2f}{r['naive_busbw_gbs']:>12.2f}"
+            f"{r['reducer_busbw_gbs'] / r['flat_busbw_gbs']:>14.2f}"
+            f"{r['reducer_busbw_gbs'] / r['naive_busbw_gbs']:>15.2f}"
+        )
+    print(
+        f"overlap: backward {overlap['backward_s'] * 1e3:.1f} ms, raw allreduce "
+        f"{overlap['raw_allreduce_s'] * 1e3:.1f} ms, exposed {overlap['exposed_s'] * 1e3:.2f} ms "
+        f"= {overlap['exposed_fraction_of_raw'] * 100:.1f}% of the raw allreduce"
+    )
+    if args.json:
+        worst = results["resnet20"]
+        print(
+            json.dumps(
+                {
+                    "ranks": comm.size,
+                    "reducer_busbw_gbs": worst["reducer_busbw_gbs"],
+                    "flat_busbw_gbs": worst["flat_busbw_gbs"],
+                    "naive_busbw_gbs": worst["naive_busbw_gbs"],
+                    "models": results,
+                    "overlap": overlap,
+                }
+            )
+        )
+    return 0

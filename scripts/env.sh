@@ -1,0 +1,26 @@
+# Sourced by scripts/*.sh: create or refresh .venv with hpcdl and the default MPI.
+# HPCDL_VENV overrides the location; HPCDL_PYTHON the interpreter used to create it.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HPCDL_VENV:-$REPO/.venv}"
+PY="${HPCDL_PYTHON:-python3}"
+EXTRAS="${HPCDL_EXTRAS:-test,mpi}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "hpcdl: creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+# Quiet, but show errors. The editable install builds the C++ stager with CMake.
+"$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -m pip install -q -e "$REPO[$EXTRAS]" 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -c "import hpcdl, mpi4py, h5py, numpy" || {
+    echo "hpcdl: installation into $VENV failed (see the pip output above)" >&2
+    exit 1
+}
+export PATH="$VENV/bin:$PATH"
+# Open MPI refuses to run as root unless told; containers and CI often run as root.
+if [ "$(id -u)" = 0 ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+# Oversubscription lets tests start more ranks than this machine has cores.
+export OMPI_MCA_rmaps_base_oversubscribe=1

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create/refresh the environment and run the whole test suite:
+#   1. ruff (lint)   2. pytest, single-process tests (includes the real-Slurm tests)
+#   3. pytest under `mpirun -np 2` for the tests marked mpi
+# Extra arguments go to both pytest runs (e.g. -x, -k name).
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$REPO"
+
+echo "== ruff"
+ruff check hpcdl tests
+
+echo "== pytest (single process)"
+status=0
+python -m pytest -m "not mpi" "$@" tests || status=$?
+
+echo "== pytest under mpirun -np 2 (tests marked mpi)"
+mpi_status=0
+mpirun -np 2 python -m pytest --with-mpi -m mpi -q -p no:cacheprovider "$@" tests || mpi_status=$?
+
+if [ "$status" -ne 0 ] || [ "$mpi_status" -ne 0 ]; then
+    echo "hpcdl: tests FAILED (single-process exit $status, MPI exit $mpi_status)" >&2
+    exit 1
+fi
+echo "hpcdl: all tests passed"
