@@ -1,0 +1,179 @@
+"""`mpirun -np 2 python -m hpcdl.train` end to end on the real digits data (real MPI, HDF5)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import mpi_env, mpirun_cmd
+
+from hpcdl import checkpoint
+
+
+def train_cmd(ranks, *args):
+    return [*mpirun_cmd(ranks), sys.executable, "-m", "hpcdl.train", *map(str, args)]
+
+
+def run_train(ranks, *args, timeout=600):
+    return subprocess.run(
+        train_cmd(ranks, *args), capture_output=True, text=True, env=mpi_env(), timeout=timeout
+    )
+
+
+def read_events(path, event):
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
+
+
+def test_cnn_reaches_95_percent_on_digits_with_two_ranks(digits_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = run_train(
+        2,
+        "--data",
+        digits_dir / "train",
+        "--val-data",
+        digits_dir / "val",
+        "--model",
+        "cnn",
+        "--epochs",
+        8,
+        "--batch-size",
+        32,
+        "--lr",
+        0.05,
+        "--workers",
+        1,
+        "--metrics",
+        metrics,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_events(metrics, "summary")[0]
+    assert summary["world_size"] == 2 and summary["global_batch"] == 64
+    assert summary["val_accuracy"] >= 0.95, summary
+    assert set(summary["mean_step"]) >= {"t_data", "t_compute", "t_comm_exposed", "t_step"}
+    assert len(read_events(metrics, "epoch")) == 8
+    assert "Epoch 8/8" in proc.stdout and "val_acc" in proc.stdout
+
+
+def _rank_pids(marker):
+    """pid of each hpcdl.train rank whose command line contains marker, by world rank."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpcdl.train" in cmdline and marker.encode() in b" ".join(cmdline):
+            for kv in environ:
+                if kv.startswith(b"OMPI_COMM_WORLD_RANK="):
+                    pids[int(kv.split(b"=")[1])] = int(entry.name)
+    return pids
+
+
+def test_sigterm_to_one_rank_stops_the_job_with_a_checkpoint_and_resume_matches(
+    digits_dir, tmp_path
+):
+    common = [
+        "--data",
+        digits_dir / "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        3,
+        "--batch-size",
+        16,
+        "--lr",
+        0.05,
+        "--workers",
+        0,
+        "--seed",
+        7,
+        "--quiet",
+    ]
+    # Uninterrupted reference run.
+    ref_dir = tmp_path / "ref"
+    proc = run_train(2, *common, "--checkpoint-dir", ref_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = checkpoint.load(checkpoint.latest(ref_dir))
+
+    # Interrupted run: SIGTERM to rank 1 only, once training is under way.
+    ckpt_dir = tmp_path / "stopped"
+    metrics = tmp_path / "stopped.jsonl"
+    job = subprocess.Popen(
+        train_cmd(
+            2, *common, "--checkpoint-dir", ckpt_dir, "--metrics", metrics, "--metrics-every", 1
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=mpi_env(),
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(read_events(metrics, "step")) >= 20:
+            break
+        time.sleep(0.05)
+    pids = _rank_pids(str(ckpt_dir))
+    assert set(pids) == {0, 1}, pids
+    signalled = time.monotonic()
+    os.kill(pids[1], signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert time.monotonic() - signalled < 30
+    assert job.returncode != 0
+    assert "stopped by signal SIGTERM, checkpoint at" in out, out + err
+    stopped = checkpoint.latest(ckpt_dir)
+    assert stopped is not None
+    stopped_ckpt = checkpoint.load(stopped)
+    assert 0 < stopped_ckpt.global_step < reference.global_step
+    assert read_events(metrics, "summary")[0]["stopped_by_signal"] is True
+
+    # Resume and compare with the uninterrupted run.
+    proc = run_train(2, *common, "--checkpoint-dir", ckpt_dir, "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = checkpoint.load(checkpoint.latest(ckpt_dir))
+    assert resumed.global_step == reference.global_step
+    np.testing.assert_array_equal(resumed.params, reference.params)
+
+
+@pytest.fixture
+def no_images_h5(tmp_path):
+    path = tmp_path / "labels_only.h5"
+    with h5py.File(path, "w") as f:
+        f["labels"] = np.zeros(10, np.int64)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing_data", "no_images", "batch_too_large", "bad_flag", "unreadable_config"],
+)
+def test_bad_input_gives_one_message_and_writes_nothing(case, digits_dir, no_images_h5, tmp_path):
+    out = tmp_path / "out"
+    args = ["--metrics", out / "m.jsonl", "--checkpoint-dir", out / "ckpt", "--epochs", 1]
+    expected = {
+        "missing_data": (["--data", tmp_path / "nope"], "nope"),
+        "no_images": (["--data", no_images_h5], "images"),
+        "batch_too_large": (
+            ["--data", digits_dir / "train", "--batch-size", 5000],
+            "--batch-size 5000 is larger than each rank's shard",
+        ),
+        "bad_flag": (
+            ["--data", digits_dir / "train", "--optimizer", "lamb"],
+            "--optimizer must be one of sgd, adam",
+        ),
+        "unreadable_config": (["--config", tmp_path / "missing.toml"], "missing.toml"),
+    }[case]
+    proc = run_train(2, *expected[0], *args, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1, proc.stderr
+    assert expected[1] in lines[0]
+    assert not out.exists()
