@@ -247,7 +247,8 @@ def train(cfg: TrainConfig, world: World) -> int:
         # --- end of epoch: evaluate, report, checkpoint --------------------------------------
         collectives.allreduce_mean(world.comm, model.buffers, host_staged)  # BatchNorm stats
         seconds = time.perf_counter() - epoch_start
-        history = evaluate(world, model, val_loader, xp, cfg.batch_size, epoch_stats)
+        history = evaluate(world, model, val_loader, len(val_ds) if val_ds else 0, xp,
+                           cfg.batch_size, epoch_stats)
         values = {k: history[k] for k in ("loss", "acc", "val_loss", "val_acc") if k in history}
         progress.end_epoch(step, values)
         stage_stats = staging.epoch_stats() if staging else None
@@ -314,7 +315,7 @@ def train(cfg: TrainConfig, world: World) -> int:
 
 
 def evaluate(
-    world: World, model, val_loader, xp, batch_size: int, epoch_stats: RunningMean
+    world: World, model, val_loader, val_size: int, xp, batch_size: int, epoch_stats: RunningMean
 ) -> dict[str, float]:
     """Epoch metrics: training loss/acc over all ranks, and validation on every rank's shard."""
     from hpcdl import nn  # noqa: PLC0415
@@ -331,7 +332,7 @@ def evaluate(
         ]
     )
     if val_loader is not None:
-        idx = eval_indices(len(val_loader.dataset), world.size, world.rank)
+        idx = eval_indices(val_size, world.size, world.rank)
         batches = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
         for images, labels in val_loader.iterate(batches, 0, train=False):
             y = startup.to_labels(labels, xp)

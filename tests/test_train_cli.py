@@ -177,3 +177,41 @@ def test_bad_input_gives_one_message_and_writes_nothing(case, digits_dir, no_ima
     assert len(lines) == 1, proc.stderr
     assert expected[1] in lines[0]
     assert not out.exists()
+
+
+def test_training_with_staging_gives_bitwise_the_same_parameters(digits_dir, tmp_path):
+    common = [
+        "--data",
+        digits_dir / "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        2,
+        "--batch-size",
+        16,
+        "--workers",
+        1,
+        "--seed",
+        3,
+        "--quiet",
+    ]
+    plain = run_train(2, *common, "--checkpoint-dir", tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    metrics = tmp_path / "staged.jsonl"
+    staged = run_train(
+        2,
+        *common,
+        "--checkpoint-dir",
+        tmp_path / "staged",
+        "--stage-dir",
+        tmp_path / "stage",
+        "--metrics",
+        metrics,
+    )
+    assert staged.returncode == 0, staged.stderr[-3000:]
+    a = checkpoint.load(checkpoint.latest(tmp_path / "plain"))
+    b = checkpoint.load(checkpoint.latest(tmp_path / "staged"))
+    np.testing.assert_array_equal(a.params, b.params)
+    staging = read_events(metrics, "summary")[0]["staging"]
+    assert staging["files_staged"] > 0 and staging["hits"] > 0, staging
+    assert not (tmp_path / "stage").exists() or not any((tmp_path / "stage").rglob("*.h5"))
