@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,23 @@ def env_rank() -> int:
     return 0
 
 
-def print_once(message: str) -> None:
-    """Print a user-facing error from rank 0 only (safe before MPI is initialised)."""
-    if env_rank() == 0:
+QUIET_RANK_EXIT_DELAY_S = 2.0
+
+
+def fail_once(message: str | None, comm: Any = None, status: int = 2) -> int:
+    """Print a user-facing error from rank 0 only and return the exit status for every rank.
+
+    The launcher ends the whole job as soon as the first rank exits non-zero, so rank 0's
+    message must be out before any rank exits: with MPI running (comm given) all ranks meet in
+    a barrier after the print; before MPI is initialised the quiet ranks wait a moment."""
+    rank = env_rank() if comm is None else comm.Get_rank()
+    if rank == 0 and message:
         print(message, file=sys.stderr, flush=True)
+    if comm is not None:
+        comm.Barrier()
+    elif rank != 0:
+        time.sleep(QUIET_RANK_EXIT_DELAY_S)
+    return status
 
 
 def _local_error(fn) -> tuple[Any, str | None]:

@@ -37,16 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
     except ConfigError as exc:
-        startup.print_once(f"hpcdl.train: error: {exc}")
-        return 2
+        return startup.fail_once(f"hpcdl.train: error: {exc}")
     world = init_world()
     install_abort_on_exception(world.comm, world.rank)
     try:
         return train(cfg, world)
     except SystemExitWithMessage as exc:
-        if exc.message:
-            print(f"hpcdl.train: error: {exc.message}", file=sys.stderr, flush=True)
-        return 2
+        return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
 
 
 def train(cfg: TrainConfig, world: World) -> int:

@@ -16,6 +16,6 @@ trap 'rm -rf "$STAGE"' EXIT
 
 mpirun -np 2 python -m hpcdl.train \
     --data "$DATA/train" --val-data "$DATA/val" \
-    --model cnn --epochs 8 --batch-size 32 --lr 0.05 --momentum 0.9 --workers 1 \
+    --model cnn --epochs 15 --batch-size 32 --optimizer adam --lr 0.001 --workers 1 \
     --stage-dir "$STAGE/stage" --metrics "$RUN/metrics.jsonl" "$@"
 echo "metrics: $RUN/metrics.jsonl (plot: python -m hpcdl.report $RUN/metrics.jsonl --out $RUN/report.png)"

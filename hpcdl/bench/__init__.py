@@ -1,1 +1,4 @@
-"""Benchmarks: `python -m hpcdl.bench <name> ...`; each prints ratios to a baseline measured in the same run."""
+"""Benchmarks: `python -m hpcdl.bench <name> ...`.
+
+Each prints ratios to a baseline measured in the same run (docs/PERFORMANCE.md).
+"""

@@ -1,0 +1,117 @@
+"""Worker of `hpcdl.bench scaling`: time data-parallel training steps at each batch size.
+
+Run under mpirun by hpcdl.bench.scaling (not by users). Every rank builds the same model on
+random data, so loading is excluded: a step is forward + loss + backward with the bucketed
+gradient allreduce (when there is more than one rank) + SGD update, as in hpcdl.train. Rank 0
+prints one JSON line: per batch size, the median and mean over the timed steps (`--rounds`
+rounds of `--steps` each, batch sizes interleaved) of the slowest rank's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from hpcdl import backend, nn
+from hpcdl.comm import cuda_aware
+from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.world import init_world
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hpcdl.bench._steps")
+    ap.add_argument("--model", required=True, choices=nn.MODELS)
+    ap.add_argument("--input-shape", required=True, help="C,H,W")
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--batch-sizes", required=True, help="per-rank batch sizes, comma-separated")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    args = ap.parse_args(argv)
+    args.shape = tuple(int(v) for v in args.input_shape.split(","))
+    args.batches = [int(v) for v in args.batch_sizes.split(",")]
+    return args
+
+
+def train_step(model: Any, opt: Any, reducer: Any, xp: Any, x: Any, y: Any) -> None:
+    """One data-parallel step as in hpcdl.train, device work finished when it returns."""
+    logits = model.forward(x, train=True)
+    _, dlogits = nn.softmax_cross_entropy(logits, y)
+    if reducer:
+        reducer.begin_step()
+    model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
+    backend.synchronize(xp)
+    if reducer:
+        reducer.wait()
+    opt.step(0.001)
+    backend.synchronize(xp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    args = parse_args(argv)
+    world = init_world()
+    xp = backend.select(args.device, world.local_rank)
+    host_staged = args.device == "gpu" and not cuda_aware.detect(world.comm, args.device).aware
+    model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
+    opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+    reducer = None
+    if world.size > 1:
+        reducer = GradientReducer(world.comm, model.grads, args.bucket_mb, host_staged=host_staged)
+    rng = np.random.default_rng(world.rank)
+
+    data = {  # (B, C, H, W) float32 images and (B,) int64 labels per batch size
+        b: (
+            xp.asarray(rng.standard_normal((b, *args.shape)).astype(np.float32)),
+            xp.asarray(rng.integers(0, args.classes, b)),
+        )
+        for b in args.batches
+    }
+    times = {b: np.empty((args.rounds, args.steps)) for b in args.batches}
+    # Rounds interleave the batch sizes, so a burst of other load on a shared machine lands on
+    # all of them instead of skewing one.
+    for r in range(args.rounds):
+        for batch, (x, y) in data.items():
+            for _ in range(args.warmup if r == 0 else 1):
+                train_step(model, opt, reducer, xp, x, y)
+            world.comm.Barrier()
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                train_step(model, opt, reducer, xp, x, y)
+                times[batch][r, i] = time.perf_counter() - t0
+    points = []
+    for batch, t in times.items():
+        # A data-parallel step is as slow as its slowest rank.
+        world.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+        points.append(
+            {
+                "batch": batch,
+                "seconds_per_step": float(np.median(t)),
+                "mean_seconds_per_step": float(t.mean()),
+                "steps": int(t.size),
+            }
+        )
+    if reducer:
+        reducer.close()
+    if world.is_root:
+        record = {
+            "ranks": world.size,
+            "model": args.model,
+            "device": args.device,
+            "params": int(model.params.size),
+            "points": points,
+        }
+        print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""`python -m hpcdl.bench compute`: ms per training step of hpcdl.nn vs PyTorch, same run.
+
+A step is forward + softmax cross-entropy + backward + SGD-momentum update on a random batch,
+for the same architecture (cnn = the Keras cifar10_cnn network) on the same device. PyTorch is
+optional (benchmark-only): without it the torch column is null. With --json the last line is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from hpcdl import backend, nn
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hpcdl.bench compute", description=__doc__)
+    ap.add_argument("--model", default="cnn", choices=nn.MODELS)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--input-shape", default="3,32,32", help="C,H,W")
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument(
+        "--steps", type=int, default=20, help="timed steps per framework (after 3 warm-up steps)"
+    )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="interleave the frameworks in turns of this many steps (default 0: each runs "
+        "all its steps alone, the best case for both)",
+    )
+    ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        args.shape = tuple(int(v) for v in args.input_shape.split(","))
+        if len(args.shape) != 3:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--input-shape must be C,H,W (three integers), got {args.input_shape!r}")
+    if args.batch_size < 1 or args.steps < 1 or args.chunk < 0:
+        ap.error("--batch-size and --steps must be >= 1 and --chunk >= 0")
+    return args
+
+
+def time_interleaved(
+    steppers: list, steps: int, chunk: int = 5, pause_s: float = 0.3
+) -> list[list[float]]:
+    """Seconds per step for each (step, sync), after 3 warm-up steps each.
+
+    The frameworks take turns in chunks of `chunk` steps, so background load on a shared
+    machine affects both alike. Each turn starts after `pause_s` so that the other framework's
+    thread pool (OpenBLAS, OpenMP spin-waiting for up to ~200 ms) has gone to sleep and does
+    not steal cores from this one.
+    """
+    for step, sync in steppers:
+        for _ in range(3):
+            step()
+        sync()
+    times: list[list[float]] = [[] for _ in steppers]
+    while len(times[0]) < steps:
+        for (step, sync), out in zip(steppers, times):
+            time.sleep(pause_s)
+            for _ in range(min(chunk, steps - len(out))):
+                t0 = time.perf_counter()
+                step()
+                sync()
+                out.append(time.perf_counter() - t0)
+    return times
+
+
+def hpcdl_stepper(args: argparse.Namespace):
+    """(step, sync) for one hpcdl training step on a fixed random batch."""
+    xp = backend.select(args.device)
+    model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
+    opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal((args.batch_size, *args.shape)).astype(np.float32))
+    y = xp.asarray(rng.integers(0, args.classes, args.batch_size))
+
+    def step() -> None:
+        logits = model.forward(x, train=True)
+        _, dlogits = nn.softmax_cross_entropy(logits, y)
+        model.backward(dlogits)
+        opt.step(0.01)
+
+    return step, lambda: backend.synchronize(xp)
+
+
+def torch_model(torch: Any, name: str, shape: tuple[int, int, int], classes: int):
+    """The same architecture in PyTorch (NCHW), following the rules of hpcdl.nn.models."""
+    tnn = torch.nn
+    c, h, w = shape
+    if name == "mlp":
+        return tnn.Sequential(
+            tnn.Flatten(),
+            tnn.Linear(c * h * w, 512),
+            tnn.ReLU(),
+            tnn.Dropout(0.2),
+            tnn.Linear(512, classes),
+        )
+    if name == "cnn":
+        layers: list[Any] = []
+        for filters in (32, 64):
+            pad = (int(h < 3), int(w < 3))
+            layers += [tnn.Conv2d(c, filters, 3, padding=1), tnn.ReLU()]
+            layers += [tnn.Conv2d(filters, filters, 3, padding=pad), tnn.ReLU()]
+            h, w = h + 2 * pad[0] - 2, w + 2 * pad[1] - 2
+            pool = (min(2, h), min(2, w))
+            if pool != (1, 1):
+                layers.append(tnn.MaxPool2d(pool))
+                h, w = h // pool[0], w // pool[1]
+            layers.append(tnn.Dropout(0.25))
+            c = filters
+        return tnn.Sequential(
+            *layers,
+            tnn.Flatten(),
+            tnn.Linear(c * h * w, 512),
+            tnn.ReLU(),
+            tnn.Dropout(0.5),
+            tnn.Linear(512, classes),
+        )
+    return _torch_resnet20(torch, c, classes)
+
+
+def _torch_resnet20(torch: Any, c: int, classes: int):
+    tnn = torch.nn
+
+    class Block(tnn.Module):
+        def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+            super().__init__()
+            self.conv1 = tnn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+            self.bn1 = tnn.BatchNorm2d(c_out)
+            self.conv2 = tnn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+            self.bn2 = tnn.BatchNorm2d(c_out)
+            self.stride, self.pad = stride, (c_out - c_in) // 2
+
+        def forward(self, x):
+            out = torch.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            short = x[:, :, :: self.stride, :: self.stride]
+            if self.pad:
+                short = tnn.functional.pad(short, (0, 0, 0, 0, self.pad, self.pad))
+            return torch.relu(out + short)
+
+    layers: list[Any] = [tnn.Conv2d(c, 16, 3, 1, 1, bias=False), tnn.BatchNorm2d(16), tnn.ReLU()]
+    c_in = 16
+    for stage, width in enumerate((16, 32, 64)):
+        for block in range(3):
+            layers.append(Block(c_in, width, 2 if stage > 0 and block == 0 else 1))
+            c_in = width
+    layers += [tnn.AdaptiveAvgPool2d(1), tnn.Flatten(), tnn.Linear(64, classes)]
+    return tnn.Sequential(*layers)
+
+
+def torch_stepper(args: argparse.Namespace):
+    """(step, sync) for the same step in PyTorch, or None when torch is not importable."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        return None
+    device = "cuda" if args.device == "gpu" else "cpu"
+    torch.manual_seed(0)
+    model = torch_model(torch, args.model, args.shape, args.classes).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(args.batch_size, *args.shape, device=device)
+    y = torch.randint(0, args.classes, (args.batch_size,), device=device)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    model.train()
+    return step, sync
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        steppers = [hpcdl_stepper(args)]
+    except backend.BackendError as exc:
+        print(f"hpcdl.bench compute: {exc}", file=sys.stderr)
+        return 2
+    torch_step = None if args.no_torch else torch_stepper(args)
+    if torch_step is not None:
+        steppers.append(torch_step)
+    timed = time_interleaved(steppers, args.steps, chunk=args.chunk or args.steps)
+    ours, theirs = timed[0], (timed[1] if torch_step is not None else None)
+    ours_ms = statistics.median(ours) * 1e3
+    theirs_ms = statistics.median(theirs) * 1e3 if theirs else None
+    ratio = ours_ms / theirs_ms if theirs_ms else None
+    where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    print(
+        f"{args.model} batch {args.batch_size} input {args.input_shape} on {args.device} "
+        f"({where}), median of {args.steps} steps"
+        + (f", interleaved in turns of {args.chunk}" if args.chunk else "")
+    )
+    print(f"  hpcdl  {ours_ms:8.1f} ms/step")
+    if theirs_ms is None:
+        print("  torch       n/a (not installed)")
+    else:
+        print(f"  torch  {theirs_ms:8.1f} ms/step   ratio hpcdl/torch {ratio:.2f}")
+    if args.json:
+        result = {
+            "model": args.model,
+            "batch_size": args.batch_size,
+            "input_shape": list(args.shape),
+            "device": args.device,
+            "steps": args.steps,
+            "chunk": args.chunk or args.steps,
+            "hpcdl_ms_per_step": round(ours_ms, 3),
+            "torch_ms_per_step": None if theirs_ms is None else round(theirs_ms, 3),
+            "ratio": None if ratio is None else round(ratio, 3),
+        }
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,222 @@
+"""`python -m hpcdl.bench loader`: hpcdl loader vs torch DataLoader vs the single-process ceiling.
+
+    python -m hpcdl.bench loader --data DIR [--make-jpegs N] --workers K --batch-size B
+                                 [--max-images N] [--json]
+
+On a JPEG folder: decode + random 224 crop + horizontal flip + normalise to float32 CHW, by
+(1) hpcdl.data.Loader, (2) torch.utils.data.DataLoader doing the same per-sample work with the same
+K and B (when torch imports), (3) one process doing that work, times K (the ceiling). Then HDF5
+uint8 32x32 images/s per rank, and an overlap check: a step with a synthetic compute phase
+(sleep, like a GPU kernel) should take <= 1.05 x max(compute, load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hpcdl.data import Loader, default_workers, open_dataset
+from hpcdl.data.sampler import DistributedSampler
+
+CROP = 224
+
+
+def make_jpegs(root: Path, n: int, size: int = 256, classes: int = 10) -> None:
+    """n smooth-plus-noise size x size JPEGs (quality 90) in root/<class>/."""
+    from PIL import Image  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    for i in range(n):
+        d = root / f"c{i % classes}"
+        d.mkdir(parents=True, exist_ok=True)
+        f = rng.uniform(0.01, 0.1, 3)
+        base = 127 + 100 * np.sin(xx[..., None] * f + yy[..., None] * f[::-1])
+        img = np.clip(base + rng.normal(0, 30, (size, size, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(d / f"{i:06d}.jpg", quality=90)
+
+
+def _batches(n: int, batch: int, epoch: int = 0):
+    return DistributedSampler(n, seed=0).batches(epoch, batch)
+
+
+def hpcdl_rate(ds, workers: int, batch: int, augment: str, n: int, prefetch: int = 4) -> float:
+    with Loader(
+        ds, batch, workers=workers, prefetch=max(prefetch, 2 * workers), seed=0, augment=augment
+    ) as loader:
+        batches = _batches(n, batch)
+        it = loader.iterate(batches, 0)
+        next(it)  # workers started and warm
+        t0 = time.perf_counter()
+        count = sum(len(y) for _, y in it)
+        return count / (time.perf_counter() - t0)
+
+
+class _Sample:
+    """One image through the same per-sample work the hpcdl loader does (for torch / ceiling)."""
+
+    def __init__(self, ds) -> None:
+        self.ds = ds
+        self.scale = (1.0 / ds.std).astype(np.float32)
+        self.bias = (-ds.mean / ds.std).astype(np.float32)
+
+    def __call__(self, i: int, rng: np.random.Generator):
+        from PIL import Image  # noqa: PLC0415
+
+        with Image.open(self.ds.root / self.ds.files[i].relpath) as im:
+            if im.mode != "RGB":
+                im = im.convert("RGB")
+            y0, x0 = rng.integers(0, im.height - CROP + 1), rng.integers(0, im.width - CROP + 1)
+            x = np.asarray(im.crop((x0, y0, x0 + CROP, y0 + CROP)))
+        if rng.random() < 0.5:
+            x = x[:, ::-1]
+        out = np.empty((3, CROP, CROP), np.float32)
+        np.multiply(x.transpose(2, 0, 1), self.scale[:, None, None], out=out, dtype=np.float32)
+        out += self.bias[:, None, None]
+        return out, int(self.ds.labels[i])
+
+
+def ceiling_rate(ds, n: int) -> tuple[float, float]:
+    """(decode+crop+flip+normalise, decode only) images/s of one process."""
+    from PIL import Image  # noqa: PLC0415
+
+    work, rng = _Sample(ds), np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for i in range(n):
+        work(i % len(ds), rng)
+    full = n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(n):
+        with Image.open(ds.root / ds.files[i % len(ds)].relpath) as im:
+            np.asarray(im.convert("RGB"))
+    return full, n / (time.perf_counter() - t0)
+
+
+def torch_rate(ds, workers: int, batch: int, n: int) -> float | None:
+    try:
+        import torch  # noqa: PLC0415
+        from torch.utils.data import DataLoader, Dataset  # noqa: PLC0415
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    work = _Sample(ds)
+
+    class Folder(Dataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            x, y = work(i % len(ds), np.random.default_rng(i))
+            return torch.from_numpy(x), y
+
+    loader = DataLoader(
+        Folder(),
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        drop_last=True,
+        persistent_workers=False,
+    )
+    it = iter(loader)
+    next(it)
+    t0 = time.perf_counter()
+    count = sum(len(y) for _, y in it)
+    return count / (time.perf_counter() - t0)
+
+
+def hdf5_rate(workers: int, batch: int, n: int = 50000) -> tuple[float, float, str]:
+    """(images/s with augment none, with crop4+flip) on uint8 32x32x3 shards; and the dir."""
+    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
+
+    tmp = Path(tempfile.mkdtemp(prefix="hpcdl-bench-"))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    write_dataset(
+        tmp, {"train": (x, rng.integers(0, 10, n))}, [str(i) for i in range(10)], shard_size=10000
+    )
+    ds = open_dataset(tmp / "train")
+    plain = hpcdl_rate(ds, workers, batch, "none", n)
+    aug = hpcdl_rate(ds, workers, batch, "crop4+flip", n)
+    return plain, aug, str(tmp)
+
+
+def overlap(data: str, workers: int, batch: int, steps: int = 40) -> list[dict]:
+    """Step time with a compute phase (sleep) of 0.5, 1 and 2 x the load time per batch."""
+    ds = open_dataset(Path(data) / "train")
+    load_s = batch / hpcdl_rate(ds, workers, batch, "crop4+flip", len(ds))
+    rows = []
+    for factor in (0.5, 1.0, 2.0):
+        compute_s = factor * load_s
+        with Loader(
+            ds, batch, workers=workers, prefetch=max(4, 2 * workers), seed=0, augment="crop4+flip"
+        ) as loader:
+            batches = (_batches(len(ds), batch) * 4)[: steps + 1]
+            it = loader.iterate(batches, 0)
+            next(it)
+            t0 = time.perf_counter()
+            for _ in it:
+                time.sleep(compute_s)
+            step = (time.perf_counter() - t0) / steps
+        rows.append(
+            {
+                "compute_over_load": factor,
+                "load_s": load_s,
+                "compute_s": compute_s,
+                "step_s": step,
+                "step_over_max": step / max(compute_s, load_s),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench loader",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--data", required=True, help="JPEG folder root/<class>/<file>")
+    p.add_argument("--make-jpegs", type=int, default=0, help="first write N 256x256 JPEGs")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-images", type=int, default=2048)
+    p.add_argument("--skip-hdf5", action="store_true", help="skip the HDF5 and overlap parts")
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = p.parse_args(argv)
+    root = Path(args.data)
+    if args.make_jpegs and not (root.exists() and any(root.iterdir())):
+        make_jpegs(root, args.make_jpegs)
+    ds = open_dataset(root)
+    n = min(args.max_images, len(ds))
+    k, b = args.workers, args.batch_size
+    result: dict = {"workers": k, "batch_size": b, "images": n, "cores": os.cpu_count()}
+    result["hpcdl_images_per_s"] = hpcdl_rate(ds, k, b, f"rcrop{CROP}+flip", n)
+    result["torch_images_per_s"] = torch_rate(ds, k, b, n)
+    full, decode = ceiling_rate(ds, min(n, 256))
+    result["single_process_images_per_s"] = full
+    result["decode_only_images_per_s"] = decode
+    result["ceiling_images_per_s"] = full * k
+    if result["torch_images_per_s"]:
+        result["vs_torch"] = result["hpcdl_images_per_s"] / result["torch_images_per_s"]
+    result["vs_ceiling"] = result["hpcdl_images_per_s"] / result["ceiling_images_per_s"]
+    if not args.skip_hdf5:
+        plain, aug, h5dir = hdf5_rate(k, 256)
+        result["hdf5_32x32_images_per_s"] = plain
+        result["hdf5_32x32_crop4_flip_images_per_s"] = aug
+        # the trainer needs a core of its own: overlap runs with the default worker count
+        result["overlap_workers"] = default_workers()
+        result["overlap"] = overlap(h5dir, default_workers(), 256)
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(h5dir, ignore_errors=True)
+    for key, value in result.items():
+        print(f"{key:36s} {value:.3f}" if isinstance(value, float) else f"{key:36s} {value}")
+    if args.json:
+        print(json.dumps(result))
+    return 0

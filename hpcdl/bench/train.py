@@ -1,0 +1,283 @@
+"""`python -m hpcdl.bench train`: end-to-end images/s, step breakdown, overlap; staging on vs off.
+
+Runs `mpirun -np R python -m hpcdl.train ... --metrics X.jsonl` once per staging mode (off
+first: it is the baseline) and reads the metrics back. Overlap efficiency is
+max(compute, load) / step time, from the source's rule that a pipelined step costs
+max(T_forward+backward, T_minibatch_load): compute is the mean of t_compute + t_comm_exposed +
+t_update, load the seconds per batch of the same loader (same workers, prefetch, data source)
+measured alone before the run, and step time the mean t_step; 1.0 means loading is fully
+hidden. With two or more epochs, the steady state (epochs after the first) is used.
+`--emulate-pfs "latency_ms=2,mbps=500"` sets HPCDL_STAGE_EMULATE_PFS for the run: source reads
+(loader and stager) then pay that latency per open and that bandwidth cap, emulating a parallel
+file system on one machine. Without --data a synthetic image folder (one PNG per sample, the
+case staging is for) is made once under the temp directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl import report
+from hpcdl.backend import gpu_available
+from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
+
+EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench train", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--data", help="training data (default: a synthetic image folder)")
+    ap.add_argument("--val-data", help="validation data (default: none, or the synthetic one)")
+    ap.add_argument("--synthetic", type=int, default=1024, help="images made when --data is unset")
+    ap.add_argument("--model", default="mlp")
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--workers", type=int, default=2, help="loader processes per rank")
+    ap.add_argument("--prefetch", type=int, default=4)
+    ap.add_argument("--staging", default="both", choices=("on", "off", "both"))
+    ap.add_argument("--stage-dir", help="node-local directory (default: a fresh temp directory)")
+    ap.add_argument("--emulate-pfs", help='e.g. "latency_ms=2,mbps=500" (sets ' + EMULATE_ENV + ")")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--keep-metrics", help="directory to keep the runs' metrics JSONL in")
+    ap.add_argument("--report", help="also draw hpcdl.report of the runs into this PNG")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    ap.add_argument("--measure-load", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for name in ("ranks", "epochs", "batch_size", "synthetic"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.workers < 0:
+        ap.error("--workers must be >= 0")
+    return args
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def synthetic_image_folder(root: Path, count: int, size: int = 32, classes: int = 10) -> None:
+    """root/<class>/<i>.png: noisy images whose mean colour depends on the class (learnable)."""
+    from PIL import Image  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    colours = rng.integers(40, 216, (classes, 3))
+    for i in range(count):
+        label = i % classes
+        pixels = colours[label] + rng.normal(0, 40, (size, size, 3))
+        folder = root / f"class{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i:06d}.png")
+
+
+def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
+    if args.data:
+        return args.data, args.val_data
+    base = Path(tempfile.gettempdir()) / "hpcdl-bench-data" / f"synthetic-{args.synthetic}"
+    if not (base / ".complete").exists():
+        print(f"making a synthetic image folder of {args.synthetic} images in {base}", flush=True)
+        work = base.with_name(f"{base.name}.tmp-{os.getpid()}")
+        synthetic_image_folder(work / "train", args.synthetic)
+        synthetic_image_folder(work / "val", max(10, args.synthetic // 4))
+        (work / ".complete").touch()
+        shutil.rmtree(base, ignore_errors=True)
+        work.rename(base)
+    return str(base / "train"), str(base / "val")
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+
+def measure_load_here(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per batch of rank 0's loader reading one epoch alone (first batch excluded)."""
+    from hpcdl.data import Loader, open_dataset  # noqa: PLC0415
+    from hpcdl.data.sampler import DistributedSampler  # noqa: PLC0415
+
+    ds = open_dataset(args.data)
+    batches = DistributedSampler(len(ds), world_size=args.ranks, rank=0).batches(0, args.batch_size)
+    loader = Loader(ds, args.batch_size, workers=args.workers, prefetch=args.prefetch, seed=0)
+    try:
+        count, start = 0, 0.0
+        for _ in loader.iterate(batches, 0, train=True):
+            count += 1
+            if count == 1:  # worker start-up is not part of the steady state
+                start = time.perf_counter()
+        seconds = time.perf_counter() - start
+    finally:
+        loader.close()
+    return {"batches": count, "seconds_per_batch": seconds / max(1, count - 1)}
+
+
+def measure_load(args: argparse.Namespace, data: str, emulate: str | None) -> float | None:
+    """Run measure_load_here in a fresh process with the given emulation setting."""
+    env = child_env(1, args.device)
+    env.pop(EMULATE_ENV, None)
+    if emulate:
+        env[EMULATE_ENV] = emulate
+    cmd = [sys.executable, "-m", "hpcdl.bench", "train", "--measure-load", "--data", data,
+           "--ranks", str(args.ranks), "--batch-size", str(args.batch_size),
+           "--workers", str(args.workers), "--prefetch", str(args.prefetch)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()[-3:]
+        print(f"hpcdl.bench train: loader-alone measurement failed: {tail}", file=sys.stderr)
+        return None
+    return float(json.loads(lines[-1])["seconds_per_batch"])
+
+
+def run_training(
+    args: argparse.Namespace, data: tuple[str, str | None], staging: bool, metrics: Path
+) -> tuple[report.Run, float]:
+    """One `mpirun ... hpcdl.train` run; returns its parsed metrics and wall seconds."""
+    metrics.unlink(missing_ok=True)  # the trainer appends
+    cmd = mpirun_command(args.ranks) + [
+        sys.executable, "-m", "hpcdl.train", "--data", data[0],
+        "--model", args.model, "--epochs", str(args.epochs),
+        "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+        "--prefetch", str(args.prefetch), "--device", args.device,
+        "--metrics", str(metrics), "--metrics-every", "1", "--quiet",
+    ]  # fmt: skip
+    if data[1]:
+        cmd += ["--val-data", data[1]]
+    stage_dir = None
+    if staging:
+        stage_dir = args.stage_dir or tempfile.mkdtemp(prefix="hpcdl-bench-stage-")
+        cmd += ["--stage-dir", stage_dir]
+    env = child_env(args.ranks, args.device)
+    env.pop(EMULATE_ENV, None)
+    if args.emulate_pfs:
+        env[EMULATE_ENV] = args.emulate_pfs
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    finally:
+        if stage_dir and not args.stage_dir:
+            shutil.rmtree(stage_dir, ignore_errors=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"hpcdl.train exited with {done.returncode}:\n{tail}")
+    return report.load_run(metrics), wall
+
+
+def summarise(run: report.Run, load_s: float | None, wall: float) -> dict[str, Any]:
+    """The figures of one run; step means over the steady state (epochs after the first)."""
+    steady = [s for s in run.steps if s["epoch"] >= 1] or run.steps
+    parts = report.mean_breakdown(steady)
+    compute = parts["t_compute"] + parts["t_comm_exposed"] + parts["t_update"]
+    epochs = sorted(run.epochs, key=lambda e: e["epoch"])
+    seconds = [float(e["seconds"]) for e in epochs]
+    overlap = None
+    if load_s is not None and parts["t_step"] > 0:
+        overlap = max(compute, load_s) / parts["t_step"]
+    return {
+        "images_per_s": report.images_per_s(run),
+        "epoch_seconds": seconds,
+        "epoch_images_per_s": [e.get("images_per_s") for e in epochs],
+        "mean_step": parts,
+        "compute_s": compute,
+        "load_s": load_s,
+        "overlap_efficiency": overlap,
+        "staging_hit_rate": report.staging_hit_rate(run),
+        "val_accuracy": report.val_accuracy(run),
+        "wall_s": wall,
+    }
+
+
+def print_results(results: dict[str, dict[str, Any]], ratios: dict[str, float]) -> None:
+    print(
+        f"{'staging':>7} {'img/s':>8} {'epoch1 s':>8} {'later s':>8} {'data ms':>8} "
+        f"{'comp ms':>8} {'comm ms':>8} {'upd ms':>7} {'load ms':>8} {'overlap':>7} {'hits':>6}"
+    )
+    for mode, r in results.items():
+        later = r["epoch_seconds"][1:]
+        p = r["mean_step"]
+
+        def ms(v: float | None) -> str:
+            return "n/a" if v is None else f"{v * 1e3:.1f}"
+
+        hits = "n/a" if r["staging_hit_rate"] is None else f"{100 * r['staging_hit_rate']:.0f}%"
+        overlap = "n/a" if r["overlap_efficiency"] is None else f"{r['overlap_efficiency']:.2f}"
+        print(
+            f"{mode:>7} {r['images_per_s'] or float('nan'):>8.1f} {r['epoch_seconds'][0]:>8.2f} "
+            f"{(f'{sum(later) / len(later):.2f}' if later else 'n/a'):>8} "
+            f"{ms(p['t_data']):>8} {ms(p['t_compute']):>8} {ms(p['t_comm_exposed']):>8} "
+            f"{ms(p['t_update']):>7} {ms(r['load_s']):>8} {overlap:>7} {hits:>6}"
+        )
+    for name, value in ratios.items():
+        print(f"{name}: {value:.2f}x")
+
+
+def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float]:
+    """Staging on vs off: epoch-1 slowdown, later-epoch and whole-run speedups."""
+    ratios = {
+        "epoch 1 time, staging on / off": on["epoch_seconds"][0] / off["epoch_seconds"][0],
+        "images/s, staging on / off": on["images_per_s"] / off["images_per_s"],
+    }
+    later_on, later_off = on["epoch_seconds"][1:], off["epoch_seconds"][1:]
+    if later_on and later_off:
+        ratios["later epochs speedup, off time / on time"] = sum(later_off) / sum(later_on)
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.measure_load:
+        print(json.dumps(measure_load_here(args)), flush=True)
+        return 0
+    if args.device == "gpu" and not gpu_available():
+        print(NO_GPU, file=sys.stderr)
+        return 2
+    data = ensure_data(args)
+    modes = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.staging]
+    keep = Path(args.keep_metrics) if args.keep_metrics else None
+    scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-train-"))
+    print(
+        f"hpcdl.bench train: {args.model}, {args.ranks} rank(s) x batch {args.batch_size}, "
+        f"{args.epochs} epoch(s), {args.workers} worker(s)/rank, data {data[0]}, "
+        f"emulated PFS: {args.emulate_pfs or 'off'}",
+        flush=True,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    paths = []
+    try:
+        for mode in modes:
+            # Load alone, from what the run reads in steady state: staged runs read local copies.
+            load_s = measure_load(args, data[0], args.emulate_pfs if mode == "off" else None)
+            metrics = (keep or scratch) / f"train-staging-{mode}.jsonl"
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            run, wall = run_training(args, data, mode == "on", metrics)
+            results[mode] = summarise(run, load_s, wall)
+            paths.append(str(metrics))
+        if args.report:
+            labels = ",".join(f"staging {m}" for m in modes)
+            report.main([*paths, "--out", args.report, "--labels", labels])
+    except (RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, report.ReportError) as exc:
+        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ratios = compare(results["off"], results["on"]) if len(results) == 2 else {}
+    print_results(results, ratios)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "measure_load")}
+        print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`python -m hpcdl.data convert ...` and `python -m hpcdl.data inspect PATH`.
+
+convert digits OUT [--val-fraction 0.2] [--shard-size N] [--seed S]
+convert folder SRC OUT [--resize S] [--val-fraction F] [--shard-size N] [--seed S]
+convert cifar SRC OUT [--shard-size N]      (CIFAR-10/100 python pickle batches)
+convert npz SRC.npz OUT [--val-fraction F] [--shard-size N] [--seed S]
+inspect PATH                                (HDF5 file or shards, or image folder)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hpcdl.data import convert
+from hpcdl.data.dataset import DataError, open_dataset
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.data",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("convert", help="write HDF5 shards (OUT/train, OUT/val)")
+    c.add_argument("kind", choices=("digits", "folder", "cifar", "npz"))
+    c.add_argument("paths", nargs="+", metavar="[SRC] OUT")
+    c.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="fraction held out for OUT/val (digits: 0.2, others: 0)",
+    )
+    c.add_argument(
+        "--shard-size", type=int, default=convert.DEFAULT_SHARD_SIZE, help="samples per shard file"
+    )
+    c.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    c.add_argument(
+        "--resize",
+        type=int,
+        default=None,
+        help="folder: resize every image to S x S (needed for mixed sizes)",
+    )
+    i = sub.add_parser("inspect", help="print counts, shapes, classes and bytes")
+    i.add_argument("path")
+    return p
+
+
+def run_convert(args) -> list[Path]:
+    want = 1 if args.kind == "digits" else 2
+    if len(args.paths) != want:
+        usage = "OUT" if want == 1 else "SRC OUT"
+        raise DataError(f"convert {args.kind} takes {usage}, got {' '.join(args.paths)}")
+    out = Path(args.paths[-1])
+    default_val = 0.2 if args.kind == "digits" else 0.0
+    val_fraction = default_val if args.val_fraction is None else args.val_fraction
+    if args.kind == "cifar":
+        splits, classes = convert.cifar_arrays(args.paths[0])
+        return convert.write_dataset(out, splits, classes, args.shard_size)
+    if args.kind == "npz":
+        splits, classes = convert.npz_arrays(args.paths[0])
+        if "val" in splits or not val_fraction:
+            return convert.write_dataset(out, splits, classes, args.shard_size)
+        images, labels = splits["train"]
+    elif args.kind == "digits":
+        images, labels, classes = convert.digits_arrays()
+    else:
+        images, labels, classes = convert.folder_arrays(args.paths[0], args.resize)
+    train, val = convert.split(images, labels, val_fraction, args.seed)
+    splits = {"train": train} if val is None else {"train": train, "val": val}
+    return convert.write_dataset(out, splits, classes, args.shard_size)
+
+
+def describe(path: str | Path) -> str:
+    ds = open_dataset(path)
+    counts = np.bincount(ds.labels, minlength=ds.num_classes)
+    names = ", ".join(f"{c}: {n}" for c, n in zip(ds.classes[:20], counts[:20]))
+    more = f", ... ({ds.num_classes - 20} more)" if ds.num_classes > 20 else ""
+    total = sum(f.size for f in ds.files)
+    lines = [
+        f"{path}: {ds.kind} data set",
+        f"  samples:      {len(ds)} in {len(ds.files)} file(s), {total} bytes "
+        f"({total / (1 << 20):.1f} MiB)",
+        f"  sample shape: {tuple(ds.sample_shape)} (C, H, W) model input",
+        f"  stored as:    {getattr(ds, 'dtype', np.uint8)} {ds.layout}"
+        + (f" {tuple(ds.stored_shape)}" if hasattr(ds, "stored_shape") else ""),
+        f"  classes:      {ds.num_classes} ({names}{more})",
+        f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(describe(args.path))
+        else:
+            for d in run_convert(args):
+                print(f"wrote {d}")
+                print(describe(d))
+    except DataError as exc:
+        print(f"hpcdl.data: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

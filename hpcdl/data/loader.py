@@ -1,0 +1,119 @@
+"""Loader: minibatches of a data set in sampler order, built by K worker processes (or in-process).
+
+    loader = Loader(ds, batch_size, workers=K, prefetch=P, seed=S, augment="crop4+flip")
+    for images, labels in loader.iterate(batches, epoch, train=True):
+        ...  # images (B, C, H, W) float32, labels (B,) int64: valid until the next iteration
+
+Results depend only on (data, batches, epoch, seed, augment, train), never on K.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from hpcdl.data.augment import parse_augment
+from hpcdl.data.batch import BatchBuilder, check_augment, output_shape
+from hpcdl.data.dataset import Locate
+
+
+def default_workers(cores_per_node: int | None = None, ranks_per_node: int = 1) -> int:
+    """A fair share of the node's cores per rank, leaving one for the rank itself (>= 1)."""
+    cores = cores_per_node or len(os.sched_getaffinity(0)) or os.cpu_count() or 1
+    return max(1, cores // max(1, ranks_per_node) - 1)
+
+
+class Loader:
+    def __init__(
+        self,
+        ds,
+        batch_size: int,
+        workers: int = 0,
+        prefetch: int = 4,
+        seed: int = 0,
+        augment: str | None = "none",
+        locate: Locate | None = None,
+        skip_bad_samples: bool = False,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if workers < 0:
+            raise ValueError(f"workers must be >= 0, got {workers}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self.ds, self.batch_size, self.workers = ds, batch_size, workers
+        self.aug = parse_augment(augment)
+        check_augment(ds, self.aug)
+        self.sample_shape = output_shape(ds, self.aug)  # (C, H, W) of delivered images
+        self._pool = None
+        self._builder = None
+        if workers == 0:
+            self._builder = BatchBuilder(ds, self.aug, seed, locate, skip_bad_samples)
+            self._images = np.empty((batch_size, *self.sample_shape), np.float32)
+            self._labels = np.empty(batch_size, np.int64)
+        else:
+            from hpcdl.data.pool import WorkerPool  # noqa: PLC0415
+
+            self._pool = WorkerPool(
+                ds,
+                batch_size,
+                self.sample_shape,
+                workers,
+                prefetch,
+                seed,
+                augment or "none",
+                locate,
+                skip_bad_samples,
+            )
+
+    def iterate(self, batches, epoch: int, train: bool = True):
+        """Yield (images (n, C, H, W) float32, labels (n,) int64) for each batch of indices.
+
+        The arrays are views of a buffer the loader reuses: valid until the next iteration."""
+        batches = list(batches)
+        for b in batches:
+            if not 0 < len(b) <= self.batch_size:
+                raise ValueError(
+                    f"a batch of {len(b)} samples does not fit batch_size {self.batch_size}"
+                )
+        if self._pool is not None:
+            yield from self._pool.iterate(batches, epoch, train)
+            return
+        for b in batches:
+            n = len(b)
+            self._builder.build(np.asarray(b, np.int64), epoch, train, self._images, self._labels)
+            yield self._images[:n], self._labels[:n]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._pool.procs] if self._pool is not None else []
+
+    def stats(self) -> dict:
+        """{"bad_samples", "local_reads", "pfs_reads"} so far, plus control-channel traffic."""
+        if self._pool is not None:
+            return dict(
+                self._pool.counts,
+                control_bytes=self._pool.control_bytes,
+                control_messages=self._pool.control_messages,
+            )
+        c = self._builder.counts
+        return {
+            "bad_samples": c.bad,
+            "local_reads": c.local,
+            "pfs_reads": c.pfs,
+            "control_bytes": 0,
+            "control_messages": 0,
+        }
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._builder is not None:
+            self._builder.reader.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,287 @@
+"""Loader worker processes filling a ring of shared-memory minibatch slots, delivered in order.
+
+Workers are fresh interpreters (`python -m hpcdl.data.worker`), not forks of the training
+process: a fork of a process that has initialised MPI (and maybe CUDA) is unsafe, and the
+multiprocessing 'spawn'/'forkserver' methods re-import the parent's __main__ (hpcdl.train,
+which would start MPI in the child). The MPI launcher's environment variables are removed from
+the workers' environment so nothing in them can join the job.
+
+Control: one stream socket per worker carrying fixed-size TASK/REPLY structs (32 bytes; an
+error reply adds its text). Batch indices go into the slot itself. Dead workers are seen at
+once (end of file on their socket) and raise WorkerDied naming the pid and the batch; the pool
+does not respawn (a batch that kills a worker once would likely kill it again).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from hpcdl.data.dataset import DataError
+from hpcdl.data.slots import (
+    OP_BUILD,
+    OP_DATA_ERROR,
+    OP_DONE,
+    OP_READY,
+    OP_STOP,
+    REPLY,
+    TASK,
+    SlotRing,
+    recv_exact,
+    slot_views,
+)
+
+_LAUNCHER_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALRANKID", "I_MPI_")
+_POLL_S = 0.5
+STOP_WAIT_S = 3.0
+
+
+class WorkerDied(RuntimeError):
+    """A loader worker process exited while the pool needed it."""
+
+
+class WorkerFailed(RuntimeError):
+    """A loader worker raised an unexpected exception (a bug); carries its traceback."""
+
+
+def worker_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+    package_parent = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")  # workers are the parallelism; no BLAS threads
+    return env
+
+
+class WorkerPool:
+    """K worker processes and `prefetch` slots for one Loader. Not thread-safe."""
+
+    def __init__(
+        self,
+        ds,
+        batch_size: int,
+        shape,
+        workers: int,
+        prefetch: int,
+        seed: int,
+        augment: str,
+        locate,
+        skip_bad: bool,
+    ) -> None:
+        self.shape, self.batch_size = tuple(shape), batch_size
+        self.ring = SlotRing(prefetch, batch_size, shape)
+        try:
+            config = pickle.dumps(
+                dict(
+                    source=str(ds.source),
+                    seed=seed,
+                    augment=augment,
+                    locate=locate,
+                    skip_bad=skip_bad,
+                    total_bytes=self.ring.total_bytes,
+                    slot_bytes=self.ring.slot_bytes,
+                    images_offset=self.ring.images_offset,
+                    batch_size=batch_size,
+                    shape=self.shape,
+                )
+            )
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            self.ring.close()
+            raise ValueError(f"locate must be picklable to use loader workers: {exc}") from None
+        self.procs: list[subprocess.Popen] = []
+        self.socks: list[socket.socket] = []
+        self.selector = selectors.DefaultSelector()
+        self.counts = {"local_reads": 0, "pfs_reads": 0, "bad_samples": 0}
+        self.control_bytes = 0
+        self.control_messages = 0
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.socks, self.ring)
+        env = worker_env()
+        try:
+            for w in range(workers):
+                parent_end, child_end = socket.socketpair()
+                proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "hpcdl.data.worker",
+                        str(child_end.fileno()),
+                        str(self.ring.fd),
+                    ],
+                    pass_fds=(child_end.fileno(), self.ring.fd),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                )
+                child_end.close()
+                self.procs.append(proc)
+                self.socks.append(parent_end)
+                parent_end.sendall(len(config).to_bytes(8, "little") + config)
+                self.selector.register(parent_end, selectors.EVENT_READ, w)
+        except BaseException:
+            self.close()
+            raise
+
+    def iterate(self, batches, epoch: int, train: bool):
+        """Yield (images (n, C, H, W) float32, labels (n,) int64) slot views in batch order."""
+        if self.closed:
+            raise RuntimeError("this loader was closed (after close() or a worker failure)")
+        batches = [np.asarray(b, np.int64) for b in batches]
+        free = deque(range(self.ring.count))
+        self._done: dict[int, int] = {}  # batch number -> slot
+        self._owner: dict[int, deque] = {w: deque() for w in range(len(self.procs))}
+        self._epoch = epoch
+        issued, held = 0, None
+        ok = False
+        try:
+            for b in range(len(batches)):
+                if held is not None:  # the trainer has moved on from the previous batch
+                    free.append(held)
+                    held = None
+                while free and issued < len(batches):
+                    self._issue(free.popleft(), issued, batches[issued], epoch, train)
+                    issued += 1
+                while b not in self._done:
+                    self._receive()
+                held = self._done.pop(b)
+                _, labels, images = slot_views(
+                    self.ring.mm,
+                    held,
+                    self.ring.slot_bytes,
+                    self.ring.images_offset,
+                    self.batch_size,
+                    self.shape,
+                    len(batches[b]),
+                )
+                yield images, labels
+            ok = True
+        finally:
+            if not ok and not self.closed:
+                self._drain_or_close()
+
+    def _issue(self, slot: int, batch: int, indices: np.ndarray, epoch: int, train: bool) -> None:
+        w = min(self._owner, key=lambda k: len(self._owner[k]))
+        idx, _, _ = slot_views(
+            self.ring.mm,
+            slot,
+            self.ring.slot_bytes,
+            self.ring.images_offset,
+            self.batch_size,
+            self.shape,
+            len(indices),
+        )
+        idx[:] = indices
+        msg = TASK.pack(OP_BUILD, slot, epoch, batch, len(indices), int(train))
+        self._send(w, msg)
+        self._owner[w].append(batch)
+
+    def _send(self, w: int, msg: bytes) -> None:
+        try:
+            self.socks[w].sendall(msg)
+        except OSError:
+            self._died(w)
+        self.control_bytes += len(msg)
+        self.control_messages += 1
+
+    def _receive(self) -> None:
+        """Wait for one reply from any worker (or notice a dead one)."""
+        events = self.selector.select(_POLL_S)
+        if not events:
+            for w, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    self._died(w)
+            return
+        for key, _ in events:
+            w = key.data
+            head = recv_exact(self.socks[w], REPLY.size)
+            if not head:
+                self._died(w)
+            op, slot, batch, local, pfs, bad, text_len = REPLY.unpack(head)
+            text = recv_exact(self.socks[w], text_len).decode() if text_len else ""
+            self.control_bytes += REPLY.size + text_len
+            self.control_messages += 1
+            if op == OP_READY:
+                continue
+            if op != OP_DONE:
+                self.close()
+                raise (DataError if op == OP_DATA_ERROR else WorkerFailed)(text)
+            self._owner[w].remove(batch)
+            self._done[batch] = slot
+            self.counts["local_reads"] += local
+            self.counts["pfs_reads"] += pfs
+            self.counts["bad_samples"] += bad
+
+    def _died(self, w: int) -> None:
+        proc = self.procs[w]
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        pending = self._owner.get(w) if hasattr(self, "_owner") else None
+        what = (
+            f"while building batch {pending[0]} of epoch {self._epoch}" if pending else "while idle"
+        )
+        self.close()
+        raise WorkerDied(
+            f"loader worker pid {proc.pid} died ({_exit_reason(code)}) {what}; all loader "
+            "workers were stopped. Out of memory is the usual cause of SIGKILL (check "
+            "`dmesg`, lower --workers or --prefetch); --workers 0 loads in the training "
+            "process for debugging"
+        )
+
+    def _drain_or_close(self) -> None:
+        """The consumer left mid-epoch: wait for outstanding batches so slots are clean."""
+        deadline = time.monotonic() + 60
+        try:
+            while any(self._owner.values()) and time.monotonic() < deadline:
+                self._receive()
+        except Exception:
+            self.close()
+            return
+        if any(self._owner.values()):
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.selector.close()
+        self._finalizer()
+
+
+def _shutdown(procs, socks, ring) -> None:
+    for s in socks:
+        try:
+            s.sendall(TASK.pack(OP_STOP, 0, 0, 0, 0, 0))
+        except OSError:
+            pass
+    deadline = time.monotonic() + STOP_WAIT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for s in socks:
+        s.close()
+    ring.close()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"

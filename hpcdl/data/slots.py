@@ -1,0 +1,124 @@
+"""A ring of minibatch slots in one shared-memory file, and the fixed-size control messages.
+
+Slot layout (each slot page-aligned): indices int64 (B,) | labels int64 (B,) | images float32
+(B, C, H, W). The file is created in /dev/shm (or $HPCDL_SHM_DIR), space reserved with
+posix_fallocate, and unlinked at once: workers get the descriptor, so no name can leak, not even
+when the training process is killed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+
+import numpy as np
+
+from hpcdl.data.dataset import DataError
+
+PAGE = mmap.PAGESIZE
+
+# parent -> worker: op, slot, epoch, batch number, samples in batch, train flag
+TASK = struct.Struct("<iiqqii")
+# worker -> parent: op, slot, batch number, local reads, PFS reads, bad samples, error text length
+REPLY = struct.Struct("<iiqiiii")
+OP_BUILD, OP_STOP = 1, 2
+OP_DONE, OP_DATA_ERROR, OP_READY, OP_FAILED = 1, 2, 3, 4
+
+
+class SharedMemoryTooSmall(DataError):
+    """/dev/shm cannot hold the loader's batch slots."""
+
+
+def shm_dir() -> str:
+    return os.environ.get("HPCDL_SHM_DIR", "/dev/shm")
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _too_small(need: int, free: int, where: str, slots: int, slot_bytes: int) -> str:
+    mib = 1 << 20
+    return (
+        f"the data loader needs {need / mib:.1f} MiB of shared memory in {where} "
+        f"({slots} slots x {slot_bytes / mib:.1f} MiB) but only {free / mib:.1f} MiB are free; "
+        f"enlarge it (docker/podman: --shm-size={max(1, -(-2 * need // (1 << 30)))}g; as root: "
+        f"mount -o remount,size=<bytes> {where}), point HPCDL_SHM_DIR at a larger tmpfs, or "
+        "lower --prefetch or --batch-size"
+    )
+
+
+class SlotRing:
+    """`count` slots of one minibatch each; the creator owns the mapping and the descriptor."""
+
+    def __init__(self, count: int, batch_size: int, shape: tuple[int, int, int]) -> None:
+        self.count, self.batch_size, self.shape = count, batch_size, tuple(shape)
+        self.images_offset = _round_up(16 * batch_size, 64)
+        image_bytes = batch_size * int(np.prod(shape)) * 4
+        self.slot_bytes = _round_up(self.images_offset + image_bytes, PAGE)
+        self.total_bytes = self.slot_bytes * count
+        where = shm_dir()
+        free = free_bytes(where)
+        if free < self.total_bytes:
+            raise SharedMemoryTooSmall(
+                _too_small(self.total_bytes, free, where, count, self.slot_bytes)
+            )
+        path = os.path.join(where, f"hpcdl-loader-{os.getpid()}-{secrets.token_hex(4)}")
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        try:
+            os.posix_fallocate(self.fd, 0, self.total_bytes)
+        except OSError as exc:
+            os.close(self.fd)
+            raise SharedMemoryTooSmall(
+                _too_small(self.total_bytes, free_bytes(where), where, count, self.slot_bytes)
+                + f" ({exc.strerror})"
+            ) from None
+        self.mm = mmap.mmap(self.fd, self.total_bytes)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # the caller still holds a batch view; the pages go when it is dropped
+
+
+def slot_views(
+    mm: mmap.mmap,
+    slot: int,
+    slot_bytes: int,
+    images_offset: int,
+    batch_size: int,
+    shape: tuple[int, int, int],
+    n: int,
+):
+    """(indices (n,) int64, labels (n,) int64, images (n, C, H, W) float32) views of one slot."""
+    base = slot * slot_bytes
+    indices = np.ndarray((n,), np.int64, buffer=mm, offset=base)
+    labels = np.ndarray((n,), np.int64, buffer=mm, offset=base + 8 * batch_size)
+    images = np.ndarray((n, *shape), np.float32, buffer=mm, offset=base + images_offset)
+    return indices, labels, images
+
+
+def _round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def recv_exact(sock, n: int) -> bytes:
+    """n bytes from a stream socket, or b'' if the peer closed it first."""
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = sock.recv(n - len(buf))
+        except ConnectionResetError:
+            return b""
+        if not chunk:
+            return b""
+        buf += chunk
+    return bytes(buf)

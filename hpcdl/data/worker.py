@@ -1,0 +1,100 @@
+"""Loader worker process: `python -m hpcdl.data.worker SOCKET_FD SHM_FD` (started by WorkerPool).
+
+Receives one pickled configuration at start, then only fixed-size TASK messages; builds each
+minibatch straight into its shared-memory slot and answers with a fixed-size REPLY. Exits when
+told to stop or when the training process goes away (end of file on the socket).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import random
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from hpcdl.data.augment import parse_augment
+from hpcdl.data.batch import BatchBuilder
+from hpcdl.data.dataset import DataError, open_dataset
+from hpcdl.data.slots import (
+    OP_DATA_ERROR,
+    OP_DONE,
+    OP_FAILED,
+    OP_READY,
+    OP_STOP,
+    REPLY,
+    TASK,
+    recv_exact,
+    slot_views,
+)
+
+# Test hook: sleep a random 0..X seconds before each batch (order must survive any delays).
+DELAY_ENV = "HPCDL_LOADER_TEST_DELAY"
+
+
+def _reply(sock, op: int, slot=0, batch=0, counts=(0, 0, 0), text: str = "") -> None:
+    data = text.encode()
+    sock.sendall(REPLY.pack(op, slot, batch, *counts, len(data)) + data)
+
+
+def main(argv: list[str]) -> int:
+    # Ctrl-C goes to the whole process group: the training process decides, workers follow.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(argv[0]))
+    shm_fd = int(argv[1])
+    header = recv_exact(sock, 8)
+    if not header:
+        return 0
+    cfg = pickle.loads(recv_exact(sock, int.from_bytes(header, "little")))
+    mm = mmap.mmap(shm_fd, cfg["total_bytes"])
+    os.close(shm_fd)
+    try:
+        ds = open_dataset(cfg["source"])
+        builder = BatchBuilder(
+            ds, parse_augment(cfg["augment"]), cfg["seed"], cfg["locate"], cfg["skip_bad"]
+        )
+    except Exception as exc:  # reported to the training process, which raises it
+        _reply(sock, _error_op(exc), text=_describe(exc))
+        return 1
+    _reply(sock, OP_READY)
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    rng = random.Random(os.getpid())
+    last = (0, 0, 0)
+    layout = (cfg["slot_bytes"], cfg["images_offset"], cfg["batch_size"], cfg["shape"])
+    while True:
+        msg = recv_exact(sock, TASK.size)
+        if not msg:
+            return 0
+        op, slot, epoch, batch, n, train = TASK.unpack(msg)
+        if op == OP_STOP:
+            return 0
+        if delay:
+            time.sleep(rng.uniform(0, delay))
+        indices, labels, images = slot_views(mm, slot, *layout, n)
+        try:
+            builder.build(indices.copy(), epoch, bool(train), images, labels)
+        except Exception as exc:
+            _reply(sock, _error_op(exc), slot, batch, text=_describe(exc))
+            continue
+        c = builder.counts
+        now = (c.local, c.pfs, c.bad)
+        _reply(sock, OP_DONE, slot, batch, tuple(a - b for a, b in zip(now, last)))
+        last = now
+
+
+def _error_op(exc: BaseException) -> int:
+    return OP_DATA_ERROR if isinstance(exc, DataError) else OP_FAILED
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, DataError):
+        return str(exc)
+    return f"loader worker {os.getpid()} failed:\n" + "".join(traceback.format_exception(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

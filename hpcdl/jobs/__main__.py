@@ -1,0 +1,111 @@
+"""`python -m hpcdl.jobs render train|stage ... > job.sbatch` and `python -m hpcdl.jobs sites`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hpcdl.jobs.render import DEVICES, KINDS, JobSpec, render
+from hpcdl.jobs.site import JobSpecError, bundled_sites, load_site
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcdl.jobs",
+        description="Render hpcdl sbatch scripts for a Slurm site.",
+        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("render", help="print an sbatch script for a training or stage-only job")
+    r.add_argument("kind", choices=KINDS)
+    r.add_argument("--nodes", type=int, required=True)
+    r.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=1,
+        help="MPI ranks per node, one per GPU (stage jobs always run one task per node)",
+    )
+    r.add_argument("--device", choices=DEVICES, default="cpu")
+    r.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS")
+    r.add_argument("--config", required=True, help="the training TOML (hpcdl.train --config)")
+    r.add_argument("--site", default="generic", help="bundled site name or a site .toml path")
+    r.add_argument("--job-name", default="", help="default: hpcdl-train / hpcdl-stage")
+    r.add_argument(
+        "--output", default=".", help="directory for the job log <job-name>-<job-id>.out"
+    )
+    r.add_argument("--cpus-per-task", type=int, default=None, help="default: the site's")
+    r.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=None,
+        help="send SIGUSR1 this many seconds before the time limit to checkpoint "
+        "(default: the site's; 0: none)",
+    )
+    r.add_argument("--checkpoint-dir", default=None, help="overrides the config's checkpoint_dir")
+    r.add_argument(
+        "--no-stage",
+        dest="stage",
+        action="store_false",
+        help="do not pass a node-local --stage-dir to the trainer",
+    )
+    r.add_argument(
+        "--stage-key",
+        default="",
+        help="name of the node-local stage subdirectory shared by a stage job and the training "
+        "job after it (default for train: the job id)",
+    )
+    r.add_argument(
+        "--requeue",
+        action="store_true",
+        help="#SBATCH --requeue, and requeue the job itself after a checkpoint-on-signal stop",
+    )
+
+    sub.add_parser("sites", help="list the bundled site files")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything after a bare -- goes to hpcdl.train / hpcdl.stage unchanged.
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "sites":
+            for name, site in bundled_sites().items():
+                print(f"{name:12s} {site.description}")
+                print(f"{'':12s} tested: {site.tested}")
+            return 0
+        spec = JobSpec(
+            kind=args.kind,
+            nodes=args.nodes,
+            tasks_per_node=args.tasks_per_node,
+            device=args.device,
+            time=args.time,
+            config=args.config,
+            site=load_site(args.site),
+            job_name=args.job_name,
+            output_dir=args.output,
+            cpus_per_task=args.cpus_per_task,
+            signal_seconds=args.signal_seconds,
+            checkpoint_dir=args.checkpoint_dir,
+            stage=args.stage,
+            stage_key=args.stage_key,
+            requeue=args.requeue,
+            extra_args=extra,
+        )
+        script, warnings = render(spec)
+    except JobSpecError as exc:
+        print(f"hpcdl.jobs: error: {exc}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"hpcdl.jobs: warning: {warning}", file=sys.stderr)
+    sys.stdout.write(script)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Containers: a sequence of layers and the ResNet basic block (residual add)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from hpcdl.backend import array_module
+from hpcdl.nn.conv import Conv2d
+from hpcdl.nn.layers import BatchNorm, Layer, ReLU
+
+
+class Sequential(Layer):
+    def __init__(self, layers: list[Layer]) -> None:
+        super().__init__()
+        self.layers = list(layers)
+
+    def leaves(self) -> Iterator[Layer]:
+        for layer in reversed(self.layers):
+            yield from layer.leaves()
+
+    def named_children(self) -> list[tuple[str, Layer]]:
+        return [(str(i), layer) for i, layer in enumerate(self.layers)]
+
+    def forward(self, x, train=True):
+        for layer in self.layers:
+            x = layer.forward(x, train)
+        return x
+
+    def backward(self, dy, ready=None):
+        for layer in reversed(self.layers):
+            dy = layer.backward(dy, ready)
+        return dy
+
+
+class OptionAShortcut(Layer):
+    """Parameter-free shortcut (He et al. 2016, CIFAR option A).
+
+    Subsamples (N, H, W, C_in) with the block's stride and zero-pads the channels to C_out.
+    """
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.c_in, self.c_out, self.stride = c_in, c_out, stride
+        self.pad_lo = (c_out - c_in) // 2
+
+    def forward(self, x, train=True):
+        xp = array_module(x)
+        s = self.stride
+        sub = x[:, ::s, ::s, :]
+        self.x_shape = x.shape
+        if self.c_in == self.c_out:
+            return sub
+        y = xp.zeros((*sub.shape[:3], self.c_out), dtype=x.dtype)
+        y[..., self.pad_lo : self.pad_lo + self.c_in] = sub
+        return y
+
+    def backward(self, dy, ready=None):
+        xp = array_module(dy)
+        s = self.stride
+        if s == 1 and self.c_in == self.c_out:
+            return dy
+        dx = xp.zeros(self.x_shape, dtype=dy.dtype)
+        dx[:, ::s, ::s, :] = dy[..., self.pad_lo : self.pad_lo + self.c_in]
+        return dx
+
+
+def conv_bn(c_in: int, c_out: int, stride: int, kernel: int = 3) -> list[Layer]:
+    """Convolution without bias followed by BatchNorm (the bias would be cancelled by BN)."""
+    return [
+        Conv2d(c_in, c_out, kernel, stride=stride, padding=kernel // 2, bias=False),
+        BatchNorm(c_out),
+    ]
+
+
+class ResidualBlock(Layer):
+    """ResNet basic block: relu(bn(conv(relu(bn(conv(x))))) + shortcut(x)).
+
+    shortcut "A": parameter-free subsample + zero channel padding (used by resnet20);
+    "B": 1x1 convolution + BatchNorm when the shape changes. Identity when it does not.
+    Backward finishes the residual branch's layers first, then the shortcut's, and the
+    layout follows that order.
+    """
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1, shortcut: str = "A") -> None:
+        super().__init__()
+        self.branch = Sequential([*conv_bn(c_in, c_out, stride), ReLU(), *conv_bn(c_out, c_out, 1)])
+        if c_in == c_out and stride == 1:
+            self.shortcut: Layer = Sequential([])
+        elif shortcut == "A":
+            self.shortcut = OptionAShortcut(c_in, c_out, stride)
+        elif shortcut == "B":
+            self.shortcut = Sequential(conv_bn(c_in, c_out, stride, kernel=1))
+        else:
+            raise ValueError(f"ResidualBlock shortcut must be 'A' or 'B', got {shortcut!r}")
+        self.relu = ReLU()
+
+    def leaves(self) -> Iterator[Layer]:
+        yield from self.relu.leaves()
+        yield from self.branch.leaves()
+        yield from self.shortcut.leaves()
+
+    def named_children(self) -> list[tuple[str, Layer]]:
+        return [("branch", self.branch), ("shortcut", self.shortcut)]
+
+    def forward(self, x, train=True):
+        y = self.branch.forward(x, train)
+        y += self.shortcut.forward(x, train)
+        return self.relu.forward(y, train)
+
+    def backward(self, dy, ready=None):
+        dy = self.relu.backward(dy, ready)
+        dx = self.branch.backward(dy, ready)
+        dx = dx + self.shortcut.backward(dy, ready)
+        return dx

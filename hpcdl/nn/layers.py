@@ -1,0 +1,310 @@
+"""Leaf layers with forward and backward; one code path for NumPy and CuPy.
+
+Every layer takes the array module of its input (`array_module(x)`). Image activations inside a
+model are channels-last, (N, H, W, C): that makes the convolution's big GEMM contiguous and lets
+per-channel statistics reduce over a contiguous (N*H*W, C) matrix. `Model.forward` converts its
+(N, C, H, W) input once.
+
+Parameters are not owned by layers: a layer declares `param_specs` (name, shape, init) and the
+model binds views into its flat buffers (`bind`). Backward writes gradients in place into those
+views and then calls `ready(self.grad_end)` so the model can report that the buffer's prefix is
+final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module
+
+Ready = Callable[[int], None] | None
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A parameter a layer needs: its name, shape and initialiser ("he", "glorot", "zeros", "ones").
+
+    fan_in/fan_out are what the initialiser scales by (e.g. kh*kw*C_in for a convolution).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    init: str
+    fan_in: int = 1
+    fan_out: int = 1
+
+
+class Layer:
+    """Base class: parameter-free, identity-free; subclasses override forward/backward."""
+
+    param_specs: tuple[ParamSpec, ...] = ()
+    buffer_specs: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+    # Set by the model on its first parameterised layer: the input needs no gradient.
+    input_grad = True
+
+    def __init__(self) -> None:
+        self.p: dict[str, Any] = {}  # name -> view into model.params
+        self.g: dict[str, Any] = {}  # name -> view into model.grads
+        self.b: dict[str, Any] = {}  # name -> view into model.buffers
+        self.grad_end = 0  # offset in model.grads after this layer's gradients
+
+    def bind(self, params: dict, grads: dict, buffers: dict, grad_end: int) -> None:
+        self.p, self.g, self.b, self.grad_end = params, grads, buffers, grad_end
+
+    def leaves(self) -> Iterator[Layer]:
+        """Leaf layers in the order backward finishes them (the flat layout's order)."""
+        yield self
+
+    def named_children(self) -> list[tuple[str, Layer]]:
+        """Sub-layers that own parameters or buffers, by name (empty for a leaf)."""
+        return []
+
+    def forward(self, x: Any, train: bool = True) -> Any:
+        raise NotImplementedError
+
+    def backward(self, dy: Any, ready: Ready = None) -> Any:
+        raise NotImplementedError
+
+    def _done(self, ready: Ready) -> None:
+        if ready is not None and self.param_specs:
+            ready(self.grad_end)
+
+
+class Linear(Layer):
+    """y = x @ W + b; x (N, in), W (in, out), b (out,)."""
+
+    def __init__(self, n_in: int, n_out: int, init: str = "he") -> None:
+        super().__init__()
+        self.n_in, self.n_out = n_in, n_out
+        self.param_specs = (
+            ParamSpec("b", (n_out,), "zeros"),
+            ParamSpec("W", (n_in, n_out), init, n_in, n_out),
+        )
+
+    def forward(self, x, train=True):
+        self.x = x
+        y = x @ self.p["W"]
+        y += self.p["b"]
+        return y
+
+    def backward(self, dy, ready=None):
+        xp = array_module(dy)
+        xp.matmul(self.x.T, dy, out=self.g["W"])
+        dy.sum(axis=0, out=self.g["b"])
+        dx = dy @ self.p["W"].T if self.input_grad else None
+        self._done(ready)
+        self.x = None
+        return dx
+
+
+class ReLU(Layer):
+    def forward(self, x, train=True):
+        xp = array_module(x)
+        y = xp.maximum(x, 0)
+        self.mask = y > 0
+        return y
+
+    def backward(self, dy, ready=None):
+        xp = array_module(dy)
+        return xp.multiply(dy, self.mask, dtype=dy.dtype)
+
+
+class Flatten(Layer):
+    """(N, ...) -> (N, prod(...))."""
+
+    def forward(self, x, train=True):
+        self.shape = x.shape
+        return x.reshape(x.shape[0], -1)
+
+    def backward(self, dy, ready=None):
+        return dy.reshape(self.shape)
+
+
+class Dropout(Layer):
+    """Inverted dropout: zero each element with probability p in training, identity in eval.
+
+    The mask comes from `xp.random.default_rng(seed)` with a seed drawn from `self.rng`, a host
+    NumPy Generator that the model shares between its dropout layers (so its state is JSON-able).
+    """
+
+    def __init__(self, p: float, rng: np.random.Generator | None = None) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"Dropout probability must be in [0, 1), got {p}")
+        self.rate = p
+        self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.mask = None
+
+    def forward(self, x, train=True):
+        if not train or self.rate == 0.0:
+            self.mask = None
+            return x
+        xp = array_module(x)
+        seed = int(self.rng.integers(2**63))
+        u = xp.random.default_rng(seed).random(x.shape, dtype=xp.float32)
+        keep = np.asarray(1.0 / (1.0 - self.rate), dtype=x.dtype)
+        self.mask = (u >= self.rate) * keep  # (same shape as x), x.dtype
+        return x * self.mask
+
+    def backward(self, dy, ready=None):
+        return dy if self.mask is None else dy * self.mask
+
+
+class MaxPool2d(Layer):
+    """Max over (kh, kw) windows with the given stride on (N, H, W, C); floor output size.
+
+    Tied maxima share the gradient equally (the sum of dx equals the sum of dy). Non-overlapping
+    windows (stride == kernel, the usual case) reduce a (N, Ho, kh, Wo, kw, C) reshape in one
+    call; overlapping ones loop over the kh*kw window offsets.
+    """
+
+    def __init__(self, kernel: int | tuple[int, int] = 2, stride: int | tuple | None = None):
+        super().__init__()
+        self.kh, self.kw = _pair(kernel)
+        self.sh, self.sw = _pair(stride) if stride is not None else (self.kh, self.kw)
+        self.tiled = (self.sh, self.sw) == (self.kh, self.kw)
+
+    def _out_hw(self, x_shape) -> tuple[int, int]:
+        _, h, w, _ = x_shape
+        return (h - self.kh) // self.sh + 1, (w - self.kw) // self.sw + 1
+
+    def _tiles(self, x, ho: int, wo: int):
+        """(N, Ho, kh, Wo, kw, C) view of the windows (non-overlapping case)."""
+        n, _, _, c = x.shape
+        crop = x[:, : ho * self.kh, : wo * self.kw, :]
+        return crop.reshape(n, ho, self.kh, wo, self.kw, c)
+
+    def _offsets(self, ho: int, wo: int):
+        for i in range(self.kh):
+            for j in range(self.kw):
+                rows = slice(i, i + self.sh * (ho - 1) + 1, self.sh)
+                cols = slice(j, j + self.sw * (wo - 1) + 1, self.sw)
+                yield (slice(None), rows, cols)
+
+    def forward(self, x, train=True):
+        xp = array_module(x)
+        ho, wo = self._out_hw(x.shape)
+        if ho < 1 or wo < 1:
+            raise ValueError(f"MaxPool2d {self.kh}x{self.kw} does not fit input shape {x.shape}")
+        if self.tiled:
+            y = self._tiles(x, ho, wo).max(axis=(2, 4))
+        else:
+            y = None
+            for window in self._offsets(ho, wo):
+                y = x[window].copy() if y is None else xp.maximum(y, x[window], out=y)
+        self.x, self.y = x, y  # (N, H, W, C), (N, Ho, Wo, C)
+        return y
+
+    def backward(self, dy, ready=None):
+        xp = array_module(dy)
+        x, y = self.x, self.y
+        ho, wo = y.shape[1:3]
+        if self.tiled:
+            hit = self._tiles(x, ho, wo) == y[:, :, None, :, None, :]
+            share = dy / hit.sum(axis=(2, 4), dtype=dy.dtype)
+            n, h, w, c = x.shape
+            dtiles = xp.multiply(hit, share[:, :, None, :, None, :], dtype=dy.dtype)
+            dtiles = dtiles.reshape(n, ho * self.kh, wo * self.kw, c)
+            if (ho * self.kh, wo * self.kw) == (h, w):
+                dx = dtiles
+            else:  # rows/columns past the last window get no gradient
+                dx = xp.zeros(x.shape, dtype=dy.dtype)
+                dx[:, : ho * self.kh, : wo * self.kw, :] = dtiles
+        else:
+            windows = list(self._offsets(ho, wo))
+            count = sum((x[win] == y).astype(dy.dtype) for win in windows)
+            share = dy / count
+            dx = xp.zeros(x.shape, dtype=dy.dtype)
+            for win in windows:
+                dx[win] += share * (x[win] == y)
+        self.x = self.y = None
+        return dx
+
+
+class GlobalAvgPool(Layer):
+    """(N, H, W, C) -> (N, C): mean over the spatial positions."""
+
+    def forward(self, x, train=True):
+        self.x_shape = x.shape
+        return x.mean(axis=(1, 2))
+
+    def backward(self, dy, ready=None):
+        xp = array_module(dy)
+        n, h, w, c = self.x_shape
+        scale = np.asarray(1.0 / (h * w), dtype=dy.dtype)
+        return xp.broadcast_to((dy * scale)[:, None, None, :], self.x_shape).copy()
+
+
+class BatchNorm(Layer):
+    """Batch normalisation over the last axis (channels) of (N, C) or (N, H, W, C) input.
+
+    Training normalises with the batch statistics and updates the running ones:
+    running = (1 - momentum) * running + momentum * batch (PyTorch convention; the running
+    variance uses the unbiased batch variance). Evaluation uses the running statistics.
+    """
+
+    def __init__(self, channels: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.channels, self.momentum, self.eps = channels, momentum, eps
+        self.param_specs = (
+            ParamSpec("beta", (channels,), "zeros"),
+            ParamSpec("gamma", (channels,), "ones"),
+        )
+        self.buffer_specs = (("running_mean", (channels,), 0.0), ("running_var", (channels,), 1.0))
+
+    def forward(self, x, train=True):
+        xp = array_module(x)
+        if x.shape[-1] != self.channels:
+            raise ValueError(f"BatchNorm expects {self.channels} channels, got shape {x.shape}")
+        x2 = x.reshape(-1, self.channels)  # (M, C)
+        gamma, beta = self.p["gamma"], self.p["beta"]
+        if train:
+            m = x2.shape[0]
+            mean = x2.mean(axis=0)
+            xc = x2 - mean
+            var = xp.mean(xc * xc, axis=0)
+            inv_std = 1.0 / xp.sqrt(var + self.eps)
+            rm, rv = self.b["running_mean"], self.b["running_var"]
+            rm *= 1.0 - self.momentum
+            rm += self.momentum * mean.astype(rm.dtype)
+            rv *= 1.0 - self.momentum
+            rv += (self.momentum * m / max(m - 1, 1)) * var.astype(rv.dtype)
+            xhat = xc
+            xhat *= inv_std
+            self.xhat, self.inv_std = xhat, inv_std
+        else:
+            inv_std = 1.0 / xp.sqrt(self.b["running_var"].astype(x.dtype) + self.eps)
+            xhat = (x2 - self.b["running_mean"].astype(x.dtype)) * inv_std
+            self.xhat, self.inv_std = xhat, inv_std
+        self.train = train
+        y = xhat * gamma
+        y += beta
+        return y.reshape(x.shape)
+
+    def backward(self, dy, ready=None):
+        dy2 = dy.reshape(-1, self.channels)
+        xhat = self.xhat
+        dy2.sum(axis=0, out=self.g["beta"])
+        (dy2 * xhat).sum(axis=0, out=self.g["gamma"])
+        dx = None
+        if self.input_grad:
+            scale = self.p["gamma"] * self.inv_std
+            if self.train:
+                m = dy2.shape[0]
+                dx = dy2 - (self.g["beta"] / m)
+                dx -= xhat * (self.g["gamma"] / m)
+                dx *= scale
+            else:
+                dx = dy2 * scale
+            dx = dx.reshape(dy.shape)
+        self._done(ready)
+        self.xhat = None
+        return dx
+
+
+def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))

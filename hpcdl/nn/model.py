@@ -1,0 +1,171 @@
+"""A model: a layer sequence bound to ONE flat parameter buffer and ONE flat gradient buffer.
+
+Layout is back-to-front: the leaf layers are laid out in the order backward finishes them, so
+the last layer's parameters sit at offset 0 and `grad_ready(n)` reports a growing prefix
+grads[:n] as final. Layers see their parameters as reshaped views (`layer.p[name]`), so an
+optimizer that updates `model.params` in place updates every layer at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module
+from hpcdl.nn.blocks import Sequential
+from hpcdl.nn.layers import Dropout, Layer, ParamSpec
+
+
+class Model:
+    """Layers + flat buffers. Input (N, C, H, W); logits (N, num_classes); dtype of the buffers."""
+
+    def __init__(
+        self,
+        name: str,
+        layers: list[Layer],
+        input_shape: tuple[int, int, int],
+        num_classes: int,
+        seed: int = 0,
+        xp: ModuleType = np,
+        dtype: Any = np.float32,
+    ) -> None:
+        self.name = name
+        self.input_shape = tuple(int(d) for d in input_shape)
+        self.num_classes = num_classes
+        self.dtype = np.dtype(dtype)
+        self.body = Sequential(layers)
+        self._rng = np.random.default_rng(seed)
+        for leaf in self.body.leaves():
+            if isinstance(leaf, Dropout):
+                leaf.rng = self._rng
+        self.params, self.grads, self.buffers, self._layout = bind_flat(
+            self.body, xp, self.dtype, seed
+        )
+        # The first parameterised layer's input is data: skip its input gradient (and any
+        # parameter-free layers before it) in backward.
+        self._first = 0
+        for i, layer in enumerate(layers):
+            if any(True for leaf in layer.leaves() if leaf.param_specs):
+                if layer.param_specs:
+                    self._first = i
+                    layer.input_grad = False
+                break
+
+    def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """[(param_name, shape, offset), ...] in buffer order (offset 0 = last layer)."""
+        return list(self._layout)
+
+    @property
+    def num_params(self) -> int:
+        return int(self.params.size)
+
+    def forward(self, x: Any, train: bool = True) -> Any:
+        """x (N, C, H, W) -> logits (N, num_classes) in the model's dtype."""
+        if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
+            c, h, w = self.input_shape
+            raise ValueError(
+                f"model {self.name!r} expects input of shape (N, {c}, {h}, {w}), "
+                f"got {tuple(x.shape)}"
+            )
+        xp = array_module(x)
+        h = xp.ascontiguousarray(x.transpose(0, 2, 3, 1), dtype=self.dtype)  # (N, H, W, C)
+        return self.body.forward(h, train)
+
+    def backward(self, dlogits: Any, grad_ready: Callable[[int], None] | None = None) -> None:
+        """Write d(loss)/d(params) into self.grads; grad_ready(n) when grads[:n] are final."""
+        dy = dlogits.astype(self.dtype, copy=False)
+        for layer in reversed(self.body.layers[self._first :]):
+            dy = layer.backward(dy, grad_ready)
+
+    def get_rng_state(self) -> dict:
+        """Dropout RNG state (JSON-able)."""
+        return self._rng.bit_generator.state
+
+    def set_rng_state(self, state: dict) -> None:
+        self._rng.bit_generator.state = state
+
+
+def bind_flat(
+    root: Layer, xp: ModuleType = np, dtype: Any = np.float32, seed: int = 0
+) -> tuple[Any, Any, Any, list[tuple[str, tuple[int, ...], int]]]:
+    """Allocate flat (params, grads, buffers) for root's leaf layers and bind views into them.
+
+    Returns the three (P,), (P,), (S,) arrays on xp and the layout [(name, shape, offset)].
+    Leaves are laid out in backward order; values are initialised in forward order from seed.
+    """
+    leaves = list(root.leaves())
+    names = _leaf_names(root)
+    p_total = sum(int(np.prod(s.shape)) for leaf in leaves for s in leaf.param_specs)
+    s_total = sum(int(np.prod(shape)) for leaf in leaves for _, shape, _ in leaf.buffer_specs)
+    host_params = np.zeros(p_total, dtype=dtype)
+    host_buffers = np.zeros(s_total, dtype=dtype)
+    params = xp.zeros(p_total, dtype=dtype)
+    grads = xp.zeros(p_total, dtype=dtype)
+    buffers = xp.zeros(s_total, dtype=dtype)
+    layout: list[tuple[str, tuple[int, ...], int]] = []
+    offset = b_offset = 0
+    placed = []
+    for leaf in leaves:
+        p, g, b = {}, {}, {}
+        for spec in leaf.param_specs:
+            size = int(np.prod(spec.shape))
+            layout.append((f"{names[id(leaf)]}.{spec.name}", spec.shape, offset))
+            p[spec.name] = params[offset : offset + size].reshape(spec.shape)
+            g[spec.name] = grads[offset : offset + size].reshape(spec.shape)
+            offset += size
+        for buf_name, shape, fill in leaf.buffer_specs:
+            size = int(np.prod(shape))
+            host_buffers[b_offset : b_offset + size] = fill
+            b[buf_name] = buffers[b_offset : b_offset + size].reshape(shape)
+            b_offset += size
+        placed.append((leaf, p, g, b, offset))
+    # Initialise in forward order so the values do not depend on the layout.
+    init_rng = np.random.default_rng(seed)
+    by_name = {name: off for name, _, off in layout}
+    for leaf in reversed(leaves):
+        for spec in leaf.param_specs:
+            off = by_name[f"{names[id(leaf)]}.{spec.name}"]
+            size = int(np.prod(spec.shape))
+            host_params[off : off + size] = _init(init_rng, spec).ravel()
+    params[...] = xp.asarray(host_params)
+    buffers[...] = xp.asarray(host_buffers)
+    for leaf, p, g, b, end in placed:
+        leaf.bind(p, g, b, end)
+    return params, grads, buffers, layout
+
+
+def rank_rng_state(seed: int, rank: int) -> dict:
+    """A dropout RNG state distinct per rank and reproducible from (seed, rank)."""
+    seq = np.random.SeedSequence(entropy=seed, spawn_key=(rank,))
+    return np.random.PCG64(seq).state
+
+
+def _init(rng: np.random.Generator, spec: ParamSpec) -> np.ndarray:
+    if spec.init == "zeros":
+        return np.zeros(spec.shape)
+    if spec.init == "ones":
+        return np.ones(spec.shape)
+    if spec.init == "he":  # He normal: variance 2 / fan_in, for layers followed by ReLU
+        return rng.standard_normal(spec.shape) * np.sqrt(2.0 / spec.fan_in)
+    if spec.init == "glorot":  # Glorot uniform: limit sqrt(6 / (fan_in + fan_out))
+        limit = np.sqrt(6.0 / (spec.fan_in + spec.fan_out))
+        return rng.uniform(-limit, limit, spec.shape)
+    raise ValueError(f"unknown initialiser {spec.init!r}")
+
+
+def _leaf_names(root: Layer) -> dict[int, str]:
+    """Stable readable names: '<index>.<Class>' paths in forward order, e.g. '3.branch.0.Conv2d'."""
+    names: dict[int, str] = {}
+
+    def walk(layer: Layer, prefix: str) -> None:
+        children = layer.named_children()
+        if not children:
+            names[id(layer)] = f"{prefix}{type(layer).__name__}"
+        for key, child in children:
+            walk(child, f"{prefix}{key}.")
+
+    walk(root, "")
+    return names

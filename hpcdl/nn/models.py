@@ -1,0 +1,92 @@
+"""The model zoo: `build_model(name, input_shape, num_classes, ...)` for mlp, cnn and resnet20.
+
+cnn is the Keras cifar10_cnn example. On small inputs it adapts so that no spatial size
+vanishes: a 'valid' 3x3 convolution gets padding 1 along a dimension smaller than 3, and a 2x2
+max pool pools only along dimensions of size >= 2 (and is left out when neither is). On 32x32
+this is exactly the Keras network; on 8x8 (digits) it is 8 -> 8 -> 6 -> pool 3 -> 3 -> 1 ->
+(no pool) 1, giving 64 features before the dense layers.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from hpcdl.nn.blocks import ResidualBlock, conv_bn
+from hpcdl.nn.conv import Conv2d
+from hpcdl.nn.layers import Dropout, Flatten, GlobalAvgPool, Layer, Linear, MaxPool2d, ReLU
+from hpcdl.nn.model import Model
+
+MODELS = ("mlp", "cnn", "resnet20")
+
+
+def build_model(
+    name: str,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int = 0,
+    xp: ModuleType = np,
+    dtype: Any = np.float32,
+) -> Model:
+    """Build a model by name; parameters initialised deterministically from seed on xp."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    shape = tuple(input_shape)
+    if len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape):
+        raise ValueError(
+            f"model {name!r} needs input_shape (C, H, W) of three positive integers, "
+            f"got {input_shape!r}"
+        )
+    if not isinstance(num_classes, (int, np.integer)) or num_classes < 2:
+        raise ValueError(f"model {name!r} needs num_classes >= 2, got {num_classes!r}")
+    c, h, w = (int(d) for d in shape)
+    layers = {"mlp": _mlp, "cnn": _cnn, "resnet20": _resnet20}[name](c, h, w, int(num_classes))
+    return Model(name, layers, (c, h, w), int(num_classes), seed=seed, xp=xp, dtype=dtype)
+
+
+def _mlp(c: int, h: int, w: int, k: int) -> list[Layer]:
+    """flatten -> dense 512 -> relu -> dropout 0.2 -> dense k."""
+    return [
+        Flatten(),
+        Linear(c * h * w, 512),
+        ReLU(),
+        Dropout(0.2),
+        Linear(512, k, init="glorot"),
+    ]
+
+
+def _cnn(c: int, h: int, w: int, k: int) -> list[Layer]:
+    """Keras cifar10_cnn: 2 x [conv same, conv valid, pool 2, dropout .25], dense 512, dense k."""
+    layers: list[Layer] = []
+    for filters in (32, 64):
+        layers += [Conv2d(c, filters, 3, padding=1), ReLU()]
+        pad = (int(h < 3), int(w < 3))
+        layers += [Conv2d(filters, filters, 3, padding=pad), ReLU()]
+        h, w = h + 2 * pad[0] - 2, w + 2 * pad[1] - 2
+        pool = (min(2, h), min(2, w))
+        if pool != (1, 1):
+            layers.append(MaxPool2d(pool))
+            h, w = h // pool[0], w // pool[1]
+        layers.append(Dropout(0.25))
+        c = filters
+    return layers + [
+        Flatten(),
+        Linear(c * h * w, 512),
+        ReLU(),
+        Dropout(0.5),
+        Linear(512, k, init="glorot"),
+    ]
+
+
+def _resnet20(c: int, h: int, w: int, k: int) -> list[Layer]:
+    """CIFAR ResNet-20 (He et al. 2016): 3 stages x 3 basic blocks, 16/32/64 channels, option A."""
+    layers: list[Layer] = [*conv_bn(c, 16, 1), ReLU()]
+    c_in = 16
+    for stage, width in enumerate((16, 32, 64)):
+        for block in range(3):
+            stride = 2 if stage > 0 and block == 0 else 1
+            layers.append(ResidualBlock(c_in, width, stride, shortcut="A"))
+            c_in = width
+    return layers + [GlobalAvgPool(), Linear(64, k, init="glorot")]

@@ -1,0 +1,121 @@
+"""Optimizers that update the whole flat parameter buffer in one vectorised pass.
+
+They hold views of `model.params` and `model.grads` and never loop over layers. Weight decay is
+L2 added to the gradient and applies to every parameter (biases and BatchNorm included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcdl.backend import array_module
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+class SGD:
+    """SGD with momentum, PyTorch form: v = m*v + g; p -= lr * v (Nesterov: lr * (g + m*v))."""
+
+    def __init__(self, params, grads, momentum=0.0, nesterov=False, weight_decay=0.0):
+        if nesterov and momentum <= 0:
+            raise ValueError("Nesterov momentum needs momentum > 0")
+        self.params, self.grads = params, grads
+        self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
+        xp = array_module(params)
+        self.velocity = xp.zeros_like(params)  # (P,) same layout as params
+        self._scratch = xp.empty_like(params)
+
+    def step(self, lr: float) -> None:
+        xp = array_module(self.params)
+        d = self._scratch
+        if self.weight_decay:
+            xp.multiply(self.params, self.weight_decay, out=d)
+            d += self.grads
+        else:
+            d[...] = self.grads
+        if self.momentum:
+            v = self.velocity
+            v *= self.momentum
+            v += d
+            if self.nesterov:
+                d += self.momentum * v
+            else:
+                d[...] = v
+        d *= -lr
+        self.params += d
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": self.velocity.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load(self.velocity, state, "velocity")
+
+
+class Adam:
+    """Adam (Kingma & Ba) with bias correction; weight decay is L2 added to the gradient."""
+
+    def __init__(self, params, grads, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        self.params, self.grads = params, grads
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay = eps, weight_decay
+        xp = array_module(params)
+        self.m = xp.zeros_like(params)  # (P,) first moment
+        self.v = xp.zeros_like(params)  # (P,) second moment
+        self.t = 0
+        self._scratch = xp.empty_like(params)
+
+    def step(self, lr: float) -> None:
+        xp = array_module(self.params)
+        self.t += 1
+        g = self.grads
+        if self.weight_decay:
+            g = xp.multiply(self.params, self.weight_decay, out=self._scratch)
+            g += self.grads
+        self.m *= self.beta1
+        self.m += (1.0 - self.beta1) * g
+        self.v *= self.beta2
+        self.v += (1.0 - self.beta2) * (g * g)
+        # PyTorch form: p -= lr * m_hat / (sqrt(v_hat) + eps), bias corrections folded in.
+        d = xp.multiply(self.v, 1.0 / (1.0 - self.beta2**self.t), out=self._scratch)
+        xp.sqrt(d, out=d)
+        d += self.eps
+        xp.divide(self.m, d, out=d)
+        d *= -lr / (1.0 - self.beta1**self.t)
+        self.params += d
+
+    def state_dict(self) -> dict[str, Any]:
+        xp = array_module(self.params)
+        return {"m": self.m.copy(), "v": self.v.copy(), "t": xp.asarray(self.t)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load(self.m, state, "m")
+        _load(self.v, state, "v")
+        self.t = int(state["t"])
+
+
+def make_optimizer(
+    name: str,
+    params: Any,
+    grads: Any,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> SGD | Adam:
+    """'sgd' or 'adam' over the flat buffers. Adam ignores momentum/nesterov (betas 0.9, 0.999)."""
+    if name == "sgd":
+        return SGD(params, grads, momentum, nesterov, weight_decay)
+    if name == "adam":
+        return Adam(params, grads, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _load(target: Any, state: dict[str, Any], key: str) -> None:
+    if key not in state:
+        raise ValueError(f"optimizer state has no {key!r}; it was saved by another optimizer")
+    value = state[key]
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(
+            f"optimizer state {key!r} has shape {tuple(value.shape)}, expected {target.shape}"
+        )
+    xp = array_module(target)
+    target[...] = xp.asarray(value)

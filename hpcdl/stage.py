@@ -1,0 +1,323 @@
+"""`python -m hpcdl.stage`: staging plans, dry runs and stage-only job steps.
+
+    python -m hpcdl.stage --version
+    python -m hpcdl.stage --dry-run --data DIR --nodes 16 --ranks-per-node 4 [--json]
+    python -m hpcdl.stage --data DIR --stage-dir /local/scratch/me    # stage the first epoch
+    mpirun --map-by ppr:1:node python -m hpcdl.stage --config job.toml
+
+A stage-only run copies what every node reads in the first epoch and leaves it there; a later
+`hpcdl.train` with the same --stage-dir reuses the copies. See docs/staging.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.pfs import open_source
+from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, write_plan
+from hpcdl.staging.session import _launch, make_stage_dir, parse_capacity
+from hpcdl.staging.status import (
+    FLAG_CAPACITY_FULL,
+    FLAG_NOSPACE,
+    CounterFile,
+    ProgressFile,
+    StatusView,
+)
+
+
+class UsageError(ValueError):
+    """A bad flag or config value; the message names it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hpcdl.stage", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--version", action="store_true", help="print the version of hpcdl-stage and exit")
+    a("--config", help="TOML file; keys are the flag names with underscores")
+    a("--data", help="data set (HDF5 file/shard directory, image folder, or any tree)")
+    a("--files-only", action="store_true", help="treat every file under --data as one sample")
+    a("--stage-dir", help="node-local directory to stage into")
+    a("--dry-run", action="store_true", help="print the plan per node; copy nothing, no MPI")
+    a("--nodes", type=int, help="nodes of the training job (default: Slurm/MPI environment)")
+    a("--ranks-per-node", type=int, help="training ranks per node (default: environment or 1)")
+    a("--node", type=int, help="stage-only: which node this process stages for")
+    a("--batch-size", type=int, help="per-rank batch size (default 32)")
+    a("--seed", type=int, help="sampler seed (default 0)")
+    a("--epochs", type=int, help="training epochs (dry run: also report the whole run)")
+    a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode")
+    a("--stage-threads", type=int, help="copy threads (default 8)")
+    a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use")
+    a("--stage-verify", action="store_true", default=None, help="verify copies by checksum")
+    a("--pfs-bandwidth", type=float, help="dry run estimate: PFS MB/s per node (default 1000)")
+    a("--pfs-open-latency", type=float, help="dry run estimate: ms per open (default 1)")
+    a("--probe", action="store_true", default=None, help="dry run: measure PFS speed by reading")
+    a("--write-plans", help="dry run: write each node's plan file into this directory")
+    a("--json", action="store_true", default=None, help="last line: one JSON object")
+    a("--quiet", action="store_true", default=None, help="no progress output")
+    return p
+
+
+DEFAULTS: dict[str, Any] = dict(
+    batch_size=32,
+    seed=0,
+    epochs=1,
+    shuffle="global",
+    stage_threads=8,
+    pfs_bandwidth=1000.0,
+    pfs_open_latency=1.0,
+    probe=False,
+    json=False,
+    quiet=False,
+    stage_verify=False,
+)
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults < --config TOML < flags."""
+    values = dict(DEFAULTS)
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                toml = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"--config {args.config}: {exc}") from None
+        known = set(vars(args))
+        values.update({k: v for k, v in toml.items() if k in known})
+    values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
+    out = argparse.Namespace(**{k: values.get(k) for k in set(values) | set(vars(args))})
+    for name in ("batch_size", "epochs", "stage_threads"):
+        if int(getattr(out, name)) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    return out
+
+
+def env_layout() -> tuple[int | None, int | None]:
+    """(nodes, ranks per node) announced by Slurm or the MPI launcher, if any."""
+    env = os.environ
+    nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    per = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(")[0] or env.get(
+        "OMPI_COMM_WORLD_LOCAL_SIZE"
+    )
+    if nodes is None and env.get("OMPI_COMM_WORLD_SIZE") and per:
+        nodes = str(int(env["OMPI_COMM_WORLD_SIZE"]) // max(int(per), 1))
+    return (int(nodes) if nodes else None, int(per) if per and per.isdigit() else None)
+
+
+def open_data(args: argparse.Namespace) -> Any:
+    if not args.data:
+        raise UsageError("--data is required (the data set directory or file)")
+    if args.files_only:
+        return FileTreeDataset(args.data)
+    try:
+        from hpcdl.data import open_dataset  # noqa: PLC0415
+    except ImportError:
+        return FileTreeDataset(args.data)
+    return open_dataset(args.data)
+
+
+def node_plan(
+    ds: Any, args: argparse.Namespace, nodes: int, per: int, node: int, epochs: tuple[int, int]
+) -> NodePlan:
+    sampler_args = dict(
+        num_samples=len(ds),
+        world_size=nodes * per,
+        seed=int(args.seed),
+        shuffle=args.shuffle,
+        ranks_per_node=per,
+    )
+    return plan_for_node(ds, sampler_args, int(args.batch_size), epochs, node=node, local_ranks=per)
+
+
+def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]:
+    """(ms per open, MB/s) measured by reading up to `samples` planned files."""
+    opens, nbytes, t_read = [], 0, 0.0
+    for fid in plan.file_ids[:samples].tolist():
+        t0 = time.perf_counter()
+        with open_source(Path(ds.root) / ds.files[fid].relpath) as f:
+            t1 = time.perf_counter()
+            nbytes += len(f.read())
+        opens.append(t1 - t0)
+        t_read += time.perf_counter() - t1
+    latency = 1000 * sum(opens) / max(len(opens), 1)
+    return latency, (nbytes / 1e6) / max(t_read, 1e-9)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    env_nodes, env_per = env_layout()
+    nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
+    ds = open_data(args)
+    capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
+    threads = int(args.stage_threads)
+    rows = []
+    for node in range(nodes):
+        first = node_plan(ds, args, nodes, per, node, (0, 1))
+        run = (
+            first
+            if int(args.epochs) == 1
+            else node_plan(ds, args, nodes, per, node, (0, int(args.epochs)))
+        )
+        if args.probe:
+            latency_ms, mbps = probe_pfs(ds, first)
+        else:
+            latency_ms, mbps = float(args.pfs_open_latency), float(args.pfs_bandwidth)
+        seconds = first.files * latency_ms / 1000 / threads + first.bytes / 1e6 / max(mbps, 1e-9)
+        if args.write_plans:
+            Path(args.write_plans).mkdir(parents=True, exist_ok=True)
+            write_plan(Path(args.write_plans) / f"plan.node{node}", first, ds)
+        rows.append(
+            dict(
+                node=node,
+                files=first.files,
+                bytes=first.bytes,
+                fits=first.bytes <= capacity,
+                run_files=run.files,
+                run_bytes=run.bytes,
+                run_fits=run.bytes <= capacity,
+                capacity=capacity,
+                est_seconds=round(seconds, 3),
+                pfs_open_latency_ms=round(latency_ms, 3),
+                pfs_mbps=round(mbps, 1),
+            )
+        )
+    print(
+        f"staging plan: {nodes} nodes x {per} ranks, batch {args.batch_size}, seed {args.seed},"
+        f" shuffle {args.shuffle}; first epoch per node (whole run of {args.epochs} epochs):"
+    )
+    for r in rows:
+        print(
+            f"  node {r['node']}: {r['files']} files, {r['bytes'] / 1e6:.1f} MB, "
+            f"{'fits' if r['fits'] else 'does NOT fit'} in {capacity / 1e9:.1f} GB; "
+            f"~{r['est_seconds']:.1f} s at {r['pfs_open_latency_ms']:.2f} ms/open, "
+            f"{r['pfs_mbps']:.0f} MB/s, {threads} threads "
+            f"(run: {r['run_files']} files, {r['run_bytes'] / 1e6:.1f} MB)"
+        )
+    if args.json:
+        print(json.dumps({"nodes": rows}))
+    return 0
+
+
+def stage_only(args: argparse.Namespace) -> int:
+    if not args.stage_dir:
+        raise UsageError("--stage-dir is required without --dry-run")
+    binary = find_stager_binary()
+    comm = None
+    node, nodes = args.node, args.nodes
+    env_nodes, env_per = env_layout()
+    if os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE"):
+        from hpcdl.comm.world import init_world  # noqa: PLC0415
+
+        world = init_world()
+        comm = world.comm
+        node = world.node_index if node is None else node
+        nodes = nodes or world.num_nodes
+        if world.local_rank != 0:  # one stager per node
+            comm.Barrier()
+            return 0
+    nodes, node, per = nodes or env_nodes or 1, node or 0, args.ranks_per_node or env_per or 1
+    if not 0 <= node < nodes:
+        raise UsageError(f"--node {node} outside 0..{nodes - 1}")
+    ds = open_data(args)
+    stage_dir = Path(args.stage_dir).absolute()
+    make_stage_dir(stage_dir)
+    plan = node_plan(ds, args, nodes, per, node, (0, 1))
+    write_plan(stage_dir / ".hpcdl" / "plan", plan, ds)
+    ProgressFile.create(stage_dir / ".hpcdl" / "progress", per)
+    CounterFile.create(stage_dir / ".hpcdl" / "counters", per)
+    capacity = parse_capacity(args.stage_capacity, stage_dir)
+    t0 = time.perf_counter()
+    proc = _launch(
+        binary,
+        stage_dir,
+        int(args.stage_threads),
+        capacity,
+        bool(args.stage_verify),
+        once=True,
+        quiet=bool(args.quiet),
+    )
+    status = StatusView(stage_dir / ".hpcdl" / "status")
+    tty = sys.stderr.isatty() and not args.quiet
+    last_decile = -1
+    while proc.poll() is None:
+        time.sleep(0.1)
+        if args.quiet or not status.open() or status.field("pid") != proc.pid:
+            status.close()
+            continue
+        ready, total = status.field("plan_ready"), max(status.field("plan_entries"), 1)
+        if tty:
+            print(f"\rnode {node}: {ready}/{total} files staged", end="", file=sys.stderr)
+        elif ready * 10 // total > last_decile:
+            last_decile = ready * 10 // total
+            print(f"node {node}: {last_decile * 10}% ({ready}/{total} files)", file=sys.stderr)
+    seconds = time.perf_counter() - t0
+    status.close()
+    if tty:
+        print(file=sys.stderr)
+    if proc.returncode != 0:
+        print(
+            f"hpcdl.stage: error: hpcdl-stage exited with code {proc.returncode} on node "
+            f"{node}; nothing more was staged (see its message above)",
+            file=sys.stderr,
+        )
+        return 1
+    h = status.header()
+    files = h["files_staged"] + h["files_reused"]
+    nbytes = h["bytes_staged"] + h["bytes_reused"]
+    summary = dict(
+        node=node,
+        files=files,
+        bytes=nbytes,
+        copied=h["files_staged"],
+        reused=h["files_reused"],
+        planned=plan.files,
+        planned_bytes=plan.bytes,
+        seconds=round(seconds, 3),
+        mb_per_s=round(h["bytes_staged"] / 1e6 / seconds, 1),
+        files_per_s=round(h["files_staged"] / seconds, 1),
+        failures=h["failures"],
+        no_space=bool(h["flags"] & FLAG_NOSPACE),
+        capacity_full=bool(h["flags"] & FLAG_CAPACITY_FULL),
+    )
+    note = ""
+    if files < plan.files:
+        note = (
+            f"; {plan.files - files - h['failures']} files left on the PFS "
+            f"({'no space left' if summary['no_space'] else 'capacity reached'})"
+        )
+    print(
+        f"node {node}: staged {files} files ({nbytes / 1e6:.1f} MB; {h['files_staged']} copied, "
+        f"{h['files_reused']} reused) in {seconds:.2f} s: {summary['mb_per_s']} MB/s, "
+        f"{summary['files_per_s']} files/s, {h['failures']} failures{note}"
+    )
+    if comm is not None:
+        comm.Barrier()
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = resolve(build_parser().parse_args(argv))
+        if args.version:
+            binary = find_stager_binary()
+            os.execv(str(binary), [str(binary), "--version"])
+        return dry_run(args) if args.dry_run else stage_only(args)
+    except (UsageError, StagerNotFound, FileNotFoundError, ValueError) as exc:
+        print(f"hpcdl.stage: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Node-local staging: plans (Python), the hpcdl-stage process (C++), the trainer's session.
+
+See docs/staging.md for the file formats and behaviour.
+"""
+
+from hpcdl.staging.binary import StagerNotFound, find_stager_binary, stager_version
+from hpcdl.staging.pfs import PfsEmulation, open_source
+from hpcdl.staging.plan import (
+    FileEntry,
+    FileTreeDataset,
+    NodePlan,
+    PlanError,
+    dataset_fingerprint,
+    plan_for_node,
+    write_plan,
+)
+from hpcdl.staging.session import Locator, StagingSession, parse_capacity
+
+__all__ = [
+    "FileEntry",
+    "FileTreeDataset",
+    "Locator",
+    "NodePlan",
+    "PfsEmulation",
+    "PlanError",
+    "StagerNotFound",
+    "StagingSession",
+    "dataset_fingerprint",
+    "find_stager_binary",
+    "open_source",
+    "parse_capacity",
+    "plan_for_node",
+    "stager_version",
+    "write_plan",
+]

@@ -1,0 +1,208 @@
+"""Staging plans: which files a node reads, in first-use order, for a range of epochs.
+
+The plan of a node interleaves its local ranks step by step (step s of rank 0, step s of rank
+1, ..., then step s+1), so the order is the order in which the node's loaders first need each
+file. Every file also carries the steps (counted from the plan's first epoch) that read it; the
+stager uses them to evict the file whose next use is farthest away. Format: docs/staging.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hpcdl.data.sampler import DistributedSampler
+
+PLAN_VERSION = 1
+
+
+class FileEntry(NamedTuple):
+    """One data set file: path relative to the data set root and size in bytes."""
+
+    relpath: str
+    size: int
+
+
+class PlanError(ValueError):
+    """A data set file cannot be staged safely (bad destination path)."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The files one node reads in epochs [epoch_begin, epoch_end), in first-use order."""
+
+    node: int
+    file_ids: np.ndarray  # (F,) int64, first-use order
+    ticks: list[np.ndarray]  # per entry: ascending int64 steps that read it
+    sizes: np.ndarray  # (F,) int64 bytes
+    epoch_begin: int
+    epoch_end: int
+    steps_per_epoch: int
+    local_ranks: int
+    seed: int
+    shuffle: str
+
+    @property
+    def files(self) -> int:
+        return len(self.file_ids)
+
+    @property
+    def bytes(self) -> int:
+        return int(self.sizes.sum())
+
+
+def check_relpath(relpath: str) -> None:
+    """Raise PlanError unless relpath is a safe destination inside the stage dir."""
+    if not relpath or relpath.startswith("/") or os.path.isabs(relpath):
+        raise PlanError(f"data set file {relpath!r}: absolute or empty path cannot be staged")
+    parts = relpath.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise PlanError(f"data set file {relpath!r}: '..', '.' or empty components not allowed")
+    if parts[0] == ".hpcdl":
+        raise PlanError(f"data set file {relpath!r}: '.hpcdl' is reserved for the stager")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in relpath):
+        raise PlanError(f"data set file {relpath!r}: control characters not allowed")
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """16 hex digits identifying the data set's root, file names and sizes."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(Path(dataset.root).resolve()).encode())
+    for entry in dataset.files:
+        h.update(f"\0{entry.relpath}\0{entry.size}".encode())
+    return h.hexdigest()
+
+
+def local_samplers(sampler_args: dict, node: int, local_ranks: int) -> list[DistributedSampler]:
+    """The samplers of the ranks node*ranks_per_node + l for l < local_ranks."""
+    per_node = int(sampler_args.get("ranks_per_node", 1))
+    return [
+        DistributedSampler(rank=node * per_node + local, **sampler_args)
+        for local in range(local_ranks)
+    ]
+
+
+def plan_for_node(
+    dataset: Any,
+    sampler_args: dict,
+    batch_size: int,
+    epochs: tuple[int, int],
+    node: int = 0,
+    local_ranks: int | None = None,
+) -> NodePlan:
+    """Plan of one node: unique files of its local ranks in first-use order, with their uses.
+
+    sampler_args: DistributedSampler fields except rank (num_samples, world_size, seed, shuffle,
+    ranks_per_node). epochs: [begin, end). local_ranks defaults to ranks_per_node.
+    """
+    begin, end = int(epochs[0]), int(epochs[1])
+    if end <= begin:
+        raise ValueError(f"empty epoch range {epochs!r}")
+    local_ranks = int(local_ranks or sampler_args.get("ranks_per_node", 1))
+    samplers = local_samplers(sampler_args, node, local_ranks)
+    steps = samplers[0].steps_per_epoch(batch_size)
+    used = steps * batch_size
+    nfiles = len(dataset.files)
+    # (E, steps, L, B) file ids in reading order: epoch, step, local rank, position in batch.
+    reads = np.empty((end - begin, steps, local_ranks, batch_size), dtype=np.int64)
+    for e, epoch in enumerate(range(begin, end)):
+        for local, sampler in enumerate(samplers):
+            ids = np.asarray(dataset.file_ids(sampler.indices(epoch)[:used]), dtype=np.int64)
+            reads[e, :, local, :] = ids.reshape(steps, batch_size)
+    flat = reads.reshape(-1)
+    tick_of_read = np.repeat(
+        np.arange((end - begin) * steps, dtype=np.int64), local_ranks * batch_size
+    )
+    uniq, first = np.unique(flat, return_index=True)
+    order = np.argsort(first, kind="stable")
+    file_ids = uniq[order]
+    # Distinct (file, step) pairs, grouped by file in ascending step order.
+    pairs = np.unique(flat * max(1, (end - begin) * steps) + tick_of_read)
+    pair_file = pairs // max(1, (end - begin) * steps)
+    pair_tick = pairs % max(1, (end - begin) * steps)
+    bounds = np.searchsorted(pair_file, file_ids)
+    ends = np.searchsorted(pair_file, file_ids, side="right")
+    ticks = [pair_tick[a:b] for a, b in zip(bounds, ends)]
+    sizes = np.fromiter(
+        (dataset.files[i].size for i in file_ids), dtype=np.int64, count=len(file_ids)
+    )
+    assert file_ids.max(initial=-1) < nfiles
+    return NodePlan(
+        node=node,
+        file_ids=file_ids,
+        ticks=ticks,
+        sizes=sizes,
+        epoch_begin=begin,
+        epoch_end=end,
+        steps_per_epoch=steps,
+        local_ranks=local_ranks,
+        seed=int(sampler_args.get("seed", 0)),
+        shuffle=str(sampler_args.get("shuffle", "global")),
+    )
+
+
+def render_plan(plan: NodePlan, dataset: Any, fingerprint: str | None = None) -> str:
+    """The plan file's text (format version PLAN_VERSION, docs/staging.md)."""
+    root = Path(dataset.root)
+    files: Sequence[Any] = dataset.files
+    head = [
+        f"hpcdl-plan {PLAN_VERSION}",
+        f"fingerprint {fingerprint or dataset_fingerprint(dataset)}",
+        f"seed {plan.seed}",
+        f"epochs {plan.epoch_begin} {plan.epoch_end}",
+        f"steps_per_epoch {plan.steps_per_epoch}",
+        f"local_ranks {plan.local_ranks}",
+        f"dataset_files {len(files)}",
+        f"node {plan.node}",
+        f"shuffle {plan.shuffle}",
+        f"entries {plan.files}",
+    ]
+    root_text = str(root)
+    if "\t" in root_text or "\n" in root_text:
+        raise PlanError(f"data set root {root_text!r}: tab or newline in path")
+    lines = []
+    for fid, ticks in zip(plan.file_ids.tolist(), plan.ticks):
+        rel = files[fid].relpath
+        check_relpath(rel)
+        steps = ",".join(map(str, ticks.tolist()))
+        lines.append(f"{fid}\t{files[fid].size}\t{steps}\t{rel}\t{root_text}/{rel}")
+    return "\n".join(head + lines + ["end", ""])
+
+
+def write_plan(path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None) -> None:
+    """Write the plan atomically (temporary file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(render_plan(plan, dataset, fingerprint))
+    os.replace(tmp, path)
+
+
+class FileTreeDataset:
+    """Every regular file under root is one sample (staging arbitrary trees, benchmarks)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"data directory {self.root} does not exist")
+        files = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = Path(dirpath) / name
+                if full.is_file() and not full.is_symlink():
+                    files.append(FileEntry(str(full.relative_to(self.root)), full.stat().st_size))
+        if not files:
+            raise ValueError(f"data directory {self.root} holds no files")
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def file_ids(self, indices: np.ndarray) -> np.ndarray:
+        return np.asarray(indices, dtype=np.int64)

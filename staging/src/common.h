@@ -1,0 +1,103 @@
+// Small RAII types and error helpers shared by the stager's modules.
+#pragma once
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace hpcdl {
+
+inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+// An error that stops the stager; the message already names the path, the errno text and what
+// happens next.
+class StageError : public std::runtime_error {
+ public:
+  explicit StageError(const std::string& msg, int err = 0) : std::runtime_error(msg), err_(err) {}
+  int err() const { return err_; }
+
+ private:
+  int err_;
+};
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { reset(); }
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = std::exchange(other.fd_, -1);
+    }
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+class MappedRegion {
+ public:
+  MappedRegion() = default;
+  MappedRegion(void* addr, size_t len) : addr_(addr), len_(len) {}
+  ~MappedRegion() { reset(); }
+  MappedRegion(MappedRegion&& other) noexcept
+      : addr_(std::exchange(other.addr_, nullptr)), len_(std::exchange(other.len_, 0)) {}
+  MappedRegion& operator=(MappedRegion&& other) noexcept {
+    if (this != &other) {
+      reset();
+      addr_ = std::exchange(other.addr_, nullptr);
+      len_ = std::exchange(other.len_, 0);
+    }
+    return *this;
+  }
+  MappedRegion(const MappedRegion&) = delete;
+  MappedRegion& operator=(const MappedRegion&) = delete;
+
+  unsigned char* bytes() const { return static_cast<unsigned char*>(addr_); }
+  size_t size() const { return len_; }
+  void reset() {
+    if (addr_ != nullptr) ::munmap(addr_, len_);
+    addr_ = nullptr;
+    len_ = 0;
+  }
+
+ private:
+  void* addr_ = nullptr;
+  size_t len_ = 0;
+};
+
+// 64-bit FNV-1a: plan hash and --verify checksums (stable, no dependency).
+class Fnv1a64 {
+ public:
+  void update(const void* data, size_t len) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < len; ++i) {
+      h_ ^= p[i];
+      h_ *= 1099511628211ULL;
+    }
+  }
+  unsigned long long digest() const { return h_; }
+
+ private:
+  unsigned long long h_ = 14695981039346656037ULL;
+};
+
+}  // namespace hpcdl

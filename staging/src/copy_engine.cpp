@@ -1,0 +1,361 @@
+#include "copy_engine.h"
+
+#include <fcntl.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <thread>
+
+namespace hpcdl {
+namespace {
+
+constexpr size_t kKernelChunk = 16u << 20;  // bytes per copy_file_range/sendfile call
+
+bool is_transient(int err) {
+  return err == EINTR || err == EAGAIN || err == EIO || err == ETIMEDOUT || err == ESTALE ||
+         err == EBUSY || err == ENOMEM || err == EMFILE || err == ENFILE;
+}
+
+bool is_nospace(int err) { return err == ENOSPC || err == EDQUOT; }
+
+CopyResult error_result(int err, const std::string& what, const std::string& path) {
+  CopyResult r;
+  if (is_nospace(err)) {
+    r.outcome = CopyOutcome::NoSpace;
+    r.message = what + " " + path + ": " + errno_text(err) +
+                "; staging stops growing, the remaining files are read from the PFS";
+  } else if (is_transient(err)) {
+    r.outcome = CopyOutcome::Transient;
+    r.message = what + " " + path + ": " + errno_text(err) + "; retrying";
+  } else {
+    r.outcome = CopyOutcome::Failed;
+    r.message = what + " " + path + ": " + errno_text(err) +
+                "; marked FAILED, readers use the PFS copy";
+  }
+  return r;
+}
+
+// Writes all of buf, retrying short writes.
+int write_all(int fd, const char* buf, size_t len) {
+  while (len > 0) {
+    ssize_t n = ::write(fd, buf, len);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    buf += n;
+    len -= static_cast<size_t>(n);
+  }
+  return 0;
+}
+
+uint64_t hash_fd(int fd, std::vector<char>& buffer, int* err) {
+  Fnv1a64 h;
+  off_t off = 0;
+  for (;;) {
+    ssize_t n = ::pread(fd, buffer.data(), buffer.size(), off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      *err = errno;
+      return 0;
+    }
+    if (n == 0) break;
+    h.update(buffer.data(), static_cast<size_t>(n));
+    off += n;
+  }
+  *err = 0;
+  return h.digest();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- emulated PFS
+
+PfsEmulation PfsEmulation::parse(const std::string& spec) {
+  PfsEmulation pfs;
+  size_t start = 0;
+  while (start < spec.size()) {
+    size_t comma = spec.find(',', start);
+    std::string item = spec.substr(start, comma == std::string::npos ? std::string::npos
+                                                                      : comma - start);
+    start = comma == std::string::npos ? spec.size() : comma + 1;
+    if (item.empty()) continue;
+    size_t eq = item.find('=');
+    std::string key = item.substr(0, eq);
+    char* end = nullptr;
+    double value = eq == std::string::npos ? -1 : std::strtod(item.c_str() + eq + 1, &end);
+    if (eq == std::string::npos || end == nullptr || *end != '\0' || value < 0) {
+      throw StageError("HPCDL_STAGE_EMULATE_PFS: bad item '" + item +
+                       "' (expected latency_ms=X,mbps=Y); the stager does not start");
+    }
+    if (key == "latency_ms") {
+      pfs.latency_ms_ = value;
+    } else if (key == "mbps") {
+      pfs.mbps_ = value;
+    } else {
+      throw StageError("HPCDL_STAGE_EMULATE_PFS: unknown key '" + key +
+                       "' (expected latency_ms, mbps); the stager does not start");
+    }
+  }
+  return pfs;
+}
+
+PfsEmulation PfsEmulation::from_env() {
+  const char* spec = std::getenv("HPCDL_STAGE_EMULATE_PFS");
+  return spec == nullptr ? PfsEmulation() : parse(spec);
+}
+
+void PfsEmulation::on_open() const {
+  if (latency_ms_ > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(latency_ms_));
+  }
+}
+
+void PfsEmulation::on_read(uint64_t bytes) {
+  if (mbps_ <= 0) return;
+  const auto cost = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(static_cast<double>(bytes) / (mbps_ * 1e6)));
+  std::chrono::steady_clock::time_point done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    next_free_ = std::max(next_free_, now) + cost;
+    done = next_free_;
+  }
+  std::this_thread::sleep_until(done);
+}
+
+// ---------------------------------------------------------------- stage tree
+
+StageTree::StageTree(const std::string& root) : root_(root) {
+  root_fd_ = UniqueFd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!root_fd_.valid()) {
+    int err = errno;
+    throw StageError("cannot open stage dir " + root + ": " + errno_text(err) +
+                         "; the stager does not start and training reads from the PFS",
+                     err);
+  }
+}
+
+int StageTree::dir_for(const std::string& rel_dir, bool create) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rel_dir.empty()) return root_fd_.get();
+  auto found = dirs_.find(rel_dir);
+  if (found != dirs_.end()) return found->second->get();
+
+  int parent = root_fd_.get();
+  size_t start = 0;
+  for (;;) {
+    size_t slash = rel_dir.find('/', start);
+    const std::string prefix = rel_dir.substr(0, slash);
+    const std::string name =
+        rel_dir.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+    auto it = dirs_.find(prefix);
+    if (it == dirs_.end()) {
+      int fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      if (fd < 0 && errno == ENOENT && create) {
+        if (::mkdirat(parent, name.c_str(), 0700) != 0 && errno != EEXIST) {
+          int err = errno;
+          throw StageError("cannot create directory " + root_ + "/" + prefix + ": " +
+                               errno_text(err) + "; its files are read from the PFS",
+                           err);
+        }
+        fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      }
+      if (fd < 0) {
+        int err = errno;
+        if (err == ENOENT && !create) return -1;
+        if (err == ELOOP || err == ENOTDIR) {
+          throw StageError("rejected " + root_ + "/" + prefix +
+                               ": a symlink or non-directory inside the stage dir (" +
+                               errno_text(err) + "); nothing is written through it, its files "
+                               "are read from the PFS",
+                           err);
+        }
+        throw StageError("cannot open directory " + root_ + "/" + prefix + ": " +
+                             errno_text(err) + "; its files are read from the PFS",
+                         err);
+      }
+      it = dirs_.emplace(prefix, std::make_unique<UniqueFd>(fd)).first;
+    }
+    parent = it->second->get();
+    if (slash == std::string::npos) return parent;
+    start = slash + 1;
+  }
+}
+
+// ---------------------------------------------------------------- copy engine
+
+std::pair<std::string, std::string> split_dest(const std::string& dest) {
+  size_t slash = dest.rfind('/');
+  if (slash == std::string::npos) return {"", dest};
+  return {dest.substr(0, slash), dest.substr(slash + 1)};
+}
+
+bool is_temp_name(const std::string& name) {
+  return !name.empty() && name[0] == '.' && name.find(".hpcdl-tmp.") != std::string::npos;
+}
+
+CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
+                            std::vector<char>& buffer, unsigned tag) {
+  const auto [dir, base] = split_dest(dest);
+  const std::string dest_path = tree_.root() + "/" + dest;
+  int dirfd = -1;
+  try {
+    dirfd = tree_.dir_for(dir, true);
+  } catch (const StageError& e) {
+    CopyResult r = error_result(e.err() ? e.err() : ENOTDIR, "cannot create directory for",
+                                dest_path);
+    if (r.outcome != CopyOutcome::NoSpace) r.outcome = CopyOutcome::Failed;
+    r.message = e.what();
+    return r;
+  }
+
+  pfs_.on_open();
+  UniqueFd src(::open(source.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!src.valid()) return error_result(errno, "cannot open source", source);
+  struct stat st {};
+  if (::fstat(src.get(), &st) != 0) return error_result(errno, "cannot stat source", source);
+  if (!S_ISREG(st.st_mode)) return error_result(EISDIR, "source is not a regular file", source);
+  ::posix_fadvise(src.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+
+  const std::string tmp = "." + base + ".hpcdl-tmp." + std::to_string(::getpid()) + "." +
+                          std::to_string(tag);
+  UniqueFd out(::openat(dirfd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                        0600));
+  if (!out.valid() && errno == EEXIST) {
+    ::unlinkat(dirfd, tmp.c_str(), 0);
+    out = UniqueFd(::openat(dirfd, tmp.c_str(),
+                            O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  }
+  if (!out.valid()) return error_result(errno, "cannot create", dest_path);
+
+  // Any early return below removes the temporary file.
+  struct TempGuard {
+    int dirfd;
+    const std::string& name;
+    bool armed = true;
+    ~TempGuard() {
+      if (armed) ::unlinkat(dirfd, name.c_str(), 0);
+    }
+  } guard{dirfd, tmp};
+
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  uint64_t copied = 0;
+  Fnv1a64 source_hash;
+  const bool user_space = pfs_.active() || verify_;
+  bool kernel = !user_space;
+  bool use_sendfile = false;
+  while (kernel && copied < size) {
+    if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, ""};
+    size_t want = static_cast<size_t>(std::min<uint64_t>(size - copied, kKernelChunk));
+    ssize_t n = use_sendfile ? ::sendfile(out.get(), src.get(), nullptr, want)
+                             : ::copy_file_range(src.get(), nullptr, out.get(), nullptr, want, 0);
+    if (n < 0) {
+      int err = errno;
+      if (err == EINTR) continue;
+      if (copied == 0 && !use_sendfile &&
+          (err == EXDEV || err == EINVAL || err == ENOSYS || err == EOPNOTSUPP)) {
+        use_sendfile = true;
+        continue;
+      }
+      if (copied == 0 && use_sendfile && (err == EINVAL || err == ENOSYS)) {
+        kernel = false;
+        break;
+      }
+      return error_result(err, "cannot copy into", dest_path);
+    }
+    if (n == 0) break;  // source shrank; size check below
+    copied += static_cast<uint64_t>(n);
+  }
+  if (!kernel) {
+    for (;;) {
+      if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, ""};
+      ssize_t n = ::read(src.get(), buffer.data(), buffer.size());
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return error_result(errno, "cannot read source", source);
+      }
+      if (n == 0) break;
+      pfs_.on_read(static_cast<uint64_t>(n));
+      if (verify_) source_hash.update(buffer.data(), static_cast<size_t>(n));
+      if (int err = write_all(out.get(), buffer.data(), static_cast<size_t>(n))) {
+        return error_result(err, "cannot write", dest_path);
+      }
+      copied += static_cast<uint64_t>(n);
+    }
+  }
+  if (copied != size) {
+    CopyResult r;
+    r.outcome = CopyOutcome::Transient;
+    r.message = "source " + source + " changed size while copying (" + std::to_string(copied) +
+                " of " + std::to_string(size) + " bytes); retrying";
+    return r;
+  }
+  if (verify_) {
+    int err = 0;
+    UniqueFd check(::openat(dirfd, tmp.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!check.valid()) return error_result(errno, "cannot reopen for verification", dest_path);
+    const uint64_t dest_hash = hash_fd(check.get(), buffer, &err);
+    if (err != 0) return error_result(err, "cannot read back for verification", dest_path);
+    if (dest_hash != source_hash.digest()) {
+      CopyResult r;
+      r.outcome = CopyOutcome::Transient;
+      r.message = "checksum mismatch for " + dest_path + " (copy of " + source + "); retrying";
+      return r;
+    }
+  }
+
+  const struct timespec times[2] = {st.st_atim, st.st_mtim};
+  if (::futimens(out.get(), times) != 0) return error_result(errno, "cannot set mtime of", dest_path);
+  if (::renameat(dirfd, tmp.c_str(), dirfd, base.c_str()) != 0) {
+    return error_result(errno, "cannot publish (rename)", dest_path);
+  }
+  guard.armed = false;
+  return {CopyOutcome::Ok, size, ""};
+}
+
+bool CopyEngine::is_intact(const std::string& source, const std::string& dest, uint64_t size,
+                           std::vector<char>& buffer) {
+  const auto [dir, base] = split_dest(dest);
+  int dirfd = -1;
+  try {
+    dirfd = tree_.dir_for(dir, false);
+  } catch (const StageError&) {
+    return false;
+  }
+  if (dirfd < 0) return false;
+  struct stat local {};
+  if (::fstatat(dirfd, base.c_str(), &local, AT_SYMLINK_NOFOLLOW) != 0) return false;
+  if (!S_ISREG(local.st_mode) || static_cast<uint64_t>(local.st_size) != size) return false;
+  struct stat remote {};
+  if (::stat(source.c_str(), &remote) != 0 || remote.st_size != local.st_size ||
+      remote.st_mtim.tv_sec != local.st_mtim.tv_sec ||
+      remote.st_mtim.tv_nsec != local.st_mtim.tv_nsec) {
+    return false;
+  }
+  if (!verify_) return true;
+  UniqueFd a(::openat(dirfd, base.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  UniqueFd b(::open(source.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!a.valid() || !b.valid()) return false;
+  int err_a = 0, err_b = 0;
+  const uint64_t ha = hash_fd(a.get(), buffer, &err_a);
+  const uint64_t hb = hash_fd(b.get(), buffer, &err_b);
+  return err_a == 0 && err_b == 0 && ha == hb;
+}
+
+int CopyEngine::remove(const std::string& dest) {
+  const auto [dir, base] = split_dest(dest);
+  int dirfd = -1;
+  try {
+    dirfd = tree_.dir_for(dir, false);
+  } catch (const StageError& e) {
+    return e.err() ? e.err() : ENOTDIR;
+  }
+  if (dirfd < 0) return ENOENT;
+  return ::unlinkat(dirfd, base.c_str(), 0) == 0 ? 0 : errno;
+}
+
+}  // namespace hpcdl

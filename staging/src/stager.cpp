@@ -1,0 +1,487 @@
+#include "stager.h"
+
+#include <fcntl.h>
+#include <ftw.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "copy_engine.h"
+#include "eviction.h"
+#include "plan.h"
+#include "status_map.h"
+
+namespace hpcdl {
+namespace {
+
+namespace so = status_offset;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kCopyBuffer = 1u << 20;
+constexpr int kMaxAttempts = 4;
+constexpr size_t kMaxLoggedFailures = 20;
+
+struct Job {
+  size_t entry;
+  std::string source, dest;
+};
+
+struct Done {
+  size_t entry;
+  CopyResult result;
+};
+
+void log_line(const std::string& msg) { std::cerr << "hpcdl-stage: " << msg << std::endl; }
+
+uint64_t default_capacity(const std::string& dir) {
+  struct statvfs vfs {};
+  if (::statvfs(dir.c_str(), &vfs) != 0) return 0;
+  const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  const uint64_t total = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
+  const uint64_t margin = std::max<uint64_t>(total / 20, 1ull << 30);
+  return free_bytes > margin ? free_bytes - margin : 0;
+}
+
+// Removes temporary files left by a killed stager (never follows symlinks).
+void remove_stale_temps(const std::string& root) {
+  struct Walk {
+    static int visit(const char* path, const struct stat*, int type, struct FTW* ftw) {
+      const char* name = path + ftw->base;
+      if (type == FTW_D && std::string(name) == ".hpcdl" && ftw->level == 1) {
+        return FTW_SKIP_SUBTREE;
+      }
+      if (type == FTW_F && is_temp_name(name)) ::unlink(path);
+      return FTW_CONTINUE;
+    }
+  };
+  ::nftw(root.c_str(), Walk::visit, 16, FTW_PHYS | FTW_ACTIONRETVAL);
+}
+
+struct PlanFileId {
+  ino_t ino = 0;
+  struct timespec mtime {};
+  bool operator!=(const PlanFileId& o) const {
+    return ino != o.ino || mtime.tv_sec != o.mtime.tv_sec || mtime.tv_nsec != o.mtime.tv_nsec;
+  }
+};
+
+PlanFileId plan_file_id(const std::string& path) {
+  struct stat st {};
+  PlanFileId id;
+  if (::stat(path.c_str(), &st) == 0) {
+    id.ino = st.st_ino;
+    id.mtime = st.st_mtim;
+  }
+  return id;
+}
+
+class Stager {
+ public:
+  explicit Stager(const StagerOptions& opt)
+      : opt_(opt),
+        meta_(opt.stage_dir + "/.hpcdl"),
+        plan_(read_plan(meta_ + "/plan")),
+        status_(StatusMap::open(meta_ + "/status", plan_.dataset_files,
+                                fingerprint_number(plan_.fingerprint))),
+        progress_(ProgressFile::open(meta_ + "/progress")),
+        tree_(opt.stage_dir),
+        pfs_(PfsEmulation::from_env()),
+        engine_(tree_, pfs_, opt.verify, cancel_) {
+    plan_id_ = plan_file_id(meta_ + "/plan");
+    capacity_ = opt.capacity ? opt.capacity : default_capacity(opt.stage_dir);
+  }
+
+  int run() {
+    status_.store(so::kPid, static_cast<uint64_t>(::getpid()));
+    status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Starting));
+    for (size_t off : {so::kFilesStaged, so::kBytesStaged, so::kFailures, so::kEvictions,
+                       so::kFilesReused, so::kBytesReused, so::kBytesResident}) {
+      status_.store(off, 0);
+    }
+    status_.store32(so::kFlags, 0);
+    status_.store(so::kCapacity, capacity_);
+    status_.heartbeat();
+    remove_stale_temps(opt_.stage_dir);
+    adopt_plan();
+    if (!opt_.quiet) {
+      log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
+               opt_.stage_dir + " with " + std::to_string(opt_.threads) + " threads, capacity " +
+               std::to_string(capacity_) + " bytes" +
+               (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
+                                    ", mbps=" + std::to_string(pfs_.mbps()) + ")"
+                              : ""));
+    }
+    status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Running));
+
+    std::vector<std::thread> workers;
+    for (unsigned t = 0; t < opt_.threads; ++t) workers.emplace_back([this, t] { work(t); });
+    const int code = coordinate();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      jobs_.clear();
+    }
+    cv_work_.notify_all();
+    for (auto& w : workers) w.join();
+    // Whatever was queued or cancelled is not on disk: back to PENDING.
+    for (size_t i = 0; i < inflight_.size(); ++i) {
+      if (inflight_[i]) status_.set_state(plan_.entries[i].file_id, FileState::Pending);
+    }
+    drain_done();
+    status_.heartbeat();
+    status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Stopped));
+    if (!opt_.quiet) {
+      log_line("stopped: " + std::to_string(status_.load(so::kFilesStaged)) + " files (" +
+               std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
+               std::to_string(status_.load(so::kFilesReused)) + " reused, " +
+               std::to_string(status_.load(so::kFailures)) + " failed, " +
+               std::to_string(status_.load(so::kEvictions)) + " evicted");
+    }
+    return code;
+  }
+
+ private:
+  // Validates staged files for the (new) plan: intact copies are READY and count against the
+  // capacity, anything else is PENDING.
+  void adopt_plan() {
+    inflight_.assign(plan_.entries.size(), 0);
+    too_big_.assign(plan_.entries.size(), 0);
+    schedule_ = std::make_unique<NextUseSchedule>(plan_);
+    uint64_t resident = 0, ready = 0;
+    std::vector<char> buffer(kCopyBuffer);
+    for (size_t i = 0; i < plan_.entries.size(); ++i) {
+      const auto& e = plan_.entries[i];
+      const FileState s = status_.state(e.file_id);
+      const bool known_ready = s == FileState::Ready && validated_.count(e.file_id);
+      if (known_ready || engine_.is_intact(e.source, e.dest, e.size, buffer)) {
+        if (!known_ready) {
+          status_.add(so::kFilesReused, 1);
+          status_.add(so::kBytesReused, e.size);
+          validated_.insert(e.file_id);
+        }
+        status_.set_state(e.file_id, FileState::Ready);
+        schedule_->set_resident(i, true);
+        resident += e.size;
+        ++ready;
+      } else if (s == FileState::Ready || s == FileState::Copying || s == FileState::Failed) {
+        status_.set_state(e.file_id, FileState::Pending);  // stale, partial or worth a retry
+      }
+    }
+    resident_bytes_ = resident;
+    plan_ready_ = ready;
+    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kPlanHash, plan_.hash);
+    status_.store(so::kPlanEntries, plan_.entries.size());
+    status_.store(so::kPlanReady, plan_ready_);
+    schedule_->seek(cursor(), true);
+  }
+
+  uint32_t cursor() const {
+    const auto cursors = progress_.read();
+    int64_t slowest = -1;
+    bool any = false;
+    for (const auto& c : cursors) {
+      const int64_t pos = c.position < 0 ? 0 : c.position;
+      slowest = any ? std::min(slowest, pos) : pos;
+      any = true;
+    }
+    const int64_t base = plan_.epoch_begin * static_cast<int64_t>(plan_.steps_per_epoch);
+    const int64_t rel = any ? slowest - base : 0;
+    return rel <= 0 ? 0 : static_cast<uint32_t>(std::min<int64_t>(rel, UINT32_MAX - 1));
+  }
+
+  bool pending_signal() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    const struct timespec zero {};
+    const int sig = ::sigtimedwait(&set, nullptr, &zero);
+    if (sig > 0 && !opt_.quiet) {
+      log_line(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT"
+                                                                                       : "SIGHUP") +
+               ": removing temporary files and exiting");
+    }
+    return sig > 0;
+  }
+
+  bool parent_gone() const {
+    return opt_.parent_pid > 0 && (::getppid() != opt_.parent_pid);
+  }
+
+  int coordinate() {
+    auto last_plan_check = Clock::now();
+    for (;;) {
+      if (pending_signal()) {
+        cancel_.store(true);
+        return 0;
+      }
+      if (parent_gone()) {
+        if (!opt_.quiet) log_line("parent process exited: removing temporary files and exiting");
+        cancel_.store(true);
+        return 0;
+      }
+      status_.heartbeat();
+      drain_done();
+      const auto now = Clock::now();
+      if (!opt_.once && now - last_plan_check > std::chrono::milliseconds(200)) {
+        last_plan_check = now;
+        if (plan_file_id(meta_ + "/plan") != plan_id_) reload_requested_ = true;
+      }
+      if (reload_requested_ && inflight_count_ == 0) reload_plan();
+      const bool blocked = reload_requested_ ? true : dispatch();
+      if (opt_.once && inflight_count_ == 0 && (blocked || schedule_->exhausted())) {
+        status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Done));
+        return 0;
+      }
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_done_.wait_for(lock, std::chrono::milliseconds(20), [this] { return !done_.empty(); });
+    }
+  }
+
+  void reload_plan() {
+    reload_requested_ = false;
+    plan_id_ = plan_file_id(meta_ + "/plan");
+    Plan next;
+    try {
+      next = read_plan(meta_ + "/plan");
+    } catch (const StageError& e) {
+      log_line(std::string(e.what()) + " (keeping the previous plan)");
+      return;
+    }
+    if (next.dataset_files != plan_.dataset_files) {
+      log_line("new plan " + meta_ + "/plan is for a different data set; keeping the previous "
+               "plan");
+      return;
+    }
+    // Files still resident from the old plan stay, with no planned use (first to be evicted).
+    std::vector<uint8_t> in_next(plan_.dataset_files);
+    for (const auto& e : next.entries) in_next[e.file_id] = 1;
+    for (size_t i = 0; i < plan_.entries.size(); ++i) {
+      auto& e = plan_.entries[i];
+      if (!in_next[e.file_id] && status_.state(e.file_id) == FileState::Ready) {
+        e.ticks.clear();
+        next.entries.push_back(std::move(e));
+      }
+    }
+    schedule_.reset();
+    plan_ = std::move(next);
+    nospace_ = false;
+    adopt_plan();
+    if (!opt_.quiet) log_line("loaded new plan: " + std::to_string(plan_.entries.size()) + " files");
+  }
+
+  // Queues copies in next-use order within the window and the capacity. Returns true when
+  // blocked (capacity full, nothing evictable) so a stage-only run can finish.
+  bool dispatch() {
+    if (nospace_) return true;
+    const uint32_t cur = cursor();
+    schedule_->seek(cur);
+    const uint32_t limit = opt_.window_steps ? cur + opt_.window_steps : NextUseSchedule::kNever;
+    const size_t max_inflight = static_cast<size_t>(opt_.threads) * 4;
+    std::vector<Job> batch;
+    bool blocked = false;
+    while (inflight_count_ + batch.size() < max_inflight) {
+      auto needs = [this](size_t i) {
+        if (inflight_[i] || too_big_[i]) return false;
+        const FileState s = status_.state(plan_.entries[i].file_id);
+        return s == FileState::Pending || s == FileState::Evicted;
+      };
+      const auto candidate = schedule_->peek(limit, needs);
+      if (!candidate) break;
+      const auto [i, tick] = *candidate;
+      const auto& e = plan_.entries[i];
+      if (e.size > capacity_) {
+        too_big_[i] = 1;
+        if (!opt_.quiet) {
+          log_line("file " + e.source + " (" + std::to_string(e.size) +
+                   " bytes) is larger than the stage capacity; it is read from the PFS");
+        }
+        continue;
+      }
+      while (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
+        const auto victim = schedule_->pick_victim(cur, tick, cur + opt_.protect_steps);
+        if (!victim) break;
+        evict(*victim);
+      }
+      if (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
+        status_.set_flag(kFlagCapacityFull);
+        blocked = true;
+        break;
+      }
+      schedule_->consume();
+      inflight_[i] = 1;
+      inflight_bytes_ += e.size;
+      status_.set_state(e.file_id, FileState::Copying);
+      batch.push_back(Job{i, e.source, e.dest});
+    }
+    if (!batch.empty()) {
+      inflight_count_ += batch.size();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& job : batch) jobs_.push_back(std::move(job));
+      }
+      cv_work_.notify_all();
+    }
+    return blocked;
+  }
+
+  void evict(size_t i) {
+    const auto& e = plan_.entries[i];
+    // State first: a reader that saw READY and then finds no file falls back to the PFS.
+    status_.set_state(e.file_id, FileState::Evicted);
+    if (int err = engine_.remove(e.dest); err != 0 && err != ENOENT) {
+      log_line("cannot evict " + opt_.stage_dir + "/" + e.dest + ": " + errno_text(err) +
+               "; its space stays counted as used");
+      return;
+    }
+    schedule_->set_resident(i, false);
+    resident_bytes_ -= std::min(resident_bytes_, e.size);
+    --plan_ready_;
+    validated_.erase(e.file_id);
+    status_.add(so::kEvictions, 1);
+    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kPlanReady, plan_ready_);
+  }
+
+  void drain_done() {
+    std::vector<Done> done;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done.swap(done_);
+    }
+    for (auto& d : done) {
+      const auto& e = plan_.entries[d.entry];
+      inflight_[d.entry] = 0;
+      inflight_bytes_ -= e.size;
+      --inflight_count_;
+      switch (d.result.outcome) {
+        case CopyOutcome::Ok:
+          status_.set_state(e.file_id, FileState::Ready);
+          validated_.insert(e.file_id);
+          schedule_->set_resident(d.entry, true);
+          resident_bytes_ += e.size;
+          ++plan_ready_;
+          status_.add(so::kBytesStaged, d.result.bytes);
+          status_.add(so::kFilesStaged, 1);
+          status_.store(so::kBytesResident, resident_bytes_);
+          status_.store(so::kPlanReady, plan_ready_);
+          break;
+        case CopyOutcome::NoSpace:
+          status_.set_state(e.file_id, FileState::Pending);
+          status_.set_flag(kFlagNoSpace);
+          if (!nospace_) log_line(d.result.message);
+          nospace_ = true;
+          // Stop growing: what is resident now is the most this node can hold.
+          capacity_ = std::min(capacity_, resident_bytes_);
+          status_.store(so::kCapacity, capacity_);
+          break;
+        case CopyOutcome::Cancelled:
+          status_.set_state(e.file_id, FileState::Pending);
+          break;
+        case CopyOutcome::Transient:
+        case CopyOutcome::Failed:
+          status_.set_state(e.file_id, FileState::Failed);
+          if (status_.load(so::kFailures) < kMaxLoggedFailures) log_line(d.result.message);
+          status_.add(so::kFailures, 1);
+          break;
+      }
+    }
+  }
+
+  void work(unsigned tag) {
+    std::vector<char> buffer(kCopyBuffer);
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_work_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      CopyResult result;
+      for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
+        result = engine_.copy(job.source, job.dest, buffer, tag);
+        if (result.outcome != CopyOutcome::Transient || cancel_.load()) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50 << (2 * attempt)));
+      }
+      if (result.outcome == CopyOutcome::Transient) {
+        result.message += " (gave up after " + std::to_string(kMaxAttempts) +
+                          " attempts; marked FAILED, readers use the PFS copy)";
+      }
+      bool wake = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        // Wake the coordinator when the queue runs low, not once per file.
+        wake = done_.empty() || jobs_.size() < opt_.threads;
+        done_.push_back(Done{job.entry, std::move(result)});
+      }
+      if (wake) cv_done_.notify_one();
+    }
+  }
+
+  StagerOptions opt_;
+  std::string meta_;
+  Plan plan_;
+  StatusMap status_;
+  ProgressFile progress_;
+  StageTree tree_;
+  PfsEmulation pfs_;
+  std::atomic<bool> cancel_{false};
+  CopyEngine engine_;
+  PlanFileId plan_id_;
+  uint64_t capacity_ = 0;
+
+  // Coordinator-only state.
+  std::unique_ptr<NextUseSchedule> schedule_;
+  std::vector<uint8_t> inflight_, too_big_;
+  std::unordered_set<uint64_t> validated_;
+  size_t inflight_count_ = 0;
+  uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
+  bool nospace_ = false, reload_requested_ = false;
+
+  // Shared with the copy threads, under mu_.
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<Job> jobs_;
+  std::vector<Done> done_;
+  bool stopping_ = false;
+};
+
+}  // namespace
+
+int run_stager(const StagerOptions& options) {
+  // Signals are taken synchronously by the coordinator (sigtimedwait); the copy threads inherit
+  // the mask, so no handler and no global flag are needed.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  try {
+    Stager stager(options);
+    return stager.run();
+  } catch (const StageError& e) {
+    log_line(std::string("error: ") + e.what());
+    return 1;
+  }
+}
+
+}  // namespace hpcdl

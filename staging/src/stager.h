@@ -1,0 +1,25 @@
+// The staging process: reads the plan and the consumption cursors, runs the copy threads,
+// publishes file states and counters in the status map.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace hpcdl {
+
+struct StagerOptions {
+  std::string stage_dir;
+  unsigned threads = 8;
+  uint64_t capacity = 0;        // bytes; 0 = free space minus a safety margin
+  uint32_t window_steps = 0;    // copy at most this many steps ahead of the slowest rank; 0 = no limit
+  uint32_t protect_steps = 4;   // never evict a file read within this many steps of the cursor
+  bool verify = false;
+  bool once = false;            // exit when nothing more can be staged (stage-only runs)
+  long parent_pid = 0;          // exit when this process goes away (0 = do not watch)
+  bool quiet = false;
+};
+
+// Runs until SIGTERM/SIGINT, parent death, or (once) nothing left to do. Returns the exit code.
+int run_stager(const StagerOptions& options);
+
+}  // namespace hpcdl

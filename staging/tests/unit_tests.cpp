@@ -1,0 +1,100 @@
+// Unit tests of hpcdl-stage's pure parts: destination validation, plan parsing, next-use
+// eviction order, symlink refusal in the stage tree. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
+// tests/test_staging_sanitizers.py under ASan/UBSan.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "common.h"
+#include "copy_engine.h"
+#include "eviction.h"
+#include "plan.h"
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    std::cerr << "FAIL: " << what << "\n";
+    ++failures;
+  }
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string scratch = argc > 1 ? argv[1] : "unit-scratch";
+  ::mkdir(scratch.c_str(), 0700);
+  std::string why;
+
+  check(hpcdl::is_safe_relative("a/b.h5", &why), "plain relative path accepted");
+  check(!hpcdl::is_safe_relative("/etc/passwd", &why), "absolute path rejected");
+  check(!hpcdl::is_safe_relative("a/../../x", &why), "'..' rejected");
+  check(!hpcdl::is_safe_relative("a//b", &why), "empty component rejected");
+  check(!hpcdl::is_safe_relative(".hpcdl/status", &why), ".hpcdl rejected");
+
+  const std::string good = scratch + "/plan";
+  write_file(good,
+             "hpcdl-plan 1\nfingerprint 00ff\nseed 1\nepochs 0 2\nsteps_per_epoch 3\n"
+             "local_ranks 2\ndataset_files 4\nentries 3\n"
+             "2\t10\t0,4\tb\t/src/b\n0\t5\t1\ta/x\t/src/a/x\n3\t7\t2,3\tc\t/src/c\nend\n");
+  const hpcdl::Plan plan = hpcdl::read_plan(good);
+  check(plan.entries.size() == 3 && plan.entries[1].dest == "a/x", "plan parsed");
+  check(hpcdl::fingerprint_number(plan.fingerprint) == 0xff, "fingerprint number");
+
+  hpcdl::NextUseSchedule schedule(plan);
+  check(schedule.next_use(0, 1) == 4 && schedule.next_use(1, 2) == hpcdl::NextUseSchedule::kNever,
+        "next use");
+  for (size_t i = 0; i < 3; ++i) schedule.set_resident(i, true);
+  // At cursor 2: entry 0 next at 4, entry 1 never, entry 2 at 2 -> victim order 1, 0; never 2.
+  auto v = schedule.pick_victim(2, 2, 3);
+  check(v && *v == 1, "farthest next use evicted first");
+  v = schedule.pick_victim(2, 2, 3);
+  check(v && *v == 0, "then the next farthest");
+  v = schedule.pick_victim(2, 2, 3);
+  check(!v, "a file about to be read is never evicted");
+
+  for (const char* bad : {"hpcdl-plan 1\nentries 1\nlocal_ranks 1\ndataset_files 1\n"
+                          "0\t1\t0\t/abs\t/src\nend\n",
+                          "hpcdl-plan 1\nlocal_ranks 1\ndataset_files 1\nentries 1\n"
+                          "0\t1\t0\t../up\t/src\nend\n",
+                          "hpcdl-plan 1\nlocal_ranks 1\ndataset_files 1\nentries 2\n"
+                          "0\t1\t0\tok\t/src\n",
+                          "hpcdl-plan 9\n"}) {
+    write_file(good, bad);
+    bool threw = false;
+    try {
+      hpcdl::read_plan(good);
+    } catch (const hpcdl::StageError& e) {
+      threw = std::string(e.what()).find(good) != std::string::npos;
+    }
+    check(threw, std::string("bad plan rejected with its path: ") + bad);
+  }
+
+  const std::string tree_root = scratch + "/tree";
+  ::mkdir(tree_root.c_str(), 0700);
+  ::unlink((tree_root + "/link").c_str());
+  check(::symlink("/tmp", (tree_root + "/link").c_str()) == 0, "symlink made");
+  hpcdl::StageTree tree(tree_root);
+  bool refused = false;
+  try {
+    tree.dir_for("link/sub", true);
+  } catch (const hpcdl::StageError&) {
+    refused = true;
+  }
+  check(refused, "symlinked directory inside the stage dir refused");
+  check(tree.dir_for("real/sub", true) >= 0, "real directories created");
+
+  std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,177 @@
+"""Loader with worker processes: determinism, order, control traffic, failures, clean shutdown."""
+
+import gc
+import os
+import signal
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.data import DataError, Loader, open_dataset
+from hpcdl.data.pool import WorkerDied
+from hpcdl.data.sampler import DistributedSampler
+from hpcdl.data.slots import REPLY, TASK, SharedMemoryTooSmall
+
+
+@pytest.fixture(scope="module")
+def h5data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loader")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (600, 12, 12, 3), dtype=np.uint8)
+    for k in range(3):
+        with h5py.File(d / f"part-{k}.h5", "w") as f:
+            f["images"] = x[k * 200 : (k + 1) * 200]
+            f["labels"] = np.arange(k * 200, (k + 1) * 200) % 10
+    return open_dataset(d)
+
+
+def children() -> set[int]:
+    """Live (non-zombie) child processes of this process."""
+    me, out = os.getpid(), set()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.add(int(p.name))
+    return out
+
+
+def shm_in_use() -> list[str]:
+    gc.collect()
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(f"hpcdl-loader-{os.getpid()}-")]
+    maps = Path("/proc/self/maps").read_text()
+    return names + [line for line in maps.splitlines() if "hpcdl-loader" in line]
+
+
+def epoch_batches(ds, epoch=0, batch=32, **kw):
+    return DistributedSampler(len(ds), seed=5, **kw).batches(epoch, batch)
+
+
+def run(ds, workers, augment="crop3+flip", epochs=(0, 1), **kw):
+    out = []
+    with Loader(ds, 32, workers=workers, seed=11, augment=augment, **kw) as loader:
+        for e in epochs:
+            out += [(x.copy(), y.copy()) for x, y in loader.iterate(epoch_batches(ds, e), e)]
+        stats = loader.stats()
+    return out, stats
+
+
+def test_batches_are_bitwise_identical_for_0_1_and_3_workers(h5data):
+    ref, _ = run(h5data, 0)
+    assert len(ref) == 2 * (600 // 32)
+    assert not np.array_equal(ref[0][0], ref[len(ref) // 2][0])  # epochs differ
+    for k in (1, 3):
+        got, stats = run(h5data, k)
+        assert all(
+            np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+            for a, b in zip(ref, got, strict=True)
+        )
+        assert stats["pfs_reads"] == 32 * len(ref)
+
+
+def test_order_is_kept_under_random_worker_delays(h5data, monkeypatch):
+    monkeypatch.setenv("HPCDL_LOADER_TEST_DELAY", "0.03")
+    ref, _ = run(h5data, 0, augment="rrc10+flip", epochs=(2,))
+    got, _ = run(h5data, 3, augment="rrc10+flip", epochs=(2,))
+    for (xa, ya), (xb, yb) in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(xa, xb)
+
+
+def test_control_channel_carries_only_fixed_size_messages(h5data):
+    got, stats = run(h5data, 2, epochs=(0,))
+    # per batch one TASK and one REPLY, plus one READY per worker at start: no arrays
+    assert stats["control_messages"] == 2 * len(got) + 2
+    assert stats["control_bytes"] == len(got) * (TASK.size + REPLY.size) + 2 * REPLY.size
+    assert TASK.size == REPLY.size == 32
+    assert 32 * 12 * 12 * 3 * 4 > 100 * stats["control_bytes"] / len(got)
+
+
+def test_early_exit_keeps_the_loader_usable_and_results_unchanged(h5data):
+    ref, _ = run(h5data, 0, epochs=(1,))
+    with Loader(h5data, 32, workers=2, prefetch=3, seed=11, augment="crop3+flip") as loader:
+        for i, _ in enumerate(loader.iterate(epoch_batches(h5data, 0), 0)):
+            if i == 2:
+                break
+        got = [(x.copy(), y.copy()) for x, y in loader.iterate(epoch_batches(h5data, 1), 1)]
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(ref, got, strict=True))
+
+
+def test_partial_validation_batches(h5data):
+    idx = np.arange(0, 600, 7)
+    batches = [idx[i : i + 32] for i in range(0, len(idx), 32)]
+    with Loader(h5data, 32, workers=2, augment="crop3+flip") as loader:
+        got = [(x.shape, y.copy()) for x, y in loader.iterate(batches, 0, train=False)]
+    assert [s[0] for s, _ in got] == [32, 32, len(idx) - 64]
+    np.testing.assert_array_equal(np.concatenate([y for _, y in got]), idx % 10)
+
+
+def test_killed_worker_raises_within_seconds_and_leaves_nothing_behind(h5data, monkeypatch):
+    monkeypatch.setenv("HPCDL_LOADER_TEST_DELAY", "0.05")
+    before = children()
+    loader = Loader(h5data, 32, workers=2, prefetch=4, seed=1)
+    pids = loader.worker_pids
+    assert set(pids) <= children()
+    it = loader.iterate(epoch_batches(h5data), 0)
+    next(it)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    died = rf"loader worker pid {pids[1]} died \(killed by SIGKILL\) while building batch"
+    with pytest.raises(WorkerDied, match=died):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 10
+    loader.close()
+    assert children() == before
+    assert shm_in_use() == []
+
+
+def test_exception_in_the_training_loop_shuts_everything_down(h5data):
+    before = children()
+    with pytest.raises(KeyboardInterrupt):
+        with Loader(h5data, 32, workers=2) as loader:
+            for _ in loader.iterate(epoch_batches(h5data), 0):
+                raise KeyboardInterrupt
+    assert children() == before
+    assert shm_in_use() == []
+
+
+def test_data_error_in_a_worker_is_raised_in_the_trainer(h5data, tmp_path):
+    ds = open_dataset(h5data.root)
+    ds.source = tmp_path / "gone"  # workers cannot open it
+    with pytest.raises(DataError, match="gone: no such file"):
+        with Loader(ds, 32, workers=1) as loader:
+            list(loader.iterate(epoch_batches(ds), 0))
+
+
+def test_too_small_dev_shm_is_a_clear_error(h5data, monkeypatch):
+    import hpcdl.data.slots as slots
+
+    monkeypatch.setattr(slots, "free_bytes", lambda path: 1 << 20)
+    with pytest.raises(
+        SharedMemoryTooSmall,
+        match=r"needs 3\.\d MiB of shared memory in "
+        r"/dev/shm \(4 slots x 0\.\d MiB\) but only 1\.0 MiB are free.*--shm-size",
+    ):
+        Loader(h5data, 512, workers=1, prefetch=4)
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_trainer_rss_does_not_grow_across_epochs(h5data):
+    with Loader(h5data, 32, workers=2, augment="crop3+flip") as loader:
+        sizes = []
+        for e in range(8):
+            for x, _ in loader.iterate(epoch_batches(h5data, e), e):
+                float(x.sum())
+            gc.collect()
+            sizes.append(rss_bytes())
+    assert sizes[-1] - sizes[1] < 8 << 20, sizes

@@ -1,0 +1,23 @@
+"""`python -m hpcdl.bench compute` runs and ends with one JSON object (tiny shape, no torch)."""
+
+from __future__ import annotations
+
+import json
+
+from hpcdl.bench import compute
+
+
+def test_compute_benchmark_prints_json_last(capsys):
+    argv = ["--model", "cnn", "--batch-size", "4", "--input-shape", "1,8,8", "--steps", "2"]
+    assert compute.main([*argv, "--no-torch", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["hpcdl_ms_per_step"] > 0
+    assert result["torch_ms_per_step"] is None and result["ratio"] is None
+
+
+def test_compute_benchmark_rejects_a_bad_input_shape(capsys):
+    try:
+        compute.main(["--input-shape", "3,32"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "--input-shape must be C,H,W" in capsys.readouterr().err

@@ -1,0 +1,89 @@
+"""Staging plans: first-use order, uses per file, atomic plan file, path safety."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from test_staging_helpers import ShardDataset, make_tree
+
+from hpcdl.data.sampler import DistributedSampler
+from hpcdl.staging import PlanError, find_stager_binary, plan_for_node, write_plan
+from hpcdl.staging.plan import FileEntry, check_relpath
+
+
+def reference_order(ds, sampler_args, batch, epochs, node, local):
+    """Naive simulation: walk epochs, steps, local ranks, batch positions."""
+    samplers = [
+        DistributedSampler(rank=node * sampler_args["ranks_per_node"] + r, **sampler_args)
+        for r in range(local)
+    ]
+    seen, order, uses = set(), [], {}
+    steps = samplers[0].steps_per_epoch(batch)
+    for e, epoch in enumerate(range(*epochs)):
+        batches = [s.batches(epoch, batch) for s in samplers]
+        for step in range(steps):
+            for r in range(local):
+                for fid in ds.file_ids(batches[r][step]).tolist():
+                    uses.setdefault(fid, set()).add(e * steps + step)
+                    if fid not in seen:
+                        seen.add(fid)
+                        order.append(fid)
+    return order, uses
+
+
+@pytest.mark.parametrize("shuffle,per_file", [("global", 1), ("node", 1), ("global", 5)])
+def test_plan_order_is_first_use_interleaved_by_step(tmp_path, shuffle, per_file):
+    ds = make_tree(tmp_path, 40, 100)
+    ds = ShardDataset(tmp_path, [f.relpath for f in ds.files], per_file=per_file)
+    args = dict(num_samples=len(ds), world_size=4, seed=7, shuffle=shuffle, ranks_per_node=2)
+    plan = plan_for_node(ds, args, batch_size=3, epochs=(1, 3), node=1)
+    order, uses = reference_order(ds, args, 3, (1, 3), 1, 2)
+    assert plan.file_ids.tolist() == order
+    assert [t.tolist() for t in plan.ticks] == [sorted(uses[f]) for f in order]
+    assert plan.bytes == sum(ds.files[f].size for f in order)
+
+
+def test_plan_file_has_header_and_is_accepted_by_the_stager(tmp_path):
+    ds = make_tree(tmp_path / "data", 12, 50)
+    args = dict(num_samples=12, world_size=2, seed=1, shuffle="global", ranks_per_node=2)
+    plan = plan_for_node(ds, args, batch_size=2, epochs=(0, 2))
+    path = tmp_path / "plan"
+    write_plan(path, plan, ds)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "hpcdl-plan 1"
+    assert lines[1].startswith("fingerprint ") and "seed 1" in lines and "epochs 0 2" in lines
+    assert lines[-1] == "end"
+    assert not list(tmp_path.glob(".plan.tmp*"))
+    out = subprocess.run(
+        [find_stager_binary(), "--check-plan", path], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and f"{plan.files} files" in out.stdout
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../escape", "a/../../b", "a//b", ".hpcdl/status"])
+def test_unsafe_destinations_are_rejected_by_planner_and_stager(tmp_path, bad):
+    with pytest.raises(PlanError):
+        check_relpath(bad)
+    # A hand-written plan (not from the planner) is rejected by the stager itself.
+    plan = tmp_path / "plan"
+    plan.write_text(
+        "hpcdl-plan 1\nfingerprint 00\nseed 0\nepochs 0 1\nsteps_per_epoch 1\nlocal_ranks 1\n"
+        f"dataset_files 1\nentries 1\n0\t1\t0\t{bad}\t/etc/hostname\nend\n"
+    )
+    out = subprocess.run(
+        [find_stager_binary(), "--check-plan", plan], capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert str(plan) in out.stderr and "rejected" in out.stderr, out.stderr
+
+
+def test_planner_refuses_dataset_with_escaping_path(tmp_path):
+    ds = make_tree(tmp_path, 4, 10)
+    ds.files[2] = FileEntry("../outside.bin", 10)
+    args = dict(num_samples=4, world_size=1, seed=0, shuffle="none", ranks_per_node=1)
+    plan = plan_for_node(ds, args, batch_size=1, epochs=(0, 1))
+    with pytest.raises(PlanError, match="outside.bin"):
+        write_plan(tmp_path / "plan", plan, ds)
+    assert np.all(plan.sizes > 0)

@@ -1,0 +1,208 @@
+"""StagingSession with the real hpcdl-stage process: copies, readers, capacity, death, cleanup."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+import warnings
+
+from test_staging_helpers import make_tree, temp_files
+
+from hpcdl.staging import StagingSession
+from hpcdl.staging.status import FAILED, READY, StatusView
+
+ARGS = dict(world_size=1, seed=0, shuffle="global", ranks_per_node=1)
+
+
+def start(ds, stage, batch=4, epochs=(0, 2), **kw):
+    args = dict(ARGS, num_samples=len(ds))
+    return StagingSession.start(
+        None,
+        ds,
+        args,
+        batch,
+        epochs,
+        stage,
+        kw.pop("threads", 4),
+        kw.pop("capacity", None),
+        kw.pop("keep", False),
+        kw.pop("verify", False),
+    )
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_staged_copies_are_byte_identical_and_served_as_hits(tmp_path):
+    ds = make_tree(tmp_path / "pfs", 60, 3000)
+    stage = tmp_path / "stage"
+    session = start(ds, stage, verify=True)
+    status = StatusView(stage / ".hpcdl" / "status")
+    assert wait_for(lambda: status.field("plan_ready") == 60)
+    assert oct(stage.stat().st_mode & 0o777) == "0o700"
+    locate = pickle.loads(pickle.dumps(session.locator()))
+    for fid, entry in enumerate(ds.files):
+        path = locate(fid)
+        assert path == stage / entry.relpath
+        assert path.read_bytes() == (ds.root / entry.relpath).read_bytes()
+    stats = session.epoch_stats()
+    assert stats["files_staged"] == 60 and stats["hits"] == 60 and stats["misses"] == 0
+    assert stats["bytes_staged"] == sum(f.size for f in ds.files) and stats["stager_alive"]
+    session.close()
+    assert not stage.exists()
+
+
+def test_locator_counts_hits_from_worker_processes(tmp_path):
+    import multiprocessing as mp
+
+    ds = make_tree(tmp_path / "pfs", 10, 100)
+    session = start(ds, tmp_path / "stage")
+    status = StatusView(tmp_path / "stage" / ".hpcdl" / "status")
+    assert wait_for(lambda: status.field("plan_ready") == 10)
+    with mp.get_context("spawn").Pool(2) as pool:
+        paths = pool.map(session.locator(), range(10))
+    assert all(str(p).startswith(str(tmp_path / "stage")) for p in paths)
+    assert session.epoch_stats()["hits"] == 10
+    session.close()
+
+
+def test_concurrent_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
+    ds = make_tree(tmp_path / "pfs", 12, 400_000)
+    monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=1,mbps=40")
+    stage = tmp_path / "stage"
+    expected = {f.relpath: (ds.root / f.relpath).read_bytes() for f in ds.files}
+    bad, checked, stop = [], [0], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            for rel, data in expected.items():
+                try:
+                    got = (stage / rel).read_bytes()
+                except OSError:
+                    continue
+                checked[0] += 1
+                if got != data:
+                    bad.append((rel, len(got)))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    session = start(ds, stage)
+    status = StatusView(stage / ".hpcdl" / "status")
+    ok = wait_for(lambda: status.field("plan_ready") == 12, timeout=60)
+    stop.set()
+    t.join()
+    session.close()
+    assert ok and not bad and checked[0] > 0
+
+
+def staged_bytes(stage):
+    """Bytes of data files and temporaries in the stage dir (files may vanish meanwhile)."""
+    total = 0
+    for d, _, fs in os.walk(stage):
+        if ".hpcdl" in d:
+            continue
+        for f in fs:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def test_capacity_below_data_size_is_never_exceeded(tmp_path):
+    ds = make_tree(tmp_path / "pfs", 80, 10_000)  # ~800 KB
+    capacity = 200_000
+    stage = tmp_path / "stage"
+    session = start(ds, stage, batch=4, epochs=(0, 2), capacity=capacity)
+    status = StatusView(stage / ".hpcdl" / "status")
+    peak = 0
+    steps = len(ds) // 4
+    locate = session.locator()
+    for epoch in range(2):
+        for step in range(steps):
+            wait_for(lambda: status.field("plan_ready") > 0, timeout=2)
+            on_disk = staged_bytes(stage)
+            peak = max(peak, on_disk, status.field("bytes_resident"))
+            for fid in range(4):
+                locate(fid)
+            session.consumed(epoch, step + 1)
+            time.sleep(0.005)
+    stats = session.epoch_stats()
+    session.close()
+    assert peak <= capacity, peak
+    assert stats["files_staged"] > capacity // 10_100  # it did stage, and evicted to go on
+    assert stats["hits"] + stats["misses"] == 2 * steps * 4
+
+
+def test_sigkill_to_stager_falls_back_with_one_warning_and_no_temp_files(tmp_path, monkeypatch):
+    ds = make_tree(tmp_path / "pfs", 200, 50_000)
+    monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=5,mbps=20")
+    stage = tmp_path / "stage"
+    session = start(ds, stage, threads=4)
+    status = StatusView(stage / ".hpcdl" / "status")
+    assert wait_for(lambda: status.field("plan_ready") >= 2)
+    os.kill(status.field("pid"), signal.SIGKILL)
+    session.proc.wait()
+    locate = session.locator()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            session.last_check = 0.0
+            session.consumed(0, step + 1)
+        stats = session.epoch_stats()
+    assert len([w for w in caught if "staging" in str(w.message)]) == 1
+    assert not stats["stager_alive"]
+    states = status.states()
+    for fid, entry in enumerate(ds.files):
+        path = locate(fid)
+        if states[fid] != READY:
+            assert path == ds.root / entry.relpath
+    session.close()
+    assert temp_files(tmp_path) == []
+
+
+def test_restart_reuses_intact_staged_files(tmp_path):
+    ds = make_tree(tmp_path / "pfs", 30, 1000)
+    stage = tmp_path / "stage"
+    first = start(ds, stage, keep=True)
+    status = StatusView(stage / ".hpcdl" / "status")
+    assert wait_for(lambda: status.field("plan_ready") == 30)
+    first.close()
+    (ds.root / ds.files[0].relpath).write_bytes(b"changed")  # its copy is stale now
+    ds.files[0] = ds.files[0]._replace(size=7)
+    second = start(ds, stage, keep=False)
+    status = StatusView(stage / ".hpcdl" / "status")
+    assert wait_for(lambda: status.field("plan_ready") == 30)
+    assert status.field("files_reused") == 29 and status.field("files_staged") == 1
+    assert (stage / ds.files[0].relpath).read_bytes() == b"changed"
+    second.close()
+
+
+def test_missing_source_and_symlinked_dir_are_failed_not_fatal(tmp_path, capfd):
+    ds = make_tree(tmp_path / "pfs", 8, 100, dirs=2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    stage = tmp_path / "stage"
+    stage.mkdir(mode=0o700)
+    (stage / "d1").symlink_to(outside)  # a symlinked directory inside the stage dir
+    (ds.root / ds.files[0].relpath).unlink()  # unreadable source: gone after planning
+    session = start(ds, stage)
+    status = StatusView(stage / ".hpcdl" / "status")
+    assert wait_for(lambda: status.field("plan_ready") + status.field("failures") == 8)
+    err = capfd.readouterr().err
+    assert "d1" in err and "symlink" in err and "read from the PFS" in err
+    assert ds.files[0].relpath in err and "No such file" in err
+    states = status.states()
+    assert states[0] == FAILED and states[1] == FAILED
+    assert list(outside.iterdir()) == []
+    assert session.locator()(0) == ds.root / ds.files[0].relpath
+    session.close()
