@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpcdl import checkpoint
 from hpcdl.backend import to_device, to_host
 from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
@@ -184,13 +182,3 @@ def _xp(array: Any):
     from hpcdl.backend import array_module  # noqa: PLC0415
 
     return array_module(array)
-
-
-def default_workers(world: World) -> int:
-    """A fair share of the node's cores for each rank's loader, leaving one for the rank itself."""
-    cores = os.cpu_count() or 1
-    return max(1, cores // world.local_size - 1)
-
-
-def to_labels(y: np.ndarray, xp: Any) -> Any:
-    return to_device(np.asarray(y, dtype=np.int64), xp)

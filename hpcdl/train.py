@@ -23,6 +23,7 @@ from hpcdl.comm.failure import (
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World, init_world
 from hpcdl.config import ConfigError, TrainConfig, parse_args
+from hpcdl.data.device import on_device
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import MetricsWriter, Progress, RunningMean, StepTimes
 
@@ -120,9 +121,11 @@ def train(cfg: TrainConfig, world: World) -> int:
             cfg.keep_staged,
             cfg.stage_verify,
         )
-    from hpcdl.data import Loader  # noqa: PLC0415
+    from hpcdl.data import Loader, default_workers  # noqa: PLC0415
 
-    workers = startup.default_workers(world) if cfg.workers is None else cfg.workers
+    workers = (
+        default_workers(ranks_per_node=world.local_size) if cfg.workers is None else cfg.workers
+    )
     loader = Loader(
         train_ds,
         cfg.batch_size,
@@ -166,15 +169,13 @@ def train(cfg: TrainConfig, world: World) -> int:
         batches = sampler.batches(epoch, cfg.batch_size)[first:]
         step = first
         t_wait = time.perf_counter()
-        for images, labels in loader.iterate(batches, epoch, train=True):
+        for images, labels in on_device(loader.iterate(batches, epoch, train=True), xp):
             stop.start_step()
             t0 = time.perf_counter()
             times = StepTimes(t_data=t0 - t_wait)
 
-            x = backend.to_device(images, xp)  # (B, C, H, W) float32
-            y = startup.to_labels(labels, xp)  # (B,) int64
-            logits = model.forward(x, train=True)
-            loss, dlogits = nn.softmax_cross_entropy(logits, y)
+            logits = model.forward(images, train=True)  # images (B, C, H, W) float32 on xp
+            loss, dlogits = nn.softmax_cross_entropy(logits, labels)  # labels (B,) int64
             if reducer:
                 reducer.begin_step()
             model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
@@ -200,7 +201,7 @@ def train(cfg: TrainConfig, world: World) -> int:
                 )
             times.t_compute, times.t_comm_exposed, times.t_update = t1 - t0, t2 - t1, t3 - t2
             times.t_step = t3 - t_wait
-            correct = nn.accuracy_count(logits, y)
+            correct = nn.accuracy_count(logits, labels)
             epoch_stats.add(times, loss, correct, len(labels))
             run.add(times, loss, correct, len(labels))
             step += 1
@@ -244,8 +245,9 @@ def train(cfg: TrainConfig, world: World) -> int:
         # --- end of epoch: evaluate, report, checkpoint --------------------------------------
         collectives.allreduce_mean(world.comm, model.buffers, host_staged)  # BatchNorm stats
         seconds = time.perf_counter() - epoch_start
-        history = evaluate(world, model, val_loader, len(val_ds) if val_ds else 0, xp,
-                           cfg.batch_size, epoch_stats)
+        history = evaluate(
+            world, model, val_loader, len(val_ds) if val_ds else 0, xp, cfg.batch_size, epoch_stats
+        )
         values = {k: history[k] for k in ("loss", "acc", "val_loss", "val_acc") if k in history}
         progress.end_epoch(step, values)
         stage_stats = staging.epoch_stats() if staging else None
@@ -331,11 +333,10 @@ def evaluate(
     if val_loader is not None:
         idx = eval_indices(val_size, world.size, world.rank)
         batches = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
-        for images, labels in val_loader.iterate(batches, 0, train=False):
-            y = startup.to_labels(labels, xp)
-            logits = model.forward(backend.to_device(images, xp), train=False)
-            loss, _ = nn.softmax_cross_entropy(logits, y)
-            sums[4:] += (float(loss) * len(labels), nn.accuracy_count(logits, y), len(labels))
+        for images, labels in on_device(val_loader.iterate(batches, 0, train=False), xp):
+            logits = model.forward(images, train=False)
+            loss, _ = nn.softmax_cross_entropy(logits, labels)
+            sums[4:] += (float(loss) * len(labels), nn.accuracy_count(logits, labels), len(labels))
     collectives.allreduce_sum(world.comm, sums)
     result = {"loss": sums[0] / max(1, sums[1]), "acc": sums[2] / max(1, sums[3])}
     if val_loader is not None and sums[6]:

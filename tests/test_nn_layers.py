@@ -31,7 +31,10 @@ XPS = [
     pytest.param(
         "cupy",
         id="cupy",
-        marks=pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU"),
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU"),
+        ],
     ),
 ]
 

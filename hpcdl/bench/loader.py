@@ -175,6 +175,65 @@ def overlap(data: str, workers: int, batch: int, steps: int = 40) -> list[dict]:
     return rows
 
 
+def h2d_overlap(workers: int, batch: int = 256, steps: int = 30, n: int = 4096) -> dict:
+    """GPU: step time with a device compute phase, host batches uploaded synchronously
+    (cupy.asarray from the loader's slot) vs by DevicePrefetcher (pinned, own stream).
+
+    Images are uint8 3x64x64 (a 12 MiB float32 batch at B = 256), so the upload is visible;
+    the compute phase is sized to about twice one synchronous upload."""
+    import cupy as cp  # noqa: PLC0415
+
+    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
+    from hpcdl.data.device import DevicePrefetcher  # noqa: PLC0415
+
+    tmp = Path(tempfile.mkdtemp(prefix="hpcdl-bench-h2d-"))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8)
+    write_dataset(tmp, {"train": (x, rng.integers(0, 10, n))}, [str(i) for i in range(10)])
+    ds = open_dataset(tmp / "train")
+    batches = (_batches(n, batch) * (steps // (n // batch) + 2))[: steps + 1]
+    a = cp.random.standard_normal((1024, 1024), dtype=cp.float32)
+    sync = cp.cuda.get_current_stream().synchronize
+
+    def compute(images, reps: int) -> None:
+        images.sum()  # the step reads its batch
+        for _ in range(reps):
+            a @ a
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    host = np.ones((batch, 3, 64, 64), np.float32)
+    copy_s = min(timed(lambda: cp.asarray(host)) for _ in range(5))
+    per_rep = timed(lambda: compute(cp.asarray(host), 50)) / 50
+    reps = max(1, int(2 * copy_s / per_rep))
+    compute_s = min(timed(lambda: compute(cp.asarray(host), reps)) for _ in range(3)) - copy_s
+    result = {"batch_bytes": host.nbytes, "upload_s": copy_s, "compute_s": compute_s}
+    result["load_s"] = batch / hpcdl_rate(ds, workers, batch, "none", n)
+    with Loader(ds, batch, workers=workers, prefetch=max(4, 2 * workers), seed=0) as loader:
+        for name, wrap in (("sync", None), ("prefetch", DevicePrefetcher)):
+            it = loader.iterate(batches, 0)
+            it = iter(wrap(it, cp)) if wrap else it
+            next(it)
+            t0 = time.perf_counter()
+            for images, _ in it:
+                compute(cp.asarray(images), reps)
+                sync()
+            result[f"{name}_step_s"] = (time.perf_counter() - t0) / steps
+    bound = max(result["compute_s"], result["load_s"])
+    result["sync_step_over_max"] = result["sync_step_s"] / bound
+    result["prefetch_step_over_max"] = result["prefetch_step_s"] / bound
+    import shutil  # noqa: PLC0415
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m hpcdl.bench loader",
@@ -187,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-images", type=int, default=2048)
     p.add_argument("--skip-hdf5", action="store_true", help="skip the HDF5 and overlap parts")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "gpu"),
+        help="gpu: also measure the host-to-device overlap of DevicePrefetcher (needs CuPy)",
+    )
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = p.parse_args(argv)
     root = Path(args.data)
@@ -215,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         import shutil  # noqa: PLC0415
 
         shutil.rmtree(h5dir, ignore_errors=True)
+    if args.device == "gpu":
+        result["h2d"] = h2d_overlap(default_workers())
     for key, value in result.items():
         print(f"{key:36s} {value:.3f}" if isinstance(value, float) else f"{key:36s} {value}")
     if args.json:

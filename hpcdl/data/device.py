@@ -19,6 +19,11 @@ from typing import Any
 import numpy as np
 
 
+def on_device(host_batches: Iterable, xp) -> Iterable:
+    """The batches as the backend xp wants them: unchanged for NumPy, prefetched for CuPy."""
+    return host_batches if xp is np else DevicePrefetcher(host_batches, xp)
+
+
 class _Buffers:
     """Pinned host staging + device arrays for one in-flight batch."""
 

@@ -146,7 +146,7 @@ class Dropout(Layer):
         xp = array_module(x)
         seed = int(self.rng.integers(2**63))
         u = xp.random.default_rng(seed).random(x.shape, dtype=xp.float32)
-        keep = np.asarray(1.0 / (1.0 - self.rate), dtype=x.dtype)
+        keep = x.dtype.type(1.0 / (1.0 - self.rate))  # a scalar: CuPy rejects NumPy 0-d arrays
         self.mask = (u >= self.rate) * keep  # (same shape as x), x.dtype
         return x * self.mask
 
@@ -235,7 +235,7 @@ class GlobalAvgPool(Layer):
     def backward(self, dy, ready=None):
         xp = array_module(dy)
         n, h, w, c = self.x_shape
-        scale = np.asarray(1.0 / (h * w), dtype=dy.dtype)
+        scale = dy.dtype.type(1.0 / (h * w))
         return xp.broadcast_to((dy * scale)[:, None, None, :], self.x_shape).copy()
 
 
