@@ -102,7 +102,7 @@ _HELP = {
     "prefetch": "shared-memory batch slots per rank",
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
     "stage_dir": "node-local directory to stage training files into (enables staging)",
-    "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%) staging may use",
+    "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use",
     "max_steps": "stop after this many steps in total",
 }
 

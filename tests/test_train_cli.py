@@ -217,3 +217,12 @@ def test_training_with_staging_gives_bitwise_the_same_parameters(digits_dir, tmp
     staging = read_events(metrics, "summary")[0]["staging"]
     assert staging["files_staged"] > 0 and staging["hits"] > 0, staging
     assert not (tmp_path / "stage").exists() or not any((tmp_path / "stage").rglob("*.h5"))
+
+
+def test_help_lists_every_flag():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdl.train", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--data", "--stage-capacity", "--sync", "--bucket-mb", "--resume", "--workers"):
+        assert flag in proc.stdout

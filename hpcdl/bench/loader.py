@@ -214,17 +214,22 @@ def h2d_overlap(workers: int, batch: int = 256, steps: int = 30, n: int = 4096) 
     reps = max(1, int(2 * copy_s / per_rep))
     compute_s = min(timed(lambda: compute(cp.asarray(host), reps)) for _ in range(3)) - copy_s
     result = {"batch_bytes": host.nbytes, "upload_s": copy_s, "compute_s": compute_s}
-    result["load_s"] = batch / hpcdl_rate(ds, workers, batch, "none", n)
     with Loader(ds, batch, workers=workers, prefetch=max(4, 2 * workers), seed=0) as loader:
-        for name, wrap in (("sync", None), ("prefetch", DevicePrefetcher)):
+        for name, step in (
+            ("load", lambda images: None),
+            ("sync", lambda images: compute(cp.asarray(images), reps)),
+            ("prefetch", lambda images: compute(images, reps)),
+        ):
             it = loader.iterate(batches, 0)
-            it = iter(wrap(it, cp)) if wrap else it
+            it = iter(DevicePrefetcher(it, cp)) if name == "prefetch" else it
             next(it)
             t0 = time.perf_counter()
             for images, _ in it:
-                compute(cp.asarray(images), reps)
+                step(images)
                 sync()
-            result[f"{name}_step_s"] = (time.perf_counter() - t0) / steps
+            result[f"{name}_s" if name == "load" else f"{name}_step_s"] = (
+                time.perf_counter() - t0
+            ) / steps
     bound = max(result["compute_s"], result["load_s"])
     result["sync_step_over_max"] = result["sync_step_s"] / bound
     result["prefetch_step_over_max"] = result["prefetch_step_s"] / bound
