@@ -264,9 +264,12 @@ class BatchNorm(Layer):
         gamma, beta = self.p["gamma"], self.p["beta"]
         if train:
             m = x2.shape[0]
-            mean = x2.mean(axis=0)
+            ones = self._ones(xp, m, x2.dtype)
+            mean = ones @ x2
+            mean /= m
             xc = x2 - mean
-            var = xp.mean(xc * xc, axis=0)
+            var = ones @ (xc * xc)
+            var /= m
             inv_std = 1.0 / xp.sqrt(var + self.eps)
             rm, rv = self.b["running_mean"], self.b["running_var"]
             rm *= 1.0 - self.momentum
@@ -286,10 +289,12 @@ class BatchNorm(Layer):
         return y.reshape(x.shape)
 
     def backward(self, dy, ready=None):
+        xp = array_module(dy)
         dy2 = dy.reshape(-1, self.channels)
         xhat = self.xhat
-        dy2.sum(axis=0, out=self.g["beta"])
-        (dy2 * xhat).sum(axis=0, out=self.g["gamma"])
+        ones = self._ones(xp, dy2.shape[0], dy2.dtype)
+        xp.matmul(ones, dy2, out=self.g["beta"])
+        xp.matmul(ones, dy2 * xhat, out=self.g["gamma"])
         dx = None
         if self.input_grad:
             scale = self.p["gamma"] * self.inv_std
@@ -304,6 +309,18 @@ class BatchNorm(Layer):
         self._done(ready)
         self.xhat = None
         return dx
+
+    def _ones(self, xp: Any, m: int, dtype: Any) -> Any:
+        """A cached (M,) vector of ones: per-channel sums over M rows as one GEMV.
+
+        A reduction over axis 0 of (M, C) with few channels is slow in CuPy (~1 ms per call
+        at M = 131k, C = 16 on an H100: BatchNorm was 95% of a resnet20 step) and
+        single-threaded in NumPy; the BLAS matrix-vector product is neither."""
+        ones = getattr(self, "_ones_vec", None)
+        stale = ones is None or ones.shape != (m,) or ones.dtype != dtype
+        if stale or array_module(ones) is not xp:
+            ones = self._ones_vec = xp.ones(m, dtype=dtype)
+        return ones
 
 
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
