@@ -61,10 +61,18 @@ void create_fresh(const std::string& path, uint64_t files, uint64_t fingerprint)
   std::memcpy(header + status_offset::kHeaderSize, &hsize, 4);
   std::memcpy(header + status_offset::kFiles, &files, 8);
   std::memcpy(header + status_offset::kFingerprint, &fingerprint, 8);
-  if (::pwrite(fd.get(), header, sizeof header, 0) != static_cast<ssize_t>(sizeof header) ||
-      ::ftruncate(fd.get(), static_cast<off_t>(kStatusHeaderSize + files)) != 0 ||
-      ::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
+  // posix_fallocate, not ftruncate: a sparse map on a full file system would fault (SIGBUS)
+  // at the first write to an unbacked page instead of failing here with ENOSPC.
+  const off_t size = static_cast<off_t>(kStatusHeaderSize + files);
+  int err = 0;
+  if (::pwrite(fd.get(), header, sizeof header, 0) != static_cast<ssize_t>(sizeof header)) {
+    err = errno;
+  } else if (int rc = ::posix_fallocate(fd.get(), 0, size); rc != 0) {
+    err = rc;  // posix_fallocate returns the error instead of setting errno
+  } else if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    err = errno;
+  }
+  if (err != 0) {
     ::unlink(tmp.c_str());
     throw StageError("cannot write status map " + path + ": " + errno_text(err) +
                          "; the stager stops and training reads from the PFS",

@@ -1,0 +1,468 @@
+"""`hpcdl.train --stage-dir` end to end with the real hpcdl-stage, MPI, HDF5 and file systems.
+
+A full file system (a 200 KiB tmpfs in a private mount namespace), a SIGKILLed stager, a capacity
+below the data set size and the per-epoch staging figures of the metrics file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import mpi_env, mpirun_cmd
+from test_staging_helpers import temp_files
+
+from hpcdl import checkpoint
+from hpcdl.data.convert import write_dataset
+from hpcdl.staging.status import (
+    FLAG_CAPACITY_FULL,
+    FLAG_NOSPACE,
+    PENDING,
+    READY,
+    RUN_RUNNING,
+    StatusView,
+)
+
+TMPFS_SIZE = 200 * 1024
+NOSPACE_TEXT = "No space left on device; staging stops growing, the remaining files are read"
+DEAD_TEXT = "the staging process stopped; files not yet staged in"
+
+# Runs argv[3:] inside the mount namespace, then records the stage dir (argv[2]) before the
+# namespace (and its tmpfs) goes away: every file with its size and sha256, the status map.
+INSPECT = r"""
+import hashlib, json, os, subprocess, sys
+from hpcdl.staging.status import StatusView
+out, stage, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+proc = subprocess.run(cmd, capture_output=True, text=True)
+files = {}
+for d, _, names in os.walk(stage):
+    for name in names:
+        path = os.path.join(d, name)
+        with open(path, "rb") as f:
+            files[os.path.relpath(path, stage)] = hashlib.sha256(f.read()).hexdigest()
+view = StatusView(os.path.join(stage, ".hpcdl", "status"))
+vfs = os.statvfs(stage)
+result = dict(rc=proc.returncode, stdout=proc.stdout, stderr=proc.stderr, files=files,
+              fs_bytes=vfs.f_blocks * vfs.f_frsize,
+              header=view.header() if view.open() else None, states=list(view.states()))
+with open(out, "w") as f:
+    json.dump(result, f)
+"""
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def train_cmd(ranks, *args):
+    return [
+        *mpirun_cmd(ranks),
+        sys.executable,
+        "-m",
+        "hpcdl.train",
+        *map(str, args),
+    ]
+
+
+def run_train(ranks, *args, env=None, timeout=300):
+    return subprocess.run(
+        train_cmd(ranks, *args),
+        capture_output=True,
+        text=True,
+        env=env or mpi_env(),
+        timeout=timeout,
+    )
+
+
+def read_events(path, event):
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
+
+
+def final_params(ckpt_dir: Path) -> np.ndarray:
+    return checkpoint.load(checkpoint.latest(ckpt_dir)).params
+
+
+def data_files(stage: Path) -> dict[str, int]:
+    """Staged data files (not .hpcdl/, not temporaries) -> size."""
+    out = {}
+    for d, _, names in os.walk(stage):
+        if ".hpcdl" in Path(d).relative_to(stage).parts:
+            continue
+        for name in names:
+            if ".hpcdl-tmp." not in name:
+                try:
+                    out[os.path.relpath(os.path.join(d, name), stage)] = os.path.getsize(
+                        os.path.join(d, name)
+                    )
+                except FileNotFoundError:
+                    pass  # evicted meanwhile
+    return out
+
+
+def disk_bytes(stage: Path) -> int:
+    """Bytes of staged files and temporaries in the stage dir (outside .hpcdl/)."""
+    total = 0
+    for d, _, names in os.walk(stage):
+        if ".hpcdl" in Path(d).relative_to(stage).parts:
+            continue
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+    return total
+
+
+# ---------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def big_dir(tmp_path_factory) -> Path:
+    """16 HDF5 shards of 100 random 16x16 uint8 images (~520 KB): larger than the tmpfs."""
+    out = tmp_path_factory.mktemp("big")
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (1600, 16, 16, 1), dtype=np.uint8)
+    labels = rng.integers(0, 10, 1600).astype(np.int64)
+    write_dataset(out, {"train": (images, labels)}, [str(i) for i in range(10)], shard_size=100)
+    assert sum(p.stat().st_size for p in (out / "train").iterdir()) > 2 * TMPFS_SIZE
+    return out / "train"
+
+
+@pytest.fixture(scope="module")
+def small_fs(tmp_path_factory):
+    """Runs a command with a fresh 200 KiB tmpfs mounted on a directory (mount namespace)."""
+    probe = tmp_path_factory.mktemp("probe")
+    try:
+        proc = subprocess.run(
+            ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size={TMPFS_SIZE} tmpfs "$0"', probe],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except FileNotFoundError as exc:
+        pytest.skip(f"cannot mount a small tmpfs: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root and unshare): {proc.stderr.strip()}")
+
+    def run(stage: Path, cmd: list, out: Path) -> dict:
+        stage.mkdir()
+        proc = subprocess.run(
+            [
+                "unshare",
+                "-m",
+                "sh",
+                "-c",
+                f'mount -t tmpfs -o size={TMPFS_SIZE} tmpfs "$0" && exec "$@"',
+                stage,
+                sys.executable,
+                "-c",
+                INSPECT,
+                out,
+                stage,
+                *map(str, cmd),
+            ],
+            capture_output=True,
+            text=True,
+            env=mpi_env(),
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(out.read_text())
+        assert result["fs_bytes"] == TMPFS_SIZE  # it really ran on the small tmpfs
+        assert not any(stage.iterdir())  # and the tmpfs is gone with the namespace
+        return result
+
+    return run
+
+
+# ---------------------------------------------------------------------------------- ENOSPC
+
+
+def check_enospc_result(result: dict, data: Path) -> set[str]:
+    """Checks shared by the stage-only and the training runs; returns the staged relpaths."""
+    sources = {p.name: p for p in data.iterdir()}
+    staged = {rel for rel in result["files"] if not rel.startswith(".hpcdl")}
+    assert [rel for rel in staged if ".hpcdl-tmp." in rel] == [], staged
+    assert 0 < len(staged) < len(sources), staged
+    for rel in staged:  # published copies are complete
+        assert result["files"][rel] == sha256(sources[rel]), rel
+    assert result["stderr"].count(NOSPACE_TEXT) == 1, result["stderr"]
+    header, states = result["header"], result["states"]
+    assert header["flags"] & FLAG_NOSPACE, header
+    assert header["files_staged"] + header["files_reused"] == len(staged)
+    assert header["failures"] == 0
+    # The capacity shrank to what is resident; everything else stays PENDING (read from the PFS).
+    staged_bytes = sum(sources[rel].stat().st_size for rel in staged)
+    assert header["bytes_resident"] == header["capacity"] == staged_bytes, header
+    assert states.count(READY) == len(staged)
+    assert states.count(PENDING) == len(sources) - len(staged), states
+    return staged
+
+
+def test_stage_only_into_a_full_file_system_stops_growing_with_a_clear_message(
+    big_dir, small_fs, tmp_path
+):
+    result = small_fs(
+        tmp_path / "stage",
+        [
+            sys.executable,
+            "-m",
+            "hpcdl.stage",
+            "--data",
+            big_dir,
+            "--stage-dir",
+            tmp_path / "stage",
+            "--stage-capacity",
+            "10M",  # more than the tmpfs holds: the file system says no first
+            "--json",
+        ],
+        tmp_path / "inspect.json",
+    )
+    assert result["rc"] == 0, result["stderr"]
+    staged = check_enospc_result(result, big_dir)
+    summary = json.loads(result["stdout"].splitlines()[-1])
+    assert summary["no_space"] is True and summary["failures"] == 0, summary
+    assert summary["files"] == len(staged) and summary["planned"] == 16, summary
+    assert "files left on the PFS (no space left)" in result["stdout"]
+
+
+def test_training_into_a_full_file_system_reads_the_rest_from_the_pfs(big_dir, small_fs, tmp_path):
+    common = ["--data", big_dir, "--model", "mlp", "--epochs", 2, "--batch-size", 32]
+    common += ["--workers", 0, "--seed", 1, "--quiet"]
+    plain = run_train(1, *common, "--checkpoint-dir", tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    metrics = tmp_path / "m.jsonl"
+    result = small_fs(
+        tmp_path / "stage",
+        train_cmd(
+            1,
+            *common,
+            "--checkpoint-dir",
+            tmp_path / "staged",
+            "--metrics",
+            metrics,
+            "--stage-dir",
+            tmp_path / "stage",
+            "--stage-capacity",
+            "10M",
+            "--keep-staged",  # leave the copies and the status map for the inspection
+        ),
+        tmp_path / "inspect.json",
+    )
+    assert result["rc"] == 0, result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"] and "Warning" not in result["stderr"]
+    check_enospc_result(result, big_dir)
+    staging = read_events(metrics, "summary")[0]["staging"]
+    assert staging["hits"] > 0 and staging["misses"] > 0 and staging["stager_alive"], staging
+    np.testing.assert_array_equal(
+        final_params(tmp_path / "plain"), final_params(tmp_path / "staged")
+    )
+
+
+# ---------------------------------------------------------------------------------- SIGKILL
+
+
+def test_sigkill_to_the_stager_mid_run_falls_back_to_the_pfs_with_the_same_parameters(
+    digits_dir, tmp_path
+):
+    common = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 20]
+    common += ["--batch-size", 8, "--workers", 1, "--seed", 5, "--quiet"]
+    plain = run_train(2, *common, "--checkpoint-dir", tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+
+    stage, metrics = tmp_path / "stage", tmp_path / "m.jsonl"
+    env = mpi_env()
+    # ~35 KB shards at 0.1 MB/s through one rate limiter: one copy done every ~0.35 s.
+    env["HPCDL_STAGE_EMULATE_PFS"] = "latency_ms=20,mbps=0.1"
+    job = subprocess.Popen(
+        train_cmd(
+            2,
+            *common,
+            "--checkpoint-dir",
+            tmp_path / "staged",
+            "--metrics",
+            metrics,
+            "--stage-dir",
+            stage,
+            "--keep-staged",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    status = StatusView(stage / ".hpcdl" / "status")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and job.poll() is None:
+        if status.field("run_state") == RUN_RUNNING and status.field("plan_ready") >= 1:
+            break
+        time.sleep(0.005)
+    pid = status.field("pid")
+    assert job.poll() is None and pid > 0 and status.field("plan_ready") >= 1, job.poll()
+    os.kill(pid, signal.SIGKILL)
+    in_flight = temp_files(stage)
+    ready_at_kill = [i for i, s in enumerate(status.states()) if s == READY]
+    still_training = job.poll() is None
+    out, err = job.communicate(timeout=300)
+    status.close()
+
+    assert still_training  # the kill really came mid-run
+    assert in_flight, "no copy was in flight when the stager was killed"
+    assert job.returncode == 0, err[-3000:]
+    assert "Traceback" not in err
+    # One warning per rank (each rank's session notices the death once), naming the fallback.
+    warnings = [line for line in err.splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 2 and all(DEAD_TEXT in w for w in warnings), err[-3000:]
+    assert all("read from the parallel file system" in w for w in warnings)
+    # The killed stager's temporaries are gone; the copies it published are intact and kept.
+    assert temp_files(stage) == []
+    kept = data_files(stage)
+    assert len(kept) == len(ready_at_kill) >= 1, (kept, ready_at_kill)
+    for rel in kept:
+        assert sha256(stage / rel) == sha256(digits_dir / "train" / rel)
+    staging = read_events(metrics, "summary")[0]["staging"]
+    assert not staging["stager_alive"], staging
+    assert staging["hits"] > 0 and staging["misses"] > 0, staging
+    np.testing.assert_array_equal(
+        final_params(tmp_path / "plain"), final_params(tmp_path / "staged")
+    )
+
+
+# ---------------------------------------------------------------------------------- capacity
+
+
+def test_capacity_below_the_data_set_size_is_respected_through_the_trainer(digits_dir, tmp_path):
+    shards = sorted((digits_dir / "train").iterdir())
+    sizes = sorted(p.stat().st_size for p in shards)
+    capacity = sizes[0] + sizes[1] + 1000  # two shards of four fit
+    assert capacity < sum(sizes)
+    stage, metrics = tmp_path / "stage", tmp_path / "m.jsonl"
+    job = subprocess.Popen(
+        train_cmd(
+            1,
+            "--data",
+            digits_dir / "train",
+            "--model",
+            "mlp",
+            "--epochs",
+            4,
+            "--batch-size",
+            16,
+            "--workers",
+            0,
+            "--quiet",
+            "--stage-dir",
+            stage,
+            "--stage-capacity",
+            capacity,
+            "--keep-staged",
+            "--metrics",
+            metrics,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=mpi_env(),
+    )
+    peak = {"disk": 0, "resident": 0, "samples": 0}
+
+    def watch():
+        view = StatusView(stage / ".hpcdl" / "status")
+        while job.poll() is None:
+            if stage.exists():
+                peak["disk"] = max(peak["disk"], disk_bytes(stage))
+                peak["resident"] = max(peak["resident"], view.field("bytes_resident"))
+                peak["samples"] += 1
+            time.sleep(0.002)
+        view.close()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    out, err = job.communicate(timeout=300)
+    watcher.join()
+    assert job.returncode == 0, err[-3000:]
+    assert peak["samples"] > 0
+    assert 0 < peak["resident"] <= capacity and peak["disk"] <= capacity, peak
+
+    view = StatusView(stage / ".hpcdl" / "status")
+    header = view.header()
+    view.close()
+    assert header["capacity"] == capacity and header["flags"] & FLAG_CAPACITY_FULL, header
+    assert 0 < header["bytes_resident"] <= capacity
+    assert 0 < sum(data_files(stage).values()) <= capacity
+    assert temp_files(stage) == []
+
+    epochs = read_events(metrics, "epoch")
+    summary = read_events(metrics, "summary")[0]["staging"]
+    assert summary["hits"] > 0 and summary["misses"] > 0, summary
+    hit_rate = summary["hits"] / (summary["hits"] + summary["misses"])
+    assert 0.2 < hit_rate < 0.8, summary  # about half of each batch comes from the 2 of 4 shards
+    assert 0 < summary["files_staged"] < len(shards)
+    assert 0 < summary["bytes_staged"] <= capacity  # nothing was evicted to make room
+    assert [e["staging"]["bytes_staged"] <= capacity for e in epochs] == [True] * 4
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+def test_epoch_events_carry_cumulative_staging_figures_after_a_stage_only_run(digits_dir, tmp_path):
+    data, stage, metrics = digits_dir / "train", tmp_path / "stage", tmp_path / "m.jsonl"
+    shards = sorted(data.iterdir())
+    total = sum(p.stat().st_size for p in shards)
+    pre = subprocess.run(
+        [sys.executable, "-m", "hpcdl.stage", "--data", data, "--stage-dir", stage]
+        + ["--stage-capacity", "10M", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert pre.returncode == 0, pre.stderr
+    assert json.loads(pre.stdout.splitlines()[-1])["copied"] == len(shards)
+
+    batch, epochs = 16, 3
+    proc = run_train(
+        1,
+        "--data",
+        data,
+        "--model",
+        "mlp",
+        "--epochs",
+        epochs,
+        "--batch-size",
+        batch,
+        "--workers",
+        1,
+        "--quiet",
+        "--stage-dir",
+        stage,
+        "--stage-capacity",
+        "10M",
+        "--metrics",
+        metrics,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_events(metrics, "start")[0]["steps_per_epoch"]
+    events = read_events(metrics, "epoch")
+    assert [e["epoch"] for e in events] == list(range(epochs))
+    previous_hits = 0
+    for e in events:
+        s = e["staging"]
+        assert set(s) >= {"files_staged", "bytes_staged", "hits", "misses", "stager_alive"}, s
+        # Every file was reused from the stage-only run; every read is a local hit.
+        assert s["files_staged"] == len(shards) and s["bytes_staged"] == total, s
+        assert s["misses"] == 0 and s["stager_alive"], s
+        # At least one lookup per step, at most one per shard and step.
+        assert steps <= s["hits"] - previous_hits <= steps * len(shards), (s, steps)
+        previous_hits = s["hits"]
+    summary = read_events(metrics, "summary")[0]["staging"]
+    assert summary["hits"] == events[-1]["staging"]["hits"], summary
+    assert not stage.exists() or data_files(stage) == {}  # copies removed at the end
