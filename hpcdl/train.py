@@ -30,10 +30,6 @@ from hpcdl.metrics import MetricsWriter, Progress, RunningMean, StepTimes
 EXIT_STOPPED_BY_SIGNAL = 3
 
 
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite."""
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
@@ -194,11 +190,7 @@ def train(cfg: TrainConfig, world: World) -> int:
             t3 = time.perf_counter()
 
             loss = float(loss)
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(
-                    f"loss became {loss} at step {global_step} (epoch {epoch + 1}) "
-                    f"on rank {world.rank}; lower --lr or check the input data"
-                )
+            stop_if_loss_not_finite(world, loss, global_step, epoch)
             times.t_compute, times.t_comm_exposed, times.t_update = t1 - t0, t2 - t1, t3 - t2
             times.t_step = t3 - t_wait
             correct = nn.accuracy_count(logits, labels)
@@ -311,6 +303,25 @@ def train(cfg: TrainConfig, world: World) -> int:
             flush=True,
         )
     return 0
+
+
+def stop_if_loss_not_finite(world: World, loss: float, step: int, epoch: int) -> None:
+    """Stop every rank with one message when any rank's loss is NaN or infinite.
+
+    Collective (one 8-byte allreduce per step): with --sync params:K, or a loss that overflows
+    without poisoning the gradients, the ranks do not all see it at the same step."""
+    flag = np.array([0.0 if math.isfinite(loss) else 1.0])
+    collectives.allreduce_sum(world.comm, flag)
+    if not flag[0]:
+        return
+    losses = world.comm.allgather(loss)
+    bad = next(r for r, value in enumerate(losses) if not math.isfinite(value))
+    raise SystemExitWithMessage(
+        f"loss became {losses[bad]} at step {step} (epoch {epoch + 1}) on rank {bad}; "
+        "lower --lr or check the input data"
+        if world.rank == 0
+        else None
+    )
 
 
 def evaluate(

@@ -50,6 +50,14 @@ def test_other_models_checkpoint_names_both(tmp_path):
     path = checkpoint.save(tmp_path, make(model="cnn"))
     with pytest.raises(checkpoint.CheckpointError, match="holds model 'cnn'.*builds model 'mlp'"):
         checkpoint.check_compatible(checkpoint.load(path), path, "mlp", make().layout)
+    # Another model, with the same or another layout: one line naming both models (the
+    # model check comes before the layout checks, whose messages name only one model).
+    for here, layout in [("mlp", make().layout), ("resnet20", [("conv.w", (16, 1, 3, 3))])]:
+        with pytest.raises(checkpoint.CheckpointError) as info:
+            checkpoint.check_compatible(checkpoint.load(path), path, here, layout)
+        message = str(info.value)
+        assert "\n" not in message
+        assert "'cnn'" in message and f"'{here}'" in message and str(path) in message
     with pytest.raises(checkpoint.CheckpointError, match="fc.w has shape"):
         checkpoint.check_compatible(
             checkpoint.load(path), path, "cnn", [("fc.w", (10, 64)), ("fc.b", (10,))]
