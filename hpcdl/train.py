@@ -136,7 +136,9 @@ def train(cfg: TrainConfig, world: World) -> int:
 
     reducer = None
     if world.size > 1 and cfg.params_sync_every == 0:
-        reducer = GradientReducer(world.comm, model.grads, cfg.bucket_mb, host_staged=host_staged)
+        reducer = GradientReducer(
+            world.comm, model.grads, cfg.bucket_mb, host_staged=host_staged, prescaled=True
+        )
     stop = StopAgreement(world.comm)
     metrics = MetricsWriter(cfg.metrics if world.is_root else None)
     metrics.write(
@@ -173,6 +175,7 @@ def train(cfg: TrainConfig, world: World) -> int:
             logits = model.forward(images, train=True)  # images (B, C, H, W) float32 on xp
             loss, dlogits = nn.softmax_cross_entropy(logits, labels)  # labels (B,) int64
             if reducer:
+                dlogits *= 1.0 / world.size  # gradients of loss / N: their sum is the average
                 reducer.begin_step()
             model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
             backend.synchronize(xp)

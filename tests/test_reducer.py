@@ -15,6 +15,14 @@ def test_plan_buckets_covers_buffer_in_order():
     assert len(plan_buckets(10, 4, bucket_mb=100)) == 1
 
 
+def test_plan_buckets_merges_a_sliver_at_the_end():
+    first = (1 << 20) // 4
+    merged = plan_buckets(first + first // 8, 4, bucket_mb=25)  # resnet20-like: 1 MiB + 30 KB
+    assert [(b.lo, b.hi) for b in merged] == [(0, first + first // 8)]
+    kept = plan_buckets(first + first // 2, 4, bucket_mb=25)
+    assert [(b.lo, b.hi) for b in kept] == [(0, first), (first, first + first // 2)]
+
+
 def test_plan_buckets_rejects_non_positive_size():
     with pytest.raises(ValueError, match="bucket size"):
         plan_buckets(10, 4, 0)
@@ -66,11 +74,38 @@ def test_reducer_overlaps_with_work_between_marks():
     try:
         reducer.begin_step()
         reducer.mark_ready(grads.size // 2)
+        reducer.mark_ready(grads.size // 2)  # the next layer's backward ends: nothing new
         time.sleep(0.5)  # stands in for the rest of backward
         reducer.wait()
-        assert reducer.last_exposed_s < reducer.last_comm_s + 0.5
-        assert reducer.last_unmarked == len(reducer.buckets) - len(
-            [b for b in reducer.buckets if b.hi <= grads.size // 2]
-        )
+        early = len([b for b in reducer.buckets if b.hi <= grads.size // 2])
+        assert reducer.last_unmarked == len(reducer.buckets) - early
+        # the helper thread reduced every early bucket during the "backward"; wait() did the rest
+        assert reducer.last_reduced_in_wait == reducer.last_unmarked
+        assert reducer.last_exposed_s < reducer.last_comm_s
     finally:
         reducer.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("host_staged", [False, True])
+def test_prescaled_reducer_sums_gradients_of_the_scaled_loss_to_the_average(host_staged):
+    """hpcdl.train scales the loss gradient by 1/N and lets the reducer only sum."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n = 100_003
+    grads = _local_grads(comm.rank, n)
+    expected = np.empty_like(grads)
+    comm.Allreduce(grads, expected, op=MPI.SUM)
+    expected /= comm.size
+    grads *= np.float32(1.0 / comm.size)
+    reducer = GradientReducer(comm, grads, 0.1, host_staged=host_staged, prescaled=True)
+    try:
+        reducer.begin_step()
+        reducer.mark_ready(n // 2)
+        reducer.wait()
+    finally:
+        reducer.close()
+    np.testing.assert_allclose(grads, expected, rtol=1e-6, atol=1e-7)
+    if comm.size in (2, 4):  # scaling by a power of two is exact: bitwise the same average
+        np.testing.assert_array_equal(grads, expected)

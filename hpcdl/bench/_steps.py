@@ -45,6 +45,7 @@ def train_step(model: Any, opt: Any, reducer: Any, xp: Any, x: Any, y: Any) -> N
     logits = model.forward(x, train=True)
     _, dlogits = nn.softmax_cross_entropy(logits, y)
     if reducer:
+        dlogits *= 1.0 / reducer.world_size
         reducer.begin_step()
     model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
     backend.synchronize(xp)
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
     reducer = None
     if world.size > 1:
-        reducer = GradientReducer(world.comm, model.grads, args.bucket_mb, host_staged=host_staged)
+        reducer = GradientReducer(
+            world.comm, model.grads, args.bucket_mb, host_staged=host_staged, prescaled=True
+        )
     rng = np.random.default_rng(world.rank)
 
     data = {  # (B, C, H, W) float32 images and (B,) int64 labels per batch size

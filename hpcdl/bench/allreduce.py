@@ -81,7 +81,8 @@ def measure(comm, shapes: list[tuple[int, ...]], bucket_mb: float, repeats: int)
     flat = np.random.default_rng(comm.rank).standard_normal(total).astype(np.float32)
     arrays = [np.ones(n, np.float32) for n in sizes]
     ends = np.cumsum(sizes[::-1])  # back-to-front readiness, as backward produces it
-    reducer = GradientReducer(comm, flat, bucket_mb=bucket_mb)
+    # as hpcdl.train runs it: the gradients are of loss / world size, the reducer only sums
+    reducer = GradientReducer(comm, flat, bucket_mb=bucket_mb, prescaled=True)
 
     def run_flat() -> None:
         comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
@@ -136,7 +137,7 @@ def measure_overlap(comm, total: int, bucket_mb: float, backward_factor: float) 
     gemm_s = (time.perf_counter() - t0) / 20
     chunks = 32
     gemms_per_chunk = max(1, int(backward_factor * t_raw / gemm_s / chunks))
-    reducer = GradientReducer(comm, grads, bucket_mb=bucket_mb)
+    reducer = GradientReducer(comm, grads, bucket_mb=bucket_mb, prescaled=True)
     exposed, backward = [], []
     for _ in range(5):
         comm.Barrier()
