@@ -144,6 +144,11 @@ int StageTree::dir_for(const std::string& rel_dir, bool create) {
   if (rel_dir.empty()) return root_fd_.get();
   auto found = dirs_.find(rel_dir);
   if (found != dirs_.end()) return found->second->get();
+  if (create) {
+    missing_.erase(rel_dir);
+  } else if (missing_.count(rel_dir)) {
+    return -1;
+  }
 
   int parent = root_fd_.get();
   size_t start = 0;
@@ -166,7 +171,10 @@ int StageTree::dir_for(const std::string& rel_dir, bool create) {
       }
       if (fd < 0) {
         int err = errno;
-        if (err == ENOENT && !create) return -1;
+        if (err == ENOENT && !create) {
+          missing_.insert(rel_dir);
+          return -1;
+        }
         if (err == ELOOP || err == ENOTDIR) {
           throw StageError("rejected " + root_ + "/" + prefix +
                                ": a symlink or non-directory inside the stage dir (" +
@@ -198,6 +206,14 @@ bool is_temp_name(const std::string& name) {
   return !name.empty() && name[0] == '.' && name.find(".hpcdl-tmp.") != std::string::npos;
 }
 
+CopyEngine::CopyEngine(StageTree& tree, PfsEmulation& pfs, bool verify,
+                       const std::atomic<bool>& cancel)
+    : tree_(tree),
+      pfs_(pfs),
+      verify_(verify),
+      cancel_(cancel),
+      tmp_suffix_(".hpcdl-tmp." + std::to_string(::getpid()) + ".") {}
+
 CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
                             std::vector<char>& buffer, unsigned tag) {
   const auto [dir, base] = split_dest(dest);
@@ -221,8 +237,7 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   if (!S_ISREG(st.st_mode)) return error_result(EISDIR, "source is not a regular file", source);
   ::posix_fadvise(src.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
 
-  const std::string tmp = "." + base + ".hpcdl-tmp." + std::to_string(::getpid()) + "." +
-                          std::to_string(tag);
+  const std::string tmp = "." + base + tmp_suffix_ + std::to_string(tag);
   UniqueFd out(::openat(dirfd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                         0600));
   if (!out.valid() && errno == EEXIST) {

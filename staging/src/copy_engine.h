@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "common.h"
@@ -56,6 +57,9 @@ class StageTree {
   UniqueFd root_fd_;
   std::mutex mu_;
   std::unordered_map<std::string, std::unique_ptr<UniqueFd>> dirs_;
+  // Directories seen missing by a lookup without `create` (a fresh stage dir: every reuse
+  // check would otherwise cost a failing openat); a creating lookup clears the entry.
+  std::unordered_set<std::string> missing_;
 };
 
 enum class CopyOutcome { Ok, Transient, Failed, NoSpace, Cancelled };
@@ -68,8 +72,7 @@ struct CopyResult {
 
 class CopyEngine {
  public:
-  CopyEngine(StageTree& tree, PfsEmulation& pfs, bool verify, const std::atomic<bool>& cancel)
-      : tree_(tree), pfs_(pfs), verify_(verify), cancel_(cancel) {}
+  CopyEngine(StageTree& tree, PfsEmulation& pfs, bool verify, const std::atomic<bool>& cancel);
 
   // Copies `source` to `dest` (relative to the stage dir) through a temporary name; `buffer` is
   // the calling thread's scratch space, `tag` makes its temporary names unique.
@@ -89,6 +92,7 @@ class CopyEngine {
   PfsEmulation& pfs_;
   bool verify_;
   const std::atomic<bool>& cancel_;
+  std::string tmp_suffix_;  // ".hpcdl-tmp.<pid>."
 };
 
 // Splits "a/b/c" into ("a/b", "c").
