@@ -24,8 +24,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from hpcdl.data.pfs import open_source
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
-from hpcdl.staging.pfs import open_source
 from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, write_plan
 from hpcdl.staging.session import _launch, make_stage_dir, parse_capacity
 from hpcdl.staging.status import (

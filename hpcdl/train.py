@@ -214,6 +214,9 @@ def train(cfg: TrainConfig, world: World) -> int:
                     **vars(times),
                     samples_per_s=global_batch / max(times.t_step, 1e-9),
                 )
+                if staging and world.is_root:  # how far staging runs ahead of the readers
+                    ahead = staging.progress_record()
+                    metrics.write("staging", step=global_step, epoch=epoch, **ahead)
 
             end_of_epoch = step == steps_per_epoch
             position = (epoch + 1, 0) if end_of_epoch else (epoch, step)

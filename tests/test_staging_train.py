@@ -466,3 +466,51 @@ def test_epoch_events_carry_cumulative_staging_figures_after_a_stage_only_run(di
     summary = read_events(metrics, "summary")[0]["staging"]
     assert summary["hits"] == events[-1]["staging"]["hits"], summary
     assert not stage.exists() or data_files(stage) == {}  # copies removed at the end
+
+
+def test_staging_progress_events_show_staging_ahead_of_the_readers_in_the_report(
+    digits_dir, tmp_path
+):
+    """A real staged run writes `staging` events; hpcdl.report draws and summarises them."""
+    metrics, stage = tmp_path / "m.jsonl", tmp_path / "stage"
+    proc = run_train(
+        2,
+        "--data",
+        digits_dir / "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        3,
+        "--batch-size",
+        16,
+        "--workers",
+        1,
+        "--quiet",
+        "--metrics-every",
+        1,
+        "--stage-dir",
+        stage,
+        "--metrics",
+        metrics,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = read_events(metrics, "staging")
+    steps = read_events(metrics, "step")
+    assert len(events) == len(steps) > 0
+    shards = len(list((digits_dir / "train").iterdir()))
+    for e in events:
+        assert 0 <= e["files_ready"] <= e["plan_files"] <= shards
+        assert 0 <= e["consumed_files"] <= e["plan_files"]
+    assert events[-1]["files_ready"] == events[-1]["plan_files"]  # all staged by the end
+    assert max(e["consumed_files"] for e in events) > 0
+
+    png = tmp_path / "report.png"
+    report = subprocess.run(
+        [sys.executable, "-m", "hpcdl.report", metrics, "--out", png],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert "staging ahead of the readers by" in report.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -29,6 +29,7 @@ from hpcdl.data.dataset import (
     default_locate,
     file_ids_from_offsets,
 )
+from hpcdl.data.pfs import PfsEmulation, open_latency, throttle
 
 
 class HDF5Dataset:
@@ -207,6 +208,7 @@ class HDF5Reader:
         self.ds = ds
         self.pfs = default_locate(ds.root, ds.files)
         self.locate = locate or self.pfs
+        self.emulation = PfsEmulation.from_env()  # HPCDL_STAGE_EMULATE_PFS slows PFS reads
         self.counts = ReadCounts()
         self._open: dict[int, _Shard] = {}
 
@@ -219,11 +221,14 @@ class HDF5Reader:
             shard.close()
         pfs = self.pfs(fid)
         try:
+            if path == pfs:
+                open_latency(self.emulation)
             shard = _Shard(path, self.ds)
         except (OSError, KeyError) as exc:
             if path == pfs:
                 raise BadSample(path, first_index, str(exc)) from None
             try:  # the staged copy is unusable: read the PFS original
+                open_latency(self.emulation)
                 shard = _Shard(pfs, self.ds)
             except (OSError, KeyError) as exc2:
                 raise BadSample(pfs, first_index, str(exc2)) from None
@@ -245,6 +250,7 @@ class HDF5Reader:
             except (OSError, ValueError) as exc:
                 raise BadSample(shard.path, int(indices[sel[0]]), str(exc)) from None
             if shard.path == self.pfs(int(fid)):
+                throttle(out[sel].nbytes, self.emulation)
                 self.counts.pfs += len(sel)
             else:
                 self.counts.local += len(sel)

@@ -27,6 +27,7 @@ from hpcdl.data.dataset import (
     ReadCounts,
     default_locate,
 )
+from hpcdl.data.pfs import PfsEmulation, open_source
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 INDEX_NAME = ".hpcdl-index.npz"
@@ -183,19 +184,20 @@ class ImageFolderReader:
         self.ds = ds
         self.pfs = default_locate(ds.root, ds.files)
         self.locate = locate or self.pfs
+        self.emulation = PfsEmulation.from_env()  # HPCDL_STAGE_EMULATE_PFS slows PFS reads
         self.counts = ReadCounts()
         self.mode = "L" if ds.sample_shape[0] == 1 else "RGB"
 
     def _open(self, index: int):
         path, pfs = Path(self.locate(index)), self.pfs(index)
         try:
-            f = open(path, "rb")
+            f = open_source(path, self.emulation) if path == pfs else open(path, "rb")
         except OSError as exc:
             if path == pfs:
                 raise BadSample(path, index, exc.strerror or str(exc)) from None
             path = pfs
             try:  # the staged copy is unusable: read the PFS original
-                f = open(pfs, "rb")
+                f = open_source(pfs, self.emulation)
             except OSError as exc2:
                 raise BadSample(pfs, index, exc2.strerror or str(exc2)) from None
         if path == pfs:

@@ -3,8 +3,8 @@
 See docs/staging.md for the file formats and behaviour.
 """
 
+from hpcdl.data.pfs import PfsEmulation, open_source
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary, stager_version
-from hpcdl.staging.pfs import PfsEmulation, open_source
 from hpcdl.staging.plan import (
     FileEntry,
     FileTreeDataset,

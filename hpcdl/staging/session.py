@@ -188,7 +188,7 @@ class StagingSession:
         stage_dir = Path(stage_dir).absolute()
         meta = stage_dir / ".hpcdl"
         info: dict[str, Any] = {}
-        proc = None
+        proc, first_use = None, None
         if local_rank == 0:
             try:
                 binary = find_stager_binary()
@@ -203,6 +203,7 @@ class StagingSession:
                     local_ranks=local_size,
                 )
                 write_plan(meta / "plan", plan, dataset, fingerprint)
+                first_use = _first_use(plan)
                 ProgressFile.create(meta / "progress", local_size)
                 CounterFile.create(meta / "counters", local_size)
                 cap = parse_capacity(capacity, stage_dir)
@@ -248,6 +249,7 @@ class StagingSession:
             dead=not info["ok"],
             last_check=0.0,
             closed=False,
+            first_use=first_use,
         )
         if not info["ok"]:
             session._warn(f"the staging process did not start ({info['why']})")
@@ -274,6 +276,19 @@ class StagingSession:
         if now - self.last_check > 1.0:
             self.last_check = now
             self._check_alive()
+
+    def progress_record(self) -> dict[str, int] | None:
+        """Node view for hpcdl.report (local rank 0; None elsewhere): files of the current plan
+        staged (READY) vs files the slowest local rank has already needed."""
+        if self.first_use is None:
+            return None
+        done = min(self.progress.get(r) for r in range(self.local_size))
+        cursor = done - self.plan_begin * self.steps_per_epoch
+        return {
+            "files_ready": int(self.status.field("plan_ready")),
+            "consumed_files": int(np.searchsorted(self.first_use, cursor, side="left")),
+            "plan_files": len(self.first_use),
+        }
 
     def epoch_stats(self) -> dict[str, Any]:
         """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness."""
@@ -321,6 +336,7 @@ class StagingSession:
             local_ranks=self.local_size,
         )
         write_plan(self.meta / "plan", plan, self.dataset, self.fingerprint)
+        self.first_use = _first_use(plan)
 
     def _check_alive(self) -> None:
         if self.dead:
@@ -447,3 +463,8 @@ def remove_staged(stage_dir: Path, relpaths: list[str], remove_dir: bool) -> Non
             stage_dir.rmdir()
         except OSError:
             pass
+
+
+def _first_use(plan: Any) -> np.ndarray:
+    """(F,) int64 first step (relative to the plan's first epoch) of each entry, ascending."""
+    return np.array([t[0] for t in plan.ticks], dtype=np.int64)

@@ -1,8 +1,9 @@
 """Emulated parallel file system for tests and benchmarks on one machine.
 
-HPCDL_STAGE_EMULATE_PFS="latency_ms=2,mbps=500" adds a latency to every source open and caps
-the bandwidth of source reads; the stager applies the same setting to its copies. This is an
-emulation of a slow PFS, not a model of one: the cap is per process (aggregate over its threads).
+HPCDL_STAGE_EMULATE_PFS="latency_ms=2,mbps=500" adds a latency to every open of a file on the
+PFS and caps the bandwidth of reads from it, in loader workers (image files, HDF5 shards) and
+in the stager's copies alike; reads of staged local copies are not slowed. This is an emulation
+of a slow PFS, not a model of one: the cap is per process (aggregate over its threads).
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ class _Throttle:
 _throttle = _Throttle()  # per process, like the stager's
 
 
+def throttle(nbytes: int, emulation: PfsEmulation) -> None:
+    """Account nbytes read from the PFS against the emulated bandwidth (no-op when unset)."""
+    if emulation.mbps > 0 and nbytes > 0:
+        _throttle.take(nbytes, emulation.mbps)
+
+
+def open_latency(emulation: PfsEmulation) -> None:
+    """The emulated cost of opening a file on the PFS (no-op when unset)."""
+    if emulation.latency_ms > 0:
+        time.sleep(emulation.latency_ms / 1000.0)
+
+
 class _ThrottledReader(io.RawIOBase):
     def __init__(self, raw: BinaryIO, mbps: float):
         self._raw = raw
@@ -104,8 +117,7 @@ def open_source(path: str | Path, emulation: PfsEmulation | None = None) -> Bina
     Use for PFS reads only; local staged copies are opened with plain open().
     """
     emu = PfsEmulation.from_env() if emulation is None else emulation
-    if emu.latency_ms > 0:
-        time.sleep(emu.latency_ms / 1000.0)
+    open_latency(emu)
     raw = open(path, "rb", buffering=0)  # noqa: SIM115 (returned to the caller)
     if emu.mbps <= 0:
         return io.BufferedReader(raw)
