@@ -117,6 +117,8 @@ def open_source(path: str | Path, emulation: PfsEmulation | None = None) -> Bina
     Use for PFS reads only; local staged copies are opened with plain open().
     """
     emu = PfsEmulation.from_env() if emulation is None else emulation
+    if not emu.active:
+        return open(path, "rb")  # noqa: SIM115 (returned to the caller)
     open_latency(emu)
     raw = open(path, "rb", buffering=0)  # noqa: SIM115 (returned to the caller)
     if emu.mbps <= 0:
