@@ -6,7 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from hpcdl.backend import cupy_or_none, gpu_available
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -39,3 +42,21 @@ def digits_dir(tmp_path_factory) -> Path:
         capture_output=True,
     )
     return out
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(np, id="numpy"),
+        pytest.param(
+            "cupy",
+            id="cupy",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU"),
+            ],
+        ),
+    ]
+)
+def xp(request):
+    """The array module a layer/model test runs on: numpy always, cupy when a GPU exists."""
+    return cupy_or_none() if request.param == "cupy" else request.param

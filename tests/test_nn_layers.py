@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcdl.backend import cupy_or_none, gpu_available, to_host
+from hpcdl.backend import to_host
 from hpcdl.nn import (
     BatchNorm,
     Conv2d,
@@ -25,23 +25,6 @@ from hpcdl.nn.model import bind_flat
 
 TOL = 1e-6
 EPS = 1e-6
-
-XPS = [
-    pytest.param(np, id="numpy"),
-    pytest.param(
-        "cupy",
-        id="cupy",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU"),
-        ],
-    ),
-]
-
-
-@pytest.fixture(params=XPS)
-def xp(request):
-    return cupy_or_none() if request.param == "cupy" else request.param
 
 
 def rel_error(a, b) -> float:

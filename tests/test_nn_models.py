@@ -8,24 +8,7 @@ import numpy as np
 import pytest
 
 from hpcdl import nn
-from hpcdl.backend import cupy_or_none, gpu_available, to_host
-
-XPS = [
-    pytest.param(np, id="numpy"),
-    pytest.param(
-        "cupy",
-        id="cupy",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU"),
-        ],
-    ),
-]
-
-
-@pytest.fixture(params=XPS)
-def xp(request):
-    return cupy_or_none() if request.param == "cupy" else request.param
+from hpcdl.backend import to_host
 
 
 def batch(shape, n=4, classes=5, seed=0, xp=np, dtype=np.float32):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from hpcdl.data.pfs import PfsEmulation
 
 Locate = Callable[[int], Path]
 
@@ -42,6 +44,18 @@ class ReadCounts:
         self.local = 0
         self.pfs = 0
         self.bad = 0
+
+
+class SourceReader:
+    """What every reader shares: where file i is now (staged copy or PFS), the PFS emulation
+    (HPCDL_STAGE_EMULATE_PFS slows PFS reads only) and the read counts."""
+
+    def __init__(self, ds: Any, locate: Locate | None) -> None:
+        self.ds = ds
+        self.pfs = default_locate(ds.root, ds.files)
+        self.locate = locate or self.pfs
+        self.emulation = PfsEmulation.from_env()
+        self.counts = ReadCounts()
 
 
 def default_locate(root: Path, files: list[FileEntry]) -> Locate:

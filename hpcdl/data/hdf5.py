@@ -25,11 +25,10 @@ from hpcdl.data.dataset import (
     DataError,
     FileEntry,
     Locate,
-    ReadCounts,
-    default_locate,
+    SourceReader,
     file_ids_from_offsets,
 )
-from hpcdl.data.pfs import PfsEmulation, open_latency, throttle
+from hpcdl.data.pfs import open_latency, throttle
 
 
 class HDF5Dataset:
@@ -201,15 +200,11 @@ class _Shard:
         self.file.close()
 
 
-class HDF5Reader:
+class HDF5Reader(SourceReader):
     """Reads minibatches in the process that owns it; file handles opened on first use."""
 
     def __init__(self, ds: HDF5Dataset, locate: Locate | None) -> None:
-        self.ds = ds
-        self.pfs = default_locate(ds.root, ds.files)
-        self.locate = locate or self.pfs
-        self.emulation = PfsEmulation.from_env()  # HPCDL_STAGE_EMULATE_PFS slows PFS reads
-        self.counts = ReadCounts()
+        super().__init__(ds, locate)
         self._open: dict[int, _Shard] = {}
 
     def _shard(self, fid: int, first_index: int) -> _Shard:

@@ -24,10 +24,9 @@ from hpcdl.data.dataset import (
     DataError,
     FileEntry,
     Locate,
-    ReadCounts,
-    default_locate,
+    SourceReader,
 )
-from hpcdl.data.pfs import PfsEmulation, open_source
+from hpcdl.data.pfs import open_source
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 INDEX_NAME = ".hpcdl-index.npz"
@@ -177,15 +176,11 @@ def _write_atomically(path: Path, arrays: dict) -> bool:
         return False
 
 
-class ImageFolderReader:
+class ImageFolderReader(SourceReader):
     """Decodes images in the process that owns it."""
 
     def __init__(self, ds: ImageFolderDataset, locate: Locate | None) -> None:
-        self.ds = ds
-        self.pfs = default_locate(ds.root, ds.files)
-        self.locate = locate or self.pfs
-        self.emulation = PfsEmulation.from_env()  # HPCDL_STAGE_EMULATE_PFS slows PFS reads
-        self.counts = ReadCounts()
+        super().__init__(ds, locate)
         self.mode = "L" if ds.sample_shape[0] == 1 else "RGB"
 
     def _open(self, index: int):
