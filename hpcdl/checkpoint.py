@@ -18,6 +18,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcdl.fsync import fsync_path
+
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-e(\d{5})-s(\d{9})\.h5$")
 
@@ -75,18 +77,10 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_path(directory)
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return final
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:

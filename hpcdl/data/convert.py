@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 from hpcdl.data.dataset import DataError
+from hpcdl.fsync import fsync_path
 
 DEFAULT_SHARD_SIZE = 10000
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -85,14 +86,14 @@ def write_dataset(
                     mean,
                     std,
                 )
-            _fsync_dir(tmp / name)
+            fsync_path(tmp / name)
         for name in splits:
             target = out / name
             if target.exists():
                 target.rmdir()  # empty (checked above)
             os.replace(tmp / name, target)
             written.append(target)
-        _fsync_dir(out)
+        fsync_path(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
@@ -105,19 +106,7 @@ def _write_shard(path: Path, x, y, classes, mean, std) -> None:
         f.attrs["classes"] = json.dumps(classes)
         f.attrs["mean"] = mean
         f.attrs["std"] = std
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def folder_arrays(src: str | Path, resize: int | None = None):
