@@ -30,6 +30,31 @@ def mpirun_cmd(np_: int) -> list[str]:
     return [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(np_), "--oversubscribe"]
 
 
+def train_cmd(ranks: int, *args) -> list[str]:
+    """`mpirun -np ranks python -m hpcdl.train args...` (args converted to str)."""
+    return [*mpirun_cmd(ranks), sys.executable, "-m", "hpcdl.train", *map(str, args)]
+
+
+def run_train(ranks: int, *args, env: dict[str, str] | None = None, timeout: float = 600):
+    """Run train_cmd to completion; a hang fails the test through TimeoutExpired."""
+    import subprocess
+
+    return subprocess.run(
+        train_cmd(ranks, *args),
+        capture_output=True,
+        text=True,
+        env=env or mpi_env(),
+        timeout=timeout,
+    )
+
+
+def read_events(path, event: str) -> list[dict]:
+    """The records of one event type from a metrics JSON-lines file."""
+    import json
+
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
+
+
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
     """scikit-learn's digits converted to HDF5 shards (train/ and val/) once per session."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from conftest import mpi_env, read_events, run_train, train_cmd
 from test_staging_helpers import temp_files
 
 from hpcdl import checkpoint
@@ -61,30 +61,6 @@ with open(out, "w") as f:
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def train_cmd(ranks, *args):
-    return [
-        *mpirun_cmd(ranks),
-        sys.executable,
-        "-m",
-        "hpcdl.train",
-        *map(str, args),
-    ]
-
-
-def run_train(ranks, *args, env=None, timeout=300):
-    return subprocess.run(
-        train_cmd(ranks, *args),
-        capture_output=True,
-        text=True,
-        env=env or mpi_env(),
-        timeout=timeout,
-    )
-
-
-def read_events(path, event):
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
 
 
 def final_params(ckpt_dir: Path) -> np.ndarray:

@@ -1,6 +1,5 @@
 """`mpirun -np 2 python -m hpcdl.train` end to end on the real digits data (real MPI, HDF5)."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,23 +10,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from conftest import mpi_env, read_events, run_train, train_cmd
 
 from hpcdl import checkpoint
-
-
-def train_cmd(ranks, *args):
-    return [*mpirun_cmd(ranks), sys.executable, "-m", "hpcdl.train", *map(str, args)]
-
-
-def run_train(ranks, *args, timeout=600):
-    return subprocess.run(
-        train_cmd(ranks, *args), capture_output=True, text=True, env=mpi_env(), timeout=timeout
-    )
-
-
-def read_events(path, event):
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
 
 
 def test_cnn_reaches_95_percent_on_digits_with_two_ranks(digits_dir, tmp_path):

@@ -4,16 +4,14 @@ Each test starts the real trainer (`mpirun -np 2 python -m hpcdl.train`, or a si
 real HDF5 data and checks stderr, the exit status, the metrics file and the checkpoint directory.
 """
 
-import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from conftest import mpi_env, mpirun_cmd, read_events
 
 from hpcdl import checkpoint
 
@@ -30,10 +28,6 @@ def run_train(ranks, *args):
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), timeout=TIMEOUT_S)
     return proc, time.monotonic() - start
-
-
-def read_events(path, event):
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
 
 
 def error_lines(stderr):

@@ -97,15 +97,8 @@ def stager_alive(view: StatusView, timeout_s: float = 5.0) -> bool:
     """True while the stager's pid exists and its heartbeat is younger than timeout_s."""
     if not view.open():
         return False
-    pid = view.field("pid")
-    if pid <= 0 or view.field("run_state") == RUN_STOPPED:
+    if view.field("run_state") == RUN_STOPPED or not _pid_exists(view.field("pid")):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
     age = time.time_ns() - view.field("heartbeat_ns")
     return age < timeout_s * 1e9
 
