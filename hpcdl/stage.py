@@ -7,6 +7,10 @@
 
 A stage-only run copies what every node reads in the first epoch and leaves it there; a later
 `hpcdl.train` with the same --stage-dir reuses the copies. See docs/staging.md.
+
+Which training ranks share a node: launched like the training job (same mpirun placement, more
+than one process on a node, no --ranks-per-node), the ranks gathered on each node; otherwise
+--nodes, --ranks-per-node and --placement describe the training job (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -25,9 +29,17 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from hpcdl.data.pfs import open_source
+from hpcdl.data.sampler import PLACEMENTS, NodeLayout, rank_layout
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.ownership import (
+    StageDirError,
+    StageDirFull,
+    StageDirLease,
+    check_no_overlap,
+    data_key,
+)
 from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, write_plan
-from hpcdl.staging.session import _launch, make_stage_dir, parse_capacity
+from hpcdl.staging.session import _launch, parse_capacity
 from hpcdl.staging.status import (
     FLAG_CAPACITY_FULL,
     FLAG_NOSPACE,
@@ -42,7 +54,9 @@ class UsageError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m hpcdl.stage", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.stage", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     a = p.add_argument
     a("--version", action="store_true", help="print the version of hpcdl-stage and exit")
     a("--config", help="TOML file; keys are the flag names with underscores")
@@ -53,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nodes", type=int, help="nodes of the training job (default: Slurm/MPI environment)")
     a("--ranks-per-node", type=int, help="training ranks per node (default: environment or 1)")
     a("--node", type=int, help="stage-only: which node this process stages for")
+    a(
+        "--placement",
+        choices=PLACEMENTS,
+        help="how the training job places ranks: block (mpirun's default, Slurm block) or "
+        "cyclic (mpirun --map-by node, Slurm cyclic); default block",
+    )
     a("--batch-size", type=int, help="per-rank batch size (default 32)")
     a("--seed", type=int, help="sampler seed (default 0)")
     a("--epochs", type=int, help="training epochs (dry run: also report the whole run)")
@@ -74,6 +94,7 @@ DEFAULTS: dict[str, Any] = dict(
     seed=0,
     epochs=1,
     shuffle="global",
+    placement="block",
     stage_threads=8,
     pfs_bandwidth=1000.0,
     pfs_open_latency=1.0,
@@ -85,12 +106,14 @@ DEFAULTS: dict[str, Any] = dict(
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Defaults < --config TOML < flags."""
+    """Defaults < --config TOML < flags; relative TOML paths are relative to the TOML file."""
+    from hpcdl.config import resolve_paths  # noqa: PLC0415
+
     values = dict(DEFAULTS)
     if args.config:
         try:
             with open(args.config, "rb") as f:
-                toml = tomllib.load(f)
+                toml = resolve_paths(tomllib.load(f), args.config)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise UsageError(f"--config {args.config}: {exc}") from None
         known = set(vars(args))
@@ -128,16 +151,19 @@ def open_data(args: argparse.Namespace) -> Any:
 
 
 def node_plan(
-    ds: Any, args: argparse.Namespace, nodes: int, per: int, node: int, epochs: tuple[int, int]
+    ds: Any, args: argparse.Namespace, layout: NodeLayout, node: int, epochs: tuple[int, int]
 ) -> NodePlan:
+    """Plan of `node` of a training job whose ranks sit on the nodes as `layout` says."""
     sampler_args = dict(
         num_samples=len(ds),
-        world_size=nodes * per,
+        world_size=sum(len(ranks) for ranks in layout),
         seed=int(args.seed),
         shuffle=args.shuffle,
-        ranks_per_node=per,
+        ranks_by_node=layout,
     )
-    return plan_for_node(ds, sampler_args, int(args.batch_size), epochs, node=node, local_ranks=per)
+    return plan_for_node(
+        ds, sampler_args, int(args.batch_size), epochs, ranks=layout[node], node=node
+    )
 
 
 def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]:
@@ -157,16 +183,17 @@ def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]
 def dry_run(args: argparse.Namespace) -> int:
     env_nodes, env_per = env_layout()
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
+    layout = rank_layout([per] * nodes, args.placement)
     ds = open_data(args)
     capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
     threads = int(args.stage_threads)
     rows = []
     for node in range(nodes):
-        first = node_plan(ds, args, nodes, per, node, (0, 1))
+        first = node_plan(ds, args, layout, node, (0, 1))
         run = (
             first
             if int(args.epochs) == 1
-            else node_plan(ds, args, nodes, per, node, (0, int(args.epochs)))
+            else node_plan(ds, args, layout, node, (0, int(args.epochs)))
         )
         if args.probe:
             latency_ms, mbps = probe_pfs(ds, first)
@@ -192,8 +219,9 @@ def dry_run(args: argparse.Namespace) -> int:
             )
         )
     print(
-        f"staging plan: {nodes} nodes x {per} ranks, batch {args.batch_size}, seed {args.seed},"
-        f" shuffle {args.shuffle}; first epoch per node (whole run of {args.epochs} epochs):"
+        f"staging plan: {nodes} nodes x {per} ranks ({args.placement} placement), batch "
+        f"{args.batch_size}, seed {args.seed}, shuffle {args.shuffle}; first epoch per node "
+        f"(whole run of {args.epochs} epochs):"
     )
     for r in rows:
         print(
@@ -212,7 +240,7 @@ def stage_only(args: argparse.Namespace) -> int:
     if not args.stage_dir:
         raise UsageError("--stage-dir is required without --dry-run")
     binary = find_stager_binary()
-    comm = None
+    comm, gathered = None, None
     node, nodes = args.node, args.nodes
     env_nodes, env_per = env_layout()
     if os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE"):
@@ -222,36 +250,77 @@ def stage_only(args: argparse.Namespace) -> int:
         comm = world.comm
         node = world.node_index if node is None else node
         nodes = nodes or world.num_nodes
+        if world.size > world.num_nodes and args.ranks_per_node is None:
+            gathered = world.ranks_by_node  # started like the training job: its placement
         if world.local_rank != 0:  # one stager per node
             comm.Barrier()
             return 0
     nodes, node, per = nodes or env_nodes or 1, node or 0, args.ranks_per_node or env_per or 1
     if not 0 <= node < nodes:
         raise UsageError(f"--node {node} outside 0..{nodes - 1}")
+    layout = gathered or rank_layout([per] * nodes, args.placement)
     ds = open_data(args)
-    stage_dir = Path(args.stage_dir).absolute()
-    make_stage_dir(stage_dir)
-    plan = node_plan(ds, args, nodes, per, node, (0, 1))
-    write_plan(stage_dir / ".hpcdl" / "plan", plan, ds)
-    ProgressFile.create(stage_dir / ".hpcdl" / "progress", per)
-    CounterFile.create(stage_dir / ".hpcdl" / "counters", per)
-    capacity = parse_capacity(args.stage_capacity, stage_dir)
+    check_no_overlap(args.stage_dir, {"--data": args.data})
+    lease = StageDirLease.acquire(args.stage_dir)
+    try:
+        return _stage_with(lease, binary, ds, args, layout, node, comm)
+    finally:
+        lease.release(keep=True)  # the copies stay for the training job that follows
+
+
+def _stage_with(
+    lease: StageDirLease,
+    binary: Path,
+    ds: Any,
+    args: argparse.Namespace,
+    layout: NodeLayout,
+    node: int,
+    comm: Any,
+) -> int:
+    """Stage the first epoch of `node` into the leased stage dir and print the summary."""
+    plan = node_plan(ds, args, layout, node, (0, 1))
+    write_plan(lease.meta / "plan", plan, ds, dest_prefix=data_key(ds.root))
+    ProgressFile.create(lease.meta / "progress", plan.local_ranks)
+    CounterFile.create(lease.meta / "counters", plan.local_ranks)
+    capacity = parse_capacity(args.stage_capacity, lease.stage_dir)
     t0 = time.perf_counter()
     proc = _launch(
         binary,
-        stage_dir,
+        lease.stage_dir,
+        lease.session,
         int(args.stage_threads),
         capacity,
         bool(args.stage_verify),
         once=True,
         quiet=bool(args.quiet),
     )
-    status = StatusView(stage_dir / ".hpcdl" / "status")
-    tty = sys.stderr.isatty() and not args.quiet
+    status = StatusView(lease.meta / "status")
+    _watch(proc, status, node, bool(args.quiet))
+    seconds = time.perf_counter() - t0
+    status.close()
+    if proc.returncode != 0:
+        print(
+            f"hpcdl.stage: error: hpcdl-stage exited with code {proc.returncode} on node "
+            f"{node}; nothing more was staged (see its message above)",
+            file=sys.stderr,
+        )
+        return 1
+    summary = _summary(status.header(), plan, node, seconds)
+    if comm is not None:
+        comm.Barrier()
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _watch(proc: Any, status: StatusView, node: int, quiet: bool) -> None:
+    """Show staging progress until the stager exits: a live line on a terminal, else a line
+    per 10 % (job logs)."""
+    tty = sys.stderr.isatty() and not quiet
     last_decile = -1
     while proc.poll() is None:
         time.sleep(0.1)
-        if args.quiet or not status.open() or status.field("pid") != proc.pid:
+        if quiet or not status.open() or status.field("pid") != proc.pid:
             status.close()
             continue
         ready, total = status.field("plan_ready"), max(status.field("plan_entries"), 1)
@@ -260,18 +329,12 @@ def stage_only(args: argparse.Namespace) -> int:
         elif ready * 10 // total > last_decile:
             last_decile = ready * 10 // total
             print(f"node {node}: {last_decile * 10}% ({ready}/{total} files)", file=sys.stderr)
-    seconds = time.perf_counter() - t0
-    status.close()
     if tty:
         print(file=sys.stderr)
-    if proc.returncode != 0:
-        print(
-            f"hpcdl.stage: error: hpcdl-stage exited with code {proc.returncode} on node "
-            f"{node}; nothing more was staged (see its message above)",
-            file=sys.stderr,
-        )
-        return 1
-    h = status.header()
+
+
+def _summary(h: dict[str, int], plan: NodePlan, node: int, seconds: float) -> dict[str, Any]:
+    """Print the node's one-line summary from the stager's status header; return it."""
     files = h["files_staged"] + h["files_reused"]
     nbytes = h["bytes_staged"] + h["bytes_reused"]
     summary = dict(
@@ -300,11 +363,7 @@ def stage_only(args: argparse.Namespace) -> int:
         f"{h['files_reused']} reused) in {seconds:.2f} s: {summary['mb_per_s']} MB/s, "
         f"{summary['files_per_s']} files/s, {h['failures']} failures{note}"
     )
-    if comm is not None:
-        comm.Barrier()
-    if args.json:
-        print(json.dumps(summary))
-    return 0
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             binary = find_stager_binary()
             os.execv(str(binary), [str(binary), "--version"])
         return dry_run(args) if args.dry_run else stage_only(args)
-    except (UsageError, StagerNotFound, FileNotFoundError, ValueError) as exc:
+    except StageDirFull as exc:
+        print(f"hpcdl.stage: error: {exc}; nothing was staged", file=sys.stderr)
+        return 1
+    except (UsageError, StagerNotFound, StageDirError, FileNotFoundError, ValueError) as exc:
         print(f"hpcdl.stage: error: {exc}", file=sys.stderr)
         return 2
 

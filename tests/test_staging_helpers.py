@@ -38,4 +38,26 @@ def make_tree(root: Path, n: int, size: int, seed: int = 0, dirs: int = 4) -> Sh
 
 
 def temp_files(stage_dir: Path) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(stage_dir) for f in fs if ".hpcdl-tmp." in f]
+    """The stager's temporary copies ('tmp.<thread>' in a session dir) anywhere below."""
+    return [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(stage_dir)
+        for f in fs
+        if f.startswith("tmp.") and Path(d).parent.name == "sessions"
+    ]
+
+
+def stage_bytes(stage: Path) -> int:
+    """Bytes on disk in a stage dir: staged copies and the stager's temporaries, not .hpcdl's
+    control files (files may vanish while it counts)."""
+    total = 0
+    for d, _, names in os.walk(stage):
+        meta = ".hpcdl" in Path(d).relative_to(stage).parts
+        for name in names:
+            if meta and not name.startswith("tmp."):  # temporaries live in session dirs
+                continue
+            try:
+                total += os.path.getsize(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+    return total

@@ -12,13 +12,19 @@ from hpcdl.data.sampler import DistributedSampler
 from hpcdl.staging import PlanError, find_stager_binary, plan_for_node, write_plan
 from hpcdl.staging.plan import FileEntry, check_relpath
 
+# World ranks on each node: block (mpirun's default), round robin (--map-by node), uneven.
+PLACEMENTS = {
+    "block": ((0, 1), (2, 3)),
+    "round-robin": ((0, 2), (1, 3)),
+    "uneven": ((0, 1, 2), (3,)),
+    "uneven-round-robin": ((0, 2, 3), (1,)),
+}
 
-def reference_order(ds, sampler_args, batch, epochs, node, local):
-    """Naive simulation: walk epochs, steps, local ranks, batch positions."""
-    samplers = [
-        DistributedSampler(rank=node * sampler_args["ranks_per_node"] + r, **sampler_args)
-        for r in range(local)
-    ]
+
+def reference_order(ds, sampler_args, batch, epochs, ranks):
+    """Naive simulation: walk epochs, steps, the node's ranks, batch positions."""
+    samplers = [DistributedSampler(rank=r, **sampler_args) for r in ranks]
+    local = len(ranks)
     seen, order, uses = set(), [], {}
     steps = samplers[0].steps_per_epoch(batch)
     for e, epoch in enumerate(range(*epochs)):
@@ -37,18 +43,42 @@ def reference_order(ds, sampler_args, batch, epochs, node, local):
 def test_plan_order_is_first_use_interleaved_by_step(tmp_path, shuffle, per_file):
     ds = make_tree(tmp_path, 40, 100)
     ds = ShardDataset(tmp_path, [f.relpath for f in ds.files], per_file=per_file)
-    args = dict(num_samples=len(ds), world_size=4, seed=7, shuffle=shuffle, ranks_per_node=2)
-    plan = plan_for_node(ds, args, batch_size=3, epochs=(1, 3), node=1)
-    order, uses = reference_order(ds, args, 3, (1, 3), 1, 2)
+    layout = PLACEMENTS["round-robin"]
+    args = dict(num_samples=len(ds), world_size=4, seed=7, shuffle=shuffle, ranks_by_node=layout)
+    plan = plan_for_node(ds, args, batch_size=3, epochs=(1, 3), ranks=layout[1], node=1)
+    order, uses = reference_order(ds, args, 3, (1, 3), layout[1])
     assert plan.file_ids.tolist() == order
     assert [t.tolist() for t in plan.ticks] == [sorted(uses[f]) for f in order]
     assert plan.bytes == sum(ds.files[f].size for f in order)
 
 
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("shuffle", ["global", "node", "none"])
+def test_each_node_plans_exactly_the_files_its_own_ranks_read(tmp_path, placement, shuffle):
+    layout = PLACEMENTS[placement]
+    ds = make_tree(tmp_path, 64, 10)
+    args = dict(num_samples=64, world_size=4, seed=3, shuffle=shuffle, ranks_by_node=layout)
+    planned = []
+    for node, ranks in enumerate(layout):
+        plan = plan_for_node(ds, args, batch_size=4, epochs=(0, 2), ranks=ranks, node=node)
+        read = {
+            int(i)
+            for r in ranks
+            for epoch in (0, 1)
+            for batch in DistributedSampler(rank=r, **args).batches(epoch, 4)
+            for i in batch
+        }
+        assert set(plan.file_ids.tolist()) == read, f"node {node} ranks {ranks}"
+        assert plan.local_ranks == len(ranks)
+        planned.append(read)
+    if shuffle != "global":  # a node keeps its own samples: nodes never share a file
+        assert not planned[0] & planned[1]
+
+
 def test_plan_file_has_header_and_is_accepted_by_the_stager(tmp_path):
     ds = make_tree(tmp_path / "data", 12, 50)
-    args = dict(num_samples=12, world_size=2, seed=1, shuffle="global", ranks_per_node=2)
-    plan = plan_for_node(ds, args, batch_size=2, epochs=(0, 2))
+    args = dict(num_samples=12, world_size=2, seed=1, shuffle="global")
+    plan = plan_for_node(ds, args, batch_size=2, epochs=(0, 2), ranks=(0, 1))
     path = tmp_path / "plan"
     write_plan(path, plan, ds)
     lines = path.read_text().splitlines()
@@ -82,7 +112,7 @@ def test_unsafe_destinations_are_rejected_by_planner_and_stager(tmp_path, bad):
 def test_planner_refuses_dataset_with_escaping_path(tmp_path):
     ds = make_tree(tmp_path, 4, 10)
     ds.files[2] = FileEntry("../outside.bin", 10)
-    args = dict(num_samples=4, world_size=1, seed=0, shuffle="none", ranks_per_node=1)
+    args = dict(num_samples=4, world_size=1, seed=0, shuffle="none")
     plan = plan_for_node(ds, args, batch_size=1, epochs=(0, 1))
     with pytest.raises(PlanError, match="outside.bin"):
         write_plan(tmp_path / "plan", plan, ds)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
 import subprocess
 import time
@@ -17,9 +19,20 @@ from hpcdl.staging.status import StatusView
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake and a C++17 compiler")
-def test_sanitizer_build_runs_clean(tmp_path, monkeypatch):
-    build = tmp_path / "build"
+SANITIZER_ENV = dict(
+    ASAN_OPTIONS="detect_leaks=1:abort_on_error=1",
+    UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
+)
+FUZZ_PLANS = 3000
+FUZZ_RUNS = 40
+
+
+@pytest.fixture(scope="module")
+def sanitized_build(tmp_path_factory) -> Path:
+    """hpcdl-stage and its unit tests built once with ASan + UBSan."""
+    if shutil.which("cmake") is None:
+        pytest.skip("needs cmake and a C++17 compiler")
+    build = tmp_path_factory.mktemp("asan") / "build"
     cfg = [
         "cmake",
         "-S",
@@ -36,11 +49,12 @@ def test_sanitizer_build_runs_clean(tmp_path, monkeypatch):
     )
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     assert "warning" not in made.stdout + made.stderr
-    env = dict(
-        os.environ,
-        ASAN_OPTIONS="detect_leaks=1:abort_on_error=1",
-        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
-    )
+    return build
+
+
+def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
+    build = sanitized_build
+    env = dict(os.environ, **SANITIZER_ENV)
     unit = subprocess.run(
         [build / "hpcdl-stage-tests", tmp_path / "scratch"],
         env=env,
@@ -53,11 +67,11 @@ def test_sanitizer_build_runs_clean(tmp_path, monkeypatch):
     ds = make_tree(tmp_path / "pfs", 40, 2000)
     monkeypatch.setenv("HPCDL_STAGE_BIN", str(build / "hpcdl-stage"))
     monkeypatch.setenv("ASAN_OPTIONS", env["ASAN_OPTIONS"])
-    args = dict(num_samples=40, world_size=1, seed=0, shuffle="global", ranks_per_node=1)
+    args = dict(num_samples=40, world_size=1, seed=0, shuffle="global")
     session = StagingSession.start(
         None, ds, args, 4, (0, 3), tmp_path / "stage", 4, 30_000, False, True
     )
-    status = StatusView(tmp_path / "stage" / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     for epoch in range(3):
         for step in range(10):
             session.consumed(epoch, step + 1)
@@ -67,3 +81,113 @@ def test_sanitizer_build_runs_clean(tmp_path, monkeypatch):
     session.close()
     assert proc.returncode == 0, "sanitized stager did not exit cleanly"
     assert staged > 14  # more than fits at once: files were evicted and others copied
+
+
+def _valid_plan(src: Path, files: int) -> bytes:
+    head = ["hpcdl-plan 1", "fingerprint 00000000000000aa", "seed 0", "epochs 0 2"]
+    head += ["steps_per_epoch 4", "local_ranks 2", f"dataset_files {files}", f"entries {files}"]
+    rows = [
+        f"{i}\t{(src / f'f{i}').stat().st_size}\t{i % 4},{4 + i % 4}\tk/d{i % 2}/f{i}\t{src}/f{i}"
+        for i in range(files)
+    ]
+    return "\n".join(head + rows + ["end", ""]).encode()
+
+
+def _mutate(plan: bytes, rng: random.Random) -> bytes:
+    """One of: random bytes, a cut, a flipped byte, a huge or negative number, a swapped line."""
+    lines = plan.split(b"\n")
+    kind = rng.randrange(6)
+    if kind == 0:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+    if kind == 1:
+        return plan[: rng.randrange(len(plan))]
+    if kind == 2:
+        pos = rng.randrange(len(plan))
+        return plan[:pos] + bytes([rng.randrange(256)]) + plan[pos + 1 :]
+    if kind == 3:
+        numbers = [
+            b"18446744073709551615",
+            b"18446744073709551616",
+            b"-1",
+            b"4294967296",
+            b"9223372036854775807",
+            b"0",
+            b"99999999999999999999999",
+        ]
+        i = rng.randrange(len(lines))
+        words = re.split(rb"([ \t,])", lines[i])
+        digits = [k for k, w in enumerate(words) if w.isdigit()]
+        if digits:
+            words[rng.choice(digits)] = rng.choice(numbers)
+        lines[i] = b"".join(words)
+    elif kind == 4:
+        i, j = rng.randrange(len(lines)), rng.randrange(len(lines))
+        lines[i], lines[j] = lines[j], lines[i]
+    else:
+        lines.insert(rng.randrange(len(lines)), lines[rng.randrange(len(lines))])
+    return b"\n".join(lines)
+
+
+def _no_sanitizer_report(proc: subprocess.CompletedProcess) -> None:
+    text = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1, 2), text[-3000:]  # a sanitizer abort is a signal
+    assert "Sanitizer" not in text and "runtime error" not in text, text[-3000:]
+
+
+def test_fuzzed_plans_never_crash_the_sanitized_stager(sanitized_build, tmp_path):
+    """Thousands of random and mutated plans: each is accepted or refused, never a crash."""
+    rng = random.Random(19)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"f{i}").write_bytes(bytes(rng.randrange(256) for _ in range(100 + i)))
+    valid = _valid_plan(src, 6)
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    paths = []
+    for k in range(FUZZ_PLANS):
+        path = plans / f"p{k}"
+        path.write_bytes(_mutate(valid, rng))
+        paths.append(str(path))
+    env = dict(os.environ, **SANITIZER_ENV)
+    binary = str(sanitized_build / "hpcdl-stage")
+    checked = subprocess.run(
+        [binary, "--check-plan", *paths],
+        env=env,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=600,
+    )
+    _no_sanitizer_report(checked)
+    accepted = checked.stdout.count("\n")
+    assert 0 < accepted < FUZZ_PLANS  # both kinds were exercised
+    # Real runs: the stager maps its status map from the plan and copies what it accepts.
+    for k in range(FUZZ_RUNS):
+        stage = tmp_path / f"stage{k}"
+        meta = stage / ".hpcdl" / "sessions" / "fuzz"
+        meta.mkdir(parents=True)
+        (meta / "plan").write_bytes(Path(paths[k]).read_bytes() if k % 4 else valid)
+        run = subprocess.run(
+            [
+                binary,
+                "--stage-dir",
+                str(stage),
+                "--session",
+                "fuzz",
+                "--once",
+                "--threads",
+                "3",
+                "--quiet",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=120,
+        )
+        _no_sanitizer_report(run)
+        if k % 4 == 0:  # the valid plan staged every file
+            assert run.returncode == 0, run.stderr
+            for i in range(6):
+                assert (stage / f"k/d{i % 2}/f{i}").read_bytes() == (src / f"f{i}").read_bytes()

@@ -9,12 +9,13 @@ import threading
 import time
 import warnings
 
-from test_staging_helpers import make_tree, temp_files
+from test_staging_helpers import make_tree, stage_bytes, temp_files
 
 from hpcdl.staging import StagingSession
+from hpcdl.staging.ownership import data_key
 from hpcdl.staging.status import FAILED, READY, StatusView
 
-ARGS = dict(world_size=1, seed=0, shuffle="global", ranks_per_node=1)
+ARGS = dict(world_size=1, seed=0, shuffle="global")
 
 
 def start(ds, stage, batch=4, epochs=(0, 2), **kw):
@@ -46,13 +47,13 @@ def test_staged_copies_are_byte_identical_and_served_as_hits(tmp_path):
     ds = make_tree(tmp_path / "pfs", 60, 3000)
     stage = tmp_path / "stage"
     session = start(ds, stage, verify=True)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") == 60)
     assert oct(stage.stat().st_mode & 0o777) == "0o700"
     locate = pickle.loads(pickle.dumps(session.locator()))
     for fid, entry in enumerate(ds.files):
         path = locate(fid)
-        assert path == stage / entry.relpath
+        assert path == session.local_root / entry.relpath
         assert path.read_bytes() == (ds.root / entry.relpath).read_bytes()
     stats = session.epoch_stats()
     assert stats["files_staged"] == 60 and stats["hits"] == 60 and stats["misses"] == 0
@@ -66,7 +67,7 @@ def test_locator_counts_hits_from_worker_processes(tmp_path):
 
     ds = make_tree(tmp_path / "pfs", 10, 100)
     session = start(ds, tmp_path / "stage")
-    status = StatusView(tmp_path / "stage" / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") == 10)
     with mp.get_context("spawn").Pool(2) as pool:
         paths = pool.map(session.locator(), range(10))
@@ -86,7 +87,7 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
         while not stop.is_set():
             for rel, data in expected.items():
                 try:
-                    got = (stage / rel).read_bytes()
+                    got = (stage / data_key(ds.root) / rel).read_bytes()
                 except OSError:
                     continue
                 checked[0] += 1
@@ -96,7 +97,7 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
     t = threading.Thread(target=reader)
     t.start()
     session = start(ds, stage)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     ok = wait_for(lambda: status.field("plan_ready") == 12, timeout=60)
     stop.set()
     t.join()
@@ -104,33 +105,19 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
     assert ok and not bad and checked[0] > 0
 
 
-def staged_bytes(stage):
-    """Bytes of data files and temporaries in the stage dir (files may vanish meanwhile)."""
-    total = 0
-    for d, _, fs in os.walk(stage):
-        if ".hpcdl" in d:
-            continue
-        for f in fs:
-            try:
-                total += os.path.getsize(os.path.join(d, f))
-            except FileNotFoundError:
-                pass
-    return total
-
-
 def test_capacity_below_data_size_is_never_exceeded(tmp_path):
     ds = make_tree(tmp_path / "pfs", 80, 10_000)  # ~800 KB
     capacity = 200_000
     stage = tmp_path / "stage"
     session = start(ds, stage, batch=4, epochs=(0, 2), capacity=capacity)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     peak = 0
     steps = len(ds) // 4
     locate = session.locator()
     for epoch in range(2):
         for step in range(steps):
             wait_for(lambda: status.field("plan_ready") > 0, timeout=2)
-            on_disk = staged_bytes(stage)
+            on_disk = stage_bytes(stage)
             peak = max(peak, on_disk, status.field("bytes_resident"))
             for fid in range(4):
                 locate(fid)
@@ -148,7 +135,7 @@ def test_sigkill_to_stager_falls_back_with_one_warning_and_no_temp_files(tmp_pat
     monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=5,mbps=20")
     stage = tmp_path / "stage"
     session = start(ds, stage, threads=4)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") >= 2)
     os.kill(status.field("pid"), signal.SIGKILL)
     session.proc.wait()
@@ -174,16 +161,16 @@ def test_restart_reuses_intact_staged_files(tmp_path):
     ds = make_tree(tmp_path / "pfs", 30, 1000)
     stage = tmp_path / "stage"
     first = start(ds, stage, keep=True)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(first.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") == 30)
     first.close()
     (ds.root / ds.files[0].relpath).write_bytes(b"changed")  # its copy is stale now
     ds.files[0] = ds.files[0]._replace(size=7)
     second = start(ds, stage, keep=False)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(second.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") == 30)
     assert status.field("files_reused") == 29 and status.field("files_staged") == 1
-    assert (stage / ds.files[0].relpath).read_bytes() == b"changed"
+    assert (second.local_root / ds.files[0].relpath).read_bytes() == b"changed"
     second.close()
 
 
@@ -192,11 +179,11 @@ def test_missing_source_and_symlinked_dir_are_failed_not_fatal(tmp_path, capfd):
     outside = tmp_path / "outside"
     outside.mkdir()
     stage = tmp_path / "stage"
-    stage.mkdir(mode=0o700)
-    (stage / "d1").symlink_to(outside)  # a symlinked directory inside the stage dir
+    (stage / data_key(ds.root)).mkdir(parents=True)
+    (stage / data_key(ds.root) / "d1").symlink_to(outside)  # a symlinked dir in the tree
     (ds.root / ds.files[0].relpath).unlink()  # unreadable source: gone after planning
     session = start(ds, stage)
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(session.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") + status.field("failures") == 8)
     err = capfd.readouterr().err
     assert "d1" in err and "symlink" in err and "read from the PFS" in err

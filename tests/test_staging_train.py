@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env, read_events, run_train, train_cmd
-from test_staging_helpers import temp_files
+from test_staging_helpers import stage_bytes, temp_files
 
 from hpcdl import checkpoint
 from hpcdl.data.convert import write_dataset
@@ -49,7 +50,9 @@ for d, _, names in os.walk(stage):
         path = os.path.join(d, name)
         with open(path, "rb") as f:
             files[os.path.relpath(path, stage)] = hashlib.sha256(f.read()).hexdigest()
-view = StatusView(os.path.join(stage, ".hpcdl", "status"))
+import glob
+found = glob.glob(os.path.join(glob.escape(stage), ".hpcdl", "sessions", "*", "status"))
+view = StatusView(found[0] if found else os.path.join(stage, "missing"))
 vfs = os.statvfs(stage)
 result = dict(rc=proc.returncode, stdout=proc.stdout, stderr=proc.stderr, files=files,
               fs_bytes=vfs.f_blocks * vfs.f_frsize,
@@ -67,35 +70,28 @@ def final_params(ckpt_dir: Path) -> np.ndarray:
     return checkpoint.load(checkpoint.latest(ckpt_dir)).params
 
 
-def data_files(stage: Path) -> dict[str, int]:
-    """Staged data files (not .hpcdl/, not temporaries) -> size."""
+def data_files(stage: Path) -> dict[str, Path]:
+    """Staged data files (under the data key directory, not .hpcdl/): path in the data set ->
+    path in the stage dir."""
     out = {}
     for d, _, names in os.walk(stage):
-        if ".hpcdl" in Path(d).relative_to(stage).parts:
+        parts = Path(d).relative_to(stage).parts
+        if not parts or parts[0] == ".hpcdl":
             continue
         for name in names:
-            if ".hpcdl-tmp." not in name:
-                try:
-                    out[os.path.relpath(os.path.join(d, name), stage)] = os.path.getsize(
-                        os.path.join(d, name)
-                    )
-                except FileNotFoundError:
-                    pass  # evicted meanwhile
+            out[str(Path(*parts[1:], name))] = Path(d) / name
     return out
 
 
-def disk_bytes(stage: Path) -> int:
-    """Bytes of staged files and temporaries in the stage dir (outside .hpcdl/)."""
-    total = 0
-    for d, _, names in os.walk(stage):
-        if ".hpcdl" in Path(d).relative_to(stage).parts:
-            continue
-        for name in names:
-            try:
-                total += os.path.getsize(os.path.join(d, name))
-            except FileNotFoundError:
-                pass
-    return total
+def status_path(stage: Path, timeout: float = 120.0) -> Path:
+    """The status map of the one job session in stage, waiting until it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted(stage.glob(".hpcdl/sessions/*/status"))
+        if found:
+            return found[0]
+        time.sleep(0.005)
+    raise AssertionError(f"no session status map appeared in {stage}")
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -166,11 +162,16 @@ def small_fs(tmp_path_factory):
 def check_enospc_result(result: dict, data: Path) -> set[str]:
     """Checks shared by the stage-only and the training runs; returns the staged relpaths."""
     sources = {p.name: p for p in data.iterdir()}
-    staged = {rel for rel in result["files"] if not rel.startswith(".hpcdl")}
-    assert [rel for rel in staged if ".hpcdl-tmp." in rel] == [], staged
+    assert not [r for r in result["files"] if Path(r).name.startswith("tmp.")], result["files"]
+    copies = {  # name in the data set -> sha256 of its copy (under the data key directory)
+        rel.split("/", 1)[1]: digest
+        for rel, digest in result["files"].items()
+        if not rel.startswith(".hpcdl")
+    }
+    staged = set(copies)
     assert 0 < len(staged) < len(sources), staged
     for rel in staged:  # published copies are complete
-        assert result["files"][rel] == sha256(sources[rel]), rel
+        assert copies[rel] == sha256(sources[rel]), rel
     assert result["stderr"].count(NOSPACE_TEXT) == 1, result["stderr"]
     header, states = result["header"], result["states"]
     assert header["flags"] & FLAG_NOSPACE, header
@@ -244,6 +245,34 @@ def test_training_into_a_full_file_system_reads_the_rest_from_the_pfs(big_dir, s
     )
 
 
+def test_a_stage_file_system_full_at_start_trains_from_the_pfs_with_one_warning(
+    digits_dir, small_fs, tmp_path
+):
+    common = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 1]
+    common += ["--batch-size", 32, "--workers", 0, "--seed", 2, "--quiet"]
+    plain = run_train(1, *common, "--checkpoint-dir", tmp_path / "plain")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    stage = tmp_path / "stage"
+    fill = f'head -c {TMPFS_SIZE} /dev/zero > "{stage}/filler" 2>/dev/null; exec "$@"'
+    result = small_fs(
+        stage,
+        ["sh", "-c", fill, "sh"]
+        + train_cmd(
+            1, *common, "--checkpoint-dir", tmp_path / "staged", "--stage-dir", stage / "st"
+        ),
+        tmp_path / "inspect.json",
+    )
+    assert result["rc"] == 0, result["stderr"][-3000:]
+    assert "Traceback" not in result["stderr"], result["stderr"]
+    warnings = [line for line in result["stderr"].splitlines() if "RuntimeWarning" in line]
+    assert len(warnings) == 1 and "read from the parallel file system" in warnings[0], warnings
+    assert "no space left" in warnings[0].lower(), warnings
+    assert list(result["files"]) == ["filler"]  # nothing of hpcdl's is left behind
+    np.testing.assert_array_equal(
+        final_params(tmp_path / "plain"), final_params(tmp_path / "staged")
+    )
+
+
 # ---------------------------------------------------------------------------------- SIGKILL
 
 
@@ -276,7 +305,7 @@ def test_sigkill_to_the_stager_mid_run_falls_back_to_the_pfs_with_the_same_param
         text=True,
         env=env,
     )
-    status = StatusView(stage / ".hpcdl" / "status")
+    status = StatusView(status_path(stage))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.poll() is None:
         if status.field("run_state") == RUN_RUNNING and status.field("plan_ready") >= 1:
@@ -295,22 +324,33 @@ def test_sigkill_to_the_stager_mid_run_falls_back_to_the_pfs_with_the_same_param
     assert in_flight, "no copy was in flight when the stager was killed"
     assert job.returncode == 0, err[-3000:]
     assert "Traceback" not in err
-    # One warning per rank (each rank's session notices the death once), naming the fallback.
+    # One warning per node (from its local rank 0), naming the fallback.
     warnings = [line for line in err.splitlines() if "RuntimeWarning" in line]
-    assert len(warnings) == 2 and all(DEAD_TEXT in w for w in warnings), err[-3000:]
+    assert len(warnings) == 1 and all(DEAD_TEXT in w for w in warnings), err[-3000:]
     assert all("read from the parallel file system" in w for w in warnings)
     # The killed stager's temporaries are gone; the copies it published are intact and kept.
     assert temp_files(stage) == []
     kept = data_files(stage)
     assert len(kept) == len(ready_at_kill) >= 1, (kept, ready_at_kill)
-    for rel in kept:
-        assert sha256(stage / rel) == sha256(digits_dir / "train" / rel)
+    for rel, path in kept.items():
+        assert sha256(path) == sha256(digits_dir / "train" / rel)
     staging = read_events(metrics, "summary")[0]["staging"]
     assert not staging["stager_alive"], staging
     assert staging["hits"] > 0 and staging["misses"] > 0, staging
     np.testing.assert_array_equal(
         final_params(tmp_path / "plain"), final_params(tmp_path / "staged")
     )
+
+
+def test_the_stager_says_one_start_and_one_stop_line_per_node_naming_it(digits_dir, tmp_path):
+    common = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 4]
+    common += ["--batch-size", 16, "--workers", 0, "--quiet"]
+    proc = run_train(2, *common, "--stage-dir", tmp_path / "stage")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hpcdl-stage")]
+    prefix = f"hpcdl-stage on {socket.gethostname()}: "
+    assert len(lines) == 2 and all(line.startswith(prefix) for line in lines), lines
+    assert lines[0].startswith(prefix + "staging ") and lines[1].startswith(prefix + "stopped")
 
 
 # ---------------------------------------------------------------------------------- capacity
@@ -352,10 +392,10 @@ def test_capacity_below_the_data_set_size_is_respected_through_the_trainer(digit
     peak = {"disk": 0, "resident": 0, "samples": 0}
 
     def watch():
-        view = StatusView(stage / ".hpcdl" / "status")
+        view = StatusView(status_path(stage))
         while job.poll() is None:
             if stage.exists():
-                peak["disk"] = max(peak["disk"], disk_bytes(stage))
+                peak["disk"] = max(peak["disk"], stage_bytes(stage))
                 peak["resident"] = max(peak["resident"], view.field("bytes_resident"))
                 peak["samples"] += 1
             time.sleep(0.002)
@@ -369,12 +409,12 @@ def test_capacity_below_the_data_set_size_is_respected_through_the_trainer(digit
     assert peak["samples"] > 0
     assert 0 < peak["resident"] <= capacity and peak["disk"] <= capacity, peak
 
-    view = StatusView(stage / ".hpcdl" / "status")
+    view = StatusView(status_path(stage))
     header = view.header()
     view.close()
     assert header["capacity"] == capacity and header["flags"] & FLAG_CAPACITY_FULL, header
     assert 0 < header["bytes_resident"] <= capacity
-    assert 0 < sum(data_files(stage).values()) <= capacity
+    assert 0 < sum(p.stat().st_size for p in data_files(stage).values()) <= capacity
     assert temp_files(stage) == []
 
     epochs = read_events(metrics, "epoch")

@@ -1,9 +1,11 @@
 """Staging plans: which files a node reads, in first-use order, for a range of epochs.
 
-The plan of a node interleaves its local ranks step by step (step s of rank 0, step s of rank
-1, ..., then step s+1), so the order is the order in which the node's loaders first need each
-file. Every file also carries the steps (counted from the plan's first epoch) that read it; the
-stager uses them to evict the file whose next use is farthest away. Format: docs/staging.md.
+The plan of a node interleaves its local ranks step by step (step s of local rank 0, step s of
+local rank 1, ..., then step s+1), so the order is the order in which the node's loaders first
+need each file. A node's ranks are the world ranks the node communicator found on it
+(World.node_ranks), never computed from a node number: launchers also place ranks round robin
+or unevenly. Every file also carries the steps (counted from the plan's first epoch) that read
+it; the stager uses them to evict the file whose next use is farthest away. Format: docs/staging.md.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hpcdl.data.dataset import has_control_character, is_plain_relpath
 from hpcdl.data.sampler import DistributedSampler
 
 PLAN_VERSION = 1
@@ -44,9 +47,13 @@ class NodePlan:
     epoch_begin: int
     epoch_end: int
     steps_per_epoch: int
-    local_ranks: int
+    ranks: tuple[int, ...]  # world ranks of the node, in local-rank order
     seed: int
     shuffle: str
+
+    @property
+    def local_ranks(self) -> int:
+        return len(self.ranks)
 
     @property
     def files(self) -> int:
@@ -58,16 +65,18 @@ class NodePlan:
 
 
 def check_relpath(relpath: str) -> None:
-    """Raise PlanError unless relpath is a safe destination inside the stage dir."""
+    """Raise PlanError unless relpath is a safe destination inside the stage dir.
+
+    The path and name rules are the data sets' own (hpcdl.data.dataset), so a data set that
+    opens also stages; '.hpcdl' is the only rule of the stager's own."""
+    if has_control_character(relpath):
+        raise PlanError(f"data set file {relpath!r}: control characters not allowed")
     if not relpath or relpath.startswith("/") or os.path.isabs(relpath):
         raise PlanError(f"data set file {relpath!r}: absolute or empty path cannot be staged")
-    parts = relpath.split("/")
-    if any(p in ("", ".", "..") for p in parts):
+    if not is_plain_relpath(relpath):
         raise PlanError(f"data set file {relpath!r}: '..', '.' or empty components not allowed")
-    if parts[0] == ".hpcdl":
+    if relpath.split("/")[0] == ".hpcdl":
         raise PlanError(f"data set file {relpath!r}: '.hpcdl' is reserved for the stager")
-    if any(ord(c) < 0x20 or c == "\x7f" for c in relpath):
-        raise PlanError(f"data set file {relpath!r}: control characters not allowed")
 
 
 def dataset_fingerprint(dataset: Any) -> str:
@@ -79,13 +88,9 @@ def dataset_fingerprint(dataset: Any) -> str:
     return h.hexdigest()
 
 
-def local_samplers(sampler_args: dict, node: int, local_ranks: int) -> list[DistributedSampler]:
-    """The samplers of the ranks node*ranks_per_node + l for l < local_ranks."""
-    per_node = int(sampler_args.get("ranks_per_node", 1))
-    return [
-        DistributedSampler(rank=node * per_node + local, **sampler_args)
-        for local in range(local_ranks)
-    ]
+def local_samplers(sampler_args: dict, ranks: Sequence[int]) -> list[DistributedSampler]:
+    """The samplers of a node's world ranks, in local-rank order."""
+    return [DistributedSampler(rank=int(rank), **sampler_args) for rank in ranks]
 
 
 def plan_for_node(
@@ -93,19 +98,22 @@ def plan_for_node(
     sampler_args: dict,
     batch_size: int,
     epochs: tuple[int, int],
+    ranks: Sequence[int] = (0,),
     node: int = 0,
-    local_ranks: int | None = None,
 ) -> NodePlan:
-    """Plan of one node: unique files of its local ranks in first-use order, with their uses.
+    """Plan of one node: unique files of its ranks in first-use order, with their uses.
 
     sampler_args: DistributedSampler fields except rank (num_samples, world_size, seed, shuffle,
-    ranks_per_node). epochs: [begin, end). local_ranks defaults to ranks_per_node.
+    ranks_by_node). epochs: [begin, end). ranks: the world ranks on the node, in local-rank
+    order (World.node_ranks). node: the node's index, a label in the plan file.
     """
     begin, end = int(epochs[0]), int(epochs[1])
     if end <= begin:
         raise ValueError(f"empty epoch range {epochs!r}")
-    local_ranks = int(local_ranks or sampler_args.get("ranks_per_node", 1))
-    samplers = local_samplers(sampler_args, node, local_ranks)
+    if not ranks:
+        raise ValueError("a node plan needs at least one rank")
+    samplers = local_samplers(sampler_args, ranks)
+    local_ranks = len(samplers)
     steps = samplers[0].steps_per_epoch(batch_size)
     used = steps * batch_size
     nfiles = len(dataset.files)
@@ -141,14 +149,18 @@ def plan_for_node(
         epoch_begin=begin,
         epoch_end=end,
         steps_per_epoch=steps,
-        local_ranks=local_ranks,
+        ranks=tuple(int(r) for r in ranks),
         seed=int(sampler_args.get("seed", 0)),
         shuffle=str(sampler_args.get("shuffle", "global")),
     )
 
 
-def render_plan(plan: NodePlan, dataset: Any, fingerprint: str | None = None) -> str:
-    """The plan file's text (format version PLAN_VERSION, docs/staging.md)."""
+def render_plan(
+    plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
+) -> str:
+    """The plan file's text (format version PLAN_VERSION, docs/staging.md).
+
+    dest_prefix: directory, relative to the stage dir, that the data set's copies go into."""
     root = Path(dataset.root)
     files: Sequence[Any] = dataset.files
     head = [
@@ -171,15 +183,18 @@ def render_plan(plan: NodePlan, dataset: Any, fingerprint: str | None = None) ->
         rel = files[fid].relpath
         check_relpath(rel)
         steps = ",".join(map(str, ticks.tolist()))
-        lines.append(f"{fid}\t{files[fid].size}\t{steps}\t{rel}\t{root_text}/{rel}")
+        dest = f"{dest_prefix}/{rel}" if dest_prefix else rel
+        lines.append(f"{fid}\t{files[fid].size}\t{steps}\t{dest}\t{root_text}/{rel}")
     return "\n".join(head + lines + ["end", ""])
 
 
-def write_plan(path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None) -> None:
+def write_plan(
+    path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
+) -> None:
     """Write the plan atomically (temporary file + rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(render_plan(plan, dataset, fingerprint))
+    tmp.write_text(render_plan(plan, dataset, fingerprint, dest_prefix))
     os.replace(tmp, path)
 
 

@@ -1,9 +1,10 @@
 """StagingSession: the trainer's handle on the node's staging process.
 
-Local rank 0 of each node writes the plan, starts `hpcdl-stage` and stops it at the end; every
-local rank publishes its consumption cursor and asks the status map where each file is. A dead
-stager is noticed through its heartbeat: one warning, then every file not already staged is read
-from the PFS. Nothing here blocks on the stager.
+Local rank 0 of each node leases the stage dir (hpcdl.staging.ownership), writes the plan into
+its session dir, starts `hpcdl-stage` and stops it at the end; every local rank publishes its
+consumption cursor and asks the status map where each file is. A dead stager is noticed through
+its heartbeat: one warning, then every file not already staged is read from the PFS. Nothing
+here blocks on the stager.
 """
 
 from __future__ import annotations
@@ -11,16 +12,24 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcdl.staging.binary import find_stager_binary
+from hpcdl.comm.failure import agree_on_errors
+from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.ownership import (
+    StageDirError,
+    StageDirFull,
+    StageDirLease,
+    check_no_overlap,
+    data_key,
+)
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
 from hpcdl.staging.status import (
     READY,
@@ -68,30 +77,24 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def make_stage_dir(stage_dir: Path) -> bool:
-    """Create stage_dir (and .hpcdl) with mode 0700; True when stage_dir was created here."""
-    created = not stage_dir.exists()
-    stage_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if stage_dir.stat().st_uid == os.getuid():
-        os.chmod(stage_dir, 0o700)
-    meta = stage_dir / ".hpcdl"
-    if meta.is_symlink():
-        raise RuntimeError(f"{meta} is a symlink; refusing to stage through it")
-    meta.mkdir(mode=0o700, exist_ok=True)
-    return created
-
-
 class Locator:
     """Picklable `file_id -> Path`: the local copy when READY and present, else the PFS path.
 
     Counts hits and misses per process in the shared counters file, so loader worker processes
-    are counted too.
+    are counted too. local_root is the data set's tree in the stage dir; meta its session dir.
     """
 
     def __init__(
-        self, stage_dir: Path, root: Path, relpaths: list[str], local_rank: int, ranks: int
+        self,
+        local_root: Path,
+        meta: Path,
+        root: Path,
+        relpaths: list[str],
+        local_rank: int,
+        ranks: int,
     ):
-        self.stage_dir = str(stage_dir)
+        self.local_root = str(local_root)
+        self.meta = str(meta)
         self.root = str(root)
         self._names = "\n".join(relpaths).encode()
         ends = np.cumsum([len(r.encode()) + 1 for r in relpaths], dtype=np.int64)
@@ -112,16 +115,17 @@ class Locator:
 
     def __call__(self, file_id: int) -> Path:
         if self._status is None:
-            self._status = StatusView(os.path.join(self.stage_dir, ".hpcdl", "status"))
-            self._counters = CounterFile(
-                os.path.join(self.stage_dir, ".hpcdl", "counters"), self.ranks
-            )
+            self._status = StatusView(os.path.join(self.meta, "status"))
+            self._counters = CounterFile(os.path.join(self.meta, "counters"), self.ranks)
         rel = self.relpath(int(file_id))
         if self._status.state(int(file_id)) == READY:
-            local = os.path.join(self.stage_dir, rel)
-            if os.path.isfile(local):
-                self._count(1, 0)
-                return Path(local)
+            local = os.path.join(self.local_root, rel)
+            try:
+                if stat.S_ISREG(os.lstat(local).st_mode):
+                    self._count(1, 0)
+                    return Path(local)
+            except OSError:
+                pass  # evicted meanwhile
         self._count(0, 1)
         return Path(self.root) / rel
 
@@ -129,7 +133,7 @@ class Locator:
         try:
             self._counters.add(self.local_rank, hits, misses)
         except OSError:
-            pass  # counters gone (session closed): reads still work
+            pass  # counters gone (session closed, or staging never started): reads still work
 
 
 class _Solo:
@@ -142,18 +146,46 @@ class _Solo:
         pass
 
 
-@dataclass
-class _Layout:
-    stage_dir: Path
-    meta: Path
-    created: bool
-
-
 class StagingSession:
     """One node's staging for one training run; see StagingSession.start."""
 
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
+    def __init__(
+        self,
+        world: Any,
+        dataset: Any,
+        sampler_args: dict,
+        batch_size: int,
+        epochs: tuple[int, int],
+        lease: StageDirLease | None,
+        keep: bool,
+    ):
+        self.world = world
+        self.node_comm = world.node_comm if world is not None and world.node_comm else _Solo()
+        self.local_rank = world.local_rank if world is not None else 0
+        self.local_size = world.local_size if world is not None else 1
+        self.node = world.node_index if world is not None else 0
+        self.node_ranks = world.node_ranks if world is not None else (0,)  # world ranks here
+        self.dataset = dataset
+        self.sampler_args = dict(sampler_args)  # DistributedSampler fields except rank
+        self.batch_size = batch_size
+        self.begin, self.end = epochs  # epochs [begin, end) of this run
+        self.plan_begin = self.begin  # first epoch of the plan the stager holds
+        self.lease = lease  # None on other local ranks than 0, and when staging is off
+        self.keep = keep  # leave the copies (and the status map) at close
+        self.stage_dir: Path | None = None  # resolved; set by _attach
+        self.meta: Path | None = None  # this job's session dir (plan, status, progress, counters)
+        self.local_root: Path | None = None  # the data set's tree in the stage dir
+        self.proc: subprocess.Popen | None = None  # hpcdl-stage (local rank 0 only)
+        self.steps_per_epoch = 0
+        self.fingerprint = ""
+        self.first_use: np.ndarray | None = None  # (F,) first step of each plan entry (rank 0)
+        self.status: StatusView | None = None
+        self.progress: ProgressFile | None = None
+        self.counters: CounterFile | None = None
+        self.dead = True  # no stager serves this session (never started, or stopped)
+        self.warned = False  # the one "reading from the PFS" warning was given
+        self.last_check = 0.0  # monotonic time of the last liveness check
+        self.closed = False
 
     @classmethod
     def start(
@@ -168,6 +200,7 @@ class StagingSession:
         capacity: str | int | None = None,
         keep: bool = False,
         verify: bool = False,
+        protect: dict[str, Any] | None = None,
     ) -> StagingSession:
         """Plan the node's files, start the stager on local rank 0, return on every local rank.
 
@@ -175,84 +208,25 @@ class StagingSession:
         DistributedSampler fields except rank. epochs: (start_epoch, end_epoch) of the run, or an
         end epoch; the stager holds a plan for the current and the next epoch and gets a new one
         at each epoch change. capacity: bytes, '200G', '80%' or None (free space minus a margin).
-        Raises RuntimeError on every local rank when hpcdl-stage is not installed; a stager that
-        fails to start only warns, and training reads from the PFS.
+        protect: flag -> data path the stage dir must not overlap (default: the data set root).
+        A stage dir that overlaps the data, cannot be created or written, or a missing
+        hpcdl-stage stops every rank with one message (SystemExitWithMessage under MPI,
+        StageDirError alone). A full stage file system, or a stager that fails to start, only
+        warns, and training reads from the PFS.
         """
-        node_comm = (
-            world.node_comm if world is not None and world.node_comm is not None else _Solo()
-        )
-        local_rank = world.local_rank if world is not None else 0
-        local_size = world.local_size if world is not None else 1
-        node = world.node_index if world is not None else 0
         begin, end = (0, int(epochs)) if isinstance(epochs, int) else map(int, epochs)
-        stage_dir = Path(stage_dir).absolute()
-        meta = stage_dir / ".hpcdl"
-        info: dict[str, Any] = {}
-        proc, first_use = None, None
-        if local_rank == 0:
-            try:
-                binary = find_stager_binary()
-                created = make_stage_dir(stage_dir)
-                fingerprint = dataset_fingerprint(dataset)
-                plan = plan_for_node(
-                    dataset,
-                    sampler_args,
-                    batch_size,
-                    (begin, min(begin + PLAN_EPOCHS, end)),
-                    node=node,
-                    local_ranks=local_size,
-                )
-                write_plan(meta / "plan", plan, dataset, fingerprint)
-                first_use = _first_use(plan)
-                ProgressFile.create(meta / "progress", local_size)
-                CounterFile.create(meta / "counters", local_size)
-                cap = parse_capacity(capacity, stage_dir)
-                proc = _launch(binary, stage_dir, threads, cap, verify)
-                ok, why = _wait_running(proc, meta / "status")
-                info = dict(
-                    ok=ok,
-                    why=why,
-                    steps=plan.steps_per_epoch,
-                    created=created,
-                    fingerprint=fingerprint,
-                )
-            except Exception as exc:  # noqa: BLE001 (sent to the node's other ranks first)
-                info = dict(error=f"{type(exc).__name__}: {exc}")
-        info = node_comm.bcast(info, root=0)
-        if "error" in info:
-            if proc is not None:
-                proc.kill()
-            raise RuntimeError(f"staging into {stage_dir} could not start: {info['error']}")
-        session = cls(
-            world=world,
-            node_comm=node_comm,
-            dataset=dataset,
-            sampler_args=dict(sampler_args),
-            batch_size=batch_size,
-            begin=begin,
-            end=end,
-            plan_begin=begin,
-            stage_dir=stage_dir,
-            meta=meta,
-            created=info["created"],
-            keep=keep,
-            local_rank=local_rank,
-            local_size=local_size,
-            node=node,
-            proc=proc,
-            steps_per_epoch=info["steps"],
-            fingerprint=info["fingerprint"],
-            status=StatusView(meta / "status"),
-            progress=ProgressFile(meta / "progress", local_size),
-            counters=CounterFile(meta / "counters", local_size),
-            warned=False,
-            dead=not info["ok"],
-            last_check=0.0,
-            closed=False,
-            first_use=first_use,
-        )
-        if not info["ok"]:
-            session._warn(f"the staging process did not start ({info['why']})")
+        session = cls(world, dataset, sampler_args, batch_size, (begin, end), None, keep)
+        error = None
+        try:
+            check_no_overlap(stage_dir, protect or {"--data": dataset.root})
+        except StageDirError as exc:
+            error = str(exc)
+        info: dict[str, Any] = {"error": error}
+        if session.local_rank == 0 and error is None:
+            info = session._prepare(Path(stage_dir), threads, capacity, verify)
+        info = session.node_comm.bcast(info, root=0)
+        _agree(world, info["error"])
+        session._attach(info)
         return session
 
     # ------------------------------------------------------------------ trainer API
@@ -260,7 +234,8 @@ class StagingSession:
     def locator(self) -> Locator:
         """Picklable file_id -> Path for the loader (and its worker processes)."""
         return Locator(
-            self.stage_dir,
+            self.local_root,
+            self.meta,
             Path(self.dataset.root),
             [f.relpath for f in self.dataset.files],
             self.local_rank,
@@ -269,6 +244,8 @@ class StagingSession:
 
     def consumed(self, epoch: int, step: int) -> None:
         """This rank has finished reading steps [0, step) of epoch."""
+        if self.progress is None:
+            return
         self.progress.set(self.local_rank, epoch * self.steps_per_epoch + step)
         if self.local_rank == 0 and epoch > self.plan_begin and epoch + 1 < self.end:
             self._replan(epoch)
@@ -280,7 +257,7 @@ class StagingSession:
     def progress_record(self) -> dict[str, int] | None:
         """Node view for hpcdl.report (local rank 0; None elsewhere): files of the current plan
         staged (READY) vs files the slowest local rank has already needed."""
-        if self.first_use is None:
+        if self.first_use is None or self.progress is None:
             return None
         done = min(self.progress.get(r) for r in range(self.local_size))
         cursor = done - self.plan_begin * self.steps_per_epoch
@@ -292,51 +269,100 @@ class StagingSession:
 
     def epoch_stats(self) -> dict[str, Any]:
         """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness."""
-        hits, misses = self.counters.totals(self.local_rank)
+        hits, misses = self.counters.totals(self.local_rank) if self.counters else (0, 0)
         self._check_alive()
+        field = self.status.field if self.status else (lambda name: 0)
         return {
-            "files_staged": int(
-                self.status.field("files_staged") + self.status.field("files_reused")
-            ),
-            "bytes_staged": int(
-                self.status.field("bytes_staged") + self.status.field("bytes_reused")
-            ),
+            "files_staged": int(field("files_staged") + field("files_reused")),
+            "bytes_staged": int(field("bytes_staged") + field("bytes_reused")),
             "hits": int(hits),
             "misses": int(misses),
             "stager_alive": not self.dead,
         }
 
     def close(self) -> None:
-        """Stop the stager (local rank 0), then remove staged files unless keep. Idempotent."""
+        """Stop the stager (local rank 0) and leave the stage dir; the last job out removes
+        what hpcdl created there unless keep. Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.node_comm.Barrier()  # every local rank has finished reading
-        if self.local_rank == 0:
-            if self.proc is not None:
-                _stop(self.proc)
-            remove_temporaries(self.stage_dir)
-            if not self.keep:
-                remove_staged(self.stage_dir, [f.relpath for f in self.dataset.files], self.created)
-        self.status.close()
-        self.progress.close()
-        self.counters.close()
+        if self.proc is not None:
+            _stop(self.proc)
+        for mapped in (self.status, self.progress, self.counters):
+            if mapped is not None:
+                mapped.close()
+        if self.lease is not None:
+            self.lease.release(self.keep)
         self.node_comm.Barrier()
 
     # ------------------------------------------------------------------ internals
 
-    def _replan(self, epoch: int) -> None:
-        self.plan_begin = epoch
+    def _prepare(self, stage_dir: Path, threads: int, capacity: Any, verify: bool) -> dict:
+        """Local rank 0: lease the stage dir, write the plan, start the stager."""
+        try:
+            binary = find_stager_binary()
+            self.lease = StageDirLease.acquire(stage_dir)
+        except (StageDirError, StagerNotFound) as exc:
+            return {"error": str(exc)}
+        except StageDirFull as exc:
+            return {"error": None, "why": str(exc), "ok": False, "stage_dir": str(stage_dir)}
+        meta, key = self.lease.meta, data_key(self.dataset.root)
+        info = {
+            "error": None,
+            "stage_dir": str(self.lease.stage_dir),
+            "key": key,
+            "meta": str(meta),
+            "ok": False,
+        }
+        try:
+            self.fingerprint = dataset_fingerprint(self.dataset)
+            plan = self._plan(self.begin)
+            write_plan(meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
+            ProgressFile.create(meta / "progress", self.local_size)
+            CounterFile.create(meta / "counters", self.local_size)
+            cap = parse_capacity(capacity, self.lease.stage_dir)
+        except OSError as exc:
+            info["why"] = f"cannot write its plan in {meta}: {exc.strerror or exc}"
+            return info
+        self.proc = _launch(binary, self.lease.stage_dir, self.lease.session, threads, cap, verify)
+        info["ok"], info["why"] = _wait_running(self.proc, meta / "status")
+        info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
+        return info
+
+    def _attach(self, info: dict) -> None:
+        """Every local rank: open the session's shared files, or note that staging is off."""
+        self.stage_dir = Path(info["stage_dir"])
+        if "meta" in info:
+            self.meta = Path(info["meta"])
+            self.local_root = self.stage_dir / info["key"]
+        if "steps" in info:
+            self.steps_per_epoch = info["steps"]
+            self.fingerprint = info["fingerprint"]
+            self.status = StatusView(self.meta / "status")
+            self.progress = ProgressFile(self.meta / "progress", self.local_size)
+            self.counters = CounterFile(self.meta / "counters", self.local_size)
+        self.dead = not info["ok"]
+        if self.dead:
+            self._warn(f"the staging process did not start ({info['why']})")
+
+    def _plan(self, epoch: int) -> Any:
         plan = plan_for_node(
             self.dataset,
             self.sampler_args,
             self.batch_size,
             (epoch, min(epoch + PLAN_EPOCHS, self.end)),
+            ranks=self.node_ranks,
             node=self.node,
-            local_ranks=self.local_size,
         )
-        write_plan(self.meta / "plan", plan, self.dataset, self.fingerprint)
         self.first_use = _first_use(plan)
+        return plan
+
+    def _replan(self, epoch: int) -> None:
+        self.plan_begin = epoch
+        plan = self._plan(epoch)
+        key = self.local_root.name
+        write_plan(self.meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
 
     def _check_alive(self) -> None:
         if self.dead:
@@ -350,7 +376,7 @@ class StagingSession:
 
     def _warn(self, what: str) -> None:
         self.dead = True
-        if not self.warned:
+        if not self.warned and self.local_rank == 0:
             self.warned = True
             warnings.warn(
                 f"hpcdl staging on node {self.node}: {what}; files not yet staged in "
@@ -360,9 +386,19 @@ class StagingSession:
             )
 
 
+def _agree(world: Any, error: str | None) -> None:
+    """Stop every rank when any rank has a start-up error; the message is printed once."""
+    if world is None:
+        if error is not None:
+            raise StageDirError(error)
+        return
+    agree_on_errors(world.comm, world.rank, error)
+
+
 def _launch(
     binary: Path,
     stage_dir: Path,
+    session: str,
     threads: int,
     capacity: int,
     verify: bool,
@@ -373,6 +409,8 @@ def _launch(
         str(binary),
         "--stage-dir",
         str(stage_dir),
+        "--session",
+        session,
         "--threads",
         str(int(threads)),
         "--capacity",
@@ -420,49 +458,6 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def remove_temporaries(stage_dir: Path) -> int:
-    """Remove temporary copies left by a killed stager; returns how many."""
-    removed = 0
-    for dirpath, dirnames, filenames in os.walk(stage_dir):
-        if Path(dirpath) == stage_dir and ".hpcdl" in dirnames:
-            dirnames.remove(".hpcdl")
-        for name in filenames:
-            if name.startswith(".") and ".hpcdl-tmp." in name:
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-    return removed
-
-
-def remove_staged(stage_dir: Path, relpaths: list[str], remove_dir: bool) -> None:
-    """Remove the data set's staged copies, hpcdl's metadata and the directories left empty."""
-    dirs = set()
-    for rel in relpaths:
-        path = stage_dir / rel
-        try:
-            if not path.is_symlink() and path.is_file():
-                path.unlink()
-        except FileNotFoundError:
-            pass
-        parent = Path(rel).parent
-        while str(parent) not in ("", "."):
-            dirs.add(parent)
-            parent = parent.parent
-    shutil.rmtree(stage_dir / ".hpcdl", ignore_errors=True)
-    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        try:
-            (stage_dir / d).rmdir()
-        except OSError:
-            pass
-    if remove_dir:
-        try:
-            stage_dir.rmdir()
-        except OSError:
-            pass
 
 
 def _first_use(plan: Any) -> np.ndarray:

@@ -129,7 +129,8 @@ void PfsEmulation::on_read(uint64_t bytes) {
 
 // ---------------------------------------------------------------- stage tree
 
-StageTree::StageTree(const std::string& root) : root_(root) {
+StageTree::StageTree(const std::string& root, Manifest& manifest)
+    : root_(root), manifest_(manifest) {
   root_fd_ = UniqueFd(::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!root_fd_.valid()) {
     int err = errno;
@@ -161,13 +162,23 @@ int StageTree::dir_for(const std::string& rel_dir, bool create) {
     if (it == dirs_.end()) {
       int fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
       if (fd < 0 && errno == ENOENT && create) {
-        if (::mkdirat(parent, name.c_str(), 0700) != 0 && errno != EEXIST) {
+        const bool made = ::mkdirat(parent, name.c_str(), 0700) == 0;
+        if (!made && errno != EEXIST) {
           int err = errno;
           throw StageError("cannot create directory " + root_ + "/" + prefix + ": " +
                                errno_text(err) + "; its files are read from the PFS",
                            err);
         }
         fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        struct stat st {};
+        if (made && fd >= 0 && ::fstat(fd, &st) == 0) {  // ours: clean-up may remove it
+          ManifestRecord r;
+          r.kind = 'd';
+          r.dest = prefix;
+          r.copy_ino = static_cast<uint64_t>(st.st_ino);
+          r.copy_dev = static_cast<uint64_t>(st.st_dev);
+          manifest_.append(r);
+        }
       }
       if (fd < 0) {
         int err = errno;
@@ -202,17 +213,21 @@ std::pair<std::string, std::string> split_dest(const std::string& dest) {
   return {dest.substr(0, slash), dest.substr(slash + 1)};
 }
 
-bool is_temp_name(const std::string& name) {
-  return !name.empty() && name[0] == '.' && name.find(".hpcdl-tmp.") != std::string::npos;
-}
-
-CopyEngine::CopyEngine(StageTree& tree, PfsEmulation& pfs, bool verify,
-                       const std::atomic<bool>& cancel)
+CopyEngine::CopyEngine(StageTree& tree, Manifest& manifest, const std::string& tmp_dir,
+                       PfsEmulation& pfs, bool verify, const std::atomic<bool>& cancel)
     : tree_(tree),
+      manifest_(manifest),
+      tmp_dir_(::open(tmp_dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)),
       pfs_(pfs),
       verify_(verify),
-      cancel_(cancel),
-      tmp_suffix_(".hpcdl-tmp." + std::to_string(::getpid()) + ".") {}
+      cancel_(cancel) {
+  if (!tmp_dir_.valid()) {
+    int err = errno;
+    throw StageError("cannot open session directory " + tmp_dir + ": " + errno_text(err) +
+                         "; the stager does not start and training reads from the PFS",
+                     err);
+  }
+}
 
 CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
                             std::vector<char>& buffer, unsigned tag) {
@@ -237,25 +252,21 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   if (!S_ISREG(st.st_mode)) return error_result(EISDIR, "source is not a regular file", source);
   ::posix_fadvise(src.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
 
-  const std::string tmp = "." + base + tmp_suffix_ + std::to_string(tag);
-  UniqueFd out(::openat(dirfd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                        0600));
-  if (!out.valid() && errno == EEXIST) {
-    ::unlinkat(dirfd, tmp.c_str(), 0);
-    out = UniqueFd(::openat(dirfd, tmp.c_str(),
-                            O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-  }
-  if (!out.valid()) return error_result(errno, "cannot create", dest_path);
+  // One temporary name per copy thread, in the session directory: the tree of staged files
+  // never holds a partial file, and a dead stager's temporaries go with its session.
+  const std::string tmp = "tmp." + std::to_string(tag);
+  const int tmp_dir = tmp_dir_.get();
+  ::unlinkat(tmp_dir, tmp.c_str(), 0);
+  UniqueFd out(::openat(tmp_dir, tmp.c_str(),
+                        O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!out.valid()) return error_result(errno, "cannot create a temporary file for", dest_path);
 
-  // Any early return below removes the temporary file.
+  // Every return below removes the temporary name (a published copy keeps its other link).
   struct TempGuard {
     int dirfd;
     const std::string& name;
-    bool armed = true;
-    ~TempGuard() {
-      if (armed) ::unlinkat(dirfd, name.c_str(), 0);
-    }
-  } guard{dirfd, tmp};
+    ~TempGuard() { ::unlinkat(dirfd, name.c_str(), 0); }
+  } guard{tmp_dir, tmp};
 
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   uint64_t copied = 0;
@@ -264,7 +275,7 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   bool kernel = !user_space;
   bool use_sendfile = false;
   while (kernel && copied < size) {
-    if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, ""};
+    if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, "", {}};
     size_t want = static_cast<size_t>(std::min<uint64_t>(size - copied, kKernelChunk));
     ssize_t n = use_sendfile ? ::sendfile(out.get(), src.get(), nullptr, want)
                              : ::copy_file_range(src.get(), nullptr, out.get(), nullptr, want, 0);
@@ -287,7 +298,7 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   }
   if (!kernel) {
     for (;;) {
-      if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, ""};
+      if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, "", {}};
       ssize_t n = ::read(src.get(), buffer.data(), buffer.size());
       if (n < 0) {
         if (errno == EINTR) continue;
@@ -311,7 +322,7 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   }
   if (verify_) {
     int err = 0;
-    UniqueFd check(::openat(dirfd, tmp.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    UniqueFd check(::openat(tmp_dir, tmp.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
     if (!check.valid()) return error_result(errno, "cannot reopen for verification", dest_path);
     const uint64_t dest_hash = hash_fd(check.get(), buffer, &err);
     if (err != 0) return error_result(err, "cannot read back for verification", dest_path);
@@ -325,43 +336,95 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
 
   const struct timespec times[2] = {st.st_atim, st.st_mtim};
   if (::futimens(out.get(), times) != 0) return error_result(errno, "cannot set mtime of", dest_path);
-  if (::renameat(dirfd, tmp.c_str(), dirfd, base.c_str()) != 0) {
-    return error_result(errno, "cannot publish (rename)", dest_path);
+  struct stat after {}, made {};
+  if (::fstat(src.get(), &after) != 0) return error_result(errno, "cannot stat source", source);
+  if (!(identity_of(after) == identity_of(st))) {
+    CopyResult r;
+    r.outcome = CopyOutcome::Transient;
+    r.message = "source " + source + " changed while copying; retrying";
+    return r;
   }
-  guard.armed = false;
-  return {CopyOutcome::Ok, size, ""};
+  if (::fstat(out.get(), &made) != 0) return error_result(errno, "cannot stat", dest_path);
+  CopyResult r = publish(tmp, dirfd, dest, source, identity_of(st),
+                         CopyId{static_cast<uint64_t>(made.st_ino),
+                                static_cast<uint64_t>(made.st_dev)});
+  if (r.outcome == CopyOutcome::Ok) r.bytes = size;
+  return r;
 }
 
-bool CopyEngine::is_intact(const std::string& source, const std::string& dest, uint64_t size,
-                           std::vector<char>& buffer) {
+CopyResult CopyEngine::publish(const std::string& tmp, int dirfd, const std::string& dest,
+                               const std::string& source, const FileIdentity& source_id,
+                               CopyId id) {
+  const auto [dir, base] = split_dest(dest);
+  const std::string dest_path = tree_.root() + "/" + dest;
+  // Recorded before it is visible, so clean-up knows every file that may exist.
+  ManifestRecord record;
+  record.dest = dest;
+  record.source = source;
+  record.source_id = source_id;
+  record.copy_ino = id.ino;
+  record.copy_dev = id.dev;
+  if (int err = manifest_.append(record)) return error_result(err, "cannot record", dest_path);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (::linkat(tmp_dir_.get(), tmp.c_str(), dirfd, base.c_str(), 0) == 0) {
+      return {CopyOutcome::Ok, 0, "", id};
+    }
+    if (errno != EEXIST) return error_result(errno, "cannot publish (link)", dest_path);
+    struct stat there {};
+    if (::fstatat(dirfd, base.c_str(), &there, AT_SYMLINK_NOFOLLOW) != 0) continue;  // gone
+    const auto known = manifest_.find(dest, static_cast<uint64_t>(there.st_ino),
+                                      static_cast<uint64_t>(there.st_dev));
+    if (!known || !S_ISREG(there.st_mode)) {
+      CopyResult r;
+      r.outcome = CopyOutcome::Failed;
+      r.message = dest_path + " exists and was not created by hpcdl; it is left alone and "
+                  "readers use the PFS copy";
+      return r;
+    }
+    if (known->source == source && known->source_id == source_id) {
+      // Another stager sharing the stage dir published the same bytes first.
+      return {CopyOutcome::Ok, 0, "",
+              CopyId{static_cast<uint64_t>(there.st_ino), static_cast<uint64_t>(there.st_dev)}};
+    }
+    ::unlinkat(dirfd, base.c_str(), 0);  // our own stale copy
+  }
+  return error_result(EEXIST, "cannot publish (link)", dest_path);
+}
+
+std::optional<CopyId> CopyEngine::reusable(const std::string& source, const std::string& dest,
+                                           uint64_t size, std::vector<char>& buffer) {
   const auto [dir, base] = split_dest(dest);
   int dirfd = -1;
   try {
     dirfd = tree_.dir_for(dir, false);
   } catch (const StageError&) {
-    return false;
+    return std::nullopt;
   }
-  if (dirfd < 0) return false;
+  if (dirfd < 0) return std::nullopt;
   struct stat local {};
-  if (::fstatat(dirfd, base.c_str(), &local, AT_SYMLINK_NOFOLLOW) != 0) return false;
-  if (!S_ISREG(local.st_mode) || static_cast<uint64_t>(local.st_size) != size) return false;
-  struct stat remote {};
-  if (::stat(source.c_str(), &remote) != 0 || remote.st_size != local.st_size ||
-      remote.st_mtim.tv_sec != local.st_mtim.tv_sec ||
-      remote.st_mtim.tv_nsec != local.st_mtim.tv_nsec) {
-    return false;
+  if (::fstatat(dirfd, base.c_str(), &local, AT_SYMLINK_NOFOLLOW) != 0) return std::nullopt;
+  if (!S_ISREG(local.st_mode) || static_cast<uint64_t>(local.st_size) != size) {
+    return std::nullopt;
   }
-  if (!verify_) return true;
+  const CopyId id{static_cast<uint64_t>(local.st_ino), static_cast<uint64_t>(local.st_dev)};
+  const auto known = manifest_.find(dest, id.ino, id.dev);
+  struct stat remote {};
+  if (!known || known->source != source || ::stat(source.c_str(), &remote) != 0) {
+    return std::nullopt;
+  }
+  if (identity_of(remote) == known->source_id) return id;
+  if (!verify_) return std::nullopt;
   UniqueFd a(::openat(dirfd, base.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
   UniqueFd b(::open(source.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!a.valid() || !b.valid()) return false;
+  if (!a.valid() || !b.valid()) return std::nullopt;
   int err_a = 0, err_b = 0;
   const uint64_t ha = hash_fd(a.get(), buffer, &err_a);
   const uint64_t hb = hash_fd(b.get(), buffer, &err_b);
-  return err_a == 0 && err_b == 0 && ha == hb;
+  if (err_a == 0 && err_b == 0 && ha == hb) return id;
+  return std::nullopt;
 }
 
-int CopyEngine::remove(const std::string& dest) {
+int CopyEngine::remove(const std::string& dest, CopyId id) {
   const auto [dir, base] = split_dest(dest);
   int dirfd = -1;
   try {
@@ -370,6 +433,12 @@ int CopyEngine::remove(const std::string& dest) {
     return e.err() ? e.err() : ENOTDIR;
   }
   if (dirfd < 0) return ENOENT;
+  struct stat there {};
+  if (::fstatat(dirfd, base.c_str(), &there, AT_SYMLINK_NOFOLLOW) != 0) return errno;
+  if (static_cast<uint64_t>(there.st_ino) != id.ino ||
+      static_cast<uint64_t>(there.st_dev) != id.dev) {
+    return ENOENT;  // replaced since: not the file this stager made
+  }
   return ::unlinkat(dirfd, base.c_str(), 0) == 0 ? 0 : errno;
 }
 

@@ -1,6 +1,7 @@
 // Copying one file from the PFS into the stage dir: safe directory descent (no symlinks), a
-// temporary name and an atomic rename, kernel copy paths with a read/write fallback, optional
-// checksum verification, and the emulated PFS (HPCDL_STAGE_EMULATE_PFS).
+// temporary file in the session directory published with linkat (which never replaces an
+// existing file), a manifest record for everything created, kernel copy paths with a read/write
+// fallback, optional checksum verification, and the emulated PFS (HPCDL_STAGE_EMULATE_PFS).
 #pragma once
 
 #include <atomic>
@@ -8,12 +9,14 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "common.h"
+#include "manifest.h"
 
 namespace hpcdl {
 
@@ -45,7 +48,8 @@ class PfsEmulation {
 // component at a time, so neither a symlinked directory nor a plan entry can lead outside it.
 class StageTree {
  public:
-  explicit StageTree(const std::string& root);
+  // Directories created here are recorded in `manifest`.
+  StageTree(const std::string& root, Manifest& manifest);
   const std::string& root() const { return root_; }
 
   // Directory fd for `rel_dir` ("" = the root), created with mode 0700 when `create`; -1 when it
@@ -54,6 +58,7 @@ class StageTree {
 
  private:
   std::string root_;
+  Manifest& manifest_;
   UniqueFd root_fd_;
   std::mutex mu_;
   std::unordered_map<std::string, std::unique_ptr<UniqueFd>> dirs_;
@@ -64,41 +69,55 @@ class StageTree {
 
 enum class CopyOutcome { Ok, Transient, Failed, NoSpace, Cancelled };
 
+// The staged file a stager published or adopted: only this inode may be evicted.
+struct CopyId {
+  uint64_t ino = 0, dev = 0;
+};
+
 struct CopyResult {
   CopyOutcome outcome = CopyOutcome::Ok;
   uint64_t bytes = 0;
   std::string message;  // path + strerror + what happens next, when not Ok
+  CopyId id;            // when Ok
 };
 
 class CopyEngine {
  public:
-  CopyEngine(StageTree& tree, PfsEmulation& pfs, bool verify, const std::atomic<bool>& cancel);
+  // Temporary files are written in `tmp_dir` (the session directory, on the stage dir's file
+  // system) and linked to their destination when complete.
+  CopyEngine(StageTree& tree, Manifest& manifest, const std::string& tmp_dir, PfsEmulation& pfs,
+             bool verify, const std::atomic<bool>& cancel);
 
-  // Copies `source` to `dest` (relative to the stage dir) through a temporary name; `buffer` is
-  // the calling thread's scratch space, `tag` makes its temporary names unique.
+  // Copies `source` to `dest` (relative to the stage dir); `buffer` is the calling thread's
+  // scratch space, `tag` makes its temporary name unique. A file at `dest` that the manifest
+  // does not list is never replaced: the copy then FAILS and readers use the PFS.
   CopyResult copy(const std::string& source, const std::string& dest, std::vector<char>& buffer,
                   unsigned tag);
 
-  // True when `dest` already holds an intact copy of `source`: a regular file of `size` bytes
-  // with the source's mtime (and, with --verify, the same checksum).
-  bool is_intact(const std::string& source, const std::string& dest, uint64_t size,
-                 std::vector<char>& buffer);
+  // The copy at `dest` when it may be reused: the manifest lists it as made from `source`, and
+  // the source's size, mtime, ctime, inode and device are still the recorded ones (with
+  // --verify: or the checksums of both match).
+  std::optional<CopyId> reusable(const std::string& source, const std::string& dest,
+                                 uint64_t size, std::vector<char>& buffer);
 
-  // Removes `dest`; returns 0 or the errno.
-  int remove(const std::string& dest);
+  // Removes `dest` when it is still the file `id`; returns 0 or the errno.
+  int remove(const std::string& dest, CopyId id);
 
  private:
+  // Links the finished temporary file to `dest`; see copy().
+  CopyResult publish(const std::string& tmp, int dirfd, const std::string& dest,
+                     const std::string& source, const FileIdentity& source_id, CopyId id);
+
   StageTree& tree_;
+  Manifest& manifest_;
+  UniqueFd tmp_dir_;
   PfsEmulation& pfs_;
   bool verify_;
   const std::atomic<bool>& cancel_;
-  std::string tmp_suffix_;  // ".hpcdl-tmp.<pid>."
 };
 
 // Splits "a/b/c" into ("a/b", "c").
 std::pair<std::string, std::string> split_dest(const std::string& dest);
 
-// True for a temporary file name made by CopyEngine (".<name>.hpcdl-tmp.<pid>.<tag>").
-bool is_temp_name(const std::string& name);
 
 }  // namespace hpcdl

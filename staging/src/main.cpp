@@ -17,12 +17,14 @@
 namespace {
 
 const char* kUsage =
-    "usage: hpcdl-stage --stage-dir DIR [--threads T] [--capacity BYTES] [--window-steps N]\n"
-    "                   [--protect-steps N] [--verify] [--once] [--parent-pid PID] [--quiet]\n"
-    "       hpcdl-stage --check-plan FILE\n"
+    "usage: hpcdl-stage --stage-dir DIR --session NAME [--threads T] [--capacity BYTES]\n"
+    "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
+    "                   [--parent-pid PID] [--quiet]\n"
+    "       hpcdl-stage --check-plan FILE...\n"
     "       hpcdl-stage --version\n"
-    "Reads DIR/.hpcdl/plan and DIR/.hpcdl/progress, copies files into DIR, publishes states in\n"
-    "DIR/.hpcdl/status. See docs/staging.md.\n";
+    "Reads the plan and progress files in DIR/.hpcdl/sessions/NAME, copies files into DIR,\n"
+    "records them in DIR/.hpcdl/manifest, publishes states in DIR/.hpcdl/sessions/NAME/status.\n"
+    "See docs/staging.md.\n";
 
 bool parse_number(const char* text, unsigned long long* out) {
   if (text == nullptr || *text == '\0' || std::strspn(text, "0123456789") != std::strlen(text)) {
@@ -31,6 +33,29 @@ bool parse_number(const char* text, unsigned long long* out) {
   errno = 0;
   *out = std::strtoull(text, nullptr, 10);
   return errno == 0;
+}
+
+// Validates each plan file; exit 1 when any is refused (one line each on stderr).
+int check_plans(int count, char** paths) {
+  int code = 0;
+  for (int k = 0; k < count; ++k) {
+    try {
+      const auto plan = hpcdl::read_plan(paths[k]);
+      std::cout << "plan " << paths[k] << ": " << plan.entries.size() << " files, epochs "
+                << plan.epoch_begin << ".." << plan.epoch_end << "\n";
+    } catch (const hpcdl::StageError& e) {
+      std::cerr << "hpcdl-stage: error: " << e.what() << "\n";
+      code = 1;
+    }
+  }
+  return code;
+}
+
+// A session name is one path component that needs no quoting.
+bool valid_session(const std::string& name) {
+  return !name.empty() && name.size() <= 100 && name[0] != '.' &&
+         name.find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") ==
+             std::string::npos;
 }
 
 int usage_error(const std::string& msg) {
@@ -61,18 +86,16 @@ int main(int argc, char** argv) {
       return 0;
     } else if (arg == "--check-plan") {
       if (value == nullptr) return usage_error("--check-plan needs a file");
-      try {
-        const auto plan = hpcdl::read_plan(value);
-        std::cout << "plan " << value << ": " << plan.entries.size() << " files, epochs "
-                  << plan.epoch_begin << ".." << plan.epoch_end << "\n";
-        return 0;
-      } catch (const hpcdl::StageError& e) {
-        std::cerr << "hpcdl-stage: error: " << e.what() << "\n";
-        return 1;
-      }
+      return check_plans(argc - i - 1, argv + i + 1);
     } else if (arg == "--stage-dir") {
       if (value == nullptr) return usage_error("--stage-dir needs a directory");
       opt.stage_dir = value;
+      ++i;
+    } else if (arg == "--session") {
+      if (value == nullptr || !valid_session(value)) {
+        return usage_error("--session needs a name of 1-100 characters from A-Z a-z 0-9 . _ -");
+      }
+      opt.session = value;
       ++i;
     } else if (arg == "--threads") {
       opt.threads = static_cast<unsigned>(numeric("--threads"));
@@ -96,5 +119,6 @@ int main(int argc, char** argv) {
     }
   }
   if (opt.stage_dir.empty()) return usage_error("--stage-dir is required");
+  if (opt.session.empty()) return usage_error("--session is required");
   return hpcdl::run_stager(opt);
 }

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <unordered_set>
 
 #include "common.h"
 
@@ -48,6 +49,13 @@ bool parse_i64(const std::string& s, int64_t* out) {
   *out = static_cast<int64_t>(v);
   return true;
 }
+
+// Bounds that keep every size computed from a plan far from overflow: the status map holds one
+// byte per data set file, cursors are int64 step counts, byte counters sum entry sizes.
+constexpr uint64_t kMaxDatasetFiles = 1ull << 32;
+constexpr uint64_t kMaxStepsPerEpoch = 1ull << 32;
+constexpr int64_t kMaxEpoch = 1ll << 24;
+constexpr uint64_t kMaxFileSize = 1ull << 50;
 
 }  // namespace
 
@@ -138,17 +146,27 @@ Plan read_plan(const std::string& path) {
       ok = parse_u64(kv[1], &plan.seed);
     } else if (key == "epochs" && kv.size() == 3) {
       ok = parse_i64(kv[1], &plan.epoch_begin) && parse_i64(kv[2], &plan.epoch_end) &&
-           plan.epoch_end >= plan.epoch_begin;
+           plan.epoch_begin >= 0 && plan.epoch_end >= plan.epoch_begin &&
+           plan.epoch_end <= kMaxEpoch;
     } else if (key == "steps_per_epoch" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &plan.steps_per_epoch);
+      ok = parse_u64(kv[1], &plan.steps_per_epoch) && plan.steps_per_epoch <= kMaxStepsPerEpoch;
     } else if (key == "local_ranks" && kv.size() == 2) {
       uint64_t v = 0;
       ok = parse_u64(kv[1], &v) && v > 0 && v < 65536;
       plan.local_ranks = static_cast<uint32_t>(v);
     } else if (key == "dataset_files" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &plan.dataset_files);
+      ok = parse_u64(kv[1], &plan.dataset_files) && plan.dataset_files <= kMaxDatasetFiles;
+      if (!ok) {
+        fail(path, lineno, "dataset_files must be at most " + std::to_string(kMaxDatasetFiles) +
+                               ", got '" + line.substr(0, 60) + "'");
+      }
     } else if (key == "entries" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &expected_entries);
+      ok = parse_u64(kv[1], &expected_entries) && expected_entries <= plan.dataset_files;
+      if (!ok) {
+        fail(path, lineno, "entries must be at most dataset_files (" +
+                               std::to_string(plan.dataset_files) + "), got '" +
+                               line.substr(0, 60) + "'");
+      }
       seen_entries = true;
     } else if (key == "source_root" || key == "node" || key == "shuffle") {
       // informational
@@ -160,7 +178,7 @@ Plan read_plan(const std::string& path) {
   if (!seen_entries) fail(path, lineno, "missing 'entries' line");
   if (plan.local_ranks == 0) fail(path, lineno, "missing 'local_ranks'");
 
-  plan.entries.reserve(expected_entries);
+  std::unordered_set<uint64_t> ids;
   while (next()) {
     if (line == "end") {
       seen_end = true;
@@ -172,7 +190,10 @@ Plan read_plan(const std::string& path) {
     if (!parse_u64(f[0], &e.file_id) || e.file_id >= plan.dataset_files) {
       fail(path, lineno, "bad file id '" + f[0] + "'");
     }
-    if (!parse_u64(f[1], &e.size)) fail(path, lineno, "bad size '" + f[1] + "'");
+    if (!ids.insert(e.file_id).second) fail(path, lineno, "file id " + f[0] + " listed twice");
+    if (!parse_u64(f[1], &e.size) || e.size > kMaxFileSize) {
+      fail(path, lineno, "bad size '" + f[1] + "'");
+    }
     if (!f[2].empty()) {
       for (const auto& t : split(f[2], ',')) {
         uint64_t v = 0;
@@ -187,6 +208,9 @@ Plan read_plan(const std::string& path) {
     if (f[4].empty()) fail(path, lineno, "empty source path");
     e.source = f[4];
     plan.entries.push_back(std::move(e));
+    if (plan.entries.size() > expected_entries) {
+      fail(path, lineno, "more entries than the 'entries' line declares");
+    }
   }
   if (!seen_end) fail(path, lineno, "truncated plan (no 'end' line)");
   if (plan.entries.size() != expected_entries) {

@@ -1,7 +1,6 @@
 #include "stager.h"
 
 #include <fcntl.h>
-#include <ftw.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -17,11 +16,13 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <unordered_set>
+#include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "copy_engine.h"
 #include "eviction.h"
+#include "manifest.h"
 #include "plan.h"
 #include "status_map.h"
 
@@ -45,7 +46,17 @@ struct Done {
   CopyResult result;
 };
 
-void log_line(const std::string& msg) { std::cerr << "hpcdl-stage: " << msg << std::endl; }
+// Every line names the node: a multi-node job log holds one start and one stop line per node.
+const std::string& log_prefix() {
+  static const std::string prefix = [] {
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+    return "hpcdl-stage on " + std::string(host[0] ? host : "?") + ": ";
+  }();
+  return prefix;
+}
+
+void log_line(const std::string& msg) { std::cerr << log_prefix() << msg << std::endl; }
 
 uint64_t default_capacity(const std::string& dir) {
   struct statvfs vfs {};
@@ -54,21 +65,6 @@ uint64_t default_capacity(const std::string& dir) {
   const uint64_t total = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
   const uint64_t margin = std::max<uint64_t>(total / 20, 1ull << 30);
   return free_bytes > margin ? free_bytes - margin : 0;
-}
-
-// Removes temporary files left by a killed stager (never follows symlinks).
-void remove_stale_temps(const std::string& root) {
-  struct Walk {
-    static int visit(const char* path, const struct stat*, int type, struct FTW* ftw) {
-      const char* name = path + ftw->base;
-      if (type == FTW_D && std::string(name) == ".hpcdl" && ftw->level == 1) {
-        return FTW_SKIP_SUBTREE;
-      }
-      if (type == FTW_F && is_temp_name(name)) ::unlink(path);
-      return FTW_CONTINUE;
-    }
-  };
-  ::nftw(root.c_str(), Walk::visit, 16, FTW_PHYS | FTW_ACTIONRETVAL);
 }
 
 struct PlanFileId {
@@ -93,14 +89,15 @@ class Stager {
  public:
   explicit Stager(const StagerOptions& opt)
       : opt_(opt),
-        meta_(opt.stage_dir + "/.hpcdl"),
+        meta_(opt.stage_dir + "/.hpcdl/sessions/" + opt.session),
         plan_(read_plan(meta_ + "/plan")),
         status_(StatusMap::open(meta_ + "/status", plan_.dataset_files,
                                 fingerprint_number(plan_.fingerprint))),
         progress_(ProgressFile::open(meta_ + "/progress")),
-        tree_(opt.stage_dir),
+        manifest_(opt.stage_dir + "/.hpcdl/manifest"),
+        tree_(opt.stage_dir, manifest_),
         pfs_(PfsEmulation::from_env()),
-        engine_(tree_, pfs_, opt.verify, cancel_) {
+        engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
     plan_id_ = plan_file_id(meta_ + "/plan");
     capacity_ = opt.capacity ? opt.capacity : default_capacity(opt.stage_dir);
   }
@@ -115,7 +112,6 @@ class Stager {
     status_.store32(so::kFlags, 0);
     status_.store(so::kCapacity, capacity_);
     status_.heartbeat();
-    remove_stale_temps(opt_.stage_dir);
     adopt_plan();
     if (!opt_.quiet) {
       log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
@@ -145,7 +141,8 @@ class Stager {
     status_.heartbeat();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Stopped));
     if (!opt_.quiet) {
-      log_line("stopped: " + std::to_string(status_.load(so::kFilesStaged)) + " files (" +
+      log_line("stopped" + stop_reason_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
+               " files (" +
                std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
                std::to_string(status_.load(so::kFilesReused)) + " reused, " +
                std::to_string(status_.load(so::kFailures)) + " failed, " +
@@ -155,8 +152,8 @@ class Stager {
   }
 
  private:
-  // Validates staged files for the (new) plan: intact copies are READY and count against the
-  // capacity, anything else is PENDING.
+  // Validates staged files for the (new) plan: copies that may be reused (see
+  // CopyEngine::reusable) are READY and count against the capacity, anything else is PENDING.
   void adopt_plan() {
     inflight_.assign(plan_.entries.size(), 0);
     too_big_.assign(plan_.entries.size(), 0);
@@ -166,12 +163,14 @@ class Stager {
     for (size_t i = 0; i < plan_.entries.size(); ++i) {
       const auto& e = plan_.entries[i];
       const FileState s = status_.state(e.file_id);
-      const bool known_ready = s == FileState::Ready && validated_.count(e.file_id);
-      if (known_ready || engine_.is_intact(e.source, e.dest, e.size, buffer)) {
-        if (!known_ready) {
+      const bool known_ready = s == FileState::Ready && copies_.count(e.file_id);
+      const auto reused =
+          known_ready ? std::nullopt : engine_.reusable(e.source, e.dest, e.size, buffer);
+      if (known_ready || reused) {
+        if (reused) {
           status_.add(so::kFilesReused, 1);
           status_.add(so::kBytesReused, e.size);
-          validated_.insert(e.file_id);
+          copies_[e.file_id] = *reused;
         }
         status_.set_state(e.file_id, FileState::Ready);
         schedule_->set_resident(i, true);
@@ -212,10 +211,8 @@ class Stager {
     sigaddset(&set, SIGHUP);
     const struct timespec zero {};
     const int sig = ::sigtimedwait(&set, nullptr, &zero);
-    if (sig > 0 && !opt_.quiet) {
-      log_line(std::string("received ") + (sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT"
-                                                                                       : "SIGHUP") +
-               ": removing temporary files and exiting");
+    if (sig > 0) {
+      stop_reason_ = sig == SIGTERM ? " on SIGTERM" : sig == SIGINT ? " on SIGINT" : " on SIGHUP";
     }
     return sig > 0;
   }
@@ -232,7 +229,7 @@ class Stager {
         return 0;
       }
       if (parent_gone()) {
-        if (!opt_.quiet) log_line("parent process exited: removing temporary files and exiting");
+        stop_reason_ = " (its parent process exited)";
         cancel_.store(true);
         return 0;
       }
@@ -283,7 +280,6 @@ class Stager {
     plan_ = std::move(next);
     nospace_ = false;
     adopt_plan();
-    if (!opt_.quiet) log_line("loaded new plan: " + std::to_string(plan_.entries.size()) + " files");
   }
 
   // Queues copies in next-use order within the window and the capacity. Returns true when
@@ -345,7 +341,9 @@ class Stager {
     const auto& e = plan_.entries[i];
     // State first: a reader that saw READY and then finds no file falls back to the PFS.
     status_.set_state(e.file_id, FileState::Evicted);
-    if (int err = engine_.remove(e.dest); err != 0 && err != ENOENT) {
+    const auto copy = copies_.find(e.file_id);
+    const int err = copy == copies_.end() ? ENOENT : engine_.remove(e.dest, copy->second);
+    if (err != 0 && err != ENOENT) {
       log_line("cannot evict " + opt_.stage_dir + "/" + e.dest + ": " + errno_text(err) +
                "; its space stays counted as used");
       return;
@@ -353,7 +351,7 @@ class Stager {
     schedule_->set_resident(i, false);
     resident_bytes_ -= std::min(resident_bytes_, e.size);
     --plan_ready_;
-    validated_.erase(e.file_id);
+    copies_.erase(e.file_id);
     status_.add(so::kEvictions, 1);
     status_.store(so::kBytesResident, resident_bytes_);
     status_.store(so::kPlanReady, plan_ready_);
@@ -373,9 +371,15 @@ class Stager {
       switch (d.result.outcome) {
         case CopyOutcome::Ok:
           status_.set_state(e.file_id, FileState::Ready);
-          validated_.insert(e.file_id);
+          copies_[e.file_id] = d.result.id;
           schedule_->set_resident(d.entry, true);
           resident_bytes_ += e.size;
+          // A copy that was in flight when the disk filled still landed: it is resident, so
+          // the shrunk capacity grows back to cover it (never past the capacity it had).
+          if (nospace_ && resident_bytes_ > capacity_) {
+            capacity_ = resident_bytes_;
+            status_.store(so::kCapacity, capacity_);
+          }
           ++plan_ready_;
           status_.add(so::kBytesStaged, d.result.bytes);
           status_.add(so::kFilesStaged, 1);
@@ -441,6 +445,7 @@ class Stager {
   Plan plan_;
   StatusMap status_;
   ProgressFile progress_;
+  Manifest manifest_;
   StageTree tree_;
   PfsEmulation pfs_;
   std::atomic<bool> cancel_{false};
@@ -451,10 +456,11 @@ class Stager {
   // Coordinator-only state.
   std::unique_ptr<NextUseSchedule> schedule_;
   std::vector<uint8_t> inflight_, too_big_;
-  std::unordered_set<uint64_t> validated_;
+  std::unordered_map<uint64_t, CopyId> copies_;  // file id -> the copy this stager may evict
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
   bool nospace_ = false, reload_requested_ = false;
+  std::string stop_reason_;  // " on SIGTERM", ...: part of the one stop line
 
   // Shared with the copy threads, under mu_.
   std::mutex mu_;

@@ -9,6 +9,7 @@ namespace hpcdl {
 
 struct StagerOptions {
   std::string stage_dir;
+  std::string session;          // control files in <stage_dir>/.hpcdl/sessions/<session>/
   unsigned threads = 8;
   uint64_t capacity = 0;        // bytes; 0 = free space minus a safety margin
   uint32_t window_steps = 0;    // copy at most this many steps ahead of the slowest rank; 0 = no limit

@@ -8,10 +8,12 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "copy_engine.h"
 #include "eviction.h"
+#include "manifest.h"
 #include "plan.h"
 
 namespace {
@@ -85,7 +87,9 @@ int main(int argc, char** argv) {
   ::mkdir(tree_root.c_str(), 0700);
   ::unlink((tree_root + "/link").c_str());
   check(::symlink("/tmp", (tree_root + "/link").c_str()) == 0, "symlink made");
-  hpcdl::StageTree tree(tree_root);
+  ::unlink((scratch + "/manifest").c_str());
+  hpcdl::Manifest manifest(scratch + "/manifest");
+  hpcdl::StageTree tree(tree_root, manifest);
   bool refused = false;
   try {
     tree.dir_for("link/sub", true);
@@ -94,6 +98,25 @@ int main(int argc, char** argv) {
   }
   check(refused, "symlinked directory inside the stage dir refused");
   check(tree.dir_for("real/sub", true) >= 0, "real directories created");
+  struct stat sub {};
+  ::stat((tree_root + "/real/sub").c_str(), &sub);
+  check(manifest.find("real/sub", sub.st_ino, sub.st_dev).has_value(), "created dirs recorded");
+  check(!manifest.find("link", sub.st_ino, sub.st_dev), "foreign entries are not recorded");
+
+  // Manifest records carry any name but NUL; a torn tail is ignored, never misparsed.
+  hpcdl::ManifestRecord rec;
+  rec.dest = "a\nb\tc/d e";
+  rec.source = "/pfs/x\ny";
+  rec.source_id = hpcdl::FileIdentity{1, 2, 3, 4, 5};
+  rec.copy_ino = 6;
+  rec.copy_dev = 7;
+  const std::string bytes = hpcdl::encode_record(rec) + hpcdl::encode_record(rec);
+  std::vector<hpcdl::ManifestRecord> decoded;
+  const size_t used = hpcdl::decode_records(bytes.substr(0, bytes.size() - 3), &decoded);
+  check(decoded.size() == 1 && decoded[0].dest == rec.dest && decoded[0].source == rec.source &&
+            decoded[0].source_id == rec.source_id && decoded[0].copy_dev == 7,
+        "manifest record round trip");
+  check(used == bytes.size() / 2, "torn manifest tail left unparsed");
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
   return failures ? 1 : 0;

@@ -1,0 +1,360 @@
+"""Who owns what in a stage dir: overlap refusal, job sessions under a lock, exact clean-up.
+
+NOTE [stage dir ownership]
+hpcdl deletes only what it created, and reuses only bytes whose identity it knows.
+- A stage dir that is a data root, lies inside one or contains one (after resolving symlinks)
+  is refused before anything is created there.
+- Layout, all created with mode 0700:
+    <stage>/<data key>/...            staged copies, one tree per data set root (data_key)
+    <stage>/.hpcdl/lock               flock'ed while a job joins or leaves
+    <stage>/.hpcdl/manifest           every file and directory a stager created (manifest.py)
+    <stage>/.hpcdl/sessions/<name>/   one per job on this node: owner, plan, status, progress,
+                                      counters and the stager's temporary files
+    <stage>/.hpcdl/created            the stage dir's inode, when hpcdl created the stage dir
+- A session holds a reference while its owner file names a live process (pid and start time;
+  a session of another host always counts as live, since its process cannot be seen).
+- Leaving (StageDirLease.release): under the lock the job removes its session. When no live
+  session is left and the job does not keep its copies, it removes every manifest entry whose
+  inode is still the recorded one, reaching it through directory descriptors opened with
+  O_NOFOLLOW, so a symlink is never followed; then hpcdl's own metadata; then the stage dir, if
+  hpcdl created it and it is empty. Anything else found there is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcdl.staging.manifest import ManifestRecord, read_manifest
+
+META = ".hpcdl"
+SESSIONS = "sessions"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class StageDirError(ValueError):
+    """The stage dir cannot be used as given: one sentence naming it and what to do."""
+
+
+class StageDirFull(Exception):
+    """The stage dir's file system is full at start: staging is skipped, training reads the PFS."""
+
+
+def check_no_overlap(stage_dir: str | Path, data: Mapping[str, str | Path | None]) -> None:
+    """Refuse a stage dir that is, lies inside or contains a data path (flag name -> path)."""
+    stage = Path(os.path.realpath(stage_dir))
+    for flag, path in data.items():
+        if not path:
+            continue
+        root = Path(os.path.realpath(path))
+        if stage == root:
+            how = "it is the same directory"
+        elif root in stage.parents:
+            how = "it lies inside the data"
+        elif stage in root.parents:
+            how = "it contains the data"
+        else:
+            continue
+        raise StageDirError(
+            f"--stage-dir {stage_dir} overlaps {flag} {path} ({how}); staging there could "
+            "overwrite or delete the data set: choose a node-local directory outside the data, "
+            "e.g. $TMPDIR/hpcdl-stage"
+        )
+
+
+def data_key(root: str | Path) -> str:
+    """Directory name, under the stage dir, of one data set root's copies: '<name>-<hash>'."""
+    real = os.path.realpath(root)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(real)).lstrip(".")[:40] or "data"
+    return f"{name}-{hashlib.blake2b(os.fsencode(real), digest_size=6).hexdigest()}"
+
+
+@dataclass(frozen=True)
+class StageDirLease:
+    """One job's reference to a stage dir on this node; see NOTE [stage dir ownership]."""
+
+    stage_dir: Path  # resolved
+    session: str  # name of the session directory
+    meta: Path  # <stage>/.hpcdl/sessions/<session>: this job's control files
+
+    @classmethod
+    def acquire(cls, stage_dir: str | Path) -> StageDirLease:
+        """Create the stage dir if needed and register a session; StageDirError if unusable."""
+        stage = Path(os.path.realpath(stage_dir))
+        session = _session_name()
+        lease = cls(stage, session, stage / META / SESSIONS / session)
+        created = False
+        try:
+            created = _make_dir(stage, parents=True)
+            with _locked(stage):
+                if created:
+                    _write_new(stage / META / "created", _inode_text(stage))
+                sessions = stage / META / SESSIONS
+                _make_dir(sessions)
+                _remove_stale_sessions(sessions)
+                _make_dir(lease.meta)
+                _write_new(lease.meta / "owner", _owner_text())
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # leave nothing half-made behind
+                lease.release(keep=False)
+                if created:
+                    _rmdir_quietly(stage)
+            raise _usage_error(stage_dir, exc) from None
+        return lease
+
+    def release(self, keep: bool) -> None:
+        """Leave: remove this session; the last job out removes everything hpcdl created."""
+        with _locked(self.stage_dir):
+            sessions = self.stage_dir / META / SESSIONS
+            if keep:  # the status map stays for inspection; the session no longer counts
+                _remove_session(sessions, self.session, keep_status=True)
+            else:
+                _remove_session(sessions, self.session)
+            live = [s for s in _list_dir(sessions) if _session_alive(sessions / s)]
+            if live or keep:
+                return
+            remove_created(self.stage_dir, read_manifest(self.stage_dir / META / "manifest"))
+            for name in _list_dir(sessions):
+                _remove_session(sessions, name)
+            _rmdir_quietly(sessions)
+            created = _read_text(self.stage_dir / META / "created")
+            for name in ("manifest", "created", "lock"):
+                _unlink_quietly(self.stage_dir / META / name)
+        _rmdir_quietly(self.stage_dir / META)
+        if created == _inode_text(self.stage_dir):
+            _rmdir_quietly(self.stage_dir)
+
+
+def remove_created(stage_dir: Path, records: list[ManifestRecord]) -> int:
+    """Remove the files, then the empty directories, that `records` say a stager created.
+
+    An entry is removed only while its inode is the recorded one, reached through directory
+    descriptors that never follow a symlink. Returns how many files were removed."""
+    files: dict[str, set[tuple[int, int]]] = {}
+    dirs: dict[str, set[tuple[int, int]]] = {}
+    for r in records:
+        (files if r.kind == "f" else dirs).setdefault(r.dest, set()).add((r.copy_ino, r.copy_dev))
+    removed = 0
+    with _DirCache(stage_dir) as tree:
+        for dest, ids in files.items():
+            removed += tree.remove(dest, ids, stat.S_ISREG, os.unlink)
+        for dest in sorted(dirs, key=lambda d: d.count("/"), reverse=True):
+            tree.forget(dest)
+            tree.remove(dest, dirs[dest], stat.S_ISDIR, os.rmdir)
+    return removed
+
+
+class _DirCache:
+    """Directory descriptors under a root, each opened from its parent with O_NOFOLLOW."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.fds: dict[str, int | None] = {}
+
+    def __enter__(self) -> _DirCache:
+        try:
+            self.fds[""] = os.open(self.root, _DIR_FLAGS)
+        except OSError:
+            self.fds[""] = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            if fd is not None:
+                os.close(fd)
+
+    def open(self, rel: str) -> int | None:
+        if rel not in self.fds:
+            parent, _, name = rel.rpartition("/")
+            pfd = self.open(parent)
+            try:
+                self.fds[rel] = None if pfd is None else os.open(name, _DIR_FLAGS, dir_fd=pfd)
+            except OSError:
+                self.fds[rel] = None  # gone, or a symlink / non-directory: not ours to enter
+        return self.fds[rel]
+
+    def forget(self, rel: str) -> None:
+        fd = self.fds.pop(rel, None)
+        if fd is not None:
+            os.close(fd)
+
+    def remove(self, rel: str, ids: set[tuple[int, int]], kind, unlink) -> int:
+        parent, _, name = rel.rpartition("/")
+        pfd = self.open(parent)
+        if pfd is None:
+            return 0
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            if not kind(st.st_mode) or (st.st_ino, st.st_dev) not in ids:
+                return 0
+            unlink(name, dir_fd=pfd)
+        except OSError:
+            return 0  # gone meanwhile, or a directory that is not empty
+        return 1
+
+
+# ------------------------------------------------------------------ sessions and the lock
+
+
+@contextlib.contextmanager
+def _locked(stage: Path) -> Iterator[None]:
+    """Hold <stage>/.hpcdl/lock; retried when a job that cleaned up removed the lock file."""
+    while True:
+        _make_dir(stage / META)
+        fd = os.open(
+            stage / META / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = (
+                os.stat(stage / META / "lock", follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            )
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _session_name() -> str:
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:60].lstrip(".") or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of a process (clock ticks since boot), None when it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rpartition(")")[2].split()[19]
+
+
+def _owner_text() -> str:
+    return f"{socket.gethostname()}\n{os.getpid()}\n{_process_start(os.getpid())}\n"
+
+
+def _session_alive(session: Path) -> bool:
+    lines = (_read_text(session / "owner") or "").split("\n")
+    if len(lines) < 3 or not lines[1].isdigit():
+        return False
+    if lines[0] != socket.gethostname():
+        return True  # another host's process: cannot be checked, so it keeps its reference
+    return _process_start(int(lines[1])) == lines[2]
+
+
+def _remove_stale_sessions(sessions: Path) -> None:
+    for name in _list_dir(sessions):
+        if not _session_alive(sessions / name):
+            _remove_session(sessions, name)
+
+
+def _remove_session(sessions: Path, name: str, keep_status: bool = False) -> None:
+    """Remove one session directory: the files directly in it (hpcdl's), then the directory.
+
+    keep_status: remove only the owner and the stager's temporary files; the status map, plan
+    and counters stay for inspection (--keep-staged)."""
+    try:
+        parent = os.open(sessions, _DIR_FLAGS)
+    except OSError:
+        return
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        try:
+            for entry in os.listdir(fd):
+                if keep_status and entry != "owner" and not entry.startswith("tmp."):
+                    continue
+                with contextlib.suppress(OSError):
+                    if not stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
+                        os.unlink(entry, dir_fd=fd)
+        finally:
+            os.close(fd)
+        if not keep_status:
+            os.rmdir(name, dir_fd=parent)
+    except OSError:
+        pass
+    finally:
+        os.close(parent)
+
+
+# ------------------------------------------------------------------ small file operations
+
+
+def _make_dir(path: Path, parents: bool = False) -> bool:
+    """Create a 0700 directory; True when created here. A symlink or a file there is refused."""
+    try:
+        path.mkdir(mode=0o700, parents=parents)
+        return True
+    except FileExistsError:
+        pass
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise NotADirectoryError(
+            errno.ENOTDIR, "exists and is not a directory (or is a symlink)", str(path)
+        )
+    return False
+
+
+def _write_new(path: Path, text: str | None) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text or "")
+
+
+def _inode_text(path: Path) -> str | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return f"{st.st_ino} {st.st_dev}\n"
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def _list_dir(path: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def _rmdir_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _usage_error(stage_dir: str | Path, exc: OSError) -> StageDirFull | StageDirError:
+    """ENOSPC/EDQUOT: StageDirFull (the job goes on without staging); else a StageDirError."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StageDirFull(f"no space left in --stage-dir {stage_dir}: {exc.strerror}")
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(stage_dir) else ""
+    return StageDirError(
+        f"cannot use --stage-dir {stage_dir}{where}: {exc.strerror or exc}; choose a writable "
+        "directory on node-local storage"
+    )
