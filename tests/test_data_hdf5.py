@@ -139,3 +139,25 @@ def test_missing_images_dataset(tmp_path):
     with pytest.raises(DataError, match=r"x.h5: no 'images' dataset"):
         open_dataset(p)
     assert isinstance(DataError("x"), ValueError)
+
+
+def test_shard_symlink_escaping_the_directory_is_refused(shards, tmp_path):
+    d, _, _ = shards
+    (tmp_path / "elsewhere").mkdir()
+    shutil.move(d / "part-2.h5", tmp_path / "elsewhere" / "part-2.h5")
+    (d / "part-2.h5").symlink_to(tmp_path / "elsewhere" / "part-2.h5")
+    with pytest.raises(DataError, match=r"'part-2.h5'.*outside") as info:
+        open_dataset(d)
+    assert "\n" not in str(info.value)
+    (d / "part-2.h5").unlink()
+    (d / "part-3.h5").symlink_to(d / "part-1.h5")  # a link inside the directory is fine
+    assert [f.relpath for f in open_dataset(d).files][-1] == "part-3.h5"
+
+
+@pytest.mark.parametrize("char", ["\n", "\t"])
+def test_shard_name_with_a_control_character_is_refused(shards, char):
+    d, _, _ = shards
+    (d / "part-1.h5").rename(d / f"part{char}1.h5")
+    with pytest.raises(DataError, match=r"control character.*rename") as info:
+        open_dataset(d)
+    assert repr(f"part{char}1.h5")[1:-1] in str(info.value)

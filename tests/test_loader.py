@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hpcdl.data import DataError, Loader, open_dataset
-from hpcdl.data.pool import WorkerDied
+from hpcdl.data.pool import LoaderTimeout, WorkerDied
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.data.slots import REPLY, TASK, SharedMemoryTooSmall
 
@@ -175,3 +175,104 @@ def test_trainer_rss_does_not_grow_across_epochs(h5data):
             gc.collect()
             sizes.append(rss_bytes())
     assert sizes[-1] - sizes[1] < 8 << 20, sizes
+
+
+# --- faults: a stalled worker, a stop request while waiting, a shard that shrinks -------------
+
+
+def test_stalled_worker_warns_then_raises_loader_timeout_and_leaves_nothing(h5data):
+    before = children()
+    loader = Loader(h5data, 32, workers=2, prefetch=4, seed=1, timeout_s=10)
+    stalled = loader.worker_pids[1]
+    it = loader.iterate(epoch_batches(h5data), 0)
+    next(it)
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        silent = rf"loader worker pid {stalled} has not answered for \d+ s while building batch"
+        with pytest.warns(RuntimeWarning, match=silent + r".*stopped.*--loader-timeout"):
+            with pytest.raises(LoaderTimeout, match=silent + r".*--loader-timeout"):
+                for _ in it:
+                    pass
+        loader.close()
+        assert children() == before
+        assert shm_in_use() == []
+    finally:
+        if stalled in children():
+            os.kill(stalled, signal.SIGKILL)
+
+
+def test_stop_request_while_waiting_builds_the_rest_in_process_bitwise_equal(h5data):
+    ref, _ = run(h5data, 0, epochs=(0,))
+    before = children()
+    stop = [False]
+    with Loader(h5data, 32, workers=1, prefetch=3, seed=11, augment="crop3+flip") as loader:
+        stalled = loader.worker_pids[0]
+        it = loader.iterate(epoch_batches(h5data, 0), 0, stop_requested=lambda: stop[0])
+        got = [tuple(a.copy() for a in next(it))]
+        os.kill(stalled, signal.SIGSTOP)
+        stop[0] = True  # a SIGTERM caught while the trainer waits on the stopped worker
+        try:
+            got += [(x.copy(), y.copy()) for x, y in it]
+        finally:
+            if stalled in children():
+                os.kill(stalled, signal.SIGKILL)
+        assert children() == before  # the pool was closed: nothing waits on the stalled worker
+        assert loader.stats()["pfs_reads"] == 32 * len(ref)
+    for (xa, ya), (xb, yb) in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(xa, xb)
+
+
+def test_workers_leave_stop_signals_to_the_training_process(h5data):
+    ref, _ = run(h5data, 0, epochs=(0,))
+    with Loader(h5data, 32, workers=2, seed=11, augment="crop3+flip") as loader:
+        it = loader.iterate(epoch_batches(h5data, 0), 0)
+        got = [tuple(a.copy() for a in next(it)) for _ in range(2)]  # one from each worker
+        for pid, sig in zip(loader.worker_pids, (signal.SIGTERM, signal.SIGUSR1)):
+            os.kill(pid, sig)  # Slurm's time limit signals every process of the job step
+        got += [(x.copy(), y.copy()) for x, y in it]
+    for (xa, ya), (xb, yb) in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(ya, yb)
+        np.testing.assert_array_equal(xa, xb)
+
+
+TRUNCATE_SCRIPT = """
+import os, sys
+import numpy as np
+from hpcdl.data import DataError, Loader, open_dataset
+from hpcdl.data.sampler import DistributedSampler
+
+root, workers = sys.argv[1], int(sys.argv[2])
+ds = open_dataset(root)
+batches = DistributedSampler(len(ds), seed=5).batches(0, 32)
+with Loader(ds, 32, workers=workers, prefetch=2) as loader:
+    it = loader.iterate(batches, 0)
+    next(it)
+    os.truncate(os.path.join(root, "part-1.h5"), 4096)
+    try:
+        for _ in it:
+            pass
+    except DataError as exc:
+        print(exc)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_shard_truncated_under_a_reader_is_a_data_error_naming_the_file(
+    h5data, workers, tmp_path
+):
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path / "shards"
+    shutil.copytree(h5data.root, root)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_SCRIPT, str(root), str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # not -SIGBUS
+    assert f"in {root / 'part-1.h5'} cannot be read" in proc.stdout, proc.stdout + proc.stderr
+    assert "was truncated or changed" in proc.stdout

@@ -3,11 +3,13 @@
 `images` is (N, H, W, C) or (N, H, W) uint8, or (N, C, H, W) float32; `labels` is (N,) integer.
 Optional attributes on the file root: `classes` (JSON list of names), `mean` and `std` (one value
 per channel, in the units of the stored pixels). Without them uint8 pixels are scaled to 0..1
-and float32 pixels are used as they are.
+and float32 pixels are used as they are. Only the first shard's attributes are read.
 
-Reads: an uncompressed contiguous `images` dataset is memory-mapped at its file offset (a random
-minibatch is one NumPy gather, no per-sample h5py call); anything else is read by h5py in runs of
-consecutive indices. Handles are opened lazily by the reading process.
+Reads: an uncompressed contiguous `images` dataset is read with pread at its file offset, one
+system call per run of consecutive indices (no h5py call per sample); anything else is read by
+h5py in the same runs. Handles are opened lazily by the reading process. Not a memory map: a
+shard truncated or rewritten while the job reads it would end the process with SIGBUS and a
+native crash dump naming no file, where a short pread is a BadSample naming the file.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from hpcdl.data.dataset import (
     FileEntry,
     Locate,
     SourceReader,
+    check_entries,
+    check_link_inside,
     file_ids_from_offsets,
 )
 from hpcdl.data.pfs import open_latency, throttle
@@ -37,14 +41,7 @@ class HDF5Dataset:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         self.source = path
-        if path.is_dir():
-            self.root = path
-            shards = sorted(p for p in path.iterdir() if p.suffix.lower() in HDF5_SUFFIXES)
-            if not shards:
-                raise DataError(f"{path}: no HDF5 shard files (*.h5, *.hdf5) in this directory")
-        else:
-            self.root = path.parent
-            shards = [path]
+        self.root, shards = _list_shards(path)
         self.files: list[FileEntry] = []
         labels, counts = [], []
         first_shape = None
@@ -68,14 +65,7 @@ class HDF5Dataset:
         if self.classes is None:
             k = int(self.labels.max()) + 1 if len(self.labels) else 0
             self.classes = [str(i) for i in range(k)]
-        bad = np.nonzero((self.labels < 0) | (self.labels >= len(self.classes)))[0]
-        if bad.size:
-            fid = int(self.file_ids(bad[:1])[0])
-            raise DataError(
-                f"{self.root / self.files[fid].relpath}: field 'labels' holds "
-                f"{self.labels[bad[0]]} at sample {bad[0] - self.offsets[fid]}, outside "
-                f"0..{len(self.classes) - 1} ({len(self.classes)} classes)"
-            )
+        self.check_labels(len(self.classes))
         c = self.sample_shape[0]
         if self.mean is None:
             self.mean = np.zeros(c, np.float32)
@@ -89,6 +79,17 @@ class HDF5Dataset:
                     + f", got {value.tolist()}"
                 )
 
+    def check_labels(self, num_classes: int, whose: str = "") -> None:
+        """DataError naming the file and sample of the first label outside 0..num_classes-1."""
+        bad = np.nonzero((self.labels < 0) | (self.labels >= num_classes))[0]
+        if bad.size:
+            fid = int(self.file_ids(bad[:1])[0])
+            raise DataError(
+                f"{self.root / self.files[fid].relpath}: field 'labels' holds "
+                f"{self.labels[bad[0]]} at sample {bad[0] - self.offsets[fid]}, outside "
+                f"0..{num_classes - 1} ({num_classes} classes{' ' + whose if whose else ''})"
+            )
+
     def _read_metadata(self, shard: Path) -> None:
         with h5py.File(shard, "r") as f:
             attrs = dict(f.attrs)
@@ -99,6 +100,7 @@ class HDF5Dataset:
             self.classes = [str(c) for c in json.loads(classes)] if classes is not None else None
         except (ValueError, TypeError) as exc:
             raise DataError(f"{shard}: attribute 'classes' is not a JSON list: {exc}") from None
+        self.named_classes = self.classes is not None  # else labels are bare class indices
         has_stats = "mean" in attrs and "std" in attrs
         self.mean = np.asarray(attrs["mean"], np.float32).reshape(-1) if has_stats else None
         self.std = np.asarray(attrs["std"], np.float32).reshape(-1) if has_stats else None
@@ -121,6 +123,24 @@ class HDF5Dataset:
 
     def reader(self, locate: Locate | None = None) -> HDF5Reader:
         return HDF5Reader(self, locate)
+
+
+def _list_shards(path: Path) -> tuple[Path, list[Path]]:
+    """(root, shard files) of one HDF5 file or of a directory of shards (name order).
+
+    A shard in a directory may be a symbolic link only to a file inside that directory tree."""
+    if not path.is_dir():
+        check_entries(path.parent, [path.name])
+        return path.parent, [path]
+    shards = sorted(p for p in path.iterdir() if p.suffix.lower() in HDF5_SUFFIXES)
+    if not shards:
+        raise DataError(f"{path}: no HDF5 shard files (*.h5, *.hdf5) in this directory")
+    check_entries(path, [p.name for p in shards])
+    real_root = Path(os.path.realpath(path))
+    for shard in shards:
+        if shard.is_symlink():
+            check_link_inside(path, shard.name, real_root)
+    return path, shards
 
 
 def _size(p: Path) -> int:
@@ -163,40 +183,55 @@ def _check_shard(shard: Path) -> tuple[tuple[int, ...], np.dtype, np.ndarray]:
 
 
 class _Shard:
-    """One open shard: a memory map of `images` when possible, else the h5py dataset."""
+    """One open shard: `images` read with pread when stored contiguously, else through h5py."""
 
     def __init__(self, path: Path, ds: HDF5Dataset) -> None:
         self.path = path
+        self.stored_shape, self.dtype = ds.stored_shape, ds.dtype
+        self.row_bytes = int(np.prod(ds.stored_shape)) * np.dtype(ds.dtype).itemsize
         self.file = h5py.File(path, "r")
-        images = self.file["images"]
-        n = images.shape[0]
-        self.memmap = None
-        offset = images.id.get_offset()
-        nbytes = images.size * images.dtype.itemsize
-        if offset is not None and images.compression is None and images.chunks is None:
-            # A file shorter than offset + nbytes would SIGBUS on access: let h5py raise instead.
-            if os.path.getsize(path) >= offset + nbytes:
-                self.memmap = np.memmap(
-                    path, dtype=ds.dtype, mode="r", offset=offset, shape=(n, *ds.stored_shape)
-                )
-        self.images = images
-        self.stored_shape = ds.stored_shape
+        self.images = self.file["images"]
+        self.fd, self.offset, self.end = -1, 0, 0
+        offset = self.images.id.get_offset()
+        if offset is not None and self.images.compression is None and self.images.chunks is None:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.offset = offset
+            self.end = offset + self.images.shape[0] * self.row_bytes
 
     def take(self, local: np.ndarray) -> np.ndarray:
-        """Samples at local indices (any order): (b, *stored_shape)."""
-        if self.memmap is not None:
-            return self.memmap[local]
+        """Samples at local indices (any order): (b, *stored_shape), one read per run of
+        consecutive indices."""
         order = np.argsort(local, kind="stable")
         srt = local[order]
-        out = np.empty((len(local), *self.images.shape[1:]), self.images.dtype)
-        breaks = np.nonzero(np.diff(srt) != 1)[0] + 1
-        for run in np.split(np.arange(len(srt)), breaks):
-            a, b = int(srt[run[0]]), int(srt[run[-1]]) + 1
-            out[order[run]] = self.images[a:b]
-        return out.reshape(len(local), *self.stored_shape)
+        rows = np.empty((len(local), *self.stored_shape), self.dtype)  # in file order
+        breaks = (np.nonzero(np.diff(srt) != 1)[0] + 1).tolist()
+        for i, j in zip([0, *breaks], [*breaks, len(srt)]):
+            self._read_into(rows[i:j], int(srt[i]))
+        out = np.empty_like(rows)
+        out[order] = rows
+        return out
+
+    def _read_into(self, dest: np.ndarray, first: int) -> None:
+        """dest (n, *stored_shape) <- samples first..first+n-1; OSError if the file ends early."""
+        if self.fd < 0:
+            dest[...] = self.images[first : first + len(dest)].reshape(dest.shape)
+            return
+        buf = memoryview(dest).cast("B")
+        start, done = self.offset + first * self.row_bytes, 0
+        while done < len(buf):
+            n = os.preadv(self.fd, [buf[done:]], start + done)
+            if n == 0:  # end of file inside the dataset: the file shrank since it was opened
+                raise OSError(
+                    f"the file is {os.fstat(self.fd).st_size} bytes now but its 'images' end at "
+                    f"byte {self.end}: it was truncated or changed while being read; restore it "
+                    "and resume from the last checkpoint"
+                )
+            done += n
 
     def close(self) -> None:
-        self.memmap = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.file.close()
 
 

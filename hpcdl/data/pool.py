@@ -10,6 +10,18 @@ Control: one stream socket per worker carrying fixed-size TASK/REPLY structs (32
 error reply adds its text). Batch indices go into the slot itself. Dead workers are seen at
 once (end of file on their socket) and raise WorkerDied naming the pid and the batch; the pool
 does not respawn (a batch that kills a worker once would likely kill it again).
+
+Silent workers (stopped, stuck in uninterruptible I/O on a hung file system, deadlocked) are
+alive, so only a watchdog sees them: while the trainer waits for batch b, the worker that owns
+b has been silent since its last reply (or since it was handed work when idle). At half of
+`timeout_s` one RuntimeWarning names its pid, the batch and its process state from /proc; at
+`timeout_s` LoaderTimeout is raised and every worker is stopped. No heartbeats: a stopped or
+D-state process could not send them, and a busy one is what the timeout must allow for.
+
+Stop requests: `iterate(..., stop_requested)` is polled while waiting. Once it answers True (the
+trainer caught Slurm's SIGTERM), the pool stops depending on its workers: it closes them and
+returns the number of batches delivered, and the Loader builds the rest in its own process. A
+stalled worker thus cannot keep the trainer from reaching its checkpoint.
 """
 
 from __future__ import annotations
@@ -22,8 +34,10 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +59,28 @@ from hpcdl.data.slots import (
 _LAUNCHER_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALRANKID", "I_MPI_")
 _POLL_S = 0.5
 STOP_WAIT_S = 3.0
+DRAIN_WAIT_S = 60.0
+# /proc/PID/stat state letters, as a user reading the warning needs them
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "waiting in uninterruptible I/O (a hung file system?)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped by a debugger",
+    "Z": "exited",
+}
 
 
-class WorkerDied(RuntimeError):
+class LoaderFault(RuntimeError):
+    """The loader's workers failed in a way the user must act on; the message says how."""
+
+
+class WorkerDied(LoaderFault):
     """A loader worker process exited while the pool needed it."""
+
+
+class LoaderTimeout(LoaderFault):
+    """A loader worker stayed silent past the timeout while the loader waited for its batch."""
 
 
 class WorkerFailed(RuntimeError):
@@ -77,8 +109,10 @@ class WorkerPool:
         augment: str,
         locate,
         skip_bad: bool,
+        timeout_s: float,
     ) -> None:
         self.shape, self.batch_size = tuple(shape), batch_size
+        self.timeout_s = timeout_s  # a worker silent this long on a batch awaited: LoaderTimeout
         self.ring = SlotRing(prefetch, batch_size, shape)
         try:
             config = pickle.dumps(
@@ -105,40 +139,52 @@ class WorkerPool:
         self.control_bytes = 0
         self.control_messages = 0
         self.closed = False
+        # State of the current iterate(): finished batches (number -> slot), each worker's
+        # batches in flight (oldest first), since when each worker has been silent
+        # (time.monotonic()), and the batches whose stall was warned about.
+        self._done: dict[int, int] = {}
+        self._owner: dict[int, deque] = {w: deque() for w in range(workers)}
+        self._silent_since: list[float] = []
+        self._warned: set[int] = set()
+        self._epoch = 0
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.socks, self.ring)
-        env = worker_env()
         try:
+            env = worker_env()
             for w in range(workers):
-                parent_end, child_end = socket.socketpair()
-                proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "hpcdl.data.worker",
-                        str(child_end.fileno()),
-                        str(self.ring.fd),
-                    ],
-                    pass_fds=(child_end.fileno(), self.ring.fd),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                )
-                child_end.close()
-                self.procs.append(proc)
-                self.socks.append(parent_end)
-                parent_end.sendall(len(config).to_bytes(8, "little") + config)
-                self.selector.register(parent_end, selectors.EVENT_READ, w)
+                self._start(w, config, env)
         except BaseException:
             self.close()
             raise
 
-    def iterate(self, batches, epoch: int, train: bool):
-        """Yield (images (n, C, H, W) float32, labels (n,) int64) slot views in batch order."""
+    def _start(self, w: int, config: bytes, env: dict[str, str]) -> None:
+        parent_end, child_end = socket.socketpair()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpcdl.data.worker", str(child_end.fileno()), str(self.ring.fd)],
+            pass_fds=(child_end.fileno(), self.ring.fd),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child_end.close()
+        self.procs.append(proc)
+        self.socks.append(parent_end)
+        self._silent_since.append(time.monotonic())  # until its READY: start-up can hang too
+        parent_end.sendall(len(config).to_bytes(8, "little") + config)
+        self.selector.register(parent_end, selectors.EVENT_READ, w)
+
+    def iterate(
+        self, batches, epoch: int, train: bool, stop_requested: Callable[[], bool] | None = None
+    ):
+        """Yield (images (n, C, H, W) float32, labels (n,) int64) slot views in batch order.
+
+        Returns the number of batches yielded: fewer than len(batches) when stop_requested()
+        answered True while the pool waited (it is closed then; see the module notes)."""
         if self.closed:
             raise RuntimeError("this loader was closed (after close() or a worker failure)")
         batches = [np.asarray(b, np.int64) for b in batches]
         free = deque(range(self.ring.count))
-        self._done: dict[int, int] = {}  # batch number -> slot
-        self._owner: dict[int, deque] = {w: deque() for w in range(len(self.procs))}
+        self._done = {}
+        self._owner = {w: deque() for w in range(len(self.procs))}
+        self._warned = set()
         self._epoch = epoch
         issued, held = 0, None
         ok = False
@@ -150,8 +196,9 @@ class WorkerPool:
                 while free and issued < len(batches):
                     self._issue(free.popleft(), issued, batches[issued], epoch, train)
                     issued += 1
-                while b not in self._done:
-                    self._receive()
+                if not self._wait_for(b, stop_requested):
+                    self.close()
+                    return b
                 held = self._done.pop(b)
                 _, labels, images = slot_views(
                     self.ring.mm,
@@ -166,7 +213,44 @@ class WorkerPool:
             ok = True
         finally:
             if not ok and not self.closed:
-                self._drain_or_close()
+                self._drain_or_close(stop_requested)
+        return len(batches)
+
+    def _wait_for(self, b: int, stop_requested: Callable[[], bool] | None) -> bool:
+        """Receive replies until batch b is done (True) or a stop is requested (False)."""
+        while b not in self._done:
+            if stop_requested is not None and stop_requested():
+                return False
+            self._receive()
+            if b not in self._done:
+                self._watch(b)
+        return True
+
+    def _watch(self, b: int) -> None:
+        """The watchdog: warn once at half the timeout, raise LoaderTimeout at the timeout,
+        when the worker that owns batch b has been silent that long."""
+        w = next(k for k, owned in self._owner.items() if b in owned)
+        silent = time.monotonic() - self._silent_since[w]
+        if silent < self.timeout_s / 2 or (silent < self.timeout_s and b in self._warned):
+            return
+        pid = self.procs[w].pid
+        state = _process_state(pid)
+        where = f"while building batch {b} of epoch {self._epoch} (process state: {state})"
+        if silent < self.timeout_s:
+            self._warned.add(b)
+            warnings.warn(
+                f"loader worker pid {pid} has not answered for {self.timeout_s / 2:g} s {where}; "
+                f"the loader gives up at {self.timeout_s:g} s (--loader-timeout)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.close()
+        raise LoaderTimeout(
+            f"loader worker pid {pid} has not answered for {self.timeout_s:g} s {where}; all "
+            "loader workers were stopped. A hung parallel file system or a stopped process is "
+            "the usual cause; raise --loader-timeout if one batch can really take this long"
+        )
 
     def _issue(self, slot: int, batch: int, indices: np.ndarray, epoch: int, train: bool) -> None:
         w = min(self._owner, key=lambda k: len(self._owner[k]))
@@ -182,6 +266,8 @@ class WorkerPool:
         idx[:] = indices
         msg = TASK.pack(OP_BUILD, slot, epoch, batch, len(indices), int(train))
         self._send(w, msg)
+        if not self._owner[w]:
+            self._silent_since[w] = time.monotonic()  # an idle worker's silence starts now
         self._owner[w].append(batch)
 
     def _send(self, w: int, msg: bytes) -> None:
@@ -205,6 +291,7 @@ class WorkerPool:
             head = recv_exact(self.socks[w], REPLY.size)
             if not head:
                 self._died(w)
+            self._silent_since[w] = time.monotonic()
             op, slot, batch, local, pfs, bad, text_len = REPLY.unpack(head)
             text = recv_exact(self.socks[w], text_len).decode() if text_len else ""
             self.control_bytes += REPLY.size + text_len
@@ -226,27 +313,34 @@ class WorkerPool:
             code = proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             code = None
-        pending = self._owner.get(w) if hasattr(self, "_owner") else None
+        pending = self._owner.get(w)
         what = (
             f"while building batch {pending[0]} of epoch {self._epoch}" if pending else "while idle"
+        )
+        oom = (
+            " Out of memory is the usual cause of SIGKILL (check `dmesg`, lower --workers or "
+            "--prefetch);"
+            if code == -signal.SIGKILL
+            else ""
         )
         self.close()
         raise WorkerDied(
             f"loader worker pid {proc.pid} died ({_exit_reason(code)}) {what}; all loader "
-            "workers were stopped. Out of memory is the usual cause of SIGKILL (check "
-            "`dmesg`, lower --workers or --prefetch); --workers 0 loads in the training "
-            "process for debugging"
+            f"workers were stopped.{oom} --workers 0 loads in the training process for debugging"
         )
 
-    def _drain_or_close(self) -> None:
-        """The consumer left mid-epoch: wait for outstanding batches so slots are clean."""
-        deadline = time.monotonic() + 60
+    def _drain_or_close(self, stop_requested: Callable[[], bool] | None) -> None:
+        """The consumer left mid-epoch: wait for outstanding batches so slots are clean; close
+        instead when a worker fails, it takes DRAIN_WAIT_S, or a stop is requested (the job
+        ends, and a stalled worker must not hold it up)."""
+        deadline = time.monotonic() + DRAIN_WAIT_S
         try:
             while any(self._owner.values()) and time.monotonic() < deadline:
+                if stop_requested is not None and stop_requested():
+                    break
                 self._receive()
-        except Exception:
-            self.close()
-            return
+        except Exception:  # a worker failed on a batch nobody will read
+            pass
         if any(self._owner.values()):
             self.close()
 
@@ -270,7 +364,10 @@ def _shutdown(procs, socks, ring) -> None:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            try:
+                p.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass  # in uninterruptible I/O it dies when the I/O returns: do not hang on it
     for s in socks:
         s.close()
     ring.close()
@@ -285,3 +382,12 @@ def _exit_reason(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit status {code}"
+
+
+def _process_state(pid: int) -> str:
+    """What /proc says the process is doing, in words; "unknown" off Linux."""
+    try:
+        letter = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "unknown"
+    return _STATES.get(letter, letter)

@@ -2,7 +2,8 @@
 
 Receives one pickled configuration at start, then only fixed-size TASK messages; builds each
 minibatch straight into its shared-memory slot and answers with a fixed-size REPLY. Exits when
-told to stop or when the training process goes away (end of file on the socket).
+told to stop or when the training process goes away (end of file on the socket); ignores
+SIGINT, SIGTERM and SIGUSR1, which are the training process's to act on.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def _reply(sock, op: int, slot=0, batch=0, counts=(0, 0, 0), text: str = "") -> 
 
 
 def main(argv: list[str]) -> int:
-    # Ctrl-C goes to the whole process group: the training process decides, workers follow.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, and Slurm's time-limit SIGTERM/SIGUSR1 every
+    # process of the job step: the training process decides (it may still need batches to
+    # reach a checkpoint), workers follow; they exit on STOP or on end of file.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
     shm_fd = int(argv[1])
     header = recv_exact(sock, 8)
