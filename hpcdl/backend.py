@@ -48,13 +48,35 @@ def select(device: str, local_rank: int = 0) -> ModuleType:
         return np
     cp = cupy_or_none()
     if cp is None:
-        raise BackendError(
-            "--device gpu needs CuPy and an NVIDIA GPU; install the 'gpu' extra "
-            "(pip install 'hpcdl[gpu]') or run with --device cpu"
-        )
+        raise BackendError(f"--device gpu needs CuPy and an NVIDIA GPU: {_no_gpu_reason()}")
     count = cp.cuda.runtime.getDeviceCount()
     cp.cuda.Device(local_rank % count).use()
     return cp
+
+
+def try_select(device: str, local_rank: int = 0) -> tuple[ModuleType | None, str | None]:
+    """select() that returns (module, None), or (None, why) instead of raising BackendError.
+
+    For start-up code that must agree across ranks before stopping: a rank on a node without a
+    GPU must not leave the others waiting in a collective."""
+    try:
+        return select(device, local_rank), None
+    except BackendError as exc:
+        return None, str(exc)
+
+
+def _no_gpu_reason() -> str:
+    """Why cupy_or_none() found nothing, and what to do, for the --device gpu error."""
+    try:
+        import cupy  # noqa: F401, PLC0415
+    except ImportError:
+        return (
+            "CuPy is not installed; install the 'gpu' extra (pip install 'hpcdl[gpu]') "
+            "or run with --device cpu"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+    return f"CuPy sees no GPU{where}; run on a node with a GPU or with --device cpu"
 
 
 def array_module(x: Any) -> ModuleType:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,23 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcdl.comm.failure import UserError
 from hpcdl.fsync import fsync_path
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-e(\d{5})-s(\d{9})\.h5$")
+DAMAGED = (
+    "the file is damaged or was not written by hpcdl; resume from another checkpoint or start "
+    "without --resume"
+)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used for this run; the message names file and field."""
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (a full or read-only file system): one line."""
 
 
 @dataclass
@@ -48,10 +58,31 @@ def checkpoint_name(epoch: int, global_step: int) -> str:
 
 
 def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
-    """Write ckpt atomically into directory, keeping the newest `keep`; returns its path."""
+    """Write ckpt atomically into directory, keeping the newest `keep`; returns its path.
+
+    CheckpointWriteError names the file and the OS error (no space, permission)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(ckpt.epoch, ckpt.global_step)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomically(directory, final, ckpt)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {final}: {_reason(exc)}; free space in "
+            f"--checkpoint-dir {directory} or choose another one"
+        ) from None
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _reason(exc: OSError) -> str:
+    """What went wrong in one line: h5py's strerror is a multi-line report around the errno."""
+    return os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+
+
+def _write_atomically(directory: Path, final: Path, ckpt: Checkpoint) -> None:
+    """A temporary file in directory, fsync'ed, renamed to final; the directory fsync'ed."""
     fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".h5.tmp", dir=directory)
     os.close(fd)
     try:
@@ -78,9 +109,6 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_path(directory)
-    for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
-    return final
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -98,39 +126,116 @@ def latest(directory: str | os.PathLike) -> Path | None:
 
 
 def load(path: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint; CheckpointError names the file and what is missing or malformed."""
     path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a file)")
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be opened as HDF5: {exc}") from None
     with f:
-        version = int(f.attrs.get("format_version", -1))
-        if version != FORMAT_VERSION:
-            raise CheckpointError(
-                f"checkpoint {path} has format version {version}, this hpcdl reads {FORMAT_VERSION}"
-            )
-        for key in ("params", "buffers", "optimizer"):
-            if key not in f:
-                raise CheckpointError(f"checkpoint {path} lacks the '{key}' entry")
-        return Checkpoint(
-            model=str(f.attrs["model"]),
-            layout=[(n, tuple(s)) for n, s in json.loads(f.attrs["layout"])],
-            params=f["params"][...],
-            buffers=f["buffers"][...],
-            optimizer={k: v[...] for k, v in f["optimizer"].items()},
-            epoch=int(f.attrs["epoch"]),
-            step_in_epoch=int(f.attrs["step_in_epoch"]),
-            global_step=int(f.attrs["global_step"]),
-            rng_states=json.loads(f.attrs["rng_states"]),
-            config=json.loads(f.attrs["config"]),
-            world_size=int(f.attrs["world_size"]),
+        try:
+            return _read(f, path)
+        except OSError as exc:  # h5py: a truncated or damaged dataset
+            raise CheckpointError(f"checkpoint {path} cannot be read ({exc}); {DAMAGED}") from None
+
+
+def _read(f: h5py.File, path: Path) -> Checkpoint:
+    version = _attr(f, path, "format_version", int)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {version}, this hpcdl reads {FORMAT_VERSION}"
         )
+    for key in ("params", "buffers", "optimizer"):
+        if key not in f:
+            raise CheckpointError(f"checkpoint {path} lacks the '{key}' entry; {DAMAGED}")
+    ckpt = Checkpoint(
+        model=_attr(f, path, "model", str),
+        layout=_attr(f, path, "layout", _parse_layout),
+        params=_vector(f, path, "params"),
+        buffers=_vector(f, path, "buffers"),
+        optimizer=_optimizer_state(f, path),
+        epoch=_attr(f, path, "epoch", _count),
+        step_in_epoch=_attr(f, path, "step_in_epoch", _count),
+        global_step=_attr(f, path, "global_step", _count),
+        rng_states=_attr(f, path, "rng_states", _parse_list_of_dicts),
+        config=_attr(f, path, "config", _parse_dict),
+        world_size=_attr(f, path, "world_size", _count),
+    )
+    if len(ckpt.rng_states) != ckpt.world_size:
+        raise CheckpointError(
+            f"checkpoint {path} has {len(ckpt.rng_states)} RNG states for a world of "
+            f"{ckpt.world_size} ranks; {DAMAGED}"
+        )
+    return ckpt
+
+
+def _attr(f: h5py.File, path: Path, key: str, parse: Callable[[Any], Any]) -> Any:
+    if key not in f.attrs:
+        raise CheckpointError(f"checkpoint {path} lacks the '{key}' attribute; {DAMAGED}")
+    try:
+        return parse(f.attrs[key])
+    except (TypeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(
+            f"checkpoint {path} has an unreadable '{key}' attribute ({exc}); {DAMAGED}"
+        ) from None
+
+
+def _count(value: Any) -> int:
+    number = int(value)
+    if number < 0 or number != value:
+        raise ValueError(f"{value!r} is not a count")
+    return number
+
+
+def _parse_layout(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(str(name), tuple(_count(n) for n in shape)) for name, shape in json.loads(text)]
+
+
+def _parse_list_of_dicts(text: str) -> list[dict[str, Any]]:
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ValueError("expected a JSON list of objects")
+    return value
+
+
+def _parse_dict(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+def _vector(f: h5py.File, path: Path, key: str) -> np.ndarray:
+    """A 1-D float dataset, read into memory."""
+    data = f[key]
+    if not isinstance(data, h5py.Dataset) or data.ndim != 1 or data.dtype.kind != "f":
+        what = f"{data.dtype} {data.shape}" if isinstance(data, h5py.Dataset) else "a group"
+        raise CheckpointError(
+            f"checkpoint {path}: '{key}' is {what}, not a vector of floats; {DAMAGED}"
+        )
+    return data[...]
+
+
+def _optimizer_state(f: h5py.File, path: Path) -> dict[str, np.ndarray]:
+    group = f["optimizer"]
+    if not isinstance(group, h5py.Group) or not all(
+        isinstance(v, h5py.Dataset) for v in group.values()
+    ):
+        raise CheckpointError(f"checkpoint {path}: 'optimizer' is not a group of arrays; {DAMAGED}")
+    return {key: value[...] for key, value in group.items()}
 
 
 def check_compatible(
-    ckpt: Checkpoint, path: str | os.PathLike, model: str, layout: list[tuple[str, tuple[int, ...]]]
+    ckpt: Checkpoint,
+    path: str | os.PathLike,
+    model: str,
+    layout: list[tuple[str, tuple[int, ...]]],
+    buffer_values: int | None = None,
 ) -> None:
-    """Raise CheckpointError naming both models, or the first parameter whose shape differs."""
+    """Raise CheckpointError naming both models, the first parameter whose shape differs, or
+    a parameter vector (or BatchNorm statistics, buffer_values long here) of the wrong length."""
     if ckpt.model != model:
         raise CheckpointError(
             f"checkpoint {path} holds model '{ckpt.model}' but this run builds model '{model}'"
@@ -146,3 +251,14 @@ def check_compatible(
                 f"checkpoint {path}: parameter {name_m} has shape {tuple(shape_c)} in the "
                 f"checkpoint but {tuple(shape_m)} in this model (different input shape or classes?)"
             )
+    needed = sum(int(np.prod(shape)) for _, shape in layout)
+    if ckpt.params.size != needed:
+        raise CheckpointError(
+            f"checkpoint {path} has {ckpt.params.size} parameter values, model '{model}' has "
+            f"{needed}; {DAMAGED}"
+        )
+    if buffer_values is not None and ckpt.buffers.size not in (0, buffer_values):
+        raise CheckpointError(
+            f"checkpoint {path} has {ckpt.buffers.size} BatchNorm statistics, model '{model}' "
+            f"has {buffer_values}; {DAMAGED}"
+        )

@@ -5,12 +5,15 @@ Format of the JSON lines: docs/internals.md, "Metrics JSONL".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
+
+from hpcdl.comm.failure import UserError
 
 STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
 
@@ -56,25 +59,60 @@ class RunningMean:
         return self.correct / max(1, self.samples)
 
 
+class MetricsError(UserError):
+    """The metrics file cannot be opened or written (a full disk, say): one line, no traceback."""
+
+
 class MetricsWriter:
-    """Appends JSON lines to a file; a no-op when path is None (every rank but 0)."""
+    """Appends JSON lines to a file; a no-op when path is None (every rank but 0).
+
+    An existing file is appended to, not replaced: the trainer's first record of every run is a
+    `start` event, which is where hpcdl.report splits a file into runs. Each record is one
+    write(2); a record that does not fit (ENOSPC) is cut off again, so the file stays whole
+    lines that hpcdl.report can read, and MetricsError names the file."""
 
     def __init__(self, path: str | None) -> None:
-        self._fh: TextIO | None = None
+        self.path = path
+        self._fd: int | None = None
+        self._size = 0  # bytes in the file up to the end of the last whole record
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._fh = open(path, "a", buffering=1)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+                self._size = os.fstat(self._fd).st_size
+            except OSError as exc:
+                raise MetricsError(
+                    f"cannot open --metrics {path}: {exc.strerror or exc}; give a file in a "
+                    "writable directory"
+                ) from None
 
     def write(self, event: str, **fields: Any) -> None:
-        if self._fh is None:
+        if self._fd is None:
             return
         record = {"event": event, "time": time.time(), **fields}
-        self._fh.write(json.dumps(record, default=_jsonable) + "\n")
+        line = (json.dumps(record, default=_jsonable) + "\n").encode()
+        try:
+            left = memoryview(line)
+            while left:
+                left = left[os.write(self._fd, left) :]
+        except OSError as exc:
+            self._give_up()
+            raise MetricsError(
+                f"cannot write --metrics {self.path}: {exc.strerror or exc}; free space there "
+                "or write the metrics to another file system"
+            ) from None
+        self._size += len(line)
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _give_up(self) -> None:
+        """Cut off a partly written record and stop writing."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
+        self.close()
 
 
 def _jsonable(value: Any) -> Any:

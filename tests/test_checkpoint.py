@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import h5py
 import numpy as np
 import pytest
 
@@ -100,3 +101,61 @@ def test_writer_killed_mid_write_leaves_previous_checkpoint(tmp_path):
     assert checkpoint.latest(tmp_path) == good
     assert good.read_bytes() == before
     assert checkpoint.load(good).global_step == 1
+
+
+def spoiled(tmp_path, edit):
+    """A good checkpoint file, then edit(h5py.File) applied to it."""
+    path = checkpoint.save(tmp_path, make())
+    with h5py.File(path, "r+") as f:
+        edit(f)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda f: f.attrs.__delitem__("epoch"), "lacks the 'epoch' attribute"),
+        (lambda f: f.attrs.__delitem__("format_version"), "lacks the 'format_version' attribute"),
+        (lambda f: f.attrs.__setitem__("rng_states", "{not json"), "unreadable 'rng_states'"),
+        (lambda f: f.attrs.__setitem__("rng_states", "[{}]"), "1 RNG states for a world of 2"),
+        (lambda f: f.attrs.__setitem__("layout", '[["w", [-1]]]'), "unreadable 'layout'"),
+        (lambda f: f.attrs.__setitem__("global_step", "ten"), "unreadable 'global_step'"),
+        (lambda f: f.__delitem__("optimizer"), "lacks the 'optimizer' entry"),
+        (
+            lambda f: (f.__delitem__("params"), f.create_dataset("params", data=[7, 8])),
+            "'params' is int64 (2,), not a vector of floats",
+        ),
+    ],
+    ids=["epoch", "version", "rng-json", "rng-count", "layout", "step", "optimizer", "params"],
+)
+def test_a_damaged_checkpoint_is_one_line_naming_file_and_field(tmp_path, edit, message):
+    path = spoiled(tmp_path, edit)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(path)
+    text = str(info.value)
+    assert text.startswith(f"checkpoint {path}") and message in text and "\n" not in text, text
+
+
+def test_a_parameter_vector_of_the_wrong_length_is_refused(tmp_path):
+    layout = [("fc.w", (10, 90)), ("fc.b", (10,))]  # 910 values; make() stores 1000
+    path = checkpoint.save(tmp_path, make())
+    with pytest.raises(checkpoint.CheckpointError, match="has 1000 parameter values, model 'cnn'"):
+        checkpoint.check_compatible(checkpoint.load(path), path, "cnn", layout)
+    path = checkpoint.save(tmp_path, make(n=910, gstep=11))
+    checkpoint.check_compatible(checkpoint.load(path), path, "cnn", layout, buffer_values=4)
+    with pytest.raises(checkpoint.CheckpointError, match="has 4 BatchNorm statistics"):
+        checkpoint.check_compatible(checkpoint.load(path), path, "cnn", layout, buffer_values=6)
+
+
+def test_a_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="nope.h5 does not exist"):
+        checkpoint.load(tmp_path / "nope.h5")
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        checkpoint.save(tmp_path / "a-file", make())
+    text = str(info.value)
+    assert text.startswith(f"cannot write checkpoint {tmp_path / 'a-file'}/ckpt-"), text
+    assert "--checkpoint-dir" in text and "\n" not in text
