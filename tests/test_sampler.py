@@ -1,19 +1,36 @@
 import numpy as np
 import pytest
 
-from hpcdl.data.sampler import DistributedSampler, eval_indices
+from hpcdl.data.sampler import DistributedSampler, eval_indices, rank_layout
+
+# World ranks on each node: block (mpirun's default), round robin (--map-by node), uneven.
+BLOCK = ((0, 1), (2, 3))
+ROUND_ROBIN = ((0, 2), (1, 3))
+UNEVEN = ((0, 1, 2), (3,))
+UNEVEN_ROUND_ROBIN = ((0, 2, 3), (1,))
 
 
-def shards(n, world, epoch, seed=0, shuffle="global", rpn=1):
+def shards(n, world, epoch, seed=0, shuffle="global", layout=()):
     return [
-        DistributedSampler(n, world, r, seed, shuffle, rpn).indices(epoch) for r in range(world)
+        DistributedSampler(n, world, r, seed, shuffle, ranks_by_node=layout).indices(epoch)
+        for r in range(world)
     ]
 
 
 @pytest.mark.parametrize("shuffle", ["global", "node", "none"])
-@pytest.mark.parametrize("n,world,rpn", [(100, 1, 1), (101, 4, 2), (1797, 3, 3), (10, 10, 5)])
-def test_shards_are_disjoint_equal_and_cover_all_but_the_remainder(shuffle, n, world, rpn):
-    parts = shards(n, world, epoch=3, shuffle=shuffle, rpn=rpn)
+@pytest.mark.parametrize(
+    "n,world,layout",
+    [
+        (100, 1, ()),
+        (101, 4, BLOCK),
+        (101, 4, ROUND_ROBIN),
+        (101, 4, UNEVEN),
+        (1797, 3, ((0, 1, 2),)),
+        (10, 10, (tuple(range(5)), tuple(range(5, 10)))),
+    ],
+)
+def test_shards_are_disjoint_equal_and_cover_all_but_the_remainder(shuffle, n, world, layout):
+    parts = shards(n, world, epoch=3, shuffle=shuffle, layout=layout)
     assert {len(p) for p in parts} == {n // world}
     merged = np.concatenate(parts)
     assert len(np.unique(merged)) == len(merged) == (n // world) * world
@@ -27,14 +44,42 @@ def test_global_shuffle_differs_between_epochs_and_is_reproducible():
     assert not np.array_equal(a0[0], shards(500, 2, 0, seed=1)[0])
 
 
-def test_node_shuffle_keeps_each_node_on_the_same_samples():
+@pytest.mark.parametrize("layout", [BLOCK, ROUND_ROBIN, UNEVEN, UNEVEN_ROUND_ROBIN])
+def test_node_shuffle_keeps_each_node_on_the_same_samples(layout):
     # 4 ranks on 2 nodes: a node's set of samples is fixed, its order changes per epoch
-    e0, e1 = shards(400, 4, 0, shuffle="node", rpn=2), shards(400, 4, 1, shuffle="node", rpn=2)
-    for node in range(2):
-        s0 = np.concatenate(e0[2 * node : 2 * node + 2])
-        s1 = np.concatenate(e1[2 * node : 2 * node + 2])
+    e0 = shards(400, 4, 0, shuffle="node", layout=layout)
+    e1 = shards(400, 4, 1, shuffle="node", layout=layout)
+    node_sets = []
+    for ranks in layout:
+        s0 = np.concatenate([e0[r] for r in ranks])
+        s1 = np.concatenate([e1[r] for r in ranks])
         assert set(s0) == set(s1)
         assert not np.array_equal(s0, s1)
+        node_sets.append(set(s0))
+    assert not node_sets[0] & node_sets[1]
+
+
+def test_node_shuffle_follows_the_ranks_not_their_numbers():
+    # The same node block goes to the node's ranks whatever their world rank numbers are.
+    block = shards(400, 4, 2, shuffle="node", layout=BLOCK)
+    cyclic = shards(400, 4, 2, shuffle="node", layout=ROUND_ROBIN)
+    for b, c in zip(BLOCK, ROUND_ROBIN, strict=True):
+        for rb, rc in zip(b, c, strict=True):
+            assert np.array_equal(block[rb], cyclic[rc])
+
+
+@pytest.mark.parametrize(
+    "counts,placement,layout",
+    [
+        ((2, 2), "block", BLOCK),
+        ((2, 2), "cyclic", ROUND_ROBIN),
+        ((3, 1), "block", UNEVEN),
+        ((3, 1), "cyclic", UNEVEN_ROUND_ROBIN),
+        ((1, 2, 1), "cyclic", ((0,), (1, 3), (2,))),
+    ],
+)
+def test_rank_layout_of_launcher_placements(counts, placement, layout):
+    assert rank_layout(counts, placement) == layout
 
 
 def test_no_shuffle_is_contiguous_and_fixed():
@@ -61,7 +106,8 @@ def test_eval_indices_cover_every_sample_once():
         (dict(num_samples=10, world_size=2, rank=2), "rank 2"),
         (dict(num_samples=1, world_size=2, rank=0), "cannot be shared"),
         (dict(num_samples=10, world_size=2, rank=0, shuffle="random"), "shuffle"),
-        (dict(num_samples=10, world_size=3, rank=0, shuffle="node", ranks_per_node=2), "divisible"),
+        (dict(num_samples=10, world_size=3, rank=0, ranks_by_node=((0, 1), (1, 2))), "once"),
+        (dict(num_samples=10, world_size=3, rank=0, ranks_by_node=((0, 1),)), "once"),
     ],
 )
 def test_invalid_arguments(kwargs, match):

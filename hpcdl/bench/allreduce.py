@@ -161,7 +161,7 @@ def measure_overlap(comm, total: int, bucket_mb: float, backward_factor: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpcdl.bench allreduce")
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.bench allreduce", allow_abbrev=False)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(

@@ -36,7 +36,9 @@ NO_GPU = (
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench scaling", description=__doc__.split("\n")[0]
+        prog="python -m hpcdl.bench scaling",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
     )
     ap.add_argument("--model", default="cnn", choices=MODELS)
     ap.add_argument("--input-shape", default="3,32,32", help="C,H,W (default 3,32,32)")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -13,6 +16,9 @@ class World:
 
     comm: all ranks. node_comm: the ranks sharing this node (MPI_COMM_TYPE_SHARED).
     leaders_comm: one rank per node (local rank 0), None on the other ranks.
+    Nodes are numbered in the order of their lowest world rank; local ranks in world-rank
+    order. node_ranks and ranks_by_node are gathered, not computed: launchers place ranks node
+    by node, round robin (`mpirun --map-by node`, Slurm cyclic) or unevenly.
     """
 
     comm: Any
@@ -24,6 +30,8 @@ class World:
     local_size: int
     node_index: int
     num_nodes: int
+    node_ranks: tuple[int, ...]  # world ranks on this node, in local-rank order
+    ranks_by_node: tuple[tuple[int, ...], ...]  # node_ranks of every node, by node index
 
     @property
     def is_root(self) -> bool:
@@ -32,6 +40,19 @@ class World:
     @property
     def is_node_leader(self) -> bool:
         return self.local_rank == 0
+
+    def per_node(self, shared: dict[str, Any], summed: dict[str, int]) -> list[dict] | None:
+        """One record per node, by node index, on rank 0 (None elsewhere). Collective.
+
+        A record holds the node's hostname ("node"), `shared` as the node's local rank 0 has
+        it, and `summed` added up over the node's ranks. Small control values only (pickled)."""
+        totals = self.node_comm.reduce(np.array(list(summed.values()), dtype=np.int64), root=0)
+        record = None
+        if self.is_node_leader:
+            record = {"node": socket.gethostname(), **shared}
+            record.update(zip(summed, (int(t) for t in totals)))
+        records = self.comm.gather(record, root=0)
+        return [r for r in records if r is not None] if records is not None else None
 
 
 def init_world() -> World:
@@ -48,6 +69,9 @@ def init_world() -> World:
     num_nodes = leaders_comm.size if leaders_comm is not None else 0
     node_index = node_comm.bcast(node_index, root=0)
     num_nodes = node_comm.bcast(num_nodes, root=0)
+    node_ranks = tuple(node_comm.allgather(comm.rank))
+    ranks_by_node = tuple(leaders_comm.allgather(node_ranks)) if leaders_comm is not None else ()
+    ranks_by_node = node_comm.bcast(ranks_by_node, root=0)
     return World(
         comm=comm,
         node_comm=node_comm,
@@ -58,6 +82,8 @@ def init_world() -> World:
         local_size=node_comm.size,
         node_index=node_index,
         num_nodes=num_nodes,
+        node_ranks=node_ranks,
+        ranks_by_node=ranks_by_node,
     )
 
 

@@ -1,7 +1,15 @@
 """Distributed sampler: which sample indices a rank reads, as a pure function of its arguments.
 
 Everything a rank will read is fixed by (num_samples, seed, epoch, world size, rank, shuffle
-mode, ranks per node). The staging planner relies on this to copy files ahead of need.
+mode and, for shuffle='node', which world ranks share a node). The staging planner relies on
+this to copy files ahead of need.
+
+Placement is a fact, not arithmetic: `ranks_by_node` lists the world ranks on each node as the
+node communicator found them (hpcdl.comm.world.World.ranks_by_node). Launchers number ranks
+node by node (mpirun's default, Slurm's block distribution), round robin (`mpirun --map-by
+node`, Slurm's cyclic distribution) or unevenly, so `node * ranks_per_node + local_rank` is
+wrong in general. `rank_layout` gives the layout of a known placement where no MPI job exists
+to ask (dry runs, stage-only jobs that plan for a later training job).
 
 Remainder policy: every rank gets exactly ``num_samples // world_size`` samples per epoch. The
 ``num_samples % world_size`` samples left over are dropped for that epoch only; with shuffling
@@ -12,12 +20,40 @@ every rank runs the same number of steps and no step sees a tiny batch).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 SHUFFLE_MODES = ("global", "node", "none")
+PLACEMENTS = ("block", "cyclic")
 _NODE_SPLIT_STREAM = 2**31  # RNG stream of the fixed sample-to-node split (shuffle='node')
+
+NodeLayout = tuple[tuple[int, ...], ...]  # world ranks on each node, by node index
+
+
+def rank_layout(ranks_per_node: Sequence[int], placement: str = "block") -> NodeLayout:
+    """World ranks on each node when a launcher places ranks by `placement`.
+
+    ranks_per_node: one count per node. 'block' fills node 0 first, then node 1 (mpirun's
+    default, Slurm --distribution=block); 'cyclic' deals ranks out one per node in turn,
+    skipping full nodes (mpirun --map-by node, Slurm --distribution=cyclic)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    counts = [int(c) for c in ranks_per_node]
+    if not counts or min(counts) < 1:
+        raise ValueError(f"ranks per node must be at least 1 on every node, got {counts}")
+    if placement == "block":
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return tuple(tuple(range(int(a), int(a) + c)) for a, c in zip(starts, counts))
+    nodes: list[list[int]] = [[] for _ in counts]
+    rank = 0
+    while rank < sum(counts):
+        for node, count in enumerate(counts):
+            if len(nodes[node]) < count:
+                nodes[node].append(rank)
+                rank += 1
+    return tuple(tuple(ranks) for ranks in nodes)
 
 
 def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
@@ -30,12 +66,16 @@ class DistributedSampler:
     """Per-rank shard of each epoch.
 
     shuffle='global': one permutation of all samples per epoch, cut into equal rank shards.
-    shuffle='node': samples are split once (by seed, not epoch) into one block per node; each
-        epoch permutes a node's block among that node's ranks only, so a node keeps reading the
-        same files every epoch (staging copies them once). Assumes ranks are numbered node by
-        node: rank = node * ranks_per_node + local_rank (Open MPI's and Slurm's default block
-        mapping).
+    shuffle='node': samples are split once (by seed, not epoch) into one block per node, sized
+        by the node's number of ranks; each epoch permutes a node's block among that node's
+        ranks only, so a node keeps reading the same files every epoch (staging copies them
+        once). Which ranks share a node comes from ranks_by_node; without it every rank is a
+        node of its own.
     shuffle='none': rank r reads the contiguous block r, the same every epoch.
+
+    ranks_by_node: world ranks on each node, in node order and each node's local-rank order;
+    every rank exactly once. Only shuffle='node' reads it; the same samples reach a node's ranks
+    whatever numbers the launcher gave them.
     """
 
     num_samples: int
@@ -43,7 +83,7 @@ class DistributedSampler:
     rank: int = 0
     seed: int = 0
     shuffle: str = "global"
-    ranks_per_node: int = 1
+    ranks_by_node: NodeLayout = ()
 
     def __post_init__(self) -> None:
         if self.shuffle not in SHUFFLE_MODES:
@@ -54,10 +94,11 @@ class DistributedSampler:
             raise ValueError(
                 f"{self.num_samples} samples cannot be shared by {self.world_size} ranks"
             )
-        if self.shuffle == "node" and self.world_size % self.ranks_per_node:
+        placed = sorted(r for ranks in self.ranks_by_node for r in ranks)
+        if self.ranks_by_node and placed != list(range(self.world_size)):
             raise ValueError(
-                f"shuffle='node' needs world size ({self.world_size}) divisible by ranks per "
-                f"node ({self.ranks_per_node})"
+                f"ranks_by_node must hold every rank of 0..{self.world_size - 1} exactly once, "
+                f"got {self.ranks_by_node}"
             )
 
     @property
@@ -75,12 +116,12 @@ class DistributedSampler:
         if self.shuffle == "global":
             perm = epoch_rng(self.seed, epoch).permutation(n)
             return perm[self.rank * per : (self.rank + 1) * per].astype(np.int64)
-        nodes = self.world_size // self.ranks_per_node
-        node, local = divmod(self.rank, self.ranks_per_node)
+        layout = self.ranks_by_node or tuple((r,) for r in range(self.world_size))
+        node = next(k for k, ranks in enumerate(layout) if self.rank in ranks)
+        local = layout[node].index(self.rank)
+        first = per * sum(len(ranks) for ranks in layout[:node])  # node blocks in node order
         fixed = epoch_rng(self.seed, 0, stream=_NODE_SPLIT_STREAM).permutation(n)
-        per_node = per * self.ranks_per_node
-        block = fixed[node * per_node : (node + 1) * per_node]
-        assert nodes * per_node <= n
+        block = fixed[first : first + per * len(layout[node])]
         mixed = epoch_rng(self.seed, epoch, stream=node + 1).permutation(block)
         return mixed[local * per : (local + 1) * per].astype(np.int64)
 

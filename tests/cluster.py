@@ -1,0 +1,227 @@
+"""An emulated cluster on one machine, for the tests marked `multinode`.
+
+A node is a network namespace with its own hostname (UTS namespace), its own `/local` (a bind
+mount of a per-node directory inside a private mount namespace) and the address 10.78.0.K on a
+bridge. The bridge lives in a "switch" namespace of its own, so nothing here touches the host's
+network: traffic goes only among the namespaces this harness creates. Everything else (the
+repository, the data sets, /tmp, /dev/shm) is shared, standing in for the parallel file system.
+
+Open MPI reaches the other nodes through an rsh agent (`--mca plm_rsh_agent`): it is called as
+`AGENT HOST CMDSTRING` and runs the command string through `sh -c` inside that node, so the
+launcher's daemons and the ranks it starts there see the node's hostname, /local and address.
+
+Tear-down kills every process left in the node namespaces, then deletes them; a killed
+namespace takes its mounts, veth pairs and the bridge with it. It runs even when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.78.0"  # /24 on the cluster's own bridge, never routed anywhere
+LOCAL = Path("/local")  # the node-local mount point every node sees
+NETNS_DIR = Path("/run/netns")
+VENV_BIN = Path(sys.executable).parent
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot host an emulated cluster, or None when it can."""
+    if os.geteuid() != 0:
+        return "multinode tests need root (network, UTS and mount namespaces)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"multinode tests need the `{tool}` command (iproute2, util-linux)"
+    probe = f"hpcdlprobe{os.getpid()}"
+    netns_dir_mounted = _is_mount(NETNS_DIR)
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"multinode tests cannot create a network namespace: {made.stderr.strip()}"
+    try:
+        inner = subprocess.run(
+            ["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "true"],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        if not netns_dir_mounted:  # busy (stays) while anyone else has a namespace there
+            subprocess.run(["umount", str(NETNS_DIR)], capture_output=True)
+    if inner.returncode != 0:
+        return f"multinode tests cannot create UTS/mount namespaces: {inner.stderr.strip()}"
+    return None
+
+
+@dataclass(frozen=True)
+class Node:
+    """One emulated node: hostname, namespace, address and the host directory behind /local."""
+
+    index: int  # 1-based, as in the hostname and the address
+    hostname: str
+    netns: str
+    ip: str
+    local: Path
+
+
+class Cluster:
+    """K emulated nodes on a private bridge; `up()` builds them, `down()` removes everything."""
+
+    def __init__(self, workdir: Path, nodes: int = 2):
+        if not 1 <= nodes <= 250:
+            raise ValueError(f"nodes must be in 1..250, got {nodes}")
+        self.workdir = Path(workdir)
+        tag = f"hpcdl{os.getpid()}{os.urandom(2).hex()}"  # unique per process and cluster
+        self.switch = f"{tag}sw"
+        self.nodes = [
+            Node(k, f"vnode{k}", f"{tag}n{k}", f"{SUBNET}.{k}", self.workdir / f"vnode{k}")
+            for k in range(1, nodes + 1)
+        ]
+        self.agent = self.workdir / "rsh-agent"
+        self._made: list[str] = []  # namespaces created so far, for down()
+        self._netns_dir_mounted = _is_mount(NETNS_DIR)  # iproute2 mounts it at the first add
+
+    # ------------------------------------------------------------------ life cycle
+
+    def up(self) -> Cluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        LOCAL.mkdir(exist_ok=True)  # mount point only; each node binds its own directory on it
+        self._add_netns(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for node in self.nodes:
+            node.local.mkdir(exist_ok=True)
+            self._add_netns(node.netns)
+            port = f"p{node.index}"
+            _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+                "netns", node.netns)  # fmt: skip
+            _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+            _ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
+            _ip("-n", node.netns, "link", "set", "eth0", "up")
+            _ip("-n", node.netns, "link", "set", "lo", "up")
+        self._write_agent()
+        return self
+
+    def down(self) -> None:
+        """Kill what still runs in the nodes, then delete the namespaces (idempotent)."""
+        for netns in reversed(self._made):
+            for _ in range(50):
+                pids = _netns_pids(netns)
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.1)
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+        if self._made and not self._netns_dir_mounted:
+            subprocess.run(["umount", str(NETNS_DIR)], capture_output=True)
+        self._made.clear()
+
+    def __enter__(self) -> Cluster:
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # ------------------------------------------------------------------ running things
+
+    def node(self, index: int) -> Node:
+        return self.nodes[index - 1]
+
+    def argv(self, index: int, command: str) -> list[str]:
+        """argv that runs a shell command inside node `index` (1-based), as the agent does."""
+        return [str(self.agent), self.node(index).ip, command]
+
+    def run(
+        self, index: int, command: str, timeout: float = 300, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
+        """Run a shell command inside one node; output captured as text."""
+        return subprocess.run(
+            self.argv(index, command),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+
+    def mpirun(self, slots: list[int], *args: str, extra: tuple[str, ...] = ()) -> str:
+        """`mpirun` command line (for node 1) with slots[k-1] ranks allowed on node k.
+
+        extra: more mpirun options (for example `--map-by node`); args: the program."""
+        hosts = ",".join(f"{n.ip}:{s}" for n, s in zip(self.nodes, slots) if s)
+        cmd = [
+            str(VENV_BIN / "mpirun"),
+            "--mca", "plm_rsh_agent", str(self.agent),
+            "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
+            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24",
+            "--host", hosts,
+            "--bind-to", "none",  # the emulated nodes share this machine's cores
+            "-np", str(sum(slots)),
+            *extra,
+            *args,
+        ]  # fmt: skip
+        return shlex.join(cmd)
+
+    # ------------------------------------------------------------------ internals
+
+    def _add_netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+
+    def _write_agent(self) -> None:
+        cases = "\n".join(
+            f"  {n.ip}|{n.hostname}) ns={n.netns}; name={n.hostname};"
+            f" dir={shlex.quote(str(n.local))} ;;"
+            for n in self.nodes
+        )
+        self.agent.write_text(
+            "#!/bin/sh\n"
+            "# rsh agent of an emulated cluster (tests/cluster.py): AGENT HOST CMDSTRING\n"
+            "host=$1; shift\n"
+            'case "$host" in\n'
+            f"{cases}\n"
+            '  *) echo "rsh-agent: unknown host $host" >&2; exit 255 ;;\n'
+            "esac\n"
+            'exec ip netns exec "$ns" unshare --uts --mount --propagation private sh -c \\\n'
+            """  'hostname "$1" && mount --bind "$2" /local && shift 2 && exec sh -c "$*"' \\\n"""
+            '  node "$name" "$dir" "$@"\n'
+        )
+        self.agent.chmod(0o755)
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+def _netns_pids(netns: str) -> list[int]:
+    proc = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _is_mount(path: Path) -> bool:
+    return any(
+        line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines()
+    )
+
+
+def leftovers() -> list[str]:
+    """Namespaces and mounts an emulated cluster of this process could have left behind."""
+    tag = f"hpcdl{os.getpid()}"
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    mounts = Path("/proc/self/mounts").read_text()
+    return [line for line in (names + mounts).splitlines() if tag in line]

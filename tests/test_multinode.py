@@ -1,0 +1,275 @@
+"""Per-node behaviour across emulated nodes (tests/cluster.py): placement, staging, training.
+
+Every test here launches Open MPI across two network namespaces joined by a bridge, so the
+node communicator sees two nodes and ranks talk over TCP. Three placements are exercised:
+block (mpirun's default), round robin (`--map-by node`) and uneven ranks per node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cluster import LOCAL, Cluster, leftovers, unavailable
+from conftest import mpi_env, read_events, run_train
+from PIL import Image
+
+from hpcdl import checkpoint
+from hpcdl.data import open_dataset
+from hpcdl.data.sampler import DistributedSampler
+from hpcdl.staging.ownership import data_key
+from hpcdl.staging.status import RUN_RUNNING, StatusView
+
+pytestmark = pytest.mark.multinode
+
+BATCH, SEED = 8, 1
+BLOCK, ROUND_ROBIN, UNEVEN = ((0, 1), (2, 3)), ((0, 2), (1, 3)), ((0, 1, 2), (3,))
+# name -> (ranks allowed on node 1 and 2, extra mpirun options, world ranks on each node)
+PLACEMENTS = {
+    "block": ([2, 2], (), BLOCK),
+    "round-robin": ([2, 2], ("--map-by", "node"), ROUND_ROBIN),
+    "uneven": ([3, 1], (), UNEVEN),
+}
+# Open MPI's hierarchical collectives (coll_han, chosen for communicators that span nodes) sum
+# node by node, so the bits of an average depend on placement; without it the sum order
+# depends only on the rank numbers, as on one node (docs/multinode.md).
+SAME_SUM_ORDER = ("--mca", "coll", "^han")
+STAGE = LOCAL / "stage"
+
+# Prints this rank's placement facts as one JSON line.
+FACTS = (
+    "import json, socket; from hpcdl.comm.world import init_world; w = init_world(); "
+    "print(json.dumps(dict(rank=w.rank, host=socket.gethostname(), node=w.node_index, "
+    "nodes=w.num_nodes, node_ranks=w.node_ranks, ranks_by_node=w.ranks_by_node)), flush=True)"
+)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Cluster(tmp_path / "cluster", nodes=2) as c:
+        yield c
+    assert not leftovers(), leftovers()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """160 PNG images of 8x8 pixels in 4 classes: one file per sample, ~20 KB in all."""
+    root = tmp_path_factory.mktemp("pfs") / "images"
+    rng = np.random.default_rng(0)
+    for c in range(4):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(40):
+            pixels = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"c{c}" / f"{i:03d}.png")
+    open_dataset(root)  # writes the index once, before several ranks want it
+    return root
+
+
+def train_args(data: Path, out: Path) -> list[str]:
+    return [
+        "--data", data, "--model", "mlp", "--epochs", 1, "--batch-size", BATCH,
+        "--workers", 0, "--seed", SEED, "--quiet", "--checkpoint-dir", out / "ckpt",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_node_params(folder, tmp_path_factory) -> np.ndarray:
+    """Final parameters of the same training on one node with 4 ranks (no staging)."""
+    out = tmp_path_factory.mktemp("one-node")
+    proc = run_train(4, *train_args(folder, out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return checkpoint.load(checkpoint.latest(out / "ckpt")).params
+
+
+def files_read(data: Path, ranks, world: int, epochs=(0,)) -> set[str]:
+    """Relative paths of the files that these world ranks read in these epochs."""
+    ds = open_dataset(data)
+    out = set()
+    for r in ranks:
+        sampler = DistributedSampler(len(ds), world, r, SEED, "global")
+        for epoch in epochs:
+            for batch in sampler.batches(epoch, BATCH):
+                out.update(ds.files[int(i)].relpath for i in ds.file_ids(batch))
+    return out
+
+
+def staged_files(node_local: Path, data: Path) -> set[str]:
+    """Data files in one node's stage dir, relative to the data set root; checks nothing else
+    but the stager's metadata lies beside them."""
+    stage = node_local / STAGE.relative_to(LOCAL)
+    assert sorted(p.name for p in stage.iterdir()) == [".hpcdl", data_key(data)]
+    tree = stage / data_key(data)
+    return {str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file()}
+
+
+def run_in(cluster: Cluster, command: str, timeout: float = 300):
+    proc = cluster.run(1, command, env=mpi_env(), timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_world_reports_the_ranks_each_node_holds(cluster, placement):
+    slots, extra, layout = PLACEMENTS[placement]
+    proc = run_in(cluster, cluster.mpirun(slots, sys.executable, "-c", FACTS, extra=extra))
+    facts = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda f: f["rank"])
+    assert [f["ranks_by_node"] for f in facts] == [[list(r) for r in layout]] * 4
+    for f in facts:
+        node_ranks = layout[f["node"]]
+        assert f["rank"] in node_ranks and f["node_ranks"] == list(node_ranks)
+        assert f["host"] == f"vnode{f['node'] + 1}" and f["nodes"] == 2
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_training_across_nodes_stages_each_nodes_own_files(
+    cluster, placement, folder, one_node_params, tmp_path
+):
+    slots, extra, layout = PLACEMENTS[placement]
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*train_args(folder, tmp_path), "--metrics", metrics]
+    args += ["--stage-dir", STAGE, "--keep-staged"]
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    run_in(cluster, cluster.mpirun(slots, *program, extra=(*extra, *SAME_SUM_ORDER)))
+
+    params = checkpoint.load(checkpoint.latest(tmp_path / "ckpt")).params
+    assert params.tobytes() == one_node_params.tobytes()  # bitwise, whatever the placement
+    nodes = read_events(metrics, "summary")[0]["staging_nodes"]
+    assert [n["node"] for n in nodes] == ["vnode1", "vnode2"]
+    for node, ranks, entry in zip(cluster.nodes, layout, nodes, strict=True):
+        expected = files_read(folder, ranks, world=4)
+        assert staged_files(node.local, folder) == expected, f"{node.hostname} ranks {ranks}"
+        assert entry["files_staged"] == len(expected)
+        assert entry["hits"] + entry["misses"] == len(ranks) * (40 // BATCH) * BATCH
+    assert read_events(metrics, "epoch")[0]["staging_nodes"] == nodes
+
+
+# name -> (processes on node 1 and 2, extra mpirun options, hpcdl.stage flags, expected layout)
+STAGE_JOBS = {
+    "one-per-node-block": ([1, 1], ("--map-by", "ppr:1:node"), ("--ranks-per-node", "2"), BLOCK),
+    "one-per-node-cyclic": (
+        [1, 1],
+        ("--map-by", "ppr:1:node"),
+        ("--ranks-per-node", "2", "--placement", "cyclic"),
+        ROUND_ROBIN,
+    ),
+    "like-the-training-job": ([2, 2], ("--map-by", "node"), (), ROUND_ROBIN),
+}
+
+
+@pytest.mark.parametrize("job", sorted(STAGE_JOBS))
+def test_stage_only_fills_each_nodes_local_with_its_own_plan(cluster, job, folder):
+    slots, extra, flags, layout = STAGE_JOBS[job]
+    program = [sys.executable, "-m", "hpcdl.stage", "--data", str(folder)]
+    program += ["--stage-dir", str(STAGE), *flags]
+    program += ["--batch-size", str(BATCH), "--seed", str(SEED), "--quiet"]
+    proc = run_in(cluster, cluster.mpirun(slots, *program, extra=extra))
+    for node, ranks in zip(cluster.nodes, layout, strict=True):
+        assert staged_files(node.local, folder) == files_read(folder, ranks, world=4)
+    assert "node 0: staged 80 files" in proc.stdout and "node 1: staged 80 files" in proc.stdout
+
+
+def test_round_robin_training_after_stage_only_reads_node_local_copies(cluster, folder, tmp_path):
+    # The issue's measurement: --map-by node, 4 ranks. Stage-only first, so staging has caught
+    # up before the first read; then every node reads (almost) only its own SSD.
+    stage = [sys.executable, "-m", "hpcdl.stage", "--data", str(folder), "--stage-dir"]
+    stage += [str(STAGE), "--ranks-per-node", "2", "--placement", "cyclic", "--quiet"]
+    stage += ["--batch-size", str(BATCH), "--seed", str(SEED)]
+    run_in(cluster, cluster.mpirun([1, 1], *stage, extra=("--map-by", "ppr:1:node")))
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*train_args(folder, tmp_path), "--metrics", metrics, "--stage-dir", STAGE]
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    run_in(cluster, cluster.mpirun([2, 2], *program, extra=("--map-by", "node")))
+    for entry in read_events(metrics, "summary")[0]["staging_nodes"]:
+        assert entry["hits"] / (entry["hits"] + entry["misses"]) >= 0.95, entry
+        assert entry["files_staged"] == 80, entry
+
+
+def test_a_stager_killed_on_one_node_leaves_that_node_on_the_pfs_with_the_same_result(
+    cluster, folder, one_node_params, tmp_path
+):
+    slots, extra, _ = PLACEMENTS["round-robin"]
+    env = mpi_env()
+    env["HPCDL_STAGE_EMULATE_PFS"] = "latency_ms=30,mbps=100"  # every PFS open waits 30 ms
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*train_args(folder, tmp_path), "--metrics", metrics, "--stage-dir", STAGE]
+    args += ["--keep-staged", "--stage-threads", 1]
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    extra = (*extra, *SAME_SUM_ORDER, "-x", "HPCDL_STAGE_EMULATE_PFS")
+    command = cluster.argv(1, cluster.mpirun(slots, *program, extra=extra))
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as job:  # fmt: skip
+        status = StatusView(wait_for_status(cluster.node(2).local / "stage", job))
+        while job.poll() is None and status.field("plan_ready") < 1:
+            time.sleep(0.005)
+        os.kill(status.field("pid"), signal.SIGKILL)  # node 2's stager, mid-plan
+        ready_at_kill = status.field("plan_ready")
+        killed_mid_run = job.poll() is None and ready_at_kill < 80
+        status.close()
+        _, err = job.communicate(timeout=300)
+    assert killed_mid_run
+    assert job.returncode == 0, err[-3000:]
+    assert "hpcdl staging on node 1: the staging process stopped" in err, err[-3000:]
+    params = checkpoint.load(checkpoint.latest(tmp_path / "ckpt")).params
+    assert params.tobytes() == one_node_params.tobytes()
+    first, second = read_events(metrics, "summary")[0]["staging_nodes"]
+    assert second["node"] == "vnode2" and second["misses"] > 0, second
+    assert second["files_staged"] == ready_at_kill, (ready_at_kill, second)  # no more copies
+    assert first["node"] == "vnode1" and first["hits"] > 0, first  # node 1 staged on
+
+
+def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:
+    """The status map of the job session in one node's stage dir, once its stager runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        for path in stage.glob(".hpcdl/sessions/*/status"):
+            view = StatusView(path)
+            running = view.open() and view.field("run_state") >= RUN_RUNNING
+            view.close()
+            if running:
+                return path
+        time.sleep(0.005)
+    raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
+
+
+def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = Cluster(tmp_path / "c", nodes=2)
+    with pytest.raises(RuntimeError, match="inside"), cluster:
+        for node in cluster.nodes:
+            out = cluster.run(node.index, f"hostname; touch /local/{node.hostname}; ls /local")
+            assert out.stdout.split() == [node.hostname, node.hostname], out.stderr
+        # node 2 is reachable from node 1 over the bridge, by TCP
+        probe = (
+            "import socket, sys; s = socket.create_connection((sys.argv[1], 22222), timeout=5); "
+            "s.sendall(b'ok')"
+        )
+        listen = (
+            "import socket; s = socket.create_server(('0.0.0.0', 22222)); "
+            "c, _ = s.accept(); print(c.recv(2).decode())"
+        )
+        server = cluster.argv(2, shlex.join([sys.executable, "-c", listen]))
+        with subprocess.Popen(server, stdout=subprocess.PIPE, text=True) as srv:
+            for _ in range(50):
+                client = cluster.run(
+                    1, shlex.join([sys.executable, "-c", probe, cluster.node(2).ip])
+                )
+                if client.returncode == 0:
+                    break
+            assert srv.communicate(timeout=30)[0].strip() == "ok"
+        cluster.run(2, "sleep 600 >/dev/null 2>&1 &")  # left running: tear-down kills it
+        raise RuntimeError("a test failing inside the cluster")
+    assert not leftovers()
+    assert not any((LOCAL / n.hostname).exists() for n in cluster.nodes)  # /local was private
