@@ -185,8 +185,12 @@ def test_dropout_train_eval_and_seeding():
 
 @pytest.mark.parametrize("shape", [(8, 3), (2, 3, 4, 5)])
 @pytest.mark.parametrize("train", [True, False])
-def test_batchnorm_gradients(xp, shape, train):
+@pytest.mark.parametrize("sync", [False, True], ids=["local", "sync_one_rank"])
+def test_batchnorm_gradients(xp, shape, train, sync):
+    """sync: the SyncBatchNorm path (shifted sums, reduced backward terms) with one rank."""
     bn = BatchNorm(shape[-1])
+    if sync:
+        bn.stat_reducer = lambda buf: None  # the sum over a world of one rank
     _, _, buffers, _ = bind_flat(bn, xp, np.float64)
     buffers[...] = xp.asarray(np.random.default_rng(3).uniform(0.5, 1.5, buffers.size))
     bn.p["gamma"][...] = xp.asarray(np.random.default_rng(4).uniform(0.5, 2.0, shape[-1]))

@@ -62,6 +62,56 @@ def test_adam_matches_the_reference_update():
     np.testing.assert_allclose(params, p, rtol=1e-4, atol=1e-6)
 
 
+def reference_adamw(p, grads, lr, wd, betas=(0.9, 0.999), eps=1e-8):
+    """Loshchilov & Hutter's AdamW as torch.optim.AdamW writes it: decay first, then Adam."""
+    (b1, b2), p = betas, p.astype(np.float64)
+    m = v = np.zeros(p.shape)
+    for t, g in enumerate(grads, start=1):
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    return p
+
+
+def run_steps(name, steps=20, lr=0.01, wd=0.1, dtype=np.float64, **kwargs):
+    params, _ = buffers()
+    params = params.astype(dtype)
+    grads, start, history = np.zeros_like(params), params.copy(), []
+    opt = nn.make_optimizer(name, params, grads, weight_decay=wd, **kwargs)
+    for step in range(steps):
+        grads[...] = buffers(seed=step + 1)[1]
+        history.append(grads.astype(np.float64))
+        opt.step(lr)
+    return start, history, params
+
+
+def test_adamw_matches_the_reference_formula():
+    start, history, params = run_steps("adamw")
+    np.testing.assert_allclose(params, reference_adamw(start, history, 0.01, 0.1), rtol=1e-13)
+    # Decoupled: with zero gradients only the decay moves the parameters, by (1 - lr*wd);
+    # Adam's L2 form would divide the decay term by its own RMS and move each by ~lr instead.
+    p = buffers()[0].astype(np.float64)
+    start = p.copy()
+    nn.make_optimizer("adamw", p, np.zeros_like(p), weight_decay=0.5).step(0.1)
+    np.testing.assert_allclose(p, start * 0.95, rtol=1e-15)
+
+
+@pytest.mark.parametrize("name", nn.OPTIMIZERS)
+def test_decay_mask_keeps_biases_and_batchnorm_out_of_weight_decay(name):
+    model = nn.build_model("resnet20", (1, 4, 4), 3, seed=0, dtype=np.float64)
+    mask = model.decay_mask()
+    for layer_name, shape, off in model.layout():
+        part = mask[off : off + int(np.prod(shape))]
+        excluded = layer_name.endswith((".b", ".beta", ".gamma"))
+        assert (part == (0 if excluded else 1)).all(), layer_name
+    before = model.params.copy()
+    opt = nn.make_optimizer(name, model.params, model.grads, weight_decay=0.1, decay_mask=mask)
+    opt.step(0.5)  # zero gradients: only the decay can move a parameter
+    moved = model.params != before
+    np.testing.assert_array_equal(moved, (mask == 1) & (before != 0))
+
+
 def test_optimizer_updates_the_model_through_its_flat_buffer():
     model = nn.build_model("mlp", (1, 4, 4), 3, seed=0)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.0)
@@ -94,7 +144,9 @@ def test_state_dict_round_trip_resumes_identically(name):
 
 def test_optimizer_errors_are_clear():
     p, g = buffers()
-    with pytest.raises(ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, adam"):
+    with pytest.raises(
+        ValueError, match="unknown optimizer 'rmsprop'; choose one of sgd, adam, adamw"
+    ):
         nn.make_optimizer("rmsprop", p, g)
     with pytest.raises(ValueError, match="Nesterov"):
         nn.make_optimizer("sgd", p, g, momentum=0.0, nesterov=True)

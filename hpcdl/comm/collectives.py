@@ -1,4 +1,5 @@
-"""Whole-buffer collectives on numpy or cupy arrays (start-up broadcast, parameter mixing)."""
+"""Whole-buffer collectives on numpy or cupy arrays (start-up broadcast, parameter mixing,
+SyncBatchNorm statistics)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,31 @@ def allreduce_sum(comm: Any, host: np.ndarray) -> None:
     from mpi4py import MPI  # noqa: PLC0415
 
     comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+
+
+class SumReducer:
+    """`reducer(buf)`: sum a small flat numpy/cupy buffer over comm in place (SyncBatchNorm).
+
+    Runs on its own duplicate of comm, so it never interleaves with another collective; called
+    from the training thread while GradientReducer's thread may be inside its own Allreduce
+    (mpi4py initialises MPI_THREAD_MULTIPLE). host_staged: through host memory, as without a
+    CUDA-aware MPI. close() frees the communicator.
+    """
+
+    def __init__(self, comm: Any, host_staged: bool = False) -> None:
+        self.comm = comm.Dup()
+        self.host_staged = host_staged
+
+    def __call__(self, buf: Any) -> None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if array_module(buf) is not np and self.host_staged:
+            host = buf.get()
+            self.comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+            buf.set(host)
+            return
+        _sync_device(buf)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def close(self) -> None:
+        self.comm.Free()

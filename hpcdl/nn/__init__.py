@@ -21,13 +21,14 @@ from hpcdl.nn.layers import (
 from hpcdl.nn.loss import accuracy_count, softmax_cross_entropy
 from hpcdl.nn.model import Model, rank_rng_state
 from hpcdl.nn.models import MODELS, build_model
-from hpcdl.nn.optim import OPTIMIZERS, SGD, Adam, make_optimizer
+from hpcdl.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, make_optimizer
 
 __all__ = [
     "MODELS",
     "OPTIMIZERS",
     "SGD",
     "Adam",
+    "AdamW",
     "BatchNorm",
     "Conv2d",
     "Dropout",

@@ -65,11 +65,13 @@ class OptionAShortcut(Layer):
 
 
 def conv_bn(c_in: int, c_out: int, stride: int, kernel: int = 3) -> list[Layer]:
-    """Convolution without bias followed by BatchNorm (the bias would be cancelled by BN)."""
-    return [
-        Conv2d(c_in, c_out, kernel, stride=stride, padding=kernel // 2, bias=False),
-        BatchNorm(c_out),
-    ]
+    """Convolution without bias followed by BatchNorm (the bias would be cancelled by BN).
+
+    Initialised as torchvision's ResNets: Kaiming-normal fan_out kernel, BatchNorm 1 and 0."""
+    conv = Conv2d(
+        c_in, c_out, kernel, stride, padding=kernel // 2, bias=False, init="kaiming_normal_fan_out"
+    )
+    return [conv, BatchNorm(c_out)]
 
 
 class ResidualBlock(Layer):

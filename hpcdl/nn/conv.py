@@ -22,7 +22,10 @@ from hpcdl.nn.layers import Layer, ParamSpec, _pair
 
 
 class Conv2d(Layer):
-    """Convolution with stride and zero padding on (N, H, W, C_in) -> (N, Ho, Wo, C_out)."""
+    """Convolution with stride and zero padding on (N, H, W, C_in) -> (N, Ho, Wo, C_out).
+
+    Initialisers (hpcdl.nn.init) default to PyTorch's nn.Conv2d: U(+-1/sqrt(kh*kw*C_in)) for both.
+    """
 
     def __init__(
         self,
@@ -32,6 +35,8 @@ class Conv2d(Layer):
         stride: int | tuple[int, int] = 1,
         padding: int | tuple[int, int] = 0,
         bias: bool = True,
+        init: str = "torch_default",
+        bias_init: str = "torch_default",
     ) -> None:
         super().__init__()
         self.c_in, self.c_out = c_in, c_out
@@ -39,9 +44,9 @@ class Conv2d(Layer):
         self.sh, self.sw = _pair(stride)
         self.ph, self.pw = _pair(padding)
         fan_in, fan_out = self.kh * self.kw * c_in, self.kh * self.kw * c_out
-        specs = [ParamSpec("W", (self.kh, self.kw, c_in, c_out), "he", fan_in, fan_out)]
+        specs = [ParamSpec("W", (self.kh, self.kw, c_in, c_out), init, fan_in, fan_out)]
         if bias:
-            specs.insert(0, ParamSpec("b", (c_out,), "zeros"))
+            specs.insert(0, ParamSpec("b", (c_out,), bias_init, fan_in, fan_out, decay=False))
         self.param_specs = tuple(specs)
         self.has_bias = bias
         self._buffers: dict[str, Any] = {}  # reused workspaces (im2col matrices)

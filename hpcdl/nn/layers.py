@@ -20,15 +20,17 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module
+from hpcdl.nn.init import check_initialiser
 
 Ready = Callable[[int], None] | None
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """A parameter a layer needs: its name, shape and initialiser ("he", "glorot", "zeros", "ones").
+    """A parameter a layer needs: its name, shape and initialiser (a name in hpcdl.nn.init).
 
     fan_in/fan_out are what the initialiser scales by (e.g. kh*kw*C_in for a convolution).
+    decay: False for biases and BatchNorm parameters (`Model.decay_mask`).
     """
 
     name: str
@@ -36,6 +38,10 @@ class ParamSpec:
     init: str
     fan_in: int = 1
     fan_out: int = 1
+    decay: bool = True
+
+    def __post_init__(self) -> None:
+        check_initialiser(self.init)  # fail when the layer is built, not when it is bound
 
 
 class Layer:
@@ -75,13 +81,18 @@ class Layer:
 
 
 class Linear(Layer):
-    """y = x @ W + b; x (N, in), W (in, out), b (out,)."""
+    """y = x @ W + b; x (N, in), W (in, out), b (out,).
 
-    def __init__(self, n_in: int, n_out: int, init: str = "he") -> None:
+    Initialisers (hpcdl.nn.init) default to PyTorch's nn.Linear: U(+-1/sqrt(n_in)) for both.
+    """
+
+    def __init__(
+        self, n_in: int, n_out: int, init: str = "torch_default", bias_init: str = "torch_default"
+    ) -> None:
         super().__init__()
         self.n_in, self.n_out = n_in, n_out
         self.param_specs = (
-            ParamSpec("b", (n_out,), "zeros"),
+            ParamSpec("b", (n_out,), bias_init, n_in, n_out, decay=False),
             ParamSpec("W", (n_in, n_out), init, n_in, n_out),
         )
 
@@ -245,14 +256,24 @@ class BatchNorm(Layer):
     Training normalises with the batch statistics and updates the running ones:
     running = (1 - momentum) * running + momentum * batch (PyTorch convention; the running
     variance uses the unbiased batch variance). Evaluation uses the running statistics.
+
+    Statistics are those of this process's batch, unless `stat_reducer` is set (SyncBatchNorm,
+    `Model.set_stat_reducer`): then the per-channel sums that make the batch statistics, and
+    in backward the two per-channel sums that dx needs, are summed over the ranks by calling
+    `stat_reducer(buf)` on a small flat (2C+1,) or (2C,) array, so the layer normalises the
+    ranks' joined batch. The forward sums are shifted by the running mean (identical on every
+    rank: broadcast at start, then updated from global statistics) so that E[x^2] - E[x]^2 does
+    not cancel in float32. The parameter gradients stay local: the gradient allreduce sums them.
     """
 
     def __init__(self, channels: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
         super().__init__()
         self.channels, self.momentum, self.eps = channels, momentum, eps
+        self.stat_reducer: Callable[[Any], None] | None = None  # sums a flat array over ranks
+        self.count: Any = None  # rows in the (joined) batch, as a 1-element array
         self.param_specs = (
-            ParamSpec("beta", (channels,), "zeros"),
-            ParamSpec("gamma", (channels,), "ones"),
+            ParamSpec("beta", (channels,), "zeros", decay=False),
+            ParamSpec("gamma", (channels,), "ones", decay=False),
         )
         self.buffer_specs = (("running_mean", (channels,), 0.0), ("running_var", (channels,), 1.0))
 
@@ -263,19 +284,24 @@ class BatchNorm(Layer):
         x2 = x.reshape(-1, self.channels)  # (M, C)
         gamma, beta = self.p["gamma"], self.p["beta"]
         if train:
-            m = x2.shape[0]
-            ones = self._ones(xp, m, x2.dtype)
-            mean = ones @ x2
-            mean /= m
-            xc = x2 - mean
-            var = ones @ (xc * xc)
-            var /= m
+            if self.stat_reducer is None:
+                m = x2.shape[0]
+                ones = self._ones(xp, m, x2.dtype)
+                mean = ones @ x2
+                mean /= m
+                xc = x2 - mean
+                var = ones @ (xc * xc)
+                var /= m
+                factor = self.momentum * m / max(m - 1, 1)  # unbiased variance into running
+            else:
+                mean, var, xc, m = self._global_stats(xp, x2)
+                factor = self.momentum * m / xp.maximum(m - 1, 1)
             inv_std = 1.0 / xp.sqrt(var + self.eps)
             rm, rv = self.b["running_mean"], self.b["running_var"]
             rm *= 1.0 - self.momentum
             rm += self.momentum * mean.astype(rm.dtype)
             rv *= 1.0 - self.momentum
-            rv += (self.momentum * m / max(m - 1, 1)) * var.astype(rv.dtype)
+            rv += factor * var.astype(rv.dtype)
             xhat = xc
             xhat *= inv_std
             self.xhat, self.inv_std = xhat, inv_std
@@ -299,9 +325,14 @@ class BatchNorm(Layer):
         if self.input_grad:
             scale = self.p["gamma"] * self.inv_std
             if self.train:
-                m = dy2.shape[0]
-                dx = dy2 - (self.g["beta"] / m)
-                dx -= xhat * (self.g["gamma"] / m)
+                sum_dy, sum_dy_xhat, m = self.g["beta"], self.g["gamma"], dy2.shape[0]
+                if self.stat_reducer is not None:  # the sums over the joined batch
+                    sums = xp.concatenate([sum_dy, sum_dy_xhat])  # (2C,)
+                    self.stat_reducer(sums)
+                    c = self.channels
+                    sum_dy, sum_dy_xhat, m = sums[:c], sums[c:], self.count
+                dx = dy2 - (sum_dy / m)
+                dx -= xhat * (sum_dy_xhat / m)
                 dx *= scale
             else:
                 dx = dy2 * scale
@@ -309,6 +340,27 @@ class BatchNorm(Layer):
         self._done(ready)
         self.xhat = None
         return dx
+
+    def _global_stats(self, xp: Any, x2: Any) -> tuple[Any, Any, Any, Any]:
+        """(mean (C,), biased var (C,), x2 - mean (M, C), count (1,)) of the ranks' joined batch.
+
+        One reduction of [sum(x - K), sum((x - K)^2), M] with K the running mean."""
+        c = self.channels
+        ones = self._ones(xp, x2.shape[0], x2.dtype)
+        xs = x2 - self.b["running_mean"].astype(x2.dtype)  # (M, C)
+        stats = xp.empty(2 * c + 1, dtype=x2.dtype)
+        xp.matmul(ones, xs, out=stats[:c])
+        xs *= xs
+        xp.matmul(ones, xs, out=stats[c : 2 * c])
+        stats[2 * c] = x2.shape[0]
+        self.stat_reducer(stats)
+        count = self.count = stats[2 * c :]
+        shifted_mean = stats[:c] / count
+        var = stats[c : 2 * c] / count
+        var -= shifted_mean * shifted_mean
+        xp.maximum(var, 0, out=var)  # rounding must not make it negative
+        mean = shifted_mean + self.b["running_mean"].astype(x2.dtype)
+        return mean, var, x2 - mean, count
 
     def _ones(self, xp: Any, m: int, dtype: Any) -> Any:
         """A cached (M,) vector of ones: per-channel sums over M rows as one GEMV.

@@ -16,7 +16,8 @@ import numpy as np
 
 from hpcdl.backend import array_module
 from hpcdl.nn.blocks import Sequential
-from hpcdl.nn.layers import Dropout, Layer, ParamSpec
+from hpcdl.nn.init import initial_values
+from hpcdl.nn.layers import BatchNorm, Dropout, Layer
 
 
 class Model:
@@ -80,6 +81,30 @@ class Model:
         for layer in reversed(self.body.layers[self._first :]):
             dy = layer.backward(dy, grad_ready)
 
+    def decay_mask(self) -> Any:
+        """(P,) array on the params' backend, in their dtype: 0 for biases and BatchNorm, else 1.
+
+        Multiplies the weight decay when biases and norms are excluded from it."""
+        names = _leaf_names(self.body)
+        offsets = {name: off for name, _, off in self._layout}
+        host = np.ones(self.num_params, dtype=self.dtype)
+        for leaf in self.body.leaves():
+            for spec in leaf.param_specs:
+                if not spec.decay:
+                    off = offsets[f"{names[id(leaf)]}.{spec.name}"]
+                    host[off : off + int(np.prod(spec.shape))] = 0
+        return array_module(self.params).asarray(host)
+
+    def set_stat_reducer(self, reduce: Callable[[Any], None] | None) -> None:
+        """Make every BatchNorm sum its batch statistics over ranks (SyncBatchNorm); None: local.
+
+        `reduce(buf)` must sum the small flat array `buf` (on the model's backend) over all
+        ranks in place, and every rank must call the model the same way (it is collective).
+        """
+        for leaf in self.body.leaves():
+            if isinstance(leaf, BatchNorm):
+                leaf.stat_reducer = reduce
+
     def get_rng_state(self) -> dict:
         """Dropout RNG state (JSON-able)."""
         return self._rng.bit_generator.state
@@ -129,7 +154,7 @@ def bind_flat(
         for spec in leaf.param_specs:
             off = by_name[f"{names[id(leaf)]}.{spec.name}"]
             size = int(np.prod(spec.shape))
-            host_params[off : off + size] = _init(init_rng, spec).ravel()
+            host_params[off : off + size] = initial_values(init_rng, spec).ravel()
     params[...] = xp.asarray(host_params)
     buffers[...] = xp.asarray(host_buffers)
     for leaf, p, g, b, end in placed:
@@ -141,19 +166,6 @@ def rank_rng_state(seed: int, rank: int) -> dict:
     """A dropout RNG state distinct per rank and reproducible from (seed, rank)."""
     seq = np.random.SeedSequence(entropy=seed, spawn_key=(rank,))
     return np.random.PCG64(seq).state
-
-
-def _init(rng: np.random.Generator, spec: ParamSpec) -> np.ndarray:
-    if spec.init == "zeros":
-        return np.zeros(spec.shape)
-    if spec.init == "ones":
-        return np.ones(spec.shape)
-    if spec.init == "he":  # He normal: variance 2 / fan_in, for layers followed by ReLU
-        return rng.standard_normal(spec.shape) * np.sqrt(2.0 / spec.fan_in)
-    if spec.init == "glorot":  # Glorot uniform: limit sqrt(6 / (fan_in + fan_out))
-        limit = np.sqrt(6.0 / (spec.fan_in + spec.fan_out))
-        return rng.uniform(-limit, limit, spec.shape)
-    raise ValueError(f"unknown initialiser {spec.init!r}")
 
 
 def _leaf_names(root: Layer) -> dict[int, str]:

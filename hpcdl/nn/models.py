@@ -1,5 +1,9 @@
 """The model zoo: `build_model(name, input_shape, num_classes, ...)` for mlp, cnn and resnet20.
 
+Each model initialises as its reference does (docs/nn.md): cnn and mlp as Keras (Glorot-uniform
+kernels, zero biases), resnet20 as torchvision's ResNets (Kaiming-normal fan_out convolutions,
+BatchNorm 1 and 0, nn.Linear's default classifier).
+
 cnn is the Keras cifar10_cnn example. On small inputs it adapts so that no spatial size
 vanishes: a 'valid' 3x3 convolution gets padding 1 along a dimension smaller than 3, and a 2x2
 max pool pools only along dimensions of size >= 2 (and is left out when neither is). On 32x32
@@ -46,24 +50,26 @@ def build_model(
     return Model(name, layers, (c, h, w), int(num_classes), seed=seed, xp=xp, dtype=dtype)
 
 
+def _keras_dense(n_in: int, n_out: int) -> Linear:
+    return Linear(n_in, n_out, init="glorot_uniform", bias_init="zeros")
+
+
+def _keras_conv(c_in: int, c_out: int, padding: int | tuple[int, int]) -> Conv2d:
+    return Conv2d(c_in, c_out, 3, padding=padding, init="glorot_uniform", bias_init="zeros")
+
+
 def _mlp(c: int, h: int, w: int, k: int) -> list[Layer]:
-    """flatten -> dense 512 -> relu -> dropout 0.2 -> dense k."""
-    return [
-        Flatten(),
-        Linear(c * h * w, 512),
-        ReLU(),
-        Dropout(0.2),
-        Linear(512, k, init="glorot"),
-    ]
+    """flatten -> dense 512 -> relu -> dropout 0.2 -> dense k; Keras Dense initialisation."""
+    return [Flatten(), _keras_dense(c * h * w, 512), ReLU(), Dropout(0.2), _keras_dense(512, k)]
 
 
 def _cnn(c: int, h: int, w: int, k: int) -> list[Layer]:
     """Keras cifar10_cnn: 2 x [conv same, conv valid, pool 2, dropout .25], dense 512, dense k."""
     layers: list[Layer] = []
     for filters in (32, 64):
-        layers += [Conv2d(c, filters, 3, padding=1), ReLU()]
+        layers += [_keras_conv(c, filters, 1), ReLU()]
         pad = (int(h < 3), int(w < 3))
-        layers += [Conv2d(filters, filters, 3, padding=pad), ReLU()]
+        layers += [_keras_conv(filters, filters, pad), ReLU()]
         h, w = h + 2 * pad[0] - 2, w + 2 * pad[1] - 2
         pool = (min(2, h), min(2, w))
         if pool != (1, 1):
@@ -73,10 +79,10 @@ def _cnn(c: int, h: int, w: int, k: int) -> list[Layer]:
         c = filters
     return layers + [
         Flatten(),
-        Linear(c * h * w, 512),
+        _keras_dense(c * h * w, 512),
         ReLU(),
         Dropout(0.5),
-        Linear(512, k, init="glorot"),
+        _keras_dense(512, k),
     ]
 
 
@@ -89,4 +95,4 @@ def _resnet20(c: int, h: int, w: int, k: int) -> list[Layer]:
             stride = 2 if stage > 0 and block == 0 else 1
             layers.append(ResidualBlock(c_in, width, stride, shortcut="A"))
             c_in = width
-    return layers + [GlobalAvgPool(), Linear(64, k, init="glorot")]
+    return layers + [GlobalAvgPool(), Linear(64, k)]  # torchvision keeps nn.Linear's default

@@ -1,7 +1,9 @@
 """Optimizers that update the whole flat parameter buffer in one vectorised pass.
 
-They hold views of `model.params` and `model.grads` and never loop over layers. Weight decay is
-L2 added to the gradient and applies to every parameter (biases and BatchNorm included).
+They hold views of `model.params` and `model.grads` and never loop over layers. Weight decay:
+SGD and Adam add L2 to the gradient (g + wd*p, PyTorch's `weight_decay`); AdamW decouples it
+(p *= 1 - lr*wd, then the Adam step). It applies to every parameter unless a `decay_mask` (P,)
+of 0/1 is given (`Model.decay_mask()`: 0 for biases and BatchNorm).
 """
 
 from __future__ import annotations
@@ -10,26 +12,28 @@ from typing import Any
 
 from hpcdl.backend import array_module
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 class SGD:
     """SGD with momentum, PyTorch form: v = m*v + g; p -= lr * v (Nesterov: lr * (g + m*v))."""
 
-    def __init__(self, params, grads, momentum=0.0, nesterov=False, weight_decay=0.0):
+    def __init__(
+        self, params, grads, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=None
+    ):
         if nesterov and momentum <= 0:
             raise ValueError("Nesterov momentum needs momentum > 0")
         self.params, self.grads = params, grads
         self.momentum, self.nesterov, self.weight_decay = momentum, nesterov, weight_decay
+        self.decay_mask = decay_mask  # (P,) 0/1 or None (decay everything)
         xp = array_module(params)
         self.velocity = xp.zeros_like(params)  # (P,) same layout as params
         self._scratch = xp.empty_like(params)
 
     def step(self, lr: float) -> None:
-        xp = array_module(self.params)
         d = self._scratch
         if self.weight_decay:
-            xp.multiply(self.params, self.weight_decay, out=d)
+            _decay_term(self.params, self.weight_decay, self.decay_mask, out=d)
             d += self.grads
         else:
             d[...] = self.grads
@@ -54,10 +58,15 @@ class SGD:
 class Adam:
     """Adam (Kingma & Ba) with bias correction; weight decay is L2 added to the gradient."""
 
-    def __init__(self, params, grads, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    decoupled = False  # AdamW: decay the parameters directly instead
+
+    def __init__(
+        self, params, grads, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decay_mask=None
+    ):
         self.params, self.grads = params, grads
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
+        self.decay_mask = decay_mask  # (P,) 0/1 or None (decay everything)
         xp = array_module(params)
         self.m = xp.zeros_like(params)  # (P,) first moment
         self.v = xp.zeros_like(params)  # (P,) second moment
@@ -68,8 +77,15 @@ class Adam:
         xp = array_module(self.params)
         self.t += 1
         g = self.grads
-        if self.weight_decay:
-            g = xp.multiply(self.params, self.weight_decay, out=self._scratch)
+        if self.weight_decay and self.decoupled:  # torch.optim.AdamW: p *= 1 - lr*wd first
+            if self.decay_mask is None:
+                self.params *= 1.0 - lr * self.weight_decay
+            else:
+                self.params -= _decay_term(
+                    self.params, lr * self.weight_decay, self.decay_mask, out=self._scratch
+                )
+        elif self.weight_decay:
+            g = _decay_term(self.params, self.weight_decay, self.decay_mask, out=self._scratch)
             g += self.grads
         self.m *= self.beta1
         self.m += (1.0 - self.beta1) * g
@@ -93,6 +109,14 @@ class Adam:
         self.t = int(state["t"])
 
 
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter), as torch.optim.AdamW.
+
+    p *= 1 - lr*wd, then the Adam step on the plain gradient. Same state as Adam."""
+
+    decoupled = True
+
+
 def make_optimizer(
     name: str,
     params: Any,
@@ -100,13 +124,27 @@ def make_optimizer(
     momentum: float = 0.9,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    decay_mask: Any = None,
 ) -> SGD | Adam:
-    """'sgd' or 'adam' over the flat buffers. Adam ignores momentum/nesterov (betas 0.9, 0.999)."""
+    """'sgd', 'adam' or 'adamw' over the flat buffers.
+
+    Adam(W) ignores momentum/nesterov (betas 0.9, 0.999, eps 1e-8). decay_mask: (P,) 0/1 on the
+    params' backend (Model.decay_mask()) to keep biases and BatchNorm out of weight decay."""
     if name == "sgd":
-        return SGD(params, grads, momentum, nesterov, weight_decay)
-    if name == "adam":
-        return Adam(params, grads, weight_decay=weight_decay)
+        return SGD(params, grads, momentum, nesterov, weight_decay, decay_mask)
+    if name in ("adam", "adamw"):
+        cls = AdamW if name == "adamw" else Adam
+        return cls(params, grads, weight_decay=weight_decay, decay_mask=decay_mask)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _decay_term(params: Any, scale: float, mask: Any, out: Any) -> Any:
+    """out = scale * params (* mask): the weight-decay term, (P,)."""
+    xp = array_module(params)
+    xp.multiply(params, scale, out=out)
+    if mask is not None:
+        out *= mask
+    return out
 
 
 def _load(target: Any, state: dict[str, Any], key: str) -> None:
