@@ -1,12 +1,18 @@
 """Image folder data sets: index cache, re-indexing, decoded reads equal direct Pillow reads."""
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_train
 from PIL import Image
 
 from hpcdl.data import BadSample, DataError, Loader, open_dataset
+from hpcdl.staging.plan import PlanError, check_relpath
 
 
 def make_folder(root, per_class=3, size=(20, 16), classes=("cat", "dog"), fmt="png", seed=0):
@@ -45,6 +51,56 @@ def test_unwritable_root_caches_in_the_user_cache_dir(tmp_path, monkeypatch):
     (tmp_path / "data" / ".hpcdl-index.npz").mkdir()  # root side unwritable (even for root)
     ds = open_dataset(tmp_path / "data")
     assert ds.index_path.parent == tmp_path / "cache" / "hpcdl"
+
+
+READ_ONLY_PROBE = """
+import errno, json, sys
+from hpcdl.data import open_dataset
+root = sys.argv[1]
+try:
+    open(root + "/probe", "w")
+    erofs = False
+except OSError as exc:
+    erofs = exc.errno == errno.EROFS
+first, again = open_dataset(root), open_dataset(root)
+print(json.dumps(dict(erofs=erofs, n=len(first), index=str(first.index_path),
+                      again=str(again.index_path))))
+"""
+
+
+def run_on_readonly_mount(root, argv: list, env: dict | None = None):
+    """Run argv with root bind-mounted read-only onto itself in a private mount namespace;
+    skips (one reason) where that cannot be done. The mount ends with the process."""
+    mount = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", mount, str(root)]
+    try:
+        probe = subprocess.run([*cmd, "true"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as exc:
+        pytest.skip(f"cannot make a read-only bind mount: {exc}")
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount (needs root): {probe.stderr.strip()}")
+    return subprocess.run(
+        [*cmd, *map(str, argv)], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_read_only_root_caches_the_index_in_the_user_cache_dir(tmp_path):
+    make_folder(tmp_path / "data")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = run_on_readonly_mount(
+        tmp_path / "data", [sys.executable, "-c", READ_ONLY_PROBE, tmp_path / "data"], env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no warning, no second exception
+    result = json.loads(proc.stdout)
+    assert result["erofs"], "the mount was not read-only"
+    assert result["n"] == 6
+    assert Path(result["index"]).parent == tmp_path / "cache" / "hpcdl"
+    assert result["again"] == result["index"]  # the second open loads the cache
+    assert not (tmp_path / "data" / ".hpcdl-index.npz").exists()
+    assert [p.name for p in (tmp_path / "cache" / "hpcdl").iterdir()] == [
+        Path(result["index"]).name
+    ]  # no temporary file left behind
 
 
 def test_reads_equal_direct_decodes(tmp_path):
@@ -102,3 +158,84 @@ def test_empty_folder_and_unreadable_header(tmp_path):
     with pytest.raises(BadSample, match="junk.png"):
         ds.reader().decode([f.relpath for f in ds.files].index("a/junk.png"))
     assert os.path.exists(tmp_path / "g" / ".hpcdl-index.npz")
+
+
+@pytest.mark.parametrize("char", ["\n", "\t", "\x01", "\x7f"])
+def test_control_character_in_a_file_name_is_refused_like_the_stager_does(tmp_path, char):
+    make_folder(tmp_path / "d")
+    name = f"cat/a{char}b.png"
+    Image.fromarray(np.zeros((16, 20, 3), np.uint8)).save(tmp_path / "d" / name)
+    with pytest.raises(DataError, match="control character.*rename") as info:
+        open_dataset(tmp_path / "d")
+    assert repr(name)[1:-1] in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(PlanError):  # a staged run refuses the same name
+        check_relpath(name)
+
+
+def test_names_refused_by_the_data_sets_are_exactly_those_the_stager_refuses():
+    from hpcdl.data.dataset import has_control_character  # noqa: PLC0415
+
+    for code in range(0x80):
+        name = f"cat/a{chr(code)}b.png"
+        try:
+            check_relpath(name)
+            staged = True
+        except PlanError:
+            staged = False
+        assert staged == (not has_control_character(name)), repr(name)
+
+
+def _rewrite_index(root, paths):
+    index = root / ".hpcdl-index.npz"
+    with np.load(index) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["paths"] = np.frombuffer("\n".join(paths).encode(), np.uint8)
+    with open(index, "wb") as f:
+        np.savez(f, **arrays)
+    return index
+
+
+@pytest.mark.parametrize("entry", ["../outside.png", "/tmp/outside.png", "cat/../../outside.png"])
+def test_index_entry_outside_the_root_is_refused(tmp_path, entry):
+    make_folder(tmp_path / "d")
+    Image.fromarray(np.zeros((16, 20, 3), np.uint8)).save(tmp_path / "outside.png")
+    paths = [f.relpath for f in open_dataset(tmp_path / "d").files]
+    index = _rewrite_index(tmp_path / "d", [*paths[:-1], entry])
+    with pytest.raises(DataError) as info:
+        open_dataset(tmp_path / "d")
+    assert repr(entry) in str(info.value) and str(index) in str(info.value)
+
+
+def test_symlinks_escaping_the_root_are_refused_and_those_inside_it_kept(tmp_path):
+    make_folder(tmp_path / "d")
+    make_folder(tmp_path / "elsewhere", classes=("cow",))
+    (tmp_path / "d" / "dog" / "inside.png").symlink_to(tmp_path / "d" / "cat" / "0.png")
+    assert len(open_dataset(tmp_path / "d")) == 7
+    (tmp_path / "d" / "cat" / "link.png").symlink_to(tmp_path / "elsewhere" / "cow" / "0.png")
+    with pytest.raises(DataError, match=r"'cat/link.png'.*outside"):
+        open_dataset(tmp_path / "d")
+    (tmp_path / "d" / "cat" / "link.png").unlink()
+    (tmp_path / "d" / "cow").symlink_to(tmp_path / "elsewhere" / "cow")
+    with pytest.raises(DataError, match=r"'cow'.*outside"):
+        open_dataset(tmp_path / "d")
+
+
+def test_a_tab_in_a_name_fails_staged_and_unstaged_runs_alike_at_startup(tmp_path):
+    make_folder(tmp_path / "d", per_class=4)
+    Image.fromarray(np.zeros((16, 20, 3), np.uint8)).save(tmp_path / "d" / "cat" / "a\tb.png")
+    common = ("--data", tmp_path / "d", "--model", "mlp", "--epochs", 1, "--batch-size", 2)
+    common += ("--workers", 0, "--checkpoint-dir", tmp_path / "ckpt")
+    for extra in ((), ("--stage-dir", tmp_path / "stage")):
+        proc = run_train(2, *common, *extra)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        (line,) = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert line.startswith("hpcdl.train: error: ") and "cat/a\\tb.png" in line
+        assert "rename" in line
+
+
+def test_an_index_whose_fields_disagree_in_length_is_rebuilt(tmp_path):
+    make_folder(tmp_path / "d")
+    paths = [f.relpath for f in open_dataset(tmp_path / "d").files]
+    _rewrite_index(tmp_path / "d", paths[:-1])  # what a newline in a name did to version 1
+    ds = open_dataset(tmp_path / "d")
+    assert [f.relpath for f in ds.files] == paths and len(ds.labels) == 6

@@ -24,7 +24,7 @@ from hpcdl.comm.world import init_world
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m hpcdl.bench._steps")
+    ap = argparse.ArgumentParser(prog="python -m hpcdl.bench._steps", allow_abbrev=False)
     ap.add_argument("--model", required=True, choices=nn.MODELS)
     ap.add_argument("--input-shape", required=True, help="C,H,W")
     ap.add_argument("--classes", type=int, default=10)

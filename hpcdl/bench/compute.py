@@ -23,7 +23,9 @@ from hpcdl import backend, nn
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m hpcdl.bench compute", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench compute", description=__doc__, allow_abbrev=False
+    )
     ap.add_argument("--model", default="cnn", choices=nn.MODELS)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--input-shape", default="3,32,32", help="C,H,W")

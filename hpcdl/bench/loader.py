@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m hpcdl.bench loader",
         description=__doc__,
+        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--data", required=True, help="JPEG folder root/<class>/<file>")

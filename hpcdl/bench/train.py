@@ -7,15 +7,22 @@ max(T_forward+backward, T_minibatch_load): compute is the mean of t_compute + t_
 t_update, load the seconds per batch of the same loader (same workers, prefetch, data source)
 measured alone before the run, and step time the mean t_step; 1.0 means loading is fully
 hidden. With two or more epochs, the steady state (epochs after the first) is used.
-`--emulate-pfs "latency_ms=2,mbps=500"` sets HPCDL_STAGE_EMULATE_PFS for the run: source reads
-(loader and stager) then pay that latency per open and that bandwidth cap, emulating a parallel
-file system on one machine. Without --data a synthetic image folder (one PNG per sample, the
+Without --data a synthetic image folder (one PNG, or JPEG with --format jpg, per sample: the
 case staging is for) is made once under the temp directory.
+
+`--slow-fs MS,MBPS` (e.g. 5,200) puts the training data behind the slow read-only FUSE file
+system of hpcdl.bench.slowfs (MS per open, MBPS shared), which every reader pays for, and adds
+the peers users run today, in the same run and on the same mount: `cp -r` of the data to local
+disk followed by training from the copy, and PyTorch's DataLoader reading the mount directly
+(hpcdl.bench.torch_folder: same workers, batch and per-sample work; skipped without torch). The
+index is built once, timed, and cached off the mount, so no run pays for it again; the
+load-alone measurement is skipped (it would read the slow file system once more).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -23,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +38,18 @@ import numpy as np
 
 from hpcdl import report
 from hpcdl.backend import gpu_available
+from hpcdl.bench import peers as peers_
 from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
+from hpcdl.bench.slowfs import SlowFSOptions
 
-EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"
+EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"  # unit tests only: runs here never inherit it
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench train", description=__doc__.split("\n")[0]
+        prog="python -m hpcdl.bench train",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
     )
     ap.add_argument("--data", help="training data (default: a synthetic image folder)")
     ap.add_argument("--val-data", help="validation data (default: none, or the synthetic one)")
@@ -50,7 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--prefetch", type=int, default=4)
     ap.add_argument("--staging", default="both", choices=("on", "off", "both"))
     ap.add_argument("--stage-dir", help="node-local directory (default: a fresh temp directory)")
-    ap.add_argument("--emulate-pfs", help='e.g. "latency_ms=2,mbps=500" (sets ' + EMULATE_ENV + ")")
+    ap.add_argument("--slow-fs", help="MS,MBPS: data behind the slow FUSE file system; + peers")
+    ap.add_argument("--format", default="png", choices=("png", "jpg"), help="synthetic images")
+    ap.add_argument("--image-size", type=int, default=32, help="synthetic images: S x S pixels")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     ap.add_argument("--keep-metrics", help="directory to keep the runs' metrics JSONL in")
     ap.add_argument("--report", help="also draw hpcdl.report of the runs into this PNG")
@@ -63,14 +77,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 0:
         ap.error("--workers must be >= 0")
+    if args.slow_fs:
+        try:
+            latency_ms, mbps = (float(v) for v in args.slow_fs.split(","))
+        except ValueError:
+            ap.error(f"--slow-fs takes MS,MBPS (e.g. 5,200), got {args.slow_fs!r}")
+        args.slow_fs_options = SlowFSOptions(latency_ms, mbps)
     return args
 
 
 # --- data ------------------------------------------------------------------------------------
 
 
-def synthetic_image_folder(root: Path, count: int, size: int = 32, classes: int = 10) -> None:
-    """root/<class>/<i>.png: noisy images whose mean colour depends on the class (learnable)."""
+def synthetic_image_folder(
+    root: Path, count: int, size: int = 32, classes: int = 10, fmt: str = "png"
+) -> None:
+    """root/<class>/<i>.<fmt>: noisy images whose mean colour depends on the class (learnable)."""
     from PIL import Image  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
@@ -80,18 +102,23 @@ def synthetic_image_folder(root: Path, count: int, size: int = 32, classes: int 
         pixels = colours[label] + rng.normal(0, 40, (size, size, 3))
         folder = root / f"class{label}"
         folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i:06d}.png")
+        image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+        image.save(folder / f"{i:06d}.{fmt}", quality=90)
 
 
 def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.data:
         return args.data, args.val_data
-    base = Path(tempfile.gettempdir()) / "hpcdl-bench-data" / f"synthetic-{args.synthetic}"
+    name = f"synthetic-{args.synthetic}"
+    if (args.format, args.image_size) != ("png", 32):
+        name += f"-{args.format}{args.image_size}"
+    base = Path(tempfile.gettempdir()) / "hpcdl-bench-data" / name
     if not (base / ".complete").exists():
         print(f"making a synthetic image folder of {args.synthetic} images in {base}", flush=True)
         work = base.with_name(f"{base.name}.tmp-{os.getpid()}")
-        synthetic_image_folder(work / "train", args.synthetic)
-        synthetic_image_folder(work / "val", max(10, args.synthetic // 4))
+        made = dict(size=args.image_size, fmt=args.format)
+        synthetic_image_folder(work / "train", args.synthetic, **made)
+        synthetic_image_folder(work / "val", max(10, args.synthetic // 4), **made)
         (work / ".complete").touch()
         shutil.rmtree(base, ignore_errors=True)
         work.rename(base)
@@ -121,12 +148,10 @@ def measure_load_here(args: argparse.Namespace) -> dict[str, float]:
     return {"batches": count, "seconds_per_batch": seconds / max(1, count - 1)}
 
 
-def measure_load(args: argparse.Namespace, data: str, emulate: str | None) -> float | None:
-    """Run measure_load_here in a fresh process with the given emulation setting."""
+def measure_load(args: argparse.Namespace, data: str) -> float | None:
+    """Run measure_load_here in a fresh process."""
     env = child_env(1, args.device)
     env.pop(EMULATE_ENV, None)
-    if emulate:
-        env[EMULATE_ENV] = emulate
     cmd = [sys.executable, "-m", "hpcdl.bench", "train", "--measure-load", "--data", data,
            "--ranks", str(args.ranks), "--batch-size", str(args.batch_size),
            "--workers", str(args.workers), "--prefetch", str(args.prefetch)]  # fmt: skip
@@ -159,8 +184,6 @@ def run_training(
         cmd += ["--stage-dir", stage_dir]
     env = child_env(args.ranks, args.device)
     env.pop(EMULATE_ENV, None)
-    if args.emulate_pfs:
-        env[EMULATE_ENV] = args.emulate_pfs
     start = time.perf_counter()
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -234,6 +257,26 @@ def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float]:
     return ratios
 
 
+def run_modes(args: argparse.Namespace, data: tuple[str, str | None], out: Path) -> tuple:
+    """hpcdl.train once per staging mode; (summaries by mode, metrics paths)."""
+    modes = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.staging]
+    results: dict[str, dict[str, Any]] = {}
+    paths = []
+    for mode in modes:
+        # Load alone, from what the run reads in steady state: staged runs read local copies.
+        # (Not on the slow file system: that would read it once more.)
+        load_s = None if args.slow_fs else measure_load(args, data[0])
+        metrics = out / f"train-staging-{mode}.jsonl"
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        run, wall = run_training(args, data, mode == "on", metrics)
+        results[mode] = summarise(run, load_s, wall)
+        paths.append(str(metrics))
+    if args.report:
+        labels = ",".join(f"staging {m}" for m in modes)
+        report.main([*paths, "--out", args.report, "--labels", labels])
+    return results, paths
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.measure_load:
@@ -243,40 +286,52 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_GPU, file=sys.stderr)
         return 2
     data = ensure_data(args)
-    modes = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.staging]
+    if args.slow_fs:
+        data = (data[0], args.val_data)  # validation is not what this comparison is about
     keep = Path(args.keep_metrics) if args.keep_metrics else None
-    scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-train-"))
     print(
         f"hpcdl.bench train: {args.model}, {args.ranks} rank(s) x batch {args.batch_size}, "
         f"{args.epochs} epoch(s), {args.workers} worker(s)/rank, data {data[0]}, "
-        f"emulated PFS: {args.emulate_pfs or 'off'}",
+        f"slow file system: {args.slow_fs or 'off'}",
         flush=True,
     )
-    results: dict[str, dict[str, Any]] = {}
-    paths = []
+    peers: dict[str, Any] = {}
     try:
-        for mode in modes:
-            # Load alone, from what the run reads in steady state: staged runs read local copies.
-            load_s = measure_load(args, data[0], args.emulate_pfs if mode == "off" else None)
-            metrics = (keep or scratch) / f"train-staging-{mode}.jsonl"
-            metrics.parent.mkdir(parents=True, exist_ok=True)
-            run, wall = run_training(args, data, mode == "on", metrics)
-            results[mode] = summarise(run, load_s, wall)
-            paths.append(str(metrics))
-        if args.report:
-            labels = ",".join(f"staging {m}" for m in modes)
-            report.main([*paths, "--out", args.report, "--labels", labels])
+        with ExitStack() as stack:
+            scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-train-"))
+            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            if args.slow_fs:
+                pfs = peers_.mount_data(stack, args, data[0], scratch)
+                data = (str(pfs.mountpoint), data[1])
+                peers["index"] = peers_.index_cost(pfs)
+            results, _ = run_modes(args, data, keep or scratch)
+            if args.slow_fs:
+                train_local = functools.partial(_local_run, args, scratch=scratch)
+                peers["cp"] = peers_.copy_then_train(args, pfs, scratch, train_local)
+                peers["torch"] = peers_.torch_dataloader(
+                    args, pfs, peers["index"]["sample_shape"][1:]
+                )
     except (RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, report.ReportError) as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)
         return 1
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     ratios = compare(results["off"], results["on"]) if len(results) == 2 else {}
     print_results(results, ratios)
+    if args.slow_fs:
+        peers["ratios"] = peers_.print_comparison(
+            peers["index"], results, peers, args.slow_fs_options
+        )
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("json", "measure_load")}
-        print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios}))
+        skip = ("json", "measure_load", "slow_fs_options")
+        config = {k: v for k, v in vars(args).items() if k not in skip}
+        print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios,
+                          "slow_fs": peers}))  # fmt: skip
     return 0
+
+
+def _local_run(args: argparse.Namespace, root: str, scratch: Path) -> tuple[dict, float]:
+    """hpcdl.train without staging from a local copy (the `cp -r` peer); (summary, wall s)."""
+    run, wall = run_training(args, (root, None), False, scratch / "train-cp.jsonl")
+    return summarise(run, None, wall), wall
 
 
 if __name__ == "__main__":

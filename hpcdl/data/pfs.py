@@ -3,7 +3,10 @@
 HPCDL_STAGE_EMULATE_PFS="latency_ms=2,mbps=500" adds a latency to every open of a file on the
 PFS and caps the bandwidth of reads from it, in loader workers (image files, HDF5 shards) and
 in the stager's copies alike; reads of staged local copies are not slowed. This is an emulation
-of a slow PFS, not a model of one: the cap is per process (aggregate over its threads).
+of a slow PFS, not a model of one: the cap is per process (aggregate over its threads), only
+hpcdl's own code honours it, and the stager leaves its production copy path for it. Unit tests
+only: benchmarks and the read-only data set tests use a real slow file system that every reader
+pays for, `hpcdl.bench.slowfs` (FUSE).
 """
 
 from __future__ import annotations
