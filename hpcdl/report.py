@@ -2,9 +2,12 @@
 
 Reads the metrics JSON lines of `hpcdl.train --metrics` (format: docs/internals.md) and draws,
 for one run or several side by side: throughput over time, the mean step broken into data
-wait / compute / exposed communication / update per epoch (stacked bars), and staging progress
-against consumption when the run has `staging` events. A short text summary goes to stdout.
-How to read it: docs/report.md.
+wait / compute / exposed communication / update per epoch (stacked bars), the learning curve
+(loss and accuracy per epoch), and staging progress against consumption when the run has
+`staging` events. A short text summary goes to stdout. How to read it: docs/report.md.
+
+hpcdl.train appends to an existing metrics file, and every run begins with a `start` event: a
+file is split into runs there, and only its last run is reported unless --all-runs is given.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ BREAKDOWN = (  # (field, legend label, colour)
     ("t_update", "update", "#8172b2"),
 )
 STAGING_FIELDS = ("time", "files_ready", "consumed_files")
+LEARNING_CURVES = (  # (epoch event field, legend label, axis, line style)
+    ("loss", "train loss", "loss", "o-"),
+    ("val_loss", "val loss", "loss", "o--"),
+    ("acc", "train acc", "accuracy", "s-"),
+    ("val_acc", "val acc", "accuracy", "s--"),
+)
 
 
 class ReportError(Exception):
@@ -32,10 +41,11 @@ class ReportError(Exception):
 
 @dataclass
 class Run:
-    """The events of one metrics file, grouped by kind."""
+    """The events of one run (one `start` event and what follows it), grouped by kind."""
 
     path: Path
     label: str = ""
+    first_line: int = 1  # line of the file where this run's events begin
     start: dict[str, Any] | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
@@ -64,46 +74,84 @@ class Run:
         return None
 
 
-def load_run(path: str | Path) -> Run:
-    """Parse one metrics file; ReportError names the file and line of anything malformed."""
+def load_runs(path: str | Path) -> list[Run]:
+    """Every run in one metrics file, oldest first: each `start` event begins a new run.
+
+    ReportError names the file and line of anything malformed. Runs are not checked for
+    `step` events here; load_run and main do that for the runs they report.
+    """
     path = Path(path)
-    run = Run(path=path)
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise ReportError(f"{path}: cannot read metrics file ({exc.strerror or exc})") from exc
+    runs = [Run(path=path)]
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReportError(
-                f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})"
-            ) from exc
-        if not isinstance(record, dict) or not isinstance(record.get("event"), str):
-            raise ReportError(f'{path}:{lineno}: expected a JSON object with an "event" field')
-        event = record["event"]
-        if event == "step":
-            _require(record, STEP_FIELDS, path, lineno)
-            run.steps.append(record)
-        elif event == "staging":
-            _require(record, STAGING_FIELDS, path, lineno)
-            run.staging.append(record)
-        elif event == "epoch":
-            run.epochs.append(record)
-        elif event == "start":
-            run.start = record
-        elif event == "summary":
-            run.summary = record
-        # other events: written by newer trainers; not part of this report
-    if not run.steps:
+        record = _parse_line(line, path, lineno)
+        run = runs[-1]
+        if record["event"] == "start" and _has_events(run):
+            run = Run(path=path, first_line=lineno)
+            runs.append(run)
+        _add_event(run, record, path, lineno)
+    return runs
+
+
+def load_run(path: str | Path) -> Run:
+    """The last run in one metrics file; ReportError if it has no `step` events to plot."""
+    runs = load_runs(path)
+    return check_steps(runs[-1], len(runs))
+
+
+def check_steps(run: Run, runs_in_file: int = 1) -> Run:
+    """`run`, or ReportError saying what to do when it has no `step` events."""
+    if run.steps:
+        return run
+    which = (
+        f"the last of its {runs_in_file} runs (from line {run.first_line}) has no"
+        if runs_in_file > 1
+        else "no"
+    )
+    raise ReportError(
+        f'{run.path}: {which} "step" events, so there is nothing to plot; hpcdl.train writes '
+        "one every --metrics-every steps (default 10) when run with --metrics PATH: run more "
+        "steps than that or pass --metrics-every 1"
+        + ("; --all-runs reports the earlier runs" if runs_in_file > 1 else "")
+    )
+
+
+def _parse_line(line: str, path: Path, lineno: int) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
         raise ReportError(
-            f'{path}: no "step" events, so there is nothing to plot; hpcdl.train writes one '
-            "every --metrics-every steps (default 10) when run with --metrics PATH: run more "
-            "steps than that or pass --metrics-every 1"
-        )
-    return run
+            f"{path}:{lineno}: not a JSON object ({exc.msg} at column {exc.colno})"
+        ) from exc
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        raise ReportError(f'{path}:{lineno}: expected a JSON object with an "event" field')
+    return record
+
+
+def _has_events(run: Run) -> bool:
+    return bool(run.start or run.steps or run.epochs or run.staging or run.summary)
+
+
+def _add_event(run: Run, record: dict[str, Any], path: Path, lineno: int) -> None:
+    event = record["event"]
+    if event == "step":
+        _require(record, STEP_FIELDS, path, lineno)
+        run.steps.append(record)
+    elif event == "staging":
+        _require(record, STAGING_FIELDS, path, lineno)
+        run.staging.append(record)
+    elif event == "epoch":
+        run.epochs.append(record)
+    elif event == "start":
+        run.start = record
+    elif event == "summary":
+        run.summary = record
+    # other events: written by newer trainers; not part of this report
 
 
 def _require(record: dict[str, Any], names: tuple[str, ...], path: Path, lineno: int) -> None:
@@ -195,18 +243,40 @@ def summary_lines(run: Run) -> list[str]:
 
 
 def render(runs: list[Run], out: Path) -> None:
-    """Write the figure: throughput row, breakdown row, staging row (when any run has it)."""
+    """Write the figure of build_figure(runs) as a PNG."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig = build_figure(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def build_figure(runs: list[Run]):  # -> matplotlib.figure.Figure
+    """Throughput row; one column per run below it: step breakdown, learning curve, staging."""
     import matplotlib  # noqa: PLC0415  (plotting stays out of module import)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     with_staging = any(run.staging for run in runs)
-    rows, cols = (3 if with_staging else 2), len(runs)
+    rows, cols = (4 if with_staging else 3), len(runs)
     fig = plt.figure(figsize=(max(7.0, 4.5 * cols), 3.6 * rows), layout="constrained")
     grid = fig.add_gridspec(rows, cols)
+    _throughput_panel(fig.add_subplot(grid[0, :]), runs)
+    share = None
+    top = max(parts["t_step"] for run in runs for _, parts in breakdown_by_epoch(run)) * 1e3
+    for i, run in enumerate(runs):
+        ax = fig.add_subplot(grid[1, i], sharey=share)
+        share = share or ax
+        _breakdown_panel(ax, run, top, legend=i == 0)
+        _learning_panel(fig.add_subplot(grid[2, i]), run)
+        if with_staging:
+            _staging_panel(fig.add_subplot(grid[3, i]), run)
+    return fig
 
-    ax = fig.add_subplot(grid[0, :])
+
+def _throughput_panel(ax, runs: list[Run]) -> None:
     for i, run in enumerate(runs):
         for epoch, steps in _steps_by_epoch(run).items():  # no line across evaluation gaps
             x = [float(s["time"]) - run.t0 for s in steps]
@@ -221,46 +291,69 @@ def render(runs: list[Run], out: Path) -> None:
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
 
-    share = None
-    top = max(parts["t_step"] for run in runs for _, parts in breakdown_by_epoch(run)) * 1e3
-    for i, run in enumerate(runs):
-        ax = fig.add_subplot(grid[1, i], sharey=share)
-        share = share or ax
-        ax.set_ylim(0, 1.35 * top)  # headroom for the legend
-        per_epoch = breakdown_by_epoch(run)
-        xs = [e + 1 for e, _ in per_epoch]
-        bottom = [0.0] * len(xs)
-        for name, label, colour in BREAKDOWN:
-            heights = [parts[name] * 1e3 for _, parts in per_epoch]
-            ax.bar(xs, heights, bottom=bottom, label=label, color=colour, width=0.7)
-            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        ax.set(title=f"Mean step by epoch: {run.label}", xlabel="epoch", ylabel="ms per step")
-        ax.set_xticks(xs)
-        ax.grid(axis="y", alpha=0.3)
-        if i == 0:
-            ax.legend(loc="upper center", ncols=2, fontsize="small")
 
-    if with_staging:
-        for i, run in enumerate(runs):
-            ax = fig.add_subplot(grid[2, i])
-            ax.set(title=f"Staging vs consumption: {run.label}", xlabel="seconds since start")
-            if not run.staging:
-                ax.text(
-                    0.5, 0.5, "no staging events", ha="center", va="center", transform=ax.transAxes
-                )
-                ax.set_xticks([])
-                ax.set_yticks([])
-                continue
-            x = [float(s["time"]) - run.t0 for s in run.staging]
-            ax.plot(x, [s["files_ready"] for s in run.staging], label="files staged (ready)")
-            ax.plot(x, [s["consumed_files"] for s in run.staging], label="files consumed")
-            ax.set_ylabel("files")
-            ax.legend(loc="upper left", fontsize="small")
-            ax.grid(alpha=0.3)
+def _breakdown_panel(ax, run: Run, top_ms: float, legend: bool) -> None:
+    ax.set_ylim(0, 1.35 * top_ms)  # headroom for the legend
+    per_epoch = breakdown_by_epoch(run)
+    xs = [e + 1 for e, _ in per_epoch]
+    bottom = [0.0] * len(xs)
+    for name, label, colour in BREAKDOWN:
+        heights = [parts[name] * 1e3 for _, parts in per_epoch]
+        ax.bar(xs, heights, bottom=bottom, label=label, color=colour, width=0.7)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set(title=f"Mean step by epoch: {run.label}", xlabel="epoch", ylabel="ms per step")
+    ax.set_xticks(xs)
+    ax.grid(axis="y", alpha=0.3)
+    if legend:
+        ax.legend(loc="upper center", ncols=2, fontsize="small")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+
+def _learning_panel(ax, run: Run) -> None:
+    """Loss (left axis) and accuracy (right axis) per epoch; solid: training, dashed: validation."""
+    ax.set(title=f"Learning curve: {run.label}", xlabel="epoch", ylabel="loss")
+    if not run.epochs:
+        _no_data(ax, "no epoch events")
+        return
+    acc_ax = ax.twinx()  # drawn over ax: the legend goes on it, in headroom above the curves
+    acc_ax.set(ylabel="accuracy", ylim=(0, 1.35), yticks=[0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    losses = [0.0]
+    for key, label, axis, style in LEARNING_CURVES:
+        points = [
+            (int(e["epoch"]) + 1, float(e[key]))
+            for e in run.epochs
+            if isinstance(e.get(key), (int, float))
+        ]
+        if points:
+            xs, ys = zip(*points)
+            target = ax if axis == "loss" else acc_ax
+            target.plot(xs, ys, style, color="C0" if axis == "loss" else "C1", label=label)
+            if axis == "loss":
+                losses += ys
+    ax.set_ylim(0, 1.35 * (max(losses) or 1.0))
+    ax.set_xticks(sorted({int(e["epoch"]) + 1 for e in run.epochs}))
+    handles = ax.get_legend_handles_labels()[0] + acc_ax.get_legend_handles_labels()[0]
+    acc_ax.legend(handles=handles, loc="upper center", ncols=2, fontsize="small")
+    ax.grid(alpha=0.3)
+
+
+def _staging_panel(ax, run: Run) -> None:
+    ax.set(title=f"Staging vs consumption: {run.label}", xlabel="seconds since start")
+    if not run.staging:
+        _no_data(ax, "no staging events")
+        return
+    x = [float(s["time"]) - run.t0 for s in run.staging]
+    ax.plot(x, [s["files_ready"] for s in run.staging], label="files staged (ready)")
+    ax.plot(x, [s["consumed_files"] for s in run.staging], label="files consumed")
+    ax.set_ylabel("files")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize="small")
+    ax.grid(alpha=0.3)
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def _step_images(run: Run, step: dict[str, Any]) -> float:
@@ -282,24 +375,58 @@ def _windowed_rate(images: list[float], seconds: list[float], window: int) -> li
 # --- command line ----------------------------------------------------------------------------
 
 
+def select_runs(paths: list[str], all_runs: bool) -> tuple[list[Run], list[str]]:
+    """Each file's last run (or, with all_runs, every run with steps), labelled; notes to print."""
+    runs, notes = [], []
+    for path in paths:
+        in_file = load_runs(path)
+        count = len(in_file)
+        chosen = [r for r in in_file if r.steps] if all_runs else []
+        if not chosen:
+            chosen = [check_steps(in_file[-1], count)]
+            if count > 1:
+                notes.append(
+                    f"{path} holds {count} runs (hpcdl.train appends to its --metrics file); "
+                    f"reporting the last one, from line {chosen[0].first_line} "
+                    "(--all-runs: all of them)"
+                )
+        elif len(chosen) < count:
+            notes.append(f'{path}: left out {count - len(chosen)} run(s) without "step" events')
+        for run in chosen:
+            number = f" run {in_file.index(run) + 1}/{count}" if len(chosen) > 1 else ""
+            ranks = run.world_size
+            plural = "s" if ranks != 1 else ""
+            run.label = run.path.stem + number + (f" ({ranks} rank{plural})" if ranks else "")
+        runs += chosen
+    return runs, notes
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdl.report", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdl.report", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     ap.add_argument("metrics", nargs="+", help="metrics JSONL file(s) written by hpcdl.train")
     ap.add_argument("--out", default="report.png", help="PNG to write (default: report.png)")
-    ap.add_argument("--labels", help="comma-separated run names, one per metrics file")
+    ap.add_argument("--labels", help="comma-separated run names, one per run drawn")
+    ap.add_argument(
+        "--all-runs",
+        action="store_true",
+        help="draw every run of a file that several runs appended to (default: the last one)",
+    )
     args = ap.parse_args(argv)
-    labels = args.labels.split(",") if args.labels else None
-    if labels is not None and len(labels) != len(args.metrics):
-        ap.error(f"--labels has {len(labels)} name(s) for {len(args.metrics)} metrics file(s)")
     try:
-        runs = [load_run(p) for p in args.metrics]
+        runs, notes = select_runs(args.metrics, args.all_runs)
     except ReportError as exc:
         print(f"hpcdl.report: error: {exc}", file=sys.stderr)
         return 1
-    for i, run in enumerate(runs):
-        ranks = run.world_size
-        default = run.path.stem + (f" ({ranks} rank{'s' if ranks != 1 else ''})" if ranks else "")
-        run.label = labels[i] if labels else default
+    if args.labels:
+        labels = args.labels.split(",")
+        if len(labels) != len(runs):
+            ap.error(f"--labels has {len(labels)} name(s) for {len(runs)} run(s) to draw")
+        for run, label in zip(runs, labels):
+            run.label = label
+    for note in notes:
+        print(note)
     for run in runs:
         print("\n".join(summary_lines(run)))
     render(runs, Path(args.out))

@@ -18,4 +18,5 @@ mpirun -np 2 python -m hpcdl.train \
     --data "$DATA/train" --val-data "$DATA/val" \
     --model cnn --epochs 15 --batch-size 32 --optimizer adam --lr 0.001 --workers 1 \
     --stage-dir "$STAGE/stage" --metrics "$RUN/metrics.jsonl" "$@"
+# hpcdl.train appends each run to the metrics file; hpcdl.report draws the last one.
 echo "metrics: $RUN/metrics.jsonl (plot: python -m hpcdl.report $RUN/metrics.jsonl --out $RUN/report.png)"

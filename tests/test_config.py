@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from hpcdl.config import ConfigError, parse_args
@@ -56,3 +58,83 @@ def test_bad_config_files(tmp_path):
     wrong_type.write_text('data = "x"\nepochs = "many"\n')
     with pytest.raises(ConfigError, match="--epochs .*type.toml.* must be an integer"):
         parse_args(["--config", str(wrong_type)])
+
+
+def test_toml_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    jobdir = tmp_path / "jobs"
+    (jobdir / "ck").mkdir(parents=True)
+    (jobdir / "ck" / "old.h5").write_bytes(b"")
+    cfg_file = jobdir / "job.toml"
+    cfg_file.write_text(
+        'data = "shards/train"\nval_data = "../val"\ncheckpoint_dir = "ck"\n'
+        'metrics = "m.jsonl"\nstage_dir = "/local/stage"\nresume = "ck/old.h5"\n'
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = parse_args(["--config", str(cfg_file)])
+    assert cfg.data == str(jobdir / "shards" / "train")
+    assert cfg.val_data == str(jobdir / ".." / "val")
+    assert cfg.checkpoint_dir == str(jobdir / "ck")
+    assert cfg.metrics == str(jobdir / "m.jsonl")
+    assert cfg.stage_dir == "/local/stage"
+    assert cfg.resume == str(jobdir / "ck" / "old.h5")
+    # Flags stay relative to the current directory; auto/none are not paths.
+    cfg = parse_args(["--config", str(cfg_file), "--data", "here", "--resume", "auto"])
+    assert (cfg.data, cfg.resume) == ("here", "auto")
+    # A relative --config path works the same.
+    monkeypatch.chdir(tmp_path)
+    assert parse_args(["--config", "jobs/job.toml"]).data == str(Path("jobs/shards/train"))
+
+
+def test_stage_config_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    from hpcdl.stage import build_parser, resolve  # noqa: PLC0415
+
+    (tmp_path / "job.toml").write_text('data = "shards"\nstage_dir = "local"\n')
+    monkeypatch.chdir("/")
+    args = resolve(build_parser().parse_args(["--config", str(tmp_path / "job.toml")]))
+    assert (args.data, args.stage_dir) == (str(tmp_path / "shards"), str(tmp_path / "local"))
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("flipp", "--augment: unknown op 'flipp'"),
+        ("crop4+rrc32", "at most one of"),
+        ("rcrop0", "unknown op 'rcrop0'"),
+    ],
+)
+def test_bad_augment_spec_is_a_config_error(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args(["--data", "x", "--augment", spec])
+    assert parse_args(["--data", "x", "--augment", "crop4+flip"]).augment == "crop4+flip"
+
+
+def test_abbreviated_flags_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="unrecognized arguments: --epoch 3"):
+        parse_args(["--data", "x", "--epoch", "3"])
+
+
+def test_no_parser_in_the_package_accepts_abbreviated_flags(monkeypatch):
+    import argparse  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
+
+    from hpcdl.bench.__main__ import BENCHMARKS  # noqa: PLC0415
+
+    made: list[tuple[str, bool]] = []
+    init = argparse.ArgumentParser.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append((self.prog, self.allow_abbrev))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "__init__", recording_init)
+    mains = ["hpcdl.train", "hpcdl.stage", "hpcdl.jobs.__main__", "hpcdl.report"]
+    mains += ["hpcdl.data.__main__"]
+    mains += [*BENCHMARKS.values(), "hpcdl.bench._steps"]
+    for name in mains:
+        with pytest.raises(SystemExit) as exit_:
+            importlib.import_module(name).main(["--help"])
+        assert exit_.value.code == 0, name
+    assert len(made) >= len(mains) + 3  # with the subcommands of hpcdl.jobs and hpcdl.data
+    assert [prog for prog, allowed in made if allowed] == []

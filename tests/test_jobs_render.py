@@ -69,6 +69,84 @@ def test_every_bundled_site_renders_valid_bash(config, site, kind):
     assert "srun mpirun" not in script
 
 
+def launched_command(tmp_path: Path, script: str) -> list[str]:
+    """Run a rendered script with a stand-in launcher; the words the launcher was given."""
+    record = tmp_path / "launcher-args"
+    stub = tmp_path / "launcher"
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    stub.chmod(0o755)
+    script = re.sub(r"(?m)^launcher=.*$", f"launcher={stub}", script)
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NAME": "hpcdl-train",
+        "SLURM_JOB_NODELIST": "n1",
+        "SLURM_NTASKS": "8",
+        "HPCDL_STAGE_DIR": str(tmp_path / "local"),
+    }
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return record.read_text().splitlines()
+
+
+def after(words: list[str], marker: list[str]) -> list[str]:
+    """The words after the first occurrence of the sequence marker."""
+    for i in range(len(words)):
+        if words[i : i + len(marker)] == marker:
+            return words[i + len(marker) :]
+    raise AssertionError(f"{marker} not in {words}")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cpu"])
+def test_trainer_command_line_carries_every_render_option(tmp_path, device):
+    config = write_config(tmp_path / "job.toml", data="d")
+    ck = tmp_path / "my ck"
+    job = spec(
+        config,
+        device=device,
+        checkpoint_dir=str(ck),
+        stage_key="run1",
+        cpus_per_task=3,
+        requeue=True,
+        extra_args=["--epochs", "3", "--note", "a b"],
+    )
+    words = launched_command(tmp_path, render(job)[0])
+    assert words[: words.index(sys.executable)] == [
+        *("-np", "8", "--map-by", "ppr:4:node", "--bind-to", "none", "--oversubscribe"),
+    ]
+    assert after(words, [sys.executable]) == [
+        *("-u", "-m", "hpcdl.train", "--config", str(config.resolve())),
+        *("--metrics", f"{tmp_path}/hpcdl-train-42.metrics.jsonl"),
+        *("--device", device),
+        *("--resume", "auto"),
+        *("--stage-dir", f"{tmp_path}/local/hpcdl-run1"),
+        *("--checkpoint-dir", str(ck)),
+        *("--epochs", "3", "--note", "a b"),
+    ]
+
+
+def test_trainer_command_line_without_checkpoints_or_staging(tmp_path):
+    config = write_config(tmp_path / "job.toml", data="d", metrics="m.jsonl", device="gpu")
+    words = launched_command(tmp_path, render(spec(config, device="", stage=False))[0])
+    assert after(words, [sys.executable]) == [
+        *("-u", "-m", "hpcdl.train", "--config", str(config.resolve())),
+        *("--metrics", str(tmp_path / "m.jsonl")),
+        *("--device", "gpu"),  # the config's device when render has no --device
+    ]
+
+
+def test_stage_command_line_carries_the_training_shape(tmp_path):
+    config = write_config(tmp_path / "job.toml", data="shards")
+    site = load_site("generic")
+    words = launched_command(tmp_path, render(spec(config, kind="stage", stage_key="k"))[0])
+    assert words[:2] == ["-np", "2"] and site.launcher.args[0] in words
+    assert after(words, [sys.executable]) == [
+        *("-u", "-m", "hpcdl.stage", "--data", str(tmp_path / "shards")),
+        *("--config", str(config.resolve())),
+        *("--nodes", "2", "--ranks-per-node", "4", "--stage-dir", f"{tmp_path}/local/hpcdl-k"),
+    ]
+
+
 def test_gpu_request_style_follows_the_site(config):
     generic, _ = render(spec(config))
     assert "#SBATCH --gpus-per-node=4" in generic

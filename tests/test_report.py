@@ -107,3 +107,100 @@ def test_malformed_line_is_named_by_file_and_line(tmp_path):
         report.ReportError, match=rf"{path}:2: .*lacks numeric field\(s\) t_compute"
     ):
         report.load_run(path)
+
+
+def fake_run(t0: float, epochs: int = 2, steps: int = 4, world_size: int = 1) -> list[dict]:
+    """Events of one small run starting at wall-clock t0, as hpcdl.train writes them."""
+    batch = 32 * world_size
+    records: list[dict] = [{"event": "start", "time": t0, "world_size": world_size,
+                            "global_batch": batch}]  # fmt: skip
+    t = t0
+    for epoch in range(epochs):
+        for i in range(steps):
+            t += 0.1
+            records.append(
+                {"event": "step", "step": epoch * steps + i + 1, "epoch": epoch, "time": t,
+                 "t_data": 0.01, "t_compute": 0.07, "t_comm_exposed": 0.01, "t_update": 0.01,
+                 "t_step": 0.1}
+            )  # fmt: skip
+            records.append(
+                {"event": "staging", "epoch": epoch, "step": epoch * steps + i + 1, "time": t,
+                 "files_ready": 50 + epoch * steps + i, "consumed_files": 40 + epoch * steps + i}
+            )  # fmt: skip
+        t += 0.5
+        records.append(
+            {"event": "epoch", "epoch": epoch, "time": t, "loss": 1.0 / (epoch + 1),
+             "acc": 0.5 + 0.1 * epoch, "val_loss": 1.5 / (epoch + 1), "val_acc": 0.4 + 0.1 * epoch,
+             "seconds": 0.9, "images_per_s": 320.0}
+        )  # fmt: skip
+    records.append({"event": "summary", "time": t, "world_size": world_size,
+                    "global_batch": batch, "images_per_s": 320.0})  # fmt: skip
+    return records
+
+
+def axes_titled(fig, prefix: str) -> list:
+    return [ax for ax in fig.axes if ax.get_title().startswith(prefix)]
+
+
+def plotted(fig, ax) -> dict[str, tuple[list, list]]:
+    """Label -> (x, y) of every labelled line on ax and on the axes sharing its x axis."""
+    twins = [a for a in fig.axes if a is ax or a.get_shared_x_axes().joined(a, ax)]
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for a in twins
+        for line in a.get_lines()
+        if not line.get_label().startswith("_")
+    }
+
+
+@pytest.fixture
+def appended(tmp_path) -> Path:
+    """A metrics file that two runs appended to: 2 ranks and 3 epochs, then 1 rank and 2."""
+    return write_jsonl(tmp_path / "m.jsonl", fake_run(1000.0, 3, world_size=2) + fake_run(1640.0))
+
+
+def test_appended_runs_report_only_the_last_run(appended, tmp_path, capsys):
+    run = report.load_run(appended)
+    assert run.world_size == 1 and len(run.epochs) == 2 and len(run.steps) == 8
+    run.label = "last"
+    fig = report.build_figure([run])
+    (throughput,) = axes_titled(fig, "Throughput")
+    times = [x for line in throughput.get_lines() for x in line.get_xdata()]
+    assert 0 <= min(times) and max(times) < 5  # the older run 640 s earlier is not on the axis
+    (bars,) = axes_titled(fig, "Mean step by epoch")
+    assert list(bars.get_xticks()) == [1, 2]
+    out = tmp_path / "last.png"
+    assert report.main([str(appended), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "holds 2 runs" in text and "--all-runs" in text
+    assert "world size 1" in text and "world size 2" not in text
+    assert_valid_png(out)
+
+
+def test_all_runs_draws_every_run_of_the_file(appended, tmp_path, capsys):
+    out = tmp_path / "all.png"
+    assert report.main([str(appended), "--all-runs", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "m run 1/2 (2 ranks):" in text and "m run 2/2 (1 rank):" in text
+    runs = report.load_runs(appended)
+    assert [len(r.epochs) for r in runs] == [3, 2] and runs[1].t0 == 1640.0
+    with pytest.raises(SystemExit):
+        report.main([str(appended), "--all-runs", "--labels", "one", "--out", str(out)])
+
+
+def test_learning_curve_panel_shows_loss_and_accuracy_per_epoch(appended):
+    run = report.load_run(appended)
+    run.label = "r"
+    (ax,) = axes_titled(report.build_figure([run]), "Learning curve: r")
+    lines = plotted(ax.figure, ax)
+    assert lines["train loss"] == ([1, 2], [1.0, 0.5])
+    assert lines["val loss"] == ([1, 2], [1.5, 0.75])
+    assert lines["train acc"] == ([1, 2], [0.5, pytest.approx(0.6)])
+    assert lines["val acc"] == ([1, 2], [0.4, pytest.approx(0.5)])
+
+
+def test_staging_panel_y_axis_starts_at_zero(appended):
+    run = report.load_run(appended)
+    run.label = "r"
+    (ax,) = axes_titled(report.build_figure([run]), "Staging vs consumption: r")
+    assert ax.get_ylim()[0] == 0

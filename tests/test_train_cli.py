@@ -1,6 +1,7 @@
 """`mpirun -np 2 python -m hpcdl.train` end to end on the real digits data (real MPI, HDF5)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,3 +213,64 @@ def test_help_lists_every_flag():
     assert proc.returncode == 0, proc.stderr
     for flag in ("--data", "--stage-capacity", "--sync", "--bucket-mb", "--resume", "--workers"):
         assert flag in proc.stdout
+
+
+def own_lines(output: str) -> list[str]:
+    """Non-empty output lines, without Open MPI's framed reports (between lines of dashes).
+
+    mpirun adds one when a rank exits non-zero ("prterun detected that one or more processes
+    exited with non-zero status"); it is the launcher's, not hpcdl's, and cannot be turned off
+    without also losing the exit status."""
+    lines, framed = [], False
+    for line in output.splitlines():
+        if line.startswith("-" * 40):
+            framed = not framed
+        elif line.strip() and not framed:
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--augment", "flipp"], "hpcdl.train: error: --augment: unknown op 'flipp' in 'flipp'"),
+        (["--device", "gpu"], "hpcdl.train: error: --device gpu needs CuPy and an NVIDIA GPU"),
+    ],
+    ids=["bad_augment", "no_gpu"],
+)
+def test_startup_error_is_one_line_from_one_rank_with_status_2(args, message, digits_dir, tmp_path):
+    env = {**mpi_env(), "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a machine that has one
+    metrics = tmp_path / "m.jsonl"
+    common = ["--data", digits_dir / "train", "--epochs", 1, "--workers", 0, "--metrics", metrics]
+    proc = run_train(2, *common, *args, env=env, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output, output
+    lines = own_lines(output)
+    assert len(lines) <= 2, output
+    assert [line for line in lines if "error" in line] == [lines[0]], output
+    assert lines[0].startswith(message), output
+    assert not metrics.exists()
+
+
+@pytest.mark.parametrize("validation", [True, False], ids=["val_data", "no_val_data"])
+def test_quiet_run_prints_only_the_final_line(validation, digits_dir):
+    args = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 1, "--workers", 0]
+    if validation:
+        args += ["--val-data", digits_dir / "val"]
+    proc = run_train(2, *args, "--quiet", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = (
+        r"final val_acc 0\.\d{4}"
+        if validation
+        else r"final train loss \d+\.\d{4}, train acc [01]\.\d{4}"
+    )
+    assert re.fullmatch(rf"hpcdl\.train: {final} \(\d+ images/s\)\n", proc.stdout), proc.stdout
+
+
+def test_run_without_validation_data_ends_with_a_summary_line(digits_dir):
+    args = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 1, "--workers", 0]
+    proc = run_train(2, *args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.splitlines()[-1]
+    assert re.fullmatch(r"hpcdl\.train: final train loss .* images/s\)", last), proc.stdout

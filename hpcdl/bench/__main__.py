@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import sys
+from pathlib import Path
 
 BENCHMARKS = {
     "compute": "hpcdl.bench.compute",
@@ -13,13 +16,40 @@ BENCHMARKS = {
     "scaling": "hpcdl.bench.scaling",
     "train": "hpcdl.bench.train",
 }
+USAGE = "usage: python -m hpcdl.bench NAME [options]"
+
+
+def describe(name: str) -> str:
+    """The first line of a benchmark's docstring, read without importing it (or PyTorch)."""
+    spec = importlib.util.find_spec(BENCHMARKS[name])
+    source = Path(spec.origin).read_text() if spec and spec.origin else ""
+    first = (ast.get_docstring(ast.parse(source)) or "").split("\n")[0]
+    return first.removeprefix(f"`python -m hpcdl.bench {name}`: ")
+
+
+def help_text() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [USAGE, "", "benchmarks (`python -m hpcdl.bench NAME --help` for the options):"]
+    lines += [f"  {name:{width}}  {describe(name)}" for name in BENCHMARKS]
+    lines += ["", "Measured figures and how to read them: docs/PERFORMANCE.md, docs/report.md."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in BENCHMARKS:
+    if argv and argv[0] in ("-h", "--help"):
+        print(help_text())
+        return 0
+    if not argv:
+        print(f"{USAGE}\n(--help lists the benchmarks)", file=sys.stderr)
+        return 2
+    if argv[0] not in BENCHMARKS:
         names = ", ".join(BENCHMARKS)
-        print(f"usage: python -m hpcdl.bench {{{names}}} [options]", file=sys.stderr)
+        print(
+            f"python -m hpcdl.bench: unknown benchmark {argv[0]!r}; choose one of {names} "
+            "(--help describes them)",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]])
     return int(module.main(argv[1:]) or 0)

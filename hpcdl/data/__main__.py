@@ -23,10 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hpcdl.data",
         description=__doc__,
+        allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="write HDF5 shards (OUT/train, OUT/val)")
+    c = sub.add_parser("convert", help="write HDF5 shards (OUT/train, OUT/val)", allow_abbrev=False)
     c.add_argument("kind", choices=("digits", "folder", "cifar", "npz"))
     c.add_argument("paths", nargs="+", metavar="[SRC] OUT")
     c.add_argument(
@@ -45,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="folder: resize every image to S x S (needed for mixed sizes)",
     )
-    i = sub.add_parser("inspect", help="print counts, shapes, classes and bytes")
+    i = sub.add_parser(
+        "inspect", help="print counts, shapes, classes and bytes", allow_abbrev=False
+    )
     i.add_argument("path")
     return p
 

@@ -12,12 +12,17 @@ from hpcdl.jobs.site import JobSpecError, bundled_sites, load_site
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hpcdl.jobs",
+        allow_abbrev=False,
         description="Render hpcdl sbatch scripts for a Slurm site.",
         epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("render", help="print an sbatch script for a training or stage-only job")
+    r = sub.add_parser(
+        "render",
+        help="print an sbatch script for a training or stage-only job",
+        allow_abbrev=False,
+    )
     r.add_argument("kind", choices=KINDS)
     r.add_argument("--nodes", type=int, required=True)
     r.add_argument(
@@ -26,7 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="MPI ranks per node, one per GPU (stage jobs always run one task per node)",
     )
-    r.add_argument("--device", choices=DEVICES, default="cpu")
+    r.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="",
+        help="passed to hpcdl.train; gpu also requests one GPU per task (default: the config's "
+        "device, else cpu)",
+    )
     r.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS")
     r.add_argument("--config", required=True, help="the training TOML (hpcdl.train --config)")
     r.add_argument("--site", default="generic", help="bundled site name or a site .toml path")
@@ -61,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="#SBATCH --requeue, and requeue the job itself after a checkpoint-on-signal stop",
     )
 
-    sub.add_parser("sites", help="list the bundled site files")
+    sub.add_parser("sites", help="list the bundled site files", allow_abbrev=False)
     return parser
 
 

@@ -34,7 +34,7 @@ class JobSpec:
     kind: str  # train | stage
     nodes: int
     tasks_per_node: int  # training ranks (= GPUs) per node; stage jobs run 1 task per node
-    device: str  # cpu | gpu
+    device: str  # cpu | gpu | "" = the config's device, else cpu
     time: str  # Slurm time limit, HH:MM:SS or D-HH:MM:SS
     config: str  # the training TOML (hpcdl.train --config)
     site: Site
@@ -114,15 +114,6 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
-def _read_config(path: str) -> dict:
-    from hpcdl.config import ConfigError, load_toml  # noqa: PLC0415
-
-    try:
-        return load_toml(path)
-    except ConfigError as exc:
-        raise JobSpecError(f"--config: {exc}") from None
-
-
 @dataclass
 class _Resolved:
     """A JobSpec after validation, with every value as it will appear in the script."""
@@ -131,24 +122,35 @@ class _Resolved:
     warnings: list[str]
 
 
-def _resolve(spec: JobSpec) -> _Resolved:
-    site = spec.site
-    if spec.kind not in KINDS:
-        raise JobSpecError(f"job kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
-    if spec.device not in DEVICES:
-        raise JobSpecError(f"--device must be one of {', '.join(DEVICES)}, got {spec.device!r}")
-    nodes = _positive("--nodes", spec.nodes)
-    tpn = _positive("--tasks-per-node", spec.tasks_per_node)
-    cpus = _positive("--cpus-per-task", spec.cpus_per_task or site.cpus_per_task)
-    limit = time_seconds(spec.time)
-    signal_s = site.signal_seconds if spec.signal_seconds is None else spec.signal_seconds
-    if signal_s < 0 or signal_s > 65535:
-        raise JobSpecError(f"--signal-seconds must be 0-65535, got {signal_s}")
-    if spec.kind == "train" and signal_s >= limit:
-        raise JobSpecError(
-            f"--signal-seconds {signal_s} must be shorter than --time {spec.time} ({limit} s); "
-            "lower it or pass --signal-seconds 0 for no early checkpoint signal"
-        )
+def _read_config(path: Path) -> dict:
+    """The training TOML, its relative paths made relative to its directory (as hpcdl.train)."""
+    from hpcdl.config import ConfigError, load_toml, resolve_paths  # noqa: PLC0415
+
+    try:
+        return resolve_paths(load_toml(str(path)), str(path))
+    except ConfigError as exc:
+        raise JobSpecError(f"--config: {exc}") from None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A JobSpec's values after validation, before they are written into the script."""
+
+    nodes: int
+    ranks_per_node: int  # training ranks per node (the stage job plans for these)
+    cpus: int
+    signal_s: int
+    job_name: str
+    stage_key: str
+    device: str
+    config_path: Path
+    config: dict
+    checkpoint_dir: str  # --checkpoint-dir, else the config's, else ""
+    output_dir: str
+
+
+def _validate_names(spec: JobSpec) -> tuple[str, str]:
+    """(job name, stage key), checked for the characters sbatch and paths allow."""
     job_name = spec.job_name or f"hpcdl-{spec.kind}"
     if not _NAME.fullmatch(check_text("--job-name", job_name)):
         raise JobSpecError(
@@ -165,34 +167,63 @@ def _resolve(spec: JobSpec) -> _Resolved:
             "render stage needs --stage-key KEY (and the same --stage-key for render train), "
             "so the training job finds the files the stage job copied"
         )
+    return job_name, stage_key
 
-    check_text("--config", spec.config)
-    config_path = Path(spec.config).expanduser().resolve()
-    config = _read_config(str(config_path))
-    output_dir = directive(
-        "--output", str(Path(check_text("--output", spec.output_dir)).expanduser().resolve())
-    )
-    warnings = []
-    checkpoint_dir = spec.checkpoint_dir or config.get("checkpoint_dir") or ""
-    if spec.kind == "train" and not checkpoint_dir:
-        warnings.append(
-            "no checkpoint_dir in the config and no --checkpoint-dir: a job stopped by its "
-            "time-limit signal cannot be resumed (the script omits --resume auto)"
+
+def _validate(spec: JobSpec) -> _Job:
+    if spec.kind not in KINDS:
+        raise JobSpecError(f"job kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
+    nodes = _positive("--nodes", spec.nodes)
+    ranks_per_node = _positive("--tasks-per-node", spec.tasks_per_node)
+    cpus = _positive("--cpus-per-task", spec.cpus_per_task or spec.site.cpus_per_task)
+    limit = time_seconds(spec.time)
+    signal_s = spec.site.signal_seconds if spec.signal_seconds is None else spec.signal_seconds
+    if signal_s < 0 or signal_s > 65535:
+        raise JobSpecError(f"--signal-seconds must be 0-65535, got {signal_s}")
+    if spec.kind == "train" and signal_s >= limit:
+        raise JobSpecError(
+            f"--signal-seconds {signal_s} must be shorter than --time {spec.time} ({limit} s); "
+            "lower it or pass --signal-seconds 0 for no early checkpoint signal"
         )
+    job_name, stage_key = _validate_names(spec)
+    config_path = Path(check_text("--config", spec.config)).expanduser().resolve()
+    config = _read_config(config_path)
+    device = spec.device or config.get("device") or "cpu"
+    if device not in DEVICES:
+        where = "--device" if spec.device else f"device in --config {spec.config}"
+        raise JobSpecError(f"{where} must be one of {', '.join(DEVICES)}, got {device!r}")
     if spec.kind == "stage" and not config.get("data"):
         raise JobSpecError(f"--config {spec.config}: render stage needs a data = ... key")
+    output_dir = Path(check_text("--output", spec.output_dir)).expanduser().resolve()
+    return _Job(
+        nodes=nodes,
+        ranks_per_node=ranks_per_node,
+        cpus=cpus,
+        signal_s=signal_s,
+        job_name=job_name,
+        stage_key=stage_key,
+        device=device,
+        config_path=config_path,
+        config=config,
+        checkpoint_dir=spec.checkpoint_dir or config.get("checkpoint_dir") or "",
+        output_dir=directive("--output", str(output_dir)),
+    )
 
+
+def _sbatch_lines(spec: JobSpec, job: _Job) -> list[str]:
+    site = spec.site
+    train = spec.kind == "train"
     sbatch = [
-        f"--job-name={job_name}",
-        f"--nodes={nodes}",
-        f"--ntasks-per-node={1 if spec.kind == 'stage' else tpn}",
-        f"--cpus-per-task={cpus}",
+        f"--job-name={job.job_name}",
+        f"--nodes={job.nodes}",
+        f"--ntasks-per-node={job.ranks_per_node if train else 1}",
+        f"--cpus-per-task={job.cpus}",
         f"--time={spec.time}",
-        f"--output={output_dir}/%x-%j.out",
+        f"--output={job.output_dir}/%x-%j.out",
         "--open-mode=append",
     ]
-    if spec.kind == "train" and signal_s:
-        sbatch.append(f"--signal=B:USR1@{signal_s}")
+    if train and job.signal_s:
+        sbatch.append(f"--signal=B:USR1@{job.signal_s}")
     for key, value in (
         ("partition", site.partition),
         ("account", site.account),
@@ -201,11 +232,11 @@ def _resolve(spec: JobSpec) -> _Resolved:
     ):
         if value:
             sbatch.append(f"--{key}={directive(f'site {key}', value)}")
-    if spec.device == "gpu" and spec.kind == "train":
+    if train and job.device == "gpu":
         if site.gpu_request == "gpus-per-node":
-            sbatch.append(f"--gpus-per-node={tpn}")
+            sbatch.append(f"--gpus-per-node={job.ranks_per_node}")
         elif site.gpu_request == "gres":
-            sbatch.append(f"--gres=gpu:{tpn}")
+            sbatch.append(f"--gres=gpu:{job.ranks_per_node}")
     if spec.requeue:
         sbatch.append("--requeue")
     for line in site.sbatch:
@@ -213,7 +244,10 @@ def _resolve(spec: JobSpec) -> _Resolved:
         if not line.startswith("-"):
             raise JobSpecError(f"site sbatch entries must be options starting with -: {line!r}")
         sbatch.append(line)
+    return sbatch
 
+
+def _setup_lines(site: Site) -> list[str]:
     setup = [f"module load {quote('site modules', m)}" for m in site.modules]
     setup += [check_text("site setup", line) for line in site.setup]
     for key, value in site.env.items():
@@ -225,64 +259,87 @@ def _resolve(spec: JobSpec) -> _Resolved:
             'if [ "$(id -u)" = 0 ]; then '
             "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi"
         )
+    return setup
 
-    python = site.python or sys.executable
-    launcher = site.launcher.command or _default_launcher(site, python)
-    ranks_per_node = 1 if spec.kind == "stage" else tpn
-    # One list entry per line of the rendered command: a flag stays with its value.
+
+def _launch_lines(spec: JobSpec, job: _Job) -> list[str]:
+    """The launcher command, one list entry per line of the script: a flag stays with its value.
+
+    The trainer gets --config, --metrics, --device (so the ranks use the GPUs the job asked
+    for), --resume auto when there is a checkpoint directory, --stage-dir unless --no-stage,
+    --checkpoint-dir when given, then the arguments after a bare --.
+    """
+    site = spec.site
+    ranks = job.ranks_per_node if spec.kind == "train" else 1
     if site.launcher.kind == "mpirun":
         launch = [
             '"$launcher"',
-            f"-np {nodes * ranks_per_node} --map-by ppr:{ranks_per_node}:node --bind-to none",
+            f"-np {job.nodes * ranks} --map-by ppr:{ranks}:node --bind-to none",
         ]
     else:
         srun_mpi = directive("site launcher.srun_mpi", site.launcher.srun_mpi)
         launch = [
             '"$launcher"',
-            f"--mpi={srun_mpi} --ntasks-per-node={ranks_per_node} --cpus-per-task={cpus}",
+            f"--mpi={srun_mpi} --ntasks-per-node={ranks} --cpus-per-task={job.cpus}",
             "--kill-on-bad-exit=1",
         ]
     if site.launcher.args:
         launch.append(" ".join(quote("site launcher.args", a) for a in site.launcher.args))
     if spec.kind == "train":
-        launch += [
-            '"$python" -u -m hpcdl.train --config "$config" --metrics "$metrics"',
-        ]
-        if checkpoint_dir:  # hpcdl.train refuses --resume auto without a checkpoint directory
+        launch.append('"$python" -u -m hpcdl.train --config "$config" --metrics "$metrics"')
+        launch.append(f"--device {job.device}")
+        if job.checkpoint_dir:  # hpcdl.train refuses --resume auto without a checkpoint directory
             launch.append("--resume auto")
         if spec.stage:
             launch.append('--stage-dir "$stage_dir"')
         if spec.checkpoint_dir:
             launch.append(f"--checkpoint-dir {quote('--checkpoint-dir', spec.checkpoint_dir)}")
     else:
-        data = quote("config data", str(config["data"]))
+        data = quote("config data", str(job.config["data"]))
         launch.append(f'"$python" -u -m hpcdl.stage --data {data} --config "$config"')
         # Plan for the training job's shape, not this job's one task per node.
-        launch.append(f'--nodes {nodes} --ranks-per-node {tpn} --stage-dir "$stage_dir"')
+        launch.append(
+            f'--nodes {job.nodes} --ranks-per-node {job.ranks_per_node} --stage-dir "$stage_dir"'
+        )
     if spec.extra_args:
         launch.append(" ".join(quote("extra argument", a) for a in spec.extra_args))
+    return launch
 
+
+def _resolve(spec: JobSpec) -> _Resolved:
+    job = _validate(spec)
+    site = spec.site
+    warnings = []
+    if spec.kind == "train" and not job.checkpoint_dir:
+        warnings.append(
+            "no checkpoint_dir in the config and no --checkpoint-dir: a job stopped by its "
+            "time-limit signal cannot be resumed (the script omits --resume auto)"
+        )
+    setup = _setup_lines(site)
+    python = site.python or sys.executable
+    launcher = site.launcher.command or _default_launcher(site, python)
+    metrics = job.config.get("metrics")
     values = {
         "kind": spec.kind,
         "site": site.name,
-        "sbatch": "\n".join(f"#SBATCH {line}" for line in sbatch),
+        "sbatch": "\n".join(f"#SBATCH {line}" for line in _sbatch_lines(spec, job)),
         "setup": "\n".join(setup) if setup else ":",
         "python": quote("site python", python),
         "launcher": quote("site launcher.command", launcher),
-        "config": quote("--config", str(config_path)),
+        "config": quote("--config", str(job.config_path)),
         "metrics": (
-            quote("config metrics", str(config["metrics"]))
-            if config.get("metrics")
-            else quote("--output", output_dir)
+            quote("config metrics", str(metrics))
+            if metrics
+            else quote("--output", job.output_dir)
             + '/"${SLURM_JOB_NAME}-${SLURM_JOB_ID}.metrics.jsonl"'
         ),
         "local_ssd": shell_words("site local_ssd", site.local_ssd) if site.local_ssd else "''",
-        "stage_key": quote("--stage-key", stage_key),
-        "checkpoint_dir": quote("checkpoint_dir", checkpoint_dir),
+        "stage_key": quote("--stage-key", job.stage_key),
+        "checkpoint_dir": quote("checkpoint_dir", job.checkpoint_dir),
         "requeue": "true" if spec.requeue else "false",
         "stage": "true" if spec.stage else "false",
         "exit_stopped": str(EXIT_STOPPED_BY_SIGNAL),
-        "launch": " \\\n    ".join(launch),
+        "launch": " \\\n    ".join(_launch_lines(spec, job)),
     }
     return _Resolved(values, warnings)
 

@@ -1,0 +1,29 @@
+"""`python -m hpcdl.bench`: the dispatcher's help and errors (the benchmarks have their own)."""
+
+import re
+import subprocess
+import sys
+
+from hpcdl.bench.__main__ import BENCHMARKS
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hpcdl.bench", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_help_describes_every_benchmark():
+    for flag in ("--help", "-h"):
+        r = bench(flag)
+        assert r.returncode == 0, r.stderr
+        for name in BENCHMARKS:
+            assert re.search(rf"^  {name} +\S.{{20,}}$", r.stdout, re.M), (name, r.stdout)
+
+
+def test_missing_or_unknown_benchmark_is_a_usage_error():
+    r = bench()
+    assert r.returncode == 2 and "usage: python -m hpcdl.bench" in r.stderr
+    r = bench("nope")
+    assert r.returncode == 2 and r.stdout == ""
+    assert "unknown benchmark 'nope'" in r.stderr and "--help" in r.stderr
