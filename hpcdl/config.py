@@ -1,8 +1,10 @@
 """Training configuration: one dataclass, defaults in one place, TOML file + CLI flags.
 
 Precedence: defaults < `--config job.toml` < command-line flags. TOML keys are the flag names
-with underscores (`batch_size = 64`). Every value is validated before any MPI collective; an
-invalid one raises ConfigError with one sentence naming the field and the allowed values.
+with underscores (`batch_size = 64`); relative paths in the file are relative to the file's
+directory, relative paths in flags to the current directory. Every value is validated before
+any MPI collective; an invalid one raises ConfigError with one sentence naming the field and the
+allowed values.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hpcdl.data.augment import parse_augment
+from hpcdl.data.loader import LOADER_TIMEOUT_S
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,9 +46,11 @@ class TrainConfig:
     warmup_epochs: float = 0.0
     lr_decay: str = "none"  # none | cosine | step
     optimizer: str = "sgd"
-    momentum: float = 0.9
+    momentum: float = 0.9  # PyTorch's and Keras's SGD default to 0
     nesterov: bool = False
     weight_decay: float = 0.0
+    decay_bias_norm: bool = True  # False: no weight decay on biases and BatchNorm parameters
+    sync_bn: bool = False  # BatchNorm statistics over all ranks (SyncBatchNorm)
     device: str = "cpu"
     seed: int = 0
     shuffle: str = "global"
@@ -57,6 +64,7 @@ class TrainConfig:
     quiet: bool = False
     workers: int | None = None  # None: a fair share of the node's cores
     prefetch: int = 4
+    loader_timeout: float = LOADER_TIMEOUT_S  # seconds a worker may be silent on an awaited batch
     augment: str = "none"
     skip_bad_samples: bool = False
     stage_dir: str | None = None
@@ -82,13 +90,25 @@ _CHOICES = {
     "model": MODELS,
     "lr_scaling": ("none", "linear"),
     "lr_decay": ("none", "cosine", "step"),
-    "optimizer": ("sgd", "adam"),
+    "optimizer": ("sgd", "adam", "adamw"),
     "device": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
 }
+# Keys naming files or directories; words that are not paths, per key.
+PATH_KEYS = ("data", "val_data", "checkpoint_dir", "metrics", "stage_dir", "resume")
+_NOT_PATHS = {"resume": ("none", "auto")}
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
 _HELP = {
+    "optimizer": "sgd (PyTorch form), adam, or adamw (decoupled weight decay) (default: sgd)",
+    "momentum": "SGD momentum (default: 0.9; PyTorch's and Keras's SGD default to 0); "
+    "adam and adamw use betas 0.9, 0.999",
+    "weight_decay": "sgd, adam: L2 added to the gradient, g + wd*p (PyTorch's weight_decay); "
+    "adamw: decoupled, p *= 1 - lr*wd (default: 0)",
+    "decay_bias_norm": "apply weight decay to biases and BatchNorm parameters too (default: on, "
+    "as PyTorch; --no-decay-bias-norm leaves them out, as ResNet/ImageNet recipes do)",
+    "sync_bn": "BatchNorm batch statistics over all ranks (SyncBatchNorm): R ranks x batch B "
+    "train as 1 rank x R*B (default: off: statistics per rank, as DDP without SyncBatchNorm)",
     "data": "training data: HDF5 file, directory of HDF5 shards, or image folder root/<class>/",
     "val_data": "validation data (same kinds as --data)",
     "batch_size": "minibatch size per rank",
@@ -100,6 +120,8 @@ _HELP = {
     "metrics": "write JSON lines (step, epoch, summary events) to this path",
     "workers": "loader worker processes per rank (0: load in the training process)",
     "prefetch": "shared-memory batch slots per rank",
+    "loader_timeout": "seconds a loader worker may stay silent on a batch the trainer waits for: "
+    f"a warning at half, then the job stops with exit status 4 (default: {LOADER_TIMEOUT_S:g})",
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
     "stage_dir": "node-local directory to stage training files into (enables staging)",
     "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use",
@@ -127,7 +149,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "python -m hpcdl.train") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description="Data-parallel training under MPI.")
+    parser = _Parser(prog=prog, description="Data-parallel training under MPI.", allow_abbrev=False)
     parser.add_argument("--config", help="TOML file whose keys are these flags with underscores")
     for f in dataclasses.fields(TrainConfig):
         if f.name == "extra":
@@ -183,6 +205,21 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
+def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
+    """`values` of a TOML file with its relative paths (PATH_KEYS) made relative to its directory.
+
+    `data = "shards"` means the shards beside the config file, wherever the job starts; `~` is
+    expanded. Values that are not strings are left for validation to reject.
+    """
+    base = Path(config_path).parent
+    out = dict(values)
+    for key in PATH_KEYS:
+        value = out.get(key)
+        if isinstance(value, str) and value and value not in _NOT_PATHS.get(key, ()):
+            out[key] = str(base / Path(value).expanduser())
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Build a validated TrainConfig from flags and an optional TOML file."""
     args = build_parser().parse_args(argv)
@@ -194,6 +231,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             if name not in fields:
                 raise ConfigError(f"config file {args.config}: unknown key {key!r}")
             values[name] = _convert(name, value, _field_type(fields[name]), args.config)
+        values = resolve_paths(values, args.config)
     for name, f in fields.items():
         flag_value = getattr(args, name)
         if flag_value is not None:
@@ -223,10 +261,16 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
     if cfg.workers is not None and cfg.workers < 0:
         raise ConfigError(f"--workers must be >= 0, got {cfg.workers}")
+    if not cfg.loader_timeout > 0:
+        raise ConfigError(f"--loader-timeout must be > 0 seconds, got {cfg.loader_timeout}")
     if cfg.base_batch is not None and cfg.base_batch < 1:
         raise ConfigError(f"--base-batch must be a positive integer, got {cfg.base_batch}")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
+    try:
+        parse_augment(cfg.augment)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not re.fullmatch(r"grad|params:[1-9][0-9]*", cfg.sync):
         raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_file():

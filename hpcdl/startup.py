@@ -58,13 +58,39 @@ def _local_error(fn) -> tuple[Any, str | None]:
 
 
 def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
-    """Open --data and --val-data on every rank; any failure stops all ranks with one message."""
-    from hpcdl.data import open_dataset  # noqa: PLC0415
+    """Open --data and --val-data; any failure stops all ranks with one message.
 
-    train_ds, error = _local_error(lambda: open_dataset(cfg.data))
-    val_ds = None
-    if error is None and cfg.val_data:
-        val_ds, error = _local_error(lambda: open_dataset(cfg.val_data))
+    Rank 0 opens them, building an image folder's index or loading it from its cache, and
+    broadcasts the index: the job opens each image file once, in one process (NOTE [the index]
+    in hpcdl/data/imagefolder.py). The first rank of every other node writes the index to its
+    node's cache, where its loader workers look for it. Other data sets (HDF5) are opened on
+    every rank. The validation labels are remapped onto the training classes by name
+    (align_classes)."""
+    from hpcdl.data import open_dataset  # noqa: PLC0415
+    from hpcdl.data.dataset import align_classes  # noqa: PLC0415
+    from hpcdl.data.imagefolder import ImageFolderDataset  # noqa: PLC0415
+
+    paths = [cfg.data, *([cfg.val_data] if cfg.val_data else [])]
+    shared = None
+    if world.is_root:
+        opened, error = _local_error(lambda: [open_dataset(p) for p in paths])
+        indexes = [(d.index, d.index_path) if d.kind == "folder" else None for d in opened or []]
+        shared = (error, indexes)
+    error, indexes = world.comm.bcast(shared, root=0)
+
+    def receive(path: str, index: tuple | None) -> Any:
+        if index is None:
+            return open_dataset(path)
+        ds = ImageFolderDataset(path, index=index[0])
+        if world.local_rank == 0 and world.node_index != 0:
+            ds.ensure_cached(index[1])
+        else:
+            ds.index_path = index[1]
+        return ds
+
+    if not world.is_root and error is None:
+        opened, error = _local_error(lambda: [receive(*pi) for pi in zip(paths, indexes)])
+    train_ds, val_ds = (opened + [None])[:2] if error is None else (None, None)
     if error is None:
         per_rank = len(train_ds) // world.size
         if cfg.batch_size > per_rank:
@@ -79,7 +105,9 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
                 f"--val-data {cfg.val_data} has samples of shape {tuple(val_ds.sample_shape)}, "
                 f"--data has {tuple(train_ds.sample_shape)}"
             )
-    agree_on_errors(world.comm, world.rank, error)
+    if error is None and val_ds is not None:
+        _, error = _local_error(lambda: align_classes(val_ds, train_ds))
+    agree_on_errors(world.comm, world.rank, error)  # also: every node's cache is written
     return train_ds, val_ds
 
 
@@ -90,7 +118,7 @@ def make_sampler(cfg: TrainConfig, world: World, num_samples: int) -> Distribute
         rank=world.rank,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
-        ranks_per_node=world.local_size,
+        ranks_by_node=world.ranks_by_node,
     )
 
 
@@ -111,6 +139,44 @@ def verify_same_run(world: World, cfg: TrainConfig, layout: list) -> None:
         raise SystemExitWithMessage(error if world.rank == 0 else None)
 
 
+def check_outputs(cfg: TrainConfig, world: World) -> None:
+    """--metrics must be a file rank 0 can create or append to, --checkpoint-dir a directory.
+
+    Checked on rank 0 (the only writer) without creating anything; every rank stops on an
+    error, rank 0 prints it."""
+    error = world.comm.bcast(_output_error(cfg) if world.is_root else None, root=0)
+    if error:
+        raise SystemExitWithMessage(error if world.is_root else None)
+
+
+def _output_error(cfg: TrainConfig) -> str | None:
+    if cfg.metrics:
+        metrics = Path(cfg.metrics)
+        if metrics.is_dir():
+            return (
+                f"--metrics {metrics} is a directory; give a file name such as "
+                f"{metrics / 'metrics.jsonl'}"
+            )
+        parent = _nearest_existing(metrics.parent)
+        if not parent.is_dir():
+            return f"--metrics {metrics} cannot be created: {parent} is not a directory"
+        target = metrics if metrics.exists() else parent
+        if not os.access(target, os.W_OK):
+            return f"--metrics {metrics} cannot be written: no write permission on {target}"
+    if cfg.checkpoint_dir:
+        ckpt_dir = Path(cfg.checkpoint_dir)
+        if ckpt_dir.exists() and not ckpt_dir.is_dir():
+            return f"--checkpoint-dir {ckpt_dir} is a file; give a directory (created if missing)"
+    return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
     if cfg.resume == "none":
         return None
@@ -120,27 +186,63 @@ def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
 
 
 def restore(cfg: TrainConfig, world: World, model: Any, optimizer: Any) -> tuple[int, int, int]:
-    """Load --resume's checkpoint on every rank; returns (epoch, step_in_epoch, global_step)."""
+    """Load --resume's checkpoint on every rank; returns (epoch, step_in_epoch, global_step).
+
+    Everything that can be wrong with the file (a missing attribute, another model's or another
+    optimizer's state, a vector of the wrong length, a garbage RNG state) is found while loading
+    it into the model on each rank, and agreed: one line naming the file, every rank stops."""
     path = find_resume_checkpoint(cfg)
     ckpt, error = None, None
     if path is not None:
         try:
             ckpt = checkpoint.load(path)
-            checkpoint.check_compatible(ckpt, path, model.name, shapes(model))
+            checkpoint.check_compatible(
+                ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
+            )
+            _load_state(ckpt, path, cfg, world, model, optimizer)
         except checkpoint.CheckpointError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
     if ckpt is None:
         return 0, 0, 0
+    return ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step
+
+
+def _load_state(
+    ckpt: checkpoint.Checkpoint, path: Path, cfg: TrainConfig, world: World, model, optimizer
+) -> None:
+    """Copy a compatible checkpoint into model and optimizer; CheckpointError if it cannot."""
     model.params[...] = to_device(ckpt.params, _xp(model.params))
     if ckpt.buffers.size:
         model.buffers[...] = to_device(ckpt.buffers, _xp(model.buffers))
-    optimizer.load_state_dict(ckpt.optimizer)
+    kept = sorted(optimizer.state_dict())
+    if sorted(ckpt.optimizer) != kept:
+        saved_with = ckpt.config.get("optimizer")
+        hint = (
+            f"resume with --optimizer {saved_with}, the one it was saved with,"
+            if saved_with and saved_with != cfg.optimizer
+            else "resume from a checkpoint of this optimizer"
+        )
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} holds the state of another optimizer "
+            f"({', '.join(sorted(ckpt.optimizer))}), not what --optimizer {cfg.optimizer} keeps "
+            f"({', '.join(kept)}); {hint} or start without --resume"
+        )
+    try:
+        optimizer.load_state_dict(ckpt.optimizer)
+    except (TypeError, ValueError) as exc:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path}: {exc}; {checkpoint.DAMAGED}"
+        ) from None
     # Dropout streams are per rank; with another world size each rank keeps its fresh stream
     # (parameters and optimizer state carry over, the data order follows the new world size).
     if ckpt.world_size == world.size:
-        model.set_rng_state(ckpt.rng_states[world.rank])
-    return ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step
+        try:
+            model.set_rng_state(ckpt.rng_states[world.rank])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} has an unusable dropout RNG state ({exc}); {checkpoint.DAMAGED}"
+            ) from None
 
 
 def save(

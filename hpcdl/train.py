@@ -18,16 +18,21 @@ from hpcdl.comm import collectives, cuda_aware
 from hpcdl.comm.failure import (
     StopAgreement,
     SystemExitWithMessage,
+    UserError,
+    agree_on_errors,
     install_abort_on_exception,
 )
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World, init_world
 from hpcdl.config import ConfigError, TrainConfig, parse_args
+from hpcdl.data.dataset import DataError
 from hpcdl.data.device import on_device
+from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import MetricsWriter, Progress, RunningMean, StepTimes
 
 EXIT_STOPPED_BY_SIGNAL = 3
+EXIT_LOADER_TIMEOUT = 4  # a loader worker stayed silent past --loader-timeout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         return train(cfg, world)
     except SystemExitWithMessage as exc:
         return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
+    except (DataError, LoaderFault) as exc:  # mid-run: one line from this rank (comm.failure)
+        status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else 2
+        raise UserError(str(exc), status) from None
 
 
 def train(cfg: TrainConfig, world: World) -> int:
     say = Progress(cfg.epochs, 0, enabled=world.is_root and not cfg.quiet).say
 
     # --- device and MPI capabilities -------------------------------------------------------
-    xp = backend.select(cfg.device, world.local_rank)
+    xp, error = backend.try_select(cfg.device, world.local_rank)
+    agree_on_errors(world.comm, world.rank, error)  # no GPU: one message, every rank stops
     aware = cuda_aware.detect(world.comm, cfg.device)
     host_staged = cfg.device == "gpu" and not aware.aware
     say(
@@ -55,7 +64,8 @@ def train(cfg: TrainConfig, world: World) -> int:
         f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
     )
 
-    # --- data --------------------------------------------------------------------------------
+    # --- outputs and data ---------------------------------------------------------------------
+    startup.check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
     train_ds, val_ds = startup.open_datasets(cfg, world)
     sampler = startup.make_sampler(cfg, world, len(train_ds))
     steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
@@ -82,7 +92,13 @@ def train(cfg: TrainConfig, world: World) -> int:
         momentum=cfg.momentum,
         nesterov=cfg.nesterov,
         weight_decay=cfg.weight_decay,
+        decay_mask=None if cfg.decay_bias_norm else model.decay_mask(),
     )
+    # --sync-bn: BatchNorm sums its batch statistics over the ranks (a collective per layer)
+    bn_stats = None
+    if cfg.sync_bn and world.size > 1:
+        bn_stats = collectives.SumReducer(world.comm, host_staged=host_staged)
+        model.set_stat_reducer(bn_stats)
     base_batch = cfg.base_batch or cfg.batch_size
     lr = (
         nn.schedule.scaled_lr(cfg.lr, global_batch, base_batch)
@@ -103,7 +119,7 @@ def train(cfg: TrainConfig, world: World) -> int:
             world_size=world.size,
             seed=cfg.seed,
             shuffle=cfg.shuffle,
-            ranks_per_node=world.local_size,
+            ranks_by_node=world.ranks_by_node,
         )
         staging = StagingSession.start(
             world,
@@ -116,22 +132,29 @@ def train(cfg: TrainConfig, world: World) -> int:
             cfg.stage_capacity,
             cfg.keep_staged,
             cfg.stage_verify,
+            protect={"--data": cfg.data, "--val-data": cfg.val_data},
         )
     from hpcdl.data import Loader, default_workers  # noqa: PLC0415
 
     workers = (
         default_workers(ranks_per_node=world.local_size) if cfg.workers is None else cfg.workers
     )
-    loader = Loader(
-        train_ds,
-        cfg.batch_size,
-        workers=workers,
-        prefetch=cfg.prefetch,
-        seed=cfg.seed,
-        augment=cfg.augment,
-        locate=staging.locator() if staging else None,
-        skip_bad_samples=cfg.skip_bad_samples,
-    )
+    loader, error = None, None
+    try:
+        loader = Loader(
+            train_ds,
+            cfg.batch_size,
+            workers=workers,
+            prefetch=cfg.prefetch,
+            seed=cfg.seed,
+            augment=cfg.augment,
+            locate=staging.locator() if staging else None,
+            skip_bad_samples=cfg.skip_bad_samples,
+            timeout_s=cfg.loader_timeout,
+        )
+    except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
+        error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
     val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed) if val_ds else None
 
     reducer = None
@@ -167,7 +190,9 @@ def train(cfg: TrainConfig, world: World) -> int:
         batches = sampler.batches(epoch, cfg.batch_size)[first:]
         step = first
         t_wait = time.perf_counter()
-        for images, labels in on_device(loader.iterate(batches, epoch, train=True), xp):
+        # a stop signal while waiting on a stalled worker: the loader builds the batch itself
+        host_batches = loader.iterate(batches, epoch, train=True, stop_requested=stop.requested)
+        for images, labels in on_device(host_batches, xp):
             stop.start_step()
             t0 = time.perf_counter()
             times = StepTimes(t_data=t0 - t_wait)
@@ -214,8 +239,8 @@ def train(cfg: TrainConfig, world: World) -> int:
                     **vars(times),
                     samples_per_s=global_batch / max(times.t_step, 1e-9),
                 )
-                if staging and world.is_root:  # how far staging runs ahead of the readers
-                    ahead = staging.progress_record()
+                ahead = staging.progress_record() if staging and world.is_root else None
+                if ahead:  # how far staging runs ahead of the readers
                     metrics.write("staging", step=global_step, epoch=epoch, **ahead)
 
             end_of_epoch = step == steps_per_epoch
@@ -256,6 +281,7 @@ def train(cfg: TrainConfig, world: World) -> int:
             seconds=seconds,
             images_per_s=epoch_stats.samples * world.size / max(seconds, 1e-9),
             staging=stage_stats,
+            staging_nodes=staging_nodes(world, stage_stats),
         )
         if cfg.checkpoint_dir and step == steps_per_epoch:
             checkpoint_path = startup.save(cfg, world, model, optimizer, epoch + 1, 0, global_step)
@@ -265,7 +291,8 @@ def train(cfg: TrainConfig, world: World) -> int:
     # --- summary -----------------------------------------------------------------------------
     elapsed = time.perf_counter() - run_start
     stats = loader.stats()
-    bad = world.comm.allreduce(stats.get("bad_samples", 0))
+    bad = sum(world.comm.allgather(stats.get("bad_samples", 0)))  # releases the GIL (failure.py)
+    stage_stats = staging.epoch_stats() if staging else None
     metrics.write(
         "summary",
         world_size=world.size,
@@ -279,7 +306,8 @@ def train(cfg: TrainConfig, world: World) -> int:
         mean_step=run.mean_parts(),
         cuda_aware=aware.aware,
         sync=cfg.sync,
-        staging=staging.epoch_stats() if staging else None,
+        staging=stage_stats,
+        staging_nodes=staging_nodes(world, stage_stats),
         bad_samples=bad,
         stopped_by_signal=stopped_by is not None,
         checkpoint=str(checkpoint_path) if checkpoint_path else None,
@@ -289,6 +317,8 @@ def train(cfg: TrainConfig, world: World) -> int:
         val_loader.close()
     if reducer:
         reducer.close()
+    if bn_stats:
+        bn_stats.close()
     stop.close()
     if staging:
         staging.close()
@@ -302,13 +332,22 @@ def train(cfg: TrainConfig, world: World) -> int:
         if world.is_root:
             print(f"hpcdl.train: stopped by signal {stopped_by}, {where}", flush=True)
         return EXIT_STOPPED_BY_SIGNAL
-    if world.is_root and not cfg.quiet and "val_acc" in history:
-        print(
-            f"hpcdl.train: final val_acc {history['val_acc']:.4f} "
-            f"({run.samples * world.size / max(elapsed, 1e-9):.0f} images/s)",
-            flush=True,
-        )
+    if world.is_root:  # also with --quiet: the one line a batch log needs
+        print(final_line(history, run.samples * world.size / max(elapsed, 1e-9)), flush=True)
     return 0
+
+
+def final_line(history: dict[str, float], images_per_s: float) -> str:
+    """The run's result: validation accuracy, else the last epoch's training loss and accuracy."""
+    rate = f"({images_per_s:.0f} images/s)"
+    if "val_acc" in history:
+        return f"hpcdl.train: final val_acc {history['val_acc']:.4f} {rate}"
+    if "acc" in history:
+        return (
+            f"hpcdl.train: final train loss {history['loss']:.4f}, "
+            f"train acc {history['acc']:.4f} {rate}"
+        )
+    return "hpcdl.train: nothing to train: the resumed checkpoint is past the last epoch"
 
 
 def stop_if_loss_not_finite(world: World, loss: float, step: int, epoch: int) -> None:
@@ -328,6 +367,15 @@ def stop_if_loss_not_finite(world: World, loss: float, step: int, epoch: int) ->
         if world.rank == 0
         else None
     )
+
+
+def staging_nodes(world: World, stats: dict | None) -> list[dict] | None:
+    """Staging figures per node, on rank 0: the node's files and bytes staged, and hits and
+    misses summed over its ranks. Collective; None when staging is off."""
+    if stats is None:
+        return None
+    shared = {k: stats[k] for k in ("files_staged", "bytes_staged")}
+    return world.per_node(shared, {k: stats[k] for k in ("hits", "misses")})
 
 
 def evaluate(
