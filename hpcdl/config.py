@@ -27,6 +27,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MODELS = ("mlp", "cnn", "resnet20")
+PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 
 class ConfigError(ValueError):
@@ -61,7 +62,8 @@ class TrainConfig:
     resume: str = "none"  # none | auto | PATH
     metrics: str | None = None
     metrics_every: int = 10
-    quiet: bool = False
+    quiet: bool = False  # no start-up lines and no progress (implies --progress none)
+    progress: str = "auto"  # auto | bar | epoch | none (hpcdl.metrics.resolve_progress)
     workers: int | None = None  # None: a fair share of the node's cores
     prefetch: int = 4
     loader_timeout: float = LOADER_TIMEOUT_S  # seconds a worker may be silent on an awaited batch
@@ -93,6 +95,7 @@ _CHOICES = {
     "optimizer": ("sgd", "adam", "adamw"),
     "device": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
+    "progress": PROGRESS_MODES,
 }
 # Keys naming files or directories; words that are not paths, per key.
 PATH_KEYS = ("data", "val_data", "checkpoint_dir", "metrics", "stage_dir", "resume")

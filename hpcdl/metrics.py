@@ -10,10 +10,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from hpcdl.comm.failure import UserError
+from hpcdl.config import PROGRESS_MODES, ConfigError
 
 STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
 
@@ -121,24 +123,85 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun", "prted", "orted", "hydra_pmi_proxy")
+
+
+def resolve_progress(mode: str, stream: TextIO, environ: Mapping[str, str] | None = None) -> str:
+    """The progress style for `--progress mode`: bar, epoch or none; auto decides here.
+
+    auto takes $HPCDL_PROGRESS when set (the sbatch templates set epoch), else a live bar only
+    when the launcher's own output is a terminal. Under mpirun the rank's stdout is a pty that
+    Open MPI reads and forwards, so isatty() says yes even when the job's output goes to a file:
+    what counts is the stdout of the launcher process above this one (mpirun, prterun, prted).
+    Without a launcher (a singleton run, srun without --pty) the stream's own isatty() is right.
+    """
+    env = os.environ if environ is None else environ
+    if mode != "auto":
+        return mode
+    chosen = env.get("HPCDL_PROGRESS")
+    if chosen is not None:
+        if chosen not in PROGRESS_MODES:
+            raise ConfigError(
+                f"HPCDL_PROGRESS must be one of {', '.join(PROGRESS_MODES)}, got {chosen!r}"
+            )
+        if chosen != "auto":
+            return chosen
+    launcher_tty = launcher_stdout_is_terminal()
+    if launcher_tty is None:
+        launcher_tty = stream.isatty()
+    return "bar" if launcher_tty else "epoch"
+
+
+def launcher_stdout_is_terminal(pid: int | None = None) -> bool | None:
+    """Whether the nearest MPI launcher above this process writes to a terminal (Linux /proc).
+
+    None when no launcher is among the ancestors, or /proc cannot tell."""
+    pid = os.getppid() if pid is None else pid
+    try:
+        while pid > 1:
+            proc = f"/proc/{pid}"
+            with open(f"{proc}/comm") as fh:
+                name = fh.read().strip()
+            if name in LAUNCHERS:
+                target = os.readlink(f"{proc}/fd/1")
+                return target.startswith(("/dev/pts/", "/dev/tty", "/dev/console"))
+            with open(f"{proc}/stat") as fh:  # pid (comm) state ppid ...; comm may hold spaces
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class Progress:
-    """Keras-style progress: a live bar on a terminal, one line per epoch otherwise."""
+    """Keras-style progress on rank 0: a live bar (bar) or one line per epoch (epoch).
+
+    enabled=False (other ranks, --quiet) writes nothing at all; mode none keeps the start-up
+    lines (say) and drops the progress. The epoch line is one whole line, written once at the
+    end of the epoch: a job log gets exactly one line per epoch and no carriage returns."""
 
     WIDTH = 30
 
     def __init__(
-        self, epochs: int, steps: int, enabled: bool, stream: TextIO | None = None
+        self,
+        epochs: int,
+        steps: int,
+        enabled: bool,
+        stream: TextIO | None = None,
+        mode: str = "auto",
     ) -> None:
         self.epochs = epochs
         self.steps = steps
         self.enabled = enabled
         self.stream = stream or sys.stdout
-        self.live = enabled and self.stream.isatty()
+        self.mode = resolve_progress(mode, self.stream) if enabled else "none"
+        self.live = self.mode == "bar"
+        self._epoch = 0
         self._epoch_start = time.perf_counter()
 
     def start_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
         self._epoch_start = time.perf_counter()
-        if self.enabled:
+        if self.live:
             self.stream.write(f"Epoch {epoch + 1}/{self.epochs}\n")
             self.stream.flush()
 
@@ -160,15 +223,18 @@ class Progress:
         self.stream.flush()
 
     def end_epoch(self, done: int, values: dict[str, float]) -> None:
-        if not self.enabled:
+        if self.mode == "none":
             return
         elapsed = time.perf_counter() - self._epoch_start
         per_step = elapsed / max(1, done) * 1000
         text = " - ".join(f"{k}: {v:.4f}" for k, v in values.items())
-        prefix = "\r" if self.live else ""
-        self.stream.write(
-            f"{prefix}{self._bar(done)} - {elapsed:.0f}s {per_step:.0f}ms/step - {text}\n"
-        )
+        timing = f"{elapsed:.0f}s {per_step:.0f}ms/step - {text}"
+        if self.live:
+            self.stream.write(f"\r{self._bar(done)} - {timing}\n")
+        else:
+            self.stream.write(
+                f"Epoch {self._epoch + 1}/{self.epochs} - {done}/{self.steps} - {timing}\n"
+            )
         self.stream.flush()
 
     def say(self, line: str) -> None:

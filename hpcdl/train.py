@@ -175,7 +175,8 @@ def train(cfg: TrainConfig, world: World) -> int:
         steps_per_epoch=steps_per_epoch,
         config=cfg.to_json(),
     )
-    progress = Progress(cfg.epochs, steps_per_epoch, enabled=world.is_root and not cfg.quiet)
+    shown = world.is_root and not cfg.quiet  # --quiet: no progress whatever --progress says
+    progress = Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress)
 
     # --- training loop -----------------------------------------------------------------------
     run = RunningMean()
