@@ -102,34 +102,78 @@ PATH_KEYS = ("data", "val_data", "checkpoint_dir", "metrics", "stage_dir", "resu
 _NOT_PATHS = {"resume": ("none", "auto")}
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
+# Help per flag, with units. build_parser appends "(default: X)" from TrainConfig unless the
+# text already names the default (always the case where the default is None).
 _HELP = {
-    "optimizer": "sgd (PyTorch form), adam, or adamw (decoupled weight decay) (default: sgd)",
-    "momentum": "SGD momentum (default: 0.9; PyTorch's and Keras's SGD default to 0); "
-    "adam and adamw use betas 0.9, 0.999",
+    "data": "training data: HDF5 file, directory of HDF5 shards, or image folder root/<class>/ "
+    "(required; no default)",
+    "val_data": "validation data (same kinds as --data) (default: none, no validation)",
+    "model": "network to train",
+    "epochs": "passes over the training data",
+    "batch_size": "minibatch size per rank, in samples (global batch = ranks x this)",
+    "lr": "base learning rate (before --lr-scaling)",
+    "lr_scaling": "none, or linear: lr x global batch / --base-batch (Goyal et al.)",
+    "base_batch": "reference batch in samples for --lr-scaling linear (default: --batch-size)",
+    "warmup_epochs": "epochs (fractions allowed) of linear learning-rate warm-up to --lr",
+    "lr_decay": "learning-rate decay after warm-up: none, cosine, or step (x0.1 at 50%% and "
+    "75%% of the epochs)",
+    "optimizer": "sgd (PyTorch form), adam, or adamw (decoupled weight decay)",
+    "momentum": "SGD momentum (default: 0.9; PyTorch's and Keras's SGD default to 0); adam and "
+    "adamw use betas 0.9, 0.999",
+    "nesterov": "Nesterov momentum for sgd",
     "weight_decay": "sgd, adam: L2 added to the gradient, g + wd*p (PyTorch's weight_decay); "
-    "adamw: decoupled, p *= 1 - lr*wd (default: 0)",
+    "adamw: decoupled, p *= 1 - lr*wd",
     "decay_bias_norm": "apply weight decay to biases and BatchNorm parameters too (default: on, "
     "as PyTorch; --no-decay-bias-norm leaves them out, as ResNet/ImageNet recipes do)",
     "sync_bn": "BatchNorm batch statistics over all ranks (SyncBatchNorm): R ranks x batch B "
     "train as 1 rank x R*B (default: off: statistics per rank, as DDP without SyncBatchNorm)",
-    "data": "training data: HDF5 file, directory of HDF5 shards, or image folder root/<class>/",
-    "val_data": "validation data (same kinds as --data)",
-    "batch_size": "minibatch size per rank",
-    "lr": "base learning rate (before --lr-scaling)",
+    "device": "cpu (NumPy) or gpu (CuPy; one GPU per rank, local rank modulo visible GPUs)",
+    "seed": "seed of initialisation, shuffling and augmentation",
+    "shuffle": "global: one permutation over all ranks per epoch; node: samples stay on their "
+    "node (less staging traffic); none: fixed order",
     "sync": "grad: allreduce gradients every step; params:K: average parameters every K steps",
-    "bucket_mb": "gradient bucket size in MiB for the overlapping allreduce",
+    "bucket_mb": "gradient bucket size in MiB for the allreduce that overlaps backward",
+    "checkpoint_dir": "directory for HDF5 checkpoints, written at every epoch end "
+    "(default: none, no checkpoints)",
     "checkpoint_every": "also checkpoint every N steps (0: only at epoch ends)",
     "resume": "none, auto (latest checkpoint in --checkpoint-dir if any) or a checkpoint path",
-    "metrics": "write JSON lines (step, epoch, summary events) to this path",
-    "workers": "loader worker processes per rank (0: load in the training process)",
-    "prefetch": "shared-memory batch slots per rank",
+    "metrics": "write JSON lines (step, epoch, summary events) to this path (default: none)",
+    "metrics_every": "write a step record to --metrics every N steps",
+    "quiet": "print only the final result line: no start-up lines, no progress (overrides "
+    "--progress) (default: off)",
+    "progress": "auto: a live bar when the launcher's output is a terminal, else epoch "
+    "($HPCDL_PROGRESS, when set, decides for auto; the sbatch templates set epoch); "
+    "bar: Keras-style live bar; epoch: one line per epoch (job logs); none: no progress lines",
+    "workers": "loader worker processes per rank (0: load in the training process) "
+    "(default: a fair share of the node's cores)",
+    "prefetch": "shared-memory batch slots per rank (batches loaded ahead)",
     "loader_timeout": "seconds a loader worker may stay silent on a batch the trainer waits for: "
-    f"a warning at half, then the job stops with exit status 4 (default: {LOADER_TIMEOUT_S:g})",
+    "a warning at half, then the job stops with exit status 4",
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
-    "stage_dir": "node-local directory to stage training files into (enables staging)",
-    "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use",
-    "max_steps": "stop after this many steps in total",
+    "skip_bad_samples": "replace an unreadable sample by the nearest good one of its batch "
+    "instead of stopping (counted in the summary) (default: off)",
+    "stage_dir": "node-local directory to stage training files into (enables staging) "
+    "(default: none, read from the data's file system)",
+    "stage_threads": "copy threads of the node's stager",
+    "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use "
+    "(default: all free space)",
+    "keep_staged": "leave staged files in --stage-dir at the end for a later job (default: off)",
+    "stage_verify": "compare each staged copy with its source (FNV-1a checksum) (default: off)",
+    "max_steps": "stop after this many steps in total (default: none, run all epochs)",
 }
+
+
+def _help(f: dataclasses.Field) -> str:
+    """The flag's help with its default (and the help of a field nobody described: a bug)."""
+    text = _HELP[f.name]
+    if "default" in text:
+        return text
+    default = f.default
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    elif isinstance(default, float):
+        default = f"{default:g}"
+    return f"{text} (default: {default})"
 
 
 def _flag(name: str) -> str:
@@ -153,12 +197,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "python -m hpcdl.train") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Data-parallel training under MPI.", allow_abbrev=False)
-    parser.add_argument("--config", help="TOML file whose keys are these flags with underscores")
+    parser.add_argument(
+        "--config",
+        help="TOML file whose keys are these flags with underscores; flags override it",
+    )
     for f in dataclasses.fields(TrainConfig):
         if f.name == "extra":
             continue
         typ = _field_type(f)
-        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _HELP.get(f.name)}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": _help(f)}
         if typ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcdl.helpformat import HelpFormatter
+
 STEP_FIELDS = ("epoch", "time", "t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
 BREAKDOWN = (  # (field, legend label, colour)
     ("t_data", "data wait", "#4c72b0"),
@@ -401,18 +403,28 @@ def select_runs(paths: list[str], all_runs: bool) -> tuple[list[Run], list[str]]
     return runs, notes
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.report", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m hpcdl.report",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("metrics", nargs="+", help="metrics JSONL file(s) written by hpcdl.train")
     ap.add_argument("--out", default="report.png", help="PNG to write (default: report.png)")
-    ap.add_argument("--labels", help="comma-separated run names, one per run drawn")
+    ap.add_argument(
+        "--labels", help="comma-separated run names, one per run drawn (default: file names)"
+    )
     ap.add_argument(
         "--all-runs",
         action="store_true",
         help="draw every run of a file that several runs appended to (default: the last one)",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         runs, notes = select_runs(args.metrics, args.all_runs)

@@ -30,6 +30,7 @@ else:  # pragma: no cover
 
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, rank_layout
+from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.ownership import (
     StageDirError,
@@ -55,7 +56,10 @@ class UsageError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.stage", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m hpcdl.stage",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
     a = p.add_argument
     a("--version", action="store_true", help="print the version of hpcdl-stage and exit")
@@ -66,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dry-run", action="store_true", help="print the plan per node; copy nothing, no MPI")
     a("--nodes", type=int, help="nodes of the training job (default: Slurm/MPI environment)")
     a("--ranks-per-node", type=int, help="training ranks per node (default: environment or 1)")
-    a("--node", type=int, help="stage-only: which node this process stages for")
+    a("--node", type=int, help="stage-only: which node this process stages for (default: MPI)")
     a(
         "--placement",
         choices=PLACEMENTS,
@@ -75,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--batch-size", type=int, help="per-rank batch size (default 32)")
     a("--seed", type=int, help="sampler seed (default 0)")
-    a("--epochs", type=int, help="training epochs (dry run: also report the whole run)")
-    a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode")
+    a("--epochs", type=int, help="training epochs (dry run: also report the whole run) (default 1)")
+    a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode (default global)")
     a("--stage-threads", type=int, help="copy threads (default 8)")
-    a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use")
+    a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use (default: all)")
     a("--stage-verify", action="store_true", default=None, help="verify copies by checksum")
     a("--pfs-bandwidth", type=float, help="dry run estimate: PFS MB/s per node (default 1000)")
     a("--pfs-open-latency", type=float, help="dry run estimate: ms per open (default 1)")

@@ -21,20 +21,32 @@ from hpcdl import backend, nn
 from hpcdl.comm import cuda_aware
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import init_world
+from hpcdl.helpformat import HelpFormatter
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench._steps",
+        description="the MPI worker of hpcdl.bench scaling: times steps per batch size",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument("--model", required=True, choices=nn.MODELS, help="network to time")
+    ap.add_argument("--input-shape", required=True, help="C,H,W of one synthetic sample")
+    ap.add_argument("--classes", type=int, default=10, help="output classes of the network")
+    ap.add_argument(
+        "--batch-sizes", required=True, help="per-rank batch sizes in samples, comma-separated"
+    )
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per batch size and round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per batch size")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all batch sizes")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="cpu or gpu (CuPy)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
+    return ap
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m hpcdl.bench._steps", allow_abbrev=False)
-    ap.add_argument("--model", required=True, choices=nn.MODELS)
-    ap.add_argument("--input-shape", required=True, help="C,H,W")
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--batch-sizes", required=True, help="per-rank batch sizes, comma-separated")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.shape = tuple(int(v) for v in args.input_shape.split(","))
     args.batches = [int(v) for v in args.batch_sizes.split(",")]
     return args

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from hpcdl.comm.reducer import GradientReducer
+from hpcdl.helpformat import HelpFormatter
 
 
 def resnet20_shapes(classes: int = 10) -> list[tuple[int, ...]]:
@@ -160,18 +161,27 @@ def measure_overlap(comm, total: int, bucket_mb: float, backward_factor: float) 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpcdl.bench allreduce", allow_abbrev=False)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--repeats", type=int, default=10)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench allreduce",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repetitions per case")
     parser.add_argument(
         "--backward-factor",
         type=float,
         default=3.0,
         help="synthetic backward duration as a multiple of the raw allreduce",
     )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD

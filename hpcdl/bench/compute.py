@@ -20,17 +20,21 @@ from typing import Any
 import numpy as np
 
 from hpcdl import backend, nn
+from hpcdl.helpformat import HelpFormatter
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench compute", description=__doc__, allow_abbrev=False
+        prog="python -m hpcdl.bench compute",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("--model", default="cnn", choices=nn.MODELS)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--input-shape", default="3,32,32", help="C,H,W")
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--model", default="cnn", choices=nn.MODELS, help="network to time")
+    ap.add_argument("--batch-size", type=int, default=64, help="samples per step")
+    ap.add_argument("--input-shape", default="3,32,32", help="C,H,W of one synthetic sample")
+    ap.add_argument("--classes", type=int, default=10, help="output classes of the network")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="cpu or gpu (CuPy)")
     ap.add_argument(
         "--steps", type=int, default=20, help="timed steps per framework (after 3 warm-up steps)"
     )
@@ -43,6 +47,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         args.shape = tuple(int(v) for v in args.input_shape.split(","))

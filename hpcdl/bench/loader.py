@@ -23,6 +23,7 @@ import numpy as np
 
 from hpcdl.data import Loader, default_workers, open_dataset
 from hpcdl.data.sampler import DistributedSampler
+from hpcdl.helpformat import HelpFormatter
 
 CROP = 224
 
@@ -239,18 +240,20 @@ def h2d_overlap(workers: int, batch: int = 256, steps: int = 30, n: int = 4096) 
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hpcdl.bench loader",
         description=__doc__,
         allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--data", required=True, help="JPEG folder root/<class>/<file>")
-    p.add_argument("--make-jpegs", type=int, default=0, help="first write N 256x256 JPEGs")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-images", type=int, default=2048)
+    p.add_argument("--data", required=True, help="JPEG folder root/<class>/<file> (required)")
+    p.add_argument(
+        "--make-jpegs", type=int, default=0, help="first write N 256x256 JPEGs (0: none)"
+    )
+    p.add_argument("--workers", type=int, default=2, help="loader worker processes")
+    p.add_argument("--batch-size", type=int, default=32, help="images per batch")
+    p.add_argument("--max-images", type=int, default=2048, help="images read per measurement")
     p.add_argument("--skip-hdf5", action="store_true", help="skip the HDF5 and overlap parts")
     p.add_argument(
         "--device",
@@ -259,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         help="gpu: also measure the host-to-device overlap of DevicePrefetcher (needs CuPy)",
     )
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     root = Path(args.data)
     if args.make_jpegs and not (root.exists() and any(root.iterdir())):
         make_jpegs(root, args.make_jpegs)

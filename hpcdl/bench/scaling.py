@@ -24,6 +24,7 @@ from typing import Any
 
 from hpcdl import scaling_model
 from hpcdl.backend import cpu_threads_hint, gpu_available
+from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -34,25 +35,37 @@ NO_GPU = (
 )
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hpcdl.bench scaling",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("--model", default="cnn", choices=MODELS)
-    ap.add_argument("--input-shape", default="3,32,32", help="C,H,W (default 3,32,32)")
-    ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--batch-sizes", default="8,16,32,64", help="per-rank batch sizes")
+    ap.add_argument("--model", default="cnn", choices=MODELS, help="network to time")
+    ap.add_argument("--input-shape", default="3,32,32", help="C,H,W of one synthetic sample")
+    ap.add_argument("--classes", type=int, default=10, help="output classes of the network")
+    ap.add_argument(
+        "--batch-sizes",
+        default="8,16,32,64",
+        help="per-rank batch sizes in samples, comma-separated",
+    )
     ap.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per batch size and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all batch sizes")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per batch size")
-    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="cpu or gpu (CuPy)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mpirun")
-    ap.add_argument("--plot", help="write measured points and fitted curves to this PNG")
+    ap.add_argument(
+        "--plot", help="write measured points and fitted curves to this PNG (default: none)"
+    )
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         args.shape = tuple(int(v) for v in args.input_shape.split(","))

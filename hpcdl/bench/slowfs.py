@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcdl.helpformat import HelpFormatter
+
 try:
     import mfusepy as fuse
 except (ImportError, OSError) as _exc:  # no module, or no libfuse
@@ -363,19 +365,34 @@ def _unmount(server: subprocess.Popen, mountpoint: Path) -> None:
         raise RuntimeError(f"{mountpoint} is still mounted; unmount it with fusermount3 -u")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench.slowfs", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m hpcdl.bench.slowfs",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("source")
-    ap.add_argument("mountpoint")
-    ap.add_argument("--latency-ms", type=float, default=SlowFSOptions.latency_ms)
-    ap.add_argument("--mbps", type=float, default=SlowFSOptions.mbps)
-    ap.add_argument("--threads", type=int, default=SlowFSOptions.threads)
-    ap.add_argument("--stats", help="JSON file the counters are written to")
+    ap.add_argument("source", help="directory whose files the mount serves, read-only")
+    ap.add_argument("mountpoint", help="empty directory to mount the slow file system on")
+    ap.add_argument(
+        "--latency-ms", type=float, default=SlowFSOptions.latency_ms, help="milliseconds per open"
+    )
+    ap.add_argument(
+        "--mbps", type=float, default=SlowFSOptions.mbps, help="read bandwidth in MB/s, shared"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=SlowFSOptions.threads, help="requests served at once"
+    )
+    ap.add_argument("--stats", help="JSON file the counters are written to (default: none)")
     ap.add_argument("--count-openers", action="store_true", help="count opens per process")
-    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process exits")
-    a = ap.parse_args(argv)
+    ap.add_argument(
+        "--parent-pid", type=int, default=0, help="exit when this process exits (0: never)"
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     options = SlowFSOptions(a.latency_ms, a.mbps, a.threads, a.count_openers)
     serve(Path(a.source), Path(a.mountpoint), options, Path(a.stats) if a.stats else None,
           a.parent_pid)  # fmt: skip

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.bench.slowfs import SlowFSOptions, mounted
+from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.ownership import data_key
 from hpcdl.staging.plan import FileTreeDataset, plan_for_node, write_plan
@@ -88,19 +89,32 @@ def row(tool: str, files: int, nbytes: int, wall: float, cpu: float) -> dict:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcdl.bench staging", allow_abbrev=False)
-    p.add_argument("--files", type=int, default=6000)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench staging",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--files", type=int, default=6000, help="files in the synthetic data set")
     p.add_argument("--size", type=int, default=20000, help="bytes per file")
-    p.add_argument("--threads", type=int, default=8)
-    p.add_argument("--latency-ms", type=float, default=5.0, help="slow file system: per open")
+    p.add_argument("--threads", type=int, default=8, help="hpcdl-stage copy threads")
+    p.add_argument(
+        "--latency-ms", type=float, default=5.0, help="slow file system: milliseconds per open"
+    )
     p.add_argument("--mbps", type=float, default=200.0, help="slow file system: shared MB/s")
     p.add_argument("--sweep-files", type=int, default=1000, help="files per sweep point")
-    p.add_argument("--sweep-threads", default="1,2,4,8,16,32")
+    p.add_argument(
+        "--sweep-threads", default="1,2,4,8,16,32", help="copy thread counts of the sweep"
+    )
     p.add_argument("--skip-copytree", action="store_true", help="only cp -r and hpcdl-stage")
     p.add_argument("--dir", help="scratch directory (default: a temporary one)")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+    p.add_argument("--json", action="store_true", help="last line: one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     options = SlowFSOptions(a.latency_ms, a.mbps)
     results: dict = {"files": a.files, "size": a.size, "slow_fs": vars(options), "copy": []}
     results["sweep"] = []

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.imagefolder import IMAGE_SUFFIXES, IMAGENET_MEAN, IMAGENET_STD
+from hpcdl.helpformat import HelpFormatter
 
 
 def list_folder(root: Path) -> tuple[list[str], list[int]]:
@@ -100,19 +101,24 @@ def run(root: Path, workers: int, batch: int, epochs: int, crop: tuple[int, int]
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hpcdl.bench.torch_folder",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    ap.add_argument("--data", required=True, help="image folder root/<class>/<file>")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--crop", required=True, help="H,W of the centre crop")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    ap.add_argument("--data", required=True, help="image folder root/<class>/<file> (required)")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    ap.add_argument("--batch-size", type=int, default=32, help="images per batch")
+    ap.add_argument("--epochs", type=int, default=3, help="passes over the folder")
+    ap.add_argument("--crop", required=True, help="H,W in pixels of the centre crop (required)")
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError:

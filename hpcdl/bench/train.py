@@ -41,36 +41,60 @@ from hpcdl.backend import gpu_available
 from hpcdl.bench import peers as peers_
 from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
 from hpcdl.bench.slowfs import SlowFSOptions
+from hpcdl.helpformat import HelpFormatter
 
 EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"  # unit tests only: runs here never inherit it
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hpcdl.bench train",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--data", help="training data (default: a synthetic image folder)")
     ap.add_argument("--val-data", help="validation data (default: none, or the synthetic one)")
     ap.add_argument("--synthetic", type=int, default=1024, help="images made when --data is unset")
-    ap.add_argument("--model", default="mlp")
-    ap.add_argument("--ranks", type=int, default=1)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--model", default="mlp", help="network to train (hpcdl.train --model)")
+    ap.add_argument("--ranks", type=int, default=1, help="MPI ranks of each training run")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of each training run")
+    ap.add_argument("--batch-size", type=int, default=32, help="samples per step and rank")
     ap.add_argument("--workers", type=int, default=2, help="loader processes per rank")
-    ap.add_argument("--prefetch", type=int, default=4)
-    ap.add_argument("--staging", default="both", choices=("on", "off", "both"))
+    ap.add_argument("--prefetch", type=int, default=4, help="batch slots per rank")
+    ap.add_argument(
+        "--staging",
+        default="both",
+        choices=("on", "off", "both"),
+        help="runs with --stage-dir, without, or one of each",
+    )
     ap.add_argument("--stage-dir", help="node-local directory (default: a fresh temp directory)")
-    ap.add_argument("--slow-fs", help="MS,MBPS: data behind the slow FUSE file system; + peers")
+    ap.add_argument(
+        "--slow-fs",
+        help="MS,MBPS: data behind the slow FUSE file system (milliseconds per open, shared "
+        "MB/s), and the peers measured too (default: none, the data as it is)",
+    )
     ap.add_argument("--format", default="png", choices=("png", "jpg"), help="synthetic images")
     ap.add_argument("--image-size", type=int, default=32, help="synthetic images: S x S pixels")
-    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
-    ap.add_argument("--keep-metrics", help="directory to keep the runs' metrics JSONL in")
-    ap.add_argument("--report", help="also draw hpcdl.report of the runs into this PNG")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="cpu or gpu (CuPy)")
+    ap.add_argument(
+        "--keep-metrics", help="directory to keep the runs' metrics JSONL in (default: none)"
+    )
+    ap.add_argument(
+        "--report", help="also draw hpcdl.report of the runs into this PNG (default: none)"
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
-    ap.add_argument("--measure-load", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--measure-load",
+        action="store_true",
+        help="internal: time one pass of the loader over --data in this process, print JSON",
+    )
+    return ap
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = build_parser()
     args = ap.parse_args(argv)
     for name in ("ranks", "epochs", "batch_size", "synthetic"):
         if getattr(args, name) < 1:

@@ -17,24 +17,38 @@ import numpy as np
 
 from hpcdl.data import convert
 from hpcdl.data.dataset import DataError, open_dataset
+from hpcdl.helpformat import HelpFormatter
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hpcdl.data",
         description=__doc__,
         allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="write HDF5 shards (OUT/train, OUT/val)", allow_abbrev=False)
-    c.add_argument("kind", choices=("digits", "folder", "cifar", "npz"))
-    c.add_argument("paths", nargs="+", metavar="[SRC] OUT")
+    c = sub.add_parser(
+        "convert",
+        help="write HDF5 shards (OUT/train, OUT/val)",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    c.add_argument(
+        "kind",
+        choices=("digits", "folder", "cifar", "npz"),
+        help="digits: scikit-learn's digits (no SRC); folder: an image folder SRC/<class>/; "
+        "cifar: a directory SRC of CIFAR-10/100 python pickles; npz: a .npz SRC with images, "
+        "labels",
+    )
+    c.add_argument(
+        "paths", nargs="+", metavar="[SRC] OUT", help="source (except for digits) and output dir"
+    )
     c.add_argument(
         "--val-fraction",
         type=float,
         default=None,
-        help="fraction held out for OUT/val (digits: 0.2, others: 0)",
+        help="fraction of the samples held out for OUT/val (default: digits 0.2, others 0)",
     )
     c.add_argument(
         "--shard-size", type=int, default=convert.DEFAULT_SHARD_SIZE, help="samples per shard file"
@@ -44,12 +58,16 @@ def _parser() -> argparse.ArgumentParser:
         "--resize",
         type=int,
         default=None,
-        help="folder: resize every image to S x S (needed for mixed sizes)",
+        help="folder: resize every image to S x S pixels (needed for mixed sizes) "
+        "(default: keep the size)",
     )
     i = sub.add_parser(
-        "inspect", help="print counts, shapes, classes and bytes", allow_abbrev=False
+        "inspect",
+        help="print counts, shapes, classes and bytes",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    i.add_argument("path")
+    i.add_argument("path", help="an HDF5 file, a directory of shards, or an image folder")
     return p
 
 
@@ -98,7 +116,7 @@ def describe(path: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "inspect":
             print(describe(args.path))

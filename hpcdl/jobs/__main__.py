@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpcdl.helpformat import HelpFormatter
 from hpcdl.jobs.render import DEVICES, KINDS, JobSpec, render
 from hpcdl.jobs.site import JobSpecError, bundled_sites, load_site
 
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hpcdl.jobs",
         allow_abbrev=False,
         description="Render hpcdl sbatch scripts for a Slurm site.",
+        formatter_class=HelpFormatter,
         epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         "render",
         help="print an sbatch script for a training or stage-only job",
         allow_abbrev=False,
+        formatter_class=HelpFormatter,
     )
-    r.add_argument("kind", choices=KINDS)
-    r.add_argument("--nodes", type=int, required=True)
+    r.add_argument("kind", choices=KINDS, help="train: a training job; stage: a stage-only job")
+    r.add_argument("--nodes", type=int, required=True, help="nodes to request (required)")
     r.add_argument(
         "--tasks-per-node",
         type=int,
@@ -38,14 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="passed to hpcdl.train; gpu also requests one GPU per task (default: the config's "
         "device, else cpu)",
     )
-    r.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS")
-    r.add_argument("--config", required=True, help="the training TOML (hpcdl.train --config)")
+    r.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS (required)")
+    r.add_argument(
+        "--config", required=True, help="the training TOML (hpcdl.train --config) (required)"
+    )
     r.add_argument("--site", default="generic", help="bundled site name or a site .toml path")
     r.add_argument("--job-name", default="", help="default: hpcdl-train / hpcdl-stage")
     r.add_argument(
         "--output", default=".", help="directory for the job log <job-name>-<job-id>.out"
     )
-    r.add_argument("--cpus-per-task", type=int, default=None, help="default: the site's")
+    r.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="cores per rank; also OMP_NUM_THREADS in the job (default: the site's)",
+    )
     r.add_argument(
         "--signal-seconds",
         type=int,
@@ -72,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="#SBATCH --requeue, and requeue the job itself after a checkpoint-on-signal stop",
     )
 
-    sub.add_parser("sites", help="list the bundled site files", allow_abbrev=False)
+    sub.add_parser(
+        "sites",
+        help="list the bundled site files",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
     return parser
 
 
