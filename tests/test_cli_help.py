@@ -24,6 +24,7 @@ COMMANDS = {
     "hpcdl.jobs.__main__": "hpcdl.jobs",
     "hpcdl.data.__main__": "hpcdl.data",
     "hpcdl.report": "hpcdl.report",
+    "hpcdl.doctor.__main__": "hpcdl.doctor",
     "hpcdl.bench.compute": "hpcdl.bench compute",
     "hpcdl.bench.allreduce": "hpcdl.bench allreduce",
     "hpcdl.bench.loader": "hpcdl.bench loader",

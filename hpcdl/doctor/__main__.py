@@ -1,0 +1,188 @@
+"""Command line of hpcdl.doctor: probe every rank, merge per node, print text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+from typing import Any
+
+from hpcdl.doctor import probes
+from hpcdl.doctor.findings import ERROR, EXIT_ERRORS, WARNING, merge, rank_ranges
+from hpcdl.doctor.stagedir import check_stage_dir, default_stage_dir, read_mounts
+from hpcdl.helpformat import HelpFormatter
+
+LABELS = {
+    "mpi": "MPI",
+    "cuda_aware": "CUDA-aware",
+    "gpus": "GPUs",
+    "blas": "BLAS",
+    "stager": "stager",
+    "stage_dir": "stage dir",
+    "slurm": "Slurm",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.doctor",
+        description=__doc__.split("\n")[0] + " Run it alone or under mpirun/srun.",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "--stage-dir",
+        help="the node-local directory hpcdl.train --stage-dir will get (default: "
+        "$HPCDL_STAGE_DIR, else $SLURM_TMPDIR, else $TMPDIR, else /tmp, as the sbatch templates)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def rank_report(world: Any, stage_dir: str | None) -> dict[str, Any]:
+    """This rank's facts by category and its problems (as dicts). Collective on the node."""
+    facts: dict[str, Any] = {}
+    problems: list[dict[str, str]] = []
+
+    def add(name: str, found: probes.Found) -> None:
+        facts[name] = found[0]
+        problems.extend(p.to_dict() for p in found[1])
+
+    add("mpi", probes.mpi(world.comm))
+    add("cuda_aware", probes.cuda_awareness(world.comm))
+    add("gpus", probes.gpus(world.local_rank, world.local_size))
+    add("blas", probes.blas(world.local_size))
+    add("stager", probes.stager())
+    add("slurm", probes.slurm(world.size, world.num_nodes, facts["blas"]["cores"]))
+    # one rank per node makes and removes the probe files; the others take its answer
+    stage = None
+    if world.is_node_leader:
+        path, origin = (stage_dir, "--stage-dir") if stage_dir else default_stage_dir()
+        stage_facts, stage_problems = check_stage_dir(path, origin, read_mounts())
+        stage = (stage_facts, [p.to_dict() for p in stage_problems])
+    stage_facts, stage_problems = world.node_comm.bcast(stage, root=0)
+    facts["stage_dir"] = stage_facts
+    if world.is_node_leader:
+        problems.extend(stage_problems)
+    return {
+        "host": socket.gethostname(),
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "facts": facts,
+        "problems": problems,
+    }
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
+    return ""
+
+
+def describe(name: str, v: dict[str, Any]) -> str:
+    """One line for one category of facts."""
+    if name == "mpi":
+        return (
+            f"{v['library']} (MPI {v['standard']}, mpi4py {v['mpi4py']}), {v['thread_level']}, "
+            f"libmpi {v['libmpi'] or 'not found in this process'}"
+        )
+    if name == "cuda_aware":
+        answer = {True: "yes", False: "no", None: "unknown"}[v["aware"]]
+        return f"{answer} for --device gpu ({v['reason']})"
+    if name == "gpus":
+        cupy = f"CuPy {v['cupy']}" if v["cupy"] else "CuPy not installed"
+        cuda = (
+            f", CUDA runtime {v['cuda_runtime']}, driver {v['cuda_driver']}"
+            if v["cuda_runtime"]
+            else ""
+        )
+        cvd = v["cuda_visible_devices"]
+        seen = f"{v['visible']} visible" + (
+            f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else ""
+        )
+        bound = f", binds GPU {v['bound']} ({v['name']})" if v["bound"] is not None else ""
+        return f"{seen}{bound}; {cupy}{cuda}"
+    if name == "blas":
+        env = ", ".join(f"{k}={v[k]}" for k in probes.THREAD_VARS if v[k] is not None)
+        return (
+            f"{v['library'] or 'unknown'}, {v['threads'] or '?'} thread(s) per rank; "
+            f"{v['cores']} core(s) for this rank, {v['node_cores']} on the node; "
+            f"{env or 'OMP_NUM_THREADS unset'}"
+        )
+    if name == "stager":
+        return f"{v['path']} ({v['version']})" if v["path"] else "not found"
+    if name == "stage_dir":
+        where = v["path"] + f" ({v['origin']})"
+        if "fs_type" not in v:
+            return f"{where}: {'writable' if v.get('writable') else 'NOT writable'}"
+        local = {"network": "NOT node-local", "memory": "node-local, in RAM", "local": "node-local"}
+        return (
+            f"{where}: {v['fs_type']} ({v['device']} at {v['mount_point']}), {local[v['kind']]}, "
+            f"{_size(v['free_bytes'])} free of {_size(v['total_bytes'])}, "
+            f"{'writable' if v['writable'] else 'NOT writable'}"
+        )
+    if name == "slurm":
+        if not v["job_id"]:
+            return "not in a Slurm job"
+        return (
+            f"job {v['job_id']}: SLURM_NTASKS={v['ntasks']}, SLURM_NNODES={v['nnodes']}, "
+            f"SLURM_CPUS_PER_TASK={v['cpus_per_task']}"
+        )
+    return json.dumps(v)
+
+
+def render(merged: dict[str, Any]) -> str:
+    lines = [f"hpcdl doctor: {merged['world_size']} rank(s) on {merged['num_nodes']} node(s)"]
+    for node in merged["nodes"]:
+        lines.append(f"node {node['host']}, ranks {rank_ranges(node['ranks'])}")
+        for name, label in LABELS.items():
+            if name in node["facts"]:
+                lines.append(f"  {label:<11} {describe(name, node['facts'][name])}")
+            else:
+                for rank, facts in node["per_rank"].items():
+                    lines.append(f"  {label:<11} rank {rank}: {describe(name, facts[name])}")
+    problems = merged["problems"]
+    for p in problems:
+        many = len(p["ranks"]) > 1 and merged["world_size"] > 1
+        where = f" [ranks {rank_ranges(p['ranks'])}]" if many else ""
+        lines.append(f"{p['level']}: {p['message']}{where}")
+    errors = sum(p["level"] == ERROR for p in problems)
+    warnings = sum(p["level"] == WARNING for p in problems)
+    if problems:
+        status = merged["status"]
+        lines.append(
+            f"hpcdl doctor: {errors} error(s), {warnings} warning(s); exit status {status}"
+        )
+    else:
+        lines.append("hpcdl doctor: nothing to fix")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from hpcdl.comm.world import init_world  # noqa: PLC0415
+
+        world = init_world()
+    except Exception as exc:  # mpi4py without a loadable libmpi, or MPI_Init failing
+        print(
+            f"error: MPI does not start ({exc}); fix: install an MPI and reinstall mpi4py "
+            "against it (pip install --no-binary mpi4py mpi4py), or load the site's MPI module",
+            file=sys.stderr,
+        )
+        return EXIT_ERRORS
+    report = rank_report(world, args.stage_dir)
+    reports = world.comm.gather(report, root=0)
+    status = None
+    if world.is_root:
+        merged = merge(reports)
+        print(json.dumps(merged, indent=1) if args.json else render(merged), flush=True)
+        status = merged["status"]
+    return int(world.comm.bcast(status, root=0))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
