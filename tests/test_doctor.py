@@ -250,3 +250,25 @@ def test_exit_status_and_rank_ranges():
     assert exit_status([]) == 0
     assert exit_status([Problem(WARNING, "w"), Problem(ERROR, "e")]) == 2
     assert rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+def test_slurm_variables_against_the_mpi_world(tmp_path):
+    """What a job step gets when the tasks were not launched as one MPI job (e.g. plain python
+    in an sbatch script of --ntasks=4 --nodes=2 --cpus-per-task=N, N more than this machine)."""
+    cores = len(os.sched_getaffinity(0))
+    env = doctor_env(
+        SLURM_JOB_ID="77",
+        SLURM_NTASKS="4",
+        SLURM_NNODES="2",
+        SLURM_CPUS_PER_TASK=str(cores + 1),
+    )
+    proc = run_doctor("--stage-dir", tmp_path, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = problem_lines(proc.stdout)
+    assert [line.split(" but ")[0] for line in lines] == [
+        "warning: SLURM_NTASKS=4",
+        "warning: SLURM_NNODES=2",
+        f"warning: SLURM_CPUS_PER_TASK={cores + 1}",
+    ], lines
+    assert all("; fix: " in line for line in lines), lines
+    assert "job 77: SLURM_NTASKS=4" in proc.stdout

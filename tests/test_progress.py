@@ -81,11 +81,15 @@ def test_progress_flag_and_toml_key(tmp_path):
         parse_args(["--data", "x", "--progress", "lines"])
 
 
-def test_two_rank_run_into_a_file_writes_one_line_per_epoch(digits_dir, tmp_path):
-    """Under mpirun every rank's stdout is a pty; the launcher's is the file: auto picks epoch."""
+@pytest.mark.parametrize("staging", [False, True], ids=["plain", "staging"])
+def test_two_rank_run_into_a_file_writes_one_line_per_epoch(staging, digits_dir, tmp_path):
+    """Under mpirun every rank's stdout is a pty; the launcher's is the file: auto picks epoch.
+    With staging, the node's stager adds a start and a stop line, nothing per epoch."""
     log = tmp_path / "job.log"
     args = ["--data", digits_dir / "train", "--val-data", digits_dir / "val", "--model", "mlp"]
     args += ["--epochs", 3, "--workers", 0]
+    if staging:
+        args += ["--stage-dir", tmp_path / "stage"]
     env = {k: v for k, v in mpi_env().items() if k != "HPCDL_PROGRESS"}
     with open(log, "w") as out:
         proc = subprocess.run(
@@ -98,6 +102,9 @@ def test_two_rank_run_into_a_file_writes_one_line_per_epoch(digits_dir, tmp_path
     assert [line.split(" - ")[0] for line in epoch_lines] == ["Epoch 1/3", "Epoch 2/3", "Epoch 3/3"]
     assert all("val_acc: " in line for line in epoch_lines), text
     assert not [line for line in text.splitlines() if re.match(r"\s*\d+/\d+ \[", line)], text
+    stager = [line for line in text.splitlines() if line.startswith("hpcdl-stage")]
+    assert len(stager) == (2 if staging else 0), text
+    assert "plan" not in text.lower(), text
 
 
 @pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "file"])
