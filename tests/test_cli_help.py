@@ -96,3 +96,10 @@ def test_train_help_gives_units(flag, pattern):
     parser = importlib.import_module("hpcdl.config").build_parser()
     action = next(a for a in parser._actions if flag in a.option_strings)
     assert re.search(pattern, action.help), action.help
+
+
+def test_training_guide_lists_every_train_flag():
+    guide = (HPCDL.parent / "docs" / "training.md").read_text()
+    parser = importlib.import_module("hpcdl.config").build_parser()
+    flags = [a.option_strings[0] for _, _, a in walk(parser, "hpcdl.train")]
+    assert [flag for flag in flags if not re.search(f"`{flag}[` ]", guide)] == []
