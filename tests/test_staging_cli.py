@@ -72,3 +72,24 @@ def test_capacity_limit_stops_growing_with_a_clear_summary(tmp_path):
 def test_bad_flag_value_is_one_clear_error(tmp_path):
     out = stage("--dry-run", "--data", tmp_path / "missing", "--files-only")
     assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_stage_only_under_mpirun_into_a_file_writes_whole_lines(tmp_path):
+    """The live line is drawn only on a terminal. Open MPI gives a rank a pty as stdout but a
+    pipe as stderr, where hpcdl.stage reports, so isatty() is honest here (unlike the trainer's
+    stdout: tests/test_progress.py); this keeps it so."""
+    from conftest import mpi_env, mpirun_cmd  # noqa: PLC0415
+
+    ds = make_tree(tmp_path / "data", 30, 500)
+    env = {**mpi_env(), "HPCDL_STAGE_EMULATE_PFS": "latency_ms=40"}
+    env.pop("HPCDL_PROGRESS", None)
+    log = tmp_path / "stage.log"
+    cmd = [*mpirun_cmd(1), sys.executable, "-m", "hpcdl.stage", "--data", str(ds.root)]
+    cmd += ["--files-only", "--batch-size", "2", "--stage-dir", str(tmp_path / "s")]
+    cmd += ["--stage-threads", "1"]
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=120)
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    assert "\r" not in text, repr(text)
+    assert "node 0: 100% (30/30 files)" in text, text
