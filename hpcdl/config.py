@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,16 @@ def _help(f: dataclasses.Field) -> str:
     return f"{text} (default: {default})"
 
 
+def progress_from_env(environ: Mapping[str, str]) -> str | None:
+    """$HPCDL_PROGRESS, which decides what --progress auto means (hpcdl.metrics), or None."""
+    value = environ.get("HPCDL_PROGRESS")
+    if value is not None and value not in PROGRESS_MODES:
+        raise ConfigError(
+            f"HPCDL_PROGRESS must be one of {', '.join(PROGRESS_MODES)}, got {value!r}"
+        )
+    return value
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -321,6 +333,8 @@ def validate(cfg: TrainConfig) -> None:
         parse_augment(cfg.augment)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.progress == "auto":
+        progress_from_env(os.environ)
     if not re.fullmatch(r"grad|params:[1-9][0-9]*", cfg.sync):
         raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_file():

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from hpcdl.comm.failure import UserError
-from hpcdl.config import PROGRESS_MODES, ConfigError
+from hpcdl.config import progress_from_env
 
 STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
 
@@ -138,14 +138,9 @@ def resolve_progress(mode: str, stream: TextIO, environ: Mapping[str, str] | Non
     env = os.environ if environ is None else environ
     if mode != "auto":
         return mode
-    chosen = env.get("HPCDL_PROGRESS")
-    if chosen is not None:
-        if chosen not in PROGRESS_MODES:
-            raise ConfigError(
-                f"HPCDL_PROGRESS must be one of {', '.join(PROGRESS_MODES)}, got {chosen!r}"
-            )
-        if chosen != "auto":
-            return chosen
+    chosen = progress_from_env(env)
+    if chosen not in (None, "auto"):
+        return chosen
     launcher_tty = launcher_stdout_is_terminal()
     if launcher_tty is None:
         launcher_tty = stream.isatty()

@@ -126,3 +126,15 @@ def test_auto_under_mpirun_asks_the_launchers_stdout(terminal, tmp_path):
         text = proc.stdout
     assert proc.returncode == 0, text
     assert text.split() == (["bar"] if terminal else ["epoch"]), text
+
+
+def test_bad_hpcdl_progress_is_one_line_before_training(digits_dir):
+    env = {**mpi_env(), "HPCDL_PROGRESS": "lines"}
+    args = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 1, "--workers", 0]
+    proc = subprocess.run(train_cmd(2, *args), capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "hpcdl.train: error: HPCDL_PROGRESS must be one of auto, bar, epoch, none, got 'lines'"
+    ], proc.stderr
