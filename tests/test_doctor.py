@@ -272,3 +272,26 @@ def test_slurm_variables_against_the_mpi_world(tmp_path):
     ], lines
     assert all("; fix: " in line for line in lines), lines
     assert "job 77: SLURM_NTASKS=4" in proc.stdout
+
+
+def test_text_lists_a_fact_per_rank_where_ranks_differ(tmp_path):
+    """Two ranks whose GPU binding differs (as on a GPU node), built from this machine's facts."""
+    from hpcdl.doctor.__main__ import render  # noqa: PLC0415
+
+    proc = run_doctor("--json", "--stage-dir", tmp_path)
+    facts = json.loads(proc.stdout)["nodes"][0]["facts"]
+    reports = []
+    for rank in (0, 1):
+        gpus = {**facts["gpus"], "visible": 2, "bound": rank, "name": "NVIDIA H100"}
+        reports.append(
+            {"host": "n1", "rank": rank, "facts": {**facts, "gpus": gpus}, "problems": []}
+        )
+    lines = render(merge(reports)).splitlines()
+    assert lines[1] == "node n1, ranks 0-1"
+    gpu_lines = [line for line in lines if line.startswith("  GPUs")]
+    assert [line.split(": ")[0] for line in gpu_lines] == [
+        "  GPUs        rank 0",
+        "  GPUs        rank 1",
+    ]
+    assert "binds GPU 1 (NVIDIA H100)" in gpu_lines[1]
+    assert sum(line.startswith("  MPI ") for line in lines) == 1
