@@ -76,7 +76,7 @@ def train(cfg: TrainConfig, world: World) -> int:
 
     model = nn.build_model(
         cfg.model,
-        input_shape=tuple(train_ds.sample_shape),
+        input_shape=startup.input_shape(cfg, train_ds),  # what the loader yields
         num_classes=train_ds.num_classes,
         seed=cfg.seed,
         xp=xp,
@@ -155,7 +155,11 @@ def train(cfg: TrainConfig, world: World) -> int:
     except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
         error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
-    val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed) if val_ds else None
+    val_loader = (
+        Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
+        if val_ds
+        else None
+    )
 
     reducer = None
     if world.size > 1 and cfg.params_sync_every == 0:

@@ -274,3 +274,41 @@ def test_run_without_validation_data_ends_with_a_summary_line(digits_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.splitlines()[-1]
     assert re.fullmatch(r"hpcdl\.train: final train loss .* images/s\)", last), proc.stdout
+
+
+@pytest.mark.parametrize("augment,validation", [("rrc48+flip", False), ("rcrop32", True)])
+def test_crops_train_and_validate_on_a_folder_of_larger_images(augment, validation, tmp_path):
+    """Issue 10: the model takes the shape the loader yields, not the stored sample shape.
+
+    The validation images are larger and not square: with a crop they still give S x S."""
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "train", per_class=4, size=(64, 64), fmt="jpg")
+    make_folder(tmp_path / "val", per_class=2, size=(90, 70), fmt="jpg", seed=1)
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", tmp_path / "train", "--model", "mlp", "--augment", augment]
+    args += ["--val-data", tmp_path / "val"] if validation else []
+    args += ["--epochs", 1, "--batch-size", 4, "--workers", 1]
+    proc = run_train(1, *args, "--metrics", metrics, "--quiet", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_events(metrics, "summary")[0]
+    assert summary["steps"] == 2, summary
+    if validation:
+        assert 0.0 <= summary["val_accuracy"] <= 1.0, summary
+
+
+def test_validation_data_that_cannot_give_the_training_shape_is_one_error(tmp_path):
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "train", per_class=4, size=(32, 32))
+    make_folder(tmp_path / "val", per_class=2, size=(40, 40))
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", tmp_path / "train", "--val-data", tmp_path / "val", "--epochs", 1]
+    proc = run_train(2, *args, "--batch-size", 2, "--metrics", metrics, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    lines = [line for line in own_lines(output) if "error" in line]
+    assert len(lines) == 1, output
+    assert "--val-data" in lines[0] and "(3, 40, 40)" in lines[0] and "(3, 32, 32)" in lines[0]
+    assert "--augment" in lines[0], lines[0]
+    assert not metrics.exists()
