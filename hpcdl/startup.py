@@ -115,6 +115,22 @@ def input_shape(cfg: TrainConfig, ds: Any) -> tuple[int, int, int]:
     return output_shape(ds, parse_augment(cfg.augment))
 
 
+def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any) -> Any:
+    """--model for the shape the loaders yield (input_shape), on every rank; a builder that
+    fails (a user's, `module:function`) stops every rank with one line."""
+    from hpcdl import nn  # noqa: PLC0415
+
+    model, error = None, None
+    try:
+        model = nn.build_model(
+            cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
+        )
+    except ValueError as exc:
+        error = f"--{exc}"
+    agree_on_errors(world.comm, world.rank, error)
+    return model
+
+
 def _shape_error(cfg: TrainConfig, train_ds: Any, val_ds: Any) -> str | None:
     """Training and validation batches must have one shape, the model's input shape."""
     train_shape, val_shape = input_shape(cfg, train_ds), input_shape(cfg, val_ds)

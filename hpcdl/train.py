@@ -74,13 +74,7 @@ def train(cfg: TrainConfig, world: World) -> int:
     # --- model, identical on every rank ------------------------------------------------------
     from hpcdl import nn  # noqa: PLC0415
 
-    model = nn.build_model(
-        cfg.model,
-        input_shape=startup.input_shape(cfg, train_ds),  # what the loader yields
-        num_classes=train_ds.num_classes,
-        seed=cfg.seed,
-        xp=xp,
-    )
+    model = startup.build_model(cfg, world, train_ds, xp)  # for the shape the loader yields
     model.set_rng_state(nn.rank_rng_state(cfg.seed, world.rank))
     startup.verify_same_run(world, cfg, startup.shapes(model))
     collectives.broadcast(world.comm, model.params, host_staged=host_staged)

@@ -312,3 +312,38 @@ def test_validation_data_that_cannot_give_the_training_shape_is_one_error(tmp_pa
     assert "--val-data" in lines[0] and "(3, 40, 40)" in lines[0] and "(3, 32, 32)" in lines[0]
     assert "--augment" in lines[0], lines[0]
     assert not metrics.exists()
+
+
+USER_MODEL = Path(__file__).resolve().parent / "test_nn_user_models.py"
+
+
+@pytest.mark.parametrize(
+    "model", ["resnet18", f"{USER_MODEL}:small_convnet"], ids=["resnet18", "user_model"]
+)
+def test_imagenet_resnet_and_a_users_model_train_from_the_command_line(model, digits_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", digits_dir / "train", "--model", model, "--epochs", 1, "--max-steps", 2]
+    proc = run_train(2, *args, "--batch-size", 8, "--workers", 0, "--metrics", metrics)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_events(metrics, "summary")[0]["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "builder,message",
+    [
+        ("returns_layers", "returned a list, not an hpcdl.nn.Model"),
+        ("absent", "has no attribute 'absent'"),
+    ],
+)
+def test_a_wrong_user_model_is_one_line_naming_the_flag(builder, message, digits_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", digits_dir / "train", "--model", f"{USER_MODEL}:{builder}", "--epochs", 1]
+    proc = run_train(2, *args, "--workers", 0, "--metrics", metrics, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output, output
+    lines = [line for line in own_lines(output) if "error" in line]
+    assert len(lines) == 1, output
+    assert lines[0].startswith(f"hpcdl.train: error: --model '{USER_MODEL}:{builder}': "), lines
+    assert message in lines[0]
+    assert not metrics.exists()

@@ -31,6 +31,7 @@ from hpcdl.nn.blocks import BottleneckBlock, ResidualBlock, conv_bn
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.layers import Dropout, Flatten, GlobalAvgPool, Layer, Linear, MaxPool2d, ReLU
 from hpcdl.nn.model import Model
+from hpcdl.nn.user_models import build_user_model, is_user_model
 
 MODELS = ("mlp", "cnn", "resnet20", "resnet18", "resnet50")
 
@@ -43,9 +44,15 @@ def build_model(
     xp: ModuleType = np,
     dtype: Any = np.float32,
 ) -> Model:
-    """Build a model by name; parameters initialised deterministically from seed on xp."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    """Build a model by name; parameters initialised deterministically from seed on xp.
+
+    A name 'package.module:function' or 'file.py:function' calls a user's builder
+    (hpcdl.nn.user_models)."""
+    if name not in MODELS and not is_user_model(name):
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {', '.join(MODELS)}, "
+            "or name your own as package.module:function or file.py:function"
+        )
     shape = tuple(input_shape)
     if len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape):
         raise ValueError(
@@ -55,6 +62,8 @@ def build_model(
     if not isinstance(num_classes, (int, np.integer)) or num_classes < 2:
         raise ValueError(f"model {name!r} needs num_classes >= 2, got {num_classes!r}")
     c, h, w = (int(d) for d in shape)
+    if is_user_model(name):
+        return build_user_model(name, (c, h, w), int(num_classes), seed=seed, xp=xp, dtype=dtype)
     builders = {
         "mlp": _mlp,
         "cnn": _cnn,
