@@ -72,3 +72,21 @@ def test_capacity_limit_stops_growing_with_a_clear_summary(tmp_path):
 def test_bad_flag_value_is_one_clear_error(tmp_path):
     out = stage("--dry-run", "--data", tmp_path / "missing", "--files-only")
     assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_dry_run_shows_the_shape_the_loader_yields_from_the_training_config(tmp_path):
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "data", per_class=2, size=(64, 40))
+    config = tmp_path / "job.toml"
+    config.write_text('data = "data"\naugment = "rrc32+flip"\nbatch_size = 2\n')
+    dry = stage("--dry-run", "--config", config, "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout.splitlines()[-1])["sample_shape"] == [3, 32, 32]
+    assert (
+        "samples reach the model as (3, 32, 32) (C, H, W) with --augment rrc32+flip" in dry.stdout
+    )
+    plain = stage("--dry-run", "--data", tmp_path / "data", "--batch-size", 2, "--json")
+    assert json.loads(plain.stdout.splitlines()[-1])["sample_shape"] == [3, 40, 64]
+    bad = stage("--dry-run", "--data", tmp_path / "data", "--augment", "rrc")
+    assert bad.returncode == 2 and "--augment: unknown op 'rrc'" in bad.stderr
