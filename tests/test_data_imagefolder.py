@@ -164,16 +164,20 @@ def write_corrupt_jpeg(path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_corrupt_jpeg_names_file_and_index_or_is_skipped_and_counted(tmp_path, workers):
+@pytest.mark.parametrize("augment,train", [("none", True), ("rrc8", False)])
+def test_corrupt_jpeg_names_file_and_index_or_is_skipped_and_counted(
+    tmp_path, workers, augment, train
+):
     make_folder(tmp_path / "d", fmt="jpg")
     write_corrupt_jpeg(tmp_path / "d" / "cat" / "1.jpg")
     ds = open_dataset(tmp_path / "d")
     bad = [f.relpath for f in ds.files].index("cat/1.jpg")
-    with Loader(ds, 6, workers=workers) as loader:
+    with Loader(ds, 6, workers=workers, augment=augment) as loader:
         with pytest.raises(DataError, match=rf"sample {bad} in .*cat/1.jpg"):
-            list(loader.iterate([np.arange(6)], 0))
-    with Loader(ds, 6, workers=workers, skip_bad_samples=True) as loader:
-        ((x, y),) = [(a.copy(), b.copy()) for a, b in loader.iterate([np.arange(6)], 0)]
+            list(loader.iterate([np.arange(6)], 0, train=train))
+    with Loader(ds, 6, workers=workers, augment=augment, skip_bad_samples=True) as loader:
+        batches = loader.iterate([np.arange(6)], 0, train=train)
+        ((x, y),) = [(a.copy(), b.copy()) for a, b in batches]
         assert loader.stats()["bad_samples"] == 1
     np.testing.assert_array_equal(x[bad], x[bad - 1])  # the previous good sample stands in
     assert y[bad] == y[bad - 1]

@@ -140,27 +140,36 @@ class BatchBuilder:
     def _eval_resized(self, indices: np.ndarray, images: np.ndarray) -> np.ndarray:
         """Validation of rrcS: each image resized (shorter side int(S / 0.875)), centre S x S.
 
-        Image files decode in JPEG draft mode when the resized size allows (as training does)."""
+        Image files decode one at a time, in JPEG draft mode when the resized size allows."""
         size = self.aug.rrc
-        if self.ds.kind == "hdf5":
-            x, y = self._read_all(indices)
-            if self.ds.layout == "CHW":
-                x = x.transpose(0, 2, 3, 1)  # (n, H, W, C) view
-            decoded = [(x[i], x.shape[1:3]) for i in range(len(x))]
-        else:
-            y = self.ds.labels[indices]
-            decoded = []
-            for index in indices:
-                hw = int(self.ds.heights[index]), int(self.ds.widths[index])
-                rh, rw = eval_resize_hw(*hw, size)
-                img = self._decode_or_none(index, (rw, rh), None)
-                decoded.append(None if img is None else (img[0], hw))
-        for i, sample in enumerate(decoded):
+        samples, y = self._eval_samples(indices)
+        ok = []
+        for i, sample in enumerate(samples):
+            ok.append(sample is not None)
             if sample is not None:
-                region = eval_resize_crop(sample[0], eval_resize_hw(*sample[1], size), size)
+                img, hw = sample  # (h, w, C) uint8, the indexed (H, W) the resize is taken from
+                region = eval_resize_crop(img, eval_resize_hw(*hw, size), size)
                 chw = region.transpose(2, 0, 1)[None]
                 normalise_into(images[i : i + 1], chw, self.mean, self.std)
-        return self._substituted([d is not None for d in decoded], indices, images, y)
+        return self._substituted(ok, indices, images, y)
+
+    def _eval_samples(self, indices: np.ndarray):
+        """(iterator of (image, indexed (H, W)) or None for a skipped bad sample, labels)."""
+        if self.ds.kind == "hdf5":
+            x, y = self._read_all(indices)  # bad samples already substituted
+            if self.ds.layout == "CHW":
+                x = x.transpose(0, 2, 3, 1)  # (n, H, W, C) view
+            return ((x[i], x.shape[1:3]) for i in range(len(x))), y
+
+        def decode_each():
+            for index in indices:
+                hw = int(self.ds.heights[index]), int(self.ds.widths[index])
+                # no header at indexing (0 x 0): decode raises BadSample for it
+                draft = eval_resize_hw(*hw, self.aug.rrc)[::-1] if min(hw) > 0 else None
+                decoded = self._decode_or_none(index, draft, None)
+                yield None if decoded is None else (decoded[0], hw)
+
+        return decode_each(), self.ds.labels[indices]
 
     def _decode_or_none(self, index: np.int64, draft, box):
         """reader.decode's (image, scale), or None for a bad sample skipped under skip_bad."""
