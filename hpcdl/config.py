@@ -28,6 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field."""
 
