@@ -140,12 +140,18 @@ def torchvision_eval(img: np.ndarray, crop: int, resize: int | None) -> np.ndarr
     return img[top : top + crop, left : left + crop]
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers,fmt", [(0, "png"), (1, "png"), (0, "jpg")])
 @pytest.mark.parametrize("spec,resize", [("rrc24+flip", 27), ("rcrop24", None)])
-def test_validation_crops_are_torchvisions_resize_and_centre_crop(tmp_path, spec, resize, workers):
-    """Validation of rrcS: shorter side to int(S / 0.875), centre S x S; of rcropS: centre S x S."""
-    images = make_folder(tmp_path / "d", per_class=1, size=(57, 40), classes=("a",))
-    images.update(make_folder(tmp_path / "d", per_class=2, size=(31, 50), classes=("b",), seed=1))
+def test_validation_crops_are_torchvisions_resize_and_centre_crop(
+    tmp_path, spec, resize, workers, fmt
+):
+    """Validation of rrcS: shorter side to int(S / 0.875), centre S x S; of rcropS: centre S x S.
+
+    The JPEGs are over twice the resized size: a draft (DCT-scaled) decode would not match."""
+    images = make_folder(tmp_path / "d", per_class=1, size=(114, 80), classes=("a",), fmt=fmt)
+    images.update(
+        make_folder(tmp_path / "d", per_class=2, size=(63, 100), classes=("b",), seed=1, fmt=fmt)
+    )
     ds = open_dataset(tmp_path / "d")
     idx = np.arange(3)
     with Loader(ds, 3, workers=workers, augment=spec) as loader:

@@ -140,7 +140,8 @@ class BatchBuilder:
     def _eval_resized(self, indices: np.ndarray, images: np.ndarray) -> np.ndarray:
         """Validation of rrcS: each image resized (shorter side int(S / 0.875)), centre S x S.
 
-        Image files decode one at a time, in JPEG draft mode when the resized size allows."""
+        Image files decode one at a time and in full: a JPEG draft decode (DCT scaling) of a
+        large image would differ from torchvision's eval transform by up to ~17 grey levels."""
         size = self.aug.rrc
         samples, y = self._eval_samples(indices)
         ok = []
@@ -163,10 +164,8 @@ class BatchBuilder:
 
         def decode_each():
             for index in indices:
+                decoded = self._decode_or_none(index, None, None)
                 hw = int(self.ds.heights[index]), int(self.ds.widths[index])
-                # no header at indexing (0 x 0): decode raises BadSample for it
-                draft = eval_resize_hw(*hw, self.aug.rrc)[::-1] if min(hw) > 0 else None
-                decoded = self._decode_or_none(index, draft, None)
                 yield None if decoded is None else (decoded[0], hw)
 
         return decode_each(), self.ds.labels[indices]
