@@ -22,13 +22,14 @@ from typing import Any
 
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.loader import LOADER_TIMEOUT_S
+from hpcdl.nn.models import MODELS
+from hpcdl.nn.user_models import is_user_model, load_builder
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODELS = ("mlp", "cnn", "resnet20")
 PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 
@@ -91,7 +92,6 @@ class TrainConfig:
 
 
 _CHOICES = {
-    "model": MODELS,
     "lr_scaling": ("none", "linear"),
     "lr_decay": ("none", "cosine", "step"),
     "optimizer": ("sgd", "adam", "adamw"),
@@ -110,7 +110,8 @@ _HELP = {
     "data": "training data: HDF5 file, directory of HDF5 shards, or image folder root/<class>/ "
     "(required; no default)",
     "val_data": "validation data (same kinds as --data) (default: none, no validation)",
-    "model": "network to train",
+    "model": f"{', '.join(MODELS)}, or your own: package.module:function or "
+    "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md)",
     "epochs": "passes over the training data",
     "batch_size": "minibatch size per rank, in samples (global batch = ranks x this)",
     "lr": "base learning rate (before --lr-scaling)",
@@ -224,6 +225,8 @@ def build_parser(prog: str = "python -m hpcdl.train") -> argparse.ArgumentParser
             kwargs["type"] = str  # converted and validated in one place, with our messages
             if f.name in _CHOICES:
                 kwargs["metavar"] = "{" + ",".join(_CHOICES[f.name]) + "}"
+            elif f.name == "model":
+                kwargs["metavar"] = "{" + ",".join(MODELS) + "}|MODULE:FUNCTION"
         parser.add_argument(_flag(f.name), **kwargs)
     return parser
 
@@ -311,6 +314,7 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
             )
+    _validate_model(cfg.model)
     for name in _POSITIVE_INT:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
@@ -347,4 +351,18 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"--stage-capacity must be bytes (e.g. 200G) or a percentage (e.g. 80%), "
             f"got {cfg.stage_capacity!r}"
+        )
+
+
+def _validate_model(model: str) -> None:
+    """A built-in name, or a user's builder that imports (called later, with the data's shape)."""
+    if is_user_model(model):
+        try:
+            load_builder(model)
+        except ValueError as exc:
+            raise ConfigError(f"--{exc}") from None
+    elif model not in MODELS:
+        raise ConfigError(
+            f"--model must be one of {', '.join(MODELS)} or package.module:function / "
+            f"path/to/file.py:function, got {model!r}"
         )

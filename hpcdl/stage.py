@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, help="sampler seed (default 0)")
     a("--epochs", type=int, help="training epochs (dry run: also report the whole run) (default 1)")
     a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode (default global)")
+    a("--augment", help="dry run: the training --augment, for the samples' shape (default none)")
     a("--stage-threads", type=int, help="copy threads (default 8)")
     a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use (default: all)")
     a("--stage-verify", action="store_true", default=None, help="verify copies by checksum")
@@ -98,6 +99,7 @@ DEFAULTS: dict[str, Any] = dict(
     seed=0,
     epochs=1,
     shuffle="global",
+    augment="none",
     placement="block",
     stage_threads=8,
     pfs_bandwidth=1000.0,
@@ -222,11 +224,14 @@ def dry_run(args: argparse.Namespace) -> int:
                 pfs_mbps=round(mbps, 1),
             )
         )
+    shape = loader_shape(ds, args.augment)
     print(
         f"staging plan: {nodes} nodes x {per} ranks ({args.placement} placement), batch "
         f"{args.batch_size}, seed {args.seed}, shuffle {args.shuffle}; first epoch per node "
         f"(whole run of {args.epochs} epochs):"
     )
+    if shape is not None:
+        print(f"  samples reach the model as {shape} (C, H, W) with --augment {args.augment}")
     for r in rows:
         print(
             f"  node {r['node']}: {r['files']} files, {r['bytes'] / 1e6:.1f} MB, "
@@ -236,8 +241,19 @@ def dry_run(args: argparse.Namespace) -> int:
             f"(run: {r['run_files']} files, {r['run_bytes'] / 1e6:.1f} MB)"
         )
     if args.json:
-        print(json.dumps({"nodes": rows}))
+        print(json.dumps({"nodes": rows, "sample_shape": shape and list(shape)}))
     return 0
+
+
+def loader_shape(ds: Any, augment: str) -> tuple[int, int, int] | None:
+    """(C, H, W) the training loader yields for ds (hpcdl.data.batch.output_shape); None for a
+    plain file tree (--files-only), whose files are not samples."""
+    if not hasattr(ds, "sample_shape"):
+        return None
+    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
+    from hpcdl.data.batch import output_shape  # noqa: PLC0415
+
+    return output_shape(ds, parse_augment(augment))
 
 
 def stage_only(args: argparse.Namespace) -> int:

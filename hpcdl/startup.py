@@ -100,15 +100,51 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
                 f"use a batch size <= {per_rank} or fewer ranks"
             )
     if error is None and val_ds is not None:
-        if tuple(val_ds.sample_shape) != tuple(train_ds.sample_shape):
-            error = (
-                f"--val-data {cfg.val_data} has samples of shape {tuple(val_ds.sample_shape)}, "
-                f"--data has {tuple(train_ds.sample_shape)}"
-            )
+        error = _shape_error(cfg, train_ds, val_ds)
     if error is None and val_ds is not None:
         _, error = _local_error(lambda: align_classes(val_ds, train_ds))
     agree_on_errors(world.comm, world.rank, error)  # also: every node's cache is written
     return train_ds, val_ds
+
+
+def input_shape(cfg: TrainConfig, ds: Any) -> tuple[int, int, int]:
+    """(C, H, W) of the samples the loaders yield for ds under --augment: the model's input."""
+    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
+    from hpcdl.data.batch import output_shape  # noqa: PLC0415
+
+    return output_shape(ds, parse_augment(cfg.augment))
+
+
+def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any) -> Any:
+    """--model for the shape the loaders yield (input_shape), on every rank; a builder that
+    fails (a user's, `module:function`) stops every rank with one line."""
+    from hpcdl import nn  # noqa: PLC0415
+
+    model, error = None, None
+    try:
+        model = nn.build_model(
+            cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
+        )
+    except ValueError as exc:
+        error = f"--{exc}"
+    agree_on_errors(world.comm, world.rank, error)
+    return model
+
+
+def _shape_error(cfg: TrainConfig, train_ds: Any, val_ds: Any) -> str | None:
+    """Training and validation batches must have one shape, the model's input shape."""
+    train_shape, val_shape = input_shape(cfg, train_ds), input_shape(cfg, val_ds)
+    if train_shape == val_shape:
+        return None
+    fix = (
+        "give --val-data images with the same number of channels"
+        if train_shape[0] != val_shape[0]
+        else "use --augment rcropS or rrcS to crop both to S x S, or images of the same size"
+    )
+    return (
+        f"--val-data {cfg.val_data} yields samples of shape {val_shape} with --augment "
+        f"{cfg.augment}, --data {cfg.data} yields {train_shape}; {fix}"
+    )
 
 
 def make_sampler(cfg: TrainConfig, world: World, num_samples: int) -> DistributedSampler:

@@ -74,13 +74,7 @@ def train(cfg: TrainConfig, world: World) -> int:
     # --- model, identical on every rank ------------------------------------------------------
     from hpcdl import nn  # noqa: PLC0415
 
-    model = nn.build_model(
-        cfg.model,
-        input_shape=tuple(train_ds.sample_shape),
-        num_classes=train_ds.num_classes,
-        seed=cfg.seed,
-        xp=xp,
-    )
+    model = startup.build_model(cfg, world, train_ds, xp)  # for the shape the loader yields
     model.set_rng_state(nn.rank_rng_state(cfg.seed, world.rank))
     startup.verify_same_run(world, cfg, startup.shapes(model))
     collectives.broadcast(world.comm, model.params, host_staged=host_staged)
@@ -155,7 +149,11 @@ def train(cfg: TrainConfig, world: World) -> int:
     except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
         error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
-    val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed) if val_ds else None
+    val_loader = (
+        Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
+        if val_ds
+        else None
+    )
 
     reducer = None
     if world.size > 1 and cfg.params_sync_every == 0:

@@ -6,6 +6,8 @@ import pytest
 from hpcdl.data.augment import (
     Augment,
     crop_boxes,
+    eval_resize_crop,
+    eval_resize_hw,
     gather_crops,
     parse_augment,
     uniforms,
@@ -49,7 +51,7 @@ def test_pad_crop_and_flip_match_a_per_sample_reference():
 
 def test_validation_is_a_deterministic_centre_crop():
     hs, ws = np.array([256, 300]), np.array([256, 200])
-    for spec in ("rrc224+flip", "rcrop224+flip", "crop4+flip"):
+    for spec in ("rcrop224+flip", "crop4+flip"):
         aug = parse_augment(spec)
         a = crop_boxes(aug, hs, ws, (256, 200), 0, 0, np.array([1, 2]), train=False)
         b = crop_boxes(aug, hs, ws, (256, 200), 9, 7, np.array([1, 2]), train=False)
@@ -58,6 +60,21 @@ def test_validation_is_a_deterministic_centre_crop():
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
     c = crop_boxes(parse_augment("rcrop224"), hs, ws, (256, 200), 0, 0, np.array([1, 2]), False)
     assert c.y0.tolist() == [16, 38] and c.h.tolist() == [224, 224] and c.w.tolist() == [224, 200]
+    # torchvision's CenterCrop: offset int(round((h - S) / 2)), halves to even
+    odd = crop_boxes(parse_augment("rcrop4"), [7, 9], [9, 7], (7, 7), 0, 0, np.arange(2), False)
+    assert odd.y0.tolist() == [2, 2] and odd.x0.tolist() == [2, 2]
+
+
+def test_validation_of_rrc_resizes_as_torchvision():
+    """Resize(int(S / 0.875)): shorter side int(S / 0.875), longer int(short * long / shorter)."""
+    assert eval_resize_hw(375, 500, 224) == (256, 341)
+    assert eval_resize_hw(500, 375, 224) == (341, 256)
+    assert eval_resize_hw(64, 64, 48) == (54, 54)  # int(54.86), not round()
+    img = np.arange(9 * 12 * 1, dtype=np.uint8).reshape(9, 12, 1)
+    assert eval_resize_crop(img, (9, 12), 8).shape == (8, 8, 1)
+    np.testing.assert_array_equal(eval_resize_crop(img, (9, 12), 8), img[0:8, 2:10])
+    with pytest.raises(ValueError, match="eval_resize_hw"):
+        crop_boxes(parse_augment("rrc8"), [9], [12], (9, 12), 0, 0, np.arange(1), train=False)
 
 
 def test_random_resized_crop_boxes_lie_inside_the_image():

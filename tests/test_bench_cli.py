@@ -27,3 +27,11 @@ def test_missing_or_unknown_benchmark_is_a_usage_error():
     r = bench("nope")
     assert r.returncode == 2 and r.stdout == ""
     assert "unknown benchmark 'nope'" in r.stderr and "--help" in r.stderr
+
+
+def test_the_scaling_driver_offers_exactly_the_models_hpcdl_nn_builds():
+    """The driver keeps its own list (it does not import hpcdl.nn); hpcdl.nn owns the names."""
+    from hpcdl import nn
+    from hpcdl.bench import scaling
+
+    assert scaling.MODELS == nn.MODELS

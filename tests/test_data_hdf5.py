@@ -61,6 +61,24 @@ def test_loader_batches_equal_direct_reads(shards):
     assert stats["pfs_reads"] == 7 and stats["local_reads"] == 0
 
 
+@pytest.mark.parametrize("spec,resize", [("rrc4+flip", 4), ("rcrop4", None)])
+def test_validation_crops_of_uint8_samples_are_torchvisions(shards, spec, resize):
+    """6x5 samples: rrc4 validates on a resize to shorter side int(4 / 0.875) = 4 (5x4), then
+    the centre 4x4; rcrop4 on the centre 4x4 (the shape the training crops have)."""
+    from test_data_imagefolder import torchvision_eval  # noqa: PLC0415
+
+    d, x, y = shards
+    ds = open_dataset(d)
+    idx = np.array([7, 120, 249])
+    with Loader(ds, 3, augment=spec) as loader:
+        assert loader.sample_shape == (3, 4, 4)
+        ((images, labels),) = list(loader.iterate([idx], 0, train=False))
+    want = np.stack([torchvision_eval(x[i], 4, resize) for i in idx]).astype(np.float32)
+    want = (want - [1, 2, 3]) / np.float32([2, 4, 8])
+    np.testing.assert_allclose(images, want.transpose(0, 3, 1, 2), rtol=1e-6)
+    np.testing.assert_array_equal(labels, y[idx])
+
+
 def test_chunked_compressed_and_float_chw_files_read_through_h5py(tmp_path):
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (50, 4, 4, 1), dtype=np.uint8)

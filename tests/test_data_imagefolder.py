@@ -125,6 +125,43 @@ def test_mixed_sizes_centre_crop_to_the_smallest(tmp_path):
     assert x.shape == (6, 3, 16, 11)
 
 
+def torchvision_eval(img: np.ndarray, crop: int, resize: int | None) -> np.ndarray:
+    """torchvision's eval transform on an (h, w, C) uint8 image, written from its definitions:
+    Resize(resize) (shorter side to resize, longer int(resize * long / short), PIL bilinear),
+    then CenterCrop(crop) (top int(round((h - crop) / 2)))."""
+    h, w = img.shape[:2]
+    if resize is not None:
+        if h <= w:
+            h, w = resize, int(resize * w / h)
+        else:
+            h, w = int(resize * h / w), resize
+        img = np.asarray(Image.fromarray(img).resize((w, h), Image.BILINEAR))
+    top, left = int(round((h - crop) / 2.0)), int(round((w - crop) / 2.0))
+    return img[top : top + crop, left : left + crop]
+
+
+@pytest.mark.parametrize("workers,fmt", [(0, "png"), (1, "png"), (0, "jpg")])
+@pytest.mark.parametrize("spec,resize", [("rrc24+flip", 27), ("rcrop24", None)])
+def test_validation_crops_are_torchvisions_resize_and_centre_crop(
+    tmp_path, spec, resize, workers, fmt
+):
+    """Validation of rrcS: shorter side to int(S / 0.875), centre S x S; of rcropS: centre S x S.
+
+    The JPEGs are over twice the resized size: a draft (DCT-scaled) decode would not match."""
+    images = make_folder(tmp_path / "d", per_class=1, size=(114, 80), classes=("a",), fmt=fmt)
+    images.update(
+        make_folder(tmp_path / "d", per_class=2, size=(63, 100), classes=("b",), seed=1, fmt=fmt)
+    )
+    ds = open_dataset(tmp_path / "d")
+    idx = np.arange(3)
+    with Loader(ds, 3, workers=workers, augment=spec) as loader:
+        assert loader.sample_shape == (3, 24, 24)
+        x = next(iter(loader.iterate([idx], 0, train=False)))[0].copy()  # the slot is unmapped
+    want = np.stack([torchvision_eval(images[ds.files[i].relpath], 24, resize) for i in idx])
+    want = (want.astype(np.float32) - ds.mean) / ds.std
+    np.testing.assert_allclose(x, want.transpose(0, 3, 1, 2), rtol=1e-5, atol=1e-5)
+
+
 def write_corrupt_jpeg(path):
     arr = np.random.default_rng(0).integers(0, 256, (16, 20, 3), dtype=np.uint8)
     Image.fromarray(arr).save(path, quality=95)
@@ -133,16 +170,20 @@ def write_corrupt_jpeg(path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_corrupt_jpeg_names_file_and_index_or_is_skipped_and_counted(tmp_path, workers):
+@pytest.mark.parametrize("augment,train", [("none", True), ("rrc8", False)])
+def test_corrupt_jpeg_names_file_and_index_or_is_skipped_and_counted(
+    tmp_path, workers, augment, train
+):
     make_folder(tmp_path / "d", fmt="jpg")
     write_corrupt_jpeg(tmp_path / "d" / "cat" / "1.jpg")
     ds = open_dataset(tmp_path / "d")
     bad = [f.relpath for f in ds.files].index("cat/1.jpg")
-    with Loader(ds, 6, workers=workers) as loader:
+    with Loader(ds, 6, workers=workers, augment=augment) as loader:
         with pytest.raises(DataError, match=rf"sample {bad} in .*cat/1.jpg"):
-            list(loader.iterate([np.arange(6)], 0))
-    with Loader(ds, 6, workers=workers, skip_bad_samples=True) as loader:
-        ((x, y),) = [(a.copy(), b.copy()) for a, b in loader.iterate([np.arange(6)], 0)]
+            list(loader.iterate([np.arange(6)], 0, train=train))
+    with Loader(ds, 6, workers=workers, augment=augment, skip_bad_samples=True) as loader:
+        batches = loader.iterate([np.arange(6)], 0, train=train)
+        ((x, y),) = [(a.copy(), b.copy()) for a, b in batches]
         assert loader.stats()["bad_samples"] == 1
     np.testing.assert_array_equal(x[bad], x[bad - 1])  # the previous good sample stands in
     assert y[bad] == y[bad - 1]

@@ -15,6 +15,13 @@ def test_compute_benchmark_prints_json_last(capsys):
     assert result["torch_ms_per_step"] is None and result["ratio"] is None
 
 
+def test_compute_benchmark_takes_the_imagenet_resnets(capsys):
+    argv = ["--model", "resnet18", "--batch-size", "2", "--input-shape", "3,16,16", "--steps", "1"]
+    assert compute.main([*argv, "--no-torch", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["model"] == "resnet18" and result["hpcdl_ms_per_step"] > 0
+
+
 def test_compute_benchmark_rejects_a_bad_input_shape(capsys):
     try:
         compute.main(["--input-shape", "3,32"])

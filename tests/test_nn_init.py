@@ -94,17 +94,34 @@ def test_keras_models_have_glorot_uniform_kernels_and_zero_biases(name):
         assert not layer.p["b"].any()
 
 
-def test_resnet20_initialises_as_torchvision():
+@pytest.mark.parametrize("name,convs,features", [("resnet20", 19, 64), ("resnet18", 20, 512)])
+def test_resnets_initialise_as_torchvision(name, convs, features):
     """Kaiming-normal fan_out convolutions, BatchNorm 1 and 0, nn.Linear's default classifier."""
-    model = nn.build_model("resnet20", (3, 32, 32), 10, seed=0, dtype=np.float64)
-    convs = leaves(model, nn.Conv2d)
-    assert len(convs) == 19 and not any(c.has_bias for c in convs)
-    z = pooled([(c.p["W"], np.sqrt(2 / (c.kh * c.kw * c.c_out))) for c in convs])  # N(0, 1)
+    model = nn.build_model(name, (3, 32, 32), 10, seed=0, dtype=np.float64)
+    conv_layers = leaves(model, nn.Conv2d)
+    assert len(conv_layers) == convs and not any(c.has_bias for c in conv_layers)
+    z = pooled([(c.p["W"], np.sqrt(2 / (c.kh * c.kw * c.c_out))) for c in conv_layers])  # N(0, 1)
     check_stats(z, 1.0, "normal")
     for bn in leaves(model, nn.BatchNorm):
         assert (bn.p["gamma"] == 1).all() and not bn.p["beta"].any()
     (fc,) = leaves(model, nn.Linear)
-    bound = 1 / np.sqrt(64)
+    bound = 1 / np.sqrt(features)
     assert 0.9 * bound < np.abs(fc.p["W"]).max() <= bound
     assert 0 < np.abs(fc.p["b"]).max() <= bound
-    assert abs(fc.p["W"].var() * 3 * 64 - 1) < 0.2  # 640 draws of U(-1/8, 1/8)
+    assert abs(fc.p["W"].var() * 3 * features - 1) < 0.2  # 10 x features draws of U(-b, b)
+
+
+def test_resnet50_declares_torchvisions_initialisers():
+    """The same rules on resnet50, read from the layers' declarations (no 25M-value draw)."""
+    from hpcdl.nn.models import _resnet50
+
+    layers = _resnet50(3, 224, 224, 1000)
+    specs = [s for layer in layers for leaf in layer.leaves() for s in leaf.param_specs]
+    by_init = {}
+    for s in specs:
+        by_init.setdefault(s.init, []).append(s)
+    assert {len(s.shape) for s in by_init["kaiming_normal_fan_out"]} == {4}  # every conv
+    assert len(by_init["kaiming_normal_fan_out"]) == 53
+    assert sorted(s.name for s in by_init["torch_default"]) == ["W", "b"]  # the classifier
+    assert {s.name for s in by_init["ones"]} == {"gamma"}
+    assert {s.name for s in by_init["zeros"]} == {"beta"}

@@ -8,6 +8,7 @@ import pytest
 from hpcdl.backend import to_host
 from hpcdl.nn import (
     BatchNorm,
+    BottleneckBlock,
     Conv2d,
     Dropout,
     Flatten,
@@ -141,6 +142,23 @@ def test_maxpool_gradients(xp, kernel, stride, nhwc):
     check_layer(MaxPool2d(kernel, stride), nhwc, xp)
 
 
+@pytest.mark.parametrize("nhwc", [(2, 7, 7, 2), (2, 6, 5, 3), (1, 1, 1, 2)])
+def test_maxpool_with_padding_gradients_and_values(xp, nhwc):
+    """ResNet's stem pool: 3x3, stride 2, padding 1 (implicit -inf borders, as PyTorch)."""
+    pool = MaxPool2d(3, 2, padding=1)
+    check_layer(pool, nhwc, xp)
+    x = np.random.default_rng(1).standard_normal(nhwc) - 10.0  # all negative: zero pads would win
+    y = to_host(pool.forward(xp.asarray(x)))
+    n, h, w, c = nhwc
+    assert y.shape == (n, (h - 1) // 2 + 1, (w - 1) // 2 + 1, c)
+    for i in range(y.shape[1]):
+        for j in range(y.shape[2]):
+            window = x[:, max(0, 2 * i - 1) : 2 * i + 2, max(0, 2 * j - 1) : 2 * j + 2]
+            np.testing.assert_array_equal(y[:, i, j], window.max(axis=(1, 2)))
+    with pytest.raises(ValueError, match="padding 2,2 must be at most half the kernel 3x3"):
+        MaxPool2d(3, 2, padding=2)
+
+
 @pytest.mark.parametrize("kernel,stride", [(2, None), (2, 1)])
 def test_maxpool_ties_share_the_gradient(kernel, stride):
     pool = MaxPool2d(kernel, stride)
@@ -241,6 +259,18 @@ def test_residual_block_gradients(xp, c_in, c_out, stride, shortcut):
     block = ResidualBlock(c_in, c_out, stride, shortcut=shortcut)
     y = check_layer(block, (2, 5, 5, c_in), xp, params_checked=60)
     assert y.shape == (2, 3 if stride == 2 else 5, 3 if stride == 2 else 5, c_out)
+
+
+@pytest.mark.parametrize("c_in,width,stride", [(4, 2, 2), (8, 2, 1), (3, 2, 1)])
+def test_bottleneck_block_gradients(xp, c_in, width, stride):
+    """1x1 -> 3x3 (strided) -> 1x1 x4; projection shortcut unless (c_in, stride) = (4 w, 1)."""
+    block = BottleneckBlock(c_in, width, stride)
+    assert isinstance(block.shortcut, Sequential)
+    assert len(block.shortcut.layers) == (0 if (c_in, stride) == (4 * width, 1) else 2)
+    strided = [leaf for leaf in block.branch.leaves() if isinstance(leaf, Conv2d) and leaf.sh > 1]
+    assert [(c.kh, c.sh) for c in strided] == ([(3, 2)] if stride == 2 else [])
+    y = check_layer(block, (2, 5, 5, c_in), xp, params_checked=60)
+    assert y.shape == (2, 3 if stride == 2 else 5, 3 if stride == 2 else 5, 4 * width)
 
 
 def test_option_a_shortcut_pads_channels_and_subsamples():

@@ -20,10 +20,18 @@ def batch(shape, n=4, classes=5, seed=0, xp=np, dtype=np.float32):
 
 @pytest.mark.parametrize(
     "name,shape",
-    [("mlp", (2, 4, 3)), ("cnn", (1, 8, 8)), ("cnn", (2, 5, 7)), ("resnet20", (3, 6, 5))],
+    [
+        ("mlp", (2, 4, 3)),
+        ("cnn", (1, 8, 8)),
+        ("cnn", (2, 5, 7)),
+        ("resnet20", (3, 6, 5)),
+        ("resnet18", (3, 16, 16)),
+    ],
 )
 def test_model_gradient_matches_finite_differences(xp, name, shape):
-    """Every parameter array of the model, sampled, in float64 (train mode, fixed dropout)."""
+    """Every parameter array of the model, sampled, in float64 (train mode, fixed dropout).
+
+    resnet18 on 16x16: stem 8x8, pool 4x4, ..., 1x1 in stage 4 (1 entry per array)."""
     model = nn.build_model(name, shape, 5, seed=1, xp=xp, dtype=np.float64)
     x, y = batch(shape, xp=xp, dtype=np.float64)
     state = model.get_rng_state()
@@ -37,9 +45,10 @@ def test_model_gradient_matches_finite_differences(xp, name, shape):
     model.backward(d)
     analytic = to_host(model.grads).copy()
     rng = np.random.default_rng(0)
+    per_array = 1 if len(model.layout()) > 50 else 4  # resnet18: 62 arrays, ~50 ms a forward
     idx = np.concatenate(
         [
-            off + rng.choice(int(np.prod(s)), min(4, int(np.prod(s))), replace=False)
+            off + rng.choice(int(np.prod(s)), min(per_array, int(np.prod(s))), replace=False)
             for _, s, off in model.layout()
         ]
     )
@@ -120,14 +129,55 @@ def test_cnn_is_the_keras_cifar10_network_on_32x32():
     assert (3, 3, 3, 32) in shapes and (2304, 512) in shapes and (512, 10) in shapes
 
 
+@pytest.mark.parametrize(
+    "name,params,convs,blocks",
+    [
+        ("resnet18", 11_689_512, 20, nn.ResidualBlock),
+        ("resnet50", 25_557_032, 53, nn.BottleneckBlock),
+    ],
+)
+def test_imagenet_resnets_have_torchvisions_parameter_counts(name, params, convs, blocks):
+    """torchvision.models.resnet18/50(num_classes=1000): sum(p.numel() for p in parameters())."""
+    model = nn.build_model(name, (3, 224, 224), 1000)
+    assert model.num_params == params
+    bns = [leaf for leaf in model.body.leaves() if isinstance(leaf, nn.BatchNorm)]
+    assert model.buffers.size == 2 * sum(bn.channels for bn in bns)  # running stats: buffers
+    assert len([leaf for leaf in model.body.leaves() if isinstance(leaf, nn.Conv2d)]) == convs
+    assert sum(isinstance(layer, blocks) for layer in model.body.layers) == (
+        8 if convs == 20 else 16
+    )
+    (pool,) = [leaf for leaf in model.body.leaves() if isinstance(leaf, nn.MaxPool2d)]
+    assert (pool.kh, pool.sh, pool.ph) == (3, 2, 1)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_imagenet_resnets_downsample_32_times(name):
+    model = nn.build_model(name, (3, 64, 64), 4, seed=0)
+    x, y = batch((3, 64, 64), n=2, classes=4)
+    shapes = []
+    h = x.transpose(0, 2, 3, 1).copy()
+    for layer in model.body.layers:
+        h = layer.forward(h, train=True)
+        shapes.append(h.shape)
+    width = 512 if name == "resnet18" else 2048
+    assert shapes[0] == (2, 32, 32, 64) and shapes[3] == (2, 16, 16, 64)  # stem, max pool
+    assert shapes[-3] == (2, 2, 2, width) and shapes[-1] == (2, 4)
+
+
 def test_resnet20_has_the_published_parameter_count():
     model = nn.build_model("resnet20", (3, 32, 32), 10)
     # convs 432 + 13,824 + 50,688 + 202,752; BN 2 x 688; dense 650 (He et al.: "0.27M")
     assert model.params.size == 269_722
 
 
-@pytest.mark.parametrize("name", nn.MODELS)
-@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 2, 9), (2, 8, 8), (1, 17, 13)])
+SHAPES = [(1, 1, 1), (3, 2, 9), (2, 8, 8), (1, 17, 13)]
+
+
+# resnet50 (25M parameters: seconds to build) at one shape; resnet18 shares its stem and stages
+@pytest.mark.parametrize(
+    "name,shape",
+    [(n, s) for n in nn.MODELS for s in SHAPES if n != "resnet50" or s == (1, 17, 13)],
+)
 def test_any_input_shape_and_class_count_works(name, shape):
     model = nn.build_model(name, shape, 3, seed=0)
     x, y = batch(shape, n=2, classes=3)

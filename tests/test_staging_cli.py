@@ -93,3 +93,21 @@ def test_stage_only_under_mpirun_into_a_file_writes_whole_lines(tmp_path):
     assert proc.returncode == 0, text
     assert "\r" not in text, repr(text)
     assert "node 0: 100% (30/30 files)" in text, text
+
+
+def test_dry_run_shows_the_shape_the_loader_yields_from_the_training_config(tmp_path):
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "data", per_class=2, size=(64, 40))
+    config = tmp_path / "job.toml"
+    config.write_text('data = "data"\naugment = "rrc32+flip"\nbatch_size = 2\n')
+    dry = stage("--dry-run", "--config", config, "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout.splitlines()[-1])["sample_shape"] == [3, 32, 32]
+    assert (
+        "samples reach the model as (3, 32, 32) (C, H, W) with --augment rrc32+flip" in dry.stdout
+    )
+    plain = stage("--dry-run", "--data", tmp_path / "data", "--batch-size", 2, "--json")
+    assert json.loads(plain.stdout.splitlines()[-1])["sample_shape"] == [3, 40, 64]
+    bad = stage("--dry-run", "--data", tmp_path / "data", "--augment", "rrc")
+    assert bad.returncode == 2 and "--augment: unknown op 'rrc'" in bad.stderr

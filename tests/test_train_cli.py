@@ -274,3 +274,76 @@ def test_run_without_validation_data_ends_with_a_summary_line(digits_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.splitlines()[-1]
     assert re.fullmatch(r"hpcdl\.train: final train loss .* images/s\)", last), proc.stdout
+
+
+@pytest.mark.parametrize("augment,validation", [("rrc48+flip", False), ("rcrop32", True)])
+def test_crops_train_and_validate_on_a_folder_of_larger_images(augment, validation, tmp_path):
+    """Issue 10: the model takes the shape the loader yields, not the stored sample shape.
+
+    The validation images are larger and not square: with a crop they still give S x S."""
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "train", per_class=4, size=(64, 64), fmt="jpg")
+    make_folder(tmp_path / "val", per_class=2, size=(90, 70), fmt="jpg", seed=1)
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", tmp_path / "train", "--model", "mlp", "--augment", augment]
+    args += ["--val-data", tmp_path / "val"] if validation else []
+    args += ["--epochs", 1, "--batch-size", 4, "--workers", 1]
+    proc = run_train(1, *args, "--metrics", metrics, "--quiet", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_events(metrics, "summary")[0]
+    assert summary["steps"] == 2, summary
+    if validation:
+        assert 0.0 <= summary["val_accuracy"] <= 1.0, summary
+
+
+def test_validation_data_that_cannot_give_the_training_shape_is_one_error(tmp_path):
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "train", per_class=4, size=(32, 32))
+    make_folder(tmp_path / "val", per_class=2, size=(40, 40))
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", tmp_path / "train", "--val-data", tmp_path / "val", "--epochs", 1]
+    proc = run_train(2, *args, "--batch-size", 2, "--metrics", metrics, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    lines = [line for line in own_lines(output) if "error" in line]
+    assert len(lines) == 1, output
+    assert "--val-data" in lines[0] and "(3, 40, 40)" in lines[0] and "(3, 32, 32)" in lines[0]
+    assert "--augment" in lines[0], lines[0]
+    assert not metrics.exists()
+
+
+USER_MODEL = Path(__file__).resolve().parent / "test_nn_user_models.py"
+
+
+@pytest.mark.parametrize(
+    "model", ["resnet18", f"{USER_MODEL}:small_convnet"], ids=["resnet18", "user_model"]
+)
+def test_imagenet_resnet_and_a_users_model_train_from_the_command_line(model, digits_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", digits_dir / "train", "--model", model, "--epochs", 1, "--max-steps", 2]
+    proc = run_train(2, *args, "--batch-size", 8, "--workers", 0, "--metrics", metrics)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_events(metrics, "summary")[0]["steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "builder,message",
+    [
+        ("returns_layers", "returned a list, not an hpcdl.nn.Model"),
+        ("absent", "has no attribute 'absent'"),
+    ],
+)
+def test_a_wrong_user_model_is_one_line_naming_the_flag(builder, message, digits_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", digits_dir / "train", "--model", f"{USER_MODEL}:{builder}", "--epochs", 1]
+    proc = run_train(2, *args, "--workers", 0, "--metrics", metrics, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert "Traceback" not in output, output
+    lines = [line for line in own_lines(output) if "error" in line]
+    assert len(lines) == 1, output
+    assert lines[0].startswith(f"hpcdl.train: error: --model '{USER_MODEL}:{builder}': "), lines
+    assert message in lines[0]
+    assert not metrics.exists()

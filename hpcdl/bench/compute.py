@@ -1,9 +1,10 @@
 """`python -m hpcdl.bench compute`: ms per training step of hpcdl.nn vs PyTorch, same run.
 
 A step is forward + softmax cross-entropy + backward + SGD-momentum update on a random batch,
-for the same architecture (cnn = the Keras cifar10_cnn network) on the same device. PyTorch is
-optional (benchmark-only): without it the torch column is null. With --json the last line is
-one JSON object.
+for the same architecture (cnn = the Keras cifar10_cnn network; resnet18/resnet50 =
+torchvision's) on the same device. PyTorch is optional (benchmark-only): without it, or without
+torchvision for resnet18/resnet50, the torch column is null. With --json the last line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -141,7 +142,19 @@ def torch_model(torch: Any, name: str, shape: tuple[int, int, int], classes: int
             tnn.Dropout(0.5),
             tnn.Linear(512, classes),
         )
+    if name in ("resnet18", "resnet50"):
+        return _torchvision_resnet(torch, name, c, classes)
     return _torch_resnet20(torch, c, classes)
+
+
+def _torchvision_resnet(torch: Any, name: str, c: int, classes: int):
+    """torchvision's resnet18/resnet50 (the reference hpcdl's match); ImportError without it."""
+    import torchvision  # noqa: PLC0415
+
+    model = getattr(torchvision.models, name)(num_classes=classes)
+    if c != 3:  # the stem for other channel counts, as hpcdl builds it
+        model.conv1 = torch.nn.Conv2d(c, 64, 7, 2, 3, bias=False)
+    return model
 
 
 def _torch_resnet20(torch: Any, c: int, classes: int):
@@ -178,11 +191,13 @@ def torch_stepper(args: argparse.Namespace):
     """(step, sync) for the same step in PyTorch, or None when torch is not importable."""
     try:
         import torch  # noqa: PLC0415
+
+        torch.manual_seed(0)
+        model = torch_model(torch, args.model, args.shape, args.classes)
     except ImportError:
         return None
     device = "cuda" if args.device == "gpu" else "cpu"
-    torch.manual_seed(0)
-    model = torch_model(torch, args.model, args.shape, args.classes).to(device)
+    model = model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(args.batch_size, *args.shape, device=device)
     y = torch.randint(0, args.classes, (args.batch_size,), device=device)
@@ -224,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  hpcdl  {ours_ms:8.1f} ms/step")
     if theirs_ms is None:
-        print("  torch       n/a (not installed)")
+        print("  torch       n/a (torch, or torchvision for resnet18/50, not installed)")
     else:
         print(f"  torch  {theirs_ms:8.1f} ms/step   ratio hpcdl/torch {ratio:.2f}")
     if args.json:

@@ -32,6 +32,8 @@ def mount_data(stack: ExitStack, args: argparse.Namespace, root: str, scratch: P
 
 def index_cost(pfs: SlowMount) -> dict[str, Any]:
     """Build the mounted data set's index once (cached for every later run); seconds and opens."""
+    from hpcdl.data.augment import Augment  # noqa: PLC0415
+    from hpcdl.data.batch import output_shape  # noqa: PLC0415
     from hpcdl.data.imagefolder import ImageFolderDataset  # noqa: PLC0415
 
     before = _settled_stats(pfs)["opens"]
@@ -43,7 +45,7 @@ def index_cost(pfs: SlowMount) -> dict[str, Any]:
         "seconds": ds.index_seconds,
         "opens": opens,
         "goal_seconds": len(ds) * latency_s / 16,
-        "sample_shape": list(ds.sample_shape),
+        "sample_shape": list(output_shape(ds, Augment())),  # what hpcdl.train yields: no --augment
         "bytes": sum(f.size for f in ds.files),
     }
 

@@ -28,7 +28,7 @@ from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-MODELS = ("mlp", "cnn", "resnet20")  # hpcdl.nn.MODELS; the worker validates again
+MODELS = ("mlp", "cnn", "resnet20", "resnet18", "resnet50")  # hpcdl.nn.MODELS; checked in tests
 NO_GPU = (
     "hpcdl.bench: --device gpu needs CuPy and a visible NVIDIA GPU on this node; "
     "install the 'gpu' extra (pip install 'hpcdl[gpu]') or use --device cpu"

@@ -5,9 +5,15 @@ Spec string (`--augment`), ops joined by '+':
   cropP     pad P pixels of zeros on each side, random crop back to the sample size (CIFAR)
   rcropS    random S x S crop (validation: centre S x S crop)
   rrcS      random-resized crop to S x S: area 8-100 %, aspect 3/4-4/3 (ImageNet style);
-            validation: resize the shorter side to S / 0.875, centre S x S crop
+            validation: resize the shorter side to int(S / 0.875), centre S x S crop
   flip      horizontal flip with probability 1/2
 At most one of crop/rcrop/rrc. Validation (train=False) never draws random numbers.
+
+Shapes: training and validation both yield S x S with rcropS and rrcS, and the data set's
+sample size otherwise (`Augment.output_hw`; `hpcdl.data.batch.output_shape` is the contract
+the model, the start-up checks and the benchmarks read). The validation transforms of rcropS and
+rrcS are torchvision's `CenterCrop(S)` and `Resize(int(S / 0.875)) + CenterCrop(S)`, with their
+rounding (`eval_resize_hw`, centre offsets int(round((h - S) / 2))).
 
 Random numbers are a hash of (seed, epoch, sample index, draw number) (SplitMix64), so a sample's
 augmentation does not depend on which worker builds it, on the batch it is in, or on K.
@@ -41,7 +47,9 @@ class Augment:
         return self.crop or self.rrc
 
     def output_hw(self, base_hw: tuple[int, int]) -> tuple[int, int]:
-        return (self.size, self.size) if self.size else tuple(base_hw)
+        """(H, W) of the samples, training and validation alike, for a data set whose smallest
+        image is base_hw."""
+        return (self.size, self.size) if self.size else (int(base_hw[0]), int(base_hw[1]))
 
 
 def parse_augment(spec: str | None) -> Augment:
@@ -127,17 +135,37 @@ def crop_boxes(
     if train and aug.rrc:
         y0, x0, h, w = _rrc_boxes(hs, ws, u[:, 3:])
     elif aug.rrc:
-        side = np.round(aug.rrc * np.minimum(hs, ws) / round(aug.rrc / VAL_RESIZE_FRACTION))
-        h = w = np.maximum(1, side.astype(np.int64))
-        y0, x0 = (hs - h) // 2, (ws - w) // 2
+        raise ValueError("validation of rrcS resizes the whole image: use eval_resize_hw")
     else:
         h, w = np.minimum(hs + 2 * pad, oh), np.minimum(ws + 2 * pad, ow)
         if train and (aug.crop or pad):
             y0 = np.floor(u[:, 1] * (hs + 2 * pad - h + 1)).astype(np.int64)
             x0 = np.floor(u[:, 2] * (ws + 2 * pad - w + 1)).astype(np.int64)
+        elif aug.crop:  # torchvision's CenterCrop rounds half offsets to even
+            y0 = np.round((hs - h) / 2.0).astype(np.int64)
+            x0 = np.round((ws - w) / 2.0).astype(np.int64)
         else:
             y0, x0 = (hs + 2 * pad - h) // 2, (ws + 2 * pad - w) // 2
     return Boxes(y0, x0, h, w, flip, (oh, ow), pad)
+
+
+def eval_resize_hw(h: int, w: int, size: int) -> tuple[int, int]:
+    """(H, W) that validation of rrc`size` resizes an h x w image to before its centre crop.
+
+    torchvision's Resize(int(size / 0.875)): the shorter side becomes that, the longer one
+    int(short * long / shorter)."""
+    short = int(size / VAL_RESIZE_FRACTION)
+    if h <= w:
+        return short, int(short * w / h)
+    return int(short * h / w), short
+
+
+def eval_resize_crop(img: np.ndarray, resize_hw: tuple[int, int], size: int) -> np.ndarray:
+    """Resize an (h, w, C) uint8 image to resize_hw (bilinear), then centre-crop size x size."""
+    rh, rw = resize_hw
+    region = resize_to(img, (rh, rw))
+    top, left = int(round((rh - size) / 2.0)), int(round((rw - size) / 2.0))
+    return region[top : top + size, left : left + size]
 
 
 def _rrc_boxes(hs: np.ndarray, ws: np.ndarray, u: np.ndarray):

@@ -12,6 +12,8 @@ from hpcdl.data.augment import (
     Augment,
     crop_boxes,
     crop_one,
+    eval_resize_crop,
+    eval_resize_hw,
     gather_crops,
     normalise_into,
     resize_to,
@@ -20,7 +22,10 @@ from hpcdl.data.dataset import BadSample, DataError, Locate
 
 
 def output_shape(ds, aug: Augment) -> tuple[int, int, int]:
-    """(C, H, W) of the batches a Loader with this augmentation delivers."""
+    """(C, H, W) of the samples a Loader with this augmentation yields for ds.
+
+    The shape contract: training and validation batches of ds both have it, and the model's
+    input shape, the start-up checks and the benchmarks all read it from here."""
     c, h, w = ds.sample_shape
     oh, ow = aug.output_hw((h, w))
     return (c, oh, ow)
@@ -60,7 +65,9 @@ class BatchBuilder:
         """Fill images[:n] (n, C, H, W) float32 and labels[:n] (n,) int64 for n = len(indices)."""
         indices = np.asarray(indices, np.int64)
         n = len(indices)
-        if self.ds.kind == "hdf5":
+        if not train and self.aug.rrc:
+            y = self._eval_resized(indices, images)
+        elif self.ds.kind == "hdf5":
             crops, y = self._fixed_size(indices, epoch, train)
             normalise_into(images[:n], crops, self.mean, self.std)
         else:
@@ -116,14 +123,11 @@ class BatchBuilder:
                     -(-int(hs[i]) * oh // int(boxes.h[i])),
                 )
                 box = (int(boxes.y0[i]), int(boxes.x0[i]), int(boxes.h[i]), int(boxes.w[i]))
-            try:
-                img, scale = self.reader.decode(int(index), draft, box)
-            except BadSample:
-                if not self.skip_bad:
-                    raise
-                self.reader.counts.bad += 1
-                ok.append(False)
+            decoded = self._decode_or_none(index, draft, box)
+            ok.append(decoded is not None)
+            if decoded is None:
                 continue
+            img, scale = decoded
             if box is None:
                 region = crop_one(img, boxes, i, scale)
             else:
@@ -131,8 +135,54 @@ class BatchBuilder:
                 if boxes.flip[i]:
                     region = region[:, ::-1]
             normalise_into(images[i : i + 1], region.transpose(2, 0, 1)[None], self.mean, self.std)
-            ok.append(True)
-        y = ds.labels[indices]
+        return self._substituted(ok, indices, images, ds.labels[indices])
+
+    def _eval_resized(self, indices: np.ndarray, images: np.ndarray) -> np.ndarray:
+        """Validation of rrcS: each image resized (shorter side int(S / 0.875)), centre S x S.
+
+        Image files decode one at a time and in full: a JPEG draft decode (DCT scaling) of a
+        large image would differ from torchvision's eval transform by up to ~17 grey levels."""
+        size = self.aug.rrc
+        samples, y = self._eval_samples(indices)
+        ok = []
+        for i, sample in enumerate(samples):
+            ok.append(sample is not None)
+            if sample is not None:
+                img, hw = sample  # (h, w, C) uint8, the indexed (H, W) the resize is taken from
+                region = eval_resize_crop(img, eval_resize_hw(*hw, size), size)
+                chw = region.transpose(2, 0, 1)[None]
+                normalise_into(images[i : i + 1], chw, self.mean, self.std)
+        return self._substituted(ok, indices, images, y)
+
+    def _eval_samples(self, indices: np.ndarray):
+        """(iterator of (image, indexed (H, W)) or None for a skipped bad sample, labels)."""
+        if self.ds.kind == "hdf5":
+            x, y = self._read_all(indices)  # bad samples already substituted
+            if self.ds.layout == "CHW":
+                x = x.transpose(0, 2, 3, 1)  # (n, H, W, C) view
+            return ((x[i], x.shape[1:3]) for i in range(len(x))), y
+
+        def decode_each():
+            for index in indices:
+                decoded = self._decode_or_none(index, None, None)
+                hw = int(self.ds.heights[index]), int(self.ds.widths[index])
+                yield None if decoded is None else (decoded[0], hw)
+
+        return decode_each(), self.ds.labels[indices]
+
+    def _decode_or_none(self, index: np.int64, draft, box):
+        """reader.decode's (image, scale), or None for a bad sample skipped under skip_bad."""
+        try:
+            return self.reader.decode(int(index), draft, box)
+        except BadSample:
+            if not self.skip_bad:
+                raise
+            self.reader.counts.bad += 1
+            return None
+
+    @staticmethod
+    def _substituted(ok: list[bool], indices: np.ndarray, images: np.ndarray, y: np.ndarray):
+        """Labels y, with good samples standing in for the bad ones (in images too)."""
         if not all(ok):
             take = _substitutes(ok, indices)
             images[: len(take)] = images[take]

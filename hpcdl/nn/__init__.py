@@ -5,7 +5,7 @@ docs/nn.md.
 """
 
 from hpcdl.nn import schedule
-from hpcdl.nn.blocks import ResidualBlock, Sequential
+from hpcdl.nn.blocks import BottleneckBlock, ResidualBlock, Sequential
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.fit import NonFiniteLossError, evaluate, fit
 from hpcdl.nn.layers import (
@@ -30,6 +30,7 @@ __all__ = [
     "Adam",
     "AdamW",
     "BatchNorm",
+    "BottleneckBlock",
     "Conv2d",
     "Dropout",
     "Flatten",

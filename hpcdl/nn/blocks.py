@@ -1,4 +1,4 @@
-"""Containers: a sequence of layers and the ResNet basic block (residual add)."""
+"""Containers: a sequence of layers and the ResNet blocks (basic and bottleneck, residual add)."""
 
 from __future__ import annotations
 
@@ -86,14 +86,7 @@ class ResidualBlock(Layer):
     def __init__(self, c_in: int, c_out: int, stride: int = 1, shortcut: str = "A") -> None:
         super().__init__()
         self.branch = Sequential([*conv_bn(c_in, c_out, stride), ReLU(), *conv_bn(c_out, c_out, 1)])
-        if c_in == c_out and stride == 1:
-            self.shortcut: Layer = Sequential([])
-        elif shortcut == "A":
-            self.shortcut = OptionAShortcut(c_in, c_out, stride)
-        elif shortcut == "B":
-            self.shortcut = Sequential(conv_bn(c_in, c_out, stride, kernel=1))
-        else:
-            raise ValueError(f"ResidualBlock shortcut must be 'A' or 'B', got {shortcut!r}")
+        self.shortcut = _shortcut(c_in, c_out, stride, shortcut)
         self.relu = ReLU()
 
     def leaves(self) -> Iterator[Layer]:
@@ -114,3 +107,40 @@ class ResidualBlock(Layer):
         dx = self.branch.backward(dy, ready)
         dx = dx + self.shortcut.backward(dy, ready)
         return dx
+
+
+class BottleneckBlock(ResidualBlock):
+    """ResNet-50's block: 1x1 conv to `width`, 3x3 conv (carrying the stride, torchvision's
+    "ResNet v1.5"), 1x1 conv to 4 * width, each followed by BatchNorm; relu(branch + shortcut).
+
+    The shortcut is a 1x1 convolution + BatchNorm when the shape changes (option B), else the
+    identity."""
+
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int = 1) -> None:
+        Layer.__init__(self)
+        c_out = width * self.expansion
+        self.branch = Sequential(
+            [
+                *conv_bn(c_in, width, 1, kernel=1),
+                ReLU(),
+                *conv_bn(width, width, stride),
+                ReLU(),
+                *conv_bn(width, c_out, 1, kernel=1),
+            ]
+        )
+        self.shortcut = _shortcut(c_in, c_out, stride, "B")
+        self.relu = ReLU()
+
+
+def _shortcut(c_in: int, c_out: int, stride: int, kind: str) -> Layer:
+    """Identity when the shape is kept; else option A (subsample + zero channels) or B (1x1
+    convolution + BatchNorm)."""
+    if c_in == c_out and stride == 1:
+        return Sequential([])
+    if kind == "A":
+        return OptionAShortcut(c_in, c_out, stride)
+    if kind == "B":
+        return Sequential(conv_bn(c_in, c_out, stride, kernel=1))
+    raise ValueError(f"ResidualBlock shortcut must be 'A' or 'B', got {kind!r}")

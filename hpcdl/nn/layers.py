@@ -168,20 +168,42 @@ class Dropout(Layer):
 class MaxPool2d(Layer):
     """Max over (kh, kw) windows with the given stride on (N, H, W, C); floor output size.
 
+    padding: implicit -inf borders (PyTorch's nn.MaxPool2d), so a window's maximum is always
+    one of its input values; ResNet's stem pools 3x3, stride 2, padding 1.
     Tied maxima share the gradient equally (the sum of dx equals the sum of dy). Non-overlapping
     windows (stride == kernel, the usual case) reduce a (N, Ho, kh, Wo, kw, C) reshape in one
     call; overlapping ones loop over the kh*kw window offsets.
     """
 
-    def __init__(self, kernel: int | tuple[int, int] = 2, stride: int | tuple | None = None):
+    def __init__(
+        self,
+        kernel: int | tuple[int, int] = 2,
+        stride: int | tuple | None = None,
+        padding: int | tuple[int, int] = 0,
+    ):
         super().__init__()
         self.kh, self.kw = _pair(kernel)
         self.sh, self.sw = _pair(stride) if stride is not None else (self.kh, self.kw)
+        self.ph, self.pw = _pair(padding)
+        if 2 * self.ph > self.kh or 2 * self.pw > self.kw:
+            raise ValueError(
+                f"MaxPool2d padding {self.ph},{self.pw} must be at most half the kernel "
+                f"{self.kh}x{self.kw}"
+            )
         self.tiled = (self.sh, self.sw) == (self.kh, self.kw)
 
     def _out_hw(self, x_shape) -> tuple[int, int]:
         _, h, w, _ = x_shape
         return (h - self.kh) // self.sh + 1, (w - self.kw) // self.sw + 1
+
+    def _padded(self, xp, x):
+        """x with -inf borders (N, H + 2ph, W + 2pw, C); x itself without padding."""
+        if not (self.ph or self.pw):
+            return x
+        n, h, w, c = x.shape
+        out = xp.full((n, h + 2 * self.ph, w + 2 * self.pw, c), -xp.inf, dtype=x.dtype)
+        out[:, self.ph : self.ph + h, self.pw : self.pw + w] = x
+        return out
 
     def _tiles(self, x, ho: int, wo: int):
         """(N, Ho, kh, Wo, kw, C) view of the windows (non-overlapping case)."""
@@ -198,6 +220,8 @@ class MaxPool2d(Layer):
 
     def forward(self, x, train=True):
         xp = array_module(x)
+        self.x_shape = x.shape
+        x = self._padded(xp, x)
         ho, wo = self._out_hw(x.shape)
         if ho < 1 or wo < 1:
             raise ValueError(f"MaxPool2d {self.kh}x{self.kw} does not fit input shape {x.shape}")
@@ -233,6 +257,9 @@ class MaxPool2d(Layer):
             for win in windows:
                 dx[win] += share * (x[win] == y)
         self.x = self.y = None
+        if self.ph or self.pw:  # the -inf border never holds a maximum: drop it
+            _, h, w, _ = self.x_shape
+            dx = dx[:, self.ph : self.ph + h, self.pw : self.pw + w]
         return dx
 
 

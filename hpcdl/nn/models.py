@@ -1,8 +1,17 @@
-"""The model zoo: `build_model(name, input_shape, num_classes, ...)` for mlp, cnn and resnet20.
+"""The model zoo: `build_model(name, input_shape, num_classes, ...)` for mlp, cnn, resnet20,
+resnet18 and resnet50, or a user's builder named `package.module:function` / `file.py:function`
+(hpcdl.nn.user_models).
 
 Each model initialises as its reference does (docs/nn.md): cnn and mlp as Keras (Glorot-uniform
-kernels, zero biases), resnet20 as torchvision's ResNets (Kaiming-normal fan_out convolutions,
+kernels, zero biases), the ResNets as torchvision's (Kaiming-normal fan_out convolutions,
 BatchNorm 1 and 0, nn.Linear's default classifier).
+
+resnet18 and resnet50 are torchvision's ImageNet networks: 7x7 stride-2 stem, 3x3 stride-2 max
+pool (padding 1), four stages of basic (resnet18: 2, 2, 2, 2) or bottleneck (resnet50: 3, 4, 6,
+3) blocks of 64, 128, 256, 512 channels (x4 for bottlenecks), stride 2 on the first block of
+stages 2-4, projection shortcuts, global average pool, dense classifier. With 1000 classes they
+have torchvision's 11,689,512 and 25,557,032 parameters. Any input size >= 1x1 works (the
+spatial size is 1 after stage 4 from 32x32 down).
 
 cnn is the Keras cifar10_cnn example. On small inputs it adapts so that no spatial size
 vanishes: a 'valid' 3x3 convolution gets padding 1 along a dimension smaller than 3, and a 2x2
@@ -18,12 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.nn.blocks import ResidualBlock, conv_bn
+from hpcdl.nn.blocks import BottleneckBlock, ResidualBlock, conv_bn
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.layers import Dropout, Flatten, GlobalAvgPool, Layer, Linear, MaxPool2d, ReLU
 from hpcdl.nn.model import Model
+from hpcdl.nn.user_models import build_user_model, is_user_model
 
-MODELS = ("mlp", "cnn", "resnet20")
+MODELS = ("mlp", "cnn", "resnet20", "resnet18", "resnet50")
 
 
 def build_model(
@@ -34,9 +44,15 @@ def build_model(
     xp: ModuleType = np,
     dtype: Any = np.float32,
 ) -> Model:
-    """Build a model by name; parameters initialised deterministically from seed on xp."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    """Build a model by name; parameters initialised deterministically from seed on xp.
+
+    A name 'package.module:function' or 'file.py:function' calls a user's builder
+    (hpcdl.nn.user_models)."""
+    if name not in MODELS and not is_user_model(name):
+        raise ValueError(
+            f"unknown model {name!r}; choose one of {', '.join(MODELS)}, "
+            "or name your own as package.module:function or file.py:function"
+        )
     shape = tuple(input_shape)
     if len(shape) != 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in shape):
         raise ValueError(
@@ -46,7 +62,16 @@ def build_model(
     if not isinstance(num_classes, (int, np.integer)) or num_classes < 2:
         raise ValueError(f"model {name!r} needs num_classes >= 2, got {num_classes!r}")
     c, h, w = (int(d) for d in shape)
-    layers = {"mlp": _mlp, "cnn": _cnn, "resnet20": _resnet20}[name](c, h, w, int(num_classes))
+    if is_user_model(name):
+        return build_user_model(name, (c, h, w), int(num_classes), seed=seed, xp=xp, dtype=dtype)
+    builders = {
+        "mlp": _mlp,
+        "cnn": _cnn,
+        "resnet20": _resnet20,
+        "resnet18": _resnet18,
+        "resnet50": _resnet50,
+    }
+    layers = builders[name](c, h, w, int(num_classes))
     return Model(name, layers, (c, h, w), int(num_classes), seed=seed, xp=xp, dtype=dtype)
 
 
@@ -96,3 +121,27 @@ def _resnet20(c: int, h: int, w: int, k: int) -> list[Layer]:
             layers.append(ResidualBlock(c_in, width, stride, shortcut="A"))
             c_in = width
     return layers + [GlobalAvgPool(), Linear(64, k)]  # torchvision keeps nn.Linear's default
+
+
+def _imagenet_resnet(c: int, k: int, bottleneck: bool, depths: tuple[int, ...]) -> list[Layer]:
+    """torchvision's ImageNet ResNet: stem, 4 stages of blocks, global average pool, dense k."""
+    layers: list[Layer] = [*conv_bn(c, 64, 2, kernel=7), ReLU(), MaxPool2d(3, 2, padding=1)]
+    c_in = 64
+    for stage, (width, depth) in enumerate(zip((64, 128, 256, 512), depths)):
+        for block in range(depth):
+            stride = 2 if stage > 0 and block == 0 else 1
+            if bottleneck:
+                layers.append(BottleneckBlock(c_in, width, stride))
+                c_in = width * BottleneckBlock.expansion
+            else:
+                layers.append(ResidualBlock(c_in, width, stride, shortcut="B"))
+                c_in = width
+    return layers + [GlobalAvgPool(), Linear(c_in, k)]  # nn.Linear's default initialisation
+
+
+def _resnet18(c: int, h: int, w: int, k: int) -> list[Layer]:
+    return _imagenet_resnet(c, k, bottleneck=False, depths=(2, 2, 2, 2))
+
+
+def _resnet50(c: int, h: int, w: int, k: int) -> list[Layer]:
+    return _imagenet_resnet(c, k, bottleneck=True, depths=(3, 4, 6, 3))
