@@ -39,14 +39,8 @@ from hpcdl.staging.ownership import (
     data_key,
 )
 from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, write_plan
-from hpcdl.staging.session import _launch, parse_capacity
-from hpcdl.staging.status import (
-    FLAG_CAPACITY_FULL,
-    FLAG_NOSPACE,
-    CounterFile,
-    ProgressFile,
-    StatusView,
-)
+from hpcdl.staging.session import _launch, default_capacity, parse_capacity
+from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
 
 
 class UsageError(ValueError):
@@ -186,6 +180,8 @@ def dry_run(args: argparse.Namespace) -> int:
     layout = rank_layout([per] * nodes, args.placement)
     ds = open_data(args)
     capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
+    if capacity is None:
+        capacity = default_capacity(args.stage_dir or ".")
     threads = int(args.stage_threads)
     rows = []
     for node in range(nodes):
@@ -305,7 +301,7 @@ def _stage_with(
             file=sys.stderr,
         )
         return 1
-    summary = _summary(status.header(), plan, node, seconds)
+    summary = _summary(status, plan, node, seconds)
     if comm is not None:
         comm.Barrier()
     if args.json:
@@ -333,8 +329,9 @@ def _watch(proc: Any, status: StatusView, node: int, quiet: bool) -> None:
         print(file=sys.stderr)
 
 
-def _summary(h: dict[str, int], plan: NodePlan, node: int, seconds: float) -> dict[str, Any]:
+def _summary(status: StatusView, plan: NodePlan, node: int, seconds: float) -> dict[str, Any]:
     """Print the node's one-line summary from the stager's status header; return it."""
+    h = status.header()
     files = h["files_staged"] + h["files_reused"]
     nbytes = h["bytes_staged"] + h["bytes_reused"]
     summary = dict(
@@ -349,8 +346,8 @@ def _summary(h: dict[str, int], plan: NodePlan, node: int, seconds: float) -> di
         mb_per_s=round(h["bytes_staged"] / 1e6 / seconds, 1),
         files_per_s=round(h["files_staged"] / seconds, 1),
         failures=h["failures"],
-        no_space=bool(h["flags"] & FLAG_NOSPACE),
-        capacity_full=bool(h["flags"] & FLAG_CAPACITY_FULL),
+        no_space=status.has_flag("NOSPACE"),
+        capacity_full=status.has_flag("CAPACITY_FULL"),
     )
     note = ""
     if files < plan.files:

@@ -266,8 +266,9 @@ def _remove_stale_sessions(sessions: Path) -> None:
 def _remove_session(sessions: Path, name: str, keep_status: bool = False) -> None:
     """Remove one session directory: the files directly in it (hpcdl's), then the directory.
 
-    keep_status: remove only the owner and the stager's temporary files; the status map, plan
-    and counters stay for inspection (--keep-staged)."""
+    keep_status: remove only the owner; the status map, plan and counters stay for inspection
+    (--keep-staged). The stager removes its own temporary files (tmp.<thread>), on every exit
+    but SIGKILL; a killed stager's are removed with its session by the next job."""
     try:
         parent = os.open(sessions, _DIR_FLAGS)
     except OSError:
@@ -276,7 +277,7 @@ def _remove_session(sessions: Path, name: str, keep_status: bool = False) -> Non
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
         try:
             for entry in os.listdir(fd):
-                if keep_status and entry != "owner" and not entry.startswith("tmp."):
+                if keep_status and entry != "owner":
                     continue
                 with contextlib.suppress(OSError):
                     if not stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):

@@ -31,14 +31,7 @@ from hpcdl.staging.ownership import (
     data_key,
 )
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
-from hpcdl.staging.status import (
-    READY,
-    RUN_RUNNING,
-    CounterFile,
-    ProgressFile,
-    StatusView,
-    stager_alive,
-)
+from hpcdl.staging.status import CounterFile, ProgressFile, StatusView, stager_alive
 
 PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
 START_TIMEOUT_S = 30.0
@@ -46,15 +39,13 @@ HEARTBEAT_TIMEOUT_S = 5.0
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int:
-    """Bytes staging may use: int, '200G' (binary units), '80%' of free space, None = default.
+def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None:
+    """Bytes staging may use: int, '200G' (binary units), '80%' of free space; 0 stages nothing.
 
-    The default is the free space of the stage dir's file system minus max(5 %, 1 GiB).
+    None (or '') stays None: hpcdl-stage then uses its default (default_capacity()).
     """
-    usage = shutil.disk_usage(_existing_parent(Path(stage_dir)))
     if value is None or value == "":
-        margin = max(usage.total // 20, 2**30)
-        return max(usage.free - margin, 0)
+        return None
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)?\s*(%?)\s*", str(value))
@@ -66,8 +57,20 @@ def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int:
     if m.group(4):
         if number > 100:
             raise ValueError(f"stage capacity {value!r}: a percentage must be at most 100%")
-        return int(usage.free * number / 100)
+        free = shutil.disk_usage(_existing_parent(Path(stage_dir))).free
+        return int(free * number / 100)
     return int(number * _UNITS[m.group(2)])
+
+
+def default_capacity(stage_dir: str | Path) -> int:
+    """The capacity hpcdl-stage uses without --capacity (it owns the rule), in bytes."""
+    out = subprocess.run(
+        [str(find_stager_binary()), "--default-capacity", str(_existing_parent(Path(stage_dir)))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout)
 
 
 def _existing_parent(path: Path) -> Path:
@@ -118,7 +121,7 @@ class Locator:
             self._status = StatusView(os.path.join(self.meta, "status"))
             self._counters = CounterFile(os.path.join(self.meta, "counters"), self.ranks)
         rel = self.relpath(int(file_id))
-        if self._status.state(int(file_id)) == READY:
+        if self._status.state(int(file_id)) == self._status.layout.file_states["READY"]:
             local = os.path.join(self.local_root, rel)
             try:
                 if stat.S_ISREG(os.lstat(local).st_mode):
@@ -207,7 +210,8 @@ class StagingSession:
         world: hpcdl.comm.world.World, or None for a single process. sampler_args:
         DistributedSampler fields except rank. epochs: (start_epoch, end_epoch) of the run, or an
         end epoch; the stager holds a plan for the current and the next epoch and gets a new one
-        at each epoch change. capacity: bytes, '200G', '80%' or None (free space minus a margin).
+        at each epoch change. capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the
+        stager's default: free space minus a margin).
         protect: flag -> data path the stage dir must not overlap (default: the data set root).
         A stage dir that overlaps the data, cannot be created or written, or a missing
         hpcdl-stage stops every rank with one message (SystemExitWithMessage under MPI,
@@ -400,7 +404,7 @@ def _launch(
     stage_dir: Path,
     session: str,
     threads: int,
-    capacity: int,
+    capacity: int | None,
     verify: bool,
     once: bool = False,
     quiet: bool = False,
@@ -413,11 +417,11 @@ def _launch(
         session,
         "--threads",
         str(int(threads)),
-        "--capacity",
-        str(int(capacity)),
         "--parent-pid",
         str(os.getpid()),
     ]
+    if capacity is not None:  # else the stager's default
+        cmd += ["--capacity", str(int(capacity))]
     if verify:
         cmd.append("--verify")
     if once:
@@ -434,11 +438,7 @@ def _wait_running(proc: subprocess.Popen, status_path: Path) -> tuple[bool, str]
     try:
         while time.monotonic() < deadline:
             code = proc.poll()
-            if (
-                view.open()
-                and view.field("pid") == proc.pid
-                and view.field("run_state") >= RUN_RUNNING
-            ):
+            if view.open() and view.field("pid") == proc.pid and view.run_state() != "STARTING":
                 return True, ""
             if code is not None:
                 return False, f"hpcdl-stage exited with code {code}; see its message above"

@@ -9,6 +9,7 @@
 #include "common.h"
 #include "plan.h"
 #include "stager.h"
+#include "status_map.h"
 
 #ifndef HPCDL_VERSION
 #define HPCDL_VERSION "0.0.0"
@@ -21,6 +22,8 @@ const char* kUsage =
     "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
     "                   [--parent-pid PID] [--quiet]\n"
     "       hpcdl-stage --check-plan FILE...\n"
+    "       hpcdl-stage --print-layout          (status map and progress file layout, JSON)\n"
+    "       hpcdl-stage --default-capacity DIR  (bytes staged into DIR without --capacity)\n"
     "       hpcdl-stage --version\n"
     "Reads the plan and progress files in DIR/.hpcdl/sessions/NAME, copies files into DIR,\n"
     "records them in DIR/.hpcdl/manifest, publishes states in DIR/.hpcdl/sessions/NAME/status.\n"
@@ -83,6 +86,13 @@ int main(int argc, char** argv) {
       return 0;
     } else if (arg == "--help" || arg == "-h") {
       std::cout << kUsage;
+      return 0;
+    } else if (arg == "--print-layout") {
+      std::cout << hpcdl::layout_json() << "\n";
+      return 0;
+    } else if (arg == "--default-capacity") {
+      if (value == nullptr) return usage_error("--default-capacity needs a directory");
+      std::cout << hpcdl::default_capacity(value) << "\n";
       return 0;
     } else if (arg == "--check-plan") {
       if (value == nullptr) return usage_error("--check-plan needs a file");
