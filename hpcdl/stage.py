@@ -240,9 +240,13 @@ def stage_only(args: argparse.Namespace) -> int:
     node, nodes = args.node, args.nodes
     env_nodes, env_per = env_layout()
     if os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE"):
+        from hpcdl.comm.failure import install_abort_on_exception  # noqa: PLC0415
         from hpcdl.comm.world import init_world  # noqa: PLC0415
 
         world = init_world()
+        # Like the trainer: a leader that fails while the others wait in a barrier ends the
+        # job with its one line (main() raises UserError), never a hang.
+        install_abort_on_exception(world.comm, world.rank)
         comm = world.comm
         node = world.node_index if node is None else node
         nodes = nodes or world.num_nodes
@@ -371,11 +375,20 @@ def main(argv: list[str] | None = None) -> int:
             os.execv(str(binary), [str(binary), "--version"])
         return dry_run(args) if args.dry_run else stage_only(args)
     except StageDirFull as exc:
-        print(f"hpcdl.stage: error: {exc}; nothing was staged", file=sys.stderr)
-        return 1
+        return fail(f"{exc}; nothing was staged", 1)
     except (UsageError, StagerNotFound, StageDirError, FileNotFoundError, ValueError) as exc:
-        print(f"hpcdl.stage: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), 2)
+
+
+def fail(message: str, status: int) -> int:
+    """One line; under MPI through comm.failure's hook, which ends every rank of the job."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        from hpcdl.comm.failure import UserError  # noqa: PLC0415
+
+        raise UserError(f"hpcdl.stage: {message}", status)
+    print(f"hpcdl.stage: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from test_staging_helpers import make_tree
 
@@ -72,3 +73,25 @@ def test_capacity_limit_stops_growing_with_a_clear_summary(tmp_path):
 def test_bad_flag_value_is_one_clear_error(tmp_path):
     out = stage("--dry-run", "--data", tmp_path / "missing", "--files-only")
     assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_failing_leader_under_mpirun_ends_the_stage_job_quickly(tmp_path):
+    from conftest import mpi_env, mpirun_cmd
+
+    ds = make_tree(tmp_path / "data", 8, 100)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file where the stage dir should be\n")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*mpirun_cmd(2), sys.executable, "-m", "hpcdl.stage"]
+        + ["--data", str(ds.root), "--files-only", "--stage-dir", str(blocker)],
+        capture_output=True,
+        text=True,
+        env=mpi_env(),
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count(str(blocker)) == 1, proc.stderr
+    assert blocker.read_text() == "a regular file where the stage dir should be\n"
