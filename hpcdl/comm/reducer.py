@@ -7,10 +7,18 @@ blocking MPI Allreduce on it while backward goes on. mpi4py releases the GIL ins
 the thread overlaps with NumPy/CuPy work. Every rank reduces the same buckets in the same order
 on its own duplicate of the communicator, so no other collective can interleave with them.
 
-GPU buffers: with a CUDA-aware MPI the bucket (a CuPy view) goes to MPI directly after the
-compute stream has reached the point where it was marked ready (an event, not a device-wide
-sync). Otherwise each bucket is copied to a pinned host buffer, reduced there and copied back.
+GPU buffers: with a CUDA-aware MPI the bucket (a CuPy view) goes to MPI directly once an event,
+recorded on the compute stream when backward marked the bucket ready (so after the kernels that
+wrote its gradients), has completed: never a wait on the whole default stream or the device.
+Anything the reducer launches itself runs on its own non-blocking stream, which wait()
+synchronizes. Without a CUDA-aware MPI each bucket is copied to a pinned host buffer, reduced
+there and copied back.
 Open MPI's non-blocking collectives are not CUDA-aware, hence the thread and blocking calls.
+
+The helper thread calls MPI while the training thread may too (failure notices, the stop
+agreement), which needs MPI_THREAD_MULTIPLE; hpcdl.comm.world asks for it. An MPI that grants
+less gets no helper thread: wait() reduces every bucket on the calling thread after backward
+(no overlap, same results), and init_world says so once.
 """
 
 from __future__ import annotations
@@ -102,8 +110,11 @@ class GradientReducer:
         self.last_unmarked = 0  # buckets backward never marked in the last step
         self.last_reduced_in_wait = 0  # buckets wait() reduced itself in the last step
         self._comm_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="hpcdl-allreduce", daemon=True)
-        self._thread.start()
+        self.threaded = _thread_multiple()  # False: wait() reduces every bucket itself
+        self._thread: threading.Thread | None = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run, name="hpcdl-allreduce", daemon=True)
+            self._thread.start()
 
     def begin_step(self) -> None:
         self._next = 0
@@ -117,8 +128,9 @@ class GradientReducer:
         moved on: a bucket that becomes ready at the very end of backward is reduced by wait()
         on the calling thread and costs no wake-up (tens of microseconds on a busy node, as
         much as a third of a 1 MB allreduce)."""
-        for _ in range(self._unwoken):
-            self._wakeups.put(True)
+        if self.threaded:
+            for _ in range(self._unwoken):
+                self._wakeups.put(True)
         self._unwoken = 0
         while self._next < len(self.buckets) and self.buckets[self._next].hi <= n:
             event = None
@@ -153,8 +165,9 @@ class GradientReducer:
         self.last_comm_s = self._comm_s
 
     def close(self) -> None:
-        self._wakeups.put(False)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._wakeups.put(False)
+            self._thread.join(timeout=5)
         self.comm.Free()
 
     def _take_and_reduce(self) -> bool:
@@ -185,11 +198,13 @@ class GradientReducer:
         if event is not None:
             event.synchronize()
         if not self.host_staged:
+            # Blocking: when it returns, the bucket holds the sum (CUDA-aware MPI included).
             self.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
-            if self.scale is not None:  # numpy: on the host; cupy: on this thread's stream
+            if self.scale is not None and self.on_device:
+                with self._copy_stream:  # the reducer's own stream; wait() synchronizes it
+                    view *= self.scale
+            elif self.scale is not None:
                 view *= self.scale
-            if self.on_device:
-                self.xp.cuda.get_current_stream().synchronize()
             return
         host = self._host[bucket.lo : bucket.hi]
         if self.on_device:
@@ -205,3 +220,10 @@ class GradientReducer:
             view.set(host, stream=self._copy_stream)
         else:
             np.copyto(view, host)
+
+
+def _thread_multiple() -> bool:
+    """True when MPI granted MPI_THREAD_MULTIPLE (a helper thread may call it)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
