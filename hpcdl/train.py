@@ -33,6 +33,8 @@ from hpcdl.metrics import MetricsWriter, Progress, RunningMean, StepTimes
 
 EXIT_STOPPED_BY_SIGNAL = 3
 EXIT_LOADER_TIMEOUT = 4  # a loader worker stayed silent past --loader-timeout
+EXIT_DATA_ERROR = 1  # a sample or file that cannot be read mid-run
+EXIT_LOADER_FAULT = 2  # a loader worker died
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExitWithMessage as exc:
         return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
     except (DataError, LoaderFault) as exc:  # mid-run: one line from this rank (comm.failure)
-        status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else 2
+        status = EXIT_DATA_ERROR if isinstance(exc, DataError) else EXIT_LOADER_FAULT
+        status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else status
         raise UserError(str(exc), status) from None
 
 

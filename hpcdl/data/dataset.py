@@ -36,7 +36,10 @@ class BadSample(DataError):
     """One sample could not be read or decoded."""
 
     def __init__(self, path: Path | str, index: int, reason: str) -> None:
-        super().__init__(f"sample {index} in {path} cannot be read: {reason}")
+        super().__init__(
+            f"sample {index} in {path} cannot be read: {reason}; fix or remove the file, or "
+            "pass --skip-bad-samples to train on without it"
+        )
         self.path, self.index = str(path), index
 
 
