@@ -185,6 +185,9 @@ class StagingSession:
         self.status: StatusView | None = None
         self.progress: ProgressFile | None = None
         self.counters: CounterFile | None = None
+        self.first_epoch_need: tuple[int, int] | None = None  # (files, bytes) of epoch begin
+        self.started = 0.0  # monotonic time the stager reported RUNNING
+        self.outran_checked = False  # the first epoch was compared with staging (rank 0)
         self.dead = True  # no stager serves this session (never started, or stopped)
         self.warned = False  # the one "reading from the PFS" warning was given
         self.last_check = 0.0  # monotonic time of the last liveness check
@@ -251,6 +254,8 @@ class StagingSession:
         if self.progress is None:
             return
         self.progress.set(self.local_rank, epoch * self.steps_per_epoch + step)
+        if not self.outran_checked and epoch == self.begin and step >= self.steps_per_epoch:
+            self._check_first_epoch()
         if self.local_rank == 0 and epoch > self.plan_begin and epoch + 1 < self.end:
             self._replan(epoch)
         now = time.monotonic()
@@ -347,6 +352,7 @@ class StagingSession:
             self.progress = ProgressFile(self.meta / "progress", self.local_size)
             self.counters = CounterFile(self.meta / "counters", self.local_size)
         self.dead = not info["ok"]
+        self.started = time.monotonic()
         if self.dead:
             self._warn(f"the staging process did not start ({info['why']})")
 
@@ -360,6 +366,9 @@ class StagingSession:
             node=self.node,
         )
         self.first_use = _first_use(plan)
+        if epoch == self.begin:
+            first = self.first_use < plan.steps_per_epoch
+            self.first_epoch_need = (int(first.sum()), int(plan.sizes[first].sum()))
         return plan
 
     def _replan(self, epoch: int) -> None:
@@ -367,6 +376,34 @@ class StagingSession:
         plan = self._plan(epoch)
         key = self.local_root.name
         write_plan(self.meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
+
+    def _check_first_epoch(self) -> None:
+        """Once per job (world rank 0, for its node): when readers went to the PFS in the first
+        epoch because copies were not ready yet, say what rate staging would have needed."""
+        self.outran_checked = True
+        rank = self.world.rank if self.world is not None else 0
+        if rank != 0 or self.dead or self.first_epoch_need is None or self.counters is None:
+            return
+        misses = sum(self.counters.totals(r)[1] for r in range(self.local_size))
+        reads = misses + sum(self.counters.totals(r)[0] for r in range(self.local_size))
+        files, nbytes = self.first_epoch_need
+        status = self.status
+        if misses == 0 or status.has_flag("NOSPACE") or status.has_flag("CAPACITY_FULL"):
+            return  # all staged in time, or the capacity's own message explains the misses
+        if status.field("capacity") < nbytes:
+            return
+        seconds = max(time.monotonic() - self.started, 1e-3)
+        warnings.warn(
+            f"hpcdl staging on node {self.node}: the first epoch outran staging: {misses} of "
+            f"{reads} reads went to the parallel file system because their copies were not "
+            f"ready; staging copied {status.field('files_staged') / seconds:.1f} files/s "
+            f"({status.field('bytes_staged') / 1e6 / seconds:.2f} MB/s), keeping up needed "
+            f"{files / seconds:.1f} files/s ({nbytes / 1e6 / seconds:.2f} MB/s) over "
+            f"{seconds:.1f} s; raise --stage-threads, or stage before training with a "
+            "stage-only step (python -m hpcdl.stage)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _check_alive(self) -> None:
         if self.dead:
