@@ -25,7 +25,7 @@ from hpcdl.comm.failure import (
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World, init_world
 from hpcdl.config import ConfigError, TrainConfig, parse_args
-from hpcdl.data.dataset import DataError
+from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
@@ -178,6 +178,7 @@ def train(cfg: TrainConfig, world: World) -> int:
         steps_per_epoch=steps_per_epoch,
         config=cfg.to_json(),
     )
+    metrics.write("index", **index_record(train_ds, val_ds))  # image folders: index seconds
     progress = Progress(cfg.epochs, steps_per_epoch, enabled=world.is_root and not cfg.quiet)
 
     # --- training loop -----------------------------------------------------------------------

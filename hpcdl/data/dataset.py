@@ -159,6 +159,24 @@ def _preview(names: list[str], limit: int = 8) -> str:
     return ", ".join(map(repr, names[:limit])) + more
 
 
+def index_record(train_ds: Any, val_ds: Any | None) -> dict[str, dict | None]:
+    """The metrics "index" event: per data set that keeps an index (image folders), its root,
+    file count, where the index came from ("built", "cache", "given": received from rank 0)
+    and the seconds it took; None for kinds without one (HDF5) and for no --val-data."""
+
+    def one(ds: Any | None) -> dict | None:
+        if ds is None or not hasattr(ds, "index_seconds"):
+            return None
+        return {
+            "root": str(ds.root),
+            "files": len(ds.files),
+            "source": ds.index_source,
+            "seconds": round(ds.index_seconds, 4),
+        }
+
+    return {"train": one(train_ds), "val": one(val_ds)}
+
+
 def default_locate(root: Path, files: list[FileEntry]) -> Locate:
     """The PFS path of each file: root / relpath."""
 

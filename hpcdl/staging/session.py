@@ -399,7 +399,7 @@ class StagingSession:
             f"ready; staging copied {status.field('files_staged') / seconds:.1f} files/s "
             f"({status.field('bytes_staged') / 1e6 / seconds:.2f} MB/s), keeping up needed "
             f"{files / seconds:.1f} files/s ({nbytes / 1e6 / seconds:.2f} MB/s) over "
-            f"{seconds:.1f} s; raise --stage-threads, or stage before training with a "
+            f"{seconds:.2f} s; raise --stage-threads, or stage before training with a "
             "stage-only step (python -m hpcdl.stage)",
             RuntimeWarning,
             stacklevel=3,
