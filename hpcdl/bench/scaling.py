@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcdl import scaling_model
 from hpcdl.backend import cpu_threads_hint, gpu_available
+from hpcdl.bench import scaling_model
 
 FRACTION = 0.9
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

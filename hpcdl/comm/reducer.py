@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -105,11 +104,6 @@ class GradientReducer:
         self._error: BaseException | None = None
         self._next = 0  # first bucket not yet marked ready
         self._unwoken = 0  # ready buckets the helper thread has not been woken for
-        self.last_exposed_s = 0.0
-        self.last_comm_s = 0.0
-        self.last_unmarked = 0  # buckets backward never marked in the last step
-        self.last_reduced_in_wait = 0  # buckets wait() reduced itself in the last step
-        self._comm_s = 0.0
         self.threaded = _thread_multiple()  # False: wait() reduces every bucket itself
         self._thread: threading.Thread | None = None
         if self.threaded:
@@ -119,7 +113,6 @@ class GradientReducer:
     def begin_step(self) -> None:
         self._next = 0
         self._unwoken = 0
-        self._comm_s = 0.0
 
     def mark_ready(self, n: int) -> None:
         """grads[:n] are final: every bucket inside them is ready to be reduced.
@@ -142,27 +135,22 @@ class GradientReducer:
             self._unwoken += 1
 
     def wait(self) -> None:
-        """Block until every bucket is reduced and averaged; records the exposed wait time.
+        """Block until every bucket is reduced and averaged.
 
         The caller reduces what the helper has not taken yet (buckets marked late, and those
         never marked during backward), in bucket order, after the helper's current bucket.
         """
-        start = time.perf_counter()
-        self.last_unmarked = len(self.buckets) - self._next
-        if self.last_unmarked:  # on a GPU: reduced after an event at this stream position
+        if self._next < len(self.buckets):  # on a GPU: reduced after an event recorded here
             self.mark_ready(self.grads.size)
         self._unwoken = 0  # the caller reduces these itself
-        self.last_reduced_in_wait = 0
         while self._take_and_reduce():
-            self.last_reduced_in_wait += 1
+            pass
         with self._reduce_lock:  # the helper's bucket in flight, if any, is done after this
             pass
         if self._error is not None:
             raise RuntimeError(f"gradient allreduce failed: {self._error}") from self._error
         if self.on_device:
             self._copy_stream.synchronize()
-        self.last_exposed_s = time.perf_counter() - start
-        self.last_comm_s = self._comm_s
 
     def close(self) -> None:
         if self._thread is not None:
@@ -178,13 +166,11 @@ class GradientReducer:
             if not self._ready:
                 return False
             bucket, event = self._ready.popleft()
-            t0 = time.perf_counter()
             try:
                 if self._error is None:
                     self._reduce(MPI, bucket, event)
             except BaseException as exc:  # surfaced by wait() on the main thread
                 self._error = exc
-            self._comm_s += time.perf_counter() - t0
             return True
 
     def _run(self) -> None:

@@ -105,11 +105,3 @@ def init_world() -> World:
         thread_multiple=thread_multiple,
     )
 
-
-def env_local_rank() -> int | None:
-    """Local rank announced by the launcher (Open MPI, Slurm, MPICH), before MPI starts."""
-    for key in ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"):
-        value = os.environ.get(key)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None

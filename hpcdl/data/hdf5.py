@@ -22,7 +22,6 @@ import h5py
 import numpy as np
 
 from hpcdl.data.dataset import (
-    HDF5_SUFFIXES,
     BadSample,
     DataError,
     FileEntry,
@@ -34,6 +33,7 @@ from hpcdl.data.dataset import (
 )
 from hpcdl.data.pfs import open_latency, throttle
 
+HDF5_SUFFIXES = (".h5", ".hdf5")
 
 class HDF5Dataset:
     kind = "hdf5"
