@@ -31,7 +31,13 @@ from hpcdl.staging.ownership import (
     data_key,
 )
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
-from hpcdl.staging.status import CounterFile, ProgressFile, StatusView, stager_alive
+from hpcdl.staging.status import (
+    CounterFile,
+    ProgressFile,
+    StatusView,
+    stager_alive,
+    status_layout,
+)
 
 PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
 START_TIMEOUT_S = 30.0
@@ -105,6 +111,7 @@ class Locator:
         self._ends = ends - 1
         self.local_rank = local_rank
         self.ranks = ranks
+        self.layout = status_layout()  # pickled along: workers need not ask the binary
         self._status: StatusView | None = None
         self._counters: CounterFile | None = None
 
@@ -118,10 +125,10 @@ class Locator:
 
     def __call__(self, file_id: int) -> Path:
         if self._status is None:
-            self._status = StatusView(os.path.join(self.meta, "status"))
+            self._status = StatusView(os.path.join(self.meta, "status"), self.layout)
             self._counters = CounterFile(os.path.join(self.meta, "counters"), self.ranks)
         rel = self.relpath(int(file_id))
-        if self._status.state(int(file_id)) == self._status.layout.file_states["READY"]:
+        if self._status.state(int(file_id)) == self.layout.file_states["READY"]:
             local = os.path.join(self.local_root, rel)
             try:
                 if stat.S_ISREG(os.lstat(local).st_mode):
@@ -390,8 +397,8 @@ class StagingSession:
         status = self.status
         if misses == 0 or status.has_flag("NOSPACE") or status.has_flag("CAPACITY_FULL"):
             return  # all staged in time, or the capacity's own message explains the misses
-        if status.field("capacity") < nbytes:
-            return
+        if status.field("capacity") < nbytes or status.field("failures"):
+            return  # the capacity line or the stager's failure lines explain them
         seconds = max(time.monotonic() - self.started, 1e-3)
         warnings.warn(
             f"hpcdl staging on node {self.node}: the first epoch outran staging: {misses} of "

@@ -76,9 +76,9 @@ def __getattr__(name: str) -> int:
 class StatusView:
     """Read-only view of <stage_dir>/.hpcdl/status (maps it on first use)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, layout: StatusLayout | None = None):
         self.path = Path(path)
-        self.layout = status_layout()
+        self.layout = layout or status_layout()  # given: no subprocess (loader workers)
         self._map: mmap.mmap | None = None
 
     def open(self) -> bool:
