@@ -238,3 +238,20 @@ def test_staging_that_keeps_up_says_nothing_about_the_rate(tmp_path):
         assert session.epoch_stats()["misses"] == 0
     session.close()
     assert [str(w.message) for w in caught if "outran" in str(w.message)] == []
+
+
+def test_a_killed_stagers_temporaries_go_even_when_the_copies_are_kept(tmp_path, monkeypatch):
+    ds = make_tree(tmp_path / "pfs", 60, 400_000)
+    monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=1,mbps=20")
+    session = start(ds, tmp_path / "stage", threads=4, keep=True)
+    status = StatusView(session.meta / "status")
+    assert wait_for(lambda: status.field("plan_ready") >= 1)
+    assert wait_for(lambda: any(session.meta.glob("tmp.*")), timeout=10)  # copies in flight
+    os.kill(status.field("pid"), signal.SIGKILL)
+    session.proc.wait()
+    assert any(session.meta.glob("tmp.*"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session.close()
+    assert temp_files(tmp_path) == []
+    assert (session.meta / "status").exists()  # kept for inspection

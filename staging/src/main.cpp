@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common.h"
+#include "copy_engine.h"
 #include "plan.h"
 #include "stager.h"
 #include "status_map.h"
@@ -21,6 +22,7 @@ const char* kUsage =
     "usage: hpcdl-stage --stage-dir DIR --session NAME [--threads T] [--capacity BYTES]\n"
     "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
     "                   [--parent-pid PID] [--quiet]\n"
+    "       hpcdl-stage --stage-dir DIR --session NAME --remove-temporaries\n"
     "       hpcdl-stage --check-plan FILE...\n"
     "       hpcdl-stage --print-layout          (status map and progress file layout, JSON)\n"
     "       hpcdl-stage --default-capacity DIR  (bytes staged into DIR without --capacity)\n"
@@ -70,6 +72,7 @@ int usage_error(const std::string& msg) {
 
 int main(int argc, char** argv) {
   hpcdl::StagerOptions opt;
+  bool remove_temporaries = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -124,11 +127,23 @@ int main(int argc, char** argv) {
       opt.once = true;
     } else if (arg == "--quiet") {
       opt.quiet = true;
+    } else if (arg == "--remove-temporaries") {
+      remove_temporaries = true;
     } else {
       return usage_error("unknown argument '" + arg + "'");
     }
   }
   if (opt.stage_dir.empty()) return usage_error("--stage-dir is required");
   if (opt.session.empty()) return usage_error("--session is required");
+  if (remove_temporaries) {
+    // What a SIGKILLed stager left behind; a running stager removes its own.
+    try {
+      hpcdl::remove_temporaries(opt.stage_dir + "/.hpcdl/sessions/" + opt.session);
+    } catch (const hpcdl::StageError& e) {
+      std::cerr << "hpcdl-stage: error: " << e.what() << "\n";
+      return 1;
+    }
+    return 0;
+  }
   return hpcdl::run_stager(opt);
 }
