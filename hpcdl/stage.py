@@ -40,14 +40,8 @@ from hpcdl.staging.ownership import (
     data_key,
 )
 from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, write_plan
-from hpcdl.staging.session import _launch, parse_capacity
-from hpcdl.staging.status import (
-    FLAG_CAPACITY_FULL,
-    FLAG_NOSPACE,
-    CounterFile,
-    ProgressFile,
-    StatusView,
-)
+from hpcdl.staging.session import _launch, default_capacity, parse_capacity
+from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
 
 
 class UsageError(ValueError):
@@ -192,6 +186,8 @@ def dry_run(args: argparse.Namespace) -> int:
     layout = rank_layout([per] * nodes, args.placement)
     ds = open_data(args)
     capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
+    if capacity is None:
+        capacity = default_capacity(args.stage_dir or ".")
     threads = int(args.stage_threads)
     rows = []
     for node in range(nodes):
@@ -264,9 +260,13 @@ def stage_only(args: argparse.Namespace) -> int:
     node, nodes = args.node, args.nodes
     env_nodes, env_per = env_layout()
     if os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE"):
+        from hpcdl.comm.failure import install_abort_on_exception  # noqa: PLC0415
         from hpcdl.comm.world import init_world  # noqa: PLC0415
 
         world = init_world()
+        # Like the trainer: a leader that fails while the others wait in a barrier ends the
+        # job with its one line (main() raises UserError), never a hang.
+        install_abort_on_exception(world.comm, world.rank)
         comm = world.comm
         node = world.node_index if node is None else node
         nodes = nodes or world.num_nodes
@@ -325,7 +325,7 @@ def _stage_with(
             file=sys.stderr,
         )
         return 1
-    summary = _summary(status.header(), plan, node, seconds)
+    summary = _summary(status, plan, node, seconds)
     if comm is not None:
         comm.Barrier()
     if args.json:
@@ -353,8 +353,9 @@ def _watch(proc: Any, status: StatusView, node: int, quiet: bool) -> None:
         print(file=sys.stderr)
 
 
-def _summary(h: dict[str, int], plan: NodePlan, node: int, seconds: float) -> dict[str, Any]:
+def _summary(status: StatusView, plan: NodePlan, node: int, seconds: float) -> dict[str, Any]:
     """Print the node's one-line summary from the stager's status header; return it."""
+    h = status.header()
     files = h["files_staged"] + h["files_reused"]
     nbytes = h["bytes_staged"] + h["bytes_reused"]
     summary = dict(
@@ -369,8 +370,8 @@ def _summary(h: dict[str, int], plan: NodePlan, node: int, seconds: float) -> di
         mb_per_s=round(h["bytes_staged"] / 1e6 / seconds, 1),
         files_per_s=round(h["files_staged"] / seconds, 1),
         failures=h["failures"],
-        no_space=bool(h["flags"] & FLAG_NOSPACE),
-        capacity_full=bool(h["flags"] & FLAG_CAPACITY_FULL),
+        no_space=status.has_flag("NOSPACE"),
+        capacity_full=status.has_flag("CAPACITY_FULL"),
     )
     note = ""
     if files < plan.files:
@@ -394,11 +395,20 @@ def main(argv: list[str] | None = None) -> int:
             os.execv(str(binary), [str(binary), "--version"])
         return dry_run(args) if args.dry_run else stage_only(args)
     except StageDirFull as exc:
-        print(f"hpcdl.stage: error: {exc}; nothing was staged", file=sys.stderr)
-        return 1
+        return fail(f"{exc}; nothing was staged", 1)
     except (UsageError, StagerNotFound, StageDirError, FileNotFoundError, ValueError) as exc:
-        print(f"hpcdl.stage: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), 2)
+
+
+def fail(message: str, status: int) -> int:
+    """One line; under MPI through comm.failure's hook, which ends every rank of the job."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        from hpcdl.comm.failure import UserError  # noqa: PLC0415
+
+        raise UserError(f"hpcdl.stage: {message}", status)
+    print(f"hpcdl.stage: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from hpcdl.comm.failure import (
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World, init_world
 from hpcdl.config import ConfigError, TrainConfig, parse_args
-from hpcdl.data.dataset import DataError
+from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
@@ -33,6 +33,8 @@ from hpcdl.metrics import MetricsWriter, Progress, RunningMean, StepTimes
 
 EXIT_STOPPED_BY_SIGNAL = 3
 EXIT_LOADER_TIMEOUT = 4  # a loader worker stayed silent past --loader-timeout
+EXIT_DATA_ERROR = 1  # a sample or file that cannot be read mid-run
+EXIT_LOADER_FAULT = 2  # a loader worker died
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExitWithMessage as exc:
         return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
     except (DataError, LoaderFault) as exc:  # mid-run: one line from this rank (comm.failure)
-        status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else 2
+        status = EXIT_DATA_ERROR if isinstance(exc, DataError) else EXIT_LOADER_FAULT
+        status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else status
         raise UserError(str(exc), status) from None
 
 
@@ -173,6 +176,7 @@ def train(cfg: TrainConfig, world: World) -> int:
         steps_per_epoch=steps_per_epoch,
         config=cfg.to_json(),
     )
+    metrics.write("index", **index_record(train_ds, val_ds))  # image folders: index seconds
     shown = world.is_root and not cfg.quiet  # --quiet: no progress whatever --progress says
     progress = Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress)
 

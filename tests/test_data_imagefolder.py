@@ -280,3 +280,35 @@ def test_an_index_whose_fields_disagree_in_length_is_rebuilt(tmp_path):
     _rewrite_index(tmp_path / "d", paths[:-1])  # what a newline in a name did to version 1
     ds = open_dataset(tmp_path / "d")
     assert [f.relpath for f in ds.files] == paths and len(ds.labels) == 6
+
+
+def test_index_time_and_source_go_into_the_metrics(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import read_events
+
+    make_folder(tmp_path / "d", per_class=8)
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", tmp_path / "d", "--val-data", tmp_path / "d", "--model", "mlp"]
+    args += ["--epochs", 1, "--batch-size", 4, "--workers", 0, "--quiet", "--metrics", metrics]
+    for source in ("built", "cache"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hpcdl.train", *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        record = read_events(metrics, "index")[-1]
+        train = record["train"]
+        assert train["source"] == source and train["files"] == 16, record
+        assert 0 <= train["seconds"] < 60 and train["root"] == str(tmp_path / "d")
+        assert record["val"]["source"] == "cache"  # the training run's index, read again
+
+
+def test_hdf5_data_has_no_index_record(digits_dir):
+    from hpcdl.data.dataset import index_record
+
+    ds = open_dataset(digits_dir / "train")
+    assert index_record(ds, None) == {"train": None, "val": None}

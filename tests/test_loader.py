@@ -9,6 +9,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from loader_hooks import SlowLocate
 
 from hpcdl.data import DataError, Loader, open_dataset
 from hpcdl.data.pool import LoaderTimeout, WorkerDied
@@ -75,10 +76,19 @@ def test_batches_are_bitwise_identical_for_0_1_and_3_workers(h5data):
         assert stats["pfs_reads"] == 32 * len(ref)
 
 
+def slow_workers(monkeypatch, ds, max_s):
+    """A locate hook that delays each read by up to max_s; the workers can import it."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [tests, os.getenv("PYTHONPATH")]))
+    )
+    return SlowLocate(ds, max_s)
+
+
 def test_order_is_kept_under_random_worker_delays(h5data, monkeypatch):
-    monkeypatch.setenv("HPCDL_LOADER_TEST_DELAY", "0.03")
+    locate = slow_workers(monkeypatch, h5data, 0.03)
     ref, _ = run(h5data, 0, augment="rrc10+flip", epochs=(2,))
-    got, _ = run(h5data, 3, augment="rrc10+flip", epochs=(2,))
+    got, _ = run(h5data, 3, augment="rrc10+flip", epochs=(2,), locate=locate)
     for (xa, ya), (xb, yb) in zip(ref, got, strict=True):
         np.testing.assert_array_equal(ya, yb)
         np.testing.assert_array_equal(xa, xb)
@@ -113,9 +123,9 @@ def test_partial_validation_batches(h5data):
 
 
 def test_killed_worker_raises_within_seconds_and_leaves_nothing_behind(h5data, monkeypatch):
-    monkeypatch.setenv("HPCDL_LOADER_TEST_DELAY", "0.05")
+    locate = slow_workers(monkeypatch, h5data, 0.05)
     before = children()
-    loader = Loader(h5data, 32, workers=2, prefetch=4, seed=1)
+    loader = Loader(h5data, 32, workers=2, prefetch=4, seed=1, locate=locate)
     pids = loader.worker_pids
     assert set(pids) <= children()
     it = loader.iterate(epoch_batches(h5data), 0)
@@ -258,9 +268,7 @@ with Loader(ds, 32, workers=workers, prefetch=2) as loader:
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_shard_truncated_under_a_reader_is_a_data_error_naming_the_file(
-    h5data, workers, tmp_path
-):
+def test_shard_truncated_under_a_reader_is_a_data_error_naming_the_file(h5data, workers, tmp_path):
     import shutil
     import subprocess
     import sys

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcdl import scaling_model
-from hpcdl.scaling_model import ScalingFitError
+from hpcdl.bench import scaling_model
+from hpcdl.bench.scaling_model import ScalingFitError
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from test_staging_helpers import make_tree
 
@@ -111,3 +112,25 @@ def test_dry_run_shows_the_shape_the_loader_yields_from_the_training_config(tmp_
     assert json.loads(plain.stdout.splitlines()[-1])["sample_shape"] == [3, 40, 64]
     bad = stage("--dry-run", "--data", tmp_path / "data", "--augment", "rrc")
     assert bad.returncode == 2 and "--augment: unknown op 'rrc'" in bad.stderr
+
+
+def test_a_failing_leader_under_mpirun_ends_the_stage_job_quickly(tmp_path):
+    from conftest import mpi_env, mpirun_cmd
+
+    ds = make_tree(tmp_path / "data", 8, 100)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a regular file where the stage dir should be\n")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*mpirun_cmd(2), sys.executable, "-m", "hpcdl.stage"]
+        + ["--data", str(ds.root), "--files-only", "--stage-dir", str(blocker)],
+        capture_output=True,
+        text=True,
+        env=mpi_env(),
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 30, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count(str(blocker)) == 1, proc.stderr
+    assert blocker.read_text() == "a regular file where the stage dir should be\n"

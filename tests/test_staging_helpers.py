@@ -49,15 +49,17 @@ def temp_files(stage_dir: Path) -> list[str]:
 
 def stage_bytes(stage: Path) -> int:
     """Bytes on disk in a stage dir: staged copies and the stager's temporaries, not .hpcdl's
-    control files (files may vanish while it counts)."""
-    total = 0
+    control files (files may vanish while it counts). Counted once per inode: a copy being
+    published is linked under its temporary name and its destination for a moment."""
+    seen: dict[tuple[int, int], int] = {}
     for d, _, names in os.walk(stage):
         meta = ".hpcdl" in Path(d).relative_to(stage).parts
         for name in names:
             if meta and not name.startswith("tmp."):  # temporaries live in session dirs
                 continue
             try:
-                total += os.path.getsize(os.path.join(d, name))
+                st = os.lstat(os.path.join(d, name))
             except FileNotFoundError:
-                pass
-    return total
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())

@@ -193,3 +193,65 @@ def test_missing_source_and_symlinked_dir_are_failed_not_fatal(tmp_path, capfd):
     assert list(outside.iterdir()) == []
     assert session.locator()(0) == ds.root / ds.files[0].relpath
     session.close()
+
+
+def read_epoch(session, ds, epoch, steps, batch=4):
+    """Read every file of `epoch` through the locator, step by step, as a loader would."""
+    from hpcdl.data.sampler import DistributedSampler
+
+    locate = session.locator()
+    sampler = DistributedSampler(rank=0, num_samples=len(ds), **ARGS)
+    for step, batch_ids in enumerate(sampler.batches(epoch, batch)[:steps]):
+        for fid in ds.file_ids(batch_ids):
+            locate(int(fid))
+        session.consumed(epoch, step + 1)
+
+
+def test_a_first_epoch_that_outruns_staging_says_so_once_with_the_rate_needed(
+    tmp_path, monkeypatch
+):
+    ds = make_tree(tmp_path / "pfs", 120, 20_000)
+    monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=30,mbps=5")
+    session = start(ds, tmp_path / "stage", threads=1, epochs=(0, 3))
+    steps = len(ds) // 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        read_epoch(session, ds, 0, steps)
+        read_epoch(session, ds, 1, 2)
+    session.close()
+    lines = [str(w.message) for w in caught if "outran" in str(w.message)]
+    assert len(lines) == 1, [str(w.message) for w in caught]
+    assert "files/s" in lines[0] and "MB/s" in lines[0] and "--stage-threads" in lines[0]
+    needed = float(lines[0].split("needed ")[1].split(" files/s")[0])
+    assert needed > 100  # 120 files read in well under a second
+
+
+def test_staging_that_keeps_up_says_nothing_about_the_rate(tmp_path):
+    ds = make_tree(tmp_path / "pfs", 40, 2000)
+    session = start(ds, tmp_path / "stage", threads=4, epochs=(0, 2))
+    status = StatusView(session.meta / "status")
+    assert wait_for(lambda: status.field("plan_ready") == status.field("plan_entries"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        read_epoch(session, ds, 0, len(ds) // 4)
+        read_epoch(session, ds, 1, 1)
+        assert session.epoch_stats()["misses"] == 0
+    session.close()
+    assert [str(w.message) for w in caught if "outran" in str(w.message)] == []
+
+
+def test_a_killed_stagers_temporaries_go_even_when_the_copies_are_kept(tmp_path, monkeypatch):
+    ds = make_tree(tmp_path / "pfs", 60, 400_000)
+    monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=1,mbps=20")
+    session = start(ds, tmp_path / "stage", threads=4, keep=True)
+    status = StatusView(session.meta / "status")
+    assert wait_for(lambda: status.field("plan_ready") >= 1)
+    assert wait_for(lambda: any(session.meta.glob("tmp.*")), timeout=10)  # copies in flight
+    os.kill(status.field("pid"), signal.SIGKILL)
+    session.proc.wait()
+    assert any(session.meta.glob("tmp.*"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        session.close()
+    assert temp_files(tmp_path) == []
+    assert (session.meta / "status").exists()  # kept for inspection

@@ -530,3 +530,38 @@ def test_staging_progress_events_show_staging_ahead_of_the_readers_in_the_report
     assert report.returncode == 0, report.stderr
     assert "staging ahead of the readers by" in report.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_capacity_zero_stages_nothing_and_two_ranks_train_from_the_pfs(digits_dir, tmp_path):
+    stage, metrics = tmp_path / "stage", tmp_path / "m.jsonl"
+    proc = run_train(
+        2,
+        "--data",
+        digits_dir / "train",
+        "--model",
+        "mlp",
+        "--epochs",
+        2,
+        "--batch-size",
+        16,
+        "--workers",
+        0,
+        "--quiet",
+        "--stage-dir",
+        stage,
+        "--stage-capacity",
+        0,
+        "--keep-staged",
+        "--metrics",
+        metrics,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final train loss" in proc.stdout
+    assert data_files(stage) == {}
+    header = StatusView(status_path(stage)).header()
+    assert header["capacity"] == 0 and header["files_staged"] == 0, header
+    summary = read_events(metrics, "summary")[0]
+    assert summary["staging"]["files_staged"] == 0 and summary["staging"]["hits"] == 0
+    assert summary["staging"]["misses"] > 0
+    capacity_lines = [line for line in proc.stderr.splitlines() if "do not fit" in line]
+    assert len(capacity_lines) == 1, proc.stderr[-3000:]

@@ -220,12 +220,13 @@ def own_lines(output: str) -> list[str]:
 
     mpirun adds one when a rank exits non-zero ("prterun detected that one or more processes
     exited with non-zero status"); it is the launcher's, not hpcdl's, and cannot be turned off
-    without also losing the exit status."""
+    without also losing the exit status. Under load Open MPI's PMIx also adds, at times,
+    "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH ..." as a rank exits: launcher noise too."""
     lines, framed = [], False
     for line in output.splitlines():
         if line.startswith("-" * 40):
             framed = not framed
-        elif line.strip() and not framed:
+        elif line.strip() and not framed and not re.match(r"\[[^\]]*\] PMIX ERROR: ", line):
             lines.append(line)
     return lines
 

@@ -186,3 +186,27 @@ def test_ranks_started_with_different_flags_all_stop_with_one_message(digits_dir
     assert "ranks [1] run a different model or configuration than rank 0" in lines[0]
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+# --- a sample that cannot be read mid-run -----------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_unreadable_sample_mid_run_is_one_line_with_the_file_and_the_fix(tmp_path, workers):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (tmp_path / "d" / c).mkdir(parents=True)
+        for i in range(12):
+            arr = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(tmp_path / "d" / c / f"{i}.png")
+    (tmp_path / "d" / "dog" / "junk.png").write_bytes(b"not an image")
+    args = ["--data", tmp_path / "d", "--model", "mlp", "--epochs", 2, "--batch-size", 4]
+    proc, seconds = run_train(2, *args, "--workers", workers, "--seed", 1, "--quiet")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "junk.png" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "sample " in lines[0] and "--skip-bad-samples" in lines[0], lines[0]
+    assert "final" not in proc.stdout

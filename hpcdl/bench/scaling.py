@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcdl import scaling_model
 from hpcdl.backend import cpu_threads_hint, gpu_available
+from hpcdl.bench import scaling_model
 from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9

@@ -7,17 +7,24 @@ blocking MPI Allreduce on it while backward goes on. mpi4py releases the GIL ins
 the thread overlaps with NumPy/CuPy work. Every rank reduces the same buckets in the same order
 on its own duplicate of the communicator, so no other collective can interleave with them.
 
-GPU buffers: with a CUDA-aware MPI the bucket (a CuPy view) goes to MPI directly after the
-compute stream has reached the point where it was marked ready (an event, not a device-wide
-sync). Otherwise each bucket is copied to a pinned host buffer, reduced there and copied back.
+GPU buffers: with a CUDA-aware MPI the bucket (a CuPy view) goes to MPI directly once an event,
+recorded on the compute stream when backward marked the bucket ready (so after the kernels that
+wrote its gradients), has completed: never a wait on the whole default stream or the device.
+Anything the reducer launches itself runs on its own non-blocking stream, which wait()
+synchronizes. Without a CUDA-aware MPI each bucket is copied to a pinned host buffer, reduced
+there and copied back.
 Open MPI's non-blocking collectives are not CUDA-aware, hence the thread and blocking calls.
+
+The helper thread calls MPI while the training thread may too (failure notices, the stop
+agreement), which needs MPI_THREAD_MULTIPLE; hpcdl.comm.world asks for it. An MPI that grants
+less gets no helper thread: wait() reduces every bucket on the calling thread after backward
+(no overlap, same results), and init_world says so once.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -97,18 +104,15 @@ class GradientReducer:
         self._error: BaseException | None = None
         self._next = 0  # first bucket not yet marked ready
         self._unwoken = 0  # ready buckets the helper thread has not been woken for
-        self.last_exposed_s = 0.0
-        self.last_comm_s = 0.0
-        self.last_unmarked = 0  # buckets backward never marked in the last step
-        self.last_reduced_in_wait = 0  # buckets wait() reduced itself in the last step
-        self._comm_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="hpcdl-allreduce", daemon=True)
-        self._thread.start()
+        self.threaded = _thread_multiple()  # False: wait() reduces every bucket itself
+        self._thread: threading.Thread | None = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run, name="hpcdl-allreduce", daemon=True)
+            self._thread.start()
 
     def begin_step(self) -> None:
         self._next = 0
         self._unwoken = 0
-        self._comm_s = 0.0
 
     def mark_ready(self, n: int) -> None:
         """grads[:n] are final: every bucket inside them is ready to be reduced.
@@ -117,8 +121,9 @@ class GradientReducer:
         moved on: a bucket that becomes ready at the very end of backward is reduced by wait()
         on the calling thread and costs no wake-up (tens of microseconds on a busy node, as
         much as a third of a 1 MB allreduce)."""
-        for _ in range(self._unwoken):
-            self._wakeups.put(True)
+        if self.threaded:
+            for _ in range(self._unwoken):
+                self._wakeups.put(True)
         self._unwoken = 0
         while self._next < len(self.buckets) and self.buckets[self._next].hi <= n:
             event = None
@@ -130,31 +135,27 @@ class GradientReducer:
             self._unwoken += 1
 
     def wait(self) -> None:
-        """Block until every bucket is reduced and averaged; records the exposed wait time.
+        """Block until every bucket is reduced and averaged.
 
         The caller reduces what the helper has not taken yet (buckets marked late, and those
         never marked during backward), in bucket order, after the helper's current bucket.
         """
-        start = time.perf_counter()
-        self.last_unmarked = len(self.buckets) - self._next
-        if self.last_unmarked:  # on a GPU: reduced after an event at this stream position
+        if self._next < len(self.buckets):  # on a GPU: reduced after an event recorded here
             self.mark_ready(self.grads.size)
         self._unwoken = 0  # the caller reduces these itself
-        self.last_reduced_in_wait = 0
         while self._take_and_reduce():
-            self.last_reduced_in_wait += 1
+            pass
         with self._reduce_lock:  # the helper's bucket in flight, if any, is done after this
             pass
         if self._error is not None:
             raise RuntimeError(f"gradient allreduce failed: {self._error}") from self._error
         if self.on_device:
             self._copy_stream.synchronize()
-        self.last_exposed_s = time.perf_counter() - start
-        self.last_comm_s = self._comm_s
 
     def close(self) -> None:
-        self._wakeups.put(False)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._wakeups.put(False)
+            self._thread.join(timeout=5)
         self.comm.Free()
 
     def _take_and_reduce(self) -> bool:
@@ -165,13 +166,11 @@ class GradientReducer:
             if not self._ready:
                 return False
             bucket, event = self._ready.popleft()
-            t0 = time.perf_counter()
             try:
                 if self._error is None:
                     self._reduce(MPI, bucket, event)
             except BaseException as exc:  # surfaced by wait() on the main thread
                 self._error = exc
-            self._comm_s += time.perf_counter() - t0
             return True
 
     def _run(self) -> None:
@@ -185,11 +184,13 @@ class GradientReducer:
         if event is not None:
             event.synchronize()
         if not self.host_staged:
+            # Blocking: when it returns, the bucket holds the sum (CUDA-aware MPI included).
             self.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
-            if self.scale is not None:  # numpy: on the host; cupy: on this thread's stream
+            if self.scale is not None and self.on_device:
+                with self._copy_stream:  # the reducer's own stream; wait() synchronizes it
+                    view *= self.scale
+            elif self.scale is not None:
                 view *= self.scale
-            if self.on_device:
-                self.xp.cuda.get_current_stream().synchronize()
             return
         host = self._host[bucket.lo : bucket.hi]
         if self.on_device:
@@ -205,3 +206,10 @@ class GradientReducer:
             view.set(host, stream=self._copy_stream)
         else:
             np.copyto(view, host)
+
+
+def _thread_multiple() -> bool:
+    """True when MPI granted MPI_THREAD_MULTIPLE (a helper thread may call it)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ class World:
     num_nodes: int
     node_ranks: tuple[int, ...]  # world ranks on this node, in local-rank order
     ranks_by_node: tuple[tuple[int, ...], ...]  # node_ranks of every node, by node index
+    thread_multiple: bool = True  # MPI granted MPI_THREAD_MULTIPLE (helper threads may call it)
 
     @property
     def is_root(self) -> bool:
@@ -55,11 +57,27 @@ class World:
         return [r for r in records if r is not None] if records is not None else None
 
 
+_THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED"}
+
+
 def init_world() -> World:
     """Initialise MPI (a singleton run without mpirun is a world of 1) and split it by node."""
+    import mpi4py  # noqa: PLC0415
+
+    if "MPI4PY_RC_THREAD_LEVEL" not in os.environ:  # the user's choice wins (tests force less)
+        mpi4py.rc.thread_level = "multiple"  # the reducer's and failure notices' threads call MPI
     from mpi4py import MPI  # noqa: PLC0415  (import starts MPI; keep it out of module import)
 
     comm = MPI.COMM_WORLD
+    thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+    if not thread_multiple and comm.rank == 0:
+        print(
+            f"hpcdl: MPI granted {_THREAD_LEVELS.get(MPI.Query_thread(), 'a lower level')}, not "
+            "MPI_THREAD_MULTIPLE: gradients are reduced on the training thread after backward "
+            "(no overlap with it); use an MPI built with thread support for overlap",
+            file=sys.stderr,
+            flush=True,
+        )
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_rank = node_comm.rank
     leaders_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.rank)
@@ -84,13 +102,5 @@ def init_world() -> World:
         num_nodes=num_nodes,
         node_ranks=node_ranks,
         ranks_by_node=ranks_by_node,
+        thread_multiple=thread_multiple,
     )
-
-
-def env_local_rank() -> int | None:
-    """Local rank announced by the launcher (Open MPI, Slurm, MPICH), before MPI starts."""
-    for key in ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"):
-        value = os.environ.get(key)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None

@@ -1,7 +1,8 @@
 """Data sets, sampling, minibatch loading and conversion tools (docs/data.md)."""
 
 from hpcdl.data.augment import parse_augment
-from hpcdl.data.dataset import BadSample, DataError, FileEntry, open_dataset
+from hpcdl.data.dataset import BadSample, DataError, FileEntry
+from hpcdl.data.kinds import open_dataset
 from hpcdl.data.loader import Loader, default_workers
 
 __all__ = [

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data import convert
-from hpcdl.data.dataset import DataError, open_dataset
+from hpcdl.data.dataset import DataError
+from hpcdl.data.kinds import open_dataset
 from hpcdl.helpformat import HelpFormatter
 
 

@@ -1,4 +1,4 @@
-"""What every data set offers the loader and the stager, and `open_dataset()` to pick the kind.
+"""What every data set offers the loader and the stager (hpcdl.data.kinds picks the kind).
 
 A data set is a list of files under one root (the unit the stager copies) and a map from sample
 index to file id. Samples are read through a `SampleReader` made inside the process that reads
@@ -25,8 +25,6 @@ from hpcdl.data.pfs import PfsEmulation
 
 Locate = Callable[[int], Path]
 
-HDF5_SUFFIXES = (".h5", ".hdf5")
-
 
 class DataError(ValueError):
     """Unusable input data; the message names the file (and field or sample) that is wrong."""
@@ -36,11 +34,16 @@ class BadSample(DataError):
     """One sample could not be read or decoded."""
 
     def __init__(self, path: Path | str, index: int, reason: str) -> None:
-        super().__init__(f"sample {index} in {path} cannot be read: {reason}")
+        super().__init__(
+            f"sample {index} in {path} cannot be read: {reason}; fix or remove the file, or "
+            "pass --skip-bad-samples to train on without it"
+        )
         self.path, self.index = str(path), index
 
 
 class FileEntry(NamedTuple):
+    """One data set file, the unit the stager copies; its index in ds.files is its file id."""
+
     relpath: str  # relative to the data set root, '/'-separated
     size: int  # bytes
 
@@ -156,6 +159,24 @@ def _preview(names: list[str], limit: int = 8) -> str:
     return ", ".join(map(repr, names[:limit])) + more
 
 
+def index_record(train_ds: Any, val_ds: Any | None) -> dict[str, dict | None]:
+    """The metrics "index" event: per data set that keeps an index (image folders), its root,
+    file count, where the index came from ("built", "cache", "given": received from rank 0)
+    and the seconds it took; None for kinds without one (HDF5) and for no --val-data."""
+
+    def one(ds: Any | None) -> dict | None:
+        if ds is None or not hasattr(ds, "index_seconds"):
+            return None
+        return {
+            "root": str(ds.root),
+            "files": len(ds.files),
+            "source": ds.index_source,
+            "seconds": round(ds.index_seconds, 4),
+        }
+
+    return {"train": one(train_ds), "val": one(val_ds)}
+
+
 def default_locate(root: Path, files: list[FileEntry]) -> Locate:
     """The PFS path of each file: root / relpath."""
 
@@ -163,39 +184,6 @@ def default_locate(root: Path, files: list[FileEntry]) -> Locate:
         return root / files[file_id].relpath
 
     return locate
-
-
-def open_dataset(path: str | Path):
-    """Open an HDF5 file, a directory of HDF5 shards, or an image folder root/<class>/<file>."""
-    from hpcdl.data.hdf5 import HDF5Dataset  # noqa: PLC0415
-    from hpcdl.data.imagefolder import ImageFolderDataset  # noqa: PLC0415
-
-    p = Path(path)
-    if not p.exists():
-        raise DataError(
-            f"{p}: no such file or directory (expected an HDF5 file, a directory of HDF5 "
-            "shards, or an image folder root/<class>/<file>)"
-        )
-    if p.is_file():
-        return HDF5Dataset(p)
-    entries = list(p.iterdir())
-    if any(e.is_file() and e.suffix.lower() in HDF5_SUFFIXES for e in entries):
-        return HDF5Dataset(p)
-    if any(e.is_dir() and not e.name.startswith(".") for e in entries):
-        subdirs = {e.name for e in entries if e.is_dir()}
-        if {"train", "val"} <= subdirs and _has_shards(p / "train"):
-            raise DataError(
-                f"{p} holds train/ and val/ shard directories, not samples; "
-                f"use --data {p / 'train'} --val-data {p / 'val'}"
-            )
-        return ImageFolderDataset(p)
-    raise DataError(
-        f"{p}: directory holds no HDF5 shards (*.h5, *.hdf5) and no class subdirectories"
-    )
-
-
-def _has_shards(d: Path) -> bool:
-    return d.is_dir() and any(e.suffix.lower() in HDF5_SUFFIXES for e in d.iterdir())
 
 
 def file_ids_from_offsets(offsets: np.ndarray, indices, n: int) -> np.ndarray:

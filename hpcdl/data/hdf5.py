@@ -22,7 +22,6 @@ import h5py
 import numpy as np
 
 from hpcdl.data.dataset import (
-    HDF5_SUFFIXES,
     BadSample,
     DataError,
     FileEntry,
@@ -33,6 +32,8 @@ from hpcdl.data.dataset import (
     file_ids_from_offsets,
 )
 from hpcdl.data.pfs import open_latency, throttle
+
+HDF5_SUFFIXES = (".h5", ".hdf5")
 
 
 class HDF5Dataset:

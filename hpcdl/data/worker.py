@@ -11,16 +11,15 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import random
 import signal
 import socket
 import sys
-import time
 import traceback
 
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder
-from hpcdl.data.dataset import DataError, open_dataset
+from hpcdl.data.dataset import DataError
+from hpcdl.data.kinds import open_dataset
 from hpcdl.data.slots import (
     OP_DATA_ERROR,
     OP_DONE,
@@ -32,9 +31,6 @@ from hpcdl.data.slots import (
     recv_exact,
     slot_views,
 )
-
-# Test hook: sleep a random 0..X seconds before each batch (order must survive any delays).
-DELAY_ENV = "HPCDL_LOADER_TEST_DELAY"
 
 
 def _reply(sock, op: int, slot=0, batch=0, counts=(0, 0, 0), text: str = "") -> None:
@@ -65,8 +61,6 @@ def main(argv: list[str]) -> int:
         _reply(sock, _error_op(exc), text=_describe(exc))
         return 1
     _reply(sock, OP_READY)
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-    rng = random.Random(os.getpid())
     last = (0, 0, 0)
     layout = (cfg["slot_bytes"], cfg["images_offset"], cfg["batch_size"], cfg["shape"])
     while True:
@@ -76,8 +70,6 @@ def main(argv: list[str]) -> int:
         op, slot, epoch, batch, n, train = TASK.unpack(msg)
         if op == OP_STOP:
             return 0
-        if delay:
-            time.sleep(rng.uniform(0, delay))
         indices, labels, images = slot_views(mm, slot, *layout, n)
         try:
             builder.build(indices.copy(), epoch, bool(train), images, labels)

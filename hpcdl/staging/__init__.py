@@ -14,7 +14,7 @@ from hpcdl.staging.plan import (
     plan_for_node,
     write_plan,
 )
-from hpcdl.staging.session import Locator, StagingSession, parse_capacity
+from hpcdl.staging.session import Locator, StagingSession, default_capacity, parse_capacity
 
 __all__ = [
     "FileEntry",
@@ -26,6 +26,7 @@ __all__ = [
     "StagerNotFound",
     "StagingSession",
     "dataset_fingerprint",
+    "default_capacity",
     "find_stager_binary",
     "open_source",
     "parse_capacity",

@@ -31,10 +31,12 @@ import re
 import secrets
 import socket
 import stat
+import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.manifest import ManifestRecord, read_manifest
 
 META = ".hpcdl"
@@ -117,6 +119,7 @@ class StageDirLease:
         with _locked(self.stage_dir):
             sessions = self.stage_dir / META / SESSIONS
             if keep:  # the status map stays for inspection; the session no longer counts
+                remove_stager_temporaries(self.stage_dir, self.session)
                 _remove_session(sessions, self.session, keep_status=True)
             else:
                 _remove_session(sessions, self.session)
@@ -248,6 +251,17 @@ def _owner_text() -> str:
     return f"{socket.gethostname()}\n{os.getpid()}\n{_process_start(os.getpid())}\n"
 
 
+def remove_stager_temporaries(stage_dir: Path, session: str) -> None:
+    """What a SIGKILLed stager left in its session dir: the stager owns that rule (names and
+    safety), so hpcdl-stage --remove-temporaries does it. Nothing to do without a stager."""
+    try:
+        binary = find_stager_binary()
+    except StagerNotFound:
+        return
+    cmd = [str(binary), "--stage-dir", str(stage_dir), "--session", session, "--remove-temporaries"]
+    subprocess.run(cmd, stdin=subprocess.DEVNULL, check=False)
+
+
 def _session_alive(session: Path) -> bool:
     lines = (_read_text(session / "owner") or "").split("\n")
     if len(lines) < 3 or not lines[1].isdigit():
@@ -266,8 +280,9 @@ def _remove_stale_sessions(sessions: Path) -> None:
 def _remove_session(sessions: Path, name: str, keep_status: bool = False) -> None:
     """Remove one session directory: the files directly in it (hpcdl's), then the directory.
 
-    keep_status: remove only the owner and the stager's temporary files; the status map, plan
-    and counters stay for inspection (--keep-staged)."""
+    keep_status: remove only the owner; the status map, plan and counters stay for inspection
+    (--keep-staged). The stager removes its own temporary files (tmp.<thread>) on every exit
+    but SIGKILL; release() has hpcdl-stage remove a killed stager's first."""
     try:
         parent = os.open(sessions, _DIR_FLAGS)
     except OSError:
@@ -276,7 +291,7 @@ def _remove_session(sessions: Path, name: str, keep_status: bool = False) -> Non
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
         try:
             for entry in os.listdir(fd):
-                if keep_status and entry != "owner" and not entry.startswith("tmp."):
+                if keep_status and entry != "owner":
                     continue
                 with contextlib.suppress(OSError):
                     if not stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):

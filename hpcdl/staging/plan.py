@@ -15,21 +15,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from hpcdl.data.dataset import has_control_character, is_plain_relpath
+from hpcdl.data.dataset import FileEntry, has_control_character, is_plain_relpath
 from hpcdl.data.sampler import DistributedSampler
 
 PLAN_VERSION = 1
-
-
-class FileEntry(NamedTuple):
-    """One data set file: path relative to the data set root and size in bytes."""
-
-    relpath: str
-    size: int
 
 
 class PlanError(ValueError):

@@ -32,12 +32,11 @@ from hpcdl.staging.ownership import (
 )
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
 from hpcdl.staging.status import (
-    READY,
-    RUN_RUNNING,
     CounterFile,
     ProgressFile,
     StatusView,
     stager_alive,
+    status_layout,
 )
 
 PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
@@ -46,15 +45,13 @@ HEARTBEAT_TIMEOUT_S = 5.0
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int:
-    """Bytes staging may use: int, '200G' (binary units), '80%' of free space, None = default.
+def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None:
+    """Bytes staging may use: int, '200G' (binary units), '80%' of free space; 0 stages nothing.
 
-    The default is the free space of the stage dir's file system minus max(5 %, 1 GiB).
+    None (or '') stays None: hpcdl-stage then uses its default (default_capacity()).
     """
-    usage = shutil.disk_usage(_existing_parent(Path(stage_dir)))
     if value is None or value == "":
-        margin = max(usage.total // 20, 2**30)
-        return max(usage.free - margin, 0)
+        return None
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)?\s*(%?)\s*", str(value))
@@ -66,8 +63,20 @@ def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int:
     if m.group(4):
         if number > 100:
             raise ValueError(f"stage capacity {value!r}: a percentage must be at most 100%")
-        return int(usage.free * number / 100)
+        free = shutil.disk_usage(_existing_parent(Path(stage_dir))).free
+        return int(free * number / 100)
     return int(number * _UNITS[m.group(2)])
+
+
+def default_capacity(stage_dir: str | Path) -> int:
+    """The capacity hpcdl-stage uses without --capacity (it owns the rule), in bytes."""
+    out = subprocess.run(
+        [str(find_stager_binary()), "--default-capacity", str(_existing_parent(Path(stage_dir)))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout)
 
 
 def _existing_parent(path: Path) -> Path:
@@ -102,6 +111,7 @@ class Locator:
         self._ends = ends - 1
         self.local_rank = local_rank
         self.ranks = ranks
+        self.layout = status_layout()  # pickled along: workers need not ask the binary
         self._status: StatusView | None = None
         self._counters: CounterFile | None = None
 
@@ -115,10 +125,10 @@ class Locator:
 
     def __call__(self, file_id: int) -> Path:
         if self._status is None:
-            self._status = StatusView(os.path.join(self.meta, "status"))
+            self._status = StatusView(os.path.join(self.meta, "status"), self.layout)
             self._counters = CounterFile(os.path.join(self.meta, "counters"), self.ranks)
         rel = self.relpath(int(file_id))
-        if self._status.state(int(file_id)) == READY:
+        if self._status.state(int(file_id)) == self.layout.file_states["READY"]:
             local = os.path.join(self.local_root, rel)
             try:
                 if stat.S_ISREG(os.lstat(local).st_mode):
@@ -182,6 +192,9 @@ class StagingSession:
         self.status: StatusView | None = None
         self.progress: ProgressFile | None = None
         self.counters: CounterFile | None = None
+        self.first_epoch_need: tuple[int, int] | None = None  # (files, bytes) of epoch begin
+        self.started = 0.0  # monotonic time the stager reported RUNNING
+        self.outran_checked = False  # the first epoch was compared with staging (rank 0)
         self.dead = True  # no stager serves this session (never started, or stopped)
         self.warned = False  # the one "reading from the PFS" warning was given
         self.last_check = 0.0  # monotonic time of the last liveness check
@@ -207,7 +220,8 @@ class StagingSession:
         world: hpcdl.comm.world.World, or None for a single process. sampler_args:
         DistributedSampler fields except rank. epochs: (start_epoch, end_epoch) of the run, or an
         end epoch; the stager holds a plan for the current and the next epoch and gets a new one
-        at each epoch change. capacity: bytes, '200G', '80%' or None (free space minus a margin).
+        at each epoch change. capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the
+        stager's default: free space minus a margin).
         protect: flag -> data path the stage dir must not overlap (default: the data set root).
         A stage dir that overlaps the data, cannot be created or written, or a missing
         hpcdl-stage stops every rank with one message (SystemExitWithMessage under MPI,
@@ -247,6 +261,8 @@ class StagingSession:
         if self.progress is None:
             return
         self.progress.set(self.local_rank, epoch * self.steps_per_epoch + step)
+        if not self.outran_checked and epoch == self.begin and step >= self.steps_per_epoch:
+            self._check_first_epoch()
         if self.local_rank == 0 and epoch > self.plan_begin and epoch + 1 < self.end:
             self._replan(epoch)
         now = time.monotonic()
@@ -343,6 +359,7 @@ class StagingSession:
             self.progress = ProgressFile(self.meta / "progress", self.local_size)
             self.counters = CounterFile(self.meta / "counters", self.local_size)
         self.dead = not info["ok"]
+        self.started = time.monotonic()
         if self.dead:
             self._warn(f"the staging process did not start ({info['why']})")
 
@@ -356,6 +373,9 @@ class StagingSession:
             node=self.node,
         )
         self.first_use = _first_use(plan)
+        if epoch == self.begin:
+            first = self.first_use < plan.steps_per_epoch
+            self.first_epoch_need = (int(first.sum()), int(plan.sizes[first].sum()))
         return plan
 
     def _replan(self, epoch: int) -> None:
@@ -363,6 +383,34 @@ class StagingSession:
         plan = self._plan(epoch)
         key = self.local_root.name
         write_plan(self.meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
+
+    def _check_first_epoch(self) -> None:
+        """Once per job (world rank 0, for its node): when readers went to the PFS in the first
+        epoch because copies were not ready yet, say what rate staging would have needed."""
+        self.outran_checked = True
+        rank = self.world.rank if self.world is not None else 0
+        if rank != 0 or self.dead or self.first_epoch_need is None or self.counters is None:
+            return
+        misses = sum(self.counters.totals(r)[1] for r in range(self.local_size))
+        reads = misses + sum(self.counters.totals(r)[0] for r in range(self.local_size))
+        files, nbytes = self.first_epoch_need
+        status = self.status
+        if misses == 0 or status.has_flag("NOSPACE") or status.has_flag("CAPACITY_FULL"):
+            return  # all staged in time, or the capacity's own message explains the misses
+        if status.field("capacity") < nbytes or status.field("failures"):
+            return  # the capacity line or the stager's failure lines explain them
+        seconds = max(time.monotonic() - self.started, 1e-3)
+        warnings.warn(
+            f"hpcdl staging on node {self.node}: the first epoch outran staging: {misses} of "
+            f"{reads} reads went to the parallel file system because their copies were not "
+            f"ready; staging copied {status.field('files_staged') / seconds:.1f} files/s "
+            f"({status.field('bytes_staged') / 1e6 / seconds:.2f} MB/s), keeping up needed "
+            f"{files / seconds:.1f} files/s ({nbytes / 1e6 / seconds:.2f} MB/s) over "
+            f"{seconds:.2f} s; raise --stage-threads, or stage before training with a "
+            "stage-only step (python -m hpcdl.stage)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _check_alive(self) -> None:
         if self.dead:
@@ -400,7 +448,7 @@ def _launch(
     stage_dir: Path,
     session: str,
     threads: int,
-    capacity: int,
+    capacity: int | None,
     verify: bool,
     once: bool = False,
     quiet: bool = False,
@@ -413,11 +461,11 @@ def _launch(
         session,
         "--threads",
         str(int(threads)),
-        "--capacity",
-        str(int(capacity)),
         "--parent-pid",
         str(os.getpid()),
     ]
+    if capacity is not None:  # else the stager's default
+        cmd += ["--capacity", str(int(capacity))]
     if verify:
         cmd.append("--verify")
     if once:
@@ -434,11 +482,7 @@ def _wait_running(proc: subprocess.Popen, status_path: Path) -> tuple[bool, str]
     try:
         while time.monotonic() < deadline:
             code = proc.poll()
-            if (
-                view.open()
-                and view.field("pid") == proc.pid
-                and view.field("run_state") >= RUN_RUNNING
-            ):
+            if view.open() and view.field("pid") == proc.pid and view.run_state() != "STARTING":
                 return True, ""
             if code is not None:
                 return False, f"hpcdl-stage exited with code {code}; see its message above"

@@ -1,57 +1,84 @@
 """Python side of the files the stager shares: status map, progress cursors, hit counters.
 
-Byte layouts (little-endian) are documented in docs/staging.md and mirror staging/src/status_map.h.
+hpcdl-stage owns the status map's and the progress file's layouts: Python reads them once per
+process from `hpcdl-stage --print-layout` (status_layout()), so offsets and state codes have one
+definition, in staging/src/status_map.h. docs/staging.md documents them; the counters file is
+Python's alone.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
+import json
 import mmap
 import os
 import struct
+import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-PENDING, COPYING, READY, FAILED, EVICTED = range(5)
-STATE_NAMES = ("PENDING", "COPYING", "READY", "FAILED", "EVICTED")
-RUN_STARTING, RUN_RUNNING, RUN_DONE, RUN_STOPPED = range(4)
-FLAG_NOSPACE, FLAG_CAPACITY_FULL = 1, 2
+from hpcdl.staging.binary import find_stager_binary
 
-STATUS_MAGIC = b"HPCDLSTA"
-STATUS_HEADER = 256
-_FIELDS = {  # name: (offset, struct format)
-    "version": (8, "<I"),
-    "files": (16, "<Q"),
-    "plan_hash": (24, "<Q"),
-    "fingerprint": (32, "<Q"),
-    "pid": (40, "<q"),
-    "heartbeat_ns": (48, "<q"),
-    "files_staged": (56, "<Q"),
-    "bytes_staged": (64, "<Q"),
-    "failures": (72, "<Q"),
-    "evictions": (80, "<Q"),
-    "files_reused": (88, "<Q"),
-    "bytes_resident": (96, "<Q"),
-    "capacity": (104, "<Q"),
-    "run_state": (112, "<I"),
-    "flags": (116, "<I"),
-    "plan_entries": (120, "<Q"),
-    "plan_ready": (128, "<Q"),
-    "bytes_reused": (136, "<Q"),
-}
-
-PROGRESS_MAGIC = b"HPCDLPRG"
-PROGRESS_HEADER = PROGRESS_SLOT = 64
 COUNTERS_MAGIC = b"HPCDLCNT"
 COUNTER_SLOTS = 64  # per local rank: one per process (rank + loader workers)
 COUNTER_SLOT = 32  # pid, hits, misses, spare (int64 each)
+_FORMATS = {"u32": "<I", "u64": "<Q", "i64": "<q"}
+
+
+@dataclass(frozen=True)
+class StatusLayout:
+    """What `hpcdl-stage --print-layout` says about the files it shares with Python."""
+
+    magic: bytes
+    version: int
+    header_size: int
+    fields: dict[str, tuple[int, str]]  # header field -> (offset, struct format)
+    file_states: dict[str, int]  # PENDING, COPYING, READY, FAILED, EVICTED -> status byte
+    run_states: dict[str, int]  # STARTING, RUNNING, DONE, STOPPED -> run_state
+    flags: dict[str, int]  # NOSPACE, CAPACITY_FULL -> bit in flags
+    progress: dict  # magic, version, header_size, ranks_offset, slot_size of the progress file
+
+
+@functools.cache
+def status_layout() -> StatusLayout:
+    """The layout the installed hpcdl-stage uses (one subprocess per process, then cached)."""
+    out = subprocess.run(
+        [str(find_stager_binary()), "--print-layout"], capture_output=True, text=True, check=True
+    )
+    raw = json.loads(out.stdout)
+    status = raw["status"]
+    return StatusLayout(
+        magic=status["magic"].encode(),
+        version=status["version"],
+        header_size=status["header_size"],
+        fields={k: (v["offset"], _FORMATS[v["type"]]) for k, v in status["fields"].items()},
+        file_states=status["file_states"],
+        run_states=status["run_states"],
+        flags=status["flags"],
+        progress=raw["progress"],
+    )
+
+
+def __getattr__(name: str) -> int:
+    """READY, RUN_RUNNING, FLAG_NOSPACE, ...: the binary's codes, looked up on first use."""
+    layout = status_layout()
+    if name.startswith("RUN_") and name[4:] in layout.run_states:
+        return layout.run_states[name[4:]]
+    if name.startswith("FLAG_") and name[5:] in layout.flags:
+        return layout.flags[name[5:]]
+    if name in layout.file_states:
+        return layout.file_states[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class StatusView:
     """Read-only view of <stage_dir>/.hpcdl/status (maps it on first use)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, layout: StatusLayout | None = None):
         self.path = Path(path)
+        self.layout = layout or status_layout()  # given: no subprocess (loader workers)
         self._map: mmap.mmap | None = None
 
     def open(self) -> bool:
@@ -61,31 +88,41 @@ class StatusView:
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size < STATUS_HEADER:
+                if size < self.layout.header_size:
                     return False
                 m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
         except OSError:
             return False
-        if m[:8] != STATUS_MAGIC:
+        if m[:8] != self.layout.magic:
             m.close()
             return False
         self._map = m
         return True
 
     def field(self, name: str) -> int:
-        offset, fmt = _FIELDS[name]
+        offset, fmt = self.layout.fields[name]
         return struct.unpack_from(fmt, self._map, offset)[0] if self.open() else 0
 
     def header(self) -> dict[str, int]:
-        return {name: self.field(name) for name in _FIELDS}
+        return {name: self.field(name) for name in self.layout.fields}
 
     def state(self, file_id: int) -> int:
-        if not self.open() or STATUS_HEADER + file_id >= len(self._map):
-            return PENDING
-        return self._map[STATUS_HEADER + file_id]
+        """The status byte of file_id (PENDING while the map is missing)."""
+        start = self.layout.header_size
+        if not self.open() or start + file_id >= len(self._map):
+            return self.layout.file_states["PENDING"]
+        return self._map[start + file_id]
 
     def states(self) -> bytes:
-        return bytes(self._map[STATUS_HEADER:]) if self.open() else b""
+        return bytes(self._map[self.layout.header_size :]) if self.open() else b""
+
+    def run_state(self) -> str:
+        """STARTING, RUNNING, DONE or STOPPED (STARTING while the map is missing)."""
+        code = self.field("run_state")
+        return next((k for k, v in self.layout.run_states.items() if v == code), "STARTING")
+
+    def has_flag(self, name: str) -> bool:
+        return bool(self.field("flags") & self.layout.flags[name])
 
     def close(self) -> None:
         if self._map is not None:
@@ -97,7 +134,7 @@ def stager_alive(view: StatusView, timeout_s: float = 5.0) -> bool:
     """True while the stager's pid exists and its heartbeat is younger than timeout_s."""
     if not view.open():
         return False
-    if view.field("run_state") == RUN_STOPPED or not _pid_exists(view.field("pid")):
+    if view.run_state() == "STOPPED" or not _pid_exists(view.field("pid")):
         return False
     age = time.time_ns() - view.field("heartbeat_ns")
     return age < timeout_s * 1e9
@@ -117,14 +154,19 @@ class ProgressFile:
     def __init__(self, path: str | Path, ranks: int):
         self.path = Path(path)
         self.ranks = ranks
+        layout = status_layout().progress
+        self.header_size, self.slot_size = layout["header_size"], layout["slot_size"]
         self._map: mmap.mmap | None = None
 
     @classmethod
     def create(cls, path: str | Path, ranks: int) -> ProgressFile:
-        header = PROGRESS_MAGIC + struct.pack("<II", 1, ranks)
-        header += b"\0" * (PROGRESS_HEADER - len(header))
-        slots = b"".join(struct.pack("<q", -1) + b"\0" * (PROGRESS_SLOT - 8) for _ in range(ranks))
-        _atomic_create(Path(path), header + slots)
+        layout = status_layout().progress
+        header = bytearray(layout["header_size"])
+        header[:8] = layout["magic"].encode()
+        struct.pack_into("<I", header, 8, layout["version"])
+        struct.pack_into("<I", header, layout["ranks_offset"], ranks)
+        slot = struct.pack("<q", -1) + b"\0" * (layout["slot_size"] - 8)
+        _atomic_create(Path(path), bytes(header) + slot * ranks)
         return cls(path, ranks)
 
     def _mapped(self) -> mmap.mmap:
@@ -135,12 +177,11 @@ class ProgressFile:
 
     def set(self, local_rank: int, position: int) -> None:
         # One aligned 8-byte store: the stager never reads a torn cursor.
-        struct.pack_into(
-            "<q", self._mapped(), PROGRESS_HEADER + local_rank * PROGRESS_SLOT, position
-        )
+        offset = self.header_size + local_rank * self.slot_size
+        struct.pack_into("<q", self._mapped(), offset, position)
 
     def get(self, local_rank: int) -> int:
-        offset = PROGRESS_HEADER + local_rank * PROGRESS_SLOT
+        offset = self.header_size + local_rank * self.slot_size
         return struct.unpack_from("<q", self._mapped(), offset)[0]
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 #include "copy_engine.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/sendfile.h>
 #include <sys/stat.h>
@@ -213,6 +214,38 @@ std::pair<std::string, std::string> split_dest(const std::string& dest) {
   return {dest.substr(0, slash), dest.substr(slash + 1)};
 }
 
+size_t remove_temporaries(const std::string& session_dir) {
+  UniqueFd dir(::open(session_dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!dir.valid()) {
+    int err = errno;
+    throw StageError("cannot open session directory " + session_dir + ": " + errno_text(err), err);
+  }
+  DIR* listing = ::fdopendir(::dup(dir.get()));
+  if (listing == nullptr) {
+    int err = errno;
+    throw StageError("cannot list session directory " + session_dir + ": " + errno_text(err), err);
+  }
+  std::vector<std::string> names;
+  const std::string prefix = kTempPrefix;
+  while (const struct dirent* entry = ::readdir(listing)) {
+    const std::string name = entry->d_name;
+    if (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+        name.find_first_not_of("0123456789", prefix.size()) == std::string::npos) {
+      names.push_back(name);
+    }
+  }
+  ::closedir(listing);
+  size_t removed = 0;
+  for (const auto& name : names) {
+    struct stat st {};
+    if (::fstatat(dir.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+        ::unlinkat(dir.get(), name.c_str(), 0) == 0) {
+      ++removed;
+    }
+  }
+  return removed;
+}
+
 CopyEngine::CopyEngine(StageTree& tree, Manifest& manifest, const std::string& tmp_dir,
                        PfsEmulation& pfs, bool verify, const std::atomic<bool>& cancel)
     : tree_(tree),
@@ -254,7 +287,7 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
 
   // One temporary name per copy thread, in the session directory: the tree of staged files
   // never holds a partial file, and a dead stager's temporaries go with its session.
-  const std::string tmp = "tmp." + std::to_string(tag);
+  const std::string tmp = kTempPrefix + std::to_string(tag);
   const int tmp_dir = tmp_dir_.get();
   ::unlinkat(tmp_dir, tmp.c_str(), 0);
   UniqueFd out(::openat(tmp_dir, tmp.c_str(),

@@ -116,6 +116,14 @@ class CopyEngine {
   const std::atomic<bool>& cancel_;
 };
 
+// Prefix of the copy threads' temporary files in the session directory ("tmp.<thread>").
+constexpr const char* kTempPrefix = "tmp.";
+
+// Removes the temporary files a stager left in `session_dir` (one that was SIGKILLed; any other
+// exit removes its own). Only regular files named kTempPrefix + digits; a symlink is never
+// followed. Returns how many were removed; StageError when the directory cannot be opened.
+size_t remove_temporaries(const std::string& session_dir);
+
 // Splits "a/b/c" into ("a/b", "c").
 std::pair<std::string, std::string> split_dest(const std::string& dest);
 

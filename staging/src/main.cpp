@@ -7,8 +7,10 @@
 #include <string>
 
 #include "common.h"
+#include "copy_engine.h"
 #include "plan.h"
 #include "stager.h"
+#include "status_map.h"
 
 #ifndef HPCDL_VERSION
 #define HPCDL_VERSION "0.0.0"
@@ -20,7 +22,10 @@ const char* kUsage =
     "usage: hpcdl-stage --stage-dir DIR --session NAME [--threads T] [--capacity BYTES]\n"
     "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
     "                   [--parent-pid PID] [--quiet]\n"
+    "       hpcdl-stage --stage-dir DIR --session NAME --remove-temporaries\n"
     "       hpcdl-stage --check-plan FILE...\n"
+    "       hpcdl-stage --print-layout          (status map and progress file layout, JSON)\n"
+    "       hpcdl-stage --default-capacity DIR  (bytes staged into DIR without --capacity)\n"
     "       hpcdl-stage --version\n"
     "Reads the plan and progress files in DIR/.hpcdl/sessions/NAME, copies files into DIR,\n"
     "records them in DIR/.hpcdl/manifest, publishes states in DIR/.hpcdl/sessions/NAME/status.\n"
@@ -67,6 +72,7 @@ int usage_error(const std::string& msg) {
 
 int main(int argc, char** argv) {
   hpcdl::StagerOptions opt;
+  bool remove_temporaries = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -83,6 +89,13 @@ int main(int argc, char** argv) {
       return 0;
     } else if (arg == "--help" || arg == "-h") {
       std::cout << kUsage;
+      return 0;
+    } else if (arg == "--print-layout") {
+      std::cout << hpcdl::layout_json() << "\n";
+      return 0;
+    } else if (arg == "--default-capacity") {
+      if (value == nullptr) return usage_error("--default-capacity needs a directory");
+      std::cout << hpcdl::default_capacity(value) << "\n";
       return 0;
     } else if (arg == "--check-plan") {
       if (value == nullptr) return usage_error("--check-plan needs a file");
@@ -114,11 +127,23 @@ int main(int argc, char** argv) {
       opt.once = true;
     } else if (arg == "--quiet") {
       opt.quiet = true;
+    } else if (arg == "--remove-temporaries") {
+      remove_temporaries = true;
     } else {
       return usage_error("unknown argument '" + arg + "'");
     }
   }
   if (opt.stage_dir.empty()) return usage_error("--stage-dir is required");
   if (opt.session.empty()) return usage_error("--session is required");
+  if (remove_temporaries) {
+    // What a SIGKILLed stager left behind; a running stager removes its own.
+    try {
+      hpcdl::remove_temporaries(opt.stage_dir + "/.hpcdl/sessions/" + opt.session);
+    } catch (const hpcdl::StageError& e) {
+      std::cerr << "hpcdl-stage: error: " << e.what() << "\n";
+      return 1;
+    }
+    return 0;
+  }
   return hpcdl::run_stager(opt);
 }

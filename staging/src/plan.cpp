@@ -168,7 +168,7 @@ Plan read_plan(const std::string& path) {
                                line.substr(0, 60) + "'");
       }
       seen_entries = true;
-    } else if (key == "source_root" || key == "node" || key == "shuffle") {
+    } else if (key == "node" || key == "shuffle") {
       // informational
     } else {
       fail(path, lineno, "unknown or malformed header line '" + line.substr(0, 60) + "'");

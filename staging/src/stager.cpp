@@ -58,15 +58,6 @@ const std::string& log_prefix() {
 
 void log_line(const std::string& msg) { std::cerr << log_prefix() << msg << std::endl; }
 
-uint64_t default_capacity(const std::string& dir) {
-  struct statvfs vfs {};
-  if (::statvfs(dir.c_str(), &vfs) != 0) return 0;
-  const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-  const uint64_t total = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
-  const uint64_t margin = std::max<uint64_t>(total / 20, 1ull << 30);
-  return free_bytes > margin ? free_bytes - margin : 0;
-}
-
 struct PlanFileId {
   ino_t ino = 0;
   struct timespec mtime {};
@@ -99,7 +90,7 @@ class Stager {
         pfs_(PfsEmulation::from_env()),
         engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
     plan_id_ = plan_file_id(meta_ + "/plan");
-    capacity_ = opt.capacity ? opt.capacity : default_capacity(opt.stage_dir);
+    capacity_ = opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir);
   }
 
   int run() {
@@ -112,7 +103,6 @@ class Stager {
     status_.store32(so::kFlags, 0);
     status_.store(so::kCapacity, capacity_);
     status_.heartbeat();
-    adopt_plan();
     if (!opt_.quiet) {
       log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
                opt_.stage_dir + " with " + std::to_string(opt_.threads) + " threads, capacity " +
@@ -121,6 +111,7 @@ class Stager {
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : ""));
     }
+    adopt_plan();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Running));
 
     std::vector<std::thread> workers;
@@ -182,11 +173,34 @@ class Stager {
     }
     resident_bytes_ = resident;
     plan_ready_ = ready;
+    mark_too_big();
     status_.store(so::kBytesResident, resident_bytes_);
     status_.store(so::kPlanHash, plan_.hash);
     status_.store(so::kPlanEntries, plan_.entries.size());
     status_.store(so::kPlanReady, plan_ready_);
     schedule_->seek(cursor(), true);
+  }
+
+  // Files that can never fit (larger than the capacity; every file when it is 0) are read from
+  // the PFS. One line per stager says how many and what to set, not one line per file.
+  void mark_too_big() {
+    uint64_t count = 0, bytes = 0, largest = 0;
+    for (size_t i = 0; i < plan_.entries.size(); ++i) {
+      const auto& e = plan_.entries[i];
+      if (capacity_ != 0 && e.size <= capacity_) continue;
+      if (status_.state(e.file_id) == FileState::Ready) continue;  // reused or kept resident
+      too_big_[i] = 1;
+      ++count;
+      bytes += e.size;
+      largest = std::max(largest, e.size);
+    }
+    if (count == 0 || reported_too_big_ || opt_.quiet) return;
+    reported_too_big_ = true;
+    log_line(std::to_string(count) + " of " + std::to_string(plan_.entries.size()) +
+             " planned files (" + std::to_string(bytes) + " bytes) do not fit the stage capacity of " +
+             std::to_string(capacity_) + " bytes and are read from the PFS; set --stage-capacity "
+             "to at least " + std::to_string(std::max<uint64_t>(largest, 1)) +
+             " bytes (the largest of them) to stage them");
   }
 
   uint32_t cursor() const {
@@ -302,12 +316,8 @@ class Stager {
       if (!candidate) break;
       const auto [i, tick] = *candidate;
       const auto& e = plan_.entries[i];
-      if (e.size > capacity_) {
+      if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
         too_big_[i] = 1;
-        if (!opt_.quiet) {
-          log_line("file " + e.source + " (" + std::to_string(e.size) +
-                   " bytes) is larger than the stage capacity; it is read from the PFS");
-        }
         continue;
       }
       while (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
@@ -459,7 +469,7 @@ class Stager {
   std::unordered_map<uint64_t, CopyId> copies_;  // file id -> the copy this stager may evict
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
-  bool nospace_ = false, reload_requested_ = false;
+  bool nospace_ = false, reload_requested_ = false, reported_too_big_ = false;
   std::string stop_reason_;  // " on SIGTERM", ...: part of the one stop line
 
   // Shared with the copy threads, under mu_.
@@ -471,6 +481,15 @@ class Stager {
 };
 
 }  // namespace
+
+uint64_t default_capacity(const std::string& dir) {
+  struct statvfs vfs {};
+  if (::statvfs(dir.c_str(), &vfs) != 0) return 0;
+  const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  const uint64_t total = static_cast<uint64_t>(vfs.f_blocks) * vfs.f_frsize;
+  const uint64_t margin = std::max<uint64_t>(total / 20, 1ull << 30);
+  return free_bytes > margin ? free_bytes - margin : 0;
+}
 
 int run_stager(const StagerOptions& options) {
   // Signals are taken synchronously by the coordinator (sigtimedwait); the copy threads inherit

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace hpcdl {
@@ -11,7 +12,7 @@ struct StagerOptions {
   std::string stage_dir;
   std::string session;          // control files in <stage_dir>/.hpcdl/sessions/<session>/
   unsigned threads = 8;
-  uint64_t capacity = 0;        // bytes; 0 = free space minus a safety margin
+  std::optional<uint64_t> capacity;  // bytes (0: stage nothing); unset: default_capacity()
   uint32_t window_steps = 0;    // copy at most this many steps ahead of the slowest rank; 0 = no limit
   uint32_t protect_steps = 4;   // never evict a file read within this many steps of the cursor
   bool verify = false;
@@ -19,6 +20,11 @@ struct StagerOptions {
   long parent_pid = 0;          // exit when this process goes away (0 = do not watch)
   bool quiet = false;
 };
+
+// The capacity used without --capacity: free space of `dir`'s file system minus
+// max(5 % of its size, 1 GiB); 0 when it cannot be read. The one definition of this default:
+// Python asks for it with `hpcdl-stage --default-capacity DIR`.
+uint64_t default_capacity(const std::string& dir);
 
 // Runs until SIGTERM/SIGINT, parent death, or (once) nothing left to do. Returns the exit code.
 int run_stager(const StagerOptions& options);

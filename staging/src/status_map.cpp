@@ -11,7 +11,10 @@ namespace {
 
 constexpr char kStatusMagic[8] = {'H', 'P', 'C', 'D', 'L', 'S', 'T', 'A'};
 constexpr char kProgressMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'R', 'G'};
-constexpr size_t kProgressHeader = 64, kProgressSlot = 64;
+constexpr uint32_t kProgressVersion = 1;
+// Progress header: magic, u32 version at 8, u32 local ranks at 12; then one slot per rank whose
+// first 8 bytes are its cursor.
+constexpr size_t kProgressHeader = 64, kProgressSlot = 64, kProgressRanksOffset = 12;
 
 MappedRegion map_file(int fd, size_t len, int prot, const std::string& path) {
   void* addr = ::mmap(nullptr, len, prot, MAP_SHARED, fd, 0);
@@ -82,6 +85,58 @@ void create_fresh(const std::string& path, uint64_t files, uint64_t fingerprint)
 
 }  // namespace
 
+std::string layout_json() {
+  namespace so = status_offset;
+  struct Field {
+    const char* name;
+    size_t offset;
+    const char* type;
+  };
+  const Field fields[] = {
+      {"version", so::kVersion, "u32"},         {"header_size", so::kHeaderSize, "u32"},
+      {"files", so::kFiles, "u64"},             {"plan_hash", so::kPlanHash, "u64"},
+      {"fingerprint", so::kFingerprint, "u64"}, {"pid", so::kPid, "i64"},
+      {"heartbeat_ns", so::kHeartbeat, "i64"},  {"files_staged", so::kFilesStaged, "u64"},
+      {"bytes_staged", so::kBytesStaged, "u64"}, {"failures", so::kFailures, "u64"},
+      {"evictions", so::kEvictions, "u64"},     {"files_reused", so::kFilesReused, "u64"},
+      {"bytes_resident", so::kBytesResident, "u64"}, {"capacity", so::kCapacity, "u64"},
+      {"run_state", so::kRunState, "u32"},      {"flags", so::kFlags, "u32"},
+      {"plan_entries", so::kPlanEntries, "u64"}, {"plan_ready", so::kPlanReady, "u64"},
+      {"bytes_reused", so::kBytesReused, "u64"},
+  };
+  std::string out = "{\"status\": {\"magic\": \"" + std::string(kStatusMagic, 8) +
+                    "\", \"version\": " + std::to_string(kStatusVersion) +
+                    ", \"header_size\": " + std::to_string(kStatusHeaderSize) + ", \"fields\": {";
+  for (size_t i = 0; i < sizeof fields / sizeof fields[0]; ++i) {
+    out += std::string(i ? ", " : "") + "\"" + fields[i].name + "\": {\"offset\": " +
+           std::to_string(fields[i].offset) + ", \"type\": \"" + fields[i].type + "\"}";
+  }
+  auto codes = [](std::initializer_list<std::pair<const char*, unsigned>> items) {
+    std::string s = "{";
+    for (const auto& [name, code] : items) {
+      s += std::string(s.size() > 1 ? ", " : "") + "\"" + name + "\": " + std::to_string(code);
+    }
+    return s + "}";
+  };
+  using FS = FileState;
+  using RS = RunState;
+  auto u = [](auto v) { return static_cast<unsigned>(v); };
+  out += "}, \"file_states\": " +
+         codes({{"PENDING", u(FS::Pending)}, {"COPYING", u(FS::Copying)}, {"READY", u(FS::Ready)},
+                {"FAILED", u(FS::Failed)}, {"EVICTED", u(FS::Evicted)}}) +
+         ", \"run_states\": " +
+         codes({{"STARTING", u(RS::Starting)}, {"RUNNING", u(RS::Running)}, {"DONE", u(RS::Done)},
+                {"STOPPED", u(RS::Stopped)}}) +
+         ", \"flags\": " +
+         codes({{"NOSPACE", kFlagNoSpace}, {"CAPACITY_FULL", kFlagCapacityFull}}) + "}";
+  out += ", \"progress\": {\"magic\": \"" + std::string(kProgressMagic, 8) +
+         "\", \"version\": " + std::to_string(kProgressVersion) + ", \"header_size\": " +
+         std::to_string(kProgressHeader) + ", \"ranks_offset\": " +
+         std::to_string(kProgressRanksOffset) + ", \"slot_size\": " +
+         std::to_string(kProgressSlot) + "}}";
+  return out;
+}
+
 StatusMap StatusMap::open(const std::string& path, uint64_t files, uint64_t fingerprint) {
   if (!existing_matches(path, files, fingerprint)) create_fresh(path, files, fingerprint);
   UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW));
@@ -146,7 +201,7 @@ ProgressFile ProgressFile::open(const std::string& path) {
     throw StageError("progress file " + path +
                      " has a bad magic number; the stager stops and training reads from the PFS");
   }
-  std::memcpy(&ranks, region.bytes() + 12, 4);
+  std::memcpy(&ranks, region.bytes() + kProgressRanksOffset, 4);
   if (kProgressHeader + static_cast<size_t>(ranks) * kProgressSlot > region.size()) {
     throw StageError("progress file " + path +
                      " is shorter than its rank count; the stager stops and training reads "

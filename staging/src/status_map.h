@@ -28,6 +28,10 @@ constexpr size_t kVersion = 8, kHeaderSize = 12, kFiles = 16, kPlanHash = 24, kF
                  kPlanReady = 128, kBytesReused = 136;
 }  // namespace status_offset
 
+// The layouts of the status map and the progress file as one JSON object (offsets, types, state
+// codes): `hpcdl-stage --print-layout`. hpcdl/staging/status.py reads them from there.
+std::string layout_json();
+
 class StatusMap {
  public:
   // Maps an existing status file when it matches (files, fingerprint) -- states are kept so a
