@@ -1,4 +1,4 @@
-"""Per-node behaviour across emulated nodes (tests/cluster.py): placement, staging, training.
+"""Per-node behaviour across emulated nodes (hpcdl/bench/cluster.py): placement, staging, training.
 
 Every test here launches Open MPI across two network namespaces joined by a bridge, so the
 node communicator sees two nodes and ranks talk over TCP. Three placements are exercised:
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster import LOCAL, Cluster, leftovers, unavailable
 from conftest import mpi_env, read_events, run_train
 from PIL import Image
 
 from hpcdl import checkpoint
+from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 from hpcdl.data import open_dataset
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.staging.ownership import data_key
@@ -240,6 +240,63 @@ def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) ->
                 return path
         time.sleep(0.005)
     raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
+
+
+def rank_pid_on_node(cluster: Cluster, index: int, rank: int, marker: str) -> int:
+    """pid of the hpcdl.train process of world `rank` running inside node `index` (1-based);
+    marker: a string on its command line that singles out this job."""
+    for pid in cluster.pids(index):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpcdl.train" in cmdline and marker.encode() in cmdline:
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+                return pid
+    raise AssertionError(f"no hpcdl.train rank {rank} with {marker} on {cluster.node(index)}")
+
+
+def test_sigterm_to_one_rank_on_node_2_stops_the_job_with_a_checkpoint_and_resume_matches(
+    cluster, digits_dir, tmp_path
+):
+    # 2 nodes x 2 ranks, block placement: world rank 3 runs on node 2.
+    common = [
+        "--data", digits_dir / "train", "--model", "mlp", "--epochs", 3, "--batch-size", 16,
+        "--lr", 0.05, "--workers", 0, "--seed", 7, "--quiet", "--stage-dir", STAGE,
+    ]  # fmt: skip
+
+    def job(*args) -> str:
+        program = [sys.executable, "-m", "hpcdl.train", *map(str, (*common, *args))]
+        return cluster.mpirun([2, 2], *program, extra=SAME_SUM_ORDER)
+
+    run_in(cluster, job("--checkpoint-dir", tmp_path / "ref"))  # uninterrupted reference
+    reference = checkpoint.load(checkpoint.latest(tmp_path / "ref"))
+
+    stopped_dir, metrics = tmp_path / "stopped", tmp_path / "stopped.jsonl"
+    command = job("--checkpoint-dir", stopped_dir, "--metrics", metrics, "--metrics-every", 1)
+    with subprocess.Popen(cluster.argv(1, command), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=mpi_env()) as run:  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and run.poll() is None:
+            if metrics.exists() and len(read_events(metrics, "step")) >= 20:
+                break
+            time.sleep(0.02)
+        os.kill(rank_pid_on_node(cluster, 2, 3, str(stopped_dir)), signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = run.communicate(timeout=120)
+    assert time.monotonic() - signalled < 60
+    assert run.returncode != 0
+    assert "stopped by signal SIGTERM, checkpoint at" in out, out + err[-3000:]
+    stopped = checkpoint.load(checkpoint.latest(stopped_dir))
+    assert 0 < stopped.global_step < reference.global_step
+    summary = read_events(metrics, "summary")[0]
+    assert summary["stopped_by_signal"] is True and summary["world_size"] == 4
+
+    run_in(cluster, job("--checkpoint-dir", stopped_dir, "--resume", "auto"))
+    resumed = checkpoint.load(checkpoint.latest(stopped_dir))
+    assert resumed.global_step == reference.global_step
+    assert resumed.params.tobytes() == reference.params.tobytes()
 
 
 def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
