@@ -87,15 +87,20 @@ class SlurmCluster:
         try:
             self._start_munge(timeout)
             self._write_conf()
-            self._spawn("slurmctld", [binary("slurmctld"), "-D", "-f", str(self.conf)])
-            self._wait(
-                lambda: self._ok([binary("scontrol"), "ping"], "UP"), timeout, "slurmctld up"
-            )
-            self._spawn("slurmd", [binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-            self._wait(self._node_idle, timeout, f"node {self.node} idle")
+            self._start_slurm(timeout)
         except BaseException:
             self.stop()
             raise
+
+    def _start_slurm(self, timeout: float) -> None:
+        self._spawn("slurmctld", [binary("slurmctld"), "-D", "-f", str(self.conf)])
+        self._wait(self._controller_up, timeout, "slurmctld up")
+        self._spawn("slurmd", [binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
+        self._wait(lambda: self._node_idle(self.node), timeout, f"node {self.node} idle")
+
+    def client(self, argv: list[str]) -> list[str]:
+        """argv that runs a Slurm client program where it reaches slurmctld (here: directly)."""
+        return argv
 
     def _start_munge(self, timeout: float) -> None:
         munge = self.root / "munge"
@@ -131,25 +136,20 @@ class SlurmCluster:
     def _write_conf(self) -> None:
         for d in ("state", "spool", "log"):
             (self.root / d).mkdir()
-        memory = max(256, min(_memory_mb() // 2, 4096))  # understated: slurmd must not object
+        places, nodes = self._topology()
         r = self.root
         self.conf.write_text(
             f"""\
 ClusterName=hpcdltest
-SlurmctldHost={self.node}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+{places}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -163,10 +163,25 @@ SchedulerParameters=sched_interval=2
 MinJobAge=600
 KillWait=10
 InactiveLimit=0
-NodeName={self.node} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN
-PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{nodes}
 """
         )
+
+    def _topology(self) -> tuple[str, str]:
+        """slurm.conf lines: (where the daemons listen and keep their files, nodes + partition)."""
+        memory = max(256, min(_memory_mb() // 2, 4096))  # understated: slurmd must not object
+        r = self.root
+        places = f"""\
+SlurmctldHost={self.node}
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmdSpoolDir={r}/spool
+SlurmdPidFile={r}/slurmd.pid
+SlurmdLogFile={r}/log/slurmd.log"""
+        nodes = f"""\
+NodeName={self.node} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP"""
+        return places, nodes
 
     def _spawn(self, name: str, argv: list[str], user: str | None = None) -> None:
         log = open(self.root / f"{name}.console", "wb")
@@ -185,8 +200,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
         return r.returncode == 0 and needle in r.stdout
 
-    def _node_idle(self) -> bool:
-        r = self.scontrol("show", "node", self.node, check=False)
+    def _controller_up(self) -> bool:
+        return self._ok(self.client([binary("scontrol"), "ping"]), "UP")
+
+    def _node_idle(self, node: str) -> bool:
+        r = self.scontrol("show", "node", node, check=False)
         return bool(re.search(r"State=IDLE\b", r))
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -205,7 +223,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     # --- clients -------------------------------------------------------------------------------
     def scontrol(self, *args: str, check: bool = True) -> str:
         r = subprocess.run(
-            [binary("scontrol"), *args], env=self.env, capture_output=True, text=True, timeout=30
+            self.client([binary("scontrol"), *args]),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         if check and r.returncode != 0:
             raise SlurmError(f"scontrol {' '.join(args)} failed: {r.stderr.strip()}")
@@ -220,7 +242,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     ) -> int:
         """Submit a script; returns the job id."""
         r = subprocess.run(
-            [binary("sbatch"), "--parsable", *options, str(script)],
+            self.client([binary("sbatch"), "--parsable", *options, str(script)]),
             env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
@@ -233,7 +255,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def scancel(self, job_id: int, *options: str) -> None:
         subprocess.run(
-            [binary("scancel"), *options, str(job_id)],
+            self.client([binary("scancel"), *options, str(job_id)]),
             env=self.env,
             check=True,
             capture_output=True,
@@ -283,7 +305,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         """Cancel jobs, end leftovers and daemons started here, and remove the state directory."""
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
             subprocess.run(
-                [binary("scancel"), "--full", "--user", str(os.getuid())],
+                self.client([binary("scancel"), "--full", "--user", str(os.getuid())]),
                 env=self.env,
                 capture_output=True,
                 timeout=30,
@@ -293,9 +315,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.5)
         for pid in self._job_processes():
             _kill(pid, signal.SIGKILL)
-        for name in reversed(DAEMONS):
-            proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
+        for name in reversed(list(self.procs)):  # slurmd(s), slurmctld, munged
+            proc = self.procs.pop(name)
+            if proc.poll() is not None:
                 continue
             proc.terminate()
             try:

@@ -1,0 +1,99 @@
+"""Rendered sbatch scripts under a real Slurm that spans two emulated nodes (tests/slurm_nodes.py).
+
+Each node runs its own slurmd with the node's hostname, /local and address; slurmctld and the
+clients run inside node 1. The jobs are the scripts `python -m hpcdl.jobs render` writes for
+`--nodes 2`, unchanged: mpirun inside the batch step starts its daemon on node 2 through
+Slurm (srun), and the ranks talk over TCP across the bridge. Needs root (skips without it, like
+the other multinode tests); missing Slurm binaries FAIL, HPCDL_NO_SLURM=1 skips.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from slurm_cluster import INSTALL_HINT, SlurmError, missing_binaries
+from slurm_nodes import SlurmOnNodes
+from test_jobs_slurm import assert_state, log_of, render, summary, write_config
+
+from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
+
+JOB_TIMEOUT = 180.0  # seconds for one small job of 4 ranks on 2 shared cores
+TWO_NODES = ("--nodes", "2", "--tasks-per-node", "2")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    if os.environ.get("HPCDL_NO_SLURM") == "1":
+        pytest.skip("HPCDL_NO_SLURM=1: Slurm tests skipped on request")
+    missing = missing_binaries()
+    if missing:
+        pytest.fail(f"Slurm tests need {', '.join(missing)}: {INSTALL_HINT}", pytrace=False)
+    with Cluster(tmp_path_factory.mktemp("slurm-nodes"), nodes=2) as cluster:
+        slurm = SlurmOnNodes(cluster)
+        try:
+            slurm.start(timeout=90)
+        except SlurmError as exc:
+            pytest.fail(f"could not start Slurm across the emulated nodes: {exc}", pytrace=False)
+        try:
+            yield slurm
+        finally:
+            slurm.stop()
+    assert not leftovers(), leftovers()
+
+
+def staged(slurm: SlurmOnNodes, key: str) -> list[int]:
+    """Number of data files in each node's /local/hpcdl-KEY (the stager's metadata excluded)."""
+    counts = []
+    for node in slurm.cluster.nodes:
+        tree = node.local / f"hpcdl-{key}"
+        files = [p for p in tree.rglob("*") if p.is_file() and ".hpcdl" not in p.parts]
+        counts.append(len(files))
+    return counts
+
+
+def test_train_job_on_two_nodes_stages_into_each_nodes_local(slurm, digits_dir, tmp_path):
+    config = write_config(tmp_path / "job.toml", digits_dir, metrics=str(tmp_path / "m.jsonl"))
+    script = render(tmp_path, "train", config, *TWO_NODES)
+    job = slurm.sbatch(script, env={"HPCDL_STAGE_DIR": str(LOCAL)}, cwd=tmp_path)
+    info = slurm.wait_done(job, JOB_TIMEOUT)
+    assert_state(info, "COMPLETED", "0:0")
+    assert info["NodeList"] == "vnode[1-2]" and info["NumNodes"] == "2", info
+
+    result = summary(tmp_path / "m.jsonl")
+    assert result["world_size"] == 4
+    nodes = result["staging_nodes"]
+    assert [n["node"] for n in nodes] == ["vnode1", "vnode2"], nodes
+    for entry in nodes:
+        assert entry["files_staged"] > 0 and entry["hits"] > 0, entry
+    assert f"stage dir {LOCAL}/hpcdl-{job}" in log_of(info)
+
+
+def test_stage_job_stages_on_each_node_then_training_reads_those_copies(
+    slurm, digits_dir, tmp_path
+):
+    config = write_config(tmp_path / "job.toml", digits_dir, metrics=str(tmp_path / "m.jsonl"))
+    key = "chain2"
+    stage_script = render(tmp_path, "stage", config, *TWO_NODES, "--stage-key", key)
+    train_script = render(tmp_path, "train", config, *TWO_NODES, "--stage-key", key)
+    env = {"HPCDL_STAGE_DIR": str(LOCAL)}
+    stage_info = slurm.wait_done(slurm.sbatch(stage_script, env=env, cwd=tmp_path), JOB_TIMEOUT)
+    assert_state(stage_info, "COMPLETED", "0:0")
+    log = log_of(stage_info)
+    # one stage-only process per node, each staging its own node's plan into its own /local
+    assert sorted(re.findall(r"^node (\d): staged \d+ files", log, re.M)) == ["0", "1"], log
+    assert all(count > 0 for count in staged(slurm, key)), staged(slurm, key)
+
+    # submitted only now: the training job empties the stage dir when it ends
+    train_info = slurm.wait_done(slurm.sbatch(train_script, env=env, cwd=tmp_path), JOB_TIMEOUT)
+    assert_state(train_info, "COMPLETED", "0:0")
+    result = summary(tmp_path / "m.jsonl")
+    assert result["world_size"] == 4
+    for entry in result["staging_nodes"]:
+        assert entry["hits"] / (entry["hits"] + entry["misses"]) >= 0.95, entry
