@@ -299,6 +299,31 @@ def test_sigterm_to_one_rank_on_node_2_stops_the_job_with_a_checkpoint_and_resum
     assert resumed.params.tobytes() == reference.params.tobytes()
 
 
+# Sums rank-dependent buffers with bench allreduce's two-level reduction; prints "ok" if right.
+TWO_LEVEL = (
+    "import numpy as np; from mpi4py import MPI; from hpcdl.bench.allreduce import TwoLevel; "
+    "c = MPI.COMM_WORLD; t = TwoLevel(c); b = np.arange(1000, dtype=np.float64) * (c.rank + 1); "
+    "t.allreduce(b); w = sum(range(1, c.size + 1)); "
+    "assert t.nodes == 2 and np.array_equal(b, np.arange(1000) * w), (t.nodes, b[:3]); "
+    "t.close(); print('ok', flush=True)"
+)
+
+
+@pytest.mark.parametrize("placement", ["round-robin", "uneven"])
+def test_two_level_reduction_of_the_interconnect_benchmark_sums_across_nodes(cluster, placement):
+    slots, extra, _ = PLACEMENTS[placement]
+    proc = run_in(cluster, cluster.mpirun(slots, sys.executable, "-c", TWO_LEVEL, extra=extra))
+    assert proc.stdout.split() == ["ok"] * 4, proc.stdout
+
+
+def test_limit_links_puts_a_token_bucket_on_every_nodes_link(cluster):
+    cluster.limit_links("1gbit")
+    for node in cluster.nodes:
+        shown = subprocess.run(["ip", "netns", "exec", node.netns, "tc", "qdisc", "show", "dev",
+                                "eth0"], capture_output=True, text=True, check=True)  # fmt: skip
+        assert "tbf" in shown.stdout and "rate 1Gbit" in shown.stdout, shown.stdout
+
+
 def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
     reason = unavailable()
     if reason:
