@@ -15,7 +15,14 @@ import re
 import pytest
 from slurm_cluster import INSTALL_HINT, SlurmError, missing_binaries
 from slurm_nodes import SlurmOnNodes
-from test_jobs_slurm import assert_state, log_of, render, summary, write_config
+from test_jobs_slurm import (
+    assert_state,
+    log_of,
+    render,
+    summary,
+    wait_for_training_steps,
+    write_config,
+)
 
 from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 
@@ -97,3 +104,29 @@ def test_stage_job_stages_on_each_node_then_training_reads_those_copies(
     assert result["world_size"] == 4
     for entry in result["staging_nodes"]:
         assert entry["hits"] / (entry["hits"] + entry["misses"]) >= 0.95, entry
+
+
+def test_signal_stop_on_two_nodes_checkpoints_and_resubmission_resumes(slurm, digits_dir, tmp_path):
+    # As test_jobs_slurm's single-node version: the batch shell gets USR1 and forwards it to
+    # mpirun, which must reach the ranks on node 2 through its daemon there. 4 ranks take 11
+    # steps an epoch, so 4 epochs leave room for max_steps 40.
+    config = write_config(
+        tmp_path / "job.toml", digits_dir, model="cnn", epochs=4, max_steps=40,
+        checkpoint_dir=str(tmp_path / "ckpt"), metrics_every=1,
+    )  # fmt: skip
+    script = render(tmp_path, "train", config, *TWO_NODES, "--no-stage", name="resumable")
+    first = slurm.sbatch(script, cwd=tmp_path)
+    wait_for_training_steps(slurm, first, tmp_path / f"resumable-{first}.metrics.jsonl")
+    slurm.scancel(first, "--signal=USR1", "--batch")
+    info = slurm.wait_done(first, JOB_TIMEOUT)
+    assert_state(info, "FAILED", "3:0")
+    assert "stopped by signal SIGUSR1, checkpoint at" in log_of(info)
+    stopped = summary(tmp_path / f"resumable-{first}.metrics.jsonl")
+    assert stopped["stopped_by_signal"] is True and stopped["world_size"] == 4, stopped
+
+    second = slurm.sbatch(script, cwd=tmp_path)
+    info = slurm.wait_done(second, JOB_TIMEOUT)
+    assert_state(info, "COMPLETED", "0:0")
+    assert "hpcdl: resumed at epoch" in log_of(info)
+    done = summary(tmp_path / f"resumable-{second}.metrics.jsonl")
+    assert stopped["steps"] < done["steps"] == 40 and done["world_size"] == 4, done
