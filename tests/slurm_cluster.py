@@ -103,35 +103,46 @@ class SlurmCluster:
         return argv
 
     def _start_munge(self, timeout: float) -> None:
+        self.munge_socket = self._spawn_munged("munged", self._create_munge_key(), timeout)
+
+    def _create_munge_key(self) -> Path:
+        """root/munge with a new munge.key, both owned by the munge user; returns the directory."""
         munge = self.root / "munge"
         munge.mkdir()
         munge.chmod(0o711)  # munged wants its socket directory executable by all
-        key = munge / "munge.key"
+        self.munge_key = munge / "munge.key"
         subprocess.run(
-            [binary("mungekey"), "--create", "--keyfile", str(key)], check=True, capture_output=True
+            [binary("mungekey"), "--create", "--keyfile", str(self.munge_key)],
+            check=True,
+            capture_output=True,
         )
         shutil.chown(munge, "munge", "munge")
-        shutil.chown(key, "munge", "munge")
-        key.chmod(0o400)
-        self.munge_socket = munge / "munge.socket"
+        shutil.chown(self.munge_key, "munge", "munge")
+        self.munge_key.chmod(0o400)
+        return munge
+
+    def _spawn_munged(self, name: str, directory: Path, timeout: float) -> Path:
+        """Start a munged with the cluster's key, its socket and files in `directory`."""
+        socket_path = directory / "munge.socket"
         self._spawn(
-            "munged",
+            name,
             [
                 binary("munged"),
                 "--foreground",
-                f"--socket={self.munge_socket}",
-                f"--key-file={key}",
-                f"--pid-file={munge / 'munged.pid'}",
-                f"--seed-file={munge / 'munged.seed'}",
-                f"--log-file={munge / 'munged.log'}",
+                f"--socket={socket_path}",
+                f"--key-file={self.munge_key}",
+                f"--pid-file={directory / 'munged.pid'}",
+                f"--seed-file={directory / 'munged.seed'}",
+                f"--log-file={directory / 'munged.log'}",
             ],
             user="munge",
         )
         self._wait(
-            lambda: self._ok([binary("munge"), "-n", "-S", str(self.munge_socket)], ""),
+            lambda: self._ok([binary("munge"), "-n", "-S", str(socket_path)], ""),
             timeout,
-            "munged answering",
+            f"{name} answering",
         )
+        return socket_path
 
     def _write_conf(self) -> None:
         for d in ("state", "spool", "log"):
@@ -290,7 +301,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP"""
             [
                 *self.root.glob("*.console"),
                 *self.root.glob("log/*.log"),
-                *self.root.glob("munge/*.log"),
+                *self.root.glob("munge/**/*.log"),
             ]
         ):
             try:

@@ -17,11 +17,12 @@ is left inside the nodes. Ports are Slurm's defaults: each node has a network st
 from __future__ import annotations
 
 import shlex
+import shutil
 from pathlib import Path
 
 from slurm_cluster import SlurmCluster, binary
 
-from hpcdl.bench.cluster import Cluster
+from hpcdl.bench.cluster import LOCAL, Cluster
 
 # `ip netns exec` mounts a fresh /sys without /sys/fs/cgroup, and slurmd refuses to start
 # without a cgroup file system to detect, even with proctrack/linuxproc and task/none. On a
@@ -33,6 +34,7 @@ CGROUP_V1 = (
     "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd && "
 )
 CGROUP_V2 = "mount -t cgroup2 cgroup2 /sys/fs/cgroup && "
+PMIX_TMP = LOCAL / ".slurm-pmix"
 CPUS_PER_NODE = 2  # what each slurmd offers: 2 ranks of 1 CPU (the machine may have just 2)
 
 
@@ -61,8 +63,24 @@ SlurmdLogFile={r}/log/slurmd-%n.log"""
         nodes += f"\nPartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP"
         return places, nodes
 
+    def _start_munge(self, timeout: float) -> None:
+        munge = self._create_munge_key()
+        for node in self.cluster.nodes:
+            own = munge / node.hostname
+            own.mkdir(mode=0o711)
+            shutil.chown(own, "munge", "munge")
+            self._spawn_munged(f"munged-{node.hostname}", own, timeout)
+        # Inside node K, munge/node is a bind mount of munge/vnodeK (see _in_node).
+        (munge / "node").mkdir(mode=0o711)
+        self.munge_socket = munge / "node" / "munge.socket"
+
     def _start_slurm(self, timeout: float) -> None:
         conf = str(self.conf)
+        # srun --mpi=pmix: each slurmstepd makes a directory for its ranks under this base,
+        # named after the step only; /tmp is shared by all nodes here, /local is not.
+        (self.conf.parent / "mpi.conf").write_text(f"PMIxCliTmpDirBase={PMIX_TMP}\n")
+        for node in self.cluster.nodes:
+            (node.local / PMIX_TMP.relative_to(LOCAL)).mkdir(exist_ok=True)
         self._spawn("slurmctld", self._in_node(1, [binary("slurmctld"), "-D", "-f", conf]))
         self._wait(self._controller_up, timeout, "slurmctld up")
         for node in self.cluster.nodes:
@@ -74,8 +92,12 @@ SlurmdLogFile={r}/log/slurmd-%n.log"""
             self._wait(lambda n=idle: self._node_idle(n), timeout, f"node {idle} idle")
 
     def _in_node(self, index: int, argv: list[str], before: str = "") -> list[str]:
+        """argv that runs `argv` inside node `index`, talking to that node's munged."""
+        munge = self.root / "munge"
+        own = shlex.join(["mount", "--bind", str(munge / self.cluster.node(index).hostname),
+                          str(munge / "node")])  # fmt: skip
         # exec: the agent's shells become the program, so terminate() reaches the daemon itself
-        return self.cluster.argv(index, before + "exec " + shlex.join(argv))
+        return self.cluster.argv(index, f"{own} && {before}exec {shlex.join(argv)}")
 
     def client(self, argv: list[str]) -> list[str]:
         return self._in_node(1, argv)

@@ -3,7 +3,8 @@
 Each node runs its own slurmd with the node's hostname, /local and address; slurmctld and the
 clients run inside node 1. The jobs are the scripts `python -m hpcdl.jobs render` writes for
 `--nodes 2`, unchanged: mpirun inside the batch step starts its daemon on node 2 through
-Slurm (srun), and the ranks talk over TCP across the bridge. Needs root (skips without it, like
+Slurm (srun), or, with a site whose launcher is srun, `srun --mpi=pmix` starts every rank; the
+ranks talk over TCP across the bridge. Needs root (skips without it, like
 the other multinode tests); missing Slurm binaries FAIL, HPCDL_NO_SLURM=1 skips.
 """
 
@@ -65,11 +66,22 @@ def staged(slurm: SlurmOnNodes, key: str) -> list[int]:
     return counts
 
 
-def test_train_job_on_two_nodes_stages_into_each_nodes_local(slurm, digits_dir, tmp_path):
+# A site whose launcher is Slurm's own: `srun --mpi=pmix`, Open MPI's ranks as PMIx clients
+# of slurmstepd (mpi/pmix_v4 needs libpmix.so: scripts/install-slurm.sh installs libpmix-dev).
+SRUN_SITE = 'name = "srun-pmix"\n[launcher]\nkind = "srun"\nsrun_mpi = "pmix"\n'
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_train_job_on_two_nodes_stages_into_each_nodes_local(slurm, digits_dir, tmp_path, launcher):
     config = write_config(tmp_path / "job.toml", digits_dir, metrics=str(tmp_path / "m.jsonl"))
-    script = render(tmp_path, "train", config, *TWO_NODES)
+    site = []
+    if launcher == "srun":
+        (tmp_path / "site.toml").write_text(SRUN_SITE)
+        site = ["--site", str(tmp_path / "site.toml")]
+    script = render(tmp_path, "train", config, *TWO_NODES, *site)
     job = slurm.sbatch(script, env={"HPCDL_STAGE_DIR": str(LOCAL)}, cwd=tmp_path)
     info = slurm.wait_done(job, JOB_TIMEOUT)
+    assert "can not load PMIx library" not in log_of(info), INSTALL_HINT
     assert_state(info, "COMPLETED", "0:0")
     assert info["NodeList"] == "vnode[1-2]" and info["NumNodes"] == "2", info
 
