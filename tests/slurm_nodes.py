@@ -1,12 +1,14 @@
 """Slurm across the emulated nodes of hpcdl/bench/cluster.py: one slurmd per node.
 
-- **munge.** One munged on the host serves every node. Its socket is a path on the shared file
-  system, and a Unix socket path reaches across network namespaces, so every daemon and client
-  uses the same key through the same socket.
+- **munge.** One munged per node, all with the same key, as on a real cluster: a credential
+  that two nodes decode would look replayed to a single munged. They run on the host; a Unix
+  socket path reaches across network namespaces. slurm.conf names one socket path, and inside
+  node K that path's directory is a bind mount of node K's munged directory.
 - **slurmctld** runs inside node 1: `SlurmctldHost=vnode1(10.78.0.1)`, reachable on the bridge.
 - **slurmd** runs inside each node, through the cluster's agent, so it has the node's hostname
   (= NodeName), /local, /etc/hosts and address (NodeAddr=10.78.0.K). The jobs it starts inherit
-  all of that. Spool, pid and log files are per node (`%n` in slurm.conf).
+  all of that. Spool, pid and log files are per node (`%n` in slurm.conf), and so is the
+  base directory of `srun --mpi=pmix` (mpi.conf, under the node's /local).
 - **Clients** (sbatch, scontrol, scancel) run inside node 1 too: the host has no route to the
   bridge, by design.
 
