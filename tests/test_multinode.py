@@ -355,3 +355,23 @@ def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
         raise RuntimeError("a test failing inside the cluster")
     assert not leftovers()
     assert not any((LOCAL / n.hostname).exists() for n in cluster.nodes)  # /local was private
+
+
+def test_bench_interconnect_measures_with_and_without_a_link_limit_and_cleans_up():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cmd = [sys.executable, "-m", "hpcdl.bench", "interconnect", "--models", "resnet20"]
+    cmd += ["--repeats", "1", "--colls", "tuned", "--json"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=mpi_env()) as bench:  # fmt: skip
+        out, err = bench.communicate(timeout=300)
+    assert bench.returncode == 0, err[-3000:]
+    rows = json.loads(out.splitlines()[-1])
+    assert [(r["link"], r["coll"]) for r in rows] == [("none", "tuned"), ("1gbit", "tuned")]
+    for row in rows:
+        result = row["result"]["models"]["resnet20"]
+        assert result["nodes"] == 2 and row["result"]["ranks"] == 4, row
+        assert all(result[k] > 0 for k in ("flat_s", "reducer_s", "naive_s", "two_level_s"))
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"hpcdl{bench.pid}" not in names  # the benchmark tore its cluster down

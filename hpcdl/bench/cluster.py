@@ -37,15 +37,15 @@ VENV_BIN = Path(sys.executable).parent
 def unavailable() -> str | None:
     """Why this machine cannot host an emulated cluster, or None when it can."""
     if os.geteuid() != 0:
-        return "multinode tests need root (network, UTS and mount namespaces)"
+        return "an emulated cluster needs root (network, UTS and mount namespaces)"
     for tool in ("ip", "unshare"):
         if shutil.which(tool) is None:
-            return f"multinode tests need the `{tool}` command (iproute2, util-linux)"
+            return f"an emulated cluster needs the `{tool}` command (iproute2, util-linux)"
     probe = f"hpcdlprobe{os.getpid()}"
     netns_dir_mounted = _is_mount(NETNS_DIR)
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
-        return f"multinode tests cannot create a network namespace: {made.stderr.strip()}"
+        return f"cannot create a network namespace for an emulated cluster: {made.stderr.strip()}"
     try:
         inner = subprocess.run(
             ["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "true"],
@@ -57,7 +57,7 @@ def unavailable() -> str | None:
         if not netns_dir_mounted:  # busy (stays) while anyone else has a namespace there
             subprocess.run(["umount", str(NETNS_DIR)], capture_output=True)
     if inner.returncode != 0:
-        return f"multinode tests cannot create UTS/mount namespaces: {inner.stderr.strip()}"
+        return f"cannot create UTS/mount namespaces for an emulated cluster: {inner.stderr.strip()}"
     return None
 
 
