@@ -11,6 +11,9 @@ command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
 command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
 command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
 command -v munged >/dev/null 2>&1 || need+=(munge)
+# srun --mpi=pmix: Slurm's mpi/pmix plugin dlopens pmix2/lib/libpmix.so, which only the -dev
+# package provides (tests/test_jobs_slurm_nodes.py launches with it across two nodes).
+compgen -G "/usr/lib/*/pmix2/lib/libpmix.so" >/dev/null || need+=(libpmix-dev)
 if [ "${#need[@]}" -eq 0 ]; then
     exit 0
 fi
@@ -31,7 +34,7 @@ if [ "$(id -u)" != 0 ]; then
     fi
 fi
 
-echo "install-slurm.sh: installing slurm-wlm munge (missing: ${need[*]})"
+echo "install-slurm.sh: installing slurm-wlm munge libpmix-dev (missing: ${need[*]})"
 export DEBIAN_FRONTEND=noninteractive
 # policy-rc.d exit 101 keeps package scripts from starting system services in containers;
 # restore whatever was there before.
@@ -55,7 +58,7 @@ printf '#!/bin/sh\nexit 101\n' | "${SUDO[@]}" tee "$policy" >/dev/null
 
 log="$(mktemp)"
 if ! { "${SUDO[@]}" apt-get update -qq && "${SUDO[@]}" apt-get install -y -qq \
-    --no-install-recommends slurm-wlm munge; } >"$log" 2>&1; then
+    --no-install-recommends slurm-wlm munge libpmix-dev; } >"$log" 2>&1; then
     cat "$log" >&2
     rm -f "$log"
     echo "install-slurm.sh: apt-get install slurm-wlm munge failed (output above)" >&2

@@ -87,69 +87,80 @@ class SlurmCluster:
         try:
             self._start_munge(timeout)
             self._write_conf()
-            self._spawn("slurmctld", [binary("slurmctld"), "-D", "-f", str(self.conf)])
-            self._wait(
-                lambda: self._ok([binary("scontrol"), "ping"], "UP"), timeout, "slurmctld up"
-            )
-            self._spawn("slurmd", [binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-            self._wait(self._node_idle, timeout, f"node {self.node} idle")
+            self._start_slurm(timeout)
         except BaseException:
             self.stop()
             raise
 
+    def _start_slurm(self, timeout: float) -> None:
+        self._spawn("slurmctld", [binary("slurmctld"), "-D", "-f", str(self.conf)])
+        self._wait(self._controller_up, timeout, "slurmctld up")
+        self._spawn("slurmd", [binary("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
+        self._wait(lambda: self._node_idle(self.node), timeout, f"node {self.node} idle")
+
+    def client(self, argv: list[str]) -> list[str]:
+        """argv that runs a Slurm client program where it reaches slurmctld (here: directly)."""
+        return argv
+
     def _start_munge(self, timeout: float) -> None:
+        self.munge_socket = self._spawn_munged("munged", self._create_munge_key(), timeout)
+
+    def _create_munge_key(self) -> Path:
+        """root/munge with a new munge.key, both owned by the munge user; returns the directory."""
         munge = self.root / "munge"
         munge.mkdir()
         munge.chmod(0o711)  # munged wants its socket directory executable by all
-        key = munge / "munge.key"
+        self.munge_key = munge / "munge.key"
         subprocess.run(
-            [binary("mungekey"), "--create", "--keyfile", str(key)], check=True, capture_output=True
+            [binary("mungekey"), "--create", "--keyfile", str(self.munge_key)],
+            check=True,
+            capture_output=True,
         )
         shutil.chown(munge, "munge", "munge")
-        shutil.chown(key, "munge", "munge")
-        key.chmod(0o400)
-        self.munge_socket = munge / "munge.socket"
+        shutil.chown(self.munge_key, "munge", "munge")
+        self.munge_key.chmod(0o400)
+        return munge
+
+    def _spawn_munged(self, name: str, directory: Path, timeout: float) -> Path:
+        """Start a munged with the cluster's key, its socket and files in `directory`."""
+        socket_path = directory / "munge.socket"
         self._spawn(
-            "munged",
+            name,
             [
                 binary("munged"),
                 "--foreground",
-                f"--socket={self.munge_socket}",
-                f"--key-file={key}",
-                f"--pid-file={munge / 'munged.pid'}",
-                f"--seed-file={munge / 'munged.seed'}",
-                f"--log-file={munge / 'munged.log'}",
+                f"--socket={socket_path}",
+                f"--key-file={self.munge_key}",
+                f"--pid-file={directory / 'munged.pid'}",
+                f"--seed-file={directory / 'munged.seed'}",
+                f"--log-file={directory / 'munged.log'}",
             ],
             user="munge",
         )
         self._wait(
-            lambda: self._ok([binary("munge"), "-n", "-S", str(self.munge_socket)], ""),
+            lambda: self._ok([binary("munge"), "-n", "-S", str(socket_path)], ""),
             timeout,
-            "munged answering",
+            f"{name} answering",
         )
+        return socket_path
 
     def _write_conf(self) -> None:
         for d in ("state", "spool", "log"):
             (self.root / d).mkdir()
-        memory = max(256, min(_memory_mb() // 2, 4096))  # understated: slurmd must not object
+        places, nodes = self._topology()
         r = self.root
         self.conf.write_text(
             f"""\
 ClusterName=hpcdltest
-SlurmctldHost={self.node}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+{places}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -163,10 +174,25 @@ SchedulerParameters=sched_interval=2
 MinJobAge=600
 KillWait=10
 InactiveLimit=0
-NodeName={self.node} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN
-PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{nodes}
 """
         )
+
+    def _topology(self) -> tuple[str, str]:
+        """slurm.conf lines: (where the daemons listen and keep their files, nodes + partition)."""
+        memory = max(256, min(_memory_mb() // 2, 4096))  # understated: slurmd must not object
+        r = self.root
+        places = f"""\
+SlurmctldHost={self.node}
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+SlurmdSpoolDir={r}/spool
+SlurmdPidFile={r}/slurmd.pid
+SlurmdLogFile={r}/log/slurmd.log"""
+        nodes = f"""\
+NodeName={self.node} CPUs={self.cpus} RealMemory={memory} State=UNKNOWN
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP"""
+        return places, nodes
 
     def _spawn(self, name: str, argv: list[str], user: str | None = None) -> None:
         log = open(self.root / f"{name}.console", "wb")
@@ -185,8 +211,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         r = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
         return r.returncode == 0 and needle in r.stdout
 
-    def _node_idle(self) -> bool:
-        r = self.scontrol("show", "node", self.node, check=False)
+    def _controller_up(self) -> bool:
+        return self._ok(self.client([binary("scontrol"), "ping"]), "UP")
+
+    def _node_idle(self, node: str) -> bool:
+        r = self.scontrol("show", "node", node, check=False)
         return bool(re.search(r"State=IDLE\b", r))
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -205,7 +234,11 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     # --- clients -------------------------------------------------------------------------------
     def scontrol(self, *args: str, check: bool = True) -> str:
         r = subprocess.run(
-            [binary("scontrol"), *args], env=self.env, capture_output=True, text=True, timeout=30
+            self.client([binary("scontrol"), *args]),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         if check and r.returncode != 0:
             raise SlurmError(f"scontrol {' '.join(args)} failed: {r.stderr.strip()}")
@@ -220,7 +253,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     ) -> int:
         """Submit a script; returns the job id."""
         r = subprocess.run(
-            [binary("sbatch"), "--parsable", *options, str(script)],
+            self.client([binary("sbatch"), "--parsable", *options, str(script)]),
             env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
@@ -233,7 +266,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def scancel(self, job_id: int, *options: str) -> None:
         subprocess.run(
-            [binary("scancel"), *options, str(job_id)],
+            self.client([binary("scancel"), *options, str(job_id)]),
             env=self.env,
             check=True,
             capture_output=True,
@@ -268,7 +301,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             [
                 *self.root.glob("*.console"),
                 *self.root.glob("log/*.log"),
-                *self.root.glob("munge/*.log"),
+                *self.root.glob("munge/**/*.log"),
             ]
         ):
             try:
@@ -283,7 +316,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         """Cancel jobs, end leftovers and daemons started here, and remove the state directory."""
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
             subprocess.run(
-                [binary("scancel"), "--full", "--user", str(os.getuid())],
+                self.client([binary("scancel"), "--full", "--user", str(os.getuid())]),
                 env=self.env,
                 capture_output=True,
                 timeout=30,
@@ -293,9 +326,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.5)
         for pid in self._job_processes():
             _kill(pid, signal.SIGKILL)
-        for name in reversed(DAEMONS):
-            proc = self.procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
+        for name in reversed(list(self.procs)):  # slurmd(s), slurmctld, munged
+            proc = self.procs.pop(name)
+            if proc.poll() is not None:
                 continue
             proc.terminate()
             try:

@@ -1,4 +1,4 @@
-"""Per-node behaviour across emulated nodes (tests/cluster.py): placement, staging, training.
+"""Per-node behaviour across emulated nodes (hpcdl/bench/cluster.py): placement, staging, training.
 
 Every test here launches Open MPI across two network namespaces joined by a bridge, so the
 node communicator sees two nodes and ranks talk over TCP. Three placements are exercised:
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster import LOCAL, Cluster, leftovers, unavailable
 from conftest import mpi_env, read_events, run_train
 from PIL import Image
 
 from hpcdl import checkpoint
+from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 from hpcdl.data import open_dataset
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.staging.ownership import data_key
@@ -242,6 +242,88 @@ def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) ->
     raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
 
 
+def rank_pid_on_node(cluster: Cluster, index: int, rank: int, marker: str) -> int:
+    """pid of the hpcdl.train process of world `rank` running inside node `index` (1-based);
+    marker: a string on its command line that singles out this job."""
+    for pid in cluster.pids(index):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpcdl.train" in cmdline and marker.encode() in cmdline:
+            if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+                return pid
+    raise AssertionError(f"no hpcdl.train rank {rank} with {marker} on {cluster.node(index)}")
+
+
+def test_sigterm_to_one_rank_on_node_2_stops_the_job_with_a_checkpoint_and_resume_matches(
+    cluster, digits_dir, tmp_path
+):
+    # 2 nodes x 2 ranks, block placement: world rank 3 runs on node 2.
+    common = [
+        "--data", digits_dir / "train", "--model", "mlp", "--epochs", 3, "--batch-size", 16,
+        "--lr", 0.05, "--workers", 0, "--seed", 7, "--quiet", "--stage-dir", STAGE,
+    ]  # fmt: skip
+
+    def job(*args) -> str:
+        program = [sys.executable, "-m", "hpcdl.train", *map(str, (*common, *args))]
+        return cluster.mpirun([2, 2], *program, extra=SAME_SUM_ORDER)
+
+    run_in(cluster, job("--checkpoint-dir", tmp_path / "ref"))  # uninterrupted reference
+    reference = checkpoint.load(checkpoint.latest(tmp_path / "ref"))
+
+    stopped_dir, metrics = tmp_path / "stopped", tmp_path / "stopped.jsonl"
+    command = job("--checkpoint-dir", stopped_dir, "--metrics", metrics, "--metrics-every", 1)
+    with subprocess.Popen(cluster.argv(1, command), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=mpi_env()) as run:  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and run.poll() is None:
+            if metrics.exists() and len(read_events(metrics, "step")) >= 20:
+                break
+            time.sleep(0.02)
+        os.kill(rank_pid_on_node(cluster, 2, 3, str(stopped_dir)), signal.SIGTERM)
+        signalled = time.monotonic()
+        out, err = run.communicate(timeout=120)
+    assert time.monotonic() - signalled < 60
+    assert run.returncode != 0
+    assert "stopped by signal SIGTERM, checkpoint at" in out, out + err[-3000:]
+    stopped = checkpoint.load(checkpoint.latest(stopped_dir))
+    assert 0 < stopped.global_step < reference.global_step
+    summary = read_events(metrics, "summary")[0]
+    assert summary["stopped_by_signal"] is True and summary["world_size"] == 4
+
+    run_in(cluster, job("--checkpoint-dir", stopped_dir, "--resume", "auto"))
+    resumed = checkpoint.load(checkpoint.latest(stopped_dir))
+    assert resumed.global_step == reference.global_step
+    assert resumed.params.tobytes() == reference.params.tobytes()
+
+
+# Sums rank-dependent buffers with bench allreduce's two-level reduction; prints "ok" if right.
+TWO_LEVEL = (
+    "import numpy as np; from mpi4py import MPI; from hpcdl.bench.allreduce import TwoLevel; "
+    "c = MPI.COMM_WORLD; t = TwoLevel(c); b = np.arange(1000, dtype=np.float64) * (c.rank + 1); "
+    "t.allreduce(b); w = sum(range(1, c.size + 1)); "
+    "assert t.nodes == 2 and np.array_equal(b, np.arange(1000) * w), (t.nodes, b[:3]); "
+    "t.close(); print('ok', flush=True)"
+)
+
+
+@pytest.mark.parametrize("placement", ["round-robin", "uneven"])
+def test_two_level_reduction_of_the_interconnect_benchmark_sums_across_nodes(cluster, placement):
+    slots, extra, _ = PLACEMENTS[placement]
+    proc = run_in(cluster, cluster.mpirun(slots, sys.executable, "-c", TWO_LEVEL, extra=extra))
+    assert proc.stdout.split() == ["ok"] * 4, proc.stdout
+
+
+def test_limit_links_puts_a_token_bucket_on_every_nodes_link(cluster):
+    cluster.limit_links("1gbit")
+    for node in cluster.nodes:
+        shown = subprocess.run(["ip", "netns", "exec", node.netns, "tc", "qdisc", "show", "dev",
+                                "eth0"], capture_output=True, text=True, check=True)  # fmt: skip
+        assert "tbf" in shown.stdout and "rate 1Gbit" in shown.stdout, shown.stdout
+
+
 def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
     reason = unavailable()
     if reason:
@@ -273,3 +355,23 @@ def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
         raise RuntimeError("a test failing inside the cluster")
     assert not leftovers()
     assert not any((LOCAL / n.hostname).exists() for n in cluster.nodes)  # /local was private
+
+
+def test_bench_interconnect_measures_with_and_without_a_link_limit_and_cleans_up():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cmd = [sys.executable, "-m", "hpcdl.bench", "interconnect", "--models", "resnet20"]
+    cmd += ["--repeats", "1", "--colls", "tuned", "--json"]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=mpi_env()) as bench:  # fmt: skip
+        out, err = bench.communicate(timeout=300)
+    assert bench.returncode == 0, err[-3000:]
+    rows = json.loads(out.splitlines()[-1])
+    assert [(r["link"], r["coll"]) for r in rows] == [("none", "tuned"), ("1gbit", "tuned")]
+    for row in rows:
+        result = row["result"]["models"]["resnet20"]
+        assert result["nodes"] == 2 and row["result"]["ranks"] == 4, row
+        assert all(result[k] > 0 for k in ("flat_s", "reducer_s", "naive_s", "two_level_s"))
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"hpcdl{bench.pid}" not in names  # the benchmark tore its cluster down

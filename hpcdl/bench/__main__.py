@@ -11,6 +11,7 @@ from pathlib import Path
 BENCHMARKS = {
     "compute": "hpcdl.bench.compute",
     "allreduce": "hpcdl.bench.allreduce",
+    "interconnect": "hpcdl.bench.interconnect",
     "loader": "hpcdl.bench.loader",
     "staging": "hpcdl.bench.staging",
     "scaling": "hpcdl.bench.scaling",

@@ -7,6 +7,12 @@ buckets marked ready back-to-front. Bus bandwidth = bytes * 2(p-1)/p / seconds (
 definition). A second part runs a synthetic backward (NumPy GEMMs, which release the GIL) that
 marks buckets ready as it goes, and reports the exposed communication: how long the step waits
 after backward ends, as a fraction of the raw flat Allreduce time.
+
+Across nodes it also times a two-level reduction of the flat buffer written with mpi4py
+("2-level": Reduce inside each node, Allreduce among the node leaders, Bcast inside each node).
+That is what a node-aware reducer in hpcdl would do, measured against the MPI's own collectives
+(Open MPI's coll_han does the same inside the library). `bench interconnect` runs this
+benchmark across emulated nodes.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def resnet50_like_shapes() -> list[tuple[int, ...]]:
     return shapes + [(1000, 2048), (1000,)]
 
 
+MODELS = {"resnet20": resnet20_shapes, "resnet50_like": resnet50_like_shapes}
+
+
 def _time(comm, fn, repeats: int) -> float:
     """Median seconds of fn() over repeats, ranks synchronised before each try."""
     samples = []
@@ -74,6 +83,39 @@ def _in_place():
     return MPI.IN_PLACE
 
 
+class TwoLevel:
+    """Reduce inside the node, Allreduce among node leaders, Bcast inside the node (in place)."""
+
+    def __init__(self, comm) -> None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        leader = self.node.rank == 0
+        self.leaders = comm.Split(0 if leader else MPI.UNDEFINED, comm.rank)
+        self.nodes = comm.allreduce(1 if leader else 0)
+
+    def allreduce(self, buf: np.ndarray) -> None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if self.node.rank == 0:
+            self.node.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0)
+            self.leaders.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        else:
+            self.node.Reduce(buf, None, op=MPI.SUM, root=0)
+        self.node.Bcast(buf, root=0)
+
+    def close(self) -> None:
+        if self.leaders != _comm_null():
+            self.leaders.Free()
+        self.node.Free()
+
+
+def _comm_null():
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.COMM_NULL
+
+
 def measure(comm, shapes: list[tuple[int, ...]], bucket_mb: float, repeats: int) -> dict:
     from mpi4py import MPI  # noqa: PLC0415
 
@@ -98,11 +140,17 @@ def measure(comm, shapes: list[tuple[int, ...]], bucket_mb: float, repeats: int)
             reducer.mark_ready(int(end))
         reducer.wait()
 
+    two_level = TwoLevel(comm)
     for fn in (run_flat, run_naive, run_reducer):  # warm up connections and buffers
         fn()
     t_flat = _time(comm, run_flat, repeats)
     t_naive = _time(comm, run_naive, repeats)
     t_reducer = _time(comm, run_reducer, repeats)
+    t_two_level = None
+    if two_level.nodes > 1:
+        two_level.allreduce(flat)
+        t_two_level = _time(comm, lambda: two_level.allreduce(flat), repeats)
+    two_level.close()
     reducer.close()
     p = comm.size
     factor = 2 * (p - 1) / p
@@ -121,6 +169,9 @@ def measure(comm, shapes: list[tuple[int, ...]], bucket_mb: float, repeats: int)
         "flat_busbw_gbs": busbw(t_flat),
         "naive_busbw_gbs": busbw(t_naive),
         "reducer_busbw_gbs": busbw(t_reducer),
+        "nodes": two_level.nodes,
+        "two_level_s": t_two_level,
+        "two_level_busbw_gbs": busbw(t_two_level) if t_two_level else None,
     }
 
 
@@ -175,32 +226,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--backward-factor",
         type=float,
         default=3.0,
-        help="synthetic backward duration as a multiple of the raw allreduce",
+        help="synthetic backward duration as a multiple of the raw allreduce (0: no overlap test)",
+    )
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated gradient lists to time, from {', '.join(MODELS)} (default: all)",
     )
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
-    results = {}
-    for name, shapes in (
-        ("resnet20", resnet20_shapes()),
-        ("resnet50_like", resnet50_like_shapes()),
-    ):
-        results[name] = measure(comm, shapes, args.bucket_mb, args.repeats)
-    overlap = measure_overlap(
-        comm, results["resnet50_like"]["parameters"], args.bucket_mb, args.backward_factor
-    )
+    results = {name: measure(comm, MODELS[name](), args.bucket_mb, args.repeats) for name in models}
+    largest = max(r["parameters"] for r in results.values())
+    overlap = None
+    if args.backward_factor > 0:
+        overlap = measure_overlap(comm, largest, args.bucket_mb, args.backward_factor)
     if comm.rank != 0:
         return 0
     print(f"ranks: {comm.size}  library: {MPI.Get_library_version().splitlines()[0]}")
     print(
         f"{'gradients':<15}{'arrays':>7}{'MB':>8}{'flat GB/s':>11}{'reducer GB/s':>14}"
-        f"{'naive GB/s':>12}{'reducer/flat':>14}{'reducer/naive':>15}"
+        f"{'naive GB/s':>12}{'reducer/flat':>14}{'reducer/naive':>15}{'2-level GB/s':>14}"
     )
     for name, r in results.items():
         print(
@@ -208,14 +265,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['reducer_busbw_gbs']:>14.2f}{r['naive_busbw_gbs']:>12.2f}"
             f"{r['reducer_busbw_gbs'] / r['flat_busbw_gbs']:>14.2f}"
             f"{r['reducer_busbw_gbs'] / r['naive_busbw_gbs']:>15.2f}"
+            + (f"{r['two_level_busbw_gbs']:>14.2f}" if r["two_level_s"] else f"{'-':>14}")
         )
-    print(
-        f"overlap: backward {overlap['backward_s'] * 1e3:.1f} ms, raw allreduce "
-        f"{overlap['raw_allreduce_s'] * 1e3:.1f} ms, exposed {overlap['exposed_s'] * 1e3:.2f} ms "
-        f"= {overlap['exposed_fraction_of_raw'] * 100:.1f}% of the raw allreduce"
-    )
+    if overlap:
+        print(
+            f"overlap: backward {overlap['backward_s'] * 1e3:.1f} ms, raw allreduce "
+            f"{overlap['raw_allreduce_s'] * 1e3:.1f} ms, exposed "
+            f"{overlap['exposed_s'] * 1e3:.2f} ms = "
+            f"{overlap['exposed_fraction_of_raw'] * 100:.1f}% of the raw allreduce"
+        )
     if args.json:
-        worst = results["resnet20"]
+        worst = results[models[0]]
         print(
             json.dumps(
                 {

@@ -1,10 +1,12 @@
-"""An emulated cluster on one machine, for the tests marked `multinode`.
+"""An emulated cluster on one machine: the `multinode` tests and `bench interconnect` use it.
 
 A node is a network namespace with its own hostname (UTS namespace), its own `/local` (a bind
-mount of a per-node directory inside a private mount namespace) and the address 10.78.0.K on a
-bridge. The bridge lives in a "switch" namespace of its own, so nothing here touches the host's
-network: traffic goes only among the namespaces this harness creates. Everything else (the
-repository, the data sets, /tmp, /dev/shm) is shared, standing in for the parallel file system.
+mount of a per-node directory inside a private mount namespace), an /etc/hosts that names the
+nodes (so `vnode2` resolves inside every node, as a cluster's DNS would) and the address
+10.78.0.K on a bridge. The bridge lives in a "switch" namespace of its own, so nothing here
+touches the host's network: traffic goes only among the namespaces this harness creates.
+Everything else (the repository, the data sets, /tmp, /dev/shm) is shared, standing in for the
+parallel file system.
 
 Open MPI reaches the other nodes through an rsh agent (`--mca plm_rsh_agent`): it is called as
 `AGENT HOST CMDSTRING` and runs the command string through `sh -c` inside that node, so the
@@ -35,15 +37,15 @@ VENV_BIN = Path(sys.executable).parent
 def unavailable() -> str | None:
     """Why this machine cannot host an emulated cluster, or None when it can."""
     if os.geteuid() != 0:
-        return "multinode tests need root (network, UTS and mount namespaces)"
+        return "an emulated cluster needs root (network, UTS and mount namespaces)"
     for tool in ("ip", "unshare"):
         if shutil.which(tool) is None:
-            return f"multinode tests need the `{tool}` command (iproute2, util-linux)"
+            return f"an emulated cluster needs the `{tool}` command (iproute2, util-linux)"
     probe = f"hpcdlprobe{os.getpid()}"
     netns_dir_mounted = _is_mount(NETNS_DIR)
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
-        return f"multinode tests cannot create a network namespace: {made.stderr.strip()}"
+        return f"cannot create a network namespace for an emulated cluster: {made.stderr.strip()}"
     try:
         inner = subprocess.run(
             ["ip", "netns", "exec", probe, "unshare", "--uts", "--mount", "true"],
@@ -55,7 +57,7 @@ def unavailable() -> str | None:
         if not netns_dir_mounted:  # busy (stays) while anyone else has a namespace there
             subprocess.run(["umount", str(NETNS_DIR)], capture_output=True)
     if inner.returncode != 0:
-        return f"multinode tests cannot create UTS/mount namespaces: {inner.stderr.strip()}"
+        return f"cannot create UTS/mount namespaces for an emulated cluster: {inner.stderr.strip()}"
     return None
 
 
@@ -84,6 +86,7 @@ class Cluster:
             for k in range(1, nodes + 1)
         ]
         self.agent = self.workdir / "rsh-agent"
+        self.hosts = self.workdir / "hosts"  # the nodes' /etc/hosts: names resolve inside nodes
         self._made: list[str] = []  # namespaces created so far, for down()
         self._netns_dir_mounted = _is_mount(NETNS_DIR)  # iproute2 mounts it at the first add
 
@@ -105,6 +108,9 @@ class Cluster:
             _ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
             _ip("-n", node.netns, "link", "set", "eth0", "up")
             _ip("-n", node.netns, "link", "set", "lo", "up")
+        self.hosts.write_text(
+            "127.0.0.1 localhost\n" + "".join(f"{n.ip} {n.hostname}\n" for n in self.nodes)
+        )
         self._write_agent()
         return self
 
@@ -140,6 +146,18 @@ class Cluster:
 
     def node(self, index: int) -> Node:
         return self.nodes[index - 1]
+
+    def limit_links(self, rate: str) -> None:
+        """Limit every node's link to `rate` (tc syntax, e.g. 1gbit) with a token bucket (tbf).
+
+        Each node's egress is shaped, so traffic in both directions is; replaces an earlier
+        limit. The qdiscs go with the namespaces at tear-down."""
+        for node in self.nodes:
+            _ip_netns_tc(node.netns, "replace", rate)
+
+    def pids(self, index: int) -> list[int]:
+        """Processes running inside node `index` (1-based)."""
+        return _netns_pids(self.node(index).netns)
 
     def argv(self, index: int, command: str) -> list[str]:
         """argv that runs a shell command inside node `index` (1-based), as the agent does."""
@@ -189,15 +207,16 @@ class Cluster:
         )
         self.agent.write_text(
             "#!/bin/sh\n"
-            "# rsh agent of an emulated cluster (tests/cluster.py): AGENT HOST CMDSTRING\n"
+            "# rsh agent of an emulated cluster (hpcdl/bench/cluster.py): AGENT HOST CMDSTRING\n"
             "host=$1; shift\n"
             'case "$host" in\n'
             f"{cases}\n"
             '  *) echo "rsh-agent: unknown host $host" >&2; exit 255 ;;\n'
             "esac\n"
             'exec ip netns exec "$ns" unshare --uts --mount --propagation private sh -c \\\n'
-            """  'hostname "$1" && mount --bind "$2" /local && shift 2 && exec sh -c "$*"' \\\n"""
-            '  node "$name" "$dir" "$@"\n'
+            """  'hostname "$1" && mount --bind "$2" /local && mount --bind "$3" /etc/hosts \\\n"""
+            """   && shift 3 && exec sh -c "$*"' \\\n"""
+            f'  node "$name" "$dir" {shlex.quote(str(self.hosts))} "$@"\n'
         )
         self.agent.chmod(0o755)
 
@@ -206,6 +225,15 @@ def _ip(*args: str) -> None:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+def _ip_netns_tc(netns: str, verb: str, rate: str) -> None:
+    # burst: a 1 ms burst at 10gbit (1.25 MB), enough for the timer granularity of any kernel
+    argv = ["ip", "netns", "exec", netns, "tc", "qdisc", verb, "dev", "eth0", "root", "tbf",
+            "rate", rate, "burst", "1250kb", "latency", "50ms"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
 
 
 def _netns_pids(netns: str) -> list[int]:

@@ -1,0 +1,144 @@
+"""Rendered sbatch scripts under a real Slurm that spans two emulated nodes (tests/slurm_nodes.py).
+
+Each node runs its own slurmd with the node's hostname, /local and address; slurmctld and the
+clients run inside node 1. The jobs are the scripts `python -m hpcdl.jobs render` writes for
+`--nodes 2`, unchanged: mpirun inside the batch step starts its daemon on node 2 through
+Slurm (srun), or, with a site whose launcher is srun, `srun --mpi=pmix` starts every rank; the
+ranks talk over TCP across the bridge. Needs root (skips without it, like
+the other multinode tests); missing Slurm binaries FAIL, HPCDL_NO_SLURM=1 skips.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from slurm_cluster import INSTALL_HINT, SlurmError, missing_binaries
+from slurm_nodes import SlurmOnNodes
+from test_jobs_slurm import (
+    assert_state,
+    log_of,
+    render,
+    summary,
+    wait_for_training_steps,
+    write_config,
+)
+
+from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
+
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
+
+JOB_TIMEOUT = 180.0  # seconds for one small job of 4 ranks on 2 shared cores
+TWO_NODES = ("--nodes", "2", "--tasks-per-node", "2")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    if os.environ.get("HPCDL_NO_SLURM") == "1":
+        pytest.skip("HPCDL_NO_SLURM=1: Slurm tests skipped on request")
+    missing = missing_binaries()
+    if missing:
+        pytest.fail(f"Slurm tests need {', '.join(missing)}: {INSTALL_HINT}", pytrace=False)
+    with Cluster(tmp_path_factory.mktemp("slurm-nodes"), nodes=2) as cluster:
+        slurm = SlurmOnNodes(cluster)
+        try:
+            slurm.start(timeout=90)
+        except SlurmError as exc:
+            pytest.fail(f"could not start Slurm across the emulated nodes: {exc}", pytrace=False)
+        try:
+            yield slurm
+        finally:
+            slurm.stop()
+    assert not leftovers(), leftovers()
+
+
+def staged(slurm: SlurmOnNodes, key: str) -> list[int]:
+    """Number of data files in each node's /local/hpcdl-KEY (the stager's metadata excluded)."""
+    counts = []
+    for node in slurm.cluster.nodes:
+        tree = node.local / f"hpcdl-{key}"
+        files = [p for p in tree.rglob("*") if p.is_file() and ".hpcdl" not in p.parts]
+        counts.append(len(files))
+    return counts
+
+
+# A site whose launcher is Slurm's own: `srun --mpi=pmix`, Open MPI's ranks as PMIx clients
+# of slurmstepd (mpi/pmix_v4 needs libpmix.so: scripts/install-slurm.sh installs libpmix-dev).
+SRUN_SITE = 'name = "srun-pmix"\n[launcher]\nkind = "srun"\nsrun_mpi = "pmix"\n'
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_train_job_on_two_nodes_stages_into_each_nodes_local(slurm, digits_dir, tmp_path, launcher):
+    config = write_config(tmp_path / "job.toml", digits_dir, metrics=str(tmp_path / "m.jsonl"))
+    site = []
+    if launcher == "srun":
+        (tmp_path / "site.toml").write_text(SRUN_SITE)
+        site = ["--site", str(tmp_path / "site.toml")]
+    script = render(tmp_path, "train", config, *TWO_NODES, *site)
+    job = slurm.sbatch(script, env={"HPCDL_STAGE_DIR": str(LOCAL)}, cwd=tmp_path)
+    info = slurm.wait_done(job, JOB_TIMEOUT)
+    assert "can not load PMIx library" not in log_of(info), INSTALL_HINT
+    assert_state(info, "COMPLETED", "0:0")
+    assert info["NodeList"] == "vnode[1-2]" and info["NumNodes"] == "2", info
+
+    result = summary(tmp_path / "m.jsonl")
+    assert result["world_size"] == 4
+    nodes = result["staging_nodes"]
+    assert [n["node"] for n in nodes] == ["vnode1", "vnode2"], nodes
+    for entry in nodes:
+        assert entry["files_staged"] > 0 and entry["hits"] > 0, entry
+    assert f"stage dir {LOCAL}/hpcdl-{job}" in log_of(info)
+
+
+def test_stage_job_stages_on_each_node_then_training_reads_those_copies(
+    slurm, digits_dir, tmp_path
+):
+    config = write_config(tmp_path / "job.toml", digits_dir, metrics=str(tmp_path / "m.jsonl"))
+    key = "chain2"
+    stage_script = render(tmp_path, "stage", config, *TWO_NODES, "--stage-key", key)
+    train_script = render(tmp_path, "train", config, *TWO_NODES, "--stage-key", key)
+    env = {"HPCDL_STAGE_DIR": str(LOCAL)}
+    stage_info = slurm.wait_done(slurm.sbatch(stage_script, env=env, cwd=tmp_path), JOB_TIMEOUT)
+    assert_state(stage_info, "COMPLETED", "0:0")
+    log = log_of(stage_info)
+    # one stage-only process per node, each staging its own node's plan into its own /local
+    assert sorted(re.findall(r"^node (\d): staged \d+ files", log, re.M)) == ["0", "1"], log
+    assert all(count > 0 for count in staged(slurm, key)), staged(slurm, key)
+
+    # submitted only now: the training job empties the stage dir when it ends
+    train_info = slurm.wait_done(slurm.sbatch(train_script, env=env, cwd=tmp_path), JOB_TIMEOUT)
+    assert_state(train_info, "COMPLETED", "0:0")
+    result = summary(tmp_path / "m.jsonl")
+    assert result["world_size"] == 4
+    for entry in result["staging_nodes"]:
+        assert entry["hits"] / (entry["hits"] + entry["misses"]) >= 0.95, entry
+
+
+def test_signal_stop_on_two_nodes_checkpoints_and_resubmission_resumes(slurm, digits_dir, tmp_path):
+    # As test_jobs_slurm's single-node version: the batch shell gets USR1 and forwards it to
+    # mpirun, which must reach the ranks on node 2 through its daemon there. 4 ranks take 11
+    # steps an epoch, so 4 epochs leave room for max_steps 40.
+    config = write_config(
+        tmp_path / "job.toml", digits_dir, model="cnn", epochs=4, max_steps=40,
+        checkpoint_dir=str(tmp_path / "ckpt"), metrics_every=1,
+    )  # fmt: skip
+    script = render(tmp_path, "train", config, *TWO_NODES, "--no-stage", name="resumable")
+    first = slurm.sbatch(script, cwd=tmp_path)
+    wait_for_training_steps(slurm, first, tmp_path / f"resumable-{first}.metrics.jsonl")
+    slurm.scancel(first, "--signal=USR1", "--batch")
+    info = slurm.wait_done(first, JOB_TIMEOUT)
+    assert_state(info, "FAILED", "3:0")
+    assert "stopped by signal SIGUSR1, checkpoint at" in log_of(info)
+    stopped = summary(tmp_path / f"resumable-{first}.metrics.jsonl")
+    assert stopped["stopped_by_signal"] is True and stopped["world_size"] == 4, stopped
+
+    second = slurm.sbatch(script, cwd=tmp_path)
+    info = slurm.wait_done(second, JOB_TIMEOUT)
+    assert_state(info, "COMPLETED", "0:0")
+    assert "hpcdl: resumed at epoch" in log_of(info)
+    done = summary(tmp_path / f"resumable-{second}.metrics.jsonl")
+    assert stopped["steps"] < done["steps"] == 40 and done["world_size"] == 4, done
