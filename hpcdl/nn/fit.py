@@ -34,7 +34,7 @@ def fit(
 ) -> dict[str, list[float]]:
     """Train on (x (N, C, H, W), y (N,) int64) with shuffled mini-batches; return the history.
 
-    lr is a constant or a function of the global step (e.g. a `schedule.lr_at` partial). The
+    lr is a constant or a function of the global step (e.g. a `schedule.LrSchedule`). The
     last partial batch of an epoch is dropped. history has per-epoch "loss", "acc" and, with
     validation data, "val_loss" and "val_acc". A non-finite loss raises NonFiniteLossError
     after that step's update, as hpcdl.train stops after it.
