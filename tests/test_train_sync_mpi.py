@@ -106,10 +106,10 @@ def _run_trainer_recording_params(world, tmp, data, sync, monkeypatch):
     models = []
     real_save, real_mean = startup.save, collectives.allreduce_mean
 
-    def save(cfg, world, model, optimizer, epoch, step_in_epoch, global_step):
-        models.append(model)
-        after_step[global_step] = model.params.copy()
-        return real_save(cfg, world, model, optimizer, epoch, step_in_epoch, global_step)
+    def save(run, at):
+        models.append(run.model)
+        after_step[at.global_step] = run.model.params.copy()
+        return real_save(run, at)
 
     def allreduce_mean(comm, buf, host_staged=False):
         before = buf.copy()
