@@ -156,9 +156,9 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
                 f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "
                 f"({cfg.resume})"
             )
-        parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged)
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
+        parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged)
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         metrics = MetricsWriter(cfg.metrics if world.is_root else None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl import startup
+from hpcdl import nn, startup
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
@@ -30,7 +30,6 @@ from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import RunningMean
-from hpcdl.nn.loss import accuracy_count, softmax_cross_entropy
 from hpcdl.run import Position, Run
 from hpcdl.step import StepResult, train_step
 
@@ -68,10 +67,10 @@ def train(cfg: TrainConfig, world: World) -> int:
             for images, labels in run.batches(epoch, first=step):
                 run.stop.start_step()  # the ranks agree on stop signals while the step runs
                 lr = run.schedule(global_step)
-                mix = cfg.params_sync_every and (global_step + 1) % cfg.params_sync_every == 0
+                mix = bool(cfg.params_sync_every) and (global_step + 1) % cfg.params_sync_every == 0
                 result = train_step(run.step_parts, images, labels, lr, mix, waited_since=t_wait)
                 stop_if_loss_not_finite(world, result.loss, global_step, epoch)
-                correct = accuracy_count(result.logits, labels)
+                correct = nn.accuracy_count(result.logits, labels)
                 for stats in (epoch_stats, totals):
                     stats.add(result.times, result.loss, correct, len(labels))
                 step, global_step = step + 1, global_step + 1
@@ -101,7 +100,9 @@ def train(cfg: TrainConfig, world: World) -> int:
     return final_status(world, history, images_per_s, stopped_by, checkpoint_path)
 
 
-def checkpoint_due(cfg: TrainConfig, global_step: int, end_of_epoch: bool, stopped_by) -> bool:
+def checkpoint_due(
+    cfg: TrainConfig, global_step: int, end_of_epoch: bool, stopped_by: str | None
+) -> bool:
     """The one checkpoint rule: at the end of every epoch, when a signal stops the run, and
     every --checkpoint-every steps; never without --checkpoint-dir."""
     every = bool(cfg.checkpoint_every) and global_step % cfg.checkpoint_every == 0
@@ -261,8 +262,8 @@ def evaluate(run: Run, epoch_stats: RunningMean) -> dict[str, float]:
         host = run.val_loader.iterate(batches, 0, train=False)
         for images, labels in on_device(host, run.xp):  # (B, C, H, W) float32, (B,) int64
             logits = run.model.forward(images, train=False)
-            loss, _ = softmax_cross_entropy(logits, labels)
-            sums[4:] += (float(loss) * len(labels), accuracy_count(logits, labels), len(labels))
+            loss, _ = nn.softmax_cross_entropy(logits, labels)
+            sums[4:] += (float(loss) * len(labels), nn.accuracy_count(logits, labels), len(labels))
     collectives.allreduce_sum(world.comm, sums)
     result = {"loss": sums[0] / max(1, sums[1]), "acc": sums[2] / max(1, sums[3])}
     if run.val_loader is not None and sums[6]:
