@@ -208,10 +208,10 @@ class StagingSession:
         """Plan the node's files, start the stager on local rank 0, return on every local rank.
 
         world: hpcdl.comm.world.World, or None for a single process. sampler: the job's
-        SamplerSpec. epochs: (start_epoch, end_epoch) of the run, or an
-        end epoch; the stager holds a plan for the current and the next epoch and gets a new one
-        at each epoch change. capacity: bytes, '200G', '80%' or None (free space minus a margin).
-        protect: flag -> data path the stage dir must not overlap (default: the data set root).
+        SamplerSpec. epochs: (start_epoch, end_epoch) of the run, or an end epoch; the stager
+        holds a plan for the current and the next epoch and gets a new one at each epoch change.
+        capacity: bytes, '200G', '80%' or None (free space minus a margin). protect: flag ->
+        data path the stage dir must not overlap (default: the data set root).
         A stage dir that overlaps the data, cannot be created or written, or a missing
         hpcdl-stage stops every rank with one message (SystemExitWithMessage under MPI,
         StageDirError alone). A full stage file system, or a stager that fails to start, only
