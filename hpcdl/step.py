@@ -3,9 +3,11 @@
 forward -> softmax cross-entropy -> backward, which hands each finished gradient bucket to the
 reducer as it goes (bucket readiness, hpcdl.comm.reducer) -> wait for the last bucket -> one
 fused optimizer update (-> parameter averaging for --sync params:K), timed part by part
-(hpcdl.metrics.StepTimes). A benchmark that calls train_step measures exactly what training runs.
+(StepTimes, which hpcdl.metrics sums and reports). A benchmark that calls train_step
+measures exactly what training runs.
 
-Nothing here knows about MPI: the reducer and the parameter averaging come in as objects.
+Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
+hpcdl.nn.fit can use the step without importing hpcdl.comm.
 """
 
 from __future__ import annotations
@@ -18,8 +20,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from hpcdl.backend import synchronize
-from hpcdl.metrics import StepTimes
 from hpcdl.nn.loss import softmax_cross_entropy
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part of one training step (metrics.STEP_PARTS names them)."""
+
+    t_data: float = 0.0  # waiting for the batch
+    t_compute: float = 0.0  # forward + backward (+ host-device copies)
+    t_comm_exposed: float = 0.0  # waiting for gradient buckets after backward ended
+    t_update: float = 0.0  # optimizer step
+    t_step: float = 0.0  # wall time of the whole step
 
 
 class Reducer(Protocol):

@@ -13,7 +13,6 @@ import numpy as np
 from hpcdl.backend import array_module
 from hpcdl.nn.loss import accuracy_count, softmax_cross_entropy
 from hpcdl.nn.model import Model
-from hpcdl.step import StepParts, train_step
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -49,6 +48,8 @@ def fit(
     history: dict[str, list[float]] = {"loss": [], "acc": []}
     if x_val is not None:
         history.update(val_loss=[], val_acc=[])
+    from hpcdl.step import StepParts, train_step  # noqa: PLC0415 (hpcdl.step imports hpcdl.nn)
+
     parts = StepParts(model, optimizer, xp)
     step = 0
     steps_per_epoch = len(x) // batch_size
