@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl import nn, startup
+from hpcdl import nn, resume, startup
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, world: World) -> int:
                     history = end_epoch(run, epoch, step, epoch_stats, seconds)
                 if checkpoint_due(cfg, global_step, end_of_epoch, stopped_by):
                     at = (epoch + 1, 0) if end_of_epoch else (epoch, step)
-                    checkpoint_path = startup.save(run, Position(*at, global_step))
+                    checkpoint_path = resume.save(run, Position(*at, global_step))
                 if stopped_by or at_max_steps:
                     break
                 t_wait = time.perf_counter()
