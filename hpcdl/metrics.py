@@ -16,19 +16,9 @@ from typing import Any, TextIO
 
 from hpcdl.comm.failure import UserError
 from hpcdl.config import progress_from_env
+from hpcdl.step import StepTimes  # the step's timing split; summed here
 
 STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
-
-
-@dataclass
-class StepTimes:
-    """Seconds spent in each part of one training step."""
-
-    t_data: float = 0.0  # waiting for the batch
-    t_compute: float = 0.0  # forward + backward (+ host-device copies)
-    t_comm_exposed: float = 0.0  # waiting for gradient buckets after backward ended
-    t_update: float = 0.0  # optimizer step
-    t_step: float = 0.0  # wall time of the whole step
 
 
 @dataclass

@@ -29,7 +29,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from hpcdl.data.pfs import open_source
-from hpcdl.data.sampler import PLACEMENTS, NodeLayout, rank_layout
+from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.ownership import (
@@ -154,16 +154,14 @@ def node_plan(
     ds: Any, args: argparse.Namespace, layout: NodeLayout, node: int, epochs: tuple[int, int]
 ) -> NodePlan:
     """Plan of `node` of a training job whose ranks sit on the nodes as `layout` says."""
-    sampler_args = dict(
+    sampler = SamplerSpec(
         num_samples=len(ds),
         world_size=sum(len(ranks) for ranks in layout),
         seed=int(args.seed),
         shuffle=args.shuffle,
         ranks_by_node=layout,
     )
-    return plan_for_node(
-        ds, sampler_args, int(args.batch_size), epochs, ranks=layout[node], node=node
-    )
+    return plan_for_node(ds, sampler, int(args.batch_size), epochs, ranks=layout[node], node=node)
 
 
 def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]:

@@ -1,7 +1,9 @@
-"""Start-up steps of a training run that must agree across ranks: data, model, resume.
+"""Start-up of a training run: build the Run (hpcdl.run) whose ExitStack owns every resource.
 
 Each step does purely local checks first and then agrees collectively (agree_on_errors), so a
-problem seen by one rank stops every rank, and a problem seen by all is printed once.
+problem seen by one rank stops every rank, and a problem seen by all is printed once. Each
+resource goes on the run's stack as soon as it exists (NOTE [closing a run] in hpcdl/run.py), so
+a start-up that fails half way closes what it had made.
 """
 
 from __future__ import annotations
@@ -11,15 +13,22 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hpcdl import checkpoint
-from hpcdl.backend import to_device, to_host
-from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
+from hpcdl import backend
+from hpcdl.comm import collectives, cuda_aware, failure
+from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
+from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
-from hpcdl.data.sampler import DistributedSampler
+from hpcdl.data.dataset import DataError, index_record
+from hpcdl.data.sampler import SamplerSpec
+from hpcdl.metrics import MetricsWriter, Progress
+from hpcdl.resume import restore, shapes
+from hpcdl.run import Run, own
+from hpcdl.step import StepParts
 
 
 def env_rank() -> int:
@@ -115,22 +124,6 @@ def input_shape(cfg: TrainConfig, ds: Any) -> tuple[int, int, int]:
     return output_shape(ds, parse_augment(cfg.augment))
 
 
-def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any) -> Any:
-    """--model for the shape the loaders yield (input_shape), on every rank; a builder that
-    fails (a user's, `module:function`) stops every rank with one line."""
-    from hpcdl import nn  # noqa: PLC0415
-
-    model, error = None, None
-    try:
-        model = nn.build_model(
-            cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
-        )
-    except ValueError as exc:
-        error = f"--{exc}"
-    agree_on_errors(world.comm, world.rank, error)
-    return model
-
-
 def _shape_error(cfg: TrainConfig, train_ds: Any, val_ds: Any) -> str | None:
     """Training and validation batches must have one shape, the model's input shape."""
     train_shape, val_shape = input_shape(cfg, train_ds), input_shape(cfg, val_ds)
@@ -147,15 +140,227 @@ def _shape_error(cfg: TrainConfig, train_ds: Any, val_ds: Any) -> str | None:
     )
 
 
-def make_sampler(cfg: TrainConfig, world: World, num_samples: int) -> DistributedSampler:
-    return DistributedSampler(
+def sampler_spec(cfg: TrainConfig, world: World, num_samples: int) -> SamplerSpec:
+    """The job's reading order: every rank's sampler, and the staging plan, come from it."""
+    return SamplerSpec(
         num_samples=num_samples,
         world_size=world.size,
-        rank=world.rank,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
         ranks_by_node=world.ranks_by_node,
     )
+
+
+def start_run(cfg: TrainConfig, world: World) -> Run:
+    """Everything this rank needs to train, agreed with the other ranks; collective.
+
+    Use as `with start_run(cfg, world) as run:`; leaving the block closes it all."""
+    say = Progress(cfg.epochs, 0, enabled=world.is_root and not cfg.quiet).say
+    with ExitStack() as stack:
+        xp, error = backend.try_select(cfg.device, world.local_rank)
+        agree_on_errors(world.comm, world.rank, error)  # no GPU: one message, every rank stops
+        aware = cuda_aware.detect(world.comm, cfg.device)
+        host_staged = cfg.device == "gpu" and not aware.aware
+        say(
+            f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
+            f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
+        )
+        check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
+        train_ds, val_ds = open_datasets(cfg, world)
+        spec = sampler_spec(cfg, world, len(train_ds))
+        sampler = spec.for_rank(world.rank)
+        model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
+        start = restore(cfg, world, model, optimizer)
+        if start.global_step:
+            say(
+                f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "
+                f"({cfg.resume})"
+            )
+        staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
+        loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
+        parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged)
+        stop = StopAgreement(world.comm)
+        own(stack, stop.close, stop.abandon)
+        metrics = MetricsWriter(cfg.metrics if world.is_root else None)
+        own(stack, metrics.close, metrics.close)
+        steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
+        metrics.write(
+            "start",
+            world_size=world.size,
+            global_batch=cfg.batch_size * world.size,
+            model=cfg.model,
+            device=cfg.device,
+            cuda_aware=aware.aware,
+            sync=cfg.sync,
+            steps_per_epoch=steps_per_epoch,
+            config=cfg.to_json(),
+        )
+        metrics.write("index", **index_record(train_ds, val_ds))  # image folders: index seconds
+        shown = world.is_root and not cfg.quiet  # --quiet: no progress whatever --progress says
+        return Run(
+            cfg=cfg,
+            world=world,
+            xp=xp,
+            cuda_aware=aware.aware,
+            host_staged=host_staged,
+            train_ds=train_ds,
+            val_ds=val_ds,
+            sampler=sampler,
+            model=model,
+            optimizer=optimizer,
+            schedule=lr_schedule(cfg, world, steps_per_epoch),
+            step_parts=parts,
+            start=start,
+            loader=loader,
+            val_loader=val_loader,
+            staging=staging,
+            stop=stop,
+            metrics=metrics,
+            progress=Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress),
+            stack=stack.pop_all(),
+        )
+
+
+def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_staged: bool):
+    """(model, optimizer), the same on every rank: --model for the shape the loaders yield
+    (input_shape); rank 0's parameters and BatchNorm statistics are broadcast after the ranks
+    agreed on configuration and shapes. A builder that fails (a user's, `module:function`)
+    stops every rank with one line."""
+    from hpcdl import nn  # noqa: PLC0415
+
+    model, error = None, None
+    try:
+        model = nn.build_model(
+            cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
+        )
+    except ValueError as exc:
+        error = f"--{exc}"
+    agree_on_errors(world.comm, world.rank, error)
+    model.set_rng_state(nn.rank_rng_state(cfg.seed, world.rank))
+    verify_same_run(world, cfg, shapes(model))
+    collectives.broadcast(world.comm, model.params, host_staged=host_staged)
+    collectives.broadcast(world.comm, model.buffers, host_staged=host_staged)
+    optimizer = nn.make_optimizer(
+        cfg.optimizer,
+        model.params,
+        model.grads,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        weight_decay=cfg.weight_decay,
+        decay_mask=None if cfg.decay_bias_norm else model.decay_mask(),
+    )
+    return model, optimizer
+
+
+def lr_schedule(cfg: TrainConfig, world: World, steps_per_epoch: int) -> Any:
+    """--lr (linearly scaled to the global batch with --lr-scaling linear) over the run."""
+    from hpcdl import nn  # noqa: PLC0415
+
+    lr = cfg.lr
+    if cfg.lr_scaling == "linear":
+        lr = nn.schedule.scaled_lr(
+            cfg.lr, cfg.batch_size * world.size, cfg.base_batch or cfg.batch_size
+        )
+    return nn.schedule.LrSchedule(lr, steps_per_epoch, cfg.warmup_epochs, cfg.lr_decay, cfg.epochs)
+
+
+def step_parts(
+    cfg: TrainConfig,
+    world: World,
+    stack: ExitStack,
+    model: Any,
+    optimizer: Any,
+    xp: Any,
+    host_staged: bool,
+) -> StepParts:
+    """The step's reducers: gradient buckets (--sync grad), or parameter averaging (--sync
+    params:K); with --sync-bn, BatchNorm sums its batch statistics over the ranks."""
+    if cfg.sync_bn and world.size > 1:
+        bn_stats = collectives.SumReducer(world.comm, host_staged=host_staged)
+        own(stack, bn_stats.close, None)  # alone: its communicator is left to MPI_Abort
+        model.set_stat_reducer(bn_stats)
+    reducer = None
+    if world.size > 1 and cfg.params_sync_every == 0:
+        reducer = GradientReducer(
+            world.comm, model.grads, cfg.bucket_mb, host_staged=host_staged, prescaled=True
+        )
+        own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
+
+    def average_params() -> None:
+        collectives.allreduce_mean(world.comm, model.params, host_staged)
+
+    return StepParts(model, optimizer, xp, reducer, average_params)
+
+
+def start_staging(
+    cfg: TrainConfig,
+    world: World,
+    stack: ExitStack,
+    train_ds: Any,
+    spec: SamplerSpec,
+    first_epoch: int,
+) -> Any:
+    """The node's stager session with --stage-dir (None without): owned by the run, and
+    abandoned from the failure-notice thread when another rank fails."""
+    if not cfg.stage_dir:
+        return None
+    from hpcdl.staging import StagingSession  # noqa: PLC0415
+
+    staging = StagingSession.start(
+        world,
+        train_ds,
+        spec,
+        cfg.batch_size,
+        (first_epoch, cfg.epochs),
+        cfg.stage_dir,
+        cfg.stage_threads,
+        cfg.stage_capacity,
+        cfg.keep_staged,
+        cfg.stage_verify,
+        protect={"--data": cfg.data, "--val-data": cfg.val_data},
+    )
+    own(stack, staging.close, staging.abandon)
+    stack.enter_context(failure.cleanup_on_stand_down(staging.abandon))
+    return staging
+
+
+def open_loaders(
+    cfg: TrainConfig,
+    world: World,
+    stack: ExitStack,
+    train_ds: Any,
+    val_ds: Any,
+    staging: Any,
+) -> tuple[Any, Any]:
+    """(training loader, validation loader or None), owned by the run."""
+    from hpcdl.data import Loader, default_workers  # noqa: PLC0415
+
+    workers = (
+        default_workers(ranks_per_node=world.local_size) if cfg.workers is None else cfg.workers
+    )
+    loader, error = None, None
+    try:
+        loader = Loader(
+            train_ds,
+            cfg.batch_size,
+            workers=workers,
+            prefetch=cfg.prefetch,
+            seed=cfg.seed,
+            augment=cfg.augment,
+            locate=staging.locator() if staging else None,
+            skip_bad_samples=cfg.skip_bad_samples,
+            timeout_s=cfg.loader_timeout,
+        )
+        own(stack, loader.close, loader.close)
+    except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
+        error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
+    val_loader = None
+    if val_ds is not None:
+        # the same --augment: validation takes its centre crops (torchvision's), so shapes agree
+        val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
+        own(stack, val_loader.close, val_loader.close)
+    return loader, val_loader
 
 
 def run_fingerprint(cfg: TrainConfig, layout: list[tuple[str, tuple[int, ...]]]) -> str:
@@ -211,112 +416,3 @@ def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
-
-
-def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
-    if cfg.resume == "none":
-        return None
-    if cfg.resume == "auto":
-        return checkpoint.latest(cfg.checkpoint_dir)
-    return Path(cfg.resume)
-
-
-def restore(cfg: TrainConfig, world: World, model: Any, optimizer: Any) -> tuple[int, int, int]:
-    """Load --resume's checkpoint on every rank; returns (epoch, step_in_epoch, global_step).
-
-    Everything that can be wrong with the file (a missing attribute, another model's or another
-    optimizer's state, a vector of the wrong length, a garbage RNG state) is found while loading
-    it into the model on each rank, and agreed: one line naming the file, every rank stops."""
-    path = find_resume_checkpoint(cfg)
-    ckpt, error = None, None
-    if path is not None:
-        try:
-            ckpt = checkpoint.load(path)
-            checkpoint.check_compatible(
-                ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
-            )
-            _load_state(ckpt, path, cfg, world, model, optimizer)
-        except checkpoint.CheckpointError as exc:
-            error = str(exc)
-    agree_on_errors(world.comm, world.rank, error)
-    if ckpt is None:
-        return 0, 0, 0
-    return ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step
-
-
-def _load_state(
-    ckpt: checkpoint.Checkpoint, path: Path, cfg: TrainConfig, world: World, model, optimizer
-) -> None:
-    """Copy a compatible checkpoint into model and optimizer; CheckpointError if it cannot."""
-    model.params[...] = to_device(ckpt.params, _xp(model.params))
-    if ckpt.buffers.size:
-        model.buffers[...] = to_device(ckpt.buffers, _xp(model.buffers))
-    kept = sorted(optimizer.state_dict())
-    if sorted(ckpt.optimizer) != kept:
-        saved_with = ckpt.config.get("optimizer")
-        hint = (
-            f"resume with --optimizer {saved_with}, the one it was saved with,"
-            if saved_with and saved_with != cfg.optimizer
-            else "resume from a checkpoint of this optimizer"
-        )
-        raise checkpoint.CheckpointError(
-            f"checkpoint {path} holds the state of another optimizer "
-            f"({', '.join(sorted(ckpt.optimizer))}), not what --optimizer {cfg.optimizer} keeps "
-            f"({', '.join(kept)}); {hint} or start without --resume"
-        )
-    try:
-        optimizer.load_state_dict(ckpt.optimizer)
-    except (TypeError, ValueError) as exc:
-        raise checkpoint.CheckpointError(
-            f"checkpoint {path}: {exc}; {checkpoint.DAMAGED}"
-        ) from None
-    # Dropout streams are per rank; with another world size each rank keeps its fresh stream
-    # (parameters and optimizer state carry over, the data order follows the new world size).
-    if ckpt.world_size == world.size:
-        try:
-            model.set_rng_state(ckpt.rng_states[world.rank])
-        except (TypeError, ValueError, KeyError) as exc:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {path} has an unusable dropout RNG state ({exc}); {checkpoint.DAMAGED}"
-            ) from None
-
-
-def save(
-    cfg: TrainConfig,
-    world: World,
-    model: Any,
-    optimizer: Any,
-    epoch: int,
-    step_in_epoch: int,
-    global_step: int,
-) -> Path | None:
-    """Collective: gather every rank's RNG state; rank 0 writes the checkpoint. Returns its path."""
-    rng_states = world.comm.gather(model.get_rng_state(), root=0)
-    path = None
-    if world.is_root:
-        state = {k: to_host(v) for k, v in optimizer.state_dict().items()}
-        ckpt = checkpoint.Checkpoint(
-            model=model.name,
-            layout=shapes(model),
-            params=to_host(model.params).copy(),
-            buffers=to_host(model.buffers).copy(),
-            optimizer=state,
-            epoch=epoch,
-            step_in_epoch=step_in_epoch,
-            global_step=global_step,
-            rng_states=rng_states,
-            config=json.loads(cfg.to_json()),
-            world_size=world.size,
-        )
-        path = checkpoint.save(cfg.checkpoint_dir, ckpt)
-    return world.comm.bcast(path, root=0)
-
-
-def shapes(model: Any) -> list[tuple[str, tuple[int, ...]]]:
-    return [(name, tuple(shape)) for name, shape, _ in model.layout()]
-
-
-def _xp(array: Any):
-    from hpcdl.backend import array_module  # noqa: PLC0415
-
-    return array_module(array)

@@ -33,13 +33,8 @@ def test_model_learns_digits_to_95_percent_held_out(name, optimizer, epochs, bat
     model = nn.build_model(name, (1, 8, 8), 10, seed=0)
     opt = nn.make_optimizer(optimizer, model.params, model.grads, momentum=0.9)
     steps = len(x_train) // batch
-    schedule = functools.partial(
-        nn.schedule.lr_at,
-        steps_per_epoch=steps,
-        base_lr=lr,
-        warmup_epochs=1,
-        decay="cosine",
-        total_epochs=epochs,
+    schedule = nn.schedule.LrSchedule(
+        base_lr=lr, steps_per_epoch=steps, warmup_epochs=1, decay="cosine", total_epochs=epochs
     )
     history = nn.fit(
         model, x_train, y_train, epochs, batch, opt, lr=schedule, seed=0, x_val=x_test, y_val=y_test

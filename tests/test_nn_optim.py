@@ -158,22 +158,20 @@ def test_optimizer_errors_are_clear():
 
 def test_warmup_then_cosine_and_step_decay():
     spe, base = 10, 0.4
-    lrs = [
-        schedule.lr_at(s, spe, base, warmup_epochs=2, decay="none", total_epochs=5)
-        for s in range(50)
-    ]
+    warm = schedule.LrSchedule(base, spe, warmup_epochs=2, decay="none", total_epochs=5)
+    lrs = [schedule.lr_at(warm, s) for s in range(50)]
     assert lrs[0] == pytest.approx(base / 20) and lrs[19] == pytest.approx(base)
     assert all(b > a for a, b in zip(lrs[:20], lrs[1:20]))
     assert lrs[20:] == [base] * 30
-    cos = [schedule.lr_at(s, spe, base, 2, "cosine", 5) for s in range(20, 51)]
+    cos = list(map(schedule.LrSchedule(base, spe, 2, "cosine", 5), range(20, 51)))
     assert cos[0] == pytest.approx(base) and cos[-1] == pytest.approx(0.0, abs=1e-12)
     assert all(b <= a for a, b in zip(cos, cos[1:]))
     assert cos[15] == pytest.approx(base / 2)
-    step = [schedule.lr_at(s, spe, base, 0, "step", 4) for s in range(40)]
+    step = list(map(schedule.LrSchedule(base, spe, 0, "step", 4), range(40)))
     assert step[19] == base and step[20] == pytest.approx(base / 10)
     assert step[29] == pytest.approx(base / 10) and step[30] == pytest.approx(base / 100)
     with pytest.raises(ValueError, match="lr decay must be one of"):
-        schedule.lr_at(0, 1, 0.1, decay="linear")
+        schedule.LrSchedule(0.1, 1, decay="linear")
 
 
 def test_linear_scaling_rule():

@@ -1,7 +1,9 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
-from hpcdl.data.sampler import DistributedSampler, eval_indices, rank_layout
+from hpcdl.data.sampler import DistributedSampler, SamplerSpec, eval_indices, rank_layout
 
 # World ranks on each node: block (mpirun's default), round robin (--map-by node), uneven.
 BLOCK = ((0, 1), (2, 3))
@@ -113,3 +115,16 @@ def test_eval_indices_cover_every_sample_once():
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistributedSampler(**kwargs)
+
+
+def test_sampler_spec_views_are_the_ranks_samplers_and_the_spec_is_frozen():
+    layout = ((0, 2), (1, 3))
+    spec = SamplerSpec(num_samples=50, world_size=4, seed=9, shuffle="node", ranks_by_node=layout)
+    for rank, view in zip((2, 0), spec.for_ranks((2, 0))):
+        direct = DistributedSampler(50, 4, rank, 9, "node", layout)
+        assert view == direct == spec.for_rank(rank)
+        np.testing.assert_array_equal(view.indices(3), direct.indices(3))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seed = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="rank 4 outside world of size 4"):
+        spec.for_rank(4)

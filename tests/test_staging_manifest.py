@@ -7,17 +7,18 @@ import time
 
 from test_staging_helpers import ShardDataset
 
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StagingSession
 from hpcdl.staging.manifest import decode_records, read_manifest
 from hpcdl.staging.ownership import data_key, remove_created
 
-ARGS = dict(world_size=1, seed=0, shuffle="global")
+ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 NAMES = ["plain/a.bin", "with space/b c.bin", "ünïcode/é.bin", "deep/er/still/d.bin"]
 
 
 def stage_all(ds, stage, keep):
     session = StagingSession.start(
-        None, ds, dict(ARGS, num_samples=len(ds)), 2, (0, 1), stage, 2, None, keep, False
+        None, ds, SamplerSpec(num_samples=len(ds), **ARGS), 2, (0, 1), stage, 2, None, keep, False
     )
     deadline = time.monotonic() + 30
     while session.status.field("plan_ready") < len(ds.files) and time.monotonic() < deadline:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_staging_helpers import ShardDataset, make_tree
 
-from hpcdl.data.sampler import DistributedSampler
+from hpcdl.data.sampler import DistributedSampler, SamplerSpec
 from hpcdl.staging import PlanError, find_stager_binary, plan_for_node, write_plan
 from hpcdl.staging.plan import FileEntry, check_relpath
 
@@ -21,9 +21,9 @@ PLACEMENTS = {
 }
 
 
-def reference_order(ds, sampler_args, batch, epochs, ranks):
+def reference_order(ds, sampler, batch, epochs, ranks):
     """Naive simulation: walk epochs, steps, the node's ranks, batch positions."""
-    samplers = [DistributedSampler(rank=r, **sampler_args) for r in ranks]
+    samplers = [DistributedSampler(rank=r, **vars(sampler)) for r in ranks]
     local = len(ranks)
     seen, order, uses = set(), [], {}
     steps = samplers[0].steps_per_epoch(batch)
@@ -44,7 +44,9 @@ def test_plan_order_is_first_use_interleaved_by_step(tmp_path, shuffle, per_file
     ds = make_tree(tmp_path, 40, 100)
     ds = ShardDataset(tmp_path, [f.relpath for f in ds.files], per_file=per_file)
     layout = PLACEMENTS["round-robin"]
-    args = dict(num_samples=len(ds), world_size=4, seed=7, shuffle=shuffle, ranks_by_node=layout)
+    args = SamplerSpec(
+        num_samples=len(ds), world_size=4, seed=7, shuffle=shuffle, ranks_by_node=layout
+    )
     plan = plan_for_node(ds, args, batch_size=3, epochs=(1, 3), ranks=layout[1], node=1)
     order, uses = reference_order(ds, args, 3, (1, 3), layout[1])
     assert plan.file_ids.tolist() == order
@@ -57,7 +59,7 @@ def test_plan_order_is_first_use_interleaved_by_step(tmp_path, shuffle, per_file
 def test_each_node_plans_exactly_the_files_its_own_ranks_read(tmp_path, placement, shuffle):
     layout = PLACEMENTS[placement]
     ds = make_tree(tmp_path, 64, 10)
-    args = dict(num_samples=64, world_size=4, seed=3, shuffle=shuffle, ranks_by_node=layout)
+    args = SamplerSpec(num_samples=64, world_size=4, seed=3, shuffle=shuffle, ranks_by_node=layout)
     planned = []
     for node, ranks in enumerate(layout):
         plan = plan_for_node(ds, args, batch_size=4, epochs=(0, 2), ranks=ranks, node=node)
@@ -65,7 +67,7 @@ def test_each_node_plans_exactly_the_files_its_own_ranks_read(tmp_path, placemen
             int(i)
             for r in ranks
             for epoch in (0, 1)
-            for batch in DistributedSampler(rank=r, **args).batches(epoch, 4)
+            for batch in args.for_rank(r).batches(epoch, 4)
             for i in batch
         }
         assert set(plan.file_ids.tolist()) == read, f"node {node} ranks {ranks}"
@@ -77,7 +79,7 @@ def test_each_node_plans_exactly_the_files_its_own_ranks_read(tmp_path, placemen
 
 def test_plan_file_has_header_and_is_accepted_by_the_stager(tmp_path):
     ds = make_tree(tmp_path / "data", 12, 50)
-    args = dict(num_samples=12, world_size=2, seed=1, shuffle="global")
+    args = SamplerSpec(num_samples=12, world_size=2, seed=1, shuffle="global")
     plan = plan_for_node(ds, args, batch_size=2, epochs=(0, 2), ranks=(0, 1))
     path = tmp_path / "plan"
     write_plan(path, plan, ds)
@@ -112,7 +114,7 @@ def test_unsafe_destinations_are_rejected_by_planner_and_stager(tmp_path, bad):
 def test_planner_refuses_dataset_with_escaping_path(tmp_path):
     ds = make_tree(tmp_path, 4, 10)
     ds.files[2] = FileEntry("../outside.bin", 10)
-    args = dict(num_samples=4, world_size=1, seed=0, shuffle="none")
+    args = SamplerSpec(num_samples=4, world_size=1, seed=0, shuffle="none")
     plan = plan_for_node(ds, args, batch_size=1, epochs=(0, 1))
     with pytest.raises(PlanError, match="outside.bin"):
         write_plan(tmp_path / "plan", plan, ds)

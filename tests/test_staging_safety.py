@@ -20,14 +20,15 @@ from test_staging_helpers import make_tree
 from test_train_cli import own_lines
 
 from hpcdl import checkpoint
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StagingSession
 from hpcdl.staging.binary import find_stager_binary
 
-ARGS = dict(world_size=1, seed=0, shuffle="global")
+ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
 
 def start(ds, stage, keep=False, verify=False, capacity=None) -> StagingSession:
-    args = dict(ARGS, num_samples=len(ds))
+    args = SamplerSpec(num_samples=len(ds), **ARGS)
     return StagingSession.start(None, ds, args, 4, (0, 2), stage, 4, capacity, keep, verify)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_staging_helpers import make_tree
 
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StagingSession
 from hpcdl.staging.status import StatusView
 
@@ -67,7 +68,7 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
     ds = make_tree(tmp_path / "pfs", 40, 2000)
     monkeypatch.setenv("HPCDL_STAGE_BIN", str(build / "hpcdl-stage"))
     monkeypatch.setenv("ASAN_OPTIONS", env["ASAN_OPTIONS"])
-    args = dict(num_samples=40, world_size=1, seed=0, shuffle="global")
+    args = SamplerSpec(num_samples=40, world_size=1, seed=0, shuffle="global")
     session = StagingSession.start(
         None, ds, args, 4, (0, 3), tmp_path / "stage", 4, 30_000, False, True
     )

@@ -11,15 +11,16 @@ import warnings
 
 from test_staging_helpers import make_tree, stage_bytes, temp_files
 
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StagingSession
 from hpcdl.staging.ownership import data_key
 from hpcdl.staging.status import FAILED, READY, StatusView
 
-ARGS = dict(world_size=1, seed=0, shuffle="global")
+ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
 
 def start(ds, stage, batch=4, epochs=(0, 2), **kw):
-    args = dict(ARGS, num_samples=len(ds))
+    args = SamplerSpec(num_samples=len(ds), **ARGS)
     return StagingSession.start(
         None,
         ds,

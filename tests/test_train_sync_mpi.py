@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl import nn, startup
+from hpcdl import nn, resume, startup
 from hpcdl import train as trainer
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import SystemExitWithMessage
@@ -71,7 +71,7 @@ def test_verify_same_run_stops_every_rank_when_one_rank_differs(world, differs):
         shape = (1, 8, 9)  # same model, another input size: other parameter shapes
     if odd and differs == "model":
         name = "cnn"
-    layout = startup.shapes(nn.build_model(name, shape, 10, seed=0))
+    layout = resume.shapes(nn.build_model(name, shape, 10, seed=0))
 
     outcomes = _verify_outcome(world, cfg, layout)
 
@@ -91,7 +91,7 @@ def test_verify_same_run_stops_every_rank_when_one_rank_differs(world, differs):
 
 def _run_trainer_recording_params(world, tmp, data, sync, monkeypatch):
     """Run hpcdl.train.train() in-process for 7 steps and record this rank's parameters
-    after every step (spy on startup.save, called with --checkpoint-every 1 after each step)
+    after every step (spy on resume.save, called with --checkpoint-every 1 after each step)
     and the steps at which the trainer averaged them (spy on collectives.allreduce_mean)."""
     cfg = parse_args(
         [
@@ -104,19 +104,19 @@ def _run_trainer_recording_params(world, tmp, data, sync, monkeypatch):
     after_step: dict[int, np.ndarray] = {}
     calls = []  # (step, buffer, copy before, copy after) for every allreduce_mean
     models = []
-    real_save, real_mean = startup.save, collectives.allreduce_mean
+    real_save, real_mean = resume.save, collectives.allreduce_mean
 
-    def save(cfg, world, model, optimizer, epoch, step_in_epoch, global_step):
-        models.append(model)
-        after_step[global_step] = model.params.copy()
-        return real_save(cfg, world, model, optimizer, epoch, step_in_epoch, global_step)
+    def save(run, at):
+        models.append(run.model)
+        after_step[at.global_step] = run.model.params.copy()
+        return real_save(run, at)
 
     def allreduce_mean(comm, buf, host_staged=False):
         before = buf.copy()
         real_mean(comm, buf, host_staged)
         calls.append((len(after_step) + 1, buf, before, buf.copy()))
 
-    monkeypatch.setattr(startup, "save", save)
+    monkeypatch.setattr(resume, "save", save)
     monkeypatch.setattr(collectives, "allreduce_mean", allreduce_mean)
     status = trainer.train(cfg, world)
     assert models, "the trainer never saved"

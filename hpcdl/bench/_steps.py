@@ -2,7 +2,8 @@
 
 Run under mpirun by hpcdl.bench.scaling (not by users). Every rank builds the same model on
 random data, so loading is excluded: a step is forward + loss + backward with the bucketed
-gradient allreduce (when there is more than one rank) + SGD update, as in hpcdl.train. Rank 0
+gradient allreduce (when there is more than one rank) + SGD update: hpcdl.step.train_step, the
+step hpcdl.train runs. Rank 0
 prints one JSON line: per batch size, the median and mean over the timed steps (`--rounds`
 rounds of `--steps` each, batch sizes interleaved) of the slowest rank's step time.
 """
@@ -13,7 +14,6 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from hpcdl.comm import cuda_aware
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import init_world
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.step import StepParts, train_step
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,19 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def train_step(model: Any, opt: Any, reducer: Any, xp: Any, x: Any, y: Any) -> None:
-    """One data-parallel step as in hpcdl.train, device work finished when it returns."""
-    logits = model.forward(x, train=True)
-    _, dlogits = nn.softmax_cross_entropy(logits, y)
-    if reducer:
-        dlogits *= 1.0 / reducer.world_size
-        reducer.begin_step()
-    model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
-    backend.synchronize(xp)
-    if reducer:
-        reducer.wait()
-    opt.step(0.001)
-    backend.synchronize(xp)
+LR = 0.001
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         reducer = GradientReducer(
             world.comm, model.grads, args.bucket_mb, host_staged=host_staged, prescaled=True
         )
+    parts = StepParts(model, opt, xp, reducer)
     rng = np.random.default_rng(world.rank)
 
     data = {  # (B, C, H, W) float32 images and (B,) int64 labels per batch size
@@ -96,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for batch, (x, y) in data.items():
             for _ in range(args.warmup if r == 0 else 1):
-                train_step(model, opt, reducer, xp, x, y)
+                train_step(parts, x, y, LR)
             world.comm.Barrier()
             for i in range(args.steps):
                 t0 = time.perf_counter()
-                train_step(model, opt, reducer, xp, x, y)
+                train_step(parts, x, y, LR)
                 times[batch][r, i] = time.perf_counter() - t0
     points = []
     for batch, t in times.items():

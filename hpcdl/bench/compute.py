@@ -1,10 +1,10 @@
 """`python -m hpcdl.bench compute`: ms per training step of hpcdl.nn vs PyTorch, same run.
 
-A step is forward + softmax cross-entropy + backward + SGD-momentum update on a random batch,
-for the same architecture (cnn = the Keras cifar10_cnn network; resnet18/resnet50 =
-torchvision's) on the same device. PyTorch is optional (benchmark-only): without it, or without
-torchvision for resnet18/resnet50, the torch column is null. With --json the last line is one
-JSON object.
+A step is forward + softmax cross-entropy + backward + SGD-momentum update on a random batch
+(hpcdl: hpcdl.step.train_step, the step hpcdl.train runs), for the same architecture (cnn = the
+Keras cifar10_cnn network; resnet18/resnet50 = torchvision's) on the same device. PyTorch is
+optional (benchmark-only): without it, or without torchvision for resnet18/resnet50, the torch
+column is null. With --json the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from hpcdl import backend, nn
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.step import StepParts, train_step
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,12 +100,10 @@ def hpcdl_stepper(args: argparse.Namespace):
     rng = np.random.default_rng(0)
     x = xp.asarray(rng.standard_normal((args.batch_size, *args.shape)).astype(np.float32))
     y = xp.asarray(rng.integers(0, args.classes, args.batch_size))
+    parts = StepParts(model, opt, xp)
 
     def step() -> None:
-        logits = model.forward(x, train=True)
-        _, dlogits = nn.softmax_cross_entropy(logits, y)
-        model.backward(dlogits)
-        opt.step(0.01)
+        train_step(parts, x, y, 0.01)
 
     return step, lambda: backend.synchronize(xp)
 

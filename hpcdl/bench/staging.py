@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.bench.slowfs import SlowFSOptions, mounted
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.ownership import data_key
@@ -58,8 +59,8 @@ def stager_command(src: Path, dst: Path, threads: int) -> list[str]:
 
     The copies land in dst/<data key>/ as in training; dst is removed by the caller."""
     ds = FileTreeDataset(src)
-    args = dict(num_samples=len(ds), world_size=1, seed=0, shuffle="none")
-    plan = plan_for_node(ds, args, batch_size=1, epochs=(0, 1))
+    sampler = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="none")
+    plan = plan_for_node(ds, sampler, batch_size=1, epochs=(0, 1))
     meta = dst / ".hpcdl" / "sessions" / "bench"
     meta.mkdir(parents=True, mode=0o700)
     write_plan(meta / "plan", plan, ds, dest_prefix=data_key(src))

@@ -39,6 +39,13 @@ tells the others point to point instead, on a communicator of its own:
 
 A rank killed outright (SIGKILL, a segfault) sends no notice; mpirun then names it in its own
 report, and the other ranks behave as before.
+
+Node-local state on a rank that stands down. Its training thread is stuck in a collective and
+never unwinds, and MPI_Abort then kills it, so nothing on that thread can leave the node's disk
+as the user asked (staged copies removed unless --keep-staged). Code that owns such state
+registers a clean-up with `cleanup_on_stand_down`; the notice thread runs it after the rank's
+line and before its acknowledgement, so the failing rank's MPI_Abort waits for it (at most
+ACK_WAIT_S). A clean-up must not use MPI and must tolerate the training thread still running.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -61,6 +69,19 @@ POLL_S = 0.05  # how often the notice thread looks for a notice
 ACK_WAIT_S = 5.0  # how long a failing rank waits for the others' lines before MPI_Abort
 LINGER_S = 60.0  # how long a rank that stood down waits for that MPI_Abort before exiting
 FORWARD_S = 0.2  # for mpirun to forward the message before it prints its MPI_Abort report
+
+_STAND_DOWN_CLEANUPS: list[Callable[[], None]] = []  # see cleanup_on_stand_down
+
+
+@contextlib.contextmanager
+def cleanup_on_stand_down(cleanup: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, cleanup() runs if this rank stands down because another rank failed
+    (module notes: node-local state). No MPI in cleanup; it may run on the notice thread."""
+    _STAND_DOWN_CLEANUPS.append(cleanup)
+    try:
+        yield
+    finally:
+        _STAND_DOWN_CLEANUPS.remove(cleanup)
 
 
 class UserError(Exception):
@@ -199,10 +220,16 @@ class FailureNotice:
         """Say once that this rank stops because of culprit, acknowledge, wait to be ended."""
         failed, status = culprit
         with self._lock:
-            if not self._stood_down:
+            first = not self._stood_down
+            if first:
                 self._stood_down = True
                 line = f"hpcdl: rank {self.rank}: stopped because rank {failed} failed"
                 print(line, file=sys.stderr, flush=True)
+        if first:
+            for cleanup in list(_STAND_DOWN_CLEANUPS):  # before the ack: MPI_Abort waits for it
+                with contextlib.suppress(Exception):
+                    cleanup()
+            with self._lock:
                 self._send_all([self.rank], ACK_TAG, [failed])
         time.sleep(LINGER_S)  # the failing rank's MPI_Abort ends this process long before
         os._exit(status)
@@ -287,9 +314,16 @@ class StopAgreement:
         return False
 
     def close(self) -> None:
+        """Every rank together: complete the step's agreement, restore the handlers."""
         if self._request is not None:
             self._request.Wait()
             self._request = None
+        self.abandon()
+        self.comm.Free()
+
+    def abandon(self) -> None:
+        """This rank alone (it failed): restore the signal handlers and leave the agreement
+        in flight; MPI_Abort ends it. Main thread only."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        self.comm.Free()
+        self._previous = {}

@@ -132,6 +132,35 @@ class DistributedSampler:
         return [idx[s * batch_size : (s + 1) * batch_size] for s in range(steps)]
 
 
+@dataclass(frozen=True)
+class SamplerSpec:
+    """Everything that fixes every rank's reading order: DistributedSampler's fields but the rank.
+
+    Built once per job (trainer, stage-only job, dry run); the staging planner takes the views
+    of a node's ranks (for_ranks), the trainer its own rank's (for_rank)."""
+
+    num_samples: int
+    world_size: int = 1
+    seed: int = 0
+    shuffle: str = "global"
+    ranks_by_node: NodeLayout = ()
+
+    def for_rank(self, rank: int) -> DistributedSampler:
+        """The sampler of one world rank."""
+        return DistributedSampler(
+            self.num_samples,
+            self.world_size,
+            int(rank),
+            self.seed,
+            self.shuffle,
+            self.ranks_by_node,
+        )
+
+    def for_ranks(self, ranks: Sequence[int]) -> list[DistributedSampler]:
+        """The samplers of the given world ranks (a node's, in local-rank order)."""
+        return [self.for_rank(rank) for rank in ranks]
+
+
 def eval_indices(num_samples: int, world_size: int, rank: int) -> np.ndarray:
     """Validation shard: every sample exactly once across ranks (shards may differ by one)."""
     return np.arange(rank, num_samples, world_size, dtype=np.int64)

@@ -1,4 +1,6 @@
-"""Single-process training loop for tests, examples and benchmarks (no MPI, no loader)."""
+"""Single-process training loop for tests, examples and benchmarks (no MPI, no loader).
+
+Each step is hpcdl.step.train_step, the step hpcdl.train runs, without a reducer."""
 
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ def fit(
 ) -> dict[str, list[float]]:
     """Train on (x (N, C, H, W), y (N,) int64) with shuffled mini-batches; return the history.
 
-    lr is a constant or a function of the global step (e.g. a `schedule.lr_at` partial). The
+    lr is a constant or a function of the global step (e.g. a `schedule.LrSchedule`). The
     last partial batch of an epoch is dropped. history has per-epoch "loss", "acc" and, with
-    validation data, "val_loss" and "val_acc".
+    validation data, "val_loss" and "val_acc". A non-finite loss raises NonFiniteLossError
+    after that step's update, as hpcdl.train stops after it.
     """
     if len(x) != len(y):
         raise ValueError(f"x has {len(x)} samples but y has {len(y)}")
@@ -45,6 +48,9 @@ def fit(
     history: dict[str, list[float]] = {"loss": [], "acc": []}
     if x_val is not None:
         history.update(val_loss=[], val_acc=[])
+    from hpcdl.step import StepParts, train_step  # noqa: PLC0415 (hpcdl.step imports hpcdl.nn)
+
+    parts = StepParts(model, optimizer, xp)
     step = 0
     steps_per_epoch = len(x) // batch_size
     for epoch in range(epochs):
@@ -53,18 +59,14 @@ def fit(
         for b in range(steps_per_epoch):
             idx = xp.asarray(order[b * batch_size : (b + 1) * batch_size])
             xb, yb = x[idx], y[idx]
-            logits = model.forward(xb, train=True)
-            loss, dlogits = softmax_cross_entropy(logits, yb)
-            loss = float(loss)
-            if not math.isfinite(loss):
+            result = train_step(parts, xb, yb, lr_of(step))
+            if not math.isfinite(result.loss):
                 raise NonFiniteLossError(
-                    f"loss became {loss} at step {step} (epoch {epoch + 1}, batch {b}); "
+                    f"loss became {result.loss} at step {step} (epoch {epoch + 1}, batch {b}); "
                     f"lower the learning rate or check the input data"
                 )
-            model.backward(dlogits)
-            optimizer.step(lr_of(step))
-            loss_sum += loss
-            correct += accuracy_count(logits, yb)
+            loss_sum += result.loss
+            correct += accuracy_count(result.logits, yb)
             step += 1
         history["loss"].append(loss_sum / steps_per_epoch)
         history["acc"].append(correct / (steps_per_epoch * batch_size))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.data.dataset import FileEntry, has_control_character, is_plain_relpath
-from hpcdl.data.sampler import DistributedSampler
+from hpcdl.data.sampler import SamplerSpec
 
 PLAN_VERSION = 1
 
@@ -81,14 +81,9 @@ def dataset_fingerprint(dataset: Any) -> str:
     return h.hexdigest()
 
 
-def local_samplers(sampler_args: dict, ranks: Sequence[int]) -> list[DistributedSampler]:
-    """The samplers of a node's world ranks, in local-rank order."""
-    return [DistributedSampler(rank=int(rank), **sampler_args) for rank in ranks]
-
-
 def plan_for_node(
     dataset: Any,
-    sampler_args: dict,
+    sampler: SamplerSpec,
     batch_size: int,
     epochs: tuple[int, int],
     ranks: Sequence[int] = (0,),
@@ -96,16 +91,15 @@ def plan_for_node(
 ) -> NodePlan:
     """Plan of one node: unique files of its ranks in first-use order, with their uses.
 
-    sampler_args: DistributedSampler fields except rank (num_samples, world_size, seed, shuffle,
-    ranks_by_node). epochs: [begin, end). ranks: the world ranks on the node, in local-rank
-    order (World.node_ranks). node: the node's index, a label in the plan file.
+    sampler: the job's SamplerSpec. epochs: [begin, end). ranks: the world ranks on the node, in
+    local-rank order (World.node_ranks). node: the node's index, a label in the plan file.
     """
     begin, end = int(epochs[0]), int(epochs[1])
     if end <= begin:
         raise ValueError(f"empty epoch range {epochs!r}")
     if not ranks:
         raise ValueError("a node plan needs at least one rank")
-    samplers = local_samplers(sampler_args, ranks)
+    samplers = sampler.for_ranks(ranks)
     local_ranks = len(samplers)
     steps = samplers[0].steps_per_epoch(batch_size)
     used = steps * batch_size
@@ -143,8 +137,8 @@ def plan_for_node(
         epoch_end=end,
         steps_per_epoch=steps,
         ranks=tuple(int(r) for r in ranks),
-        seed=int(sampler_args.get("seed", 0)),
-        shuffle=str(sampler_args.get("shuffle", "global")),
+        seed=sampler.seed,
+        shuffle=sampler.shuffle,
     )
 
 

@@ -14,6 +14,7 @@ import re
 import shutil
 import stat
 import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.ownership import (
     StageDirError,
@@ -163,7 +165,7 @@ class StagingSession:
         self,
         world: Any,
         dataset: Any,
-        sampler_args: dict,
+        sampler: SamplerSpec,
         batch_size: int,
         epochs: tuple[int, int],
         lease: StageDirLease | None,
@@ -176,7 +178,7 @@ class StagingSession:
         self.node = world.node_index if world is not None else 0
         self.node_ranks = world.node_ranks if world is not None else (0,)  # world ranks here
         self.dataset = dataset
-        self.sampler_args = dict(sampler_args)  # DistributedSampler fields except rank
+        self.sampler = sampler  # every rank's reading order
         self.batch_size = batch_size
         self.begin, self.end = epochs  # epochs [begin, end) of this run
         self.plan_begin = self.begin  # first epoch of the plan the stager holds
@@ -199,13 +201,14 @@ class StagingSession:
         self.warned = False  # the one "reading from the PFS" warning was given
         self.last_check = 0.0  # monotonic time of the last liveness check
         self.closed = False
+        self._leaving = threading.Lock()  # close/abandon may race with a stand-down clean-up
 
     @classmethod
     def start(
         cls,
         world: Any,
         dataset: Any,
-        sampler_args: dict,
+        sampler: SamplerSpec,
         batch_size: int,
         epochs: tuple[int, int] | int,
         stage_dir: str | Path,
@@ -217,19 +220,19 @@ class StagingSession:
     ) -> StagingSession:
         """Plan the node's files, start the stager on local rank 0, return on every local rank.
 
-        world: hpcdl.comm.world.World, or None for a single process. sampler_args:
-        DistributedSampler fields except rank. epochs: (start_epoch, end_epoch) of the run, or an
-        end epoch; the stager holds a plan for the current and the next epoch and gets a new one
-        at each epoch change. capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the
-        stager's default: free space minus a margin).
-        protect: flag -> data path the stage dir must not overlap (default: the data set root).
+        world: hpcdl.comm.world.World, or None for a single process. sampler: the job's
+        SamplerSpec. epochs: (start_epoch, end_epoch) of the run, or an end epoch; the stager
+        holds a plan for the current and the next epoch and gets a new one at each epoch change.
+        capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the stager's default: free
+        space minus a margin). protect: flag -> data path the stage dir must not overlap
+        (default: the data set root).
         A stage dir that overlaps the data, cannot be created or written, or a missing
         hpcdl-stage stops every rank with one message (SystemExitWithMessage under MPI,
         StageDirError alone). A full stage file system, or a stager that fails to start, only
         warns, and training reads from the PFS.
         """
         begin, end = (0, int(epochs)) if isinstance(epochs, int) else map(int, epochs)
-        session = cls(world, dataset, sampler_args, batch_size, (begin, end), None, keep)
+        session = cls(world, dataset, sampler, batch_size, (begin, end), None, keep)
         error = None
         try:
             check_no_overlap(stage_dir, protect or {"--data": dataset.root})
@@ -297,20 +300,34 @@ class StagingSession:
         }
 
     def close(self) -> None:
-        """Stop the stager (local rank 0) and leave the stage dir; the last job out removes
-        what hpcdl created there unless keep. Idempotent."""
+        """Every local rank together: stop the stager (local rank 0) and leave the stage dir;
+        the last job out removes what hpcdl created there unless keep. Idempotent."""
         if self.closed:
             return
-        self.closed = True
         self.node_comm.Barrier()  # every local rank has finished reading
-        if self.proc is not None:
-            _stop(self.proc)
-        for mapped in (self.status, self.progress, self.counters):
-            if mapped is not None:
-                mapped.close()
-        if self.lease is not None:
-            self.lease.release(self.keep)
+        if self._leave():
+            for mapped in (self.status, self.progress, self.counters):
+                if mapped is not None:
+                    mapped.close()
         self.node_comm.Barrier()
+
+    def abandon(self) -> None:
+        """This rank alone, when the job fails: as close, without a collective and leaving the
+        shared maps mapped (another thread may still read them; the process ends soon).
+        Thread-safe and idempotent; a failing job's stand-down clean-up (hpcdl.comm.failure)."""
+        self._leave()
+
+    def _leave(self) -> bool:
+        """Stop the stager and release the stage dir, once; False if already done."""
+        with self._leaving:
+            if self.closed:
+                return False
+            self.closed = True
+            if self.proc is not None:
+                _stop(self.proc)
+            if self.lease is not None:
+                self.lease.release(self.keep)
+            return True
 
     # ------------------------------------------------------------------ internals
 
@@ -366,7 +383,7 @@ class StagingSession:
     def _plan(self, epoch: int) -> Any:
         plan = plan_for_node(
             self.dataset,
-            self.sampler_args,
+            self.sampler,
             self.batch_size,
             (epoch, min(epoch + PLAN_EPOCHS, self.end)),
             ranks=self.node_ranks,

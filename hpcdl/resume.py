@@ -1,0 +1,118 @@
+"""A run's checkpoints: where --resume continues (restore) and the one place they are written
+(save). Both are collective; rank 0 writes, every rank reads (hpcdl.checkpoint: the file)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hpcdl import checkpoint
+from hpcdl.backend import to_device, to_host
+from hpcdl.comm.failure import agree_on_errors
+from hpcdl.comm.world import World
+from hpcdl.config import TrainConfig
+from hpcdl.run import Position, Run
+
+
+def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
+    if cfg.resume == "none":
+        return None
+    if cfg.resume == "auto":
+        return checkpoint.latest(cfg.checkpoint_dir)
+    return Path(cfg.resume)
+
+
+def restore(cfg: TrainConfig, world: World, model: Any, optimizer: Any) -> Position:
+    """Load --resume's checkpoint on every rank; returns where training continues.
+
+    Everything that can be wrong with the file (a missing attribute, another model's or another
+    optimizer's state, a vector of the wrong length, a garbage RNG state) is found while loading
+    it into the model on each rank, and agreed: one line naming the file, every rank stops."""
+    path = find_resume_checkpoint(cfg)
+    ckpt, error = None, None
+    if path is not None:
+        try:
+            ckpt = checkpoint.load(path)
+            checkpoint.check_compatible(
+                ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
+            )
+            _load_state(ckpt, path, cfg, world, model, optimizer)
+        except checkpoint.CheckpointError as exc:
+            error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
+    if ckpt is None:
+        return Position()
+    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step)
+
+
+def _load_state(
+    ckpt: checkpoint.Checkpoint, path: Path, cfg: TrainConfig, world: World, model, optimizer
+) -> None:
+    """Copy a compatible checkpoint into model and optimizer; CheckpointError if it cannot."""
+    model.params[...] = to_device(ckpt.params, _xp(model.params))
+    if ckpt.buffers.size:
+        model.buffers[...] = to_device(ckpt.buffers, _xp(model.buffers))
+    kept = sorted(optimizer.state_dict())
+    if sorted(ckpt.optimizer) != kept:
+        saved_with = ckpt.config.get("optimizer")
+        hint = (
+            f"resume with --optimizer {saved_with}, the one it was saved with,"
+            if saved_with and saved_with != cfg.optimizer
+            else "resume from a checkpoint of this optimizer"
+        )
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} holds the state of another optimizer "
+            f"({', '.join(sorted(ckpt.optimizer))}), not what --optimizer {cfg.optimizer} keeps "
+            f"({', '.join(kept)}); {hint} or start without --resume"
+        )
+    try:
+        optimizer.load_state_dict(ckpt.optimizer)
+    except (TypeError, ValueError) as exc:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path}: {exc}; {checkpoint.DAMAGED}"
+        ) from None
+    # Dropout streams are per rank; with another world size each rank keeps its fresh stream
+    # (parameters and optimizer state carry over, the data order follows the new world size).
+    if ckpt.world_size == world.size:
+        try:
+            model.set_rng_state(ckpt.rng_states[world.rank])
+        except (TypeError, ValueError, KeyError) as exc:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} has an unusable dropout RNG state ({exc}); {checkpoint.DAMAGED}"
+            ) from None
+
+
+def save(run: Run, at: Position) -> Path | None:
+    """Collective: gather every rank's RNG state; rank 0 writes the checkpoint of the run's
+    model and optimizer, to continue at `at`. Returns its path on every rank."""
+    cfg, world, model, optimizer = run.cfg, run.world, run.model, run.optimizer
+    rng_states = world.comm.gather(model.get_rng_state(), root=0)
+    path = None
+    if world.is_root:
+        state = {k: to_host(v) for k, v in optimizer.state_dict().items()}
+        ckpt = checkpoint.Checkpoint(
+            model=model.name,
+            layout=shapes(model),
+            params=to_host(model.params).copy(),
+            buffers=to_host(model.buffers).copy(),
+            optimizer=state,
+            epoch=at.epoch,
+            step_in_epoch=at.step_in_epoch,
+            global_step=at.global_step,
+            rng_states=rng_states,
+            config=json.loads(cfg.to_json()),
+            world_size=world.size,
+        )
+        path = checkpoint.save(cfg.checkpoint_dir, ckpt)
+    return world.comm.bcast(path, root=0)
+
+
+def shapes(model: Any) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(shape)) for name, shape, _ in model.layout()]
+
+
+def _xp(array: Any):
+    from hpcdl.backend import array_module  # noqa: PLC0415
+
+    return array_module(array)

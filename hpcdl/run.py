@@ -1,0 +1,106 @@
+"""A training run: what it holds, where it starts, and how it closes. Built by startup.start_run.
+
+NOTE [closing a run]
+Everything a run holds (loaders, stager session, gradient reducer, SyncBN SumReducer, stop
+agreement, metrics writer) is put on ONE contextlib.ExitStack as soon as it exists (`own`), so
+whatever ends the run closes exactly what was made, newest first:
+- Every rank leaves together: the loop ended, a signal stopped it, or an agreed error
+  (SystemExitWithMessage: agree_on_errors, the NaN-loss check). Each resource closes normally,
+  collectives included (the stager session's node barriers, the reducer's thread and
+  communicator, the stop agreement's last allreduce).
+- This rank leaves alone: any other exception (a data error, a bug in model code). The other
+  ranks wait in a collective that will never complete, so nothing may call MPI: loaders stop
+  their workers, the stager session stops the stager and removes what hpcdl staged unless
+  --keep-staged, the metrics file is closed, the signal handlers are restored. The reducers'
+  threads and communicators are left to MPI_Abort, which follows (hpcdl.comm.failure).
+- Another rank failed: this rank's training thread is stuck in a collective and never unwinds.
+  Its stager session is abandoned from the failure-notice thread instead
+  (failure.cleanup_on_stand_down), before MPI_Abort ends the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage
+from hpcdl.comm.world import World
+from hpcdl.config import TrainConfig
+from hpcdl.data.device import on_device
+from hpcdl.data.sampler import DistributedSampler
+from hpcdl.metrics import MetricsWriter, Progress
+from hpcdl.nn.schedule import LrSchedule
+from hpcdl.step import StepParts
+
+
+def own(stack: ExitStack, close: Callable[[], None], abandon: Callable[[], None] | None) -> None:
+    """Put a resource on a run's stack: close() when every rank leaves together, abandon() when
+    this rank leaves alone (None: nothing that may run then). NOTE [closing a run]."""
+
+    def leave(exc_type: type[BaseException] | None, *_: Any) -> bool:
+        if exc_type is None or issubclass(exc_type, SystemExitWithMessage):
+            close()
+        elif abandon is not None:
+            abandon()
+        return False  # the exception, if any, goes on
+
+    stack.push(leave)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training continues: epoch and step in it (0-based), and the global step."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+
+@dataclass
+class Run:
+    """Everything one rank's training holds; a context manager that closes it all."""
+
+    cfg: TrainConfig
+    world: World
+    xp: Any  # numpy or cupy: the model's array module
+    cuda_aware: bool  # MPI takes device buffers
+    host_staged: bool  # collectives go through host memory (GPU without a CUDA-aware MPI)
+    train_ds: Any  # hpcdl.data data set
+    val_ds: Any | None
+    sampler: DistributedSampler  # this rank's view of the job's SamplerSpec
+    model: Any  # hpcdl.nn.Model
+    optimizer: Any
+    schedule: LrSchedule
+    step_parts: StepParts  # what hpcdl.step.train_step works on (model, optimizer, reducer)
+    start: Position  # from --resume, else the beginning
+    loader: Any  # hpcdl.data.Loader of the training data
+    val_loader: Any | None
+    staging: Any | None  # hpcdl.staging.StagingSession with --stage-dir
+    stop: StopAgreement
+    metrics: MetricsWriter  # writes on rank 0 only
+    progress: Progress
+    stack: ExitStack  # owns every resource above (NOTE [closing a run])
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch(self.cfg.batch_size)
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.world.size
+
+    def batches(self, epoch: int, first: int = 0) -> Iterator[tuple[Any, Any]]:
+        """This rank's training batches of epoch from step `first`, on the device:
+        images (B, C, H, W) float32, labels (B,) int64, valid until the next one."""
+        order = self.sampler.batches(epoch, self.cfg.batch_size)[first:]
+        # a stop signal while waiting on a stalled worker: the loader builds the batch itself
+        host = self.loader.iterate(order, epoch, train=True, stop_requested=self.stop.requested)
+        return on_device(host, self.xp)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self.stack.__exit__(*exc))

@@ -1,0 +1,101 @@
+"""One training step, the one every caller runs: hpcdl.train, the benchmarks and hpcdl.nn.fit.
+
+forward -> softmax cross-entropy -> backward, which hands each finished gradient bucket to the
+reducer as it goes (bucket readiness, hpcdl.comm.reducer) -> wait for the last bucket -> one
+fused optimizer update (-> parameter averaging for --sync params:K), timed part by part
+(StepTimes, which hpcdl.metrics sums and reports). A benchmark that calls train_step
+measures exactly what training runs.
+
+Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
+hpcdl.nn.fit can use the step without importing hpcdl.comm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from hpcdl.backend import synchronize
+from hpcdl.nn.loss import softmax_cross_entropy
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part of one training step (metrics.STEP_PARTS names them)."""
+
+    t_data: float = 0.0  # waiting for the batch
+    t_compute: float = 0.0  # forward + backward (+ host-device copies)
+    t_comm_exposed: float = 0.0  # waiting for gradient buckets after backward ended
+    t_update: float = 0.0  # optimizer step
+    t_step: float = 0.0  # wall time of the whole step
+
+
+class Reducer(Protocol):
+    """What train_step needs of hpcdl.comm.reducer.GradientReducer."""
+
+    world_size: int
+
+    def begin_step(self) -> None: ...
+    def mark_ready(self, n: int) -> None: ...
+    def wait(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What every step works on; built once per run (or benchmark)."""
+
+    model: Any  # hpcdl.nn.Model: flat params and grads
+    optimizer: Any  # one fused update over model.params (hpcdl.nn.optim)
+    xp: Any = np  # the model's array module: device work is finished before each timestamp
+    reducer: Reducer | None = None  # averages the gradients over the ranks; None: one rank
+    average_params: Callable[[], None] | None = None  # --sync params:K: mean of the parameters
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss of the batch
+    logits: Any  # (B, K) float32 on xp, for accuracy counting
+    times: StepTimes
+
+
+def train_step(
+    parts: StepParts,
+    images: Any,
+    labels: Any,
+    lr: float,
+    mix_params: bool = False,
+    waited_since: float | None = None,
+) -> StepResult:
+    """One data-parallel step on (images (B, C, H, W) float32, labels (B,) int64), both on xp.
+
+    mix_params: average the parameters after the update (parts.average_params). waited_since:
+    perf_counter() when the caller began waiting for this batch, so t_data and t_step include
+    the wait; None: no wait is counted."""
+    t0 = time.perf_counter()
+    start = t0 if waited_since is None else waited_since
+    model, reducer = parts.model, parts.reducer
+    logits = model.forward(images, train=True)
+    loss, dlogits = softmax_cross_entropy(logits, labels)
+    if reducer:
+        dlogits *= 1.0 / reducer.world_size  # gradients of loss / N: their sum is the average
+        reducer.begin_step()
+    model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
+    synchronize(parts.xp)
+    t1 = time.perf_counter()
+    if reducer:
+        reducer.wait()  # gradients are now averaged over all ranks
+    t2 = time.perf_counter()
+    parts.optimizer.step(lr)
+    if mix_params:
+        parts.average_params()
+    synchronize(parts.xp)
+    t3 = time.perf_counter()
+    times = StepTimes(
+        t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
+    )
+    times.t_step = t3 - start
+    return StepResult(float(loss), logits, times)

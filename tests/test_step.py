@@ -1,0 +1,71 @@
+"""hpcdl.step.train_step: the one training step, bitwise the step written out by hand."""
+
+import numpy as np
+
+from hpcdl import nn
+from hpcdl.step import StepParts, train_step
+
+
+def model_and_optimizer():
+    model = nn.build_model("cnn", (1, 8, 8), 10, seed=3)
+    return model, nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+
+
+def batch():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((16, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 16)
+
+
+def test_train_step_is_bitwise_forward_loss_backward_update():
+    (x, y), lr = batch(), 0.05
+    by_hand, opt = model_and_optimizer()
+    stepped, opt2 = model_and_optimizer()
+    by_hand.set_rng_state(nn.rank_rng_state(1, 0))
+    stepped.set_rng_state(nn.rank_rng_state(1, 0))
+    parts = StepParts(stepped, opt2)
+    for _ in range(3):
+        logits = by_hand.forward(x, train=True)
+        loss, dlogits = nn.softmax_cross_entropy(logits, y)
+        by_hand.backward(dlogits)
+        opt.step(lr)
+        result = train_step(parts, x, y, lr, waited_since=None)
+        assert result.loss == float(loss)
+        np.testing.assert_array_equal(result.logits, logits)
+        np.testing.assert_array_equal(stepped.params, by_hand.params)
+    t = result.times
+    assert t.t_data == 0.0 and min(t.t_compute, t.t_comm_exposed, t.t_update) >= 0.0
+    assert t.t_step >= t.t_compute + t.t_comm_exposed + t.t_update
+
+
+class RecordingReducer:
+    """Stands in for GradientReducer's protocol on one process: records what the step asks."""
+
+    world_size = 4
+
+    def __init__(self, grads):
+        self.grads, self.calls, self.marks = grads, [], []
+
+    def begin_step(self):
+        self.calls.append("begin")
+
+    def mark_ready(self, n):
+        self.marks.append(n)
+
+    def wait(self):
+        self.calls.append("wait")
+
+
+def test_train_step_hands_buckets_to_the_reducer_and_scales_the_loss_gradient():
+    x, y = batch()
+    plain, opt = model_and_optimizer()
+    reduced, opt2 = model_and_optimizer()
+    reducer = RecordingReducer(reduced.grads)
+    averaged = []
+    parts = StepParts(reduced, opt2, reducer=reducer, average_params=lambda: averaged.append(1))
+    train_step(StepParts(plain, opt), x, y, 0.0)
+    result = train_step(parts, x, y, 0.0, mix_params=True)
+    assert reducer.calls == ["begin", "wait"] and averaged == [1]
+    assert reducer.marks == sorted(reducer.marks) and reducer.marks[-1] == reduced.params.size
+    # the loss gradient is scaled by 1 / world_size before backward: the ranks' sum is the mean
+    np.testing.assert_allclose(reduced.grads * 4, plain.grads, rtol=1e-5, atol=1e-7)
+    assert np.isfinite(result.loss)
