@@ -36,7 +36,7 @@ EXPECTED_STATUS = {
     "success": 0,
     "sigterm": 3,
     "nan_loss": 2,
-    "data_error": 2,
+    "data_error": 1,
     "model_bug_rank0": 1,
     "model_bug_rank1": 1,
 }

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from test_staging_helpers import make_tree
 
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StagingSession, default_capacity, find_stager_binary, parse_capacity
 from hpcdl.staging import status as status_module
 from hpcdl.staging.status import StatusView, status_layout
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "staging.md"
-ARGS = dict(world_size=1, seed=0, shuffle="global")
 
 
 def binary_layout() -> dict:
@@ -32,8 +32,8 @@ def binary_layout() -> dict:
 
 
 def start(ds, stage, capacity, epochs=(0, 1)):
-    args = dict(ARGS, num_samples=len(ds))
-    return StagingSession.start(None, ds, args, 4, epochs, stage, 2, capacity, False, False)
+    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
+    return StagingSession.start(None, ds, spec, 4, epochs, stage, 2, capacity, False, False)
 
 
 def test_python_reads_the_status_layout_the_binary_prints():
