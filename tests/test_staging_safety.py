@@ -305,3 +305,23 @@ def test_stage_only_into_an_unusable_dir_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hpcdl.stage: error: cannot use --stage-dir")
+
+
+@pytest.mark.parametrize("binary", ["/usr/bin/false", "missing"])
+def test_a_stager_binary_that_is_not_hpcdl_stage_is_one_line_and_creates_nothing(
+    digits_dir, tmp_path, binary
+):
+    stage = tmp_path / "stage"
+    path = binary if binary != "missing" else str(tmp_path / "no-such-hpcdl-stage")
+    env = {**mpi_env(), "HPCDL_STAGE_BIN": path}
+    proc = run_train(
+        2,
+        *("--data", digits_dir / "train", "--model", "mlp", "--epochs", 1),
+        *("--stage-dir", stage),
+        env=env,
+        timeout=120,
+    )
+    line = assert_one_error_line(proc, "hpcdl.train: error: ")
+    assert path in line and "HPCDL_STAGE_BIN" in line, line
+    assert "Traceback" not in proc.stderr
+    assert not stage.exists()  # nothing was created for a job that could not stage

@@ -335,6 +335,7 @@ class StagingSession:
         """Local rank 0: lease the stage dir, write the plan, start the stager."""
         try:
             binary = find_stager_binary()
+            status_layout()  # also: the binary is this hpcdl's stager (cached for the session)
             self.lease = StageDirLease.acquire(stage_dir)
         except (StageDirError, StagerNotFound) as exc:
             return {"error": str(exc)}

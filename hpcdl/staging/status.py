@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcdl.staging.binary import find_stager_binary
+from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 
 COUNTERS_MAGIC = b"HPCDLCNT"
 COUNTER_SLOTS = 64  # per local rank: one per process (rank + loader workers)
@@ -44,10 +44,17 @@ class StatusLayout:
 @functools.cache
 def status_layout() -> StatusLayout:
     """The layout the installed hpcdl-stage uses (one subprocess per process, then cached)."""
-    out = subprocess.run(
-        [str(find_stager_binary()), "--print-layout"], capture_output=True, text=True, check=True
-    )
-    raw = json.loads(out.stdout)
+    binary = find_stager_binary()
+    out = subprocess.run([str(binary), "--print-layout"], capture_output=True, text=True)
+    try:
+        raw = json.loads(out.stdout) if out.returncode == 0 else None
+    except ValueError:
+        raw = None
+    if not isinstance(raw, dict):
+        raise StagerNotFound(
+            f"{binary} --print-layout did not print the status layout (exit {out.returncode}): "
+            "it is not this hpcdl's hpcdl-stage; reinstall hpcdl or fix HPCDL_STAGE_BIN"
+        )
     status = raw["status"]
     return StatusLayout(
         magic=status["magic"].encode(),
@@ -62,7 +69,12 @@ def status_layout() -> StatusLayout:
 
 
 def __getattr__(name: str) -> int:
-    """READY, RUN_RUNNING, FLAG_NOSPACE, ...: the binary's codes, looked up on first use."""
+    """READY, RUN_RUNNING, FLAG_NOSPACE, ...: the binary's codes, looked up on first use.
+
+    Only upper-case names ask the binary: the import system probes modules for `__path__` and
+    the like, and importing this module must not need a working hpcdl-stage."""
+    if not name.isupper():
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     layout = status_layout()
     if name.startswith("RUN_") and name[4:] in layout.run_states:
         return layout.run_states[name[4:]]
