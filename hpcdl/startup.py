@@ -304,20 +304,18 @@ def start_staging(
     abandoned from the failure-notice thread when another rank fails."""
     if not cfg.stage_dir:
         return None
-    from hpcdl.staging import StagingSession  # noqa: PLC0415
+    from hpcdl.staging import StageOptions, StagingSession  # noqa: PLC0415
 
-    staging = StagingSession.start(
-        world,
-        train_ds,
-        spec,
-        cfg.batch_size,
-        (first_epoch, cfg.epochs),
+    options = StageOptions(
         cfg.stage_dir,
-        cfg.stage_threads,
-        cfg.stage_capacity,
-        cfg.keep_staged,
-        cfg.stage_verify,
+        threads=cfg.stage_threads,
+        capacity=cfg.stage_capacity,
+        keep=cfg.keep_staged,
+        verify=cfg.stage_verify,
         protect={"--data": cfg.data, "--val-data": cfg.val_data},
+    )
+    staging = StagingSession.start(
+        world, train_ds, spec, cfg.batch_size, (first_epoch, cfg.epochs), options
     )
     own(stack, staging.close, staging.abandon)
     stack.enter_context(failure.cleanup_on_stand_down(staging.abandon))

@@ -8,7 +8,7 @@ import time
 from test_staging_helpers import ShardDataset
 
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StagingSession
+from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.manifest import decode_records, read_manifest
 from hpcdl.staging.ownership import data_key, remove_created
 
@@ -17,9 +17,9 @@ NAMES = ["plain/a.bin", "with space/b c.bin", "ünïcode/é.bin", "deep/er/still
 
 
 def stage_all(ds, stage, keep):
-    session = StagingSession.start(
-        None, ds, SamplerSpec(num_samples=len(ds), **ARGS), 2, (0, 1), stage, 2, None, keep, False
-    )
+    spec = SamplerSpec(num_samples=len(ds), **ARGS)
+    options = StageOptions(stage, threads=2, keep=keep)
+    session = StagingSession.start(None, ds, spec, 2, (0, 1), options)
     deadline = time.monotonic() + 30
     while session.status.field("plan_ready") < len(ds.files) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -17,7 +17,13 @@ from pathlib import Path
 from test_staging_helpers import make_tree
 
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StagingSession, default_capacity, find_stager_binary, parse_capacity
+from hpcdl.staging import (
+    StageOptions,
+    StagingSession,
+    default_capacity,
+    find_stager_binary,
+    parse_capacity,
+)
 from hpcdl.staging import status as status_module
 from hpcdl.staging.status import StatusView, status_layout
 
@@ -33,7 +39,8 @@ def binary_layout() -> dict:
 
 def start(ds, stage, capacity, epochs=(0, 1)):
     spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    return StagingSession.start(None, ds, spec, 4, epochs, stage, 2, capacity, False, False)
+    options = StageOptions(stage, threads=2, capacity=capacity)
+    return StagingSession.start(None, ds, spec, 4, epochs, options)
 
 
 def test_python_reads_the_status_layout_the_binary_prints():

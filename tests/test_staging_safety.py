@@ -21,7 +21,7 @@ from test_train_cli import own_lines
 
 from hpcdl import checkpoint
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StagingSession
+from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.binary import find_stager_binary
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
@@ -29,7 +29,8 @@ ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but nu
 
 def start(ds, stage, keep=False, verify=False, capacity=None) -> StagingSession:
     args = SamplerSpec(num_samples=len(ds), **ARGS)
-    return StagingSession.start(None, ds, args, 4, (0, 2), stage, 4, capacity, keep, verify)
+    options = StageOptions(stage, threads=4, capacity=capacity, keep=keep, verify=verify)
+    return StagingSession.start(None, ds, args, 4, (0, 2), options)
 
 
 def wait_ready(session: StagingSession, files: int, timeout: float = 30.0) -> None:

@@ -14,7 +14,7 @@ import pytest
 from test_staging_helpers import make_tree
 
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StagingSession
+from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.status import StatusView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,9 +69,8 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
     monkeypatch.setenv("HPCDL_STAGE_BIN", str(build / "hpcdl-stage"))
     monkeypatch.setenv("ASAN_OPTIONS", env["ASAN_OPTIONS"])
     args = SamplerSpec(num_samples=40, world_size=1, seed=0, shuffle="global")
-    session = StagingSession.start(
-        None, ds, args, 4, (0, 3), tmp_path / "stage", 4, 30_000, False, True
-    )
+    options = StageOptions(tmp_path / "stage", threads=4, capacity=30_000, verify=True)
+    session = StagingSession.start(None, ds, args, 4, (0, 3), options)
     status = StatusView(session.meta / "status")
     for epoch in range(3):
         for step in range(10):

@@ -12,7 +12,7 @@ import warnings
 from test_staging_helpers import make_tree, stage_bytes, temp_files
 
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StagingSession
+from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.ownership import data_key
 from hpcdl.staging.status import FAILED, READY, StatusView
 
@@ -21,18 +21,8 @@ ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but nu
 
 def start(ds, stage, batch=4, epochs=(0, 2), **kw):
     args = SamplerSpec(num_samples=len(ds), **ARGS)
-    return StagingSession.start(
-        None,
-        ds,
-        args,
-        batch,
-        epochs,
-        stage,
-        kw.pop("threads", 4),
-        kw.pop("capacity", None),
-        kw.pop("keep", False),
-        kw.pop("verify", False),
-    )
+    options = StageOptions(stage, threads=kw.pop("threads", 4), **kw)
+    return StagingSession.start(None, ds, args, batch, epochs, options)
 
 
 def wait_for(predicate, timeout=20.0):

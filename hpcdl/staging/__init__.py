@@ -14,7 +14,13 @@ from hpcdl.staging.plan import (
     plan_for_node,
     write_plan,
 )
-from hpcdl.staging.session import Locator, StagingSession, default_capacity, parse_capacity
+from hpcdl.staging.session import (
+    Locator,
+    StageOptions,
+    StagingSession,
+    default_capacity,
+    parse_capacity,
+)
 
 __all__ = [
     "FileEntry",
@@ -23,6 +29,7 @@ __all__ = [
     "NodePlan",
     "PfsEmulation",
     "PlanError",
+    "StageOptions",
     "StagerNotFound",
     "StagingSession",
     "dataset_fingerprint",

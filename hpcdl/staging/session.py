@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,23 @@ def _existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
     return path
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How one node stages: where, with how many copy threads, how much space, what to keep.
+
+    capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the stager's default: free space
+    minus a margin). protect: flag -> data path the stage dir must not overlap (None: the data
+    set root). keep: leave the copies (and the status map) at close.
+    """
+
+    stage_dir: str | Path
+    threads: int = 8
+    capacity: str | int | None = None
+    keep: bool = False
+    verify: bool = False
+    protect: dict[str, Any] | None = field(default=None, hash=False)
 
 
 class Locator:
@@ -211,36 +229,29 @@ class StagingSession:
         sampler: SamplerSpec,
         batch_size: int,
         epochs: tuple[int, int] | int,
-        stage_dir: str | Path,
-        threads: int = 8,
-        capacity: str | int | None = None,
-        keep: bool = False,
-        verify: bool = False,
-        protect: dict[str, Any] | None = None,
+        options: StageOptions,
     ) -> StagingSession:
         """Plan the node's files, start the stager on local rank 0, return on every local rank.
 
         world: hpcdl.comm.world.World, or None for a single process. sampler: the job's
         SamplerSpec. epochs: (start_epoch, end_epoch) of the run, or an end epoch; the stager
         holds a plan for the current and the next epoch and gets a new one at each epoch change.
-        capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the stager's default: free
-        space minus a margin). protect: flag -> data path the stage dir must not overlap
-        (default: the data set root).
+        options: the stage dir and how to stage into it (StageOptions).
         A stage dir that overlaps the data, cannot be created or written, or a missing
         hpcdl-stage stops every rank with one message (SystemExitWithMessage under MPI,
         StageDirError alone). A full stage file system, or a stager that fails to start, only
         warns, and training reads from the PFS.
         """
         begin, end = (0, int(epochs)) if isinstance(epochs, int) else map(int, epochs)
-        session = cls(world, dataset, sampler, batch_size, (begin, end), None, keep)
+        session = cls(world, dataset, sampler, batch_size, (begin, end), None, options.keep)
         error = None
         try:
-            check_no_overlap(stage_dir, protect or {"--data": dataset.root})
+            check_no_overlap(options.stage_dir, options.protect or {"--data": dataset.root})
         except StageDirError as exc:
             error = str(exc)
         info: dict[str, Any] = {"error": error}
         if session.local_rank == 0 and error is None:
-            info = session._prepare(Path(stage_dir), threads, capacity, verify)
+            info = session._prepare(options)
         info = session.node_comm.bcast(info, root=0)
         _agree(world, info["error"])
         session._attach(info)
@@ -331,8 +342,9 @@ class StagingSession:
 
     # ------------------------------------------------------------------ internals
 
-    def _prepare(self, stage_dir: Path, threads: int, capacity: Any, verify: bool) -> dict:
+    def _prepare(self, options: StageOptions) -> dict:
         """Local rank 0: lease the stage dir, write the plan, start the stager."""
+        stage_dir = Path(options.stage_dir)
         try:
             binary = find_stager_binary()
             status_layout()  # also: the binary is this hpcdl's stager (cached for the session)
@@ -355,11 +367,12 @@ class StagingSession:
             write_plan(meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
             ProgressFile.create(meta / "progress", self.local_size)
             CounterFile.create(meta / "counters", self.local_size)
-            cap = parse_capacity(capacity, self.lease.stage_dir)
+            cap = parse_capacity(options.capacity, self.lease.stage_dir)
         except OSError as exc:
             info["why"] = f"cannot write its plan in {meta}: {exc.strerror or exc}"
             return info
-        self.proc = _launch(binary, self.lease.stage_dir, self.lease.session, threads, cap, verify)
+        lease, threads, verify = self.lease, options.threads, options.verify
+        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify)
         info["ok"], info["why"] = _wait_running(self.proc, meta / "status")
         info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
         return info
