@@ -2,6 +2,7 @@
 
 import gc
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from loader_hooks import SlowLocate
 from hpcdl.data import DataError, Loader, open_dataset
 from hpcdl.data.pool import LoaderTimeout, WorkerDied
 from hpcdl.data.sampler import DistributedSampler
-from hpcdl.data.slots import REPLY, TASK, SharedMemoryTooSmall
+from hpcdl.data.slots import PAGE, REPLY, TASK, SharedMemoryTooSmall, SlotLayout
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,15 @@ def test_data_error_in_a_worker_is_raised_in_the_trainer(h5data, tmp_path):
     with pytest.raises(DataError, match="gone: no such file"):
         with Loader(ds, 32, workers=1) as loader:
             list(loader.iterate(epoch_batches(ds), 0))
+
+
+def test_slot_layout_is_page_aligned_and_travels_to_workers_unchanged():
+    layout = SlotLayout(4, 5, [3, 8, 8])  # indices | labels | images, each slot page-aligned
+    assert layout.shape == (3, 8, 8) and layout.labels_offset == 40
+    assert layout.images_offset == 128  # 16 * 5 rounded up to 64
+    assert layout.slot_bytes == -(-(128 + 5 * 3 * 8 * 8 * 4) // PAGE) * PAGE
+    assert layout.total_bytes == 4 * layout.slot_bytes and layout.slot_bytes % PAGE == 0
+    assert pickle.loads(pickle.dumps(layout)) == layout
 
 
 def test_too_small_dev_shm_is_a_clear_error(h5data, monkeypatch):

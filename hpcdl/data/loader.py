@@ -66,20 +66,14 @@ class Loader:
         if workers == 0:
             self._build_here()
         else:
-            from hpcdl.data.pool import WorkerPool  # noqa: PLC0415
+            from hpcdl.data.pool import WorkerOptions, WorkerPool  # noqa: PLC0415
+            from hpcdl.data.slots import SlotLayout  # noqa: PLC0415
 
-            self._pool = WorkerPool(
-                ds,
-                batch_size,
-                self.sample_shape,
-                workers,
-                prefetch,
-                seed,
-                augment or "none",
-                locate,
-                skip_bad_samples,
-                timeout_s,
+            layout = SlotLayout(prefetch, batch_size, self.sample_shape)
+            options = WorkerOptions(
+                workers, seed, augment or "none", locate, skip_bad_samples, timeout_s
             )
+            self._pool = WorkerPool(ds, layout, options)
 
     def _build_here(self) -> None:
         self._builder = BatchBuilder(self.ds, self.aug, *self._build_args)

@@ -38,7 +38,9 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +53,7 @@ from hpcdl.data.slots import (
     OP_STOP,
     REPLY,
     TASK,
+    SlotLayout,
     SlotRing,
     recv_exact,
     slot_views,
@@ -95,38 +98,38 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How a WorkerPool's processes build batches: every field but the slots and the data set.
+
+    locate: picklable file_id -> Path (staging's Locator) or None. timeout_s: a worker silent
+    this long on a batch the trainer waits for raises LoaderTimeout.
+    """
+
+    workers: int
+    seed: int
+    augment: str
+    locate: Callable[[int], Any] | None
+    skip_bad: bool
+    timeout_s: float
+
+
 class WorkerPool:
     """K worker processes and `prefetch` slots for one Loader. Not thread-safe."""
 
-    def __init__(
-        self,
-        ds,
-        batch_size: int,
-        shape,
-        workers: int,
-        prefetch: int,
-        seed: int,
-        augment: str,
-        locate,
-        skip_bad: bool,
-        timeout_s: float,
-    ) -> None:
-        self.shape, self.batch_size = tuple(shape), batch_size
-        self.timeout_s = timeout_s  # a worker silent this long on a batch awaited: LoaderTimeout
-        self.ring = SlotRing(prefetch, batch_size, shape)
+    def __init__(self, ds, layout: SlotLayout, options: WorkerOptions) -> None:
+        self.layout = layout  # layout.count slots: the batches in flight at most
+        self.timeout_s = options.timeout_s  # silent this long on a batch awaited: LoaderTimeout
+        self.ring = SlotRing(layout)
         try:
             config = pickle.dumps(
                 dict(
                     source=str(ds.source),
-                    seed=seed,
-                    augment=augment,
-                    locate=locate,
-                    skip_bad=skip_bad,
-                    total_bytes=self.ring.total_bytes,
-                    slot_bytes=self.ring.slot_bytes,
-                    images_offset=self.ring.images_offset,
-                    batch_size=batch_size,
-                    shape=self.shape,
+                    seed=options.seed,
+                    augment=options.augment,
+                    locate=options.locate,
+                    skip_bad=options.skip_bad,
+                    layout=layout,
                 )
             )
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -143,14 +146,14 @@ class WorkerPool:
         # batches in flight (oldest first), since when each worker has been silent
         # (time.monotonic()), and the batches whose stall was warned about.
         self._done: dict[int, int] = {}
-        self._owner: dict[int, deque] = {w: deque() for w in range(workers)}
+        self._owner: dict[int, deque] = {w: deque() for w in range(options.workers)}
         self._silent_since: list[float] = []
         self._warned: set[int] = set()
         self._epoch = 0
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.socks, self.ring)
         try:
             env = worker_env()
-            for w in range(workers):
+            for w in range(options.workers):
                 self._start(w, config, env)
         except BaseException:
             self.close()
@@ -181,7 +184,7 @@ class WorkerPool:
         if self.closed:
             raise RuntimeError("this loader was closed (after close() or a worker failure)")
         batches = [np.asarray(b, np.int64) for b in batches]
-        free = deque(range(self.ring.count))
+        free = deque(range(self.layout.count))
         self._done = {}
         self._owner = {w: deque() for w in range(len(self.procs))}
         self._warned = set()
@@ -200,15 +203,7 @@ class WorkerPool:
                     self.close()
                     return b
                 held = self._done.pop(b)
-                _, labels, images = slot_views(
-                    self.ring.mm,
-                    held,
-                    self.ring.slot_bytes,
-                    self.ring.images_offset,
-                    self.batch_size,
-                    self.shape,
-                    len(batches[b]),
-                )
+                _, labels, images = slot_views(self.ring.mm, self.layout, held, len(batches[b]))
                 yield images, labels
             ok = True
         finally:
@@ -254,15 +249,7 @@ class WorkerPool:
 
     def _issue(self, slot: int, batch: int, indices: np.ndarray, epoch: int, train: bool) -> None:
         w = min(self._owner, key=lambda k: len(self._owner[k]))
-        idx, _, _ = slot_views(
-            self.ring.mm,
-            slot,
-            self.ring.slot_bytes,
-            self.ring.images_offset,
-            self.batch_size,
-            self.shape,
-            len(indices),
-        )
+        idx, _, _ = slot_views(self.ring.mm, self.layout, slot, len(indices))
         idx[:] = indices
         msg = TASK.pack(OP_BUILD, slot, epoch, batch, len(indices), int(train))
         self._send(w, msg)

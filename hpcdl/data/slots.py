@@ -12,6 +12,7 @@ import mmap
 import os
 import secrets
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,33 +52,60 @@ def _too_small(need: int, free: int, where: str, slots: int, slot_bytes: int) ->
     )
 
 
-class SlotRing:
-    """`count` slots of one minibatch each; the creator owns the mapping and the descriptor."""
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each slot and each array in it lie; the pool and its workers share this value.
 
-    def __init__(self, count: int, batch_size: int, shape: tuple[int, int, int]) -> None:
-        self.count, self.batch_size, self.shape = count, batch_size, tuple(shape)
-        self.images_offset = _round_up(16 * batch_size, 64)
-        image_bytes = batch_size * int(np.prod(shape)) * 4
-        self.slot_bytes = _round_up(self.images_offset + image_bytes, PAGE)
-        self.total_bytes = self.slot_bytes * count
+    count slots of batch_size samples of shape (C, H, W); offsets and sizes in bytes.
+    """
+
+    count: int
+    batch_size: int
+    shape: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def labels_offset(self) -> int:
+        return 8 * self.batch_size
+
+    @property
+    def images_offset(self) -> int:
+        return _round_up(16 * self.batch_size, 64)
+
+    @property
+    def slot_bytes(self) -> int:
+        image_bytes = self.batch_size * int(np.prod(self.shape)) * 4
+        return _round_up(self.images_offset + image_bytes, PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes * self.count
+
+
+class SlotRing:
+    """The slots of `layout` in one file; the creator owns the mapping and the descriptor."""
+
+    def __init__(self, layout: SlotLayout) -> None:
+        self.layout = layout
+        total, slot_bytes = layout.total_bytes, layout.slot_bytes
         where = shm_dir()
         free = free_bytes(where)
-        if free < self.total_bytes:
-            raise SharedMemoryTooSmall(
-                _too_small(self.total_bytes, free, where, count, self.slot_bytes)
-            )
+        if free < total:
+            raise SharedMemoryTooSmall(_too_small(total, free, where, layout.count, slot_bytes))
         path = os.path.join(where, f"hpcdl-loader-{os.getpid()}-{secrets.token_hex(4)}")
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.unlink(path)
         try:
-            os.posix_fallocate(self.fd, 0, self.total_bytes)
+            os.posix_fallocate(self.fd, 0, total)
         except OSError as exc:
             os.close(self.fd)
             raise SharedMemoryTooSmall(
-                _too_small(self.total_bytes, free_bytes(where), where, count, self.slot_bytes)
+                _too_small(total, free_bytes(where), where, layout.count, slot_bytes)
                 + f" ({exc.strerror})"
             ) from None
-        self.mm = mmap.mmap(self.fd, self.total_bytes)
+        self.mm = mmap.mmap(self.fd, total)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -89,20 +117,13 @@ class SlotRing:
             pass  # the caller still holds a batch view; the pages go when it is dropped
 
 
-def slot_views(
-    mm: mmap.mmap,
-    slot: int,
-    slot_bytes: int,
-    images_offset: int,
-    batch_size: int,
-    shape: tuple[int, int, int],
-    n: int,
-):
+def slot_views(mm: mmap.mmap, layout: SlotLayout, slot: int, n: int):
     """(indices (n,) int64, labels (n,) int64, images (n, C, H, W) float32) views of one slot."""
-    base = slot * slot_bytes
+    base = slot * layout.slot_bytes
     indices = np.ndarray((n,), np.int64, buffer=mm, offset=base)
-    labels = np.ndarray((n,), np.int64, buffer=mm, offset=base + 8 * batch_size)
-    images = np.ndarray((n, *shape), np.float32, buffer=mm, offset=base + images_offset)
+    labels = np.ndarray((n,), np.int64, buffer=mm, offset=base + layout.labels_offset)
+    offset = base + layout.images_offset
+    images = np.ndarray((n, *layout.shape), np.float32, buffer=mm, offset=offset)
     return indices, labels, images
 
 

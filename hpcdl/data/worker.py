@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
     if not header:
         return 0
     cfg = pickle.loads(recv_exact(sock, int.from_bytes(header, "little")))
-    mm = mmap.mmap(shm_fd, cfg["total_bytes"])
+    layout = cfg["layout"]  # the pool's SlotLayout: the same offsets on both sides
+    mm = mmap.mmap(shm_fd, layout.total_bytes)
     os.close(shm_fd)
     try:
         ds = open_dataset(cfg["source"])
@@ -62,7 +63,6 @@ def main(argv: list[str]) -> int:
         return 1
     _reply(sock, OP_READY)
     last = (0, 0, 0)
-    layout = (cfg["slot_bytes"], cfg["images_offset"], cfg["batch_size"], cfg["shape"])
     while True:
         msg = recv_exact(sock, TASK.size)
         if not msg:
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
         op, slot, epoch, batch, n, train = TASK.unpack(msg)
         if op == OP_STOP:
             return 0
-        indices, labels, images = slot_views(mm, slot, *layout, n)
+        indices, labels, images = slot_views(mm, layout, slot, n)
         try:
             builder.build(indices.copy(), epoch, bool(train), images, labels)
         except Exception as exc:
