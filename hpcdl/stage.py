@@ -297,9 +297,10 @@ def _stage_with(
 ) -> int:
     """Stage the first epoch of `node` into the leased stage dir and print the summary."""
     plan = node_plan(ds, args, layout, node, (0, 1))
-    write_plan(lease.meta / "plan", plan, ds, dest_prefix=data_key(ds.root))
-    ProgressFile.create(lease.meta / "progress", plan.local_ranks)
-    CounterFile.create(lease.meta / "counters", plan.local_ranks)
+    files = lease.files
+    write_plan(files.plan, plan, ds, dest_prefix=data_key(ds.root))
+    ProgressFile.create(files.progress, plan.local_ranks)
+    CounterFile.create(files.counters, plan.local_ranks)
     capacity = parse_capacity(args.stage_capacity, lease.stage_dir)
     t0 = time.perf_counter()
     proc = _launch(
@@ -312,7 +313,7 @@ def _stage_with(
         once=True,
         quiet=bool(args.quiet),
     )
-    status = StatusView(lease.meta / "status")
+    status = StatusView(files.status)
     _watch(proc, status, node, bool(args.quiet))
     seconds = time.perf_counter() - t0
     status.close()

@@ -23,6 +23,7 @@ from hpcdl import checkpoint
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.binary import find_stager_binary
+from hpcdl.staging.ownership import StageDir, StageDirLease
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
@@ -75,6 +76,23 @@ def sources(ds) -> list[bytes]:
 
 
 # ------------------------------------------------------------- 1: delete only what it created
+
+
+def test_stage_dir_names_are_the_documented_on_disk_layout(tmp_path):
+    lease = StageDirLease.acquire(tmp_path / "stage")
+    stage = StageDir(lease.stage_dir)
+    try:
+        meta = lease.stage_dir / ".hpcdl"  # docs/staging.md, "Stage dir layout and ownership"
+        assert (stage.meta, stage.lock, stage.created) == (meta, meta / "lock", meta / "created")
+        assert stage.manifest == meta / "manifest"
+        files = stage.session(lease.session)
+        assert files == lease.files and files.path == meta / "sessions" / lease.session
+        names = (files.plan, files.status, files.progress, files.counters, files.owner)
+        assert [p.name for p in names] == ["plan", "status", "progress", "counters", "owner"]
+        assert stage.lock.is_file() and stage.created.is_file() and files.owner.is_file()
+    finally:
+        lease.release(keep=False)
+    assert not (tmp_path / "stage").exists()
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "contains"])

@@ -28,7 +28,7 @@ from hpcdl.bench.slowfs import SlowFSOptions, mounted
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import find_stager_binary
-from hpcdl.staging.ownership import data_key
+from hpcdl.staging.ownership import StageDir, data_key
 from hpcdl.staging.plan import FileTreeDataset, plan_for_node, write_plan
 from hpcdl.staging.status import ProgressFile
 
@@ -61,10 +61,10 @@ def stager_command(src: Path, dst: Path, threads: int) -> list[str]:
     ds = FileTreeDataset(src)
     sampler = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="none")
     plan = plan_for_node(ds, sampler, batch_size=1, epochs=(0, 1))
-    meta = dst / ".hpcdl" / "sessions" / "bench"
-    meta.mkdir(parents=True, mode=0o700)
-    write_plan(meta / "plan", plan, ds, dest_prefix=data_key(src))
-    ProgressFile.create(meta / "progress", 1)
+    files = StageDir(dst).session("bench")
+    files.path.mkdir(parents=True, mode=0o700)
+    write_plan(files.plan, plan, ds, dest_prefix=data_key(src))
+    ProgressFile.create(files.progress, 1)
     return [
         str(find_stager_binary()),
         "--stage-dir",

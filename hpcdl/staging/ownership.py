@@ -41,6 +41,7 @@ from hpcdl.staging.manifest import ManifestRecord, read_manifest
 
 META = ".hpcdl"
 SESSIONS = "sessions"
+OWNER = "owner"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -82,6 +83,65 @@ def data_key(root: str | Path) -> str:
 
 
 @dataclass(frozen=True)
+class SessionDir:
+    """One job's control files, <stage>/.hpcdl/sessions/<name>/ (formats in docs/staging.md).
+
+    The one Python owner of their names; hpcdl-stage keeps the same names in C++."""
+
+    path: Path
+
+    @property
+    def plan(self) -> Path:
+        return self.path / "plan"
+
+    @property
+    def status(self) -> Path:
+        return self.path / "status"
+
+    @property
+    def progress(self) -> Path:
+        return self.path / "progress"
+
+    @property
+    def counters(self) -> Path:
+        return self.path / "counters"
+
+    @property
+    def owner(self) -> Path:
+        return self.path / OWNER
+
+
+@dataclass(frozen=True)
+class StageDir:
+    """What hpcdl keeps in a stage dir: <root>/.hpcdl/{manifest,created,lock,sessions/}."""
+
+    root: Path
+
+    @property
+    def meta(self) -> Path:
+        return self.root / META
+
+    @property
+    def manifest(self) -> Path:
+        return self.meta / "manifest"
+
+    @property
+    def created(self) -> Path:
+        return self.meta / "created"
+
+    @property
+    def lock(self) -> Path:
+        return self.meta / "lock"
+
+    @property
+    def sessions(self) -> Path:
+        return self.meta / SESSIONS
+
+    def session(self, name: str) -> SessionDir:
+        return SessionDir(self.sessions / name)
+
+
+@dataclass(frozen=True)
 class StageDirLease:
     """One job's reference to a stage dir on this node; see NOTE [stage dir ownership]."""
 
@@ -94,18 +154,18 @@ class StageDirLease:
         """Create the stage dir if needed and register a session; StageDirError if unusable."""
         stage = Path(os.path.realpath(stage_dir))
         session = _session_name()
-        lease = cls(stage, session, stage / META / SESSIONS / session)
+        layout = StageDir(stage)
+        lease = cls(stage, session, layout.session(session).path)
         created = False
         try:
             created = _make_dir(stage, parents=True)
             with _locked(stage):
                 if created:
-                    _write_new(stage / META / "created", _inode_text(stage))
-                sessions = stage / META / SESSIONS
-                _make_dir(sessions)
-                _remove_stale_sessions(sessions)
+                    _write_new(layout.created, _inode_text(stage))
+                _make_dir(layout.sessions)
+                _remove_stale_sessions(layout.sessions)
                 _make_dir(lease.meta)
-                _write_new(lease.meta / "owner", _owner_text())
+                _write_new(lease.files.owner, _owner_text())
         except OSError as exc:
             with contextlib.suppress(OSError):  # leave nothing half-made behind
                 lease.release(keep=False)
@@ -114,10 +174,16 @@ class StageDirLease:
             raise _usage_error(stage_dir, exc) from None
         return lease
 
+    @property
+    def files(self) -> SessionDir:
+        """This job's control files (plan, status, progress, counters, owner)."""
+        return SessionDir(self.meta)
+
     def release(self, keep: bool) -> None:
         """Leave: remove this session; the last job out removes everything hpcdl created."""
+        layout = StageDir(self.stage_dir)
         with _locked(self.stage_dir):
-            sessions = self.stage_dir / META / SESSIONS
+            sessions = layout.sessions
             if keep:  # the status map stays for inspection; the session no longer counts
                 remove_stager_temporaries(self.stage_dir, self.session)
                 _remove_session(sessions, self.session, keep_status=True)
@@ -126,14 +192,14 @@ class StageDirLease:
             live = [s for s in _list_dir(sessions) if _session_alive(sessions / s)]
             if live or keep:
                 return
-            remove_created(self.stage_dir, read_manifest(self.stage_dir / META / "manifest"))
+            remove_created(self.stage_dir, read_manifest(layout.manifest))
             for name in _list_dir(sessions):
                 _remove_session(sessions, name)
             _rmdir_quietly(sessions)
-            created = _read_text(self.stage_dir / META / "created")
-            for name in ("manifest", "created", "lock"):
-                _unlink_quietly(self.stage_dir / META / name)
-        _rmdir_quietly(self.stage_dir / META)
+            created = _read_text(layout.created)
+            for path in (layout.manifest, layout.created, layout.lock):
+                _unlink_quietly(path)
+        _rmdir_quietly(layout.meta)
         if created == _inode_text(self.stage_dir):
             _rmdir_quietly(self.stage_dir)
 
@@ -212,16 +278,13 @@ class _DirCache:
 @contextlib.contextmanager
 def _locked(stage: Path) -> Iterator[None]:
     """Hold <stage>/.hpcdl/lock; retried when a job that cleaned up removed the lock file."""
+    layout = StageDir(stage)
     while True:
-        _make_dir(stage / META)
-        fd = os.open(
-            stage / META / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+        _make_dir(layout.meta)
+        fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            same = (
-                os.stat(stage / META / "lock", follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-            )
+            same = os.stat(layout.lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -263,7 +326,7 @@ def remove_stager_temporaries(stage_dir: Path, session: str) -> None:
 
 
 def _session_alive(session: Path) -> bool:
-    lines = (_read_text(session / "owner") or "").split("\n")
+    lines = (_read_text(SessionDir(session).owner) or "").split("\n")
     if len(lines) < 3 or not lines[1].isdigit():
         return False
     if lines[0] != socket.gethostname():
@@ -291,7 +354,7 @@ def _remove_session(sessions: Path, name: str, keep_status: bool = False) -> Non
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
         try:
             for entry in os.listdir(fd):
-                if keep_status and entry != "owner":
+                if keep_status and entry != OWNER:
                     continue
                 with contextlib.suppress(OSError):
                     if not stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):

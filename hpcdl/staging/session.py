@@ -27,6 +27,7 @@ from hpcdl.comm.failure import agree_on_errors
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.ownership import (
+    SessionDir,
     StageDirError,
     StageDirFull,
     StageDirLease,
@@ -145,8 +146,9 @@ class Locator:
 
     def __call__(self, file_id: int) -> Path:
         if self._status is None:
-            self._status = StatusView(os.path.join(self.meta, "status"), self.layout)
-            self._counters = CounterFile(os.path.join(self.meta, "counters"), self.ranks)
+            files = SessionDir(Path(self.meta))
+            self._status = StatusView(files.status, self.layout)
+            self._counters = CounterFile(files.counters, self.ranks)
         rel = self.relpath(int(file_id))
         if self._status.state(int(file_id)) == self.layout.file_states["READY"]:
             local = os.path.join(self.local_root, rel)
@@ -353,7 +355,7 @@ class StagingSession:
             return {"error": str(exc)}
         except StageDirFull as exc:
             return {"error": None, "why": str(exc), "ok": False, "stage_dir": str(stage_dir)}
-        meta, key = self.lease.meta, data_key(self.dataset.root)
+        meta, files, key = self.lease.meta, self.lease.files, data_key(self.dataset.root)
         info = {
             "error": None,
             "stage_dir": str(self.lease.stage_dir),
@@ -364,16 +366,16 @@ class StagingSession:
         try:
             self.fingerprint = dataset_fingerprint(self.dataset)
             plan = self._plan(self.begin)
-            write_plan(meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
-            ProgressFile.create(meta / "progress", self.local_size)
-            CounterFile.create(meta / "counters", self.local_size)
+            write_plan(files.plan, plan, self.dataset, self.fingerprint, dest_prefix=key)
+            ProgressFile.create(files.progress, self.local_size)
+            CounterFile.create(files.counters, self.local_size)
             cap = parse_capacity(options.capacity, self.lease.stage_dir)
         except OSError as exc:
             info["why"] = f"cannot write its plan in {meta}: {exc.strerror or exc}"
             return info
         lease, threads, verify = self.lease, options.threads, options.verify
         self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify)
-        info["ok"], info["why"] = _wait_running(self.proc, meta / "status")
+        info["ok"], info["why"] = _wait_running(self.proc, files.status)
         info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
         return info
 
@@ -386,9 +388,10 @@ class StagingSession:
         if "steps" in info:
             self.steps_per_epoch = info["steps"]
             self.fingerprint = info["fingerprint"]
-            self.status = StatusView(self.meta / "status")
-            self.progress = ProgressFile(self.meta / "progress", self.local_size)
-            self.counters = CounterFile(self.meta / "counters", self.local_size)
+            files = SessionDir(self.meta)
+            self.status = StatusView(files.status)
+            self.progress = ProgressFile(files.progress, self.local_size)
+            self.counters = CounterFile(files.counters, self.local_size)
         self.dead = not info["ok"]
         self.started = time.monotonic()
         if self.dead:
@@ -413,7 +416,8 @@ class StagingSession:
         self.plan_begin = epoch
         plan = self._plan(epoch)
         key = self.local_root.name
-        write_plan(self.meta / "plan", plan, self.dataset, self.fingerprint, dest_prefix=key)
+        plan_path = SessionDir(self.meta).plan
+        write_plan(plan_path, plan, self.dataset, self.fingerprint, dest_prefix=key)
 
     def _check_first_epoch(self) -> None:
         """Once per job (world rank 0, for its node): when readers went to the PFS in the first
