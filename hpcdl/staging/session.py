@@ -424,6 +424,8 @@ class StagingSession:
         epoch because copies were not ready yet, say what rate staging would have needed."""
         self.outran_checked = True
         rank = self.world.rank if self.world is not None else 0
+        if rank == 0:
+            self._check_alive()  # a stager that died explains the misses: its own warning says so
         if rank != 0 or self.dead or self.first_epoch_need is None or self.counters is None:
             return
         misses = sum(self.counters.totals(r)[1] for r in range(self.local_size))
