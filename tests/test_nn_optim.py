@@ -97,6 +97,17 @@ def test_adamw_matches_the_reference_formula():
     np.testing.assert_allclose(p, start * 0.95, rtol=1e-15)
 
 
+def test_adamw_matches_torch_over_20_steps():
+    torch = pytest.importorskip("torch")  # a test/benchmark extra only (issue 17)
+    start, history, params = run_steps("adamw", lr=0.003, wd=0.05)
+    p = torch.tensor(start, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=0.003, weight_decay=0.05)  # betas, eps: the defaults
+    for g in history:
+        p.grad = torch.tensor(g)
+        opt.step()
+    np.testing.assert_allclose(params, p.detach().numpy(), rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("name", nn.OPTIMIZERS)
 def test_decay_mask_keeps_biases_and_batchnorm_out_of_weight_decay(name):
     model = nn.build_model("resnet20", (1, 4, 4), 3, seed=0, dtype=np.float64)
