@@ -8,6 +8,7 @@ contains the directory's real path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -117,8 +118,9 @@ def _writable(target: Path) -> str | None:
     except OSError as exc:
         return exc.strerror or str(exc)
     finally:
-        for part in reversed(made):
-            os.rmdir(part)
+        for part in reversed(made):  # only what the doctor made, and only while it is empty
+            with contextlib.suppress(OSError):
+                os.rmdir(part)
 
 
 def check_stage_dir(
