@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl import backend
-from hpcdl.comm import collectives, cuda_aware, failure
+from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
@@ -165,6 +165,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
             f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
         )
+        threads = set_blas_threads(world, say)
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
@@ -191,6 +192,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             model=cfg.model,
             device=cfg.device,
             cuda_aware=aware.aware,
+            blas_threads=threads,
             sync=cfg.sync,
             steps_per_epoch=steps_per_epoch,
             config=cfg.to_json(),
@@ -219,6 +221,15 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             progress=Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress),
             stack=stack.pop_all(),
         )
+
+
+def set_blas_threads(world: World, say: Any) -> list[int]:
+    """Set every rank's BLAS threads from where it runs (hpcdl.comm.blas_threads); rank 0 says
+    the choice once. Collective. Returns the threads of every rank, by rank."""
+    choice, pool = blas_threads.set_for_rank(world.node_comm)
+    by_rank = world.comm.allgather(pool.threads)
+    say(blas_threads.describe(choice, pool, by_rank))
+    return by_rank
 
 
 def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_staged: bool):
