@@ -100,6 +100,18 @@ def test_blas_threads_beyond_the_cores_are_one_warning_per_job(tmp_path):
     assert lines[0].endswith("[ranks 0-1]"), lines
 
 
+def test_without_a_thread_variable_the_threads_training_will_set_are_shown_and_fit(tmp_path):
+    env = doctor_env(OMP_NUM_THREADS=None, OPENBLAS_NUM_THREADS=None, MKL_NUM_THREADS=None)
+    env.pop("SLURM_CPUS_PER_TASK", None)
+    proc = run_doctor("--json", "--stage-dir", tmp_path, prefix=mpirun_cmd(2), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    blas = report["nodes"][0]["facts"]["blas"]
+    assert 1 <= blas["threads"] <= blas["cores"], blas
+    assert "core(s)" in blas["reason"] and "environment" not in blas["reason"], blas
+    assert not [p for p in report["problems"] if "BLAS" in p["message"]], report["problems"]
+
+
 @pytest.mark.parametrize("binary", ["missing", "not_the_stager"])
 def test_stager_that_cannot_run_is_an_error(binary, tmp_path):
     path = tmp_path / "no-such-hpcdl-stage" if binary == "missing" else shutil.which("false")

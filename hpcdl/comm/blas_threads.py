@@ -46,11 +46,10 @@ def choose(
     mine: frozenset[int], node_masks: Sequence[frozenset[int]], env: Mapping[str, str]
 ) -> ThreadChoice:
     """Threads for a rank with CPU mask `mine` among the node's ranks' masks (its own included)."""
-    cores = max(1, len(mine))
-    sharers = max(1, sum(1 for mask in node_masks if mask & mine))
-    threads = max(1, cores // sharers)
-    if sharers > 1:
-        reason = f"{cores} core(s) shared by {sharers} ranks"
+    cores, sharing = max(1, len(mine)), sharers(mine, node_masks)
+    threads = max(1, cores // sharing)
+    if sharing > 1:
+        reason = f"{cores} core(s) shared by {sharing} ranks"
     else:
         reason = f"{cores} core(s) bound to this rank"
     cpus_per_task = env.get("SLURM_CPUS_PER_TASK", "")
@@ -73,17 +72,30 @@ class BlasPool:
     threads: int  # the threads it now runs (read back, not the ones asked for)
 
 
-def apply(threads: int) -> BlasPool:
-    """Limit NumPy's BLAS to `threads` threads and read back what it runs."""
+def current() -> BlasPool:
+    """NumPy's BLAS and the threads it runs now."""
     import numpy  # noqa: F401, PLC0415  (loads the BLAS before threadpoolctl looks for it)
     import threadpoolctl  # noqa: PLC0415  (imported late: only training needs it)
 
-    threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
     pools = [p for p in threadpoolctl.threadpool_info() if p.get("user_api") == "blas"]
     if not pools:
         return BlasPool("none", 1)
     library = f"{pools[0]['internal_api']} {pools[0].get('version') or ''}".strip()
     return BlasPool(library, int(pools[0]["num_threads"]))
+
+
+def apply(threads: int) -> BlasPool:
+    """Limit NumPy's BLAS to `threads` threads and read back what it runs."""
+    import threadpoolctl  # noqa: PLC0415
+
+    current()  # loads NumPy's BLAS first
+    threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
+    return current()
+
+
+def sharers(mine: frozenset[int], node_masks: Sequence[frozenset[int]]) -> int:
+    """How many of the node's ranks (this one included) may run on this rank's cores."""
+    return max(1, sum(1 for mask in node_masks if mask & mine))
 
 
 def set_for_rank(

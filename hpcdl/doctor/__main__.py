@@ -52,7 +52,7 @@ def rank_report(world: Any, stage_dir: str | None) -> dict[str, Any]:
     add("mpi", probes.mpi(world.comm))
     add("cuda_aware", probes.cuda_awareness(world.comm))
     add("gpus", probes.gpus(world.local_rank, world.local_size))
-    add("blas", probes.blas(world.local_size))
+    add("blas", probes.blas(world.node_comm))
     add("stager", probes.stager())
     add("slurm", probes.slurm(world.size, world.num_nodes, facts["blas"]["cores"]))
     # one rank per node makes and removes the probe files; the others take its answer
@@ -108,7 +108,8 @@ def describe(name: str, v: dict[str, Any]) -> str:
     if name == "blas":
         env = ", ".join(f"{k}={v[k]}" for k in probes.THREAD_VARS if v[k] is not None)
         return (
-            f"{v['library'] or 'unknown'}, {v['threads'] or '?'} thread(s) per rank; "
+            f"{v['library'] or 'unknown'}, hpcdl.train runs {v['threads']} thread(s) per rank "
+            f"({v['reason']}); "
             f"{v['cores']} core(s) for this rank, {v['node_cores']} on the node; "
             f"{env or 'OMP_NUM_THREADS unset'}"
         )

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from hpcdl import backend
-from hpcdl.comm import cuda_aware
+from hpcdl.comm import blas_threads, cuda_aware
 from hpcdl.doctor.findings import ERROR, WARNING, Problem
 
 THREAD_LEVELS = (
@@ -19,7 +19,7 @@ THREAD_LEVELS = (
     "MPI_THREAD_SERIALIZED",
     "MPI_THREAD_MULTIPLE",
 )
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+THREAD_VARS = blas_threads.THREAD_VARS
 Found = tuple[dict[str, Any], list[Problem]]
 
 
@@ -116,44 +116,30 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
-def blas(local_size: int) -> Found:
-    """The BLAS library and the threads it runs per rank, against the cores this rank may use."""
-    cores = backend.cpu_threads_hint()
-    node_cores = os.cpu_count() or cores
+def blas(node_comm: Any) -> Found:
+    """NumPy's BLAS and the threads hpcdl.train will run per rank (hpcdl.comm.blas_threads),
+    against the cores this rank may use. Collective on node_comm."""
+    mine = blas_threads.affinity()
+    masks = node_comm.allgather(mine)
+    choice = blas_threads.choose(mine, masks, os.environ)
+    sharing = blas_threads.sharers(mine, masks)
     facts: dict[str, Any] = {
-        "library": None,
-        "threads": None,
-        "cores": cores,
-        "node_cores": node_cores,
+        "library": blas_threads.current().library,
+        "threads": choice.threads,
+        "reason": choice.reason,
+        "cores": len(mine),
+        "node_cores": os.cpu_count() or len(mine),
         **{var: os.environ.get(var) for var in THREAD_VARS},
     }
-    try:
-        import numpy  # noqa: F401, PLC0415  (loads the BLAS threadpoolctl looks for)
-        import threadpoolctl  # noqa: PLC0415
-
-        pools = [p for p in threadpoolctl.threadpool_info() if p.get("user_api") == "blas"]
-        if pools:
-            facts["library"] = f"{pools[0]['internal_api']} {pools[0].get('version') or ''}".strip()
-            facts["threads"] = pools[0]["num_threads"]
-    except ImportError:  # without threadpoolctl: numpy's build record and the environment
-        import numpy  # noqa: PLC0415
-
-        info = numpy.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
-        facts["library"] = f"{info.get('name', '?')} {info.get('version', '')}".strip()
-        for var in THREAD_VARS:
-            if (os.environ.get(var) or "").isdigit():
-                facts["threads"] = int(os.environ[var])
-                break
-    threads = facts["threads"]
     problems = []
-    if threads and (threads > cores or threads * local_size > node_cores):
-        fair = max(1, node_cores // max(1, local_size))
+    if choice.threads * sharing > len(mine):  # only an explicit thread variable gets here
+        fair = max(1, len(mine) // sharing)
         problems.append(
             Problem(
                 WARNING,
-                f"{local_size} rank(s) x {threads} BLAS threads on {node_cores} cores ({cores} "
-                f"usable by this rank): the threads compete; fix: export OMP_NUM_THREADS={fair} "
-                "(the sbatch templates set it from --cpus-per-task)",
+                f"{sharing} rank(s) x {choice.threads} BLAS threads on {len(mine)} cores "
+                f"({choice.reason}): the threads compete; fix: export OMP_NUM_THREADS={fair} "
+                "or unset it (hpcdl.train then divides the cores itself)",
             )
         )
     return facts, problems
