@@ -173,7 +173,10 @@ def _check_output(spec: str, model: Model) -> None:
     try:
         rows = layer_rows(model)
     except ValueError as exc:
-        raise ValueError(f"model {spec!r}: for input {model.input_shape}, {exc}") from None
+        raise ValueError(
+            f"model {spec!r}: for input {model.input_shape}, {exc}; size the layers from the "
+            "input_shape the builder is given"
+        ) from None
     last = rows[-1]
     if last.output_shape != (model.num_classes,):
         raise ValueError(
