@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hpcdl import nn
+from hpcdl.backend import array_module, to_host
 
 THIS_FILE = Path(__file__).resolve()
 NOT_CALLABLE = 42
@@ -61,6 +62,10 @@ def ignores_dtype(input_shape, num_classes, seed=0, xp=np, dtype=np.float32):
 
 def raises(input_shape, num_classes, seed=0, xp=np, dtype=np.float32):
     raise RuntimeError("out of ideas")
+
+
+def raises_over_lines(input_shape, num_classes):
+    raise RuntimeError("no such layer\nsee above")
 
 
 def takes_no_keywords(input_shape, num_classes):
@@ -124,6 +129,15 @@ def test_a_list_of_layers_becomes_a_model_initialised_like_the_built_in_ones(spe
     assert model.forward(x).shape == (2, 4) and np.abs(model.grads).max() > 0
 
 
+def test_a_list_of_layers_is_built_and_checked_on_the_requested_backend(xp):
+    model = nn.build_model("test_nn_user_models:returns_layers", (3, 6, 5), 4, seed=3, xp=xp)
+    assert array_module(model.params) is xp and array_module(model.buffers) is xp
+    x = xp.asarray(np.random.default_rng(0).standard_normal((2, 3, 6, 5)))
+    assert model.forward(x, train=False).shape == (2, 4)
+    host = nn.build_model("test_nn_user_models:returns_layers", (3, 6, 5), 4, seed=3)
+    np.testing.assert_array_equal(to_host(model.params), host.params)
+
+
 def test_the_builder_gets_only_the_keywords_its_signature_takes():
     KEYWORDS_SEEN.clear()
     model = nn.build_model("test_nn_user_models:takes_any_keywords", (2, 3, 3), 5, seed=7)
@@ -176,6 +190,7 @@ def test_a_file_given_by_relative_path_is_loaded_once(monkeypatch):
             r"model for input \(1, 8, 8\) and 10 classes, asked for \(3, 6, 5\) and 4",
         ),
         ("test_nn_user_models:raises", r"the builder raised RuntimeError: out of ideas"),
+        ("test_nn_user_models:raises_over_lines", r"raised RuntimeError: no such layer$"),
         (
             "test_nn_user_models:takes_no_keywords",
             r"returns an hpcdl.nn.Model but does not take seed=, xp=, dtype=; take",

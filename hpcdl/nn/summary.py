@@ -50,8 +50,7 @@ def layer_rows(model: Model) -> list[LayerRow]:
             x = layer.forward(x, train=False)
         except Exception as exc:  # a user's layer may raise anything: one line, named
             raise ValueError(
-                f"layer {name} cannot take input {sample_shape(x.shape)}: "
-                f"{type(exc).__name__}: {_first_line(exc)}"
+                f"layer {name} cannot take input {sample_shape(x.shape)}: {error_line(exc)}"
             ) from None
         parameters, buffers = count(layer.leaves())
         rows.append(LayerRow(name, sample_shape(x.shape), parameters, buffers))
@@ -118,6 +117,7 @@ def summary_table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _first_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
+    """'Type: first line of the message', for one-line reports of errors in a user's code."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else "(no message)"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else '(no message)'}"

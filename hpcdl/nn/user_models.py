@@ -35,7 +35,7 @@ import numpy as np
 from hpcdl.backend import array_module
 from hpcdl.nn.layers import Layer
 from hpcdl.nn.model import Model
-from hpcdl.nn.summary import layer_rows
+from hpcdl.nn.summary import error_line, layer_rows
 
 CONTRACT = (
     "function(input_shape, num_classes) returning a list of hpcdl.nn layers or an hpcdl.nn.Model"
@@ -79,9 +79,7 @@ def build_user_model(
     try:
         built = builder(shape, num_classes, **{k: v for k, v in offered.items() if k in taken})
     except Exception as exc:  # the user's code: report it in one line, whatever it raised
-        raise ValueError(
-            f"model {spec!r}: the builder raised {type(exc).__name__}: {exc}"
-        ) from None
+        raise ValueError(f"model {spec!r}: the builder raised {error_line(exc)}") from None
     if isinstance(built, (list, tuple)):
         _check_layers(spec, built)
         model = Model(
@@ -195,9 +193,7 @@ def _import(spec: str, name: str) -> ModuleType:
             "or give a file, path/to/file.py:function"
         ) from None
     except Exception as exc:
-        raise ValueError(
-            f"model {spec!r}: importing {name} raised {type(exc).__name__}: {exc}"
-        ) from None
+        raise ValueError(f"model {spec!r}: importing {name} raised {error_line(exc)}") from None
 
 
 def _load_file(spec: str, path: Path) -> ModuleType:
@@ -214,7 +210,5 @@ def _load_file(spec: str, path: Path) -> ModuleType:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ValueError(
-            f"model {spec!r}: loading {path} raised {type(exc).__name__}: {exc}"
-        ) from None
+        raise ValueError(f"model {spec!r}: loading {path} raised {error_line(exc)}") from None
     return module
