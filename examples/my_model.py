@@ -5,13 +5,15 @@ stage but the last followed by a 2x2 max pool while the image is at least 2x2; t
 average pooling, dropout and a dense classifier. It takes any input size: 3x224x224 crops
 leave the last stage at 28x28, 3x32x32 at 4x4, the 1x8x8 digits at 1x1.
 
-    python -m hpcdl.nn summary examples/my_model.py:build --input-shape 3,32,32 --num-classes 10
+    python -m hpcdl.data convert digits digits
+    python -m hpcdl.nn summary examples/my_model.py:build --input-shape 1,8,8 --num-classes 10
     mpirun -np 2 python -m hpcdl.train --data digits/train --val-data digits/val \\
-        --model examples/my_model.py:build --epochs 3 --batch-size 32 --lr 0.05
+        --model examples/my_model.py:build --epochs 8 --batch-size 32 --lr 0.02
 
 hpcdl calls `build(input_shape, num_classes)` on every rank, input_shape being the (C, H, W)
 the loader yields (after --augment), and initialises the parameters of the layers it returns
-from --seed, exactly as it does for its built-in models. See docs/models.md.
+from --seed, exactly as it does for its built-in models. See docs/models.md
+(validation accuracy 0.98-0.99 on digits with the command above).
 """
 
 from __future__ import annotations
