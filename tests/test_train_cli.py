@@ -316,10 +316,11 @@ def test_validation_data_that_cannot_give_the_training_shape_is_one_error(tmp_pa
 
 
 USER_MODEL = Path(__file__).resolve().parent / "test_nn_user_models.py"
+EXAMPLE_MODEL = Path(__file__).resolve().parents[1] / "examples" / "my_model.py"
 
 
 @pytest.mark.parametrize(
-    "model", ["resnet18", f"{USER_MODEL}:small_convnet"], ids=["resnet18", "user_model"]
+    "model", ["resnet18", f"{EXAMPLE_MODEL}:build"], ids=["resnet18", "example_user_model"]
 )
 def test_imagenet_resnet_and_a_users_model_train_from_the_command_line(model, digits_dir, tmp_path):
     metrics = tmp_path / "m.jsonl"
@@ -332,7 +333,7 @@ def test_imagenet_resnet_and_a_users_model_train_from_the_command_line(model, di
 @pytest.mark.parametrize(
     "builder,message",
     [
-        ("returns_layers", "returned a list, not an hpcdl.nn.Model"),
+        ("ends_with_three_outputs", "gives (3,) per sample, not (10,) logits"),
         ("absent", "has no attribute 'absent'"),
     ],
 )
