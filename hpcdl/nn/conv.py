@@ -36,6 +36,8 @@ class Conv2d(Layer):
     Initialisers (hpcdl.nn.init) default to PyTorch's nn.Conv2d: U(+-1/sqrt(kh*kw*C_in)) for both.
     """
 
+    fresh_output = True
+
     def __init__(
         self,
         c_in: int,

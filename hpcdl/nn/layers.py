@@ -51,6 +51,9 @@ class Layer:
     buffer_specs: tuple[tuple[str, tuple[int, ...], float], ...] = ()
     # Set by the model on its first parameterised layer: the input needs no gradient.
     input_grad = True
+    # True when forward returns a new array that the layer keeps no reference to, so the next
+    # layer may overwrite it (Sequential lets a ReLU after such a layer work in place).
+    fresh_output = False
 
     def __init__(self) -> None:
         self.p: dict[str, Any] = {}  # name -> view into model.params
@@ -86,6 +89,8 @@ class Linear(Layer):
     Initialisers (hpcdl.nn.init) default to PyTorch's nn.Linear: U(+-1/sqrt(n_in)) for both.
     """
 
+    fresh_output = True
+
     def __init__(
         self, n_in: int, n_out: int, init: str = "torch_default", bias_init: str = "torch_default"
     ) -> None:
@@ -113,9 +118,18 @@ class Linear(Layer):
 
 
 class ReLU(Layer):
+    """max(x, 0). inplace: overwrite x (set by containers when x is a fresh, unshared output;
+    this fuses e.g. a convolution's bias add and the ReLU into the same buffer, saving an
+    allocation and its page faults)."""
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.mask: Any = None  # (x's shape) bool: where the input was > 0
+
     def forward(self, x, train=True):
         xp = array_module(x)
-        y = xp.maximum(x, 0)
+        y = xp.maximum(x, 0, out=x if self.inplace else None)
         self.mask = y > 0
         return y
 
@@ -170,9 +184,12 @@ class MaxPool2d(Layer):
 
     padding: implicit -inf borders (PyTorch's nn.MaxPool2d), so a window's maximum is always
     one of its input values; ResNet's stem pools 3x3, stride 2, padding 1.
-    Tied maxima share the gradient equally (the sum of dx equals the sum of dy). Non-overlapping
-    windows (stride == kernel, the usual case) reduce a (N, Ho, kh, Wo, kw, C) reshape in one
-    call; overlapping ones loop over the kh*kw window offsets.
+    Tied maxima share the gradient equally (the sum of dx equals the sum of dy). Both passes
+    loop over the kh*kw window offsets, each a strided (N, Ho, Wo, C) view, with `out=` ufuncs:
+    for cnn's 2x2 pools at batch 64 that is 4x faster forward and 2x faster backward than
+    reducing a (N, Ho, kh, Wo, kw, C) reshape over two non-contiguous axes. Non-overlapping
+    windows (stride == kernel, the usual case) write each offset's share of dx; overlapping
+    ones add it.
     """
 
     def __init__(
@@ -205,12 +222,6 @@ class MaxPool2d(Layer):
         out[:, self.ph : self.ph + h, self.pw : self.pw + w] = x
         return out
 
-    def _tiles(self, x, ho: int, wo: int):
-        """(N, Ho, kh, Wo, kw, C) view of the windows (non-overlapping case)."""
-        n, _, _, c = x.shape
-        crop = x[:, : ho * self.kh, : wo * self.kw, :]
-        return crop.reshape(n, ho, self.kh, wo, self.kw, c)
-
     def _offsets(self, ho: int, wo: int):
         for i in range(self.kh):
             for j in range(self.kw):
@@ -225,12 +236,9 @@ class MaxPool2d(Layer):
         ho, wo = self._out_hw(x.shape)
         if ho < 1 or wo < 1:
             raise ValueError(f"MaxPool2d {self.kh}x{self.kw} does not fit input shape {x.shape}")
-        if self.tiled:
-            y = self._tiles(x, ho, wo).max(axis=(2, 4))
-        else:
-            y = None
-            for window in self._offsets(ho, wo):
-                y = x[window].copy() if y is None else xp.maximum(y, x[window], out=y)
+        y = None
+        for window in self._offsets(ho, wo):
+            y = x[window].copy() if y is None else xp.maximum(y, x[window], out=y)
         self.x, self.y = x, y  # (N, H, W, C), (N, Ho, Wo, C)
         return y
 
@@ -238,24 +246,19 @@ class MaxPool2d(Layer):
         xp = array_module(dy)
         x, y = self.x, self.y
         ho, wo = y.shape[1:3]
-        if self.tiled:
-            hit = self._tiles(x, ho, wo) == y[:, :, None, :, None, :]
-            share = dy / hit.sum(axis=(2, 4), dtype=dy.dtype)
-            n, h, w, c = x.shape
-            dtiles = xp.multiply(hit, share[:, :, None, :, None, :], dtype=dy.dtype)
-            dtiles = dtiles.reshape(n, ho * self.kh, wo * self.kw, c)
-            if (ho * self.kh, wo * self.kw) == (h, w):
-                dx = dtiles
-            else:  # rows/columns past the last window get no gradient
-                dx = xp.zeros(x.shape, dtype=dy.dtype)
-                dx[:, : ho * self.kh, : wo * self.kw, :] = dtiles
-        else:
-            windows = list(self._offsets(ho, wo))
-            count = sum((x[win] == y).astype(dy.dtype) for win in windows)
-            share = dy / count
-            dx = xp.zeros(x.shape, dtype=dy.dtype)
-            for win in windows:
-                dx[win] += share * (x[win] == y)
+        windows = list(self._offsets(ho, wo))
+        hits = [x[win] == y for win in windows]  # (N, Ho, Wo, C) bool each
+        count = hits[0].astype(dy.dtype)
+        for hit in hits[1:]:
+            count += hit
+        share = dy / count
+        covered = self.tiled and (ho * self.kh, wo * self.kw) == x.shape[1:3]
+        dx = xp.empty(x.shape, dtype=dy.dtype) if covered else xp.zeros(x.shape, dtype=dy.dtype)
+        for win, hit in zip(windows, hits):
+            if self.tiled:  # the windows do not overlap: each input gets one share at most
+                xp.multiply(hit, share, out=dx[win])
+            else:
+                dx[win] += hit * share
         self.x = self.y = None
         if self.ph or self.pw:  # the -inf border never holds a maximum: drop it
             _, h, w, _ = self.x_shape
@@ -299,6 +302,8 @@ class BatchNorm(Layer):
     + beta is one scale and one shift, and backward folds inv_std into per-channel factors:
     dx = (dy - sum(dy)/M) * gamma * inv_std - xc * gamma * inv_std^3 * sum(dy * xc)/M.
     """
+
+    fresh_output = True
 
     def __init__(self, channels: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
         super().__init__()
