@@ -60,6 +60,9 @@ class Conv2d(Layer):
             specs.insert(0, ParamSpec("b", (c_out,), bias_init, fan_in, fan_out, decay=False))
         self.param_specs = tuple(specs)
         self.has_bias = bias
+        # Which input-gradient form backward uses (module docstring): col2im where measured
+        # faster, i.e. when strided or widening; else the dilated form.
+        self.col2im_input_grad = self.sh > 1 or self.sw > 1 or c_out > c_in
         self._buffers: dict[str, Any] = {}  # reused workspaces (im2col matrices)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:
@@ -103,7 +106,7 @@ class Conv2d(Layer):
             xp.matmul(ones, dy2, out=self.g["b"])
         dx = None
         if self.input_grad:
-            col2im = self.sh > 1 or self.sw > 1 or self.c_out > self.c_in
+            col2im = self.col2im_input_grad
             dx = self._input_grad_col2im(xp, dy) if col2im else self._input_grad(xp, dy)
         self._done(ready)
         return dx
