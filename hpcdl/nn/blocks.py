@@ -10,9 +10,18 @@ from hpcdl.nn.layers import BatchNorm, Layer, ReLU
 
 
 class Sequential(Layer):
+    """Layers applied in order. A ReLU right after a layer with a fresh output works in place."""
+
     def __init__(self, layers: list[Layer]) -> None:
         super().__init__()
         self.layers = list(layers)
+        for prev, layer in zip(self.layers, self.layers[1:]):
+            if isinstance(layer, ReLU) and prev.fresh_output:
+                layer.inplace = True
+
+    @property
+    def fresh_output(self) -> bool:
+        return bool(self.layers) and self.layers[-1].fresh_output
 
     def leaves(self) -> Iterator[Layer]:
         for layer in reversed(self.layers):
@@ -87,7 +96,7 @@ class ResidualBlock(Layer):
         super().__init__()
         self.branch = Sequential([*conv_bn(c_in, c_out, stride), ReLU(), *conv_bn(c_out, c_out, 1)])
         self.shortcut = _shortcut(c_in, c_out, stride, shortcut)
-        self.relu = ReLU()
+        self.relu = ReLU(inplace=True)  # on branch + shortcut, a sum this block owns
 
     def leaves(self) -> Iterator[Layer]:
         yield from self.relu.leaves()
@@ -104,8 +113,8 @@ class ResidualBlock(Layer):
 
     def backward(self, dy, ready=None):
         dy = self.relu.backward(dy, ready)
-        dx = self.branch.backward(dy, ready)
-        dx = dx + self.shortcut.backward(dy, ready)
+        dx = self.branch.backward(dy, ready)  # a fresh array: a convolution's input gradient
+        dx += self.shortcut.backward(dy, ready)
         return dx
 
 
@@ -131,7 +140,7 @@ class BottleneckBlock(ResidualBlock):
             ]
         )
         self.shortcut = _shortcut(c_in, c_out, stride, "B")
-        self.relu = ReLU()
+        self.relu = ReLU(inplace=True)
 
 
 def _shortcut(c_in: int, c_out: int, stride: int, kind: str) -> Layer:
