@@ -9,7 +9,6 @@ from hpcdl.nn.blocks import BottleneckBlock, ResidualBlock, Sequential
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.fit import NonFiniteLossError, evaluate, fit
 from hpcdl.nn.layers import (
-    BatchNorm,
     Dropout,
     Flatten,
     GlobalAvgPool,
@@ -21,6 +20,7 @@ from hpcdl.nn.layers import (
 from hpcdl.nn.loss import accuracy_count, softmax_cross_entropy
 from hpcdl.nn.model import Model, rank_rng_state
 from hpcdl.nn.models import MODELS, build_model
+from hpcdl.nn.norm import BatchNorm
 from hpcdl.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, make_optimizer
 
 __all__ = [

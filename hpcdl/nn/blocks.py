@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 from hpcdl.backend import array_module
 from hpcdl.nn.conv import Conv2d
-from hpcdl.nn.layers import BatchNorm, Layer, ReLU
+from hpcdl.nn.layers import Layer, ReLU
+from hpcdl.nn.norm import BatchNorm
 
 
 class Sequential(Layer):

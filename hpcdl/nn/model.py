@@ -17,7 +17,8 @@ import numpy as np
 from hpcdl.backend import array_module
 from hpcdl.nn.blocks import Sequential
 from hpcdl.nn.init import initial_values
-from hpcdl.nn.layers import BatchNorm, Dropout, Layer
+from hpcdl.nn.layers import Dropout, Layer
+from hpcdl.nn.norm import BatchNorm
 
 
 class Model:
