@@ -435,14 +435,20 @@ def vs_torch(args: argparse.Namespace) -> int:
     )
     ours: list[float] = []
     theirs: list[float] = []
+    loads: list[list[float]] = []  # 1-minute load average before each run: [hpcdl, torch]
     try:
         with tempfile.TemporaryDirectory(prefix="hpcdl-bench-vs-torch-") as scratch:
             for r in range(args.rounds):
+                loads_before = os.getloadavg()[0]
                 run, _ = run_training(args, (data, None), False, Path(scratch) / f"{r}.jsonl")
                 ours.append(hpcdl_steady_images_per_s(run))
-                theirs.append(torch_ddp.run(args, data)["images_per_s"])
-                print(f"round {r + 1}: hpcdl {ours[-1]:.0f} images/s, torch {theirs[-1]:.0f} "
-                      f"images/s, ratio {ours[-1] / theirs[-1]:.2f}", flush=True)  # fmt: skip
+                loads.append([loads_before, os.getloadavg()[0]])
+                peer = torch_ddp.run(args, data)
+                theirs.append(peer["images_per_s"])
+                print(f"round {r + 1}: hpcdl {ours[-1]:.0f} images/s (load {loads[-1][0]:.1f}), "
+                      f"torch {theirs[-1]:.0f} images/s (load {loads[-1][1]:.1f}, "
+                      f"{peer['threads']} thread(s)/rank), ratio {ours[-1] / theirs[-1]:.2f}",
+                      flush=True)  # fmt: skip
     except (RuntimeError, subprocess.TimeoutExpired, report.ReportError) as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)
         return 1
@@ -452,8 +458,9 @@ def vs_torch(args: argparse.Namespace) -> int:
     if args.json:
         keep = ("model", "ranks", "batch_size", "epochs", "workers", "prefetch", "augment")
         config = {k: getattr(args, k) for k in keep}
-        print(json.dumps({"config": config, "data": data, "hpcdl_images_per_s": ours,
-                          "torch_images_per_s": theirs, "ratio": ratio}))  # fmt: skip
+        result = {"config": config, "data": data, "hpcdl_images_per_s": ours,
+                  "torch_images_per_s": theirs, "ratio": ratio, "load_average": loads}  # fmt: skip
+        print(json.dumps(result))
     return 0
 
 
