@@ -62,7 +62,7 @@ TORCH_KINDS = {
 WARMUP = 3
 
 
-@dataclass
+@dataclass(eq=False)  # rows are told apart by identity
 class LayerTimes:
     """Seconds one leaf layer spent over the profiled steps."""
 
@@ -98,7 +98,7 @@ class Breakdown:
                     "backward_ms": r.backward_s * 1e3,
                 }
                 for r in self.rows
-            ],  # fmt: skip
+            ],
             "loss_ms": self.loss_s * 1e3,
             "update_ms": self.update_s * 1e3,
             "other_ms": self.other_s * 1e3,
@@ -215,8 +215,8 @@ class _ModuleClock:
         """Add this step's intervals to the row and clear them."""
         self.row.forward_s += sum(e - s for s, e in zip(self.starts, self.ends))
         self.row.backward_s += sum(e - s for s, e in zip(self.backward_starts, self.backward_ends))
-        self.starts.clear(), self.ends.clear()
-        self.backward_starts.clear(), self.backward_ends.clear()
+        for times in (self.starts, self.ends, self.backward_starts, self.backward_ends):
+            times.clear()
 
 
 def _hook_module(name: str, module: Any, sync: Callable, order: list) -> _ModuleClock:
