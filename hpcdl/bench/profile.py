@@ -23,10 +23,12 @@ calls that are no module (torch.relu and the shortcut's slice and pad in the Res
 land in "other", as the residual adds do on both sides; torchvision's blocks call one ReLU
 module twice, and its row holds both calls.
 
-Rows are paired by kind in forward order (Conv2d with Conv2d, BatchNorm2d with BatchNorm, ...);
-a layer one side has and the other computes functionally gets a blank on that side. On GPU
-every timestamp is taken after synchronising the device, which serialises the step: the rows
-show where time goes, the un-instrumented step of `bench compute` how fast the step is.
+Every figure is a mean over the faster half of the profiled steps (`quiet_mean`): on a shared
+machine a burst of other work inflates whichever layer it lands in. Rows are paired by kind in
+forward order (Conv2d with Conv2d, BatchNorm2d with BatchNorm, ...); a layer one side has and
+the other computes functionally gets a blank on that side. On GPU every timestamp is taken
+after synchronising the device, which serialises the step: the rows show where time goes, the
+un-instrumented step of `bench compute` how fast the step is.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ WARMUP = 3
 
 @dataclass(eq=False)  # rows are told apart by identity
 class LayerTimes:
-    """Seconds one leaf layer spent over the profiled steps."""
+    """Seconds one leaf layer spends per step (a sum while profiling, then the mean)."""
 
     name: str  # path in the model, e.g. "3.branch.0.Conv2d"
     kind: str  # hpcdl class name (torch modules: the hpcdl kind they pair with, else their own)
@@ -74,7 +76,7 @@ class LayerTimes:
 
 @dataclass
 class Breakdown:
-    """Mean seconds per step of one framework, split by leaf layer, loss and update."""
+    """Seconds per step of one framework (quiet_mean), split by leaf layer, loss and update."""
 
     framework: str
     rows: list[LayerTimes]  # forward order of first call
@@ -168,7 +170,7 @@ def timed_leaves(model: nn.Model, xp: Any) -> Iterator[tuple[list[LayerTimes], L
 
 
 def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
-    """The hpcdl breakdown: mean per step over args.steps steps after WARMUP."""
+    """The hpcdl breakdown over args.steps steps after WARMUP (quiet_mean)."""
     xp = backend.select(args.device)
     model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
@@ -184,18 +186,37 @@ def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
     with timed_leaves(model, xp) as (rows, loss):
         for _ in range(WARMUP):
             train_step(parts, x, y, 0.01)
-        for row in [*rows, loss]:
-            row.forward_s = row.backward_s = 0.0
-        update = step = 0.0
-        for _ in range(args.steps):
+
+        def step() -> tuple[float, float, float]:
+            loss.forward_s = 0.0
             times = train_step(parts, x, y, 0.01).times
-            update, step = update + times.t_update, step + times.t_step
-    n = args.steps
-    for row in rows:
-        row.forward_s, row.backward_s = row.forward_s / n, row.backward_s / n
-    return Breakdown(
-        "hpcdl", rows, loss.forward_s / n, update / n, step / n, statistics.median(plain[WARMUP:])
-    )
+            return loss.forward_s, times.t_update, times.t_step
+
+        totals = quiet_mean(rows, step, args.steps)
+    return Breakdown("hpcdl", rows, *totals, statistics.median(plain[WARMUP:]))
+
+
+def quiet_mean(
+    rows: list[LayerTimes], step: Callable[[], tuple[float, float, float]], steps: int
+) -> tuple[float, float, float]:
+    """Run `steps` steps; set the rows to their mean over the quieter half of the steps and
+    return the (loss, update, step) seconds averaged over the same steps.
+
+    step() runs one step, during which the rows add up their times, and returns (loss s,
+    update s, step s). The quieter half are the steps no slower than the median step: on a
+    shared machine a burst of other work lands in a few steps and would inflate whichever rows
+    it hits. One set of steps for every row keeps the rows adding up to the step."""
+    samples = []
+    for _ in range(steps):
+        for row in rows:
+            row.forward_s = row.backward_s = 0.0
+        totals = step()
+        samples.append([v for r in rows for v in (r.forward_s, r.backward_s)] + list(totals))
+    table = np.array(samples)  # (steps, 2 * rows + 3) seconds
+    mean = table[table[:, -1] <= np.median(table[:, -1])].mean(axis=0)
+    for i, row in enumerate(rows):
+        row.forward_s, row.backward_s = float(mean[2 * i]), float(mean[2 * i + 1])
+    return float(mean[-3]), float(mean[-2]), float(mean[-1])
 
 
 # --- PyTorch ---------------------------------------------------------------------------------
@@ -298,11 +319,7 @@ def profile_torch(args: argparse.Namespace) -> Breakdown | None:
         clocks = [_hook_module(name, m, sync, order) for name, m in leaves]
         for _ in range(WARMUP):
             step(clocks)
-        for row in order:
-            row.forward_s = row.backward_s = 0.0
-        totals = np.sum([step(clocks) for _ in range(args.steps)], axis=0) / args.steps
-    for row in order:
-        row.forward_s, row.backward_s = row.forward_s / args.steps, row.backward_s / args.steps
+        totals = quiet_mean(order, lambda: step(clocks), args.steps)
     return Breakdown("torch", order, *totals, statistics.median(plain[WARMUP:]))
 
 
@@ -370,7 +387,8 @@ def main_profile(args: argparse.Namespace) -> int:
     theirs = None if args.no_torch else profile_torch(args)
     print(
         f"{args.model} batch {args.batch_size} input {args.input_shape} on {args.device}: "
-        f"per-layer profile, mean of {args.steps} steps after {WARMUP} warm-up steps"
+        f"per-layer profile, mean of the faster half of {args.steps} steps after {WARMUP} "
+        "warm-up steps"
     )
     print_table(ours, theirs)
     if args.json:
