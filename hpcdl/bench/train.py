@@ -17,6 +17,12 @@ disk followed by training from the copy, and PyTorch's DataLoader reading the mo
 (hpcdl.bench.torch_folder: same workers, batch and per-sample work; skipped without torch). The
 index is built once, timed, and cached off the mount, so no run pays for it again; the
 load-alone measurement is skipped (it would read the slow file system once more).
+
+`--vs-torch` runs instead hpcdl.train (staging off) and PyTorch DDP (gloo) + DataLoader
+(hpcdl.bench.torch_ddp) on the same data, augmentation, model, per-rank batch, workers and
+ranks, alternated `--rounds` times, and prints the steady-state images/s of each (epochs after
+the first) and their ratio; its defaults are issue 12's setup (cnn, 2 ranks, batch 64, 1
+worker, synthetic HDF5 32x32, crop4+flip).
 """
 
 from __future__ import annotations
