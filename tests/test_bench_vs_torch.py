@@ -57,3 +57,10 @@ def test_both_sides_train_two_ranks_and_give_a_ratio(tmp_path, capsys):
     assert ours > 0 and theirs > 0
     assert result["ratio"] == pytest.approx(ours / theirs)
     assert result["config"]["ranks"] == 2 and result["config"]["augment"] == "crop4+flip"
+
+
+def test_vs_torch_wants_hdf5_data(tmp_path, capsys):
+    pytest.importorskip("torch")
+    train.synthetic_image_folder(tmp_path, 10, size=8)
+    assert train.main(["--vs-torch", "--data", str(tmp_path)]) == 2
+    assert "reads HDF5 data" in capsys.readouterr().err

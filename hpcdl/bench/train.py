@@ -49,6 +49,7 @@ from hpcdl.bench import peers as peers_
 from hpcdl.bench import torch_ddp
 from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
 from hpcdl.bench.slowfs import SlowFSOptions
+from hpcdl.data import open_dataset
 from hpcdl.data.augment import parse_augment
 from hpcdl.helpformat import HelpFormatter
 
@@ -433,6 +434,10 @@ def vs_torch(args: argparse.Namespace) -> int:
               "(pip install torch)", file=sys.stderr)  # fmt: skip
         return 2
     data = ensure_data(args)[0]
+    if open_dataset(data).kind != "hdf5":
+        print(f"hpcdl.bench train: --vs-torch reads HDF5 data and {data} is not; "
+              "`python -m hpcdl.data convert` makes HDF5 from it", file=sys.stderr)  # fmt: skip
+        return 2
     print(
         f"hpcdl.bench train --vs-torch: {args.model}, {args.ranks} rank(s) x batch "
         f"{args.batch_size}, {args.epochs} epoch(s) (steady state: after the first), "
