@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         "all its steps alone, the best case for both)",
     )
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="ms per layer, forward and backward, plus loss and update (hpcdl.bench.profile)",
+    )
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     return ap
 
@@ -217,6 +222,10 @@ def torch_stepper(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.profile:
+        from hpcdl.bench.profile import main_profile  # noqa: PLC0415
+
+        return main_profile(args)
     try:
         steppers = [hpcdl_stepper(args)]
     except backend.BackendError as exc:

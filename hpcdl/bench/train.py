@@ -17,6 +17,12 @@ disk followed by training from the copy, and PyTorch's DataLoader reading the mo
 (hpcdl.bench.torch_folder: same workers, batch and per-sample work; skipped without torch). The
 index is built once, timed, and cached off the mount, so no run pays for it again; the
 load-alone measurement is skipped (it would read the slow file system once more).
+
+`--vs-torch` runs instead hpcdl.train (staging off) and PyTorch DDP (gloo) + DataLoader
+(hpcdl.bench.torch_ddp) on the same data, augmentation, model, per-rank batch, workers and
+ranks, alternated `--rounds` times, and prints the steady-state images/s of each (epochs after
+the first) and their ratio; its defaults are issue 12's setup (cnn, 2 ranks, batch 64, 1
+worker, synthetic HDF5 32x32, crop4+flip).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import functools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,11 +46,19 @@ import numpy as np
 from hpcdl import report
 from hpcdl.backend import gpu_available
 from hpcdl.bench import peers as peers_
+from hpcdl.bench import torch_ddp
 from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
 from hpcdl.bench.slowfs import SlowFSOptions
+from hpcdl.data import open_dataset
+from hpcdl.data.augment import parse_augment
 from hpcdl.helpformat import HelpFormatter
 
 EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"  # unit tests only: runs here never inherit it
+# --vs-torch's defaults: the setup of issue 12 (2 ranks, cnn, batch 64, HDF5 32x32, crop4+flip)
+VS_TORCH_DEFAULTS = dict(
+    model="cnn", ranks=2, batch_size=64, workers=1, format="h5", augment="crop4+flip",
+    synthetic=8192, staging="off",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="MS,MBPS: data behind the slow FUSE file system (milliseconds per open, shared "
         "MB/s), and the peers measured too (default: none, the data as it is)",
     )
-    ap.add_argument("--format", default="png", choices=("png", "jpg"), help="synthetic images")
+    ap.add_argument(
+        "--format",
+        default="png",
+        choices=("png", "jpg", "h5"),
+        help="synthetic data: an image folder of PNG or JPEG files, or HDF5 shards",
+    )
+    ap.add_argument("--augment", default="none", help="hpcdl.train --augment, e.g. crop4+flip")
     ap.add_argument("--image-size", type=int, default=32, help="synthetic images: S x S pixels")
     ap.add_argument("--device", default="cpu", choices=("cpu", "gpu"), help="cpu or gpu (CuPy)")
     ap.add_argument(
@@ -82,6 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--report", help="also draw hpcdl.report of the runs into this PNG (default: none)"
+    )
+    ap.add_argument(
+        "--vs-torch",
+        action="store_true",
+        help="instead: hpcdl.train against PyTorch DDP (gloo) + DataLoader (hpcdl.bench."
+        "torch_ddp), same model, data, augmentation, batch, workers and ranks, CPU; steady-"
+        "state images/s and their ratio. Defaults then: cnn, 2 ranks, batch 64, 1 worker, "
+        "synthetic HDF5 32x32 (8192 images), crop4+flip. Needs torch",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="--vs-torch: hpcdl and torch runs, alternated"
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -95,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = build_parser()
+    if "--vs-torch" in argv:
+        ap.set_defaults(**VS_TORCH_DEFAULTS)
     args = ap.parse_args(argv)
-    for name in ("ranks", "epochs", "batch_size", "synthetic"):
+    for name in ("ranks", "epochs", "batch_size", "synthetic", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 0:
@@ -107,6 +141,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except ValueError:
             ap.error(f"--slow-fs takes MS,MBPS (e.g. 5,200), got {args.slow_fs!r}")
         args.slow_fs_options = SlowFSOptions(latency_ms, mbps)
+    if args.vs_torch:
+        try:
+            aug = parse_augment(args.augment)
+        except ValueError as exc:
+            ap.error(str(exc))
+        if aug.crop or aug.rrc or args.device != "cpu" or args.slow_fs:
+            ap.error("--vs-torch compares on CPU, without --slow-fs, with cropP and flip only")
     return args
 
 
@@ -130,19 +171,38 @@ def synthetic_image_folder(
         image.save(folder / f"{i:06d}.{fmt}", quality=90)
 
 
+def synthetic_hdf5(root: Path, count: int, size: int = 32, classes: int = 10) -> None:
+    """root/{train,val}/part-*.h5 (hpcdl.data.convert's layout) of synthetic_image_folder's kind
+    of images: (N, S, S, 3) uint8 whose mean colour depends on the class."""
+    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    colours = rng.integers(40, 216, (classes, 3))
+    splits = {}
+    for split, n in (("train", count), ("val", max(10, count // 4))):
+        labels = np.arange(n) % classes
+        pixels = colours[labels][:, None, None, :] + rng.normal(0, 40, (n, size, size, 3))
+        splits[split] = (np.clip(pixels, 0, 255).astype(np.uint8), labels)
+    write_dataset(root, splits, [f"class{k}" for k in range(classes)])
+
+
 def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.data:
         return args.data, args.val_data
     name = f"synthetic-{args.synthetic}"
     if (args.format, args.image_size) != ("png", 32):
-        name += f"-{args.format}{args.image_size}"
+        name += f"-{args.format}-{args.image_size}"
     base = Path(tempfile.gettempdir()) / "hpcdl-bench-data" / name
     if not (base / ".complete").exists():
-        print(f"making a synthetic image folder of {args.synthetic} images in {base}", flush=True)
+        what = "HDF5 data set" if args.format == "h5" else "image folder"
+        print(f"making a synthetic {what} of {args.synthetic} images in {base}", flush=True)
         work = base.with_name(f"{base.name}.tmp-{os.getpid()}")
-        made = dict(size=args.image_size, fmt=args.format)
-        synthetic_image_folder(work / "train", args.synthetic, **made)
-        synthetic_image_folder(work / "val", max(10, args.synthetic // 4), **made)
+        if args.format == "h5":
+            synthetic_hdf5(work, args.synthetic, args.image_size)
+        else:
+            made = dict(size=args.image_size, fmt=args.format)
+            synthetic_image_folder(work / "train", args.synthetic, **made)
+            synthetic_image_folder(work / "val", max(10, args.synthetic // 4), **made)
         (work / ".complete").touch()
         shutil.rmtree(base, ignore_errors=True)
         work.rename(base)
@@ -198,6 +258,7 @@ def run_training(
         "--model", args.model, "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--workers", str(args.workers),
         "--prefetch", str(args.prefetch), "--device", args.device,
+        "--augment", args.augment,
         "--metrics", str(metrics), "--metrics-every", "1", "--quiet",
     ]  # fmt: skip
     if data[1]:
@@ -309,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "gpu" and not gpu_available():
         print(NO_GPU, file=sys.stderr)
         return 2
+    if args.vs_torch:
+        return vs_torch(args)
     data = ensure_data(args)
     if args.slow_fs:
         data = (data[0], args.val_data)  # validation is not what this comparison is about
@@ -349,6 +412,66 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: v for k, v in vars(args).items() if k not in skip}
         print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios,
                           "slow_fs": peers}))  # fmt: skip
+    return 0
+
+
+# --- against PyTorch -------------------------------------------------------------------------
+
+
+def hpcdl_steady_images_per_s(run: report.Run) -> float:
+    epochs = sorted(run.epochs, key=lambda e: e["epoch"])
+    seconds = [float(e["seconds"]) for e in epochs]
+    images = [e["images_per_s"] * s for e, s in zip(epochs, seconds)]
+    return torch_ddp.steady_images_per_s(seconds, images)
+
+
+def vs_torch(args: argparse.Namespace) -> int:
+    """hpcdl.train and PyTorch DDP, alternated --rounds times; prints images/s and the ratio."""
+    try:
+        import torch  # noqa: F401, PLC0415
+    except ImportError:
+        print("hpcdl.bench train: --vs-torch needs PyTorch, which is not installed "
+              "(pip install torch)", file=sys.stderr)  # fmt: skip
+        return 2
+    data = ensure_data(args)[0]
+    if open_dataset(data).kind != "hdf5":
+        print(f"hpcdl.bench train: --vs-torch reads HDF5 data and {data} is not; "
+              "`python -m hpcdl.data convert` makes HDF5 from it", file=sys.stderr)  # fmt: skip
+        return 2
+    print(
+        f"hpcdl.bench train --vs-torch: {args.model}, {args.ranks} rank(s) x batch "
+        f"{args.batch_size}, {args.epochs} epoch(s) (steady state: after the first), "
+        f"{args.workers} worker(s)/rank, --augment {args.augment}, data {data}",
+        flush=True,
+    )
+    ours: list[float] = []
+    theirs: list[float] = []
+    loads: list[list[float]] = []  # 1-minute load average before each run: [hpcdl, torch]
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpcdl-bench-vs-torch-") as scratch:
+            for r in range(args.rounds):
+                loads_before = os.getloadavg()[0]
+                run, _ = run_training(args, (data, None), False, Path(scratch) / f"{r}.jsonl")
+                ours.append(hpcdl_steady_images_per_s(run))
+                loads.append([loads_before, os.getloadavg()[0]])
+                peer = torch_ddp.run(args, data)
+                theirs.append(peer["images_per_s"])
+                print(f"round {r + 1}: hpcdl {ours[-1]:.0f} images/s (load {loads[-1][0]:.1f}), "
+                      f"torch {theirs[-1]:.0f} images/s (load {loads[-1][1]:.1f}, "
+                      f"{peer['threads']} thread(s)/rank), ratio {ours[-1] / theirs[-1]:.2f}",
+                      flush=True)  # fmt: skip
+    except (RuntimeError, subprocess.TimeoutExpired, report.ReportError) as exc:
+        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
+        return 1
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"median: hpcdl {statistics.median(ours):.0f} images/s, torch "
+          f"{statistics.median(theirs):.0f} images/s, hpcdl/torch {ratio:.2f}")  # fmt: skip
+    if args.json:
+        keep = ("model", "ranks", "batch_size", "epochs", "workers", "prefetch", "augment")
+        config = {k: getattr(args, k) for k in keep}
+        result = {"config": config, "data": data, "hpcdl_images_per_s": ours,
+                  "torch_images_per_s": theirs, "ratio": ratio, "load_average": loads}  # fmt: skip
+        print(json.dumps(result))
     return 0
 
 

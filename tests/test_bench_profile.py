@@ -1,0 +1,90 @@
+"""`bench compute --profile`: per-layer rows, totals, JSON; the torch side when installed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from hpcdl import nn
+from hpcdl.bench import compute, profile
+from hpcdl.bench.profile import LayerTimes, pair_rows
+
+TINY = ["--batch-size", "4", "--input-shape", "3,8,8", "--steps", "2"]
+PARAM_KINDS = ("Conv2d", "BatchNorm", "Linear")
+
+
+def tiny_args(model: str, *extra: str) -> argparse.Namespace:
+    return compute.parse_args(["--model", model, *TINY, "--profile", *extra])
+
+
+@pytest.mark.parametrize("model", ["cnn", "resnet20", "mlp"])
+def test_hpcdl_rows_cover_every_leaf_with_positive_times(model):
+    args = tiny_args(model)
+    built = nn.build_model(model, args.shape, args.classes)
+    names = profile.leaf_names(built.body)
+    b = profile.profile_hpcdl(args)
+    assert sorted(r.name for r in b.rows) == sorted(names.values())
+    assert len(b.rows) == len(list(built.body.leaves()))
+    assert all(r.forward_s > 0 for r in b.rows)
+    assert all(r.backward_s > 0 for r in b.rows if r.kind in PARAM_KINDS)
+    assert b.loss_s > 0 and b.update_s > 0
+
+
+def test_hpcdl_rows_add_up_to_the_measured_step():
+    b = profile.profile_hpcdl(tiny_args("resnet20"))
+    parts = sum(r.forward_s + r.backward_s for r in b.rows) + b.loss_s + b.update_s
+    # The rows are timed inside the step, so they cannot exceed it; what is left outside the
+    # leaves (input transpose, residual adds, the step's own bookkeeping) is a small share.
+    assert parts <= b.step_s
+    assert parts >= 0.5 * b.step_s
+    assert b.other_s == pytest.approx(b.step_s - parts)
+
+
+def test_the_original_methods_are_back_after_profiling():
+    args = tiny_args("cnn")
+    model = nn.build_model("cnn", args.shape, args.classes)
+    with profile.timed_leaves(model, np):
+        assert all("forward" in vars(leaf) for leaf in model.body.leaves())
+    assert not any("forward" in vars(leaf) or "backward" in vars(leaf)
+                   for leaf in model.body.leaves())  # fmt: skip
+
+
+def test_profile_json_has_one_row_per_leaf(capsys):
+    argv = ["--model", "cnn", *TINY, "--profile", "--json", "--no-torch"]
+    assert compute.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("0.Conv2d") for line in out)
+    result = json.loads(out[-1])
+    ours = result["profile"]["hpcdl"]
+    assert result["profile"]["torch"] is None
+    assert len(ours["rows"]) == len(list(nn.build_model("cnn", (3, 8, 8), 10).body.leaves()))
+    assert set(ours["rows"][0]) == {"name", "kind", "forward_ms", "backward_ms"}
+    for key in ("loss_ms", "update_ms", "other_ms", "step_ms", "plain_step_ms"):
+        assert ours[key] > 0
+
+
+def test_pair_rows_pairs_by_kind_and_leaves_functional_layers_blank():
+    ours = [LayerTimes(n, k) for n, k in [("c", "Conv2d"), ("r", "ReLU"), ("l", "Linear")]]
+    theirs = [LayerTimes(n, k) for n, k in [("tc", "Conv2d"), ("tp", "Pad"), ("tl", "Linear")]]
+    pairs = [(a and a.name, b and b.name) for a, b in pair_rows(ours, theirs)]
+    assert pairs == [("c", "tc"), (None, "tp"), ("r", None), ("l", "tl")]
+
+
+@pytest.mark.parametrize("model", ["cnn", "resnet20"])
+def test_torch_rows_pair_with_hpcdl_rows(model):
+    pytest.importorskip("torch")
+    args = tiny_args(model)
+    ours, theirs = profile.profile_hpcdl(args), profile.profile_torch(args)
+    assert theirs is not None
+    pairs = pair_rows(ours.rows, theirs.rows)
+    # Every torch module has its hpcdl layer, but for the Flatten hpcdl's global pool does.
+    assert {b.kind for a, b in pairs if a is None} <= {"Flatten"}
+    assert sum(b is not None for _, b in pairs) == len(theirs.rows)
+    assert all(r.forward_s > 0 for r in theirs.rows)
+    # The first convolution's input needs no gradient: its weight gradient still counts.
+    assert theirs.rows[0].kind == "Conv2d" and theirs.rows[0].backward_s > 0
+    assert 0 < theirs.loss_s and 0 < theirs.update_s
+    assert sum(r.forward_s + r.backward_s for r in theirs.rows) <= theirs.step_s
