@@ -32,7 +32,6 @@ import functools
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import numpy as np
 from hpcdl import report
 from hpcdl.backend import gpu_available
 from hpcdl.bench import peers as peers_
-from hpcdl.bench import torch_ddp
+from hpcdl.bench import vs_torch
 from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
 from hpcdl.bench.slowfs import SlowFSOptions
 from hpcdl.data import open_dataset
@@ -214,7 +213,7 @@ def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def measure_load_here(args: argparse.Namespace) -> dict[str, float]:
     """Seconds per batch of rank 0's loader reading one epoch alone (first batch excluded)."""
-    from hpcdl.data import Loader, open_dataset  # noqa: PLC0415
+    from hpcdl.data import Loader  # noqa: PLC0415
     from hpcdl.data.sampler import DistributedSampler  # noqa: PLC0415
 
     ds = open_dataset(args.data)
@@ -371,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_GPU, file=sys.stderr)
         return 2
     if args.vs_torch:
-        return vs_torch(args)
+        return vs_torch.compare(args, run_training, ensure_data)
     data = ensure_data(args)
     if args.slow_fs:
         data = (data[0], args.val_data)  # validation is not what this comparison is about
@@ -412,66 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: v for k, v in vars(args).items() if k not in skip}
         print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios,
                           "slow_fs": peers}))  # fmt: skip
-    return 0
-
-
-# --- against PyTorch -------------------------------------------------------------------------
-
-
-def hpcdl_steady_images_per_s(run: report.Run) -> float:
-    epochs = sorted(run.epochs, key=lambda e: e["epoch"])
-    seconds = [float(e["seconds"]) for e in epochs]
-    images = [e["images_per_s"] * s for e, s in zip(epochs, seconds)]
-    return torch_ddp.steady_images_per_s(seconds, images)
-
-
-def vs_torch(args: argparse.Namespace) -> int:
-    """hpcdl.train and PyTorch DDP, alternated --rounds times; prints images/s and the ratio."""
-    try:
-        import torch  # noqa: F401, PLC0415
-    except ImportError:
-        print("hpcdl.bench train: --vs-torch needs PyTorch, which is not installed "
-              "(pip install torch)", file=sys.stderr)  # fmt: skip
-        return 2
-    data = ensure_data(args)[0]
-    if open_dataset(data).kind != "hdf5":
-        print(f"hpcdl.bench train: --vs-torch reads HDF5 data and {data} is not; "
-              "`python -m hpcdl.data convert` makes HDF5 from it", file=sys.stderr)  # fmt: skip
-        return 2
-    print(
-        f"hpcdl.bench train --vs-torch: {args.model}, {args.ranks} rank(s) x batch "
-        f"{args.batch_size}, {args.epochs} epoch(s) (steady state: after the first), "
-        f"{args.workers} worker(s)/rank, --augment {args.augment}, data {data}",
-        flush=True,
-    )
-    ours: list[float] = []
-    theirs: list[float] = []
-    loads: list[list[float]] = []  # 1-minute load average before each run: [hpcdl, torch]
-    try:
-        with tempfile.TemporaryDirectory(prefix="hpcdl-bench-vs-torch-") as scratch:
-            for r in range(args.rounds):
-                loads_before = os.getloadavg()[0]
-                run, _ = run_training(args, (data, None), False, Path(scratch) / f"{r}.jsonl")
-                ours.append(hpcdl_steady_images_per_s(run))
-                loads.append([loads_before, os.getloadavg()[0]])
-                peer = torch_ddp.run(args, data)
-                theirs.append(peer["images_per_s"])
-                print(f"round {r + 1}: hpcdl {ours[-1]:.0f} images/s (load {loads[-1][0]:.1f}), "
-                      f"torch {theirs[-1]:.0f} images/s (load {loads[-1][1]:.1f}, "
-                      f"{peer['threads']} thread(s)/rank), ratio {ours[-1] / theirs[-1]:.2f}",
-                      flush=True)  # fmt: skip
-    except (RuntimeError, subprocess.TimeoutExpired, report.ReportError) as exc:
-        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
-        return 1
-    ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"median: hpcdl {statistics.median(ours):.0f} images/s, torch "
-          f"{statistics.median(theirs):.0f} images/s, hpcdl/torch {ratio:.2f}")  # fmt: skip
-    if args.json:
-        keep = ("model", "ranks", "batch_size", "epochs", "workers", "prefetch", "augment")
-        config = {k: getattr(args, k) for k in keep}
-        result = {"config": config, "data": data, "hpcdl_images_per_s": ours,
-                  "torch_images_per_s": theirs, "ratio": ratio, "load_average": loads}  # fmt: skip
-        print(json.dumps(result))
     return 0
 
 
