@@ -2,9 +2,9 @@
 
 A step is forward + softmax cross-entropy + backward + SGD-momentum update on a random batch
 (hpcdl: hpcdl.step.train_step, the step hpcdl.train runs), for the same architecture (cnn = the
-Keras cifar10_cnn network; resnet18/resnet50 = torchvision's) on the same device. PyTorch is
-optional (benchmark-only): without it, or without torchvision for resnet18/resnet50, the torch
-column is null. With --json the last line is one JSON object.
+Keras cifar10_cnn network; resnet18/resnet50 = torchvision's, written out in
+hpcdl.bench.torch_models) on the same device. PyTorch is optional (benchmark-only): without it
+the torch column is null. With --json the last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -147,18 +147,10 @@ def torch_model(torch: Any, name: str, shape: tuple[int, int, int], classes: int
             tnn.Linear(512, classes),
         )
     if name in ("resnet18", "resnet50"):
-        return _torchvision_resnet(torch, name, c, classes)
+        from hpcdl.bench.torch_models import imagenet_resnet  # noqa: PLC0415 (needs torch)
+
+        return imagenet_resnet(name, c, classes)
     return _torch_resnet20(torch, c, classes)
-
-
-def _torchvision_resnet(torch: Any, name: str, c: int, classes: int):
-    """torchvision's resnet18/resnet50 (the reference hpcdl's match); ImportError without it."""
-    import torchvision  # noqa: PLC0415
-
-    model = getattr(torchvision.models, name)(num_classes=classes)
-    if c != 3:  # the stem for other channel counts, as hpcdl builds it
-        model.conv1 = torch.nn.Conv2d(c, 64, 7, 2, 3, bias=False)
-    return model
 
 
 def _torch_resnet20(torch: Any, c: int, classes: int):
@@ -247,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  hpcdl  {ours_ms:8.1f} ms/step")
     if theirs_ms is None:
-        print("  torch       n/a (torch, or torchvision for resnet18/50, not installed)")
+        print("  torch       n/a (torch not installed, or --no-torch)")
     else:
         print(f"  torch  {theirs_ms:8.1f} ms/step   ratio hpcdl/torch {ratio:.2f}")
     if args.json:

@@ -1,0 +1,98 @@
+"""torchvision's ImageNet ResNet-18 and ResNet-50, written out in PyTorch for `bench compute`.
+
+The PyPI torchvision wheels are built against CUDA PyTorch; with the CPU-only torch wheel they
+fail to import ("operator torchvision::nms does not exist"), so the benchmark cannot rely on
+them. This is torchvision 0.2x's `resnet18`/`resnet50` (`torchvision/models/resnet.py`) layer
+for layer: 7x7 stride-2 stem without bias, BatchNorm, ReLU, 3x3 stride-2 max pool; four stages
+of basic blocks (two 3x3 convolutions) or bottleneck blocks (1x1, 3x3 carrying the stride as in
+"ResNet v1.5", 1x1 to 4 x width); a 1x1 convolution + BatchNorm shortcut where the shape
+changes; adaptive average pool; a dense classifier. Convolutions are Kaiming-normal (fan_out),
+BatchNorm starts at 1 and 0, as torchvision initialises them. With 1000 classes the parameter
+counts are torchvision's: 11,689,512 and 25,557,032. Needs `torch` (the `bench` extra); hpcdl
+never imports this module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DEPTHS = {"resnet18": (2, 2, 2, 2), "resnet50": (3, 4, 6, 3)}
+
+
+def _conv(c_in: int, c_out: int, kernel: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, kernel, stride, padding=kernel // 2, bias=False)
+
+
+def _shortcut(c_in: int, c_out: int, stride: int) -> nn.Module:
+    """torchvision's `downsample`: 1x1 convolution + BatchNorm when the shape changes."""
+    if stride == 1 and c_in == c_out:
+        return nn.Identity()
+    return nn.Sequential(_conv(c_in, c_out, 1, stride), nn.BatchNorm2d(c_out))
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.branch = nn.Sequential(
+            _conv(c_in, width, 3, stride),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            _conv(width, width, 3),
+            nn.BatchNorm2d(width),
+        )
+        self.shortcut = _shortcut(c_in, width, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.branch(x) + self.shortcut(x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        c_out = width * self.expansion
+        self.branch = nn.Sequential(
+            _conv(c_in, width, 1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            _conv(width, width, 3, stride),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            _conv(width, c_out, 1),
+            nn.BatchNorm2d(c_out),
+        )
+        self.shortcut = _shortcut(c_in, c_out, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.branch(x) + self.shortcut(x))
+
+
+def imagenet_resnet(name: str, in_channels: int = 3, num_classes: int = 1000) -> nn.Sequential:
+    """torchvision's resnet18 or resnet50 (input (N, in_channels, H, W), logits (N, classes))."""
+    if name not in DEPTHS:
+        raise ValueError(f"unknown ResNet {name!r}; choose one of {', '.join(DEPTHS)}")
+    block = Bottleneck if name == "resnet50" else BasicBlock
+    layers: list[nn.Module] = [
+        _conv(in_channels, 64, 7, 2),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, padding=1),
+    ]
+    c_in = 64
+    for stage, (width, depth) in enumerate(zip((64, 128, 256, 512), DEPTHS[name])):
+        for i in range(depth):
+            layers.append(block(c_in, width, 2 if stage > 0 and i == 0 else 1))
+            c_in = width * block.expansion
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes)]
+    model = nn.Sequential(*layers)
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, nn.BatchNorm2d):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+    return model
