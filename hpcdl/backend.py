@@ -142,3 +142,21 @@ def cpu_threads_hint() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+# The BLAS threads NumPy runs in this process, as hpcdl.comm.blas_threads.apply() set them;
+# None until something sets them (NumPy's default: one per core). Layers read it to choose
+# between one whole-batch GEMM and chunked ones (hpcdl.nn.conv) without asking threadpoolctl
+# on every call.
+_blas_threads: int | None = None
+
+
+def set_blas_threads(threads: int | None) -> None:
+    """Record the BLAS threads NumPy now runs (None: unknown, NumPy's default)."""
+    global _blas_threads
+    _blas_threads = threads
+
+
+def blas_threads() -> int | None:
+    """The BLAS threads recorded by set_blas_threads(), or None when never set."""
+    return _blas_threads

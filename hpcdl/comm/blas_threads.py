@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcdl import backend
+
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -90,7 +92,9 @@ def apply(threads: int) -> BlasPool:
 
     current()  # loads NumPy's BLAS first
     threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
-    return current()
+    pool = current()
+    backend.set_blas_threads(pool.threads)  # layers choose their GEMM shapes from it
+    return pool
 
 
 def sharers(mine: frozenset[int], node_masks: Sequence[frozenset[int]]) -> int:
