@@ -160,3 +160,18 @@ def set_blas_threads(threads: int | None) -> None:
 def blas_threads() -> int | None:
     """The BLAS threads recorded by set_blas_threads(), or None when never set."""
     return _blas_threads
+
+
+# Threads that layers run their CPU chunks on (hpcdl.nn.conv), each calling a one-thread BLAS.
+_compute_threads = 1
+
+
+def set_compute_threads(threads: int) -> None:
+    """Run chunked layer work on `threads` threads (1: in the calling thread)."""
+    global _compute_threads
+    _compute_threads = max(1, threads)
+
+
+def compute_threads() -> int:
+    """The threads set by set_compute_threads() (default 1)."""
+    return _compute_threads

@@ -1,4 +1,5 @@
-"""Conv2d's chunked path (one BLAS thread) against its whole-batch path and finite differences.
+"""Conv2d's chunked path (one BLAS thread; chunks on one or two threads) against its
+whole-batch path and finite differences.
 
 Float64 throughout: the chunked path sums dW chunk by chunk, so it may differ from the
 whole-batch GEMM by rounding only, and it must repeat bitwise run to run."""
@@ -39,6 +40,7 @@ def one_blas_thread(monkeypatch):
 
     yield chunk_of
     backend.set_blas_threads(before)
+    backend.set_compute_threads(1)
 
 
 def _run(layer, x, dy, threads):
@@ -69,17 +71,41 @@ def test_chunked_equals_whole_batch(one_blas_thread, c_in, c_out, kernel, stride
         np.testing.assert_allclose(grads[name], grads0[name], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("c_in,c_out,kernel,stride,padding,nhw", CASES[:3])
-def test_chunked_matches_finite_differences(
+@pytest.mark.parametrize("c_in,c_out,kernel,stride,padding,nhw", CASES)
+def test_chunks_on_two_threads_equal_whole_batch(
     one_blas_thread, c_in, c_out, kernel, stride, padding, nhw
 ):
+    layer = Conv2d(c_in, c_out, kernel, stride=stride, padding=padding)
+    one_blas_thread(layer, (*nhw[1:], c_in), 1)  # N chunks over 2 threads, an odd N included
+    bind_flat(layer, np, np.float64, seed=1)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((*nhw, c_in))
+    dy = rng.standard_normal(layer.forward(x).shape)
+    backend.set_compute_threads(2)
+    chunk, y, dx, grads = _run(layer, x, dy, threads=1)
+    assert chunk == 1
+    _, y0, dx0, grads0 = _run(layer, x, dy, threads=None)
+    np.testing.assert_allclose(y, y0, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-12, atol=1e-12)
+    for name in grads0:
+        np.testing.assert_allclose(grads[name], grads0[name], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("c_in,c_out,kernel,stride,padding,nhw", CASES[:3])
+def test_chunked_matches_finite_differences(
+    one_blas_thread, threads, c_in, c_out, kernel, stride, padding, nhw
+):
+    backend.set_compute_threads(threads)
     layer = Conv2d(c_in, c_out, kernel, stride=stride, padding=padding)
     one_blas_thread(layer, (*nhw[1:], c_in), 2)
     check_layer(layer, (*nhw, c_in), np)
     assert layer.chunk == 2
 
 
-def test_chunked_is_bitwise_repeatable(one_blas_thread):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunked_is_bitwise_repeatable(one_blas_thread, threads):
+    backend.set_compute_threads(threads)
     layer = Conv2d(3, 4, 3, padding=1)
     one_blas_thread(layer, (6, 7, 3), 3)
     bind_flat(layer, np, np.float64, seed=3)
@@ -111,6 +137,19 @@ def test_chunk_size_follows_blas_threads_and_chunk_bytes(monkeypatch):
         assert layer.chunk_images(x) == 1
     finally:
         backend.set_blas_threads(before)
+
+
+def test_use_layer_threads_sets_one_blas_thread_and_the_chunk_threads():
+    before = blas_threads.current().threads
+    try:
+        line = blas_threads.use_layer_threads(2)
+        assert blas_threads.current().threads == 1
+        assert (backend.blas_threads(), backend.compute_threads()) == (1, 2)
+        assert "convolution chunks on 2 thread(s)" in line
+    finally:
+        blas_threads.apply(before)
+        backend.set_blas_threads(None)
+        backend.set_compute_threads(1)
 
 
 def test_apply_records_the_blas_threads_for_layers():

@@ -33,6 +33,8 @@ small GEMM pays a thread wake-up) and the whole-batch path is used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hpcdl import backend
@@ -119,20 +121,44 @@ class Conv2d(Layer):
         self.x_pad = xpad if self.chunk else None
         w2 = self.p["W"].reshape(-1, self.c_out)  # (kh*kw*C_in, C_out)
         y = xp.empty((n * ho * wo, self.c_out), dtype=x.dtype)
-        for first, count in _chunks(n, self.chunk):
+        b_row = self._tiled("b_row", self.p["b"], wo, xp) if self.has_bias else None
+
+        def forward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
             rows = slice(first * ho * wo, (first + count) * ho * wo)
-            xp.matmul(self._cols(xp, xpad, first, count, ho, wo), w2, out=y[rows])
-            if self.has_bias:  # broadcast along Wo*C_out-long rows: a C_out-long inner loop is slow
+            xp.matmul(self._cols(xp, xpad, first, count, ho, wo, slot), w2, out=y[rows])
+            if b_row is not None:  # broadcast along Wo*C_out-long rows, not C_out-long ones
                 y2 = y[rows].reshape(count * ho, wo * self.c_out)
-                y2 += self._tiled("b_row", self.p["b"], wo, xp)
+                y2 += b_row
+
+        self._run_chunks(forward_chunk, n)
         return y.reshape(n, ho, wo, self.c_out)  # (N, Ho, Wo, C_out)
 
-    def _cols(self, xp: Any, xpad: Any, first: int, count: int, ho: int, wo: int) -> Any:
+    def _run_chunks(self, work: Callable[[int, int, int, bool], None], n: int) -> int:
+        """work(first, count, slot, fresh) for each chunk of the batch; returns the slots used.
+
+        With compute_threads() = T > 1, slot t runs on its own thread and takes chunks t, t+T,
+        ... (a fixed split, so per-slot sums repeat bitwise); fresh marks a slot's first chunk.
+        """
+        chunks = _chunks(n, self.chunk)
+        slots = min(backend.compute_threads(), len(chunks)) if self.chunk else 1
+        if slots == 1:
+            for index, (first, count) in enumerate(chunks):
+                work(first, count, 0, index == 0)
+            return 1
+
+        def run_slot(slot: int) -> None:
+            for index in range(slot, len(chunks), slots):
+                work(*chunks[index], slot, index == slot)
+
+        list(_thread_pool(slots).map(run_slot, range(slots)))
+        return slots
+
+    def _cols(self, xp: Any, xpad: Any, first: int, count: int, ho: int, wo: int, slot=0) -> Any:
         """im2col of images [first, first+count) of xpad: (count*Ho*Wo, kh*kw*C_in), in a
-        reused workspace ("cols" for the whole batch, "cols_chunk" for chunks)."""
-        name, lead = ("cols_chunk", self.chunk) if self.chunk else ("cols", xpad.shape[0])
-        shape = (lead, ho, wo, self.kh, self.kw, xpad.shape[3])
-        cols = self._workspace(name, shape, xpad.dtype, xp)[:count]
+        reused workspace ("cols" for the whole batch, "cols_chunk" per slot for chunks)."""
+        shape = (ho, wo, self.kh, self.kw, xpad.shape[3])
+        name = "cols_chunk" if self.chunk else "cols"
+        cols = self._slab(name, shape, count, xpad.dtype, xp, slot)
         part = xpad[first : first + count]
         cols[...] = _windows(xp, part, ho, wo, self.kh, self.kw, self.sh, self.sw)
         return cols.reshape(count * ho * wo, -1)
@@ -145,44 +171,56 @@ class Conv2d(Layer):
         if self.has_bias:  # a GEMV with ones: multithreaded, unlike a sum over axis 0
             ones = self._workspace("ones", (dy2.shape[0],), dy2.dtype, xp, fill=1)
             xp.matmul(ones, dy2, out=self.g["b"])
-        dx = None
+        dx = w_flip = None
         if self.input_grad:  # col2im adds into dx; the dilated form writes every element
-            alloc = xp.zeros if self.col2im_input_grad else xp.empty
-            dx = alloc(self.x_shape, dtype=dy.dtype)
+            dx = (xp.zeros if self.col2im_input_grad else xp.empty)(self.x_shape, dtype=dy.dtype)
             w_flip = self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, self.c_in)
-        for first, count in _chunks(n, self.chunk):
+
+        def backward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
             rows = slice(first * ho * wo, (first + count) * ho * wo)
-            if self.chunk:  # dW summed chunk by chunk, in chunk order
-                cols = self._cols(xp, self.x_pad, first, count, ho, wo)
-                part = self._workspace("dW", grad_w.shape, dy.dtype, xp) if first else grad_w
+            if self.chunk:  # dW summed per slot in chunk order; slot 0 sums into grad_w
+                cols = self._cols(xp, self.x_pad, first, count, ho, wo, slot)
+                total = self._slot_ws("dW_sum", grad_w, slot) if slot else grad_w
+                part = total if fresh else self._slot_ws("dW", grad_w, slot)
                 xp.matmul(cols.T, dy2[rows], out=part)
-                if first:
-                    grad_w += part
+                if not fresh:
+                    total += part
             else:
                 xp.matmul(self._workspace("cols").reshape(n * ho * wo, -1).T, dy2, out=grad_w)
             if dx is not None:
                 images = slice(first, first + count)
                 if self.col2im_input_grad:
-                    self._input_grad_col2im(xp, dy[images], dx[images])
+                    self._input_grad_col2im(xp, dy[images], dx[images], slot)
                 else:
-                    self._input_grad(xp, dy[images], dx[images], w_flip)
+                    self._input_grad(xp, dy[images], dx[images], w_flip, slot)
+
+        slots = self._run_chunks(backward_chunk, n)
+        for slot in range(1, slots):  # in slot order: the same sum every step and on every rank
+            grad_w += self._slot_ws("dW_sum", grad_w, slot)
         self.x_pad = None
         self._done(ready)
         return dx
 
-    def _slab(self, name: str, shape: tuple[int, ...], count: int, dtype: Any, xp: Any, **init):
-        """The first `count` images of a workspace shaped (batch or chunk, *shape)."""
+    def _slot_ws(self, name: str, like: Any, slot: int) -> Any:
+        """A workspace shaped like `like`, one per slot."""
+        return self._workspace(f"{name}:{slot}", like.shape, like.dtype, array_module(like))
+
+    def _slab(
+        self, name: str, shape: tuple[int, ...], count: int, dtype: Any, xp: Any, slot=0, **init
+    ):
+        """The first `count` images of a workspace shaped (batch or chunk, *shape), one per slot."""
         lead = self.chunk or self.x_shape[0]
+        name = f"{name}:{slot}" if slot else name
         return self._workspace(name, (lead, *shape), dtype, xp, **init)[:count]
 
-    def _input_grad_col2im(self, xp: Any, dy: Any, dx: Any) -> None:
+    def _input_grad_col2im(self, xp: Any, dy: Any, dx: Any, slot: int = 0) -> None:
         """dx (n, H, W, C_in), zeroed, += the kh*kw blocks of dy @ W.T at their input positions.
 
         Each kernel offset's block is clipped to the positions inside the unpadded input, so
         the padding border is never computed."""
         _, h, w, c = self.x_shape
         n, ho, wo, f = dy.shape
-        dcols = self._slab("dcols_out", (ho, wo, self.kh, self.kw, c), n, dy.dtype, xp)
+        dcols = self._slab("dcols_out", (ho, wo, self.kh, self.kw, c), n, dy.dtype, xp, slot)
         w2 = self.p["W"].reshape(-1, f)  # (kh*kw*C_in, C_out)
         xp.matmul(dy.reshape(-1, f), w2.T, out=dcols.reshape(n * ho * wo, -1))
         for i in range(self.kh):
@@ -198,7 +236,7 @@ class Conv2d(Layer):
         row.reshape(reps, -1)[...] = vec
         return row
 
-    def _input_grad(self, xp: Any, dy: Any, dx: Any, w_flip: Any) -> None:
+    def _input_grad(self, xp: Any, dy: Any, dx: Any, w_flip: Any, slot: int = 0) -> None:
         """dx (n, H, W, C_in) as a stride-1 convolution of the dilated dy with the flipped kernel
         w_flip (kh*kw*C_out, C_in).
 
@@ -212,9 +250,9 @@ class Conv2d(Layer):
         kh, kw, sh, sw = self.kh, self.kw, self.sh, self.sw
         grid_shape = (h + 2 * self.ph + kh - 1, w + 2 * self.pw + kw - 1, f)
         # Zeroed once: the scatter below writes the same positions every step.
-        grid = self._slab("dy_grid", grid_shape, n, dy.dtype, xp, zeroed=True)
+        grid = self._slab("dy_grid", grid_shape, n, dy.dtype, xp, slot, zeroed=True)
         grid[:, kh - 1 : kh + sh * (ho - 1) : sh, kw - 1 : kw + sw * (wo - 1) : sw] = dy
-        dcols = self._slab("dcols", (h, w, kh, kw, f), n, dy.dtype, xp)
+        dcols = self._slab("dcols", (h, w, kh, kw, f), n, dy.dtype, xp, slot)
         interior = grid[:, self.ph :, self.pw :, :]
         dcols[...] = _windows(xp, interior, h, w, kh, kw, 1, 1)
         xp.matmul(dcols.reshape(n * h * w, -1), w_flip, out=dx.reshape(n * h * w, c))
@@ -234,6 +272,16 @@ class Conv2d(Layer):
                 buf.fill(fill)
             self._buffers[name] = buf
         return buf
+
+
+_POOL: dict[int, ThreadPoolExecutor] = {}  # chunk threads by count, shared by all layers
+
+
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of `threads` chunk threads, started on first use."""
+    if threads not in _POOL:
+        _POOL[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hpcdl-conv")
+    return _POOL[threads]
 
 
 def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
