@@ -29,6 +29,13 @@ cache, writing that chunk's output rows. Backward forms each chunk's columns aga
 padded input, adds its dW part in chunk order (deterministic), and computes that chunk's input
 gradient. With several BLAS threads, or on the GPU, one whole-batch GEMM is faster (every
 small GEMM pays a thread wake-up) and the whole-batch path is used.
+
+Chunk threads (hpcdl.backend.compute_threads() = T > 1, set with the one BLAS thread by
+hpcdl.comm.blas_threads.use_layer_threads): the chunks run on T threads of a shared pool, since
+NumPy releases the GIL in the im2col copy and in BLAS, and a one-thread OpenBLAS may be called
+from several threads. Thread t takes chunks t, t+T, ... with its own workspaces and its own dW
+sum; the sums are added in thread order, so a step's results repeat bitwise. On 2 cores this is
+0.6-0.8x the time of whole-batch GEMMs on a 2-thread BLAS (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -153,7 +160,9 @@ class Conv2d(Layer):
         list(_thread_pool(slots).map(run_slot, range(slots)))
         return slots
 
-    def _cols(self, xp: Any, xpad: Any, first: int, count: int, ho: int, wo: int, slot=0) -> Any:
+    def _cols(
+        self, xp: Any, xpad: Any, first: int, count: int, ho: int, wo: int, slot: int = 0
+    ) -> Any:
         """im2col of images [first, first+count) of xpad: (count*Ho*Wo, kh*kw*C_in), in a
         reused workspace ("cols" for the whole batch, "cols_chunk" per slot for chunks)."""
         shape = (ho, wo, self.kh, self.kw, xpad.shape[3])
@@ -206,8 +215,15 @@ class Conv2d(Layer):
         return self._workspace(f"{name}:{slot}", like.shape, like.dtype, array_module(like))
 
     def _slab(
-        self, name: str, shape: tuple[int, ...], count: int, dtype: Any, xp: Any, slot=0, **init
-    ):
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        count: int,
+        dtype: Any,
+        xp: Any,
+        slot: int = 0,
+        **init,
+    ) -> Any:
         """The first `count` images of a workspace shaped (batch or chunk, *shape), one per slot."""
         lead = self.chunk or self.x_shape[0]
         name = f"{name}:{slot}" if slot else name
