@@ -142,3 +142,36 @@ def cpu_threads_hint() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+# The BLAS threads NumPy runs in this process, as hpcdl.comm.blas_threads.apply() set them;
+# None until something sets them (NumPy's default: one per core). Layers read it to choose
+# between one whole-batch GEMM and chunked ones (hpcdl.nn.conv) without asking threadpoolctl
+# on every call.
+_blas_threads: int | None = None
+
+
+def set_blas_threads(threads: int | None) -> None:
+    """Record the BLAS threads NumPy now runs (None: unknown, NumPy's default)."""
+    global _blas_threads
+    _blas_threads = threads
+
+
+def blas_threads() -> int | None:
+    """The BLAS threads recorded by set_blas_threads(), or None when never set."""
+    return _blas_threads
+
+
+# Threads that layers run their CPU chunks on (hpcdl.nn.conv), each calling a one-thread BLAS.
+_compute_threads = 1
+
+
+def set_compute_threads(threads: int) -> None:
+    """Run chunked layer work on `threads` threads (1: in the calling thread)."""
+    global _compute_threads
+    _compute_threads = max(1, threads)
+
+
+def compute_threads() -> int:
+    """The threads set by set_compute_threads() (default 1)."""
+    return _compute_threads

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcdl import backend
+
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
@@ -90,7 +92,9 @@ def apply(threads: int) -> BlasPool:
 
     current()  # loads NumPy's BLAS first
     threadpoolctl.threadpool_limits(limits=threads, user_api="blas")
-    return current()
+    pool = current()
+    backend.set_blas_threads(pool.threads)  # layers choose their GEMM shapes from it
+    return pool
 
 
 def sharers(mine: frozenset[int], node_masks: Sequence[frozenset[int]]) -> int:
@@ -114,3 +118,18 @@ def describe(choice: ThreadChoice, pool: BlasPool, threads_by_rank: Sequence[int
     low, high = min(threads_by_rank), max(threads_by_rank)
     count = f"{low} thread(s)" if low == high else f"{low}-{high} threads (rank 0: {pool.threads})"
     return f"hpcdl: BLAS {pool.library}: {count} per rank ({choice.reason})"
+
+
+def use_layer_threads(cores: int) -> str:
+    """Run NumPy's BLAS on one thread and hpcdl.nn's convolution chunks on `cores` threads.
+
+    For one process that owns several cores (`hpcdl.bench compute`, a rank bound to many
+    cores): measured on the 2-core EPYC at batch 64, a step takes 0.80x (cnn) and 0.64x
+    (resnet20) the time of whole-batch GEMMs on a 2-thread BLAS (docs/PERFORMANCE.md). Returns
+    the line to say once."""
+    pool = apply(1)
+    backend.set_compute_threads(cores)
+    return (
+        f"hpcdl: BLAS {pool.library}: {pool.threads} thread(s); "
+        f"hpcdl.nn convolution chunks on {backend.compute_threads()} thread(s)"
+    )

@@ -20,14 +20,39 @@ The input gradient has two equivalent forms, chosen per layer by measured cost (
   4.8 ms instead of 19 ms for resnet20's 16->32 stride-2 layer and 8.5 instead of 10.6 ms for
   cnn's 32->64 layer, but 25 ms instead of 11 ms for a 16->16 stride-1 layer: col2im is used
   when the stride is > 1 or the layer widens (C_out > C_in).
+
+Chunks (when NumPy's BLAS runs one thread, hpcdl.backend.blas_threads() == 1): the whole-batch
+im2col matrix is tens of MB, so the GEMM reads it back from memory after the copy wrote it
+there. Instead, images are taken a few at a time (CHUNK_BYTES of columns, about L2-sized): each
+chunk's columns are formed in a reused chunk workspace and consumed by its GEMM while still in
+cache, writing that chunk's output rows. Backward forms each chunk's columns again from the
+padded input, adds its dW part in chunk order (deterministic), and computes that chunk's input
+gradient. With several BLAS threads, or on the GPU, one whole-batch GEMM is faster (every
+small GEMM pays a thread wake-up) and the whole-batch path is used.
+
+Chunk threads (hpcdl.backend.compute_threads() = T > 1, set with the one BLAS thread by
+hpcdl.comm.blas_threads.use_layer_threads): the chunks run on T threads of a shared pool, since
+NumPy releases the GIL in the im2col copy and in BLAS, and a one-thread OpenBLAS may be called
+from several threads. Thread t takes chunks t, t+T, ... with its own workspaces and its own dW
+sum; the sums are added in thread order, so a step's results repeat bitwise. On 2 cores this is
+0.6-0.8x the time of whole-batch GEMMs on a 2-thread BLAS (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from hpcdl import backend
 from hpcdl.backend import array_module
 from hpcdl.nn.layers import Layer, ParamSpec, _pair
+
+# Bytes of im2col columns per chunk on the one-BLAS-thread path (module docstring): about the
+# L2 cache of one core, so the GEMM reads the columns the copy just wrote from cache. Measured
+# on the 2-core EPYC, batch 64, one thread, CPU ms per step for cnn / resnet20: 0.5 MB 134 /
+# 328, 1 MB 130 / 309, 2 MB 129 / 321, 4 MB 138 / - (whole batch: 163 / 426).
+CHUNK_BYTES = 1 << 20
 
 
 class Conv2d(Layer):
@@ -64,11 +89,24 @@ class Conv2d(Layer):
         # faster, i.e. when strided or widening; else the dilated form.
         self.col2im_input_grad = self.sh > 1 or self.sw > 1 or c_out > c_in
         self._buffers: dict[str, Any] = {}  # reused workspaces (im2col matrices)
+        self.x_shape: tuple[int, ...] = ()  # (N, H, W, C_in) of the last forward
+        self.chunk = 0  # images per chunk in the last forward; 0: one whole-batch GEMM
+        self.x_pad: Any = None  # chunked: the padded input, (N, Hp, Wp, C_in), for backward
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:
         ho = (h + 2 * self.ph - self.kh) // self.sh + 1
         wo = (w + 2 * self.pw - self.kw) // self.sw + 1
         return ho, wo
+
+    def chunk_images(self, x: Any) -> int:
+        """Images per im2col chunk for input x (N, H, W, C_in); 0 for one whole-batch GEMM."""
+        if backend.blas_threads() != 1 or backend.is_device_array(x):
+            return 0
+        n, h, w, c = x.shape
+        ho, wo = self.output_hw(h, w)
+        image_bytes = ho * wo * self.kh * self.kw * c * x.dtype.itemsize
+        images = max(1, CHUNK_BYTES // image_bytes)
+        return 0 if images >= n else images
 
     def forward(self, x, train=True):
         xp = array_module(x)
@@ -86,49 +124,127 @@ class Conv2d(Layer):
             pad_shape = (n, h + 2 * self.ph, w + 2 * self.pw, c)
             xpad = self._workspace("x_pad", pad_shape, x.dtype, xp, zeroed=True)
             xpad[:, self.ph : self.ph + h, self.pw : self.pw + w, :] = x
-        cols = self._workspace("cols", (n, ho, wo, self.kh, self.kw, c), x.dtype, xp)
-        cols[...] = _windows(xp, xpad, ho, wo, self.kh, self.kw, self.sh, self.sw)
-        self.x_shape = x.shape
-        y = cols.reshape(n * ho * wo, -1) @ self.p["W"].reshape(-1, self.c_out)
-        if self.has_bias:  # broadcast along Wo*C_out-long rows: a C_out-long inner loop is slow
-            y2 = y.reshape(n * ho, wo * self.c_out)
-            y2 += self._tiled("b_row", self.p["b"], wo, xp)
+        self.x_shape, self.chunk = x.shape, self.chunk_images(x)
+        self.x_pad = xpad if self.chunk else None
+        w2 = self.p["W"].reshape(-1, self.c_out)  # (kh*kw*C_in, C_out)
+        y = xp.empty((n * ho * wo, self.c_out), dtype=x.dtype)
+        b_row = self._tiled("b_row", self.p["b"], wo, xp) if self.has_bias else None
+
+        def forward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
+            rows = slice(first * ho * wo, (first + count) * ho * wo)
+            xp.matmul(self._cols(xp, xpad, first, count, ho, wo, slot), w2, out=y[rows])
+            if b_row is not None:  # broadcast along Wo*C_out-long rows, not C_out-long ones
+                y2 = y[rows].reshape(count * ho, wo * self.c_out)
+                y2 += b_row
+
+        self._run_chunks(forward_chunk, n)
         return y.reshape(n, ho, wo, self.c_out)  # (N, Ho, Wo, C_out)
+
+    def _run_chunks(self, work: Callable[[int, int, int, bool], None], n: int) -> int:
+        """work(first, count, slot, fresh) for each chunk of the batch; returns the slots used.
+
+        With compute_threads() = T > 1, slot t runs on its own thread and takes chunks t, t+T,
+        ... (a fixed split, so per-slot sums repeat bitwise); fresh marks a slot's first chunk.
+        """
+        chunks = _chunks(n, self.chunk)
+        slots = min(backend.compute_threads(), len(chunks)) if self.chunk else 1
+        if slots == 1:
+            for index, (first, count) in enumerate(chunks):
+                work(first, count, 0, index == 0)
+            return 1
+
+        def run_slot(slot: int) -> None:
+            for index in range(slot, len(chunks), slots):
+                work(*chunks[index], slot, index == slot)
+
+        list(_thread_pool(slots).map(run_slot, range(slots)))
+        return slots
+
+    def _cols(
+        self, xp: Any, xpad: Any, first: int, count: int, ho: int, wo: int, slot: int = 0
+    ) -> Any:
+        """im2col of images [first, first+count) of xpad: (count*Ho*Wo, kh*kw*C_in), in a
+        reused workspace ("cols" for the whole batch, "cols_chunk" per slot for chunks)."""
+        shape = (ho, wo, self.kh, self.kw, xpad.shape[3])
+        name = "cols_chunk" if self.chunk else "cols"
+        cols = self._slab(name, shape, count, xpad.dtype, xp, slot)
+        part = xpad[first : first + count]
+        cols[...] = _windows(xp, part, ho, wo, self.kh, self.kw, self.sh, self.sw)
+        return cols.reshape(count * ho * wo, -1)
 
     def backward(self, dy, ready=None):
         xp = array_module(dy)
         n, ho, wo, f = dy.shape
         dy2 = dy.reshape(n * ho * wo, f)
-        cols2 = self._workspace("cols").reshape(n * ho * wo, -1)
-        xp.matmul(cols2.T, dy2, out=self.g["W"].reshape(-1, f))
+        grad_w = self.g["W"].reshape(-1, f)  # (kh*kw*C_in, C_out), in the flat gradient buffer
         if self.has_bias:  # a GEMV with ones: multithreaded, unlike a sum over axis 0
             ones = self._workspace("ones", (dy2.shape[0],), dy2.dtype, xp, fill=1)
             xp.matmul(ones, dy2, out=self.g["b"])
-        dx = None
-        if self.input_grad:
-            col2im = self.col2im_input_grad
-            dx = self._input_grad_col2im(xp, dy) if col2im else self._input_grad(xp, dy)
+        dx = w_flip = None
+        if self.input_grad:  # col2im adds into dx; the dilated form writes every element
+            dx = (xp.zeros if self.col2im_input_grad else xp.empty)(self.x_shape, dtype=dy.dtype)
+            w_flip = self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, self.c_in)
+
+        def backward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
+            rows = slice(first * ho * wo, (first + count) * ho * wo)
+            if self.chunk:  # dW summed per slot in chunk order; slot 0 sums into grad_w
+                cols = self._cols(xp, self.x_pad, first, count, ho, wo, slot)
+                total = self._slot_ws("dW_sum", grad_w, slot) if slot else grad_w
+                part = total if fresh else self._slot_ws("dW", grad_w, slot)
+                xp.matmul(cols.T, dy2[rows], out=part)
+                if not fresh:
+                    total += part
+            else:
+                xp.matmul(self._workspace("cols").reshape(n * ho * wo, -1).T, dy2, out=grad_w)
+            if dx is not None:
+                images = slice(first, first + count)
+                if self.col2im_input_grad:
+                    self._input_grad_col2im(xp, dy[images], dx[images], slot)
+                else:
+                    self._input_grad(xp, dy[images], dx[images], w_flip, slot)
+
+        slots = self._run_chunks(backward_chunk, n)
+        for slot in range(1, slots):  # in slot order: the same sum every step and on every rank
+            grad_w += self._slot_ws("dW_sum", grad_w, slot)
+        self.x_pad = None
         self._done(ready)
         return dx
 
-    def _input_grad_col2im(self, xp: Any, dy: Any) -> Any:
-        """dx (N, H, W, C_in) = the kh*kw blocks of dy @ W.T added at their input positions.
+    def _slot_ws(self, name: str, like: Any, slot: int) -> Any:
+        """A workspace shaped like `like`, one per slot."""
+        return self._workspace(f"{name}:{slot}", like.shape, like.dtype, array_module(like))
+
+    def _slab(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        count: int,
+        dtype: Any,
+        xp: Any,
+        slot: int = 0,
+        **init,
+    ) -> Any:
+        """The first `count` images of a workspace shaped (batch or chunk, *shape), one per slot."""
+        lead = self.chunk or self.x_shape[0]
+        name = f"{name}:{slot}" if slot else name
+        return self._workspace(name, (lead, *shape), dtype, xp, **init)[:count]
+
+    def _input_grad_col2im(self, xp: Any, dy: Any, dx: Any, slot: int = 0) -> None:
+        """dx (n, H, W, C_in), zeroed, += the kh*kw blocks of dy @ W.T at their input positions.
 
         Each kernel offset's block is clipped to the positions inside the unpadded input, so
         the padding border is never computed."""
-        n, h, w, c = self.x_shape
-        _, ho, wo, f = dy.shape
-        dcols = self._workspace("dcols_out", (n, ho, wo, self.kh, self.kw, c), dy.dtype, xp)
+        _, h, w, c = self.x_shape
+        n, ho, wo, f = dy.shape
+        dcols = self._slab("dcols_out", (ho, wo, self.kh, self.kw, c), n, dy.dtype, xp, slot)
         w2 = self.p["W"].reshape(-1, f)  # (kh*kw*C_in, C_out)
         xp.matmul(dy.reshape(-1, f), w2.T, out=dcols.reshape(n * ho * wo, -1))
-        dx = xp.zeros(self.x_shape, dtype=dy.dtype)
         for i in range(self.kh):
             out_rows, in_rows = _clipped(i, self.ph, self.sh, ho, h)
             for j in range(self.kw):
                 out_cols, in_cols = _clipped(j, self.pw, self.sw, wo, w)
                 if out_rows is not None and out_cols is not None:
                     dx[:, in_rows, in_cols] += dcols[:, out_rows, out_cols, i, j]
-        return dx
 
     def _tiled(self, name: str, vec: Any, reps: int, xp: Any) -> Any:
         """vec (C,) repeated reps times, (reps*C,): a per-channel vector for a wide row view."""
@@ -136,26 +252,26 @@ class Conv2d(Layer):
         row.reshape(reps, -1)[...] = vec
         return row
 
-    def _input_grad(self, xp: Any, dy: Any) -> Any:
-        """dx as a stride-1 convolution of the dilated dy with the flipped kernel.
+    def _input_grad(self, xp: Any, dy: Any, dx: Any, w_flip: Any, slot: int = 0) -> None:
+        """dx (n, H, W, C_in) as a stride-1 convolution of the dilated dy with the flipped kernel
+        w_flip (kh*kw*C_out, C_in).
 
-        dy is scattered (stride apart) into a zero (N, Hp + kh - 1, Wp + kw - 1, C_out) grid,
+        dy is scattered (stride apart) into a zero (n, Hp + kh - 1, Wp + kw - 1, C_out) grid,
         Hp, Wp being the padded input size; the kh x kw windows of that grid at the unpadded
         input positions are exactly the dy entries each input contributed to, so the same
-        im2col + one GEMM gives dx (N, H, W, C_in) without computing the padding border.
+        im2col + one GEMM gives dx without computing the padding border.
         """
-        n, h, w, c = self.x_shape
-        _, ho, wo, f = dy.shape
+        _, h, w, c = self.x_shape
+        n, ho, wo, f = dy.shape
         kh, kw, sh, sw = self.kh, self.kw, self.sh, self.sw
-        grid_shape = (n, h + 2 * self.ph + kh - 1, w + 2 * self.pw + kw - 1, f)
+        grid_shape = (h + 2 * self.ph + kh - 1, w + 2 * self.pw + kw - 1, f)
         # Zeroed once: the scatter below writes the same positions every step.
-        grid = self._workspace("dy_grid", grid_shape, dy.dtype, xp, zeroed=True)
+        grid = self._slab("dy_grid", grid_shape, n, dy.dtype, xp, slot, zeroed=True)
         grid[:, kh - 1 : kh + sh * (ho - 1) : sh, kw - 1 : kw + sw * (wo - 1) : sw] = dy
-        dcols = self._workspace("dcols", (n, h, w, kh, kw, f), dy.dtype, xp)
+        dcols = self._slab("dcols", (h, w, kh, kw, f), n, dy.dtype, xp, slot)
         interior = grid[:, self.ph :, self.pw :, :]
         dcols[...] = _windows(xp, interior, h, w, kh, kw, 1, 1)
-        w_flip = self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, c)  # (kh*kw*F, C)
-        return (dcols.reshape(n * h * w, -1) @ w_flip).reshape(n, h, w, c)
+        xp.matmul(dcols.reshape(n * h * w, -1), w_flip, out=dx.reshape(n * h * w, c))
 
     def _workspace(self, name, shape=None, dtype=None, xp=None, zeroed=False, fill=None) -> Any:
         """A per-layer scratch array reused while its shape and dtype stay the same.
@@ -172,6 +288,22 @@ class Conv2d(Layer):
                 buf.fill(fill)
             self._buffers[name] = buf
         return buf
+
+
+_POOL: dict[int, ThreadPoolExecutor] = {}  # chunk threads by count, shared by all layers
+
+
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of `threads` chunk threads, started on first use."""
+    if threads not in _POOL:
+        _POOL[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hpcdl-conv")
+    return _POOL[threads]
+
+
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """(first image, image count) of each chunk of a batch of n; one whole-batch piece for 0."""
+    step = chunk or n
+    return [(first, min(step, n - first)) for first in range(0, n, step)]
 
 
 def _clipped(k: int, pad: int, stride: int, n_out: int, n_in: int) -> tuple[Any, Any]:
