@@ -165,7 +165,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
             f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
         )
-        threads = set_blas_threads(world, say)
+        threads = set_cpu_threads(world, say)
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
@@ -192,7 +192,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             model=cfg.model,
             device=cfg.device,
             cuda_aware=aware.aware,
-            blas_threads=threads,
+            cpu_threads=threads,
             sync=cfg.sync,
             steps_per_epoch=steps_per_epoch,
             config=cfg.to_json(),
@@ -223,11 +223,11 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         )
 
 
-def set_blas_threads(world: World, say: Any) -> list[int]:
-    """Set every rank's BLAS threads from where it runs (hpcdl.comm.blas_threads); rank 0 says
-    the choice once. Collective. Returns the threads of every rank, by rank."""
+def set_cpu_threads(world: World, say: Any) -> list[int]:
+    """Set every rank's compute threads from where it runs (hpcdl.comm.blas_threads); rank 0
+    says the choice once. Collective. Returns the threads of every rank, by rank."""
     choice, pool = blas_threads.set_for_rank(world.node_comm)
-    by_rank = world.comm.allgather(pool.threads)
+    by_rank = world.comm.allgather(choice.threads)
     say(blas_threads.describe(choice, pool, by_rank))
     return by_rank
 

@@ -52,7 +52,7 @@ def test_the_limit_is_set_in_the_blas_numpy_uses():
 
 
 def _blas_line(stdout: str) -> str:
-    lines = [line for line in stdout.splitlines() if line.startswith("hpcdl: BLAS ")]
+    lines = [line for line in stdout.splitlines() if "; BLAS " in line]
     assert len(lines) == 1, stdout
     return lines[0]
 
@@ -68,12 +68,16 @@ def test_training_sets_and_reports_the_threads_of_every_rank_once(digits_dir, tm
     }
     proc = run_train(2, *args, "--metrics", metrics, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    threads = read_events(metrics, "start")[0]["blas_threads"]
+    threads = read_events(metrics, "start")[0]["cpu_threads"]
     cores = len(os.sched_getaffinity(0))
     assert len(threads) == 2 and all(t >= 1 for t in threads), threads
     assert sum(threads) <= max(cores, 2), (threads, cores)  # the two ranks never oversubscribe
     line = _blas_line(proc.stdout)
-    assert re.fullmatch(r"hpcdl: BLAS \S.*: \d.* per rank \(.*core\(s\).*\)", line), line
+    assert re.fullmatch(
+        r"hpcdl: \d.* per rank \(.*core\(s\).*\); BLAS \S.* on 1 thread\(s\).*", line
+    )
+    if max(threads) > 1:  # a rank with several cores splits its convolutions over them
+        assert line.endswith(", convolutions split over them by images"), line
 
 
 def test_omp_num_threads_from_the_job_is_honoured(digits_dir, tmp_path):
@@ -82,7 +86,21 @@ def test_omp_num_threads_from_the_job_is_honoured(digits_dir, tmp_path):
     env = {**mpi_env(), "OMP_NUM_THREADS": "1"}
     proc = run_train(2, *args, "--metrics", metrics, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_events(metrics, "start")[0]["blas_threads"] == [1, 1]
-    assert _blas_line(proc.stdout).endswith(
-        ": 1 thread(s) per rank (OMP_NUM_THREADS=1 from the environment)"
-    )
+    assert read_events(metrics, "start")[0]["cpu_threads"] == [1, 1]
+    line = _blas_line(proc.stdout)
+    assert line.startswith("hpcdl: 1 thread(s) per rank (OMP_NUM_THREADS=1 from the environment); ")
+    assert line.endswith(" on 1 thread(s)"), line
+
+
+def test_omp_num_threads_above_one_splits_the_convolutions(digits_dir, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--data", digits_dir / "train", "--model", "cnn", "--epochs", 1, "--max-steps", 2]
+    env = {**mpi_env(), "OMP_NUM_THREADS": "2"}
+    proc = run_train(1, *args, "--workers", 0, "--metrics", metrics, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    assert read_events(metrics, "start")[0]["cpu_threads"] == [min(2, cores)]
+    if cores >= 2:
+        assert _blas_line(proc.stdout).endswith(
+            "on 1 thread(s), convolutions split over them by images"
+        ), proc.stdout

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import backend, nn
+from hpcdl.comm import blas_threads
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.step import StepParts, train_step
 
@@ -212,8 +213,27 @@ def torch_stepper(args: argparse.Namespace):
     return step, sync
 
 
+def set_threads(device: str) -> int:
+    """The threads both frameworks compute on, said once: on CPU, the cores of this process's
+    affinity mask (or OMP_NUM_THREADS), hpcdl's convolutions split over them with a one-thread
+    BLAS as hpcdl.train does (hpcdl.comm.blas_threads), and torch's intra-op pool the same."""
+    mine = blas_threads.affinity()
+    choice = blas_threads.choose(mine, [mine], os.environ)
+    if device == "cpu":
+        pool = blas_threads.use_layer_threads(choice.threads)
+        print(blas_threads.describe(choice, pool, [choice.threads], "here"), flush=True)
+    try:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(choice.threads)
+    except ImportError:
+        pass
+    return choice.threads
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.threads = set_threads(args.device)
     if args.profile:
         from hpcdl.bench.profile import main_profile  # noqa: PLC0415
 
@@ -249,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             "input_shape": list(args.shape),
             "device": args.device,
             "steps": args.steps,
+            "threads": args.threads,
             "chunk": args.chunk or args.steps,
             "hpcdl_ms_per_step": round(ours_ms, 3),
             "torch_ms_per_step": None if theirs_ms is None else round(theirs_ms, 3),

@@ -105,31 +105,36 @@ def sharers(mine: frozenset[int], node_masks: Sequence[frozenset[int]]) -> int:
 def set_for_rank(
     node_comm: Any, env: Mapping[str, str] | None = None
 ) -> tuple[ThreadChoice, BlasPool]:
-    """Choose this rank's BLAS threads against its node's ranks and set them; collective on
-    node_comm."""
+    """Choose this rank's threads against its node's ranks and run its layers on them
+    (use_layer_threads); collective on node_comm."""
     mine = affinity()
     masks = node_comm.allgather(mine)
     choice = choose(mine, masks, os.environ if env is None else env)
-    return choice, apply(choice.threads)
+    return choice, use_layer_threads(choice.threads)
 
 
-def describe(choice: ThreadChoice, pool: BlasPool, threads_by_rank: Sequence[int]) -> str:
-    """The one line rank 0 prints: the library, threads per rank, and why."""
-    low, high = min(threads_by_rank), max(threads_by_rank)
-    count = f"{low} thread(s)" if low == high else f"{low}-{high} threads (rank 0: {pool.threads})"
-    return f"hpcdl: BLAS {pool.library}: {count} per rank ({choice.reason})"
+def use_layer_threads(threads: int) -> BlasPool:
+    """Run NumPy's BLAS on one thread and hpcdl.nn's convolution chunks on `threads` threads.
 
-
-def use_layer_threads(cores: int) -> str:
-    """Run NumPy's BLAS on one thread and hpcdl.nn's convolution chunks on `cores` threads.
-
-    For one process that owns several cores (`hpcdl.bench compute`, a rank bound to many
-    cores): measured on the 2-core EPYC at batch 64, a step takes 0.80x (cnn) and 0.64x
-    (resnet20) the time of whole-batch GEMMs on a 2-thread BLAS (docs/PERFORMANCE.md). Returns
-    the line to say once."""
+    Measured on the 2-core EPYC at batch 64, a step of one process owning 2 cores takes 0.80x
+    (cnn) and 0.64x (resnet20) the time of whole-batch GEMMs on a 2-thread BLAS, and chunks on
+    one thread beat whole-batch GEMMs on one thread (docs/PERFORMANCE.md, "Chunked
+    convolutions"). Returns the BLAS as read back."""
     pool = apply(1)
-    backend.set_compute_threads(cores)
+    backend.set_compute_threads(threads)
+    return pool
+
+
+def describe(
+    choice: ThreadChoice, pool: BlasPool, threads_by_rank: Sequence[int], unit: str = "per rank"
+) -> str:
+    """The one line rank 0 prints: threads per rank (or `unit`), why, and how they are used."""
+    low, high = min(threads_by_rank), max(threads_by_rank)
+    count = (
+        f"{low} thread(s)" if low == high else f"{low}-{high} threads (rank 0: {choice.threads})"
+    )
+    split = ", convolutions split over them by images" if high > 1 else ""
     return (
-        f"hpcdl: BLAS {pool.library}: {pool.threads} thread(s); "
-        f"hpcdl.nn convolution chunks on {backend.compute_threads()} thread(s)"
+        f"hpcdl: {count} {unit} ({choice.reason}); BLAS {pool.library} on "
+        f"{pool.threads} thread(s){split}"
     )
