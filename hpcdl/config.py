@@ -274,7 +274,8 @@ def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
     """`values` of a TOML file with its relative paths (PATH_KEYS) made relative to its directory.
 
     `data = "shards"` means the shards beside the config file, wherever the job starts; `~` is
-    expanded. Values that are not strings are left for validation to reject.
+    expanded. So does the file of `model = "nets/mine.py:build"` (a module spec or a built-in
+    name is not a path). Values that are not strings are left for validation to reject.
     """
     base = Path(config_path).parent
     out = dict(values)
@@ -282,6 +283,11 @@ def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
         value = out.get(key)
         if isinstance(value, str) and value and value not in _NOT_PATHS.get(key, ()):
             out[key] = str(base / Path(value).expanduser())
+    model = out.get("model")
+    if isinstance(model, str) and is_user_model(model):
+        where, _, function = model.rpartition(":")
+        if where.endswith(".py"):
+            out["model"] = f"{base / Path(where).expanduser()}:{function}"
     return out
 
 

@@ -138,3 +138,22 @@ def test_no_parser_in_the_package_accepts_abbreviated_flags(monkeypatch):
         assert exit_.value.code == 0, name
     assert len(made) >= len(mains) + 3  # with the subcommands of hpcdl.jobs and hpcdl.data
     assert [prog for prog, allowed in made if allowed] == []
+
+
+def test_a_model_file_named_in_toml_is_relative_to_the_config_file(tmp_path, monkeypatch):
+    jobdir = tmp_path / "jobs"
+    (jobdir / "models").mkdir(parents=True)
+    (jobdir / "models" / "net.py").write_text("def build(shape, classes):\n    return []\n")
+    cfg_file = jobdir / "job.toml"
+    cfg_file.write_text('data = "shards"\nmodel = "models/net.py:build"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert parse_args(["--config", str(cfg_file)]).model == f"{jobdir / 'models' / 'net.py'}:build"
+    # A module spec and a built-in name are not paths; a flag stays relative to the cwd.
+    for model in ("hpcdl.nn.models:build_model", "resnet18"):
+        cfg_file.write_text(f'data = "shards"\nmodel = "{model}"\n')
+        assert parse_args(["--config", str(cfg_file)]).model == model
+    (elsewhere / "net.py").write_text("def build(shape, classes):\n    return []\n")
+    flagged = parse_args(["--config", str(cfg_file), "--model", "net.py:build"])
+    assert flagged.model == "net.py:build"
