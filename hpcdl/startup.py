@@ -165,7 +165,6 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
             f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
         )
-        threads = set_cpu_threads(world, say)
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
@@ -182,6 +181,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged)
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
+        threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
         metrics = MetricsWriter(cfg.metrics if world.is_root else None)
         own(stack, metrics.close, metrics.close)
         steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
