@@ -16,6 +16,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -184,8 +185,26 @@ def _torch_resnet20(torch: Any, c: int, classes: int):
     return tnn.Sequential(*layers)
 
 
-def torch_stepper(args: argparse.Namespace):
-    """(step, sync) for the same step in PyTorch, or None when torch is not importable."""
+@dataclass
+class TorchSetup:
+    """The PyTorch side of one benchmark step: the model, SGD momentum, a random batch, loss."""
+
+    torch: Any
+    device: str  # "cuda" or "cpu"
+    model: Any
+    opt: Any
+    x: Any
+    y: Any
+    loss_fn: Any
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+
+def torch_setup(args: argparse.Namespace) -> TorchSetup | None:
+    """The same network, optimizer and batch shape as hpcdl's in PyTorch (seeded, in train
+    mode), or None when torch (or the reference model) is not importable."""
     try:
         import torch  # noqa: PLC0415
 
@@ -194,23 +213,30 @@ def torch_stepper(args: argparse.Namespace):
     except ImportError:
         return None
     device = "cuda" if args.device == "gpu" else "cpu"
-    model = model.to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args.batch_size, *args.shape, device=device)
-    y = torch.randint(0, args.classes, (args.batch_size,), device=device)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    model = model.to(device).train()
+    return TorchSetup(
+        torch=torch,
+        device=device,
+        model=model,
+        opt=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        x=torch.randn(args.batch_size, *args.shape, device=device),
+        y=torch.randint(0, args.classes, (args.batch_size,), device=device),
+        loss_fn=torch.nn.CrossEntropyLoss(),
+    )
+
+
+def torch_stepper(args: argparse.Namespace):
+    """(step, sync) for the same step in PyTorch, or None when torch is not importable."""
+    t = torch_setup(args)
+    if t is None:
+        return None
 
     def step() -> None:
-        opt.zero_grad(set_to_none=False)
-        loss_fn(model(x), y).backward()
-        opt.step()
+        t.opt.zero_grad(set_to_none=False)
+        t.loss_fn(t.model(t.x), t.y).backward()
+        t.opt.step()
 
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    model.train()
-    return step, sync
+    return step, t.sync
 
 
 def set_threads(device: str) -> int:

@@ -272,22 +272,12 @@ def _hook_module(name: str, module: Any, sync: Callable, order: list) -> _Module
 
 def profile_torch(args: argparse.Namespace) -> Breakdown | None:
     """The PyTorch breakdown, or None when torch (or the reference model) is not importable."""
-    from hpcdl.bench.compute import torch_model  # noqa: PLC0415
+    from hpcdl.bench.compute import torch_setup  # noqa: PLC0415
 
-    try:
-        import torch  # noqa: PLC0415
-
-        torch.manual_seed(0)
-        model = torch_model(torch, args.model, args.shape, args.classes)
-    except ImportError:
+    t = torch_setup(args)
+    if t is None:
         return None
-    device = "cuda" if args.device == "gpu" else "cpu"
-    model = model.to(device).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args.batch_size, *args.shape, device=device)
-    y = torch.randint(0, args.classes, (args.batch_size,), device=device)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    model, opt, x, y, loss_fn, sync = t.model, t.opt, t.x, t.y, t.loss_fn, t.sync
 
     def step(clocks: list[_ModuleClock] | None = None) -> tuple[float, float, float]:
         """One step; (loss s, update s, step s)."""
