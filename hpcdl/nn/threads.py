@@ -25,10 +25,11 @@ from typing import Any
 
 from hpcdl import backend
 
-# Elements below which a layer's pass stays on the calling thread. Measured on the 2-core EPYC
-# (float32 ReLU forward + mask, ms, one thread / two): 16K 0.010 / 0.045, 64K 0.04 / 0.05,
-# 256K 0.19 / 0.12, 1M 0.85 / 0.46.
-MIN_SPLIT_ELEMENTS = 1 << 16
+# Elements below which a layer's pass stays on the calling thread. Measured on the shared 2-core
+# EPYC (load 3, float32, forward + backward, ms on one thread / two, every pass split):
+# BatchNorm 256K 0.50 / 0.70, 512K 1.26 / 1.13, 1M 2.7-6.2 / 3.0-4.8; ReLU 256K 0.21 / 0.26,
+# 512K 0.41 / 0.38-0.48, 1M 0.86-1.0 / 0.94-1.13; max pool 2x2 on 2M 4.2-5.2 / 2.4-3.1.
+MIN_SPLIT_ELEMENTS = 1 << 19
 
 _POOL: dict[int, ThreadPoolExecutor] = {}  # compute threads by count, shared by all layers
 
