@@ -35,6 +35,11 @@ class BatchNorm(Layer):
     keeps only xc = x - mean (a reused per-layer array), not xhat: y = xc * (gamma * inv_std)
     + beta is one scale and one shift, and backward folds inv_std into per-channel factors:
     dx = (dy - sum(dy)/M) * gamma * inv_std - xc * gamma * inv_std^3 * sum(dy * xc)/M.
+
+    Threads (hpcdl.nn.threads): every pass is split by rows over the compute threads; the
+    per-channel sums are made per part and added in part order, so a thread count repeats
+    bitwise. Forward makes three split passes (sums; centring + squared sums; scale + shift),
+    backward two (the two gradient sums; dx).
     """
 
     fresh_output = True
