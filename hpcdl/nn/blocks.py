@@ -8,6 +8,7 @@ from hpcdl.backend import array_module
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.layers import Layer, ReLU
 from hpcdl.nn.norm import BatchNorm
+from hpcdl.nn.threads import run_split
 
 
 class Sequential(Layer):
@@ -108,14 +109,18 @@ class ResidualBlock(Layer):
         return [("branch", self.branch), ("shortcut", self.shortcut)]
 
     def forward(self, x, train=True):
-        y = self.branch.forward(x, train)
-        y += self.shortcut.forward(x, train)
-        return self.relu.forward(y, train)
+        y = self.branch.forward(x, train)  # a fresh array: BatchNorm's output
+        return self.relu.forward(y, train, residual=self.shortcut.forward(x, train))
 
     def backward(self, dy, ready=None):
         dy = self.relu.backward(dy, ready)
         dx = self.branch.backward(dy, ready)  # a fresh array: a convolution's input gradient
-        dx += self.shortcut.backward(dy, ready)
+        shortcut_dx = self.shortcut.backward(dy, ready)
+
+        def add(first: int, count: int, part: int) -> None:
+            dx[first : first + count] += shortcut_dx[first : first + count]
+
+        run_split(len(dx), add, dx)
         return dx
 
 

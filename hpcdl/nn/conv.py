@@ -31,22 +31,23 @@ gradient. With several BLAS threads, or on the GPU, one whole-batch GEMM is fast
 small GEMM pays a thread wake-up) and the whole-batch path is used.
 
 Chunk threads (hpcdl.backend.compute_threads() = T > 1, set with the one BLAS thread by
-hpcdl.comm.blas_threads.use_layer_threads): the chunks run on T threads of a shared pool, since
-NumPy releases the GIL in the im2col copy and in BLAS, and a one-thread OpenBLAS may be called
-from several threads. Thread t takes chunks t, t+T, ... with its own workspaces and its own dW
-sum; the sums are added in thread order, so a step's results repeat bitwise. On 2 cores this is
-0.6-0.8x the time of whole-batch GEMMs on a 2-thread BLAS (docs/PERFORMANCE.md).
+hpcdl.comm.blas_threads.use_layer_threads): the chunks run on the T threads of the shared pool
+in hpcdl.nn.threads, since NumPy releases the GIL in the im2col copy and in BLAS, and a
+one-thread OpenBLAS may be called from several threads. Thread t takes chunks t, t+T, ...
+with its own workspaces and its own dW sum; the sums are added in thread order, so a step's
+results repeat bitwise. On 2 cores this is 0.6-0.8x the time of whole-batch GEMMs on a
+2-thread BLAS (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hpcdl import backend
 from hpcdl.backend import array_module
 from hpcdl.nn.layers import Layer, ParamSpec, _pair
+from hpcdl.nn.threads import run_parts
 
 # Bytes of im2col columns per chunk on the one-BLAS-thread path (module docstring): about the
 # L2 cache of one core, so the GEMM reads the columns the copy just wrote from cache. Measured
@@ -157,7 +158,7 @@ class Conv2d(Layer):
             for index in range(slot, len(chunks), slots):
                 work(*chunks[index], slot, index == slot)
 
-        list(_thread_pool(slots).map(run_slot, range(slots)))
+        run_parts(slots, run_slot)
         return slots
 
     def _cols(
@@ -288,16 +289,6 @@ class Conv2d(Layer):
                 buf.fill(fill)
             self._buffers[name] = buf
         return buf
-
-
-_POOL: dict[int, ThreadPoolExecutor] = {}  # chunk threads by count, shared by all layers
-
-
-def _thread_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's pool of `threads` chunk threads, started on first use."""
-    if threads not in _POOL:
-        _POOL[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hpcdl-conv")
-    return _POOL[threads]
 
 
 def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:

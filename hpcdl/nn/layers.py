@@ -21,6 +21,7 @@ import numpy as np
 
 from hpcdl.backend import array_module
 from hpcdl.nn.init import check_initialiser
+from hpcdl.nn.threads import run_split
 
 Ready = Callable[[int], None] | None
 
@@ -102,16 +103,36 @@ class Linear(Layer):
         )
 
     def forward(self, x, train=True):
+        xp = array_module(x)
         self.x = x
-        y = x @ self.p["W"]
-        y += self.p["b"]
+        w = self.p["W"]
+        y = xp.empty((x.shape[0], self.n_out), dtype=xp.result_type(x, w))  # (N, out)
+
+        def rows(first: int, count: int, part: int) -> None:
+            xp.matmul(x[first : first + count], w, out=y[first : first + count])
+            y[first : first + count] += self.p["b"]
+
+        run_split(len(x), rows, w)  # the GEMM's cost scales with W's size
         return y
 
     def backward(self, dy, ready=None):
         xp = array_module(dy)
-        xp.matmul(self.x.T, dy, out=self.g["W"])
+        x, w, grad_w = self.x, self.p["W"], self.g["W"]
+
+        def grad_rows(first: int, count: int, part: int) -> None:  # dW rows = x columns
+            inputs = slice(first, first + count)
+            xp.matmul(x[:, inputs].T, dy, out=grad_w[inputs])
+
+        run_split(self.n_in, grad_rows, w)
         dy.sum(axis=0, out=self.g["b"])
-        dx = dy @ self.p["W"].T if self.input_grad else None
+        dx = None
+        if self.input_grad:
+            dx = xp.empty(x.shape, dtype=xp.result_type(dy, w))  # (N, in)
+
+            def input_rows(first: int, count: int, part: int) -> None:
+                xp.matmul(dy[first : first + count], w.T, out=dx[first : first + count])
+
+            run_split(len(dy), input_rows, w)
         self._done(ready)
         self.x = None
         return dx
@@ -127,15 +148,27 @@ class ReLU(Layer):
         self.inplace = inplace
         self.mask: Any = None  # (x's shape) bool: where the input was > 0
 
-    def forward(self, x, train=True):
+    def forward(self, x, train=True, residual: Any = None):
+        """max(x, 0); with `residual`, max(x + residual, 0) written into x (an inplace ReLU
+        only): a residual add and its ReLU in one pass over the batch."""
         xp = array_module(x)
-        y = xp.maximum(x, 0, out=x if self.inplace else None)
-        self.mask = y > 0
+        if residual is not None and not self.inplace:
+            raise ValueError("ReLU adds a residual into its input: the ReLU must be inplace")
+        y = x if self.inplace else xp.empty_like(x)
+        mask = self.mask = xp.empty(x.shape, dtype=bool)
+
+        def relu(first: int, count: int, part: int) -> None:
+            images = slice(first, first + count)
+            if residual is not None:
+                x[images] += residual[images]
+            xp.maximum(x[images], 0, out=y[images])
+            xp.greater(y[images], 0, out=mask[images])
+
+        run_split(len(x), relu, x)
         return y
 
     def backward(self, dy, ready=None):
-        xp = array_module(dy)
-        return xp.multiply(dy, self.mask, dtype=dy.dtype)
+        return split_multiply(dy, self.mask)
 
 
 class Flatten(Layer):
@@ -172,11 +205,19 @@ class Dropout(Layer):
         seed = int(self.rng.integers(2**63))
         u = xp.random.default_rng(seed).random(x.shape, dtype=xp.float32)
         keep = x.dtype.type(1.0 / (1.0 - self.rate))  # a scalar: CuPy rejects NumPy 0-d arrays
-        self.mask = (u >= self.rate) * keep  # (same shape as x), x.dtype
-        return x * self.mask
+        mask = self.mask = xp.empty(x.shape, dtype=x.dtype)
+        y = xp.empty_like(mask)
+
+        def drop(first: int, count: int, part: int) -> None:
+            images = slice(first, first + count)
+            xp.multiply(u[images] >= self.rate, keep, out=mask[images])
+            xp.multiply(x[images], mask[images], out=y[images])
+
+        run_split(len(x), drop, x)
+        return y
 
     def backward(self, dy, ready=None):
-        return dy if self.mask is None else dy * self.mask
+        return dy if self.mask is None else split_multiply(dy, self.mask)
 
 
 class MaxPool2d(Layer):
@@ -236,9 +277,16 @@ class MaxPool2d(Layer):
         ho, wo = self._out_hw(x.shape)
         if ho < 1 or wo < 1:
             raise ValueError(f"MaxPool2d {self.kh}x{self.kw} does not fit input shape {x.shape}")
-        y = None
-        for window in self._offsets(ho, wo):
-            y = x[window].copy() if y is None else xp.maximum(y, x[window], out=y)
+        y = xp.empty((x.shape[0], ho, wo, x.shape[3]), dtype=x.dtype)
+        first_window, *windows = self._offsets(ho, wo)
+
+        def pool(first: int, count: int, part: int) -> None:
+            images, out = x[first : first + count], y[first : first + count]
+            out[...] = images[first_window]
+            for window in windows:
+                xp.maximum(out, images[window], out=out)
+
+        run_split(len(x), pool, x)
         self.x, self.y = x, y  # (N, H, W, C), (N, Ho, Wo, C)
         return y
 
@@ -246,19 +294,25 @@ class MaxPool2d(Layer):
         xp = array_module(dy)
         x, y = self.x, self.y
         ho, wo = y.shape[1:3]
-        windows = list(self._offsets(ho, wo))
-        hits = [x[win] == y for win in windows]  # (N, Ho, Wo, C) bool each
-        count = hits[0].astype(dy.dtype)
-        for hit in hits[1:]:
-            count += hit
-        share = dy / count
         covered = self.tiled and (ho * self.kh, wo * self.kw) == x.shape[1:3]
         dx = xp.empty(x.shape, dtype=dy.dtype) if covered else xp.zeros(x.shape, dtype=dy.dtype)
-        for win, hit in zip(windows, hits):
-            if self.tiled:  # the windows do not overlap: each input gets one share at most
-                xp.multiply(hit, share, out=dx[win])
-            else:
-                dx[win] += hit * share
+        windows = list(self._offsets(ho, wo))
+
+        def pool_grad(first: int, count: int, part: int) -> None:
+            images = slice(first, first + count)
+            x_part, dx_part = x[images], dx[images]
+            hits = [x_part[win] == y[images] for win in windows]  # (count, Ho, Wo, C) bool each
+            ties = hits[0].astype(dy.dtype)
+            for hit in hits[1:]:
+                ties += hit
+            share = dy[images] / ties
+            for win, hit in zip(windows, hits):
+                if self.tiled:  # the windows do not overlap: each input gets one share at most
+                    xp.multiply(hit, share, out=dx_part[win])
+                else:
+                    dx_part[win] += hit * share
+
+        run_split(len(x), pool_grad, x)
         self.x = self.y = None
         if self.ph or self.pw:  # the -inf border never holds a maximum: drop it
             _, h, w, _ = self.x_shape
@@ -282,3 +336,16 @@ class GlobalAvgPool(Layer):
 
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def split_multiply(a: Any, b: Any) -> Any:
+    """a * b in a new array of a's dtype, split over the compute threads by the first axis."""
+    xp = array_module(a)
+    out = xp.empty(a.shape, dtype=a.dtype)
+
+    def multiply(first: int, count: int, part: int) -> None:
+        rows = slice(first, first + count)
+        xp.multiply(a[rows], b[rows], out=out[rows], dtype=a.dtype)
+
+    run_split(len(a), multiply, a)
+    return out

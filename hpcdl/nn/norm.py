@@ -11,6 +11,7 @@ from typing import Any
 
 from hpcdl.backend import array_module
 from hpcdl.nn.layers import Layer, ParamSpec
+from hpcdl.nn.threads import run_split, split_parts
 
 
 class BatchNorm(Layer):
@@ -34,6 +35,11 @@ class BatchNorm(Layer):
     keeps only xc = x - mean (a reused per-layer array), not xhat: y = xc * (gamma * inv_std)
     + beta is one scale and one shift, and backward folds inv_std into per-channel factors:
     dx = (dy - sum(dy)/M) * gamma * inv_std - xc * gamma * inv_std^3 * sum(dy * xc)/M.
+
+    Threads (hpcdl.nn.threads): every pass is split by rows over the compute threads; the
+    per-channel sums are made per part and added in part order, so a thread count repeats
+    bitwise. Forward makes three split passes (sums; centring + squared sums; scale + shift),
+    backward two (the two gradient sums; dx).
     """
 
     fresh_output = True
@@ -66,11 +72,20 @@ class BatchNorm(Layer):
         else:
             mean = self.b["running_mean"].astype(x.dtype)
             var = self.b["running_var"].astype(x.dtype)
-            xp.subtract(_rows(x, reps), xp.tile(mean, reps), out=_rows(xc, reps))
         inv_std = 1.0 / xp.sqrt(var + self.eps)
-        y_rows = _rows(y, reps)
-        xp.multiply(_rows(xc, reps), xp.tile(self.p["gamma"] * inv_std, reps), out=y_rows)
-        y_rows += xp.tile(self.p["beta"], reps)
+        x_rows, xc_rows, y_rows = _rows(x, reps), _rows(xc, reps), _rows(y, reps)
+        mean_row = None if train else xp.tile(mean, reps)
+        scale_row = xp.tile(self.p["gamma"] * inv_std, reps)
+        beta_row = xp.tile(self.p["beta"], reps)
+
+        def normalise(first: int, count: int, part: int) -> None:
+            rows = slice(first, first + count)
+            if mean_row is not None:
+                xp.subtract(x_rows[rows], mean_row, out=xc_rows[rows])
+            xp.multiply(xc_rows[rows], scale_row, out=y_rows[rows])
+            y_rows[rows] += beta_row
+
+        run_split(len(y_rows), normalise, y)
         self.xc, self.inv_std, self.train = xc, inv_std, train
         return y
 
@@ -78,48 +93,72 @@ class BatchNorm(Layer):
         xp = array_module(dy)
         reps, c = _row_reps(dy), self.channels
         xc, inv_std = self.xc, self.inv_std
-        dy2 = dy.reshape(-1, c)
-        ones = self._ones(xp, dy2.shape[0], dy2.dtype)
         dx = xp.empty_like(dy)
         dx_rows, dy_rows, xc_rows = _rows(dx, reps), _rows(dy, reps), _rows(xc, reps)
-        xp.matmul(ones, dy2, out=self.g["beta"])
-        xp.multiply(dy_rows, xc_rows, out=dx_rows)  # scratch: dy * xc
-        xp.matmul(ones, dx.reshape(-1, c), out=self.g["gamma"])
-        self.g["gamma"] *= inv_std  # sum(dy * xhat)
+
+        def sums(rows: slice, ones: Any, out: Any) -> None:  # out: [sum(dy), sum(dy * xc)]
+            xp.matmul(ones, _channels(dy_rows[rows], c), out=out[:c])
+            xp.multiply(dy_rows[rows], xc_rows[rows], out=dx_rows[rows])  # scratch: dy * xc
+            xp.matmul(ones, _channels(dx_rows[rows], c), out=out[c:])
+
+        total = self._split_sums(dy, 2 * c, sums)
+        self.g["beta"][...] = total[:c]
+        xp.multiply(total[c:], inv_std, out=self.g["gamma"])  # sum(dy * xhat)
         if self.input_grad:
-            scale = self.p["gamma"] * inv_std
-            if self.train:
-                sum_dy, sum_dy_xhat, m = self.g["beta"], self.g["gamma"], dy2.shape[0]
-                if self.stat_reducer is not None:  # the sums over the joined batch
-                    sums = xp.concatenate([sum_dy, sum_dy_xhat])  # (2C,)
-                    self.stat_reducer(sums)
-                    sum_dy, sum_dy_xhat, m = sums[:c], sums[c:], self.count
-                xc_rows *= xp.tile(-scale * inv_std * (sum_dy_xhat / m), reps)
-                xp.multiply(dy_rows, xp.tile(scale, reps), out=dx_rows)
-                dx_rows += xc_rows
-                dx_rows += xp.tile(-scale * (sum_dy / m), reps)
-            else:
-                xp.multiply(dy_rows, xp.tile(scale, reps), out=dx_rows)
+            self._input_grad(xp, dy, dx, reps)
         else:
             dx = None
         self._done(ready)
         self.xc = None
         return dx
 
+    def _input_grad(self, xp: Any, dy: Any, dx: Any, reps: int) -> None:
+        """dx from dy and the gradient sums just written to g["beta"], g["gamma"]."""
+        c, inv_std = self.channels, self.inv_std
+        dx_rows, dy_rows, xc_rows = _rows(dx, reps), _rows(dy, reps), _rows(self.xc, reps)
+        scale = self.p["gamma"] * inv_std
+        scale_row, xc_row, shift_row = xp.tile(scale, reps), None, None
+        if self.train:
+            sum_dy, sum_dy_xhat, m = self.g["beta"], self.g["gamma"], dy.size // c
+            if self.stat_reducer is not None:  # the sums over the joined batch
+                sums = xp.concatenate([sum_dy, sum_dy_xhat])  # (2C,)
+                self.stat_reducer(sums)
+                sum_dy, sum_dy_xhat, m = sums[:c], sums[c:], self.count
+            xc_row = xp.tile(-scale * inv_std * (sum_dy_xhat / m), reps)
+            shift_row = xp.tile(-scale * (sum_dy / m), reps)
+
+        def input_grad(first: int, count: int, part: int) -> None:
+            rows = slice(first, first + count)
+            xp.multiply(dy_rows[rows], scale_row, out=dx_rows[rows])
+            if xc_row is not None:
+                xc_rows[rows] *= xc_row
+                dx_rows[rows] += xc_rows[rows]
+                dx_rows[rows] += shift_row
+
+        run_split(len(dx_rows), input_grad, dx)
+
     def _batch_stats(self, xp: Any, x: Any, xc: Any, scratch: Any) -> tuple[Any, Any]:
         """(mean (C,), biased var (C,)) of the batch; updates the running statistics.
 
         Writes x - mean into xc; scratch (x's shape) is overwritten."""
         c, reps = self.channels, _row_reps(x)
-        x2, xc2, sq2 = x.reshape(-1, c), xc.reshape(-1, c), scratch.reshape(-1, c)
-        ones = self._ones(xp, x2.shape[0], x2.dtype)
+        x_rows, xc_rows, sq_rows = _rows(x, reps), _rows(xc, reps), _rows(scratch, reps)
         if self.stat_reducer is None:
-            m = x2.shape[0]
-            mean = ones @ x2
+            m = x.size // c
+
+            def sum_x(rows: slice, ones: Any, out: Any) -> None:
+                xp.matmul(ones, _channels(x_rows[rows], c), out=out)
+
+            mean = self._split_sums(x, c, sum_x)
             mean /= m
-            xp.subtract(_rows(x, reps), xp.tile(mean, reps), out=_rows(xc, reps))
-            xp.multiply(xc2, xc2, out=sq2)
-            var = ones @ sq2
+            mean_row = xp.tile(mean, reps)
+
+            def sum_sq(rows: slice, ones: Any, out: Any) -> None:
+                xp.subtract(x_rows[rows], mean_row, out=xc_rows[rows])
+                xp.multiply(xc_rows[rows], xc_rows[rows], out=sq_rows[rows])
+                xp.matmul(ones, _channels(sq_rows[rows], c), out=out)
+
+            var = self._split_sums(x, c, sum_sq)
             var /= m
             factor = self.momentum * m / max(m - 1, 1)  # unbiased variance into running
         else:
@@ -137,24 +176,52 @@ class BatchNorm(Layer):
 
         One reduction of [sum(x - K), sum((x - K)^2), M] with K the running mean."""
         c, reps = self.channels, _row_reps(x)
-        x2, xc2, sq2 = x.reshape(-1, c), xc.reshape(-1, c), scratch.reshape(-1, c)
-        ones = self._ones(xp, x2.shape[0], x2.dtype)
-        shift = self.b["running_mean"].astype(x2.dtype)
-        xp.subtract(_rows(x, reps), xp.tile(shift, reps), out=_rows(xc, reps))  # x - K
-        stats = xp.empty(2 * c + 1, dtype=x2.dtype)
-        xp.matmul(ones, xc2, out=stats[:c])
-        xp.multiply(xc2, xc2, out=sq2)
-        xp.matmul(ones, sq2, out=stats[c : 2 * c])
-        stats[2 * c] = x2.shape[0]
+        x_rows, xc_rows, sq_rows = _rows(x, reps), _rows(xc, reps), _rows(scratch, reps)
+        shift = self.b["running_mean"].astype(x.dtype)
+        shift_row = xp.tile(shift, reps)
+
+        def shifted_sums(rows: slice, ones: Any, out: Any) -> None:  # [sum(x - K), sum((x-K)^2)]
+            xp.subtract(x_rows[rows], shift_row, out=xc_rows[rows])
+            xp.multiply(xc_rows[rows], xc_rows[rows], out=sq_rows[rows])
+            xp.matmul(ones, _channels(xc_rows[rows], c), out=out[:c])
+            xp.matmul(ones, _channels(sq_rows[rows], c), out=out[c:])
+
+        stats = xp.empty(2 * c + 1, dtype=x.dtype)
+        stats[: 2 * c] = self._split_sums(x, 2 * c, shifted_sums)
+        stats[2 * c] = x.size // c
         self.stat_reducer(stats)
         count = self.count = stats[2 * c :]
         shifted_mean = stats[:c] / count
         var = stats[c : 2 * c] / count
         var -= shifted_mean * shifted_mean
         xp.maximum(var, 0, out=var)  # rounding must not make it negative
-        xc_rows = _rows(xc, reps)
-        xc_rows -= xp.tile(shifted_mean, reps)  # (x - K) - (mean - K)
+        mean_row = xp.tile(shifted_mean, reps)
+
+        def recentre(first: int, count: int, part: int) -> None:  # (x - K) - (mean - K)
+            xc_rows[first : first + count] -= mean_row
+
+        run_split(len(xc_rows), recentre, xc)
         return shifted_mean + shift, var, count
+
+    def _split_sums(self, x: Any, width: int, sums: Callable[[slice, Any, Any], None]) -> Any:
+        """(width,) per-channel sums over x's rows, split over the compute threads.
+
+        sums(rows, ones, out) writes the sums of a slice of `_rows(x)` rows into out (width,),
+        ones being a ones vector as long as that slice's channel vectors. The parts' sums are
+        added in part order (hpcdl.nn.threads: deterministic)."""
+        xp, reps = array_module(x), _row_reps(x)
+        n_rows = x.size // (reps * x.shape[-1])
+        ones = self._ones(xp, n_rows * reps, x.dtype)
+        partial = xp.empty((split_parts(n_rows, x), width), dtype=x.dtype)
+
+        def part_sums(first: int, count: int, part: int) -> None:
+            sums(slice(first, first + count), ones[: count * reps], partial[part])
+
+        parts = run_split(n_rows, part_sums, x)
+        total = partial[0]
+        for part in range(1, parts):
+            total += partial[part]
+        return total
 
     def _centered_buffer(self, xp: Any, x: Any) -> Any:
         """The per-layer array that holds x - mean, reallocated only when x's shape changes."""
@@ -185,3 +252,8 @@ def _row_reps(x: Any) -> int:
 def _rows(x: Any, reps: int) -> Any:
     """Contiguous x (..., C) as (rows, reps*C), for elementwise work against tiled vectors."""
     return x.reshape(-1, reps * x.shape[-1])
+
+
+def _channels(rows: Any, c: int) -> Any:
+    """A `_rows` block (rows, reps*C) as (rows*reps, C): one channel vector per row."""
+    return rows.reshape(-1, c)
