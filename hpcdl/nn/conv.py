@@ -55,6 +55,21 @@ from hpcdl.nn.threads import run_parts
 # 328, 1 MB 130 / 309, 2 MB 129 / 321, 4 MB 138 / - (whole batch: 163 / 426).
 CHUNK_BYTES = 1 << 20
 
+# OpenBLAS (0.3.31, SkylakeX kernels, the 2-core EPYC) multiplies without packing its operands
+# when M*N*K <= 1e6 (its "small matrix" kernel). The chunked path splits its GEMMs into pieces
+# of at most that size. Measured one thread, float32, GFLOPS blocked / one GEMM per 1024 rows:
+# (K, N) = (144, 16) 106 / 76, (144, 32) 105 / 88, (288, 32) 104 / 80, (576, 64) 98 / 89,
+# (27, 16) 98 / 94. Pieces shorter than MIN_BLOCK_ROWS rows pay more in calls than they save.
+SMALL_GEMM = 1_000_000
+MIN_BLOCK_ROWS = 16
+# The weight gradient cols.T @ dy is split over rows (the block products are then added) when
+# blocks of at least this many rows fit, else over K when blocks of at least MIN_K_BLOCK_...
+# columns fit, else left whole. Measured GFLOPS whole / over K / over rows: (K, N, rows) =
+# (144, 16, 1024) 77 / 100 / 102, (288, 32, 768) 88 / 105 / 98, (576, 64, 448) 98 / 103 / 85,
+# (288, 64, 896) 97 / 93 / 94, (27, 16, 9216) 59 / 49 / 88.
+MIN_ROW_BLOCK_WEIGHT_GRAD = 128
+MIN_K_BLOCK_WEIGHT_GRAD = 32
+
 
 class Conv2d(Layer):
     """Convolution with stride and zero padding on (N, H, W, C_in) -> (N, Ho, Wo, C_out).
@@ -133,7 +148,7 @@ class Conv2d(Layer):
 
         def forward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
             rows = slice(first * ho * wo, (first + count) * ho * wo)
-            xp.matmul(self._cols(xp, xpad, first, count, ho, wo, slot), w2, out=y[rows])
+            self._gemm(xp, self._cols(xp, xpad, first, count, ho, wo, slot), w2, y[rows])
             if b_row is not None:  # broadcast along Wo*C_out-long rows, not C_out-long ones
                 y2 = y[rows].reshape(count * ho, wo * self.c_out)
                 y2 += b_row
@@ -181,10 +196,10 @@ class Conv2d(Layer):
         if self.has_bias:  # a GEMV with ones: multithreaded, unlike a sum over axis 0
             ones = self._workspace("ones", (dy2.shape[0],), dy2.dtype, xp, fill=1)
             xp.matmul(ones, dy2, out=self.g["b"])
-        dx = w_flip = None
+        dx = w_in = None
         if self.input_grad:  # col2im adds into dx; the dilated form writes every element
             dx = (xp.zeros if self.col2im_input_grad else xp.empty)(self.x_shape, dtype=dy.dtype)
-            w_flip = self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, self.c_in)
+            w_in = self._input_grad_weight(xp)
 
         def backward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
             rows = slice(first * ho * wo, (first + count) * ho * wo)
@@ -192,7 +207,7 @@ class Conv2d(Layer):
                 cols = self._cols(xp, self.x_pad, first, count, ho, wo, slot)
                 total = self._slot_ws("dW_sum", grad_w, slot) if slot else grad_w
                 part = total if fresh else self._slot_ws("dW", grad_w, slot)
-                xp.matmul(cols.T, dy2[rows], out=part)
+                self._gemm_weight_grad(cols, dy2[rows], part, slot)
                 if not fresh:
                     total += part
             else:
@@ -200,9 +215,9 @@ class Conv2d(Layer):
             if dx is not None:
                 images = slice(first, first + count)
                 if self.col2im_input_grad:
-                    self._input_grad_col2im(xp, dy[images], dx[images], slot)
+                    self._input_grad_col2im(xp, dy[images], dx[images], w_in, slot)
                 else:
-                    self._input_grad(xp, dy[images], dx[images], w_flip, slot)
+                    self._input_grad(xp, dy[images], dx[images], w_in, slot)
 
         slots = self._run_chunks(backward_chunk, n)
         for slot in range(1, slots):  # in slot order: the same sum every step and on every rank
@@ -210,6 +225,39 @@ class Conv2d(Layer):
         self.x_pad = None
         self._done(ready)
         return dx
+
+    def _gemm(self, xp: Any, a: Any, b: Any, out: Any) -> None:
+        """out = a @ b; on the chunked path in blocks of rows small enough for OpenBLAS's
+        small-matrix kernel (SMALL_GEMM)."""
+        block = SMALL_GEMM // (a.shape[1] * b.shape[1])
+        if not self.chunk or block < MIN_BLOCK_ROWS or block >= a.shape[0]:
+            xp.matmul(a, b, out=out)
+            return
+        for start in range(0, a.shape[0], block):
+            xp.matmul(a[start : start + block], b, out=out[start : start + block])
+
+    def _gemm_weight_grad(self, cols: Any, dy: Any, out: Any, slot: int) -> None:
+        """out (K, C_out) = cols.T @ dy for one chunk, cols (rows, K), dy (rows, C_out).
+
+        Split so that each GEMM fits SMALL_GEMM where that is measured faster (the constants'
+        comment): over rows, adding the block products in row order, when the blocks stay
+        long; else over K (blocks of out's rows, nothing to add); else one GEMM."""
+        xp = array_module(cols)
+        (rows, k), f = cols.shape, dy.shape[1]
+        row_block, k_block = SMALL_GEMM // (k * f), SMALL_GEMM // (rows * f)
+        if MIN_ROW_BLOCK_WEIGHT_GRAD <= row_block < rows:
+            xp.matmul(cols[:row_block].T, dy[:row_block], out=out)
+            block = self._workspace(f"dW_block:{slot}", out.shape, out.dtype, xp)
+            for start in range(row_block, rows, row_block):
+                end = start + row_block
+                xp.matmul(cols[start:end].T, dy[start:end], out=block)
+                out += block
+        elif MIN_K_BLOCK_WEIGHT_GRAD <= k_block < k:
+            for start in range(0, k, k_block):
+                end = start + k_block
+                xp.matmul(cols[:, start:end].T, dy, out=out[start:end])
+        else:
+            xp.matmul(cols.T, dy, out=out)
 
     def _slot_ws(self, name: str, like: Any, slot: int) -> Any:
         """A workspace shaped like `like`, one per slot."""
@@ -230,16 +278,27 @@ class Conv2d(Layer):
         name = f"{name}:{slot}" if slot else name
         return self._workspace(name, (lead, *shape), dtype, xp, **init)[:count]
 
-    def _input_grad_col2im(self, xp: Any, dy: Any, dx: Any, slot: int = 0) -> None:
-        """dx (n, H, W, C_in), zeroed, += the kh*kw blocks of dy @ W.T at their input positions.
+    def _input_grad_weight(self, xp: Any) -> Any:
+        """The weight the input-gradient GEMM multiplies by.
+
+        col2im: W.T, (C_out, kh*kw*C_in), copied contiguous on the chunked path: OpenBLAS's
+        small-matrix kernel (SMALL_GEMM) runs at 50-75% speed on a transposed view.
+        Dilated: the flipped kernel, (kh*kw*C_out, C_in), a contiguous copy by construction."""
+        if self.col2im_input_grad:
+            w_t = self.p["W"].reshape(-1, self.c_out).T
+            return xp.ascontiguousarray(w_t) if self.chunk else w_t
+        return self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, self.c_in)
+
+    def _input_grad_col2im(self, xp: Any, dy: Any, dx: Any, w_t: Any, slot: int = 0) -> None:
+        """dx (n, H, W, C_in), zeroed, += the kh*kw blocks of dy @ w_t at their input positions,
+        w_t being W.T (C_out, kh*kw*C_in).
 
         Each kernel offset's block is clipped to the positions inside the unpadded input, so
         the padding border is never computed."""
         _, h, w, c = self.x_shape
         n, ho, wo, f = dy.shape
         dcols = self._slab("dcols_out", (ho, wo, self.kh, self.kw, c), n, dy.dtype, xp, slot)
-        w2 = self.p["W"].reshape(-1, f)  # (kh*kw*C_in, C_out)
-        xp.matmul(dy.reshape(-1, f), w2.T, out=dcols.reshape(n * ho * wo, -1))
+        self._gemm(xp, dy.reshape(-1, f), w_t, dcols.reshape(n * ho * wo, -1))
         for i in range(self.kh):
             out_rows, in_rows = _clipped(i, self.ph, self.sh, ho, h)
             for j in range(self.kw):
@@ -272,7 +331,7 @@ class Conv2d(Layer):
         dcols = self._slab("dcols", (h, w, kh, kw, f), n, dy.dtype, xp, slot)
         interior = grid[:, self.ph :, self.pw :, :]
         dcols[...] = _windows(xp, interior, h, w, kh, kw, 1, 1)
-        xp.matmul(dcols.reshape(n * h * w, -1), w_flip, out=dx.reshape(n * h * w, c))
+        self._gemm(xp, dcols.reshape(n * h * w, -1), w_flip, dx.reshape(n * h * w, c))
 
     def _workspace(self, name, shape=None, dtype=None, xp=None, zeroed=False, fill=None) -> Any:
         """A per-layer scratch array reused while its shape and dtype stay the same.
