@@ -62,11 +62,11 @@ CHUNK_BYTES = 1 << 20
 # (27, 16) 98 / 94. Pieces shorter than MIN_BLOCK_ROWS rows pay more in calls than they save.
 SMALL_GEMM = 1_000_000
 MIN_BLOCK_ROWS = 16
-# The weight gradient cols.T @ dy is split over rows (the block products are then added) when
-# blocks of at least this many rows fit, else over K when blocks of at least MIN_K_BLOCK_...
-# columns fit, else left whole. Measured GFLOPS whole / over K / over rows: (K, N, rows) =
-# (144, 16, 1024) 77 / 100 / 102, (288, 32, 768) 88 / 105 / 98, (576, 64, 448) 98 / 103 / 85,
-# (288, 64, 896) 97 / 93 / 94, (27, 16, 9216) 59 / 49 / 88.
+# The weight gradient cols.T @ dy is split over K when blocks of at least MIN_K_BLOCK_...
+# columns fit, else over rows (the block products are then added) when blocks of at least
+# MIN_ROW_BLOCK_... rows fit, else left whole. Measured GFLOPS whole / over K / over rows (one
+# thread, stacked calls): (K, N, rows) = (144, 16, 1024) 76 / 98 / 92, (288, 32, 768) 88 / 110
+# / 99, (576, 64, 448) 97 / 109 / 86, (27, 16, 9216) 58 / 51 / 86.
 MIN_ROW_BLOCK_WEIGHT_GRAD = 128
 MIN_K_BLOCK_WEIGHT_GRAD = 32
 
@@ -228,34 +228,46 @@ class Conv2d(Layer):
 
     def _gemm(self, xp: Any, a: Any, b: Any, out: Any) -> None:
         """out = a @ b; on the chunked path in blocks of rows small enough for OpenBLAS's
-        small-matrix kernel (SMALL_GEMM)."""
+        small-matrix kernel (SMALL_GEMM), a (rows, K) and out (rows, N) contiguous."""
         block = SMALL_GEMM // (a.shape[1] * b.shape[1])
         if not self.chunk or block < MIN_BLOCK_ROWS or block >= a.shape[0]:
             xp.matmul(a, b, out=out)
             return
-        for start in range(0, a.shape[0], block):
-            xp.matmul(a[start : start + block], b, out=out[start : start + block])
+        full = a.shape[0] // block * block
+        # One stacked call for the full blocks: NumPy loops over them in C with the GIL
+        # released, where a Python loop would hand the GIL between the chunk threads per block.
+        stacked_out = out[:full].reshape(-1, block, out.shape[1])
+        xp.matmul(a[:full].reshape(-1, block, a.shape[1]), b, out=stacked_out)
+        if full < a.shape[0]:
+            xp.matmul(a[full:], b, out=out[full:])
 
     def _gemm_weight_grad(self, cols: Any, dy: Any, out: Any, slot: int) -> None:
         """out (K, C_out) = cols.T @ dy for one chunk, cols (rows, K), dy (rows, C_out).
 
         Split so that each GEMM fits SMALL_GEMM where that is measured faster (the constants'
-        comment): over rows, adding the block products in row order, when the blocks stay
-        long; else over K (blocks of out's rows, nothing to add); else one GEMM."""
+        comment): over K (blocks of out's rows, nothing to add) when the blocks stay wide;
+        else over rows, the block products then summed in row order, when they stay long;
+        else one GEMM. Each split is one stacked call for its full blocks (see _gemm) and one
+        for the rest."""
         xp = array_module(cols)
         (rows, k), f = cols.shape, dy.shape[1]
         row_block, k_block = SMALL_GEMM // (k * f), SMALL_GEMM // (rows * f)
-        if MIN_ROW_BLOCK_WEIGHT_GRAD <= row_block < rows:
-            xp.matmul(cols[:row_block].T, dy[:row_block], out=out)
-            block = self._workspace(f"dW_block:{slot}", out.shape, out.dtype, xp)
-            for start in range(row_block, rows, row_block):
-                end = start + row_block
-                xp.matmul(cols[start:end].T, dy[start:end], out=block)
-                out += block
-        elif MIN_K_BLOCK_WEIGHT_GRAD <= k_block < k:
-            for start in range(0, k, k_block):
-                end = start + k_block
-                xp.matmul(cols[:, start:end].T, dy, out=out[start:end])
+        if MIN_K_BLOCK_WEIGHT_GRAD <= k_block < k:
+            full = k // k_block * k_block
+            cols_t = cols[:, :full].reshape(rows, -1, k_block).transpose(1, 2, 0)
+            xp.matmul(cols_t, dy, out=out[:full].reshape(-1, k_block, f))
+            if full < k:
+                xp.matmul(cols[:, full:].T, dy, out=out[full:])
+        elif MIN_ROW_BLOCK_WEIGHT_GRAD <= row_block < rows:
+            full = rows // row_block * row_block
+            blocks = self._workspace(f"dW_blocks:{slot}", (full // row_block, k, f), out.dtype, xp)
+            cols_t = cols[:full].reshape(-1, row_block, k).transpose(0, 2, 1)
+            xp.matmul(cols_t, dy[:full].reshape(-1, row_block, f), out=blocks)
+            xp.sum(blocks, axis=0, out=out)
+            if full < rows:
+                rest = self._workspace(f"dW_rest:{slot}", out.shape, out.dtype, xp)
+                xp.matmul(cols[full:].T, dy[full:], out=rest)
+                out += rest
         else:
             xp.matmul(cols.T, dy, out=out)
 
