@@ -31,6 +31,7 @@ def one_blas_thread(monkeypatch):
     float64 input (h, w, c) of the layer."""
     before = backend.blas_threads()
     backend.set_blas_threads(1)
+    monkeypatch.setattr(conv, "MIN_CHUNK_MACS", 0)  # chunks set by CHUNK_BYTES alone
 
     def chunk_of(layer, hwc, images):
         ho, wo = layer.output_hw(hwc[0], hwc[1])
@@ -122,6 +123,7 @@ def test_chunked_is_bitwise_repeatable(one_blas_thread, threads):
 
 def test_chunk_size_follows_blas_threads_and_chunk_bytes(monkeypatch):
     layer = Conv2d(16, 16, 3, padding=1)
+    monkeypatch.setattr(conv, "MIN_CHUNK_MACS", 0)  # the byte budget alone
     x = np.zeros((64, 32, 32, 16), np.float32)  # 32*32*9*16*4 = 576 KiB of columns per image
     monkeypatch.setattr(conv, "CHUNK_BYTES", 2 << 20)
     before = backend.blas_threads()

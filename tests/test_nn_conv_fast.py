@@ -31,6 +31,7 @@ def small_blocks(monkeypatch):
     backend.set_blas_threads(1)
     monkeypatch.setattr(conv, "SMALL_GEMM", 400)
     monkeypatch.setattr(conv, "MIN_BLOCK_ROWS", 1)
+    monkeypatch.setattr(conv, "MIN_CHUNK_MACS", 0)
 
     def split(layer, hwc, mode):
         ho, wo = layer.output_hw(hwc[0], hwc[1])
@@ -125,3 +126,18 @@ def test_chunked_col2im_weight_is_contiguous(small_blocks):
     w_t = layer._input_grad_weight(np)
     assert w_t.flags.c_contiguous
     assert np.array_equal(w_t, layer.p["W"].reshape(-1, 4).T)
+
+
+def test_chunk_holds_at_least_min_chunk_macs(monkeypatch):
+    layer = Conv2d(16, 16, 3, padding=1)
+    x = np.zeros((64, 32, 32, 16), np.float32)  # 32*32*9*16*16 = 2.4M multiply-adds per image
+    before = backend.blas_threads()
+    try:
+        backend.set_blas_threads(1)
+        monkeypatch.setattr(conv, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(conv, "MIN_CHUNK_MACS", 6_000_000)
+        assert layer.chunk_images(x) == 3
+        monkeypatch.setattr(conv, "CHUNK_BYTES", 4 << 20)  # 7 images of columns: bytes decide
+        assert layer.chunk_images(x) == 7
+    finally:
+        backend.set_blas_threads(before)

@@ -23,12 +23,14 @@ The input gradient has two equivalent forms, chosen per layer by measured cost (
 
 Chunks (when NumPy's BLAS runs one thread, hpcdl.backend.blas_threads() == 1): the whole-batch
 im2col matrix is tens of MB, so the GEMM reads it back from memory after the copy wrote it
-there. Instead, images are taken a few at a time (CHUNK_BYTES of columns, about L2-sized): each
-chunk's columns are formed in a reused chunk workspace and consumed by its GEMM while still in
-cache, writing that chunk's output rows. Backward forms each chunk's columns again from the
-padded input, adds its dW part in chunk order (deterministic), and computes that chunk's input
-gradient. With several BLAS threads, or on the GPU, one whole-batch GEMM is faster (every
-small GEMM pays a thread wake-up) and the whole-batch path is used.
+there. Instead, images are taken a few at a time (CHUNK_BYTES of columns, about L2-sized, and
+at least MIN_CHUNK_MACS of work): each chunk's columns are formed in a reused chunk workspace
+and consumed by its GEMM while still in cache, writing that chunk's output rows. Backward
+forms each chunk's columns again from the padded input, adds its dW part in chunk order
+(deterministic), and computes that chunk's input gradient. Each chunk GEMM is itself cut into
+pieces that OpenBLAS multiplies without packing (SMALL_GEMM), in one stacked np.matmul call.
+With several BLAS threads, or on the GPU, one whole-batch GEMM is faster (every small GEMM
+pays a thread wake-up) and the whole-batch path is used.
 
 Chunk threads (hpcdl.backend.compute_threads() = T > 1, set with the one BLAS thread by
 hpcdl.comm.blas_threads.use_layer_threads): the chunks run on the T threads of the shared pool
@@ -54,6 +56,12 @@ from hpcdl.nn.threads import run_parts
 # on the 2-core EPYC, batch 64, one thread, CPU ms per step for cnn / resnet20: 0.5 MB 134 /
 # 328, 1 MB 130 / 309, 2 MB 129 / 321, 4 MB 138 / - (whole batch: 163 / 426).
 CHUNK_BYTES = 1 << 20
+# Multiply-adds of a chunk's forward GEMM at least: a narrower chunk pays more in per-chunk
+# calls and thread hand-offs than its cache locality saves. Measured on the 2-core EPYC, two
+# chunk threads, split GEMMs (SMALL_GEMM), fwd + bwd ms of resnet20's 16->16 32x32 layer
+# (2.4M multiply-adds per image) by images per chunk: 1: 11.4-12.0, 2: 9.1-9.3, 3: 8.5-8.6,
+# 4: 8.3-8.4, 6: 9.0-9.5.
+MIN_CHUNK_MACS = 6_000_000
 
 # OpenBLAS (0.3.31, SkylakeX kernels, the 2-core EPYC) multiplies without packing its operands
 # when M*N*K <= 1e6 (its "small matrix" kernel). The chunked path splits its GEMMs into pieces
@@ -121,7 +129,8 @@ class Conv2d(Layer):
         n, h, w, c = x.shape
         ho, wo = self.output_hw(h, w)
         image_bytes = ho * wo * self.kh * self.kw * c * x.dtype.itemsize
-        images = max(1, CHUNK_BYTES // image_bytes)
+        image_macs = ho * wo * self.kh * self.kw * c * self.c_out
+        images = max(1, CHUNK_BYTES // image_bytes, -(-MIN_CHUNK_MACS // image_macs))
         return 0 if images >= n else images
 
     def forward(self, x, train=True):
