@@ -303,7 +303,7 @@ class Conv2d(Layer):
         """The weight the input-gradient GEMM multiplies by.
 
         col2im: W.T, (C_out, kh*kw*C_in), copied contiguous on the chunked path: OpenBLAS's
-        small-matrix kernel (SMALL_GEMM) runs at 50-75% speed on a transposed view.
+        small-matrix kernel (SMALL_GEMM) runs at 45-80% speed on a transposed view.
         Dilated: the flipped kernel, (kh*kw*C_out, C_in), a contiguous copy by construction."""
         if self.col2im_input_grad:
             w_t = self.p["W"].reshape(-1, self.c_out).T
