@@ -141,3 +141,18 @@ def test_chunk_holds_at_least_min_chunk_macs(monkeypatch):
         assert layer.chunk_images(x) == 7
     finally:
         backend.set_blas_threads(before)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gemm_blocks_write_into_out(small_blocks, contiguous):
+    layer = Conv2d(4, 5, 3)
+    small_blocks(layer, (5, 5, 4), "rows")
+    bind_flat(layer, np, np.float64, seed=0)
+    layer.forward(np.zeros((5, 5, 5, 4)))  # sets the chunk: the blocked path
+    assert layer.chunk == 2
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((41, 36)), rng.standard_normal((36, 5))
+    target = np.full((41, 10), np.nan)
+    out = target[:, :5] if not contiguous else np.full((41, 5), np.nan)
+    layer._gemm(np, a, b, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-12, atol=1e-12)

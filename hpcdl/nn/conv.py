@@ -237,7 +237,8 @@ class Conv2d(Layer):
 
     def _gemm(self, xp: Any, a: Any, b: Any, out: Any) -> None:
         """out = a @ b; on the chunked path in blocks of rows small enough for OpenBLAS's
-        small-matrix kernel (SMALL_GEMM), a (rows, K) and out (rows, N) contiguous."""
+        small-matrix kernel (SMALL_GEMM). The blocks are reshapes that split the row axis
+        only: views of a and out whatever their strides."""
         block = SMALL_GEMM // (a.shape[1] * b.shape[1])
         if not self.chunk or block < MIN_BLOCK_ROWS or block >= a.shape[0]:
             xp.matmul(a, b, out=out)
