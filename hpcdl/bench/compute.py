@@ -99,15 +99,21 @@ def time_interleaved(
     return times
 
 
-def hpcdl_stepper(args: argparse.Namespace):
-    """(step, sync) for one hpcdl training step on a fixed random batch."""
+def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
+    """(step parts, images, labels): the model with SGD momentum and a fixed random batch."""
     xp = backend.select(args.device)
     model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
     rng = np.random.default_rng(0)
     x = xp.asarray(rng.standard_normal((args.batch_size, *args.shape)).astype(np.float32))
     y = xp.asarray(rng.integers(0, args.classes, args.batch_size))
-    parts = StepParts(model, opt, xp)
+    return StepParts(model, opt, xp), x, y
+
+
+def hpcdl_stepper(args: argparse.Namespace):
+    """(step, sync) for one hpcdl training step on a fixed random batch."""
+    parts, x, y = hpcdl_setup(args)
+    xp = parts.xp
 
     def step() -> None:
         train_step(parts, x, y, 0.01)

@@ -48,7 +48,7 @@ import numpy as np
 
 from hpcdl import backend, nn
 from hpcdl import step as step_module
-from hpcdl.step import StepParts, train_step
+from hpcdl.step import train_step
 
 # torch module class -> the hpcdl leaf class it is paired with
 TORCH_KINDS = {
@@ -171,13 +171,10 @@ def timed_leaves(model: nn.Model, xp: Any) -> Iterator[tuple[list[LayerTimes], L
 
 def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
     """The hpcdl breakdown over args.steps steps after WARMUP (quiet_mean)."""
-    xp = backend.select(args.device)
-    model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
-    opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
-    rng = np.random.default_rng(0)
-    x = xp.asarray(rng.standard_normal((args.batch_size, *args.shape)).astype(np.float32))
-    y = xp.asarray(rng.integers(0, args.classes, args.batch_size))
-    parts = StepParts(model, opt, xp)
+    from hpcdl.bench.compute import hpcdl_setup  # noqa: PLC0415
+
+    parts, x, y = hpcdl_setup(args)
+    xp, model = parts.xp, parts.model
     plain = []
     for _ in range(WARMUP + args.steps):
         t0 = time.perf_counter()
