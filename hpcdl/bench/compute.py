@@ -245,27 +245,41 @@ def torch_stepper(args: argparse.Namespace):
     return step, t.sync
 
 
-def set_threads(device: str) -> int:
+def set_threads(device: str, with_torch: bool) -> int:
     """The threads both frameworks compute on, said once: on CPU, the cores of this process's
     affinity mask (or OMP_NUM_THREADS), hpcdl's convolutions split over them with a one-thread
-    BLAS as hpcdl.train does (hpcdl.comm.blas_threads), and torch's intra-op pool the same."""
+    BLAS as hpcdl.train does (hpcdl.comm.blas_threads), and torch's intra-op pool the same
+    (torch is imported only when it will run: with_torch)."""
     mine = blas_threads.affinity()
     choice = blas_threads.choose(mine, [mine], os.environ)
     if device == "cpu":
         pool = blas_threads.use_layer_threads(choice.threads)
         print(blas_threads.describe(choice, pool, [choice.threads], "here"), flush=True)
-    try:
-        import torch  # noqa: PLC0415
+    if with_torch:
+        try:
+            import torch  # noqa: PLC0415
 
-        torch.set_num_threads(choice.threads)
-    except ImportError:
-        pass
+            torch.set_num_threads(choice.threads)
+        except ImportError:
+            pass
     return choice.threads
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """What a --json result says about the run: model, batch, input, device, steps, threads."""
+    return {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "input_shape": list(args.shape),
+        "device": args.device,
+        "steps": args.steps,
+        "threads": args.threads,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    args.threads = set_threads(args.device)
+    args.threads = set_threads(args.device, with_torch=not args.no_torch)
     if args.profile:
         from hpcdl.bench.profile import main_profile  # noqa: PLC0415
 
@@ -296,12 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  torch  {theirs_ms:8.1f} ms/step   ratio hpcdl/torch {ratio:.2f}")
     if args.json:
         result = {
-            "model": args.model,
-            "batch_size": args.batch_size,
-            "input_shape": list(args.shape),
-            "device": args.device,
-            "steps": args.steps,
-            "threads": args.threads,
+            **run_config(args),
             "chunk": args.chunk or args.steps,
             "hpcdl_ms_per_step": round(ours_ms, 3),
             "torch_ms_per_step": None if theirs_ms is None else round(theirs_ms, 3),

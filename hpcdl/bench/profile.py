@@ -365,6 +365,8 @@ def print_table(ours: Breakdown, theirs: Breakdown | None) -> None:
 
 def main_profile(args: argparse.Namespace) -> int:
     """Print the per-layer profile of args.model (the parsed `bench compute` options)."""
+    from hpcdl.bench.compute import run_config  # noqa: PLC0415  (compute imports this module)
+
     try:
         ours = profile_hpcdl(args)
     except backend.BackendError as exc:
@@ -380,11 +382,7 @@ def main_profile(args: argparse.Namespace) -> int:
     print_table(ours, theirs)
     if args.json:
         result = {
-            "model": args.model,
-            "batch_size": args.batch_size,
-            "input_shape": list(args.shape),
-            "device": args.device,
-            "steps": args.steps,
+            **run_config(args),
             "profile": {"hpcdl": ours.as_json(), "torch": theirs and theirs.as_json()},
         }
         print(json.dumps(result))
