@@ -51,6 +51,7 @@ class Checkpoint:
     rng_states: list[Any]  # per rank, JSON-able
     config: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
+    loss_scale: dict[str, Any] | None = None  # --precision fp16: LossScaler.state_dict()
 
 
 def checkpoint_name(epoch: int, global_step: int) -> str:
@@ -96,6 +97,8 @@ def _write_atomically(directory: Path, final: Path, ckpt: Checkpoint) -> None:
             f.attrs["world_size"] = ckpt.world_size
             f.attrs["rng_states"] = json.dumps(ckpt.rng_states)
             f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True)
+            if ckpt.loss_scale is not None:
+                f.attrs["loss_scale"] = json.dumps(ckpt.loss_scale)
             f.create_dataset("params", data=ckpt.params)
             f.create_dataset("buffers", data=ckpt.buffers)
             opt = f.create_group("optimizer")
@@ -162,6 +165,7 @@ def _read(f: h5py.File, path: Path) -> Checkpoint:
         rng_states=_attr(f, path, "rng_states", _parse_list_of_dicts),
         config=_attr(f, path, "config", _parse_dict),
         world_size=_attr(f, path, "world_size", _count),
+        loss_scale=_attr(f, path, "loss_scale", _parse_dict) if "loss_scale" in f.attrs else None,
     )
     if len(ckpt.rng_states) != ckpt.world_size:
         raise CheckpointError(

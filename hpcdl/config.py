@@ -55,6 +55,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     decay_bias_norm: bool = True  # False: no weight decay on biases and BatchNorm parameters
     sync_bn: bool = False  # BatchNorm statistics over all ranks (SyncBatchNorm)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (hpcdl.nn.precision)
     device: str = "cpu"
     seed: int = 0
     shuffle: str = "global"
@@ -95,6 +96,7 @@ _CHOICES = {
     "lr_scaling": ("none", "linear"),
     "lr_decay": ("none", "cosine", "step"),
     "optimizer": ("sgd", "adam", "adamw"),
+    "precision": ("fp32", "bf16", "fp16"),
     "device": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
     "progress": PROGRESS_MODES,
@@ -130,6 +132,10 @@ _HELP = {
     "as PyTorch; --no-decay-bias-norm leaves them out, as ResNet/ImageNet recipes do)",
     "sync_bn": "BatchNorm batch statistics over all ranks (SyncBatchNorm): R ranks x batch B "
     "train as 1 rank x R*B (default: off: statistics per rank, as DDP without SyncBatchNorm)",
+    "precision": "fp32; or bf16 / fp16: activations and gradients rounded to that format, "
+    "float32 master weights, fp16 with dynamic loss scaling (an overflow skips the step on every "
+    "rank). The arrays stay float32: this gives the format's accuracy, not its speed "
+    "(docs/precision.md)",
     "device": "cpu (NumPy) or gpu (CuPy; one GPU per rank, local rank modulo visible GPUs)",
     "seed": "seed of initialisation, shuffling and augmentation",
     "shuffle": "global: one permutation over all ranks per epoch; node: samples stay on their "

@@ -23,7 +23,9 @@ def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
     return Path(cfg.resume)
 
 
-def restore(cfg: TrainConfig, world: World, model: Any, optimizer: Any) -> Position:
+def restore(
+    cfg: TrainConfig, world: World, model: Any, optimizer: Any, scaler: Any = None
+) -> Position:
     """Load --resume's checkpoint on every rank; returns where training continues.
 
     Everything that can be wrong with the file (a missing attribute, another model's or another
@@ -38,6 +40,8 @@ def restore(cfg: TrainConfig, world: World, model: Any, optimizer: Any) -> Posit
                 ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
             )
             _load_state(ckpt, path, cfg, world, model, optimizer)
+            if scaler is not None and ckpt.loss_scale is not None:
+                _load_loss_scale(scaler, ckpt, path)
         except checkpoint.CheckpointError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
@@ -83,6 +87,16 @@ def _load_state(
             ) from None
 
 
+def _load_loss_scale(scaler: Any, ckpt: checkpoint.Checkpoint, path: Path) -> None:
+    """fp16's loss scale carries over; a checkpoint without one (fp32, bf16) starts afresh."""
+    try:
+        scaler.load_state_dict(ckpt.loss_scale)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {path} has an unusable loss scale ({exc}); {checkpoint.DAMAGED}"
+        ) from None
+
+
 def save(run: Run, at: Position) -> Path | None:
     """Collective: gather every rank's RNG state; rank 0 writes the checkpoint of the run's
     model and optimizer, to continue at `at`. Returns its path on every rank."""
@@ -103,6 +117,7 @@ def save(run: Run, at: Position) -> Path | None:
             rng_states=rng_states,
             config=json.loads(cfg.to_json()),
             world_size=world.size,
+            loss_scale=run.step_parts.scaler.state_dict() if run.step_parts.scaler else None,
         )
         path = checkpoint.save(cfg.checkpoint_dir, ckpt)
     return world.comm.bcast(path, root=0)

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         spec = sampler_spec(cfg, world, len(train_ds))
         sampler = spec.for_rank(world.rank)
         model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
-        start = restore(cfg, world, model, optimizer)
+        scaler = loss_scaler(cfg, world, stack)
+        start = restore(cfg, world, model, optimizer, scaler)
         if start.global_step:
             say(
                 f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "
@@ -178,7 +180,9 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             )
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
-        parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged)
+        parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
+        if cfg.precision != "fp32":
+            say(precision_line(cfg.precision))
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
@@ -244,6 +248,7 @@ def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_sta
         model = nn.build_model(
             cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
         )
+        model.set_precision(cfg.precision)
     except ValueError as exc:
         error = f"--{exc}"
     agree_on_errors(world.comm, world.rank, error)
@@ -283,9 +288,11 @@ def step_parts(
     optimizer: Any,
     xp: Any,
     host_staged: bool,
+    scaler: Any = None,
 ) -> StepParts:
     """The step's reducers: gradient buckets (--sync grad), or parameter averaging (--sync
-    params:K); with --sync-bn, BatchNorm sums its batch statistics over the ranks."""
+    params:K); with --sync-bn, BatchNorm sums its batch statistics over the ranks. scaler:
+    --precision fp16's loss scaler (loss_scaler)."""
     if cfg.sync_bn and world.size > 1:
         bn_stats = collectives.SumReducer(world.comm, host_staged=host_staged)
         own(stack, bn_stats.close, None)  # alone: its communicator is left to MPI_Abort
@@ -300,7 +307,33 @@ def step_parts(
     def average_params() -> None:
         collectives.allreduce_mean(world.comm, model.params, host_staged)
 
-    return StepParts(model, optimizer, xp, reducer, average_params)
+    return StepParts(model, optimizer, xp, reducer, average_params, scaler)
+
+
+def precision_line(precision: str) -> str:
+    scaling = ", dynamic loss scaling" if precision == "fp16" else ""
+    return (
+        f"hpcdl: precision {precision}: activations and gradients rounded to {precision}, "
+        f"float32 master weights{scaling} (float32 arrays: {precision}'s accuracy, not its speed)"
+    )
+
+
+def loss_scaler(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
+    """--precision fp16: the dynamic loss scaler, agreeing on overflows over the ranks."""
+    from hpcdl import nn  # noqa: PLC0415
+
+    if cfg.precision != "fp16":
+        return None
+    # Overflows are expected at fp16 (the scaler skips those steps and counts them in the
+    # summary): NumPy's warnings about them would only alarm.
+    warnings.filterwarnings(
+        "ignore", message="(overflow|invalid value) encountered", category=RuntimeWarning
+    )
+    any_rank = None
+    if world.size > 1:
+        any_rank = collectives.AnyRank(world.comm)
+        own(stack, any_rank.close, None)
+    return nn.precision.LossScaler(any_rank)
 
 
 def start_staging(

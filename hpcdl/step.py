@@ -1,10 +1,11 @@
 """One training step, the one every caller runs: hpcdl.train, the benchmarks and hpcdl.nn.fit.
 
-forward -> softmax cross-entropy -> backward, which hands each finished gradient bucket to the
-reducer as it goes (bucket readiness, hpcdl.comm.reducer) -> wait for the last bucket -> one
-fused optimizer update (-> parameter averaging for --sync params:K), timed part by part
-(StepTimes, which hpcdl.metrics sums and reports). A benchmark that calls train_step
-measures exactly what training runs.
+forward -> softmax cross-entropy (times the loss scale with --precision fp16) -> backward,
+which hands each finished gradient bucket to the reducer as it goes (bucket readiness,
+hpcdl.comm.reducer) -> wait for the last bucket -> (fp16: unscale, or skip the update on every
+rank if any gradient overflowed) -> one fused optimizer update (-> parameter averaging for
+--sync params:K), timed part by part (StepTimes, which hpcdl.metrics sums and reports). A
+benchmark that calls train_step measures exactly what training runs.
 
 Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
 hpcdl.nn.fit can use the step without importing hpcdl.comm.
@@ -53,6 +54,7 @@ class StepParts:
     xp: Any = np  # the model's array module: device work is finished before each timestamp
     reducer: Reducer | None = None  # averages the gradients over the ranks; None: one rank
     average_params: Callable[[], None] | None = None  # --sync params:K: mean of the parameters
+    scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler; None: no loss scaling
 
 
 @dataclass
@@ -60,6 +62,7 @@ class StepResult:
     loss: float  # mean loss of the batch
     logits: Any  # (B, K) float32 on xp, for accuracy counting
     times: StepTimes
+    applied: bool = True  # False: a gradient overflowed (fp16) and every rank skipped the update
 
 
 def train_step(
@@ -80,8 +83,11 @@ def train_step(
     model, reducer = parts.model, parts.reducer
     logits = model.forward(images, train=True)
     loss, dlogits = softmax_cross_entropy(logits, labels)
+    # gradients of loss / N: their sum over the ranks is the average; x the loss scale
+    scale = (parts.scaler.scale if parts.scaler else 1.0) / (reducer.world_size if reducer else 1)
+    if scale != 1.0:
+        dlogits *= scale
     if reducer:
-        dlogits *= 1.0 / reducer.world_size  # gradients of loss / N: their sum is the average
         reducer.begin_step()
     model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
     synchronize(parts.xp)
@@ -89,7 +95,9 @@ def train_step(
     if reducer:
         reducer.wait()  # gradients are now averaged over all ranks
     t2 = time.perf_counter()
-    parts.optimizer.step(lr)
+    applied = parts.scaler.unscale(model.grads) if parts.scaler else True
+    if applied:
+        parts.optimizer.step(lr)
     if mix_params:
         parts.average_params()
     synchronize(parts.xp)
@@ -98,4 +106,4 @@ def train_step(
         t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
     )
     times.t_step = t3 - start
-    return StepResult(float(loss), logits, times)
+    return StepResult(float(loss), logits, times, applied)

@@ -114,6 +114,7 @@ def checkpoint_due(
 
 def log_step(run: Run, global_step: int, epoch: int, result: StepResult, lr: float) -> None:
     """A `step` metrics record and, on rank 0 with staging, how far staging runs ahead."""
+    scaler = run.step_parts.scaler  # --precision fp16
     run.metrics.write(
         "step",
         step=global_step,
@@ -122,6 +123,7 @@ def log_step(run: Run, global_step: int, epoch: int, result: StepResult, lr: flo
         lr=lr,
         **vars(result.times),
         samples_per_s=run.global_batch / max(result.times.t_step, 1e-9),
+        **({"loss_scale": scaler.scale, "applied": result.applied} if scaler else {}),
     )
     ahead = run.staging.progress_record() if run.staging and run.world.is_root else None
     if ahead:
@@ -177,6 +179,8 @@ def write_summary(
         staging=stage_stats,
         staging_nodes=staging_nodes(world, stage_stats),
         bad_samples=bad,
+        precision=run.cfg.precision,
+        skipped_steps=run.step_parts.scaler.skipped if run.step_parts.scaler else 0,
         stopped_by_signal=stopped_by is not None,
         checkpoint=str(checkpoint_path) if checkpoint_path else None,
     )

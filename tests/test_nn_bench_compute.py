@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hpcdl.bench import compute
 
 
@@ -28,3 +30,18 @@ def test_compute_benchmark_rejects_a_bad_input_shape(capsys):
     except SystemExit as exc:
         assert exc.code == 2
     assert "--input-shape must be C,H,W" in capsys.readouterr().err
+
+
+def test_compute_benchmark_runs_reduced_precision_and_says_so(capsys):
+    argv = ["--model", "cnn", "--batch-size", "4", "--input-shape", "1,8,8", "--steps", "2"]
+    for precision in ("bf16", "fp16"):
+        assert compute.main([*argv, "--precision", precision, "--no-torch", "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["precision"] == precision and result["hpcdl_ms_per_step"] > 0
+
+
+def test_compute_benchmark_profiles_fp32_only(capsys):
+    with pytest.raises(SystemExit) as exc:
+        compute.main(["--profile", "--precision", "bf16", "--no-torch"])
+    assert exc.value.code == 2
+    assert "--profile times fp32 steps only" in capsys.readouterr().err

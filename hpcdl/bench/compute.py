@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="interleave the frameworks in turns of this many steps (default 0: each runs "
         "all its steps alone, the best case for both)",
     )
+    ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=nn.precision.PRECISIONS,
+        help="hpcdl --precision (docs/precision.md) against PyTorch autocast to the same format "
+        "(fp16: with GradScaler) (default: fp32)",
+    )
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument(
         "--profile",
@@ -70,6 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--input-shape must be C,H,W (three integers), got {args.input_shape!r}")
     if args.batch_size < 1 or args.steps < 1 or args.chunk < 0:
         ap.error("--batch-size and --steps must be >= 1 and --chunk >= 0")
+    if args.profile and args.precision != "fp32":
+        ap.error("--profile times fp32 steps only; leave out --precision")
     return args
 
 
@@ -103,11 +112,13 @@ def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
     """(step parts, images, labels): the model with SGD momentum and a fixed random batch."""
     xp = backend.select(args.device)
     model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
+    model.set_precision(args.precision)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
     rng = np.random.default_rng(0)
     x = xp.asarray(rng.standard_normal((args.batch_size, *args.shape)).astype(np.float32))
     y = xp.asarray(rng.integers(0, args.classes, args.batch_size))
-    return StepParts(model, opt, xp), x, y
+    scaler = nn.precision.LossScaler() if args.precision == "fp16" else None
+    return StepParts(model, opt, xp, scaler=scaler), x, y
 
 
 def hpcdl_stepper(args: argparse.Namespace):
@@ -202,10 +213,26 @@ class TorchSetup:
     x: Any
     y: Any
     loss_fn: Any
+    precision: str = "fp32"
+    scaler: Any = None  # fp16: torch.amp.GradScaler
 
     def sync(self) -> None:
         if self.device == "cuda":
             self.torch.cuda.synchronize()
+
+    def step(self) -> None:
+        """One step; bf16/fp16: forward and loss under autocast, fp16 with GradScaler."""
+        self.opt.zero_grad(set_to_none=False)
+        dtype = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16}.get(self.precision)
+        with self.torch.autocast(self.device, dtype=dtype, enabled=dtype is not None):
+            loss = self.loss_fn(self.model(self.x), self.y)
+        if self.scaler is None:
+            loss.backward()
+            self.opt.step()
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
 
 
 def torch_setup(args: argparse.Namespace) -> TorchSetup | None:
@@ -228,6 +255,8 @@ def torch_setup(args: argparse.Namespace) -> TorchSetup | None:
         x=torch.randn(args.batch_size, *args.shape, device=device),
         y=torch.randint(0, args.classes, (args.batch_size,), device=device),
         loss_fn=torch.nn.CrossEntropyLoss(),
+        precision=args.precision,
+        scaler=torch.amp.GradScaler(device) if args.precision == "fp16" else None,
     )
 
 
@@ -237,12 +266,7 @@ def torch_stepper(args: argparse.Namespace):
     if t is None:
         return None
 
-    def step() -> None:
-        t.opt.zero_grad(set_to_none=False)
-        t.loss_fn(t.model(t.x), t.y).backward()
-        t.opt.step()
-
-    return step, t.sync
+    return t.step, t.sync
 
 
 def set_threads(device: str, with_torch: bool) -> int:
@@ -274,6 +298,7 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "steps": args.steps,
         "threads": args.threads,
+        "precision": args.precision,
     }
 
 
@@ -299,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = ours_ms / theirs_ms if theirs_ms else None
     where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(
-        f"{args.model} batch {args.batch_size} input {args.input_shape} on {args.device} "
+        f"{args.model} batch {args.batch_size} input {args.input_shape} {args.precision} on "
+        f"{args.device} "
         f"({where}), median of {args.steps} steps"
         + (f", interleaved in turns of {args.chunk}" if args.chunk else "")
     )

@@ -78,3 +78,26 @@ class SumReducer:
 
     def close(self) -> None:
         self.comm.Free()
+
+
+class AnyRank:
+    """`any_rank(flag)`: True on every rank when flag is True on any rank (--precision fp16:
+    every rank skips an overflowing step together).
+
+    One int32 Allreduce (MAX) on its own duplicate of comm, like SumReducer. The flag is agreed
+    explicitly rather than read from the averaged gradients: whether a sum of finite values
+    overflows can depend on the order MPI added them in. close() frees the communicator."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm.Dup()
+        self._flag = np.zeros(1, np.int32)
+
+    def __call__(self, flag: bool) -> bool:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        self._flag[0] = int(flag)
+        self.comm.Allreduce(MPI.IN_PLACE, self._flag, op=MPI.MAX)
+        return bool(self._flag[0])
+
+    def close(self) -> None:
+        self.comm.Free()

@@ -4,7 +4,7 @@ No MPI and no data loading here; the contracts are in docs/internals.md, the det
 docs/nn.md.
 """
 
-from hpcdl.nn import schedule
+from hpcdl.nn import precision, schedule
 from hpcdl.nn.blocks import BottleneckBlock, ResidualBlock, Sequential
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.fit import NonFiniteLossError, evaluate, fit
@@ -48,6 +48,7 @@ __all__ = [
     "evaluate",
     "fit",
     "make_optimizer",
+    "precision",
     "rank_rng_state",
     "schedule",
     "softmax_cross_entropy",

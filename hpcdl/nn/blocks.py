@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from hpcdl.backend import array_module
 from hpcdl.nn.conv import Conv2d
@@ -12,11 +13,15 @@ from hpcdl.nn.threads import run_split
 
 
 class Sequential(Layer):
-    """Layers applied in order. A ReLU right after a layer with a fresh output works in place."""
+    """Layers applied in order. A ReLU right after a layer with a fresh output works in place.
+
+    `rounding` (set by Model.set_precision): rounds each layer's output and input gradient in
+    place to the reduced precision, unless the layer keeps its input's precision."""
 
     def __init__(self, layers: list[Layer]) -> None:
         super().__init__()
         self.layers = list(layers)
+        self.rounding: Callable[[Any], None] | None = None
         for prev, layer in zip(self.layers, self.layers[1:]):
             if isinstance(layer, ReLU) and prev.fresh_output:
                 layer.inplace = True
@@ -35,11 +40,20 @@ class Sequential(Layer):
     def forward(self, x, train=True):
         for layer in self.layers:
             x = layer.forward(x, train)
+            if self.rounding is not None and not layer.keeps_precision:
+                self.rounding(x)
         return x
 
     def backward(self, dy, ready=None):
-        for layer in reversed(self.layers):
+        return self.backward_from(0, dy, ready)
+
+    def backward_from(self, first: int, dy: Any, ready=None) -> Any:
+        """Backward through layers[first:] only (the model skips what precedes its first
+        parameterised layer); the input gradient of layers[first]."""
+        for layer in reversed(self.layers[first:]):
             dy = layer.backward(dy, ready)
+            if self.rounding is not None and not layer.keeps_precision and dy is not None:
+                self.rounding(dy)
         return dy
 
 

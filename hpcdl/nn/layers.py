@@ -55,6 +55,9 @@ class Layer:
     # True when forward returns a new array that the layer keeps no reference to, so the next
     # layer may overwrite it (Sequential lets a ReLU after such a layer work in place).
     fresh_output = False
+    # True when output and input gradient hold only values of the input and output gradient
+    # (ReLU, Flatten): reduced precision (hpcdl.nn.precision) needs no rounding after it.
+    keeps_precision = False
 
     def __init__(self) -> None:
         self.p: dict[str, Any] = {}  # name -> view into model.params
@@ -143,6 +146,8 @@ class ReLU(Layer):
     this fuses e.g. a convolution's bias add and the ReLU into the same buffer, saving an
     allocation and its page faults)."""
 
+    keeps_precision = True
+
     def __init__(self, inplace: bool = False) -> None:
         super().__init__()
         self.inplace = inplace
@@ -173,6 +178,8 @@ class ReLU(Layer):
 
 class Flatten(Layer):
     """(N, ...) -> (N, prod(...))."""
+
+    keeps_precision = True
 
     def forward(self, x, train=True):
         self.shape = x.shape

@@ -19,6 +19,7 @@ from hpcdl.nn.blocks import Sequential
 from hpcdl.nn.init import initial_values
 from hpcdl.nn.layers import Dropout, Layer
 from hpcdl.nn.norm import BatchNorm
+from hpcdl.nn.precision import check_precision, rounding
 
 
 class Model:
@@ -46,6 +47,11 @@ class Model:
         self.params, self.grads, self.buffers, self._layout = bind_flat(
             self.body, xp, self.dtype, seed
         )
+        # What the layers compute with: the params themselves, or a rounded copy of them
+        # (set_precision).
+        self._compute_params = self.params
+        self.precision = "fp32"
+        self._round: Callable[[Any], None] | None = None
         # The first parameterised layer's input is data: skip its input gradient (and any
         # parameter-free layers before it) in backward.
         self._first = 0
@@ -64,6 +70,23 @@ class Model:
     def num_params(self) -> int:
         return int(self.params.size)
 
+    def set_precision(self, precision: str) -> None:
+        """Compute in bf16 or fp16 (hpcdl.nn.precision), keeping self.params float32; fp32: as
+        built. Call it before an optimizer takes self.params: the layers move to a copy."""
+        check_precision(precision)
+        if precision == self.precision:
+            return
+        if self.precision != "fp32" or self.dtype != np.float32:
+            raise ValueError(
+                f"precision {precision} needs a float32 model at fp32, got {self.dtype} at "
+                f"{self.precision}"
+            )
+        self.precision, self._round = precision, rounding(precision)
+        self.params = self._compute_params.copy()  # the float32 master the optimizer updates
+        for layer in _containers(self.body):
+            if isinstance(layer, Sequential):
+                layer.rounding = self._round
+
     def forward(self, x: Any, train: bool = True) -> Any:
         """x (N, C, H, W) -> logits (N, num_classes) in the model's dtype."""
         if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
@@ -74,13 +97,21 @@ class Model:
             )
         xp = array_module(x)
         h = xp.ascontiguousarray(x.transpose(0, 2, 3, 1), dtype=self.dtype)  # (N, H, W, C)
+        if self._round is not None:
+            if xp.may_share_memory(h, x):  # never round the caller's batch in place
+                h = h.copy()
+            self._round(h)
+            self._compute_params[...] = self.params  # this step's weights, rounded
+            self._round(self._compute_params)
         return self.body.forward(h, train)
 
     def backward(self, dlogits: Any, grad_ready: Callable[[int], None] | None = None) -> None:
         """Write d(loss)/d(params) into self.grads; grad_ready(n) when grads[:n] are final."""
         dy = dlogits.astype(self.dtype, copy=False)
-        for layer in reversed(self.body.layers[self._first :]):
-            dy = layer.backward(dy, grad_ready)
+        if self._round is not None:
+            dy = dy.copy() if dy is dlogits else dy  # the caller's array stays as it was
+            self._round(dy)
+        self.body.backward_from(self._first, dy, grad_ready)
 
     def decay_mask(self) -> Any:
         """(P,) array on the params' backend, in their dtype: 0 for biases and BatchNorm, else 1.
@@ -182,3 +213,12 @@ def _leaf_names(root: Layer) -> dict[int, str]:
 
     walk(root, "")
     return names
+
+
+def _containers(root: Layer) -> list[Layer]:
+    """root and every layer below it that has children (named_children), in forward order."""
+    found = [root]
+    for _, child in root.named_children():
+        if child.named_children():
+            found.extend(_containers(child))
+    return found

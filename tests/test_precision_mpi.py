@@ -1,0 +1,88 @@
+"""--precision across ranks (`mpirun -np 2 python -m pytest --with-mpi`): an fp16 overflow on
+one rank skips the step on every rank, and reduced-precision ranks stay bitwise identical."""
+
+import numpy as np
+import pytest
+
+from hpcdl import nn
+from hpcdl.nn.precision import LossScaler
+from hpcdl.step import StepParts, train_step
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def comm_world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def test_any_rank_is_true_everywhere_when_one_rank_says_so():
+    from hpcdl.comm.collectives import AnyRank
+
+    comm = comm_world()
+    any_rank = AnyRank(comm)
+    try:
+        seen = [any_rank(comm.rank == 1), any_rank(False), any_rank(True)]
+    finally:
+        any_rank.close()
+    assert comm.allgather(seen) == [[True, False, True]] * comm.size
+
+
+def ranks_step(
+    precision: str, scaler_on: bool, poison_rank: int | None, steps: int, reduce: bool = True
+):
+    """Steps of cnn on every rank's own batch with the real gradient reducer (reduce=False:
+    none, as --sync params:K); poison_rank's first batch holds an inf. Returns (params before,
+    params after, results, scale) on this rank."""
+    from hpcdl.comm.collectives import AnyRank
+    from hpcdl.comm.reducer import GradientReducer
+
+    comm = comm_world()
+    model = nn.build_model("cnn", (1, 8, 8), 10, seed=5)
+    model.set_precision(precision)
+    model.set_rng_state(nn.rank_rng_state(5, comm.rank))
+    opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+    reducer = GradientReducer(comm, model.grads, bucket_mb=0.05, prescaled=True) if reduce else None
+    any_rank = AnyRank(comm)
+    scaler = LossScaler(any_rank) if scaler_on else None
+    rng = np.random.default_rng(100 + comm.rank)
+    before = model.params.copy()
+    results = []
+    try:
+        for step in range(steps):
+            x = rng.standard_normal((8, 1, 8, 8)).astype(np.float32)
+            if step == 0 and comm.rank == poison_rank:
+                x[0, 0, 0, 0] = np.inf
+            y = rng.integers(0, 10, 8)
+            results.append(
+                train_step(StepParts(model, opt, reducer=reducer, scaler=scaler), x, y, 0.05)
+            )
+    finally:
+        if reducer:
+            reducer.close()
+        any_rank.close()
+    return before, model.params.copy(), results, scaler.scale if scaler else None
+
+
+@pytest.mark.parametrize("reduce", [True, False], ids=["sync-grad", "no-gradient-reducer"])
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(reduce):
+    """Without a gradient reducer (--sync params:K) rank 0's own gradients stay finite: only
+    the scaler's explicit agreement makes it skip too."""
+    comm = comm_world()
+    with np.errstate(over="ignore", invalid="ignore"):
+        before, after, results, scale = ranks_step("fp16", True, 1, steps=1, reduce=reduce)
+    # one skipped step everywhere, the scale halved everywhere, the parameters untouched
+    assert comm.allgather([r.applied for r in results]) == [[False]] * comm.size
+    assert comm.allgather(scale) == [2.0**15] * comm.size
+    np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_ranks_keep_bitwise_identical_parameters(precision):
+    comm = comm_world()
+    before, after, results, _ = ranks_step(precision, precision == "fp16", None, steps=3)
+    assert all(r.applied for r in results)
+    assert not np.array_equal(after, before)
+    digests = comm.allgather(after.tobytes())
+    assert all(d == digests[0] for d in digests)
