@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -185,13 +186,39 @@ def synthetic_hdf5(root: Path, count: int, size: int = 32, classes: int = 10) ->
     write_dataset(root, splits, [f"class{k}" for k in range(classes)])
 
 
+class CacheError(RuntimeError):
+    """The synthetic-data cache directory cannot be trusted; the message names it."""
+
+
+def private_cache_dir() -> Path:
+    """$TMPDIR/hpcdl-bench-data-<uid>, made mode 0700 for this user.
+
+    The benchmark replaces an incomplete data set in it, so it must be a directory only this
+    user can write: an existing path that is a symbolic link, another user's, or writable by
+    others (all of which someone else could have planted in a shared /tmp) is refused."""
+    root = Path(tempfile.gettempdir()) / f"hpcdl-bench-data-{os.getuid()}"
+    try:
+        root.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise CacheError(
+            f"{root} is not a private directory of this user (a symbolic link, another user's, "
+            "or writable by others), so the benchmark will not write or delete in it; remove it "
+            "or point TMPDIR elsewhere"
+        )
+    return root
+
+
 def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--data/--val-data, or a synthetic data set made once in private_cache_dir()."""
     if args.data:
         return args.data, args.val_data
     name = f"synthetic-{args.synthetic}"
     if (args.format, args.image_size) != ("png", 32):
         name += f"-{args.format}-{args.image_size}"
-    base = Path(tempfile.gettempdir()) / "hpcdl-bench-data" / name
+    base = private_cache_dir() / name
     if not (base / ".complete").exists():
         what = "HDF5 data set" if args.format == "h5" else "image folder"
         print(f"making a synthetic {what} of {args.synthetic} images in {base}", flush=True)
@@ -369,9 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "gpu" and not gpu_available():
         print(NO_GPU, file=sys.stderr)
         return 2
-    if args.vs_torch:
-        return vs_torch.compare(args, run_training, ensure_data)
-    data = ensure_data(args)
+    try:
+        if args.vs_torch:
+            return vs_torch.compare(args, run_training, ensure_data)
+        data = ensure_data(args)
+    except CacheError as exc:
+        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
+        return 2
     if args.slow_fs:
         data = (data[0], args.val_data)  # validation is not what this comparison is about
     keep = Path(args.keep_metrics) if args.keep_metrics else None
