@@ -411,4 +411,6 @@ def fail(message: str, status: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpcdl import cli
+
+    sys.exit(cli.run(main))
