@@ -71,8 +71,11 @@ class Model:
         return int(self.params.size)
 
     def set_precision(self, precision: str) -> None:
-        """Compute in bf16 or fp16 (hpcdl.nn.precision), keeping self.params float32; fp32: as
-        built. Call it before an optimizer takes self.params: the layers move to a copy."""
+        """Compute in bf16 or fp16 (hpcdl.nn.precision); fp32: as built.
+
+        self.params becomes a new float32 array, the master the optimizer updates (so call this
+        before an optimizer takes self.params); the layers keep their views of the old buffer,
+        which every forward refills with the masters rounded to the format."""
         check_precision(precision)
         if precision == self.precision:
             return
