@@ -74,8 +74,8 @@ def _round_bf16(x: Any) -> None:
     xp = array_module(x)
     nan = xp.isnan(x)  # a NaN whose payload carries into the sign or exponent would change
     bits = x.view(xp.uint32)
-    carry = bits >> 16
-    carry &= 1
+    carry = bits >> np.uint32(16)  # uint32 scalars: no promotion to int64 on any backend
+    carry &= np.uint32(1)
     carry += _BF16_HALF
     bits += carry
     bits &= _BF16_KEEP
