@@ -25,10 +25,12 @@ CASES = [
 
 @pytest.fixture
 def winograd_everywhere(monkeypatch):
-    """One BLAS thread, the Winograd path for any channel count, chunks of 2 images."""
+    """One BLAS thread, the Winograd path for any channel count and chunk threads; chunk_of
+    sets the images per chunk."""
     before = backend.blas_threads()
     backend.set_blas_threads(1)
     monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv, "WINOGRAD_MAX_CHUNK_THREADS", 2)
 
     def chunk_of(layer, x_shape, images):
         n, h, w, _ = x_shape
@@ -122,11 +124,25 @@ def test_winograd_reports_ready_after_its_gradients(winograd_everywhere):
     assert reported == [(layer.grad_end, layer.g["W"].sum())]
 
 
+def test_first_layer_skips_the_input_gradient(winograd_everywhere):
+    layer = Conv2d(2, 3, 3, padding=1)
+    winograd_everywhere(layer, (3, 5, 4, 2), images=2)
+    bind_flat(layer, np, np.float64, seed=0)
+    rng = np.random.default_rng(5)
+    x, dy = rng.standard_normal((3, 5, 4, 2)), rng.standard_normal((3, 5, 4, 3))
+    _, _, _, grads = _step(layer, x, dy, blas_threads=1)
+    layer.input_grad = False
+    layer.forward(x)
+    assert layer.winograd and layer.backward(dy) is None
+    assert np.array_equal(layer.g["W"], grads["W"])
+
+
 def test_selection_rule(monkeypatch):
     x = np.zeros((8, 16, 16, 32), np.float32)
     before = backend.blas_threads()
     try:
         backend.set_blas_threads(1)
+        backend.set_compute_threads(1)
         assert Conv2d(32, 32, 3, padding=1).uses_winograd(x)
         assert Conv2d(32, 64, 3, padding=0).uses_winograd(x)
         assert not Conv2d(32, 32, 3, stride=2, padding=1).uses_winograd(x)  # strided
@@ -135,10 +151,14 @@ def test_selection_rule(monkeypatch):
         assert not Conv2d(32, 16, 3, padding=1).uses_winograd(x)
         monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 16)
         assert Conv2d(16, 16, 3, padding=1).uses_winograd(x[..., :16])
+        backend.set_compute_threads(2)  # two chunk threads: measured slower, im2col
+        assert not Conv2d(32, 32, 3, padding=1).uses_winograd(x)
+        backend.set_compute_threads(1)
         backend.set_blas_threads(2)  # whole-batch GEMMs on a multithreaded BLAS: im2col
         assert not Conv2d(32, 32, 3, padding=1).uses_winograd(x)
     finally:
         backend.set_blas_threads(before)
+        backend.set_compute_threads(1)
 
 
 def test_weight_transforms_are_exact_inverses_in_the_gradient():

@@ -39,6 +39,21 @@ one-thread OpenBLAS may be called from several threads. Thread t takes chunks t,
 with its own workspaces and its own dW sum; the sums are added in thread order, so a step's
 results repeat bitwise. On 2 cores this is 0.6-0.8x the time of whole-batch GEMMs on a
 2-thread BLAS (docs/PERFORMANCE.md).
+
+Winograd (hpcdl.nn.winograd, uses_winograd): on the chunked path with one chunk thread, a 3x3
+stride-1 layer with at least WINOGRAD_MIN_CHANNELS input and output channels computes
+F(2x2, 3x3) instead: 16 multiply-adds per 2x2 outputs and channel pair instead of im2col's 36,
+as one stacked GEMM per chunk over the 16 tile positions, plus input and output transforms of
+a few additions per element. The transforms cost about what the im2col copy does, so Winograd
+wins only where the GEMM dominates, i.e. with many channels: on one thread, measured 10-20%
+less time at 32 and 64 channels, 6% more at 16 and 75% more at 3. On two chunk threads it
+loses at every shape (the transforms are bound by cache bandwidth and scale 1.4x where im2col
+scales 1.75x), so it is taken only with one: one rank per core, as `bench train` runs. The
+numbers are in the comment of WINOGRAD_MIN_CHANNELS. U = G g G^T is computed once per forward
+and reused by backward, which is the exact gradient of the transformed forward: results differ
+from im2col's by float rounding only (about 1e-15 relative in float64). dU is summed in chunk
+order, so steps repeat bitwise. Padding 0 and 1 and odd output sizes all take it (one more
+tile row or column, cropped). The whole-batch path and CuPy keep im2col.
 """
 
 from __future__ import annotations
@@ -81,13 +96,19 @@ MIN_BLOCK_ROWS = 16
 # / 99, (576, 64, 448) 97 / 109 / 86, (27, 16, 9216) 58 / 51 / 86.
 MIN_ROW_BLOCK_WEIGHT_GRAD = 128
 MIN_K_BLOCK_WEIGHT_GRAD = 32
-# Channels (the fewer of C_in and C_out) from which a 3x3 stride-1 layer takes the Winograd path
-# (module docstring). Measured on the 2-core EPYC, batch 64, float32, one BLAS thread and one
-# chunk thread, fwd + bwd ms im2col / Winograd, the two alternated in one process
-# (/tmp/winograd/ab_layers.py): resnet20's 3->16 32x32 3.6 / 6.4, 16->16 32x32 14.9 / 15.8,
-# 32->32 16x16 12.2 / 11.1, 64->64 8x8 10.0 / 8.6; cnn's 32->32 valid 32x32 42.1 / 34.1,
-# 32->64 15x15 21.1 / 17.0, 64->64 valid 15x15 28.8 / 24.4.
+# When a 3x3 stride-1 layer takes the Winograd path (module docstring): with at most
+# WINOGRAD_MAX_CHUNK_THREADS chunk threads (compute_threads()) and at least
+# WINOGRAD_MIN_CHANNELS channels (the fewer of C_in and C_out). Measured on the 2-core EPYC,
+# batch 64, float32, one BLAS thread, fwd + bwd ms im2col / Winograd, the two alternated in
+# one process (/tmp/winograd/ab_layers.py, scal2.py):
+# - one chunk thread: resnet20's 3->16 32x32 3.6 / 6.4, 16->16 32x32 14.9 / 15.8, 32->32
+#   16x16 11.4 / 9.8, 64->64 8x8 10.1 / 8.9; cnn's 32->32 valid 32x32 42.1 / 34.1, 32->64 15x15
+#   21.1 / 17.0, 64->64 valid 15x15 28.8 / 24.4.
+# - two chunk threads on an otherwise idle machine: 32->32 16x16 6.3 / 7.5, 64->64 8x8 5.7 /
+#   6.3. The transforms stream several times the input through the cache per chunk and, unlike
+#   im2col's GEMM-bound work, scale 1.4x on two cores instead of 1.75x.
 WINOGRAD_MIN_CHANNELS = 32
+WINOGRAD_MAX_CHUNK_THREADS = 1
 # Bytes of Winograd-transformed input tiles per chunk (16 values per 2x2 outputs, at the wider
 # of C_in and C_out). Measured as above, fwd + bwd ms of the 32->32 16x16 / 64->64 8x8 layers
 # at 0.25, 0.5, 1, 2 MiB: 12.9 / 8.9, 11.4 / 7.8, 10.8 / 9.0, 12.7 / 10.6.
@@ -152,8 +173,11 @@ class Conv2d(Layer):
 
     def uses_winograd(self, x: Any) -> bool:
         """Whether forward(x) takes the Winograd path: a 3x3 stride-1 layer with at least
-        WINOGRAD_MIN_CHANNELS channels, on the one-BLAS-thread NumPy (chunked) path."""
+        WINOGRAD_MIN_CHANNELS channels, on the one-BLAS-thread NumPy (chunked) path with at
+        most WINOGRAD_MAX_CHUNK_THREADS chunk threads (their comment says why)."""
         if backend.blas_threads() != 1 or backend.is_device_array(x):
+            return False
+        if backend.compute_threads() > WINOGRAD_MAX_CHUNK_THREADS:
             return False
         if (self.kh, self.kw, self.sh, self.sw) != (3, 3, 1, 1):
             return False
@@ -234,8 +258,10 @@ class Conv2d(Layer):
         and dW = G^T dU G once: the same bits every step for a given thread count."""
         _, h, w, c = self.x_shape
         hp, wp = self.x_pad.shape[1:3]
-        dx = np.empty(self.x_shape, dtype=dy.dtype) if self.input_grad else None
-        u_t = winograd.input_grad_weight(self.winograd_u)  # (16, C_out, C_in)
+        dx = u_t = None
+        if self.input_grad:
+            dx = np.empty(self.x_shape, dtype=dy.dtype)
+            u_t = winograd.input_grad_weight(self.winograd_u)  # (16, C_out, C_in)
 
         def backward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
             images = slice(first, first + count)

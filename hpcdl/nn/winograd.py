@@ -149,12 +149,12 @@ def backward_tiles(
     dm = _output_grad_planes(dy_tiles, scratch)  # per plane: (4, 2, P, F) views
     v = _positions(planes)  # (4, 2, 2, P, C)
     du5 = du.reshape(4, 2, 2, c, f)
-    u_t5 = u_t.reshape(4, 2, 2, f, c)
     for k in range(2):
         np.matmul(v[:, k].swapaxes(-1, -2), dm[k], out=du5[:, k])
     du5[:, 0, 1] *= -1  # dM at B^T row 3 is -(what dm[0] holds there)
     if dx_pad is None:
         return
+    u_t5 = u_t.reshape(4, 2, 2, f, c)
     dv = scratch("dv", (2, 4, n, th, tw, 2, c))  # (plane, tile row, tiles, parity, C)
     for k in range(2):
         np.matmul(dm[k], u_t5[:, k], out=_positions_of_plane(dv[k]))
