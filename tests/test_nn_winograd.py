@@ -30,7 +30,8 @@ def winograd_everywhere(monkeypatch):
     before = backend.blas_threads()
     backend.set_blas_threads(1)
     monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(conv, "WINOGRAD_MAX_CHUNK_THREADS", 2)
+    monkeypatch.setattr(conv, "WINOGRAD_THREADED_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv, "WINOGRAD_THREADED_MIN_SIZE", 1)
 
     def chunk_of(layer, x_shape, images):
         n, h, w, _ = x_shape
@@ -151,8 +152,12 @@ def test_selection_rule(monkeypatch):
         assert not Conv2d(32, 16, 3, padding=1).uses_winograd(x)
         monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 16)
         assert Conv2d(16, 16, 3, padding=1).uses_winograd(x[..., :16])
-        backend.set_compute_threads(2)  # two chunk threads: measured slower, im2col
+        backend.set_compute_threads(2)  # two chunk threads: only wide layers on large maps
         assert not Conv2d(32, 32, 3, padding=1).uses_winograd(x)
+        wide = np.zeros((2, 14, 14, 64), np.float32)
+        assert Conv2d(64, 64, 3, padding=1).uses_winograd(wide)
+        assert not Conv2d(64, 64, 3, padding=0).uses_winograd(wide)  # 12x12 out
+        assert not Conv2d(64, 64, 3, padding=1).uses_winograd(wide[:, :8, :8])
         backend.set_compute_threads(1)
         backend.set_blas_threads(2)  # whole-batch GEMMs on a multithreaded BLAS: im2col
         assert not Conv2d(32, 32, 3, padding=1).uses_winograd(x)

@@ -40,20 +40,20 @@ with its own workspaces and its own dW sum; the sums are added in thread order, 
 results repeat bitwise. On 2 cores this is 0.6-0.8x the time of whole-batch GEMMs on a
 2-thread BLAS (docs/PERFORMANCE.md).
 
-Winograd (hpcdl.nn.winograd, uses_winograd): on the chunked path with one chunk thread, a 3x3
-stride-1 layer with at least WINOGRAD_MIN_CHANNELS input and output channels computes
-F(2x2, 3x3) instead: 16 multiply-adds per 2x2 outputs and channel pair instead of im2col's 36,
-as one stacked GEMM per chunk over the 16 tile positions, plus input and output transforms of
-a few additions per element. The transforms cost about what the im2col copy does, so Winograd
-wins only where the GEMM dominates, i.e. with many channels: on one thread, measured 10-20%
-less time at 32 and 64 channels, 6% more at 16 and 75% more at 3. On two chunk threads it
-loses at every shape (the transforms are bound by cache bandwidth and scale 1.4x where im2col
-scales 1.75x), so it is taken only with one: one rank per core, as `bench train` runs. The
-numbers are in the comment of WINOGRAD_MIN_CHANNELS. U = G g G^T is computed once per forward
-and reused by backward, which is the exact gradient of the transformed forward: results differ
-from im2col's by float rounding only (about 1e-15 relative in float64). dU is summed in chunk
-order, so steps repeat bitwise. Padding 0 and 1 and odd output sizes all take it (one more
-tile row or column, cropped). The whole-batch path and CuPy keep im2col.
+Winograd (hpcdl.nn.winograd, uses_winograd): on the chunked path, a 3x3 stride-1 layer with
+enough channels computes F(2x2, 3x3) instead: 16 multiply-adds per 2x2 outputs and channel
+pair instead of im2col's 36, as one stacked GEMM per chunk over the 16 tile positions, plus
+input and output transforms of a few additions per element. The transforms cost about what
+the im2col copy does, so Winograd wins only where the GEMM dominates, i.e. with many channels:
+on one chunk thread, 10-40% less time from 32 channels on, 6% more at 16 and 75% more at 3.
+On two chunk threads its transforms scale 1.4x where im2col scales 1.75x, so there it is
+taken only from 64 channels on maps of 14x14 or more (resnet18/50 at 224: 16-29% less time),
+not for CIFAR's 8x8-16x16 layers. The measured numbers are in the comment of
+WINOGRAD_MIN_CHANNELS. U = G g G^T is computed once per forward and reused by backward, which
+is the exact gradient of the transformed forward: results differ from im2col's by float
+rounding only (about 1e-15 relative in float64). dU is summed per slot in chunk order and the
+slots in slot order, so steps repeat bitwise. Padding 0 and 1 and odd output sizes all take
+it (one more tile row or column, cropped). The whole-batch path and CuPy keep im2col.
 """
 
 from __future__ import annotations
@@ -96,19 +96,24 @@ MIN_BLOCK_ROWS = 16
 # / 99, (576, 64, 448) 97 / 109 / 86, (27, 16, 9216) 58 / 51 / 86.
 MIN_ROW_BLOCK_WEIGHT_GRAD = 128
 MIN_K_BLOCK_WEIGHT_GRAD = 32
-# When a 3x3 stride-1 layer takes the Winograd path (module docstring): with at most
-# WINOGRAD_MAX_CHUNK_THREADS chunk threads (compute_threads()) and at least
-# WINOGRAD_MIN_CHANNELS channels (the fewer of C_in and C_out). Measured on the 2-core EPYC,
-# batch 64, float32, one BLAS thread, fwd + bwd ms im2col / Winograd, the two alternated in
-# one process (/tmp/winograd/ab_layers.py, scal2.py):
-# - one chunk thread: resnet20's 3->16 32x32 3.6 / 6.4, 16->16 32x32 14.9 / 15.8, 32->32
-#   16x16 11.4 / 9.8, 64->64 8x8 10.1 / 8.9; cnn's 32->32 valid 32x32 42.1 / 34.1, 32->64 15x15
-#   21.1 / 17.0, 64->64 valid 15x15 28.8 / 24.4.
-# - two chunk threads on an otherwise idle machine: 32->32 16x16 6.3 / 7.5, 64->64 8x8 5.7 /
-#   6.3. The transforms stream several times the input through the cache per chunk and, unlike
-#   im2col's GEMM-bound work, scale 1.4x on two cores instead of 1.75x.
+# When a 3x3 stride-1 layer takes the Winograd path (module docstring): with at least
+# WINOGRAD_MIN_CHANNELS channels (the fewer of C_in and C_out) on one chunk thread; with more
+# chunk threads (compute_threads()), only with WINOGRAD_THREADED_MIN_CHANNELS channels and an
+# output of WINOGRAD_THREADED_MIN_SIZE rows and columns or more. Measured on the 2-core EPYC,
+# float32, one BLAS thread, fwd + bwd ms im2col / Winograd, the two alternated in one process
+# (/tmp/winograd/ab_layers.py, scal2.py, ab_big.py; load 0.1-0.7):
+# - one chunk thread, batch 64: resnet20's 3->16 32x32 3.6 / 6.4, 16->16 32x32 14.9 / 15.9,
+#   32->32 16x16 11.4 / 9.8, 64->64 8x8 10.1 / 8.9; cnn's 32->32 valid 32x32 41.0 / 33.0,
+#   32->64 15x15 20.5 / 16.2, 64->64 valid 15x15 28.7 / 24.6. Batch 8 (resnet18 at 224):
+#   64->64 56x56 62.7 / 46.0, 128->128 28x28 59.5 / 36.1, 256->256 14x14 59.4 / 39.7,
+#   512->512 7x7 78.4 / 76.7.
+# - two chunk threads, idle machine: batch 64, 32->32 16x16 6.3 / 7.5, 64->64 8x8 5.7 / 6.3
+#   (Winograd's transforms scale 1.4x on two cores where im2col scales 1.75x); batch 8, 64->64
+#   56x56 35.8 / 30.1, 128->128 28x28 33.3 / 23.8, 256->256 14x14 33.4 / 27.5, 512->512 7x7
+#   44.6 / 51.5.
 WINOGRAD_MIN_CHANNELS = 32
-WINOGRAD_MAX_CHUNK_THREADS = 1
+WINOGRAD_THREADED_MIN_CHANNELS = 64
+WINOGRAD_THREADED_MIN_SIZE = 14
 # Bytes of Winograd-transformed input tiles per chunk (16 values per 2x2 outputs, at the wider
 # of C_in and C_out). Measured as above, fwd + bwd ms of the 32->32 16x16 / 64->64 8x8 layers
 # at 0.25, 0.5, 1, 2 MiB: 12.9 / 8.9, 11.4 / 7.8, 10.8 / 9.0, 12.7 / 10.6.
@@ -172,16 +177,18 @@ class Conv2d(Layer):
         return 0 if images >= n else images
 
     def uses_winograd(self, x: Any) -> bool:
-        """Whether forward(x) takes the Winograd path: a 3x3 stride-1 layer with at least
-        WINOGRAD_MIN_CHANNELS channels, on the one-BLAS-thread NumPy (chunked) path with at
-        most WINOGRAD_MAX_CHUNK_THREADS chunk threads (their comment says why)."""
+        """Whether forward(x) takes the Winograd path: a 3x3 stride-1 layer of a size where it
+        measured faster (WINOGRAD_MIN_CHANNELS and the constants after it), on the
+        one-BLAS-thread NumPy (chunked) path."""
         if backend.blas_threads() != 1 or backend.is_device_array(x):
-            return False
-        if backend.compute_threads() > WINOGRAD_MAX_CHUNK_THREADS:
             return False
         if (self.kh, self.kw, self.sh, self.sw) != (3, 3, 1, 1):
             return False
-        return min(self.c_in, self.c_out) >= WINOGRAD_MIN_CHANNELS
+        channels = min(self.c_in, self.c_out)
+        if backend.compute_threads() == 1:
+            return channels >= WINOGRAD_MIN_CHANNELS
+        size = min(self.output_hw(x.shape[1], x.shape[2]))
+        return channels >= WINOGRAD_THREADED_MIN_CHANNELS and size >= WINOGRAD_THREADED_MIN_SIZE
 
     def forward(self, x, train=True):
         xp = array_module(x)
