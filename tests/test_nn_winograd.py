@@ -11,7 +11,7 @@ import pytest
 from test_nn_layers import check_layer
 
 from hpcdl import backend
-from hpcdl.nn import Conv2d, conv, winograd
+from hpcdl.nn import Conv2d, ReLU, Sequential, conv, winograd
 from hpcdl.nn.model import bind_flat
 
 CASES = [
@@ -136,6 +136,15 @@ def test_first_layer_skips_the_input_gradient(winograd_everywhere):
     layer.forward(x)
     assert layer.winograd and layer.backward(dy) is None
     assert np.array_equal(layer.g["W"], grads["W"])
+
+
+def test_stack_of_winograd_layers_with_relu_in_place(winograd_everywhere):
+    """Two Winograd convolutions with an in-place ReLU between them (fresh_output): the
+    gradients of the stack match finite differences."""
+    first, second = Conv2d(2, 3, 3, padding=1), Conv2d(3, 2, 3, padding=0)
+    winograd_everywhere(first, (2, 6, 5, 3), images=1)
+    check_layer(Sequential([first, ReLU(), second]), (2, 6, 5, 2), np, params_checked=60)
+    assert first.winograd and second.winograd
 
 
 def test_selection_rule(monkeypatch):
