@@ -45,9 +45,9 @@ enough channels computes F(2x2, 3x3) instead: 16 multiply-adds per 2x2 outputs a
 pair instead of im2col's 36, as one stacked GEMM per chunk over the 16 tile positions, plus
 input and output transforms of a few additions per element. The transforms cost about what
 the im2col copy does, so Winograd wins only where the GEMM dominates, i.e. with many channels:
-on one chunk thread, 10-40% less time from 32 channels on, 6% more at 16 and 75% more at 3.
+on one chunk thread, 2-40% less time from 32 channels on, 6% more at 16 and 75% more at 3.
 On two chunk threads its transforms scale 1.4x where im2col scales 1.75x, so there it is
-taken only from 64 channels on maps of 14x14 or more (resnet18/50 at 224: 16-29% less time),
+taken only from 64 channels on maps of 14x14 or more (resnet18's layers at 224: 16-29% less),
 not for CIFAR's 8x8-16x16 layers. The measured numbers are in the comment of
 WINOGRAD_MIN_CHANNELS. U = G g G^T is computed once per forward and reused by backward, which
 is the exact gradient of the transformed forward: results differ from im2col's by float
