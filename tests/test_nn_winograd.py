@@ -11,7 +11,7 @@ import pytest
 from test_nn_layers import check_layer
 
 from hpcdl import backend
-from hpcdl.nn import Conv2d, ReLU, Sequential, conv, winograd
+from hpcdl.nn import Conv2d, ReLU, Sequential, conv_winograd, winograd
 from hpcdl.nn.model import bind_flat
 
 CASES = [
@@ -29,15 +29,15 @@ def winograd_everywhere(monkeypatch):
     sets the images per chunk."""
     before = backend.blas_threads()
     backend.set_blas_threads(1)
-    monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 1)
-    monkeypatch.setattr(conv, "WINOGRAD_THREADED_MIN_CHANNELS", 1)
-    monkeypatch.setattr(conv, "WINOGRAD_THREADED_MIN_SIZE", 1)
+    monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv_winograd, "WINOGRAD_THREADED_MIN_CHANNELS", 1)
+    monkeypatch.setattr(conv_winograd, "WINOGRAD_THREADED_MIN_SIZE", 1)
 
     def chunk_of(layer, x_shape, images):
         n, h, w, _ = x_shape
         th, tw = winograd.tiles(*layer.output_hw(h, w))
         image_bytes = 16 * th * tw * max(layer.c_in, layer.c_out) * 8
-        monkeypatch.setattr(conv, "WINOGRAD_CHUNK_BYTES", images * image_bytes)
+        monkeypatch.setattr(conv_winograd, "WINOGRAD_CHUNK_BYTES", images * image_bytes)
 
     yield chunk_of
     backend.set_blas_threads(before)
@@ -159,7 +159,7 @@ def test_selection_rule(monkeypatch):
         assert not Conv2d(32, 32, 1).uses_winograd(x)  # not 3x3
         assert not Conv2d(16, 16, 3, padding=1).uses_winograd(x[..., :16])  # measured slower
         assert not Conv2d(32, 16, 3, padding=1).uses_winograd(x)
-        monkeypatch.setattr(conv, "WINOGRAD_MIN_CHANNELS", 16)
+        monkeypatch.setattr(conv_winograd, "WINOGRAD_MIN_CHANNELS", 16)
         assert Conv2d(16, 16, 3, padding=1).uses_winograd(x[..., :16])
         backend.set_compute_threads(2)  # two chunk threads: only wide layers on large maps
         assert not Conv2d(32, 32, 3, padding=1).uses_winograd(x)

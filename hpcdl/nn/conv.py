@@ -40,33 +40,19 @@ with its own workspaces and its own dW sum; the sums are added in thread order, 
 results repeat bitwise. On 2 cores this is 0.6-0.8x the time of whole-batch GEMMs on a
 2-thread BLAS (docs/PERFORMANCE.md).
 
-Winograd (hpcdl.nn.winograd, uses_winograd): on the chunked path, a 3x3 stride-1 layer with
-enough channels computes F(2x2, 3x3) instead: 16 multiply-adds per 2x2 outputs and channel
-pair instead of im2col's 36, as one stacked GEMM per chunk over the 16 tile positions, plus
-input and output transforms of a few additions per element. The transforms cost about what
-the im2col copy does, so Winograd wins only where the GEMM dominates, i.e. with many channels:
-on one chunk thread, 2-40% less time from 32 channels on, 6% more at 16 and 75% more at 3.
-On two chunk threads its transforms scale 1.4x where im2col scales 1.75x, so there it is
-taken only from 64 channels on maps of 14x14 or more (resnet18's layers at 224: 16-29% less),
-not for CIFAR's 8x8-16x16 layers. The measured numbers are in the comment of
-WINOGRAD_MIN_CHANNELS. U = G g G^T is computed once per forward and reused by backward, which
-is the exact gradient of the transformed forward: results differ from im2col's by float
-rounding only (about 1e-15 relative in float64). dU is summed per slot in chunk order and the
-slots in slot order, so steps repeat bitwise. Padding 0 and 1 and odd output sizes all take
-it (one more tile row or column, cropped). The whole-batch path and CuPy keep im2col.
+Winograd F(2x2, 3x3) (hpcdl.nn.conv_winograd, hpcdl.nn.winograd): on the chunked path, a 3x3
+stride-1 layer with enough channels takes Winograd's algorithm instead of im2col, where it
+measured faster (conv_winograd.applies).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from hpcdl import backend
 from hpcdl.backend import array_module
-from hpcdl.nn import winograd
+from hpcdl.nn import conv_winograd
 from hpcdl.nn.layers import Layer, ParamSpec, _pair
 from hpcdl.nn.threads import run_parts
 
@@ -96,28 +82,6 @@ MIN_BLOCK_ROWS = 16
 # / 99, (576, 64, 448) 97 / 109 / 86, (27, 16, 9216) 58 / 51 / 86.
 MIN_ROW_BLOCK_WEIGHT_GRAD = 128
 MIN_K_BLOCK_WEIGHT_GRAD = 32
-# When a 3x3 stride-1 layer takes the Winograd path (module docstring): with at least
-# WINOGRAD_MIN_CHANNELS channels (the fewer of C_in and C_out) on one chunk thread; with more
-# chunk threads (compute_threads()), only with WINOGRAD_THREADED_MIN_CHANNELS channels and an
-# output of WINOGRAD_THREADED_MIN_SIZE rows and columns or more. Measured on the 2-core EPYC,
-# float32, one BLAS thread, fwd + bwd ms im2col / Winograd, the two alternated in one process
-# (/tmp/winograd/ab_layers.py, scal2.py, ab_big.py; load 0.1-0.7):
-# - one chunk thread, batch 64: resnet20's 3->16 32x32 3.6 / 6.4, 16->16 32x32 14.9 / 15.9,
-#   32->32 16x16 11.4 / 9.8, 64->64 8x8 10.1 / 8.9; cnn's 32->32 valid 32x32 41.0 / 33.0,
-#   32->64 15x15 20.5 / 16.2, 64->64 valid 15x15 28.7 / 24.6. Batch 8 (resnet18 at 224):
-#   64->64 56x56 62.7 / 46.0, 128->128 28x28 59.5 / 36.1, 256->256 14x14 59.4 / 39.7,
-#   512->512 7x7 78.4 / 76.7.
-# - two chunk threads, idle machine: batch 64, 32->32 16x16 6.3 / 7.5, 64->64 8x8 5.7 / 6.3
-#   (Winograd's transforms scale 1.4x on two cores where im2col scales 1.75x); batch 8, 64->64
-#   56x56 35.8 / 30.1, 128->128 28x28 33.3 / 23.8, 256->256 14x14 33.4 / 27.5, 512->512 7x7
-#   44.6 / 51.5.
-WINOGRAD_MIN_CHANNELS = 32
-WINOGRAD_THREADED_MIN_CHANNELS = 64
-WINOGRAD_THREADED_MIN_SIZE = 14
-# Bytes of Winograd-transformed input tiles per chunk (16 values per 2x2 outputs, at the wider
-# of C_in and C_out). Measured as above, fwd + bwd ms of the 32->32 16x16 / 64->64 8x8 layers
-# at 0.25, 0.5, 1, 2 MiB: 12.9 / 8.9, 11.4 / 7.8, 10.8 / 9.0, 12.7 / 10.6.
-WINOGRAD_CHUNK_BYTES = 1 << 20
 
 
 class Conv2d(Layer):
@@ -177,18 +141,8 @@ class Conv2d(Layer):
         return 0 if images >= n else images
 
     def uses_winograd(self, x: Any) -> bool:
-        """Whether forward(x) takes the Winograd path: a 3x3 stride-1 layer of a size where it
-        measured faster (WINOGRAD_MIN_CHANNELS and the constants after it), on the
-        one-BLAS-thread NumPy (chunked) path."""
-        if backend.blas_threads() != 1 or backend.is_device_array(x):
-            return False
-        if (self.kh, self.kw, self.sh, self.sw) != (3, 3, 1, 1):
-            return False
-        channels = min(self.c_in, self.c_out)
-        if backend.compute_threads() == 1:
-            return channels >= WINOGRAD_MIN_CHANNELS
-        size = min(self.output_hw(x.shape[1], x.shape[2]))
-        return channels >= WINOGRAD_THREADED_MIN_CHANNELS and size >= WINOGRAD_THREADED_MIN_SIZE
+        """Whether forward(x) takes the Winograd path (hpcdl.nn.conv_winograd.applies)."""
+        return conv_winograd.applies(self, x)
 
     def forward(self, x, train=True):
         xp = array_module(x)
@@ -203,7 +157,7 @@ class Conv2d(Layer):
             )
         self.winograd = self.uses_winograd(x)
         if self.winograd:
-            return self._forward_winograd(x)
+            return conv_winograd.forward(self, x)
         xpad = x
         if self.ph or self.pw:  # the border stays zero: only the interior is ever written
             pad_shape = (n, h + 2 * self.ph, w + 2 * self.pw, c)
@@ -224,84 +178,6 @@ class Conv2d(Layer):
 
         self._run_chunks(forward_chunk, n)
         return y.reshape(n, ho, wo, self.c_out)  # (N, Ho, Wo, C_out)
-
-    def winograd_chunk_images(self, x: Any) -> int:
-        """Images per chunk on the Winograd path: WINOGRAD_CHUNK_BYTES of transformed tiles."""
-        n, h, w, _ = x.shape
-        th, tw = winograd.tiles(*self.output_hw(h, w))
-        image_bytes = 16 * th * tw * max(self.c_in, self.c_out) * x.dtype.itemsize
-        return min(n, max(1, WINOGRAD_CHUNK_BYTES // image_bytes))
-
-    def _forward_winograd(self, x: Any) -> Any:
-        """forward() by Winograd F(2x2, 3x3) (hpcdl.nn.winograd), chunks as on im2col's path."""
-        n, h, w, c = x.shape
-        ho, wo = self.output_hw(h, w)
-        self.x_shape, self.chunk = x.shape, self.winograd_chunk_images(x)
-        hp, wp = winograd.padded_hw(ho, wo)
-        xpad = x
-        if (hp, wp) != (h, w):  # the border stays zero: only the interior is ever written
-            xpad = self._workspace("x_pad", (n, hp, wp, c), x.dtype, np, zeroed=True)
-            xpad[:, self.ph : self.ph + h, self.pw : self.pw + w, :] = x
-        self.x_pad = xpad
-        self.winograd_u = winograd.transform_weight(self.p["W"])  # reused by backward
-        y = np.empty((n, ho, wo, self.c_out), dtype=x.dtype)
-        b_row = self._tiled("b_row", self.p["b"], wo, np) if self.has_bias else None
-
-        def forward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
-            images = slice(first, first + count)
-            scratch = self._scratch(slot, x.dtype)
-            winograd.forward_tiles(xpad[images], self.winograd_u, y[images], scratch)
-            if b_row is not None:
-                y2 = y[images].reshape(count * ho, wo * self.c_out)
-                y2 += b_row
-
-        self._run_chunks(forward_chunk, n)
-        return y  # (N, Ho, Wo, C_out)
-
-    def _backward_winograd(self, dy: Any) -> Any:
-        """dW (and db, by the caller) and dx of the Winograd forward; returns dx or None.
-
-        Each slot sums its chunks' dU in chunk order, the slots' sums are added in slot order,
-        and dW = G^T dU G once: the same bits every step for a given thread count."""
-        _, h, w, c = self.x_shape
-        hp, wp = self.x_pad.shape[1:3]
-        dx = u_t = None
-        if self.input_grad:
-            dx = np.empty(self.x_shape, dtype=dy.dtype)
-            u_t = winograd.input_grad_weight(self.winograd_u)  # (16, C_out, C_in)
-
-        def backward_chunk(first: int, count: int, slot: int, fresh: bool) -> None:
-            images = slice(first, first + count)
-            scratch = self._scratch(slot, dy.dtype)
-            total = self._slot_ws("dU_sum", self.winograd_u, slot)
-            part = total if fresh else self._slot_ws("dU", self.winograd_u, slot)
-            dx_pad = None if dx is None else scratch("dx_pad", (count, hp, wp, c))
-            winograd.backward_tiles(self.x_pad[images], dy[images], u_t, part, dx_pad, scratch)
-            if not fresh:
-                total += part
-            if dx is not None:
-                dx[images] = dx_pad[:, self.ph : self.ph + h, self.pw : self.pw + w]
-
-        slots = self._run_chunks(backward_chunk, dy.shape[0])
-        du = self._slot_ws("dU_sum", self.winograd_u, 0)
-        for slot in range(1, slots):  # in slot order: the same sum every step and on every rank
-            du += self._slot_ws("dU_sum", self.winograd_u, slot)
-        winograd.weight_grad(du, self.g["W"])
-        self.x_pad = None
-        return dx
-
-    def _scratch(self, slot: int, dtype: Any) -> winograd.Scratch:
-        """scratch(name, shape) for the Winograd functions: per-slot arrays, one flat buffer per
-        name grown to the largest shape asked for (a chunk's), so smaller chunks reuse it."""
-
-        def scratch(name: str, shape: tuple[int, ...]) -> Any:
-            key, size = f"winograd_{name}:{slot}", math.prod(shape)
-            buf = self._buffers.get(key)
-            if buf is None or buf.size < size or buf.dtype != dtype:
-                buf = self._buffers[key] = np.empty(size, dtype=dtype)
-            return buf[:size].reshape(shape)
-
-        return scratch
 
     def _run_chunks(self, work: Callable[[int, int, int, bool], None], n: int) -> int:
         """work(first, count, slot, fresh) for each chunk of the batch; returns the slots used.
@@ -344,7 +220,7 @@ class Conv2d(Layer):
             ones = self._workspace("ones", (dy2.shape[0],), dy2.dtype, xp, fill=1)
             xp.matmul(ones, dy2, out=self.g["b"])
         if self.winograd:
-            dx = self._backward_winograd(dy)
+            dx = conv_winograd.backward(self, dy)
             self._done(ready)
             return dx
         dx = w_in = None
