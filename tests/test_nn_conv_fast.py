@@ -46,13 +46,14 @@ def small_blocks(monkeypatch):
     backend.set_compute_threads(1)
 
 
-def _step(layer, x, dy, blas_threads):
+def conv_step(layer, x, dy, blas_threads, seen="chunk"):
+    """(layer.<seen> after forward, y, dx, gradients) of one forward and backward."""
     backend.set_blas_threads(blas_threads)
     y = layer.forward(x).copy()
-    chunk = layer.chunk
+    path = getattr(layer, seen)
     layer.g["W"][...] = np.nan  # every entry must be written
     dx = layer.backward(dy).copy()
-    return chunk, y, dx, {name: g.copy() for name, g in layer.g.items()}
+    return path, y, dx, {name: g.copy() for name, g in layer.g.items()}
 
 
 @pytest.mark.parametrize("mode", sorted(WEIGHT_GRAD_SPLITS))
@@ -68,9 +69,9 @@ def test_split_gemms_equal_whole_batch(
     x = rng.standard_normal((*nhw, c_in))
     dy = rng.standard_normal(layer.forward(x).shape)
     backend.set_compute_threads(threads)
-    chunk, y, dx, grads = _step(layer, x, dy, blas_threads=1)
+    chunk, y, dx, grads = conv_step(layer, x, dy, blas_threads=1)
     assert chunk == 2
-    whole_chunk, y0, dx0, grads0 = _step(layer, x, dy, blas_threads=None)
+    whole_chunk, y0, dx0, grads0 = conv_step(layer, x, dy, blas_threads=None)
     assert whole_chunk == 0
     np.testing.assert_allclose(y, y0, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dx, dx0, rtol=1e-12, atol=1e-12)
@@ -98,8 +99,8 @@ def test_split_gemms_are_bitwise_repeatable(small_blocks, threads):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((7, 6, 7, 3))
     dy = rng.standard_normal((7, 6, 7, 4))
-    first = _step(layer, x, dy, blas_threads=1)
-    second = _step(layer, x, dy, blas_threads=1)
+    first = conv_step(layer, x, dy, blas_threads=1)
+    second = conv_step(layer, x, dy, blas_threads=1)
     assert first[0] == 2
     for a, b in zip(first[1:3], second[1:3]):
         assert np.array_equal(a, b)

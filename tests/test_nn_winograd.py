@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_nn_conv_fast import conv_step
 from test_nn_layers import check_layer
 
 from hpcdl import backend
@@ -45,12 +46,8 @@ def winograd_everywhere(monkeypatch):
 
 
 def _step(layer, x, dy, blas_threads):
-    backend.set_blas_threads(blas_threads)
-    y = layer.forward(x).copy()
-    used = layer.winograd
-    layer.g["W"][...] = np.nan  # every entry must be written
-    dx = layer.backward(dy).copy()
-    return used, y, dx, {name: g.copy() for name, g in layer.g.items()}
+    """(whether forward took Winograd, y, dx, gradients)."""
+    return conv_step(layer, x, dy, blas_threads, seen="winograd")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
