@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # chunk threads (compute_threads()), only with WINOGRAD_THREADED_MIN_CHANNELS channels and an
 # output of WINOGRAD_THREADED_MIN_SIZE rows and columns or more. Measured on the 2-core EPYC,
 # float32, one BLAS thread, fwd + bwd ms im2col / Winograd, the two alternated in one process
-# (/tmp/winograd/ab_layers.py, scal2.py, ab_big.py; load 0.1-0.7):
+# (docs/bench-scripts/issue12/winograd/ab_layers.py, scal2.py, ab_big.py; load 0.1-0.7):
 # - one chunk thread, batch 64: resnet20's 3->16 32x32 3.6 / 6.4, 16->16 32x32 14.9 / 15.9,
 #   32->32 16x16 11.4 / 9.8, 64->64 8x8 10.1 / 8.9; cnn's 32->32 valid 32x32 41.0 / 33.0,
 #   32->64 15x15 20.5 / 16.2, 64->64 valid 15x15 28.7 / 24.6. Batch 8 (resnet18 at 224):

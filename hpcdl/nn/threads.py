@@ -26,10 +26,11 @@ from typing import Any
 from hpcdl import backend
 
 # Elements below which a layer's pass stays on the calling thread. Measured on the shared 2-core
-# EPYC (/tmp/elemthreads_layers.py: one-thread BLAS, float32, batch 64, forward + backward, ms
-# on one thread -> two with every pass split, load 0.9): ReLU 256K 0.21 -> 0.26, 512K 0.41 ->
-# 0.38, 1M 0.90-0.96 -> 0.63-0.71; BatchNorm (5 passes) 256K 0.53 -> 0.75, 512K 0.97 -> 1.00-1.06,
-# 1M 1.95-2.02 -> 1.65-1.77; max pool 2x2 on 2M 4.5-5.2 -> 2.4-2.6; Linear 4096x512 10.0 -> 6.2.
+# EPYC (docs/bench-scripts/issue12/elemthreads_layers.py: one-thread BLAS, float32, batch 64,
+# forward + backward, ms on one thread -> two with every pass split, load 0.9): ReLU 256K 0.21 ->
+# 0.26, 512K 0.41 -> 0.38, 1M 0.90-0.96 -> 0.63-0.71; BatchNorm (5 passes) 256K 0.53 -> 0.75,
+# 512K 0.97 -> 1.00-1.06, 1M 1.95-2.02 -> 1.65-1.77; max pool 2x2 on 2M 4.5-5.2 -> 2.4-2.6;
+# Linear 4096x512 10.0 -> 6.2.
 MIN_SPLIT_ELEMENTS = 1 << 19
 
 _POOL: dict[int, ThreadPoolExecutor] = {}  # compute threads by count, shared by all layers
