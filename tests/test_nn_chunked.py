@@ -44,14 +44,21 @@ def one_blas_thread(monkeypatch):
     backend.set_compute_threads(1)
 
 
-def _run(layer, x, dy, threads):
-    backend.set_blas_threads(threads)
-    y = layer.forward(x)
-    chunk = layer.chunk
+def conv_step(layer, x, dy, blas_threads, seen="chunk"):
+    """(layer.<seen> after forward, y, dx, gradients) of one forward and backward."""
+    backend.set_blas_threads(blas_threads)
+    y = layer.forward(x).copy()
+    path = getattr(layer, seen)
     layer.g["W"][...] = np.nan  # every entry must be written
-    dx = layer.backward(dy)
-    grads = {name: g.copy() for name, g in layer.g.items()}
-    return chunk, y.copy(), dx.copy(), grads
+    dx = layer.backward(dy).copy()
+    return path, y, dx, {name: g.copy() for name, g in layer.g.items()}
+
+
+def assert_same_step(first, second) -> None:
+    """Two conv_step results hold the same bits (y, dx and every gradient)."""
+    for a, b in zip(first[1:3], second[1:3]):
+        assert np.array_equal(a, b)
+    assert all(np.array_equal(first[3][k], second[3][k]) for k in first[3])
 
 
 @pytest.mark.parametrize("c_in,c_out,kernel,stride,padding,nhw", CASES)
@@ -62,9 +69,9 @@ def test_chunked_equals_whole_batch(one_blas_thread, c_in, c_out, kernel, stride
     rng = np.random.default_rng(0)
     x = rng.standard_normal((*nhw, c_in))
     dy = rng.standard_normal(layer.forward(x).shape)
-    chunk, y, dx, grads = _run(layer, x, dy, threads=1)
+    chunk, y, dx, grads = conv_step(layer, x, dy, blas_threads=1)
     assert chunk == 2
-    whole_chunk, y0, dx0, grads0 = _run(layer, x, dy, threads=None)
+    whole_chunk, y0, dx0, grads0 = conv_step(layer, x, dy, blas_threads=None)
     assert whole_chunk == 0
     np.testing.assert_allclose(y, y0, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dx, dx0, rtol=1e-12, atol=1e-12)
@@ -83,9 +90,9 @@ def test_chunks_on_two_threads_equal_whole_batch(
     x = rng.standard_normal((*nhw, c_in))
     dy = rng.standard_normal(layer.forward(x).shape)
     backend.set_compute_threads(2)
-    chunk, y, dx, grads = _run(layer, x, dy, threads=1)
+    chunk, y, dx, grads = conv_step(layer, x, dy, blas_threads=1)
     assert chunk == 1
-    _, y0, dx0, grads0 = _run(layer, x, dy, threads=None)
+    _, y0, dx0, grads0 = conv_step(layer, x, dy, blas_threads=None)
     np.testing.assert_allclose(y, y0, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dx, dx0, rtol=1e-12, atol=1e-12)
     for name in grads0:
@@ -113,12 +120,10 @@ def test_chunked_is_bitwise_repeatable(one_blas_thread, threads):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((7, 6, 7, 3))
     dy = rng.standard_normal((7, 6, 7, 4))
-    first = _run(layer, x, dy, threads=1)
-    second = _run(layer, x, dy, threads=1)
+    first = conv_step(layer, x, dy, blas_threads=1)
+    second = conv_step(layer, x, dy, blas_threads=1)
     assert first[0] == 3
-    for a, b in zip(first[1:3], second[1:3]):
-        assert np.array_equal(a, b)
-    assert all(np.array_equal(first[3][k], second[3][k]) for k in first[3])
+    assert_same_step(first, second)
 
 
 def test_chunk_size_follows_blas_threads_and_chunk_bytes(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_nn_chunked import assert_same_step, conv_step
 from test_nn_layers import check_layer
 
 from hpcdl import backend
@@ -44,16 +45,6 @@ def small_blocks(monkeypatch):
     yield split
     backend.set_blas_threads(before)
     backend.set_compute_threads(1)
-
-
-def conv_step(layer, x, dy, blas_threads, seen="chunk"):
-    """(layer.<seen> after forward, y, dx, gradients) of one forward and backward."""
-    backend.set_blas_threads(blas_threads)
-    y = layer.forward(x).copy()
-    path = getattr(layer, seen)
-    layer.g["W"][...] = np.nan  # every entry must be written
-    dx = layer.backward(dy).copy()
-    return path, y, dx, {name: g.copy() for name, g in layer.g.items()}
 
 
 @pytest.mark.parametrize("mode", sorted(WEIGHT_GRAD_SPLITS))
@@ -102,9 +93,7 @@ def test_split_gemms_are_bitwise_repeatable(small_blocks, threads):
     first = conv_step(layer, x, dy, blas_threads=1)
     second = conv_step(layer, x, dy, blas_threads=1)
     assert first[0] == 2
-    for a, b in zip(first[1:3], second[1:3]):
-        assert np.array_equal(a, b)
-    assert all(np.array_equal(first[3][k], second[3][k]) for k in first[3])
+    assert_same_step(first, second)
 
 
 @pytest.mark.parametrize("mode", sorted(WEIGHT_GRAD_SPLITS))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_nn_conv_fast import conv_step
+from test_nn_chunked import assert_same_step, conv_step
 from test_nn_layers import check_layer
 
 from hpcdl import backend
@@ -107,9 +107,7 @@ def test_winograd_step_repeats_bitwise(winograd_everywhere, threads):
     backend.set_compute_threads(threads)
     first, second = _step(layer, x, dy, 1), _step(layer, x, dy, 1)
     assert first[0] and second[0]
-    for a, b in zip(first[1:3], second[1:3]):
-        assert np.array_equal(a, b)
-    assert all(np.array_equal(first[3][k], second[3][k]) for k in first[3])
+    assert_same_step(first, second)
 
 
 def test_winograd_reports_ready_after_its_gradients(winograd_everywhere):
