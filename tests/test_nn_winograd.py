@@ -182,3 +182,36 @@ def test_weight_transforms_are_exact_inverses_in_the_gradient():
         [(winograd.transform_weight(e.reshape(g.shape)) * du).sum() for e in np.eye(g.size)]
     )
     np.testing.assert_allclose(dg.reshape(-1), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_conv_winograd_does_not_import_conv():
+    """The dependency runs one way: conv uses conv_winograd, which knows the layer only as a
+    ChunkedConv (issue 25: no import circle between the two modules)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(conv_winograd.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not {m for m in imported if m.startswith("hpcdl.nn.conv") and "winograd" not in m}
+
+
+def test_conv2d_has_what_the_winograd_path_uses(winograd_everywhere):
+    """Every member of conv_winograd.ChunkedConv exists on a Conv2d that ran a Winograd step."""
+    layer = Conv2d(4, 4, kernel=3, padding=1)
+    bind_flat(layer, np, np.float64, seed=1)
+    x = np.random.default_rng(0).standard_normal((2, 6, 6, 4))
+    layer.forward(x)
+    assert layer.winograd
+    members = set(conv_winograd.ChunkedConv.__annotations__) | {
+        name
+        for name, value in vars(conv_winograd.ChunkedConv).items()
+        if callable(value) and not name.startswith("__")
+    }
+    missing = sorted(name for name in members if not hasattr(layer, name))
+    assert not missing

@@ -2,6 +2,8 @@
 
 The arithmetic (transforms, tiles, the stacked GEMMs) is hpcdl.nn.winograd; this module runs it
 chunk by chunk with Conv2d's workspaces and chunk threads (hpcdl.nn.conv's module docstring).
+The dependency runs one way: hpcdl.nn.conv calls this module, and this module knows the layer
+only as a ChunkedConv (the attributes and workspace methods it uses), never importing conv.
 
 On the chunked path (hpcdl.nn.conv), a 3x3 stride-1 layer with
 enough channels computes F(2x2, 3x3) instead: 16 multiply-adds per 2x2 outputs and channel
@@ -22,15 +24,13 @@ it (one more tile row or column, cropped). The whole-batch path and CuPy keep im
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
 from hpcdl import backend
 from hpcdl.nn import winograd
-
-if TYPE_CHECKING:
-    from hpcdl.nn.conv import Conv2d
 
 # When a 3x3 stride-1 layer takes the Winograd path (module docstring): with at least
 # WINOGRAD_MIN_CHANNELS channels (the fewer of C_in and C_out) on one chunk thread; with more
@@ -56,7 +56,39 @@ WINOGRAD_THREADED_MIN_SIZE = 14
 WINOGRAD_CHUNK_BYTES = 1 << 20
 
 
-def applies(conv: Conv2d, x: Any) -> bool:
+class ChunkedConv(Protocol):
+    """What the Winograd path uses of a convolution layer (hpcdl.nn.conv.Conv2d is one)."""
+
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    c_in: int
+    c_out: int
+    has_bias: bool
+    input_grad: bool
+    p: dict[str, Any]  # parameter views: "W" (3, 3, C_in, C_out), "b" (C_out,)
+    g: dict[str, Any]  # gradient views, same names and shapes
+    x_shape: tuple[int, ...]  # (N, H, W, C_in) of the last forward
+    chunk: int  # images per chunk in the last forward
+    x_pad: Any  # the padded input of the last forward, kept for backward
+    winograd_u: Any  # G g G^T of the last forward, (16, C_in, C_out)
+    _buffers: dict[str, Any]  # the layer's reused workspaces, by name
+
+    def output_hw(self, h: int, w: int) -> tuple[int, int]: ...
+
+    def _run_chunks(self, work: Callable[[int, int, int, bool], None], n: int) -> int: ...
+
+    def _workspace(self, name, shape=None, dtype=None, xp=None, zeroed=False, fill=None) -> Any: ...
+
+    def _slot_ws(self, name: str, like: Any, slot: int) -> Any: ...
+
+    def _tiled(self, name: str, vec: Any, reps: int, xp: Any) -> Any: ...
+
+
+def applies(conv: ChunkedConv, x: Any) -> bool:
     """Whether conv.forward(x) takes the Winograd path: a 3x3 stride-1 layer of a size where it
     measured faster (WINOGRAD_MIN_CHANNELS and the constants after it), on the
     one-BLAS-thread NumPy (chunked) path."""
@@ -71,7 +103,7 @@ def applies(conv: Conv2d, x: Any) -> bool:
     return channels >= WINOGRAD_THREADED_MIN_CHANNELS and size >= WINOGRAD_THREADED_MIN_SIZE
 
 
-def chunk_images(conv: Conv2d, x: Any) -> int:
+def chunk_images(conv: ChunkedConv, x: Any) -> int:
     """Images per chunk on the Winograd path: WINOGRAD_CHUNK_BYTES of transformed tiles."""
     n, h, w, _ = x.shape
     th, tw = winograd.tiles(*conv.output_hw(h, w))
@@ -79,7 +111,7 @@ def chunk_images(conv: Conv2d, x: Any) -> int:
     return min(n, max(1, WINOGRAD_CHUNK_BYTES // image_bytes))
 
 
-def forward(conv: Conv2d, x: Any) -> Any:
+def forward(conv: ChunkedConv, x: Any) -> Any:
     """conv.forward(x) by Winograd F(2x2, 3x3) (hpcdl.nn.winograd), chunks as on im2col's path."""
     n, h, w, c = x.shape
     ho, wo = conv.output_hw(h, w)
@@ -106,7 +138,7 @@ def forward(conv: Conv2d, x: Any) -> Any:
     return y  # (N, Ho, Wo, C_out)
 
 
-def backward(conv: Conv2d, dy: Any) -> Any:
+def backward(conv: ChunkedConv, dy: Any) -> Any:
     """conv.backward: dW (db is the caller's) and dx of the Winograd forward; returns dx or None.
 
     Each slot sums its chunks' dU in chunk order, the slots' sums are added in slot order,
@@ -139,7 +171,7 @@ def backward(conv: Conv2d, dy: Any) -> Any:
     return dx
 
 
-def _scratch(conv: Conv2d, slot: int, dtype: Any) -> winograd.Scratch:
+def _scratch(conv: ChunkedConv, slot: int, dtype: Any) -> winograd.Scratch:
     """scratch(name, shape) for the Winograd functions: per-slot arrays, one flat buffer per
     name grown to the largest shape asked for (a chunk's), so smaller chunks reuse it."""
 
