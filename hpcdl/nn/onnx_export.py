@@ -64,9 +64,9 @@ class _Graph:
 
 def to_onnx(model: Model, weights: dict[str, np.ndarray]) -> Any:
     """The onnx.ModelProto of model, with weights = hpcdl.nn.weights_io.state_dict(model)."""
-    from hpcdl.nn.weights_io import _optional  # noqa: PLC0415
+    from hpcdl.nn.weights_io import optional_import  # noqa: PLC0415
 
-    onnx = _optional("onnx", "export", "exporting to ONNX")
+    onnx = optional_import("onnx", "export", "exporting to ONNX")
     helper = onnx.helper
     graph = _Graph(onnx, model, weights)
     out = _emit(graph, model.body, "input")

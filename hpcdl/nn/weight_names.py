@@ -53,12 +53,12 @@ class WeightName:
 
 
 def weight_names(model: Model) -> list[WeightName]:
-    """The model's name map in forward order (the order PyTorch's state_dict lists keys)."""
+    """The model's name map in forward order, weight before bias (PyTorch's state_dict order)."""
     flattened = _flatten_inputs(model)
     names = []
     for leaf, path in _leaf_paths(model.body):
         prefix = _prefix(model, path)
-        for spec in leaf.param_specs:
+        for spec in sorted(leaf.param_specs, key=lambda s: SUFFIX[s.name] == "bias"):
             form, hwc = _form(leaf, spec.name, flattened.get(id(leaf)))
             names.append(WeightName(f"{prefix}.{SUFFIX[spec.name]}", leaf, spec.name, form, hwc))
         for buf_name, _, _ in leaf.buffer_specs:

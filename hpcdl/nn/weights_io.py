@@ -97,7 +97,7 @@ def read_state(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if path.suffix in TORCH_SUFFIXES:
         return _read_torch(path)
     if path.suffix in SAFETENSORS_SUFFIXES:
-        safetensors_numpy = _optional("safetensors.numpy", "export", f"reading {path}")
+        safetensors_numpy = optional_import("safetensors.numpy", "export", f"reading {path}")
         try:
             return dict(safetensors_numpy.load_file(str(path)))
         except Exception as exc:  # SafetensorError, OSError, a dtype NumPy lacks (bfloat16)
@@ -111,11 +111,11 @@ def read_state(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def write_state(state: dict[str, np.ndarray], path: str | os.PathLike, to: str) -> None:
     """Write state as a PyTorch state dict (to='torch') or safetensors file (to='safetensors')."""
     if to == "torch":
-        torch = _optional("torch", "torch", f"writing {path}")
+        torch = optional_import("torch", "torch", f"writing {path}")
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
         write_new_file(path, lambda tmp: torch.save(tensors, tmp))
     elif to == "safetensors":
-        safetensors_numpy = _optional("safetensors.numpy", "export", f"writing {path}")
+        safetensors_numpy = optional_import("safetensors.numpy", "export", f"writing {path}")
         arrays = {k: np.ascontiguousarray(v) for k, v in state.items()}
         write_new_file(
             path, lambda tmp: safetensors_numpy.save_file(arrays, tmp, metadata={"format": "pt"})
@@ -144,7 +144,7 @@ def write_new_file(path: str | os.PathLike, write: Callable[[str], None]) -> Non
 
 
 def _read_torch(path: Path) -> dict[str, np.ndarray]:
-    torch = _optional("torch", "torch", f"reading {path}")
+    torch = optional_import("torch", "torch", f"reading {path}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle.UnpicklingError for anything but tensors, OSError, ...
@@ -198,7 +198,7 @@ def _torch_shape(model: Model, name: WeightName) -> tuple[int, ...]:
     return tuple(to_torch(_read(model, name), name).shape)
 
 
-def _optional(module: str, extra: str, doing: str) -> Any:
+def optional_import(module: str, extra: str, doing: str) -> Any:
     """Import an optional dependency, or one line saying which extra to install."""
     import importlib  # noqa: PLC0415
 
