@@ -42,7 +42,9 @@ def test_export_loads_strictly_into_torchvisions_resnet_with_the_same_logits(nam
     theirs = imagenet_resnet(name, 3, 5)
     assert list(exported) == list(theirs.state_dict())  # torchvision's keys, in its order
     theirs.load_state_dict(to_torch(exported), strict=True)
-    assert int(theirs.bn1.num_batches_tracked) == 7 and exported["bn1.num_batches_tracked"].ndim == 0
+    assert (
+        int(theirs.bn1.num_batches_tracked) == 7 and exported["bn1.num_batches_tracked"].ndim == 0
+    )
     x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
     expected = ours.forward(x, train=False)
     with torch.no_grad():
@@ -107,7 +109,9 @@ def test_another_class_count_reinitialises_only_the_classifier():
         "re-initialised for 4 classes"
     ]
     np.testing.assert_array_equal(model.params[: fresh_head.size], fresh_head)
-    np.testing.assert_array_equal(model.params[fresh_head.size :], source.params[512 * 1000 + 1000 :])
+    np.testing.assert_array_equal(
+        model.params[fresh_head.size :], source.params[512 * 1000 + 1000 :]
+    )
     np.testing.assert_array_equal(model.buffers, source.buffers)
 
 
@@ -139,7 +143,9 @@ def test_a_file_that_does_not_fit_is_one_line_naming_the_key_and_leaves_the_mode
     assert "\n" not in error(missing)
     no_counts = {k: v for k, v in good.items() if not k.endswith("num_batches_tracked")}
     load_state(model, no_counts, "w.pth")  # accepted without them, as PyTorch's old files
-    np.testing.assert_array_equal(model.params, nn.build_model("resnet18", (3, 16, 16), 4, seed=1).params)
+    np.testing.assert_array_equal(
+        model.params, nn.build_model("resnet18", (3, 16, 16), 4, seed=1).params
+    )
 
 
 @pytest.mark.parametrize("suffix,to", [(".pth", "torch"), (".safetensors", "safetensors")])
@@ -175,10 +181,10 @@ sys.modules["torch"] = None  # PyTorch not installed: importing it raises Import
 from hpcdl import nn
 from hpcdl.nn.weights_io import load_state, read_state
 model = nn.build_model("mlp", (1, 8, 8), 10, seed=1)
-load_state(model, read_state({str(tmp_path / 'w.safetensors')!r}), "w")
+load_state(model, read_state({str(tmp_path / "w.safetensors")!r}), "w")
 print(float(model.params.sum()))
 try:
-    read_state({str(tmp_path / 'w.pth')!r})
+    read_state({str(tmp_path / "w.pth")!r})
 except ValueError as exc:
     print(exc)
 """
