@@ -23,6 +23,7 @@ from hpcdl.nn.layers import Dropout, Flatten, GlobalAvgPool, Layer, Linear, MaxP
 from hpcdl.nn.model import Model
 from hpcdl.nn.norm import BatchNorm
 from hpcdl.nn.weight_names import weight_names
+from hpcdl.nn.weights_io import optional_import
 
 OPSET = 17
 IR_VERSION = 8  # what onnxruntime >= 1.14 reads; the ops used are all in opset 17
@@ -64,8 +65,6 @@ class _Graph:
 
 def to_onnx(model: Model, weights: dict[str, np.ndarray]) -> Any:
     """The onnx.ModelProto of model, with weights = hpcdl.nn.weights_io.state_dict(model)."""
-    from hpcdl.nn.weights_io import optional_import  # noqa: PLC0415
-
     onnx = optional_import("onnx", "export", "exporting to ONNX")
     helper = onnx.helper
     graph = _Graph(onnx, model, weights)

@@ -31,17 +31,19 @@ from hpcdl.nn.weight_names import WeightName, from_torch, head_leaf, to_torch, w
 TORCH_SUFFIXES = (".pth", ".pt")
 SAFETENSORS_SUFFIXES = (".safetensors",)
 WEIGHT_SUFFIXES = TORCH_SUFFIXES + SAFETENSORS_SUFFIXES
+# (id(leaf), array name) -> (offset in model.params, shape)
+Slices = dict[tuple[int, str], tuple[int, tuple[int, ...]]]
 
 
 def state_dict(model: Model, batches_tracked: int = 0) -> dict[str, np.ndarray]:
     """The model's weights by PyTorch key, in PyTorch's layout: float arrays in the model's
     dtype, and num_batches_tracked as 0-d int64 arrays holding `batches_tracked`."""
-    out = {}
+    out, slices = {}, _param_slices(model)
     for name in weight_names(model):
         if name.form == "count":
             out[name.key] = np.array(batches_tracked, dtype=np.int64)
         else:
-            out[name.key] = to_torch(_read(model, name), name)
+            out[name.key] = to_torch(_read(model, name, slices), name)
     return out
 
 
@@ -50,7 +52,7 @@ def load_state(model: Model, state: dict[str, np.ndarray], source: str) -> list[
 
     Returns the lines to tell the user (a re-initialised classifier); ValueError of one line,
     naming source and key, when the file does not fit the model (then nothing was changed)."""
-    names = weight_names(model)
+    names, slices = weight_names(model), _param_slices(model)
     known = {name.key for name in names}
     for key, value in state.items():
         if key not in known:
@@ -60,7 +62,7 @@ def load_state(model: Model, state: dict[str, np.ndarray], source: str) -> list[
             )
     head, fresh_head, notes = head_leaf(model), False, []
     for name in names:
-        want = _torch_shape(model, name)
+        want = () if name.form == "count" else to_torch(_read(model, name, slices), name).shape
         if name.key not in state:
             if name.form == "count":
                 continue  # PyTorch's own state dicts before 0.4.1 lack it too
@@ -87,7 +89,7 @@ def load_state(model: Model, state: dict[str, np.ndarray], source: str) -> list[
             )
     for name in names:
         if name.form != "count" and not (fresh_head and name.leaf is head):
-            _write(model, name, from_torch(np.asarray(state[name.key]), name))
+            _write(model, name, from_torch(np.asarray(state[name.key]), name), slices)
     return notes
 
 
@@ -162,7 +164,7 @@ def _read_torch(path: Path) -> dict[str, np.ndarray]:
     }
 
 
-def _param_slices(model: Model) -> dict[tuple[int, str], tuple[int, tuple[int, ...]]]:
+def _param_slices(model: Model) -> Slices:
     """{(id(leaf), attr): (offset, shape)} of every parameter in model.params."""
     by_name = {name: (off, shape) for name, shape, off in model.layout()}
     names = leaf_names(model.body)
@@ -173,29 +175,23 @@ def _param_slices(model: Model) -> dict[tuple[int, str], tuple[int, tuple[int, .
     }
 
 
-def _read(model: Model, name: WeightName) -> np.ndarray:
+def _read(model: Model, name: WeightName, slices: Slices) -> np.ndarray:
     """hpcdl's array for name, on the host. Parameters come from model.params (the float32
     masters under bf16/fp16, hpcdl.nn.precision), not from the layers' compute views."""
     if name.attr in name.leaf.b:
         return to_host(name.leaf.b[name.attr])
-    off, shape = _param_slices(model)[(id(name.leaf), name.attr)]
+    off, shape = slices[(id(name.leaf), name.attr)]
     return to_host(model.params[off : off + int(np.prod(shape))]).reshape(shape)
 
 
-def _write(model: Model, name: WeightName, value: np.ndarray) -> None:
+def _write(model: Model, name: WeightName, value: np.ndarray, slices: Slices) -> None:
     xp = array_module(model.params)
     value = xp.asarray(value.astype(model.dtype))
     if name.attr in name.leaf.b:
         name.leaf.b[name.attr][...] = value
         return
-    off, shape = _param_slices(model)[(id(name.leaf), name.attr)]
+    off, shape = slices[(id(name.leaf), name.attr)]
     model.params[off : off + int(np.prod(shape))] = value.reshape(-1)
-
-
-def _torch_shape(model: Model, name: WeightName) -> tuple[int, ...]:
-    if name.form == "count":
-        return ()
-    return tuple(to_torch(_read(model, name), name).shape)
 
 
 def optional_import(module: str, extra: str, doing: str) -> Any:
