@@ -27,7 +27,7 @@ from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsWriter, Progress
-from hpcdl.resume import restore, shapes
+from hpcdl.resume import find_resume_checkpoint, restore, shapes
 from hpcdl.run import Run, own
 from hpcdl.step import StepParts
 
@@ -277,8 +277,14 @@ def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_sta
 def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
     """--init-from: rank 0 reads the weights into its model, which build_model then broadcasts.
     A file that does not fit the model stops every rank with rank 0's one line; a classifier
-    of another class count is re-initialised, and rank 0 says so. Collective."""
+    of another class count is re-initialised, and rank 0 says so. A run that resumes takes its
+    weights from the checkpoint instead, and the file is not read. Collective."""
     if not cfg.init_from:
+        return
+    resuming = find_resume_checkpoint(cfg)
+    if resuming is not None:
+        if world.is_root and not cfg.quiet:
+            print(f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}")
         return
     from hpcdl.nn import weights_io  # noqa: PLC0415
 

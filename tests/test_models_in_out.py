@@ -13,6 +13,7 @@ from conftest import read_events, run_train
 
 from hpcdl import checkpoint, nn
 from hpcdl.nn.export import ExportRequest, model_of
+from hpcdl.nn.weights_io import state_dict
 
 torch = pytest.importorskip("torch")
 from hpcdl.bench.torch_models import imagenet_resnet  # noqa: E402 (imports torch)
@@ -144,3 +145,21 @@ def test_tensorboard_series_equal_the_jsonl_of_the_same_run(digits_dir, tmp_path
         assert [s for s, _ in got[tag]] == [s for s, _ in series], tag
         for (_, value), (_, want) in zip(got[tag], series):
             assert math.isclose(value, want, rel_tol=1e-6, abs_tol=1e-12), (tag, value, want)
+
+
+def test_a_resumed_run_takes_the_checkpoint_not_the_init_file(digits_dir, tmp_path):
+    misfit = nn.build_model("mlp", (1, 4, 4), 10, seed=0)  # an error if it were read: 16 inputs
+    torch.save({k: torch.from_numpy(v) for k, v in state_dict(misfit).items()}, tmp_path / "w.pt")
+    common = ("--data", digits_dir / "train", "--model", "mlp", "--workers", 0)
+    first = run_train(
+        1, *common, "--max-steps", 1, "--checkpoint-every", 1, "--checkpoint-dir", tmp_path / "ck"
+    )
+    assert first.returncode == 0, first.stderr
+    again = run_train(
+        1,
+        *common,
+        *("--max-steps", 2, "--checkpoint-dir", tmp_path / "ck", "--resume", "auto"),
+        *("--init-from", tmp_path / "w.pt"),
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"hpcdl: --init-from {tmp_path / 'w.pt'} not read: resuming from" in again.stdout
