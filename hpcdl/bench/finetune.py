@@ -20,6 +20,7 @@ process for RANKS 1), as a user would run it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shutil
@@ -59,8 +60,8 @@ def make_gratings(
             )
 
 
-def train(ranks: int, *args: object) -> tuple[float, str]:
-    """Run hpcdl.train; (final validation accuracy, its output)."""
+def train(ranks: int, *args: object) -> float:
+    """Run hpcdl.train; its final validation accuracy."""
     cmd = [sys.executable, "-m", "hpcdl.train", *map(str, args), "--progress", "none"]
     if ranks > 1:
         cmd = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), *cmd]
@@ -69,7 +70,7 @@ def train(ranks: int, *args: object) -> tuple[float, str]:
         output = (done.stdout + done.stderr)[-2000:]
         raise SystemExit(f"hpcdl.bench finetune: {' '.join(cmd)} failed:\n{output}")
     found = re.search(r"final val_acc ([0-9.]+)", done.stdout)
-    return float(found.group(1)), done.stdout
+    return float(found.group(1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    size, common = args.size, ("--model", "resnet18", "--batch-size", args.batch_size)
+    make_data(args, out)
+    weights = pretrain(args, out)
+    results: dict[str, list[float]] = {"init_from": [], "scratch": []}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for arm, extra in (("init_from", ("--init-from", weights)), ("scratch", ())):
+            data = ("--data", out / "target/train", "--val-data", out / "target/val")
+            flags = ("--epochs", 1, "--lr", args.lr, "--seed", seed, *extra)
+            acc = train(args.ranks, *data, *common_flags(args), *flags)
+            results[arm].append(acc)
+            print(f"target: 4 classes, 1 epoch, seed {seed}, {arm}: val_acc {acc:.4f}")
+    means = {arm: float(np.mean(v)) for arm, v in results.items()}
+    print(f"mean val_acc: init_from {means['init_from']:.4f}, scratch {means['scratch']:.4f}")
+    if args.json:
+        record = {"val_acc": results, "mean": means, "ranks": args.ranks, "size": args.size}
+        print(json.dumps({**record, "pretrain_epochs": args.pretrain_epochs}))
+    return 0
+
+
+def common_flags(args: argparse.Namespace) -> tuple:
+    return ("--model", "resnet18", "--batch-size", args.batch_size)
+
+
+def make_data(args: argparse.Namespace, out: Path) -> None:
+    """The pretraining and target JPEG folders under out (kept between runs)."""
     data = {
         "pre/train": (PRETRAIN_ANGLES, args.pretrain_per_class, 0.15, 1),
         "pre/val": (PRETRAIN_ANGLES, 50, 0.15, 2),
@@ -102,72 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, (angles, per_class, freq, seed) in data.items():
         if not (out / name).exists():
-            make_gratings(out / name, angles, per_class, size, freq, seed)
-    weights = out / "pretrained.pth"
-    if not weights.exists():
-        shutil.rmtree(out / "pre_ckpt", ignore_errors=True)
-        acc, _ = train(
-            args.ranks,
-            "--data",
-            out / "pre/train",
-            "--val-data",
-            out / "pre/val",
-            *common,
-            "--epochs",
-            args.pretrain_epochs,
-            "--lr",
-            args.lr,
-            "--checkpoint-dir",
-            out / "pre_ckpt",
-            "--seed",
-            100,
-        )
-        print(f"pretrain: 8 classes, {args.pretrain_epochs} epochs: val_acc {acc:.4f}")
-        last = sorted((out / "pre_ckpt").glob("ckpt-*.h5"))[-1]
-        fmt = "torch" if _has_torch() else "safetensors"
-        weights = weights if fmt == "torch" else out / "pretrained.safetensors"
-        subprocess.run(
-            [sys.executable, "-m", "hpcdl.nn", "export", str(last), "--to", fmt, str(weights)],
-            check=True,
-        )
-    results: dict[str, list[float]] = {"init_from": [], "scratch": []}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for arm, extra in (("init_from", ("--init-from", weights)), ("scratch", ())):
-            acc, _ = train(
-                args.ranks,
-                "--data",
-                out / "target/train",
-                "--val-data",
-                out / "target/val",
-                *common,
-                "--epochs",
-                1,
-                "--lr",
-                args.lr,
-                "--seed",
-                seed,
-                *extra,
-            )
-            results[arm].append(acc)
-            print(f"target: 4 classes, 1 epoch, seed {seed}, {arm}: val_acc {acc:.4f}")
-    means = {arm: float(np.mean(v)) for arm, v in results.items()}
-    print(f"mean val_acc: init_from {means['init_from']:.4f}, scratch {means['scratch']:.4f}")
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "val_acc": results,
-                    "mean": means,
-                    "ranks": args.ranks,
-                    "size": size,
-                    "pretrain_epochs": args.pretrain_epochs,
-                }
-            )
-        )
-    return 0
+            make_gratings(out / name, angles, per_class, args.size, freq, seed)
 
 
-def _has_torch() -> bool:
-    import importlib.util  # noqa: PLC0415
-
-    return importlib.util.find_spec("torch") is not None
+def pretrain(args: argparse.Namespace, out: Path) -> Path:
+    """Pretrain resnet18 on the 8-class task and export its state dict (kept between runs):
+    .pth with PyTorch installed, else .safetensors."""
+    has_torch = importlib.util.find_spec("torch") is not None
+    weights = out / ("pretrained.pth" if has_torch else "pretrained.safetensors")
+    if weights.exists():
+        return weights
+    shutil.rmtree(out / "pre_ckpt", ignore_errors=True)
+    data = ("--data", out / "pre/train", "--val-data", out / "pre/val")
+    flags = ("--epochs", args.pretrain_epochs, "--lr", args.lr, "--seed", 100)
+    acc = train(
+        args.ranks, *data, *common_flags(args), *flags, "--checkpoint-dir", out / "pre_ckpt"
+    )
+    print(f"pretrain: 8 classes, {args.pretrain_epochs} epochs: val_acc {acc:.4f}")
+    last = sorted((out / "pre_ckpt").glob("ckpt-*.h5"))[-1]
+    to = "torch" if has_torch else "safetensors"
+    export = [sys.executable, "-m", "hpcdl.nn", "export", str(last), "--to", to, str(weights)]
+    subprocess.run(export, check=True)
+    return weights
