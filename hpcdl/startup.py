@@ -26,7 +26,7 @@ from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.metrics import MetricsWriter, Progress
+from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.resume import find_resume_checkpoint, restore, shapes
 from hpcdl.run import Run, own
 from hpcdl.step import StepParts
@@ -284,7 +284,9 @@ def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
     resuming = find_resume_checkpoint(cfg)
     if resuming is not None:
         if world.is_root and not cfg.quiet:
-            print(f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}")
+            print(
+                f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}", flush=True
+            )
         return
     from hpcdl.nn import weights_io  # noqa: PLC0415
 
@@ -297,15 +299,14 @@ def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
     if world.is_root and not cfg.quiet:
-        for line in [f"hpcdl: weights from {cfg.init_from}", *lines]:
-            print(line if line.startswith("hpcdl:") else f"hpcdl: {line}", flush=True)
+        for line in [f"weights from {cfg.init_from}", *lines]:
+            print(f"hpcdl: {line}", flush=True)
 
 
 def tensorboard_events(cfg: TrainConfig, world: World) -> Any:
     """--tensorboard's event writer on rank 0 (hpcdl.tensorboard_events), else None."""
     if not (cfg.tensorboard and world.is_root):
         return None
-    from hpcdl.metrics import MetricsError  # noqa: PLC0415
     from hpcdl.tensorboard_events import TensorBoardEvents  # noqa: PLC0415
 
     try:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from hpcdl.config import ConfigError, parse_args
@@ -37,3 +40,19 @@ def test_bad_values_are_one_line(tmp_path, flags, message):
     with pytest.raises(ConfigError) as info:
         parse_args(["--data", "d", *(f.format(tmp=tmp_path) for f in flags)])
     assert str(info.value) == message.format(tmp=tmp_path)
+
+
+def test_tensorboard_without_tensorboardx_says_which_extra():
+    script = """
+import sys
+sys.modules["tensorboardX"] = None  # not installed: importing it raises ImportError
+from hpcdl.config import ConfigError, parse_args
+try:
+    parse_args(["--data", "d", "--tensorboard", "tb"])
+except ConfigError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.stdout.strip() == (
+        "--tensorboard needs tensorboardX, which is not installed: pip install 'hpcdl[tensorboard]'"
+    )
