@@ -79,6 +79,9 @@ class TrainConfig:
     keep_staged: bool = False
     stage_verify: bool = False
     max_steps: int | None = None  # stop after this many global steps (benchmarks, tests)
+    # Models in and out (issue 27): start from a state dict; TensorBoard event files.
+    init_from: str | None = None  # .pth/.pt/.safetensors (hpcdl.nn.weights_io)
+    tensorboard: str | None = None  # directory for tensorboardX event files, rank 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -102,7 +105,16 @@ _CHOICES = {
     "progress": PROGRESS_MODES,
 }
 # Keys naming files or directories; words that are not paths, per key.
-PATH_KEYS = ("data", "val_data", "checkpoint_dir", "metrics", "stage_dir", "resume")
+PATH_KEYS = (
+    "data",
+    "val_data",
+    "checkpoint_dir",
+    "metrics",
+    "stage_dir",
+    "resume",
+    "init_from",
+    "tensorboard",
+)
 _NOT_PATHS = {"resume": ("none", "auto")}
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
@@ -169,6 +181,12 @@ _HELP = {
     "keep_staged": "leave staged files in --stage-dir at the end for a later job (default: off)",
     "stage_verify": "compare each staged copy with its source (FNV-1a checksum) (default: off)",
     "max_steps": "stop after this many steps in total (default: none, run all epochs)",
+    "init_from": "start from these weights: a PyTorch state dict (.pth/.pt, torchvision's names "
+    "for resnet18/50) or a .safetensors file; a classifier of another class count is "
+    "re-initialised (docs/models.md) (default: none, --seed's initialisation)",
+    "tensorboard": "write TensorBoard event files (loss, accuracy, lr, images/s, step-time "
+    "split, validation, staging, loss scale) to this directory from rank 0; needs tensorboardX "
+    "(docs/training.md) (default: none)",
 }
 
 
@@ -357,6 +375,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto/none)")
     if cfg.resume == "auto" and not cfg.checkpoint_dir:
         raise ConfigError("--resume auto needs --checkpoint-dir to look for checkpoints in")
+    _validate_models_io(cfg)
     if cfg.stage_capacity is not None and not re.fullmatch(
         r"[0-9]+(\.[0-9]+)?([KMGT]i?B?|B|%)?", cfg.stage_capacity
     ):
@@ -378,3 +397,26 @@ def _validate_model(model: str) -> None:
             f"--model must be one of {', '.join(MODELS)} or package.module:function / "
             f"path/to/file.py:function, got {model!r}"
         )
+
+
+def _validate_models_io(cfg: TrainConfig) -> None:
+    """--init-from names a weights file hpcdl reads; --tensorboard has tensorboardX."""
+    from hpcdl.nn.weights_io import WEIGHT_SUFFIXES  # noqa: PLC0415
+
+    if cfg.init_from is not None:
+        if not Path(cfg.init_from).is_file():
+            raise ConfigError(f"--init-from {cfg.init_from}: no such file")
+        if Path(cfg.init_from).suffix not in WEIGHT_SUFFIXES:
+            raise ConfigError(
+                f"--init-from {cfg.init_from}: expected a {', '.join(WEIGHT_SUFFIXES)} file"
+            )
+    if cfg.tensorboard is not None:
+        if Path(cfg.tensorboard).exists() and not Path(cfg.tensorboard).is_dir():
+            raise ConfigError(f"--tensorboard {cfg.tensorboard} is a file; give a directory")
+        try:
+            import tensorboardX  # noqa: F401, PLC0415
+        except ImportError:
+            raise ConfigError(
+                "--tensorboard needs tensorboardX, which is not installed: "
+                "pip install 'hpcdl[tensorboard]'"
+            ) from None

@@ -61,10 +61,14 @@ class MetricsWriter:
     An existing file is appended to, not replaced: the trainer's first record of every run is a
     `start` event, which is where hpcdl.report splits a file into runs. Each record is one
     write(2); a record that does not fit (ENOSPC) is cut off again, so the file stays whole
-    lines that hpcdl.report can read, and MetricsError names the file."""
+    lines that hpcdl.report can read, and MetricsError names the file.
 
-    def __init__(self, path: str | None) -> None:
+    tensorboard: also hand every record to it (hpcdl.tensorboard_events, --tensorboard), with
+    or without a file."""
+
+    def __init__(self, path: str | None, tensorboard: Any = None) -> None:
         self.path = path
+        self.tensorboard = tensorboard
         self._fd: int | None = None
         self._size = 0  # bytes in the file up to the end of the last whole record
         if path:
@@ -79,6 +83,8 @@ class MetricsWriter:
                 ) from None
 
     def write(self, event: str, **fields: Any) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.record(event, fields)
         if self._fd is None:
             return
         record = {"event": event, "time": time.time(), **fields}
@@ -99,6 +105,9 @@ class MetricsWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
 
     def _give_up(self) -> None:
         """Cut off a partly written record and stop writing."""

@@ -26,8 +26,8 @@ from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.metrics import MetricsWriter, Progress
-from hpcdl.resume import restore, shapes
+from hpcdl.metrics import MetricsError, MetricsWriter, Progress
+from hpcdl.resume import find_resume_checkpoint, restore, shapes
 from hpcdl.run import Run, own
 from hpcdl.step import StepParts
 
@@ -186,7 +186,9 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
-        metrics = MetricsWriter(cfg.metrics if world.is_root else None)
+        metrics = MetricsWriter(
+            cfg.metrics if world.is_root else None, tensorboard=tensorboard_events(cfg, world)
+        )
         own(stack, metrics.close, metrics.close)
         steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
         metrics.write(
@@ -252,6 +254,7 @@ def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_sta
     except ValueError as exc:
         error = f"--{exc}"
     agree_on_errors(world.comm, world.rank, error)
+    init_from(cfg, world, model)
     model.set_rng_state(nn.rank_rng_state(cfg.seed, world.rank))
     verify_same_run(world, cfg, shapes(model))
     collectives.broadcast(world.comm, model.params, host_staged=host_staged)
@@ -266,6 +269,53 @@ def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_sta
         decay_mask=None if cfg.decay_bias_norm else model.decay_mask(),
     )
     return model, optimizer
+
+
+# --- models in and out (issue 27): --init-from, --tensorboard ---
+
+
+def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
+    """--init-from: rank 0 reads the weights into its model, which build_model then broadcasts.
+    A file that does not fit the model stops every rank with rank 0's one line; a classifier
+    of another class count is re-initialised, and rank 0 says so. A run that resumes takes its
+    weights from the checkpoint instead, and the file is not read. Collective."""
+    if not cfg.init_from:
+        return
+    resuming = find_resume_checkpoint(cfg)
+    if resuming is not None:
+        if world.is_root and not cfg.quiet:
+            print(
+                f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}", flush=True
+            )
+        return
+    from hpcdl.nn import weights_io  # noqa: PLC0415
+
+    error, lines = None, []
+    if world.is_root:
+        source = f"--init-from {cfg.init_from}"
+        try:
+            lines = weights_io.load_state(model, weights_io.read_state(cfg.init_from), source)
+        except ValueError as exc:
+            error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
+    if world.is_root and not cfg.quiet:
+        for line in [f"weights from {cfg.init_from}", *lines]:
+            print(f"hpcdl: {line}", flush=True)
+
+
+def tensorboard_events(cfg: TrainConfig, world: World) -> Any:
+    """--tensorboard's event writer on rank 0 (hpcdl.tensorboard_events), else None."""
+    if not (cfg.tensorboard and world.is_root):
+        return None
+    from hpcdl.tensorboard_events import TensorBoardEvents  # noqa: PLC0415
+
+    try:
+        return TensorBoardEvents(cfg.tensorboard)
+    except OSError as exc:
+        raise MetricsError(
+            f"cannot write --tensorboard {cfg.tensorboard}: {exc.strerror or exc}; give a "
+            "writable directory"
+        ) from None
 
 
 def lr_schedule(cfg: TrainConfig, world: World, steps_per_epoch: int) -> Any:

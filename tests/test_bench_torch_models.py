@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpcdl import nn
+from hpcdl.nn.weights_io import state_dict
 
 torch = pytest.importorskip("torch")
 from hpcdl.bench import torch_models  # noqa: E402 (imports torch)
@@ -61,15 +62,6 @@ def test_bench_compute_reports_a_ratio_for_the_imagenet_resnets(capsys):
     assert result["torch_ms_per_step"] > 0 and result["ratio"] > 0
 
 
-def torch_name(hpcdl_name: str, dense_index: int) -> str:
-    """'4.branch.0.Conv2d.W' -> '4.branch.0.weight'; the dense layer sits one later in PyTorch
-    (AdaptiveAvgPool2d + Flatten where hpcdl has GlobalAvgPool)."""
-    *path, kind, param = hpcdl_name.split(".")
-    if kind == "Linear":
-        path = [str(dense_index + 1)]
-    return ".".join([*path, "bias" if param in ("b", "beta") else "weight"])
-
-
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_same_logits_as_hpcdl_with_hpcdls_weights(name):
     """float64, training mode (batch statistics): strides, paddings and order agree (ResNet v1,
@@ -77,14 +69,9 @@ def test_same_logits_as_hpcdl_with_hpcdls_weights(name):
     BatchNorms see 16 values a channel (2 values at 32x32, batch 2, amplify rounding to ~1e-7)."""
     ours = nn.build_model(name, (3, 64, 64), 5, seed=1, dtype=np.float64)
     theirs = torch_models.imagenet_resnet(name, 3, 5).double()
-    dense_index = len(ours.body.layers) - 1
-    tensors = dict(theirs.named_parameters())
-    with torch.no_grad():
-        for hpcdl_name, shape, off in ours.layout():
-            value = ours.params[off : off + int(np.prod(shape))].reshape(shape)
-            value = value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T
-            tensors.pop(torch_name(hpcdl_name, dense_index)).copy_(torch.from_numpy(value.copy()))
-    assert not tensors  # every PyTorch parameter was set
+    # hpcdl's name map (hpcdl.nn.weight_names): torchvision's keys, every one of them
+    state = {k: torch.from_numpy(v) for k, v in state_dict(ours).items()}
+    theirs.load_state_dict(state, strict=True)
     x = np.random.default_rng(0).standard_normal((4, 3, 64, 64))
     expected = ours.forward(x, train=True)
     got = theirs.train()(torch.from_numpy(x)).detach().numpy()

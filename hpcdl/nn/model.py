@@ -120,7 +120,7 @@ class Model:
         """(P,) array on the params' backend, in their dtype: 0 for biases and BatchNorm, else 1.
 
         Multiplies the weight decay when biases and norms are excluded from it."""
-        names = _leaf_names(self.body)
+        names = leaf_names(self.body)
         offsets = {name: off for name, _, off in self._layout}
         host = np.ones(self.num_params, dtype=self.dtype)
         for leaf in self.body.leaves():
@@ -157,7 +157,7 @@ def bind_flat(
     Leaves are laid out in backward order; values are initialised in forward order from seed.
     """
     leaves = list(root.leaves())
-    names = _leaf_names(root)
+    names = leaf_names(root)
     p_total = sum(int(np.prod(s.shape)) for leaf in leaves for s in leaf.param_specs)
     s_total = sum(int(np.prod(shape)) for leaf in leaves for _, shape, _ in leaf.buffer_specs)
     host_params = np.zeros(p_total, dtype=dtype)
@@ -203,7 +203,7 @@ def rank_rng_state(seed: int, rank: int) -> dict:
     return np.random.PCG64(seq).state
 
 
-def _leaf_names(root: Layer) -> dict[int, str]:
+def leaf_names(root: Layer) -> dict[int, str]:
     """Stable readable names: '<index>.<Class>' paths in forward order, e.g. '3.branch.0.Conv2d'."""
     names: dict[int, str] = {}
 

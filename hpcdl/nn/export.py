@@ -1,0 +1,98 @@
+"""`python -m hpcdl.nn export CHECKPOINT --to torch|safetensors|onnx OUT`: a trained model out.
+
+The checkpoint (hpcdl.checkpoint) names its model and holds its parameters and BatchNorm
+statistics; the model is rebuilt from that name (a user's builder: the --model spec the run was
+given, from the checkpoint's configuration) for the input shape the run's loaders yielded, found
+from the run's --data and --augment when that data is still readable, else given with
+--input-shape. The class count is the classifier's output size in the checkpoint. The output:
+- torch: a state dict (torch.save) that torchvision's resnet18/50, or the nn.Sequential of the
+  same layers, loads with strict=True; num_batches_tracked holds the checkpoint's global step.
+- safetensors: the same tensors (metadata format=pt), written without PyTorch.
+- onnx: the inference graph of hpcdl.nn.onnx_export.
+OUT is never replaced (hpcdl.nn.weights_io.write_new_file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcdl import checkpoint
+from hpcdl.nn.model import Model
+from hpcdl.nn.models import build_model
+from hpcdl.nn.onnx_export import to_onnx
+from hpcdl.nn.user_models import is_user_model
+from hpcdl.nn.weights_io import optional_import, state_dict, write_new_file, write_state
+
+FORMATS = ("torch", "safetensors", "onnx")
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What `export` writes: the checkpoint, the format, the output file, and overrides."""
+
+    checkpoint: str
+    to: str
+    out: str
+    input_shape: tuple[int, int, int] | None = None
+    model: str | None = None
+
+
+def export(request: ExportRequest) -> Model:
+    """Write request.out; returns the rebuilt model. ValueError (one line) for bad input."""
+    if request.to not in FORMATS:
+        raise ValueError(f"--to must be one of {', '.join(FORMATS)}, got {request.to!r}")
+    if not Path(request.out).parent.is_dir():
+        raise ValueError(f"{request.out}: directory {Path(request.out).parent} does not exist")
+    ckpt = checkpoint.load(request.checkpoint)  # CheckpointError is a ValueError
+    model = model_of(ckpt, request)
+    weights = state_dict(model, batches_tracked=ckpt.global_step)
+    if request.to == "onnx":
+        onnx = optional_import("onnx", "export", f"writing {request.out}")
+        proto = to_onnx(model, weights)
+        write_new_file(request.out, lambda tmp: onnx.save(proto, tmp))
+    else:
+        write_state(weights, request.out, request.to)
+    return model
+
+
+def model_of(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Model:
+    """The checkpoint's model, rebuilt and loaded with its parameters and statistics."""
+    spec = request.model or ckpt.config.get("model") or ckpt.model
+    if not is_user_model(spec):
+        spec = ckpt.model
+    shape = request.input_shape or _input_shape(ckpt, request.checkpoint)
+    head, head_shape = ckpt.layout[0]  # offset 0: the last layer's first array
+    if not head.endswith(".b") or len(head_shape) != 1:
+        raise ValueError(
+            f"checkpoint {request.checkpoint}: the model's last array is {head} {head_shape}, "
+            "not a classifier's bias; export needs a model that ends in nn.Linear"
+        )
+    model = build_model(spec, shape, int(head_shape[0]))
+    checkpoint.check_compatible(
+        ckpt,
+        request.checkpoint,
+        model.name,
+        [(name, tuple(s)) for name, s, _ in model.layout()],
+        buffer_values=int(model.buffers.size),
+    )
+    model.params[...] = ckpt.params
+    model.buffers[...] = ckpt.buffers
+    return model
+
+
+def _input_shape(ckpt: checkpoint.Checkpoint, path: str) -> tuple[int, int, int]:
+    """(C, H, W) the run's loaders yielded: its --data under its --augment."""
+    from hpcdl.data import open_dataset  # noqa: PLC0415 (only when --input-shape is not given)
+    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
+    from hpcdl.data.batch import output_shape  # noqa: PLC0415
+
+    data = ckpt.config.get("data", "")
+    try:
+        ds = open_dataset(data)
+        return tuple(output_shape(ds, parse_augment(ckpt.config.get("augment", "none"))))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(
+            f"checkpoint {path}: cannot tell the model's input shape from its --data "
+            f"{data or '(none)'} ({exc}); give --input-shape C,H,W"
+        ) from None
