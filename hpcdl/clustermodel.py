@@ -8,8 +8,9 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 1. staging rate of a node (a roofline of per-thread latency and bandwidth, node, file-system
    and metadata limits, and the local disk);
 2. epoch 1: the step clock against the time each file is staged (loaders wait for staging);
-3. allreduce per step (alpha-beta: ring, or hierarchical as Open MPI's coll_han does), bucket
-   by bucket on one communication thread while backward runs (hpcdl.comm.reducer);
+3. allreduce per step (alpha-beta: ring, or hierarchical as Open MPI's coll_han does: trees
+   inside and between nodes), bucket by bucket on one communication thread while backward
+   runs (hpcdl.comm.reducer);
 4. images/s, scaling efficiency, epoch times and time to the last epoch.
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.bench.scaling_model) is the compute term: one
@@ -18,6 +19,7 @@ rank's step without communication takes b / v0 + t.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from hpcdl.calibration import Calibration, NetworkFigures, PfsFigures
 from hpcdl.comm.reducer import plan_buckets
 
 GRADIENT_ITEMSIZE = 4  # float32 gradients: the reducer's buckets are counted in elements
+CHECK_BYTES = 8  # hpcdl.train's blocking allreduce per step: is any rank's loss not finite?
 
 
 @dataclass(frozen=True)
@@ -168,16 +171,25 @@ def ring_s(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
     return 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes * beta
 
 
+def tree_s(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Reduce, then broadcast, each along a binomial tree: ceil(log2 p) rounds of the whole
+    buffer apiece (what coll_han runs among the node leaders, and inside a node)."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(ranks)) * (alpha + nbytes * beta)
+
+
 def allreduce_s(net: NetworkFigures, nodes: int, per_node: int, nbytes: float) -> dict[str, float]:
-    """Seconds of one allreduce of nbytes: ring over all ranks, and hierarchical (an intra-node
-    allreduce's traffic, then a ring among one leader per node: Open MPI's coll_han)."""
-    intra = ring_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
+    """Seconds of one allreduce of nbytes. ring: over all ranks, the slowest link (between
+    nodes) setting the pace. hierarchical (Open MPI 5's default across nodes, coll_han): reduce
+    inside the node, reduce + broadcast among one leader per node, broadcast inside the node."""
+    intra_ring = ring_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
     if nodes == 1:
-        return {"ring": intra, "hierarchical": intra}
-    ranks = nodes * per_node
+        return {"ring": intra_ring, "hierarchical": intra_ring}
     return {
-        "ring": ring_s(ranks, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
-        "hierarchical": intra + ring_s(nodes, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
+        "ring": ring_s(nodes * per_node, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
+        "hierarchical": tree_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
+        + tree_s(nodes, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
     }
 
 
@@ -186,12 +198,14 @@ class StepTime:
     compute_s: float  # forward + backward + update, one rank (b / v0 + t)
     allreduce_s: dict[str, float]  # all buckets back to back, per algorithm
     exposed_s: float  # communication left after backward, with the calibrated algorithm
+    check_s: float  # the 8-byte loss check every step
     step_s: float
 
 
 def step_time(cal: Calibration, shape: JobShape) -> StepTime:
     """One step: buckets become ready as backward proceeds (uniformly over its share of the
-    step) and one thread reduces them in order; the step waits for the last one."""
+    step) and one thread reduces them in order; the step waits for the last one, then for the
+    trainer's 8-byte loss check."""
     compute = cal.compute.step_s(shape.batch_size)
     elements = max(1, cal.compute.gradient_bytes // GRADIENT_ITEMSIZE)
     buckets = plan_buckets(elements, GRADIENT_ITEMSIZE, shape.bucket_mb)
@@ -205,8 +219,12 @@ def step_time(cal: Calibration, shape: JobShape) -> StepTime:
             per_algo[name] += t
         ready = backward_start + compute * cal.compute.backward_fraction * bucket.hi / elements
         done = max(done, ready) + times[cal.network.algorithm]
-    exposed = max(0.0, done - compute) if shape.ranks > 1 else 0.0
-    return StepTime(compute, per_algo, exposed, compute + exposed)
+    if shape.ranks == 1:
+        return StepTime(compute, per_algo, 0.0, 0.0, compute)
+    exposed = max(0.0, done - compute)
+    check = allreduce_s(cal.network, shape.nodes, shape.ranks_per_node, CHECK_BYTES)
+    check_s = check[cal.network.algorithm]
+    return StepTime(compute, per_algo, exposed, check_s, compute + exposed + check_s)
 
 
 # ---------------------------------------------------------------------- 4. the job
@@ -247,8 +265,11 @@ class Prediction:
         return asdict(self)
 
 
-def predict(cal: Calibration, shape: JobShape, reads: NodeReads) -> Prediction:
-    """Every figure of the model for one job shape; `reads` is the busiest node's."""
+def predict(
+    cal: Calibration, shape: JobShape, reads: NodeReads, every_node: list[NodeReads] | None = None
+) -> Prediction:
+    """Every figure of the model for one job shape. reads: the busiest node's; every_node: all
+    nodes' reads, for the PFS totals (None: N times the busiest node's, as for analytic reads)."""
     rate = staging_rate(cal, shape, reads.mean_file_bytes)
     step = step_time(cal, shape)
     one = epoch_one(reads, rate, step.step_s, shape.lead_s)
@@ -256,9 +277,10 @@ def predict(cal: Calibration, shape: JobShape, reads: NodeReads) -> Prediction:
     # Later epochs: the stager fetches each epoch's new files during the epoch before.
     later = [max(compute_epoch, float(staged_at(rate, n))) for n in reads.new_files[1:]]
     later = later or [compute_epoch]
-    opens = [n * shape.nodes for n in reads.new_files]
+    nodes = every_node or [reads] * shape.nodes
+    opens = [sum(r.new_files[e] for r in nodes) for e in range(shape.epochs)]
     opens[0] += shape.index_files
-    nbytes = [b * shape.nodes for b in reads.new_bytes]
+    nbytes = [sum(r.new_bytes[e] for r in nodes) for e in range(shape.epochs)]
     index_s = shape.index_files * cal.pfs.open_latency_s / max(shape.index_threads, 1)
     images = shape.ranks * shape.batch_size / step.step_s
     return Prediction(

@@ -50,11 +50,12 @@ def dataset_figures(ds: Any) -> tuple[int, int]:
     return len(ds.files), sum(int(f.size) for f in ds.files)
 
 
-def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> NodeReads:
-    """The busiest node's reads (most files in epoch 1) of a job of this shape."""
+def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeReads]:
+    """Every node's reads of a job of this shape, busiest first (most files in epoch 1);
+    analytic: one entry, the expected node."""
     files, nbytes = dataset_figures(ds)
     if isinstance(ds, DescribedDataset) or len(ds) * shape.epochs > PLAN_BUDGET:
-        return clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)
+        return [clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)]
     layout = rank_layout([shape.ranks_per_node] * shape.nodes, args.placement)
     sampler = SamplerSpec(
         num_samples=len(ds), world_size=shape.ranks, seed=int(args.seed),
@@ -66,7 +67,7 @@ def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> NodeReads:
         )
         for n in range(shape.nodes)
     ]
-    return max(reads, key=lambda r: (r.new_files[0], sum(r.new_files)))
+    return sorted(reads, key=lambda r: (r.new_files[0], sum(r.new_files)), reverse=True)
 
 
 def predict_all(ds: Any, args: argparse.Namespace, cal: Calibration) -> list[Prediction]:
@@ -83,7 +84,9 @@ def predict_all(ds: Any, args: argparse.Namespace, cal: Calibration) -> list[Pre
             stage_threads=int(args.stage_threads),
             index_files=index_files,
         )
-        out.append(clustermodel.predict(cal, shape, node_reads(ds, args, shape)))
+        reads = node_reads(ds, args, shape)
+        every_node = reads if len(reads) == nodes else None
+        out.append(clustermodel.predict(cal, shape, reads[0], every_node))
     return out
 
 

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "scaling": "hpcdl.bench.scaling",
     "train": "hpcdl.bench.train",
     "calibrate": "hpcdl.bench.calibrate",
+    "validate": "hpcdl.bench.validate",
 }
 USAGE = "usage: python -m hpcdl.bench NAME [options]"
 

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,6 +48,7 @@ from hpcdl.calibration import (
     NetworkFigures,
     PfsFigures,
 )
+from hpcdl.comm import blas_threads
 from hpcdl.helpformat import HelpFormatter
 
 SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
@@ -134,6 +136,34 @@ def measure_pfs(root: Path, max_threads: int, per_count: int) -> tuple[PfsFigure
     ), rows
 
 
+def measure_pfs_together(
+    world: Any, root: Path, threads: int, per_node: int, alone: PfsFigures
+) -> PfsFigures:
+    """Every node's leader reads per_node other files with `threads` threads at once, as the
+    stagers will; an aggregate short of nodes x threads / (one file's time) by more than a
+    tenth is written as the file system's limit at this many nodes."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    leaders = world.comm.Split(0 if world.local_rank == 0 else MPI.UNDEFINED, world.rank)
+    result = alone
+    if leaders:
+        nodes = leaders.size
+        files = sample_files(root, per_node * (nodes + 8))[-per_node * nodes :]
+        leaders.Barrier()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(_read, files[leaders.rank :: nodes]))
+        wall = leaders.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        total_files = leaders.allreduce(len(results))
+        total_bytes = leaders.allreduce(sum(r[2] for r in results))
+        leaders.Free()
+        per_file = alone.open_latency_s + total_bytes / total_files / alone.thread_bandwidth_Bps
+        reached = total_files / wall
+        if reached < 0.9 * nodes * threads / per_file:
+            result = replace(alone, total_opens_per_s=reached, total_bandwidth_Bps=0.0)
+    return world.comm.bcast(result, root=0)
+
+
 def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
     """Write megabytes to a temporary file in stage_dir, fsync, remove it."""
     block = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
@@ -178,7 +208,8 @@ def time_allreduce(comm: Any, nbytes: int, repeats: int) -> float:
 
 
 def measure_network(world: Any, repeats: int) -> NetworkFigures:
-    """Size sweeps on the node communicator and on one rank per node; alpha-beta fits."""
+    """Size sweeps on the node communicator and on one rank per node give alpha and beta;
+    a sweep on all ranks tells which formula (ring or hierarchical) the MPI follows here."""
     from mpi4py import MPI  # noqa: PLC0415
 
     leaders = world.comm.Split(0 if world.local_rank == 0 else MPI.UNDEFINED, world.rank)
@@ -192,7 +223,24 @@ def measure_network(world: Any, repeats: int) -> NetworkFigures:
         )
     if leaders:
         leaders.Free()
-    return NetworkFigures(intra_ab[0], intra_ab[1], inter_ab[0], inter_ab[1])
+    fitted = NetworkFigures(intra_ab[0], intra_ab[1], inter_ab[0], inter_ab[1])
+    if world.num_nodes == 1:
+        return fitted
+    whole = [time_allreduce(world.comm, n, repeats) for n in SIZES]
+    return replace(fitted, algorithm=closest_algorithm(fitted, world, whole))
+
+
+def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> str:
+    """The formula whose predictions of the whole world's allreduce lie closest (log error),
+    at the sizes of gradient buckets (1 MiB and up): small messages take other algorithms."""
+    from hpcdl.clustermodel import allreduce_s  # noqa: PLC0415
+
+    def error(name: str) -> float:
+        pairs = [(allreduce_s(net, world.num_nodes, world.node_comm.size, n)[name], t)
+                 for n, t in zip(SIZES, seconds) if n >= 1 << 20]  # fmt: skip
+        return sum(np.log(t / max(p, 1e-12)) ** 2 for p, t in pairs)
+
+    return min(calibration.ALGORITHMS, key=error)
 
 
 def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
@@ -239,11 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     from hpcdl.comm.world import init_world  # noqa: PLC0415
 
     world = init_world()
+    blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
     pfs = local = rows = None
     if world.rank == 0:
         pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
         local = measure_local(Path(args.stage_dir), args.local_mb)
     world.comm.Barrier()  # the PFS and the disk were measured alone
+    if world.num_nodes > 1:
+        pfs = world.comm.bcast(pfs, root=0)
+        pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
     network = measure_network(world, args.repeats)
     compute = measure_compute(args, world.comm)
     if world.rank != 0:
