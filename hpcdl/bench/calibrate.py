@@ -13,7 +13,7 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   bytes/s for large files). A site that knows its Lustre better writes its own figures.
 - Node-local disk (world rank 0): --local-mb MB written to a temporary file in --stage-dir,
   fsync'ed and removed; nothing else there is touched.
-- Interconnect: Allreduce of 4 KiB .. 16 MiB on the node communicator (intra) and on a
+- Interconnect: Allreduce of 4 KiB .. 8 MiB on the node communicator (intra) and on a
   communicator of one rank per node (inter); alpha and beta from a least-squares fit of the
   ring formula t = 2(p-1) alpha + 2(p-1)/p n beta. With one node, inter = intra.
 - Compute: every rank times hpcdl.step.train_step (the `bench compute` step) at batch b/2 and b,
@@ -52,7 +52,9 @@ from hpcdl.comm import blas_threads
 from hpcdl.helpformat import HelpFormatter
 
 SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
-SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]  # allreduce sweep, bytes
+# Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by
+# default; the model extrapolates beyond 8 MiB linearly, as the alpha-beta form does).
+SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 BACKWARD_SHARE = 2 / 3  # of forward + backward: backward does about twice forward's work
 
 
