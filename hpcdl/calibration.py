@@ -59,6 +59,7 @@ class NetworkFigures:
     inter_alpha_s: float  # latency per message between nodes
     inter_beta_s_per_B: float  # seconds per byte on a node's link
     algorithm: str = "hierarchical"  # what the MPI does across nodes: hierarchical or ring
+    algorithm_factor: float = 1.0  # measured world allreduce / the algorithm's formula
 
 
 @dataclass(frozen=True)

@@ -182,15 +182,19 @@ def tree_s(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
 def allreduce_s(net: NetworkFigures, nodes: int, per_node: int, nbytes: float) -> dict[str, float]:
     """Seconds of one allreduce of nbytes. ring: over all ranks, the slowest link (between
     nodes) setting the pace. hierarchical (Open MPI 5's default across nodes, coll_han): reduce
-    inside the node, reduce + broadcast among one leader per node, broadcast inside the node."""
+    inside the node, reduce + broadcast among one leader per node, broadcast inside the node.
+    The calibrated algorithm's figure is scaled by net.algorithm_factor (what the whole world's
+    allreduce measured against its formula)."""
     intra_ring = ring_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
     if nodes == 1:
         return {"ring": intra_ring, "hierarchical": intra_ring}
-    return {
+    times = {
         "ring": ring_s(nodes * per_node, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
         "hierarchical": tree_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
         + tree_s(nodes, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
     }
+    times[net.algorithm] *= net.algorithm_factor
+    return times
 
 
 @dataclass(frozen=True)

@@ -229,20 +229,24 @@ def measure_network(world: Any, repeats: int) -> NetworkFigures:
     if world.num_nodes == 1:
         return fitted
     whole = [time_allreduce(world.comm, n, repeats) for n in SIZES]
-    return replace(fitted, algorithm=closest_algorithm(fitted, world, whole))
+    return closest_algorithm(fitted, world, whole)
 
 
-def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> str:
-    """The formula whose predictions of the whole world's allreduce lie closest (log error),
-    at the sizes of gradient buckets (1 MiB and up): small messages take other algorithms."""
+def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> NetworkFigures:
+    """net with the formula whose predictions of the whole world's allreduce lie closest (log
+    error) at the sizes of gradient buckets (1 MiB and up: small messages take other
+    algorithms), and the median ratio of measured to that formula as algorithm_factor."""
     from hpcdl.clustermodel import allreduce_s  # noqa: PLC0415
 
-    def error(name: str) -> float:
-        pairs = [(allreduce_s(net, world.num_nodes, world.node_comm.size, n)[name], t)
-                 for n, t in zip(SIZES, seconds) if n >= 1 << 20]  # fmt: skip
-        return sum(np.log(t / max(p, 1e-12)) ** 2 for p, t in pairs)
+    nodes, per_node = world.num_nodes, world.node_comm.size
 
-    return min(calibration.ALGORITHMS, key=error)
+    def ratios(name: str) -> np.ndarray:
+        pairs = [(allreduce_s(net, nodes, per_node, n)[name], t)
+                 for n, t in zip(SIZES, seconds) if n >= 1 << 20]  # fmt: skip
+        return np.array([t / max(p, 1e-12) for p, t in pairs])
+
+    best = min(calibration.ALGORITHMS, key=lambda name: float(np.sum(np.log(ratios(name)) ** 2)))
+    return replace(net, algorithm=best, algorithm_factor=float(np.median(ratios(best))))
 
 
 def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
@@ -330,7 +334,8 @@ def describe(cal: Calibration, rows: list[dict], where: str) -> str:
         f"  local disk: {cal.local.write_bandwidth_Bps / 1e6:.0f} MB/s written",
         f"  allreduce: intra alpha {n.intra_alpha_s * 1e6:.1f} us, "
         f"{1e-6 / max(n.intra_beta_s_per_B, 1e-18):.0f} MB/s; inter alpha "
-        f"{n.inter_alpha_s * 1e6:.1f} us, {1e-6 / max(n.inter_beta_s_per_B, 1e-18):.0f} MB/s",
+        f"{n.inter_alpha_s * 1e6:.1f} us, {1e-6 / max(n.inter_beta_s_per_B, 1e-18):.0f} MB/s; "
+        f"{n.algorithm} x {n.algorithm_factor:.2f}",
         f"  compute: {c.model} step = b / {c.v0:.0f} + {c.t * 1e3:.2f} ms "
         f"({c.step_s(c.batch_size) * 1e3:.1f} ms at batch {c.batch_size}); "
         f"{c.gradient_bytes / 1e6:.1f} MB of gradients",
