@@ -15,8 +15,9 @@ finish: the change time of the node's staged copies (published by link, in stagi
 its first copy to the last of epoch 1's files, plus one open and read (the first copy's).
 
 The design keeps the figures robust on a shared 2-core machine: the slow FS's latency sets
-staging, and the tc-limited links set the step (a 6 MB gradient allreduce), so that neither
-depends much on how busy the cores are. Tear-down (mount, namespaces) runs on every path.
+staging, and the tc-limited links set the step (a 6 MB gradient allreduce with Open MPI's flat
+collectives, whose timings repeat where coll_han's do not), so that neither depends much on how
+busy the cores are. Tear-down (mount, namespaces) runs on every path.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from hpcdl.bench.slowfs import unavailable as no_fuse
 from hpcdl.helpformat import HelpFormatter
 
 YIELD = ("--mca", "mpi_yield_when_idle", "1")  # emulated nodes share the cores (interconnect.py)
+# Open MPI's flat collectives: coll_han's figures swing by up to 8x from run to run on the shared
+# cores of emulated nodes, the flat ones repeat (docs/PERFORMANCE.md, "Interconnect across
+# emulated nodes"); calibrate and job use the same, as they would on a cluster.
+FLAT = ("--mca", "coll", "^han")
 CHECKS = ("epoch1_s", "later_epoch_s", "staging_finish_s", "pfs_opens")
 
 
@@ -53,7 +58,7 @@ class Setup:
     ranks_per_node: int = 2
     files: int = 960  # 32x32 RGB PNGs in 4 classes
     latency_ms: float = 80.0  # per open on the slow FS
-    link: str = "250mbit"  # every node's link
+    link: str = "150mbit"  # every node's link
     batch_size: int = 8
     epochs: int = 2
     stage_threads: int = 4
@@ -118,7 +123,7 @@ def run_case(setup: Setup, workdir: Path) -> dict[str, Any]:
 def run_mpi(cluster: Cluster, setup: Setup, program: list[str]) -> str:
     slots = [setup.ranks_per_node] * setup.nodes
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = cluster.mpirun(slots, sys.executable, *program, extra=YIELD)
+    command = cluster.mpirun(slots, sys.executable, *program, extra=(*YIELD, *FLAT))
     proc = cluster.run(1, command, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(
