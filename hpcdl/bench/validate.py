@@ -108,7 +108,7 @@ def run_case(setup: Setup, workdir: Path) -> dict[str, Any]:
 
         open_dataset(mount)  # the index, cached outside the read-only mount, before the job
         calib = workdir / "calibration.toml"
-        run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
+        calibrated = run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
         predicted = predict(setup, mount, calib)
         opens_before = pfs.stats(settle=True)["opens"]
         metrics = workdir / "metrics.jsonl"
@@ -116,8 +116,8 @@ def run_case(setup: Setup, workdir: Path) -> dict[str, Any]:
         opens = pfs.stats(settle=True)["opens"] - opens_before
         stages = [node.local / "stage" for node in cluster.nodes]
         finish = max(staging_finish(stage, predicted, setup) for stage in stages)
-    return dict(setup=setup.__dict__, predicted=predicted,
-                measured=measure(metrics, opens, finish))  # fmt: skip
+    return dict(setup=setup.__dict__, calibration=calibrated.strip().splitlines(),
+                predicted=predicted, measured=measure(metrics, opens, finish))  # fmt: skip
 
 
 def run_mpi(cluster: Cluster, setup: Setup, program: list[str]) -> str:
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         place = contextlib.nullcontext(kept) if args.keep else tempfile.TemporaryDirectory()
         with place as workdir:
             results.append(run_case(setup, Path(workdir)))
+        print("\n".join(results[-1]["calibration"]), flush=True)
         print(table(results[-1:]), flush=True)
     if args.json:
         print(json.dumps([{**r, "errors": compare(r)} for r in results]))
