@@ -133,7 +133,8 @@ def print_predictions(ds: Any, args: argparse.Namespace, cal: Calibration) -> in
         f"allreduce {cal.network.algorithm}"
     )
     print(table(predictions))
-    late = [p for p in predictions if p.first_late_step is not None]
+    # waits under 1 % of the epoch (the first files of step 0) are not worth a line
+    late = [p for p in predictions if p.epoch1_input_bound_s > 0.01 * p.epoch1_s]
     for p in late:
         print(
             f"  {p.nodes} nodes: epoch 1 is input-bound from step {p.first_late_step}: "
