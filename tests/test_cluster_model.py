@@ -182,3 +182,27 @@ def test_a_node_list_without_a_calibration_is_one_clear_line(tree):
     assert proc.stderr.strip().splitlines() == [
         "hpcdl.stage: error: --nodes takes a list (2,4,8) only with --dry-run --calibration"
     ]
+
+
+def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
+    out = tmp_path / "calib.toml"
+    cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(tree), "--stage-dir",
+           str(tmp_path), "--threads", "2", "--files", "8", "--local-mb", "4", "--steps", "3",
+           "--batch-size", "4", "--input-shape", "3,8,8", "--out", str(out), "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cal = calibration.load(out)
+    assert cal.pfs.open_latency_s > 0 and cal.pfs.thread_bandwidth_Bps > 0
+    assert cal.local.write_bandwidth_Bps > 0 and cal.compute.v0 > 0
+    assert cal.compute.gradient_bytes == 4 * (3 * 8 * 8 * 512 + 512 + 512 * 10 + 10)  # the mlp
+    assert (
+        json.loads(proc.stdout.splitlines()[-1])["compute"]
+        == calibration.load(out).to_json()["compute"]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.toml"]  # its temp file is gone
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cmd[cmd.index(str(tree))] = str(empty)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert f"--data {empty} holds no files to read" in proc.stderr

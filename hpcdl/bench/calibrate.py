@@ -49,6 +49,7 @@ from hpcdl.calibration import (
     PfsFigures,
 )
 from hpcdl.comm import blas_threads
+from hpcdl.comm.failure import UserError, install_abort_on_exception
 from hpcdl.helpformat import HelpFormatter
 
 SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
@@ -92,7 +93,7 @@ def sample_files(root: Path, count: int) -> list[Path]:
     ]
     files.sort()
     if not files:
-        raise SystemExit(f"hpcdl.bench calibrate: --data {root} holds no files")
+        raise UserError(f"hpcdl.bench calibrate: --data {root} holds no files to read")
     step = max(1, len(files) // count)
     return files[::step][:count]
 
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     from hpcdl.comm.world import init_world  # noqa: PLC0415
 
     world = init_world()
+    # A rank that fails (no files, a stage dir it cannot write) ends every rank with its one
+    # line, instead of leaving the others in the next collective.
+    install_abort_on_exception(world.comm, world.rank)
     blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
     pfs = local = rows = None
     if world.rank == 0:
