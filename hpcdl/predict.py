@@ -1,9 +1,10 @@
 """The dry run's predictions: `python -m hpcdl.stage --dry-run --calibration FILE --nodes 2,4,...`.
 
 For each node count it takes what every node reads from the staging plan (exactly, through
-hpcdl.staging.plan.plan_for_node, for the busiest node) or, where planning every node of every
-epoch would cost more than PLAN_BUDGET sample reads, from the expected values of the shuffle
-(hpcdl.clustermodel.analytic_reads); the table says which. Then hpcdl.clustermodel predicts
+hpcdl.staging.plan.plan_for_node for every node) or, where that would cost more than
+PLAN_BUDGET, from the expected values of the shuffle (hpcdl.clustermodel.analytic_reads); the
+table says which. The cost counted is today's planner's: every rank's sampler draws a
+permutation of the data set per epoch, so ranks x epochs x samples. Then hpcdl.clustermodel predicts
 PFS load, staging, allreduce and time to train. Equations: docs/cluster-model.md.
 """
 
@@ -19,7 +20,7 @@ from hpcdl.clustermodel import JobShape, NodeReads, Prediction
 from hpcdl.data.sampler import SamplerSpec, rank_layout
 from hpcdl.staging.plan import plan_for_node
 
-PLAN_BUDGET = 20_000_000  # sample reads (samples x epochs) the exact plans may cost per row
+PLAN_BUDGET = 200_000_000  # ranks x epochs x samples the exact plans may cost per row (~1 min)
 
 
 class DescribedDataset:
@@ -54,7 +55,7 @@ def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeR
     """Every node's reads of a job of this shape, busiest first (most files in epoch 1);
     analytic: one entry, the expected node."""
     files, nbytes = dataset_figures(ds)
-    if isinstance(ds, DescribedDataset) or len(ds) * shape.epochs > PLAN_BUDGET:
+    if isinstance(ds, DescribedDataset) or shape.ranks * shape.epochs * len(ds) > PLAN_BUDGET:
         return [clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)]
     layout = rank_layout([shape.ranks_per_node] * shape.nodes, args.placement)
     sampler = SamplerSpec(
@@ -111,7 +112,7 @@ COLUMNS = (  # header, width, how a Prediction shows in it
 
 def _duration(seconds: float) -> str:
     if seconds < 120:
-        return f"{seconds:.0f} s"
+        return f"{seconds:.3g} s"
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
@@ -138,7 +139,7 @@ def print_predictions(ds: Any, args: argparse.Namespace, cal: Calibration) -> in
     for p in late:
         print(
             f"  {p.nodes} nodes: epoch 1 is input-bound from step {p.first_late_step}: "
-            f"{p.epoch1_input_bound_s:.1f} s of {p.epoch1_s:.1f} s wait for staging"
+            f"{p.epoch1_input_bound_s:.3g} s of {p.epoch1_s:.3g} s wait for staging"
         )
     if args.json:
         print(json.dumps({"calibration": cal.to_json(),

@@ -28,4 +28,4 @@ def test_model_predicts_a_4_node_run_within_15_percent(tmp_path):
     for figure in ("epoch1_s", "later_epoch_s", "staging_finish_s"):
         assert abs(errors[figure]) <= 0.15, (figure, shown, result)
     assert 0 <= errors["pfs_opens"] <= measured["misses"], (shown, measured)
-    assert measured["hits"] + measured["misses"] == 2 * 8 * 15 * 8  # epochs x ranks x steps x b
+    assert measured["hits"] + measured["misses"] == 2 * 8 * 30 * 8  # epochs x ranks x steps x b

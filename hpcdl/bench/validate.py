@@ -56,12 +56,12 @@ class Setup:
 
     nodes: int
     ranks_per_node: int = 2
-    files: int = 960  # 32x32 RGB PNGs in 4 classes
-    latency_ms: float = 80.0  # per open on the slow FS
+    files: int = 1920  # 32x32 RGB PNGs in 4 classes
+    latency_ms: float = 160.0  # per open on the slow FS: far above the CPU time of one open
     link: str = "150mbit"  # every node's link
     batch_size: int = 8
     epochs: int = 2
-    stage_threads: int = 4
+    stage_threads: int = 12
 
 
 def make_images(root: Path, files: int, classes: int = 4) -> Path:
