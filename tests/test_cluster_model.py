@@ -206,3 +206,17 @@ def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
     assert f"--data {empty} holds no files to read" in proc.stderr
+
+
+def test_alpha_beta_come_back_from_ring_timings():
+    from hpcdl.bench.calibrate import SIZES, fit_alpha_beta
+
+    alpha, beta = 2e-5, 1 / 3e7
+    seconds = [clustermodel.ring_s(4, n, alpha, beta) for n in SIZES]
+    fitted = fit_alpha_beta(4, SIZES, seconds)
+    assert fitted[1] == pytest.approx(beta)
+    assert fitted[0] == pytest.approx(alpha + SIZES[0] * beta * 1.5 / 6)  # 4 KiB: some bandwidth
+    noisy = list(seconds)
+    noisy[-1] = noisy[2] * 0.9  # the largest message measured faster than 1 MiB
+    assert fit_alpha_beta(4, SIZES, noisy)[1] == pytest.approx(noisy[-1] / SIZES[-1] / 1.5)
+    assert fit_alpha_beta(1, SIZES, seconds) == (0.0, 0.0)

@@ -14,8 +14,9 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 - Node-local disk (world rank 0): --local-mb MB written to a temporary file in --stage-dir,
   fsync'ed and removed; nothing else there is touched.
 - Interconnect: Allreduce of 4 KiB .. 8 MiB on the node communicator (intra) and on a
-  communicator of one rank per node (inter); alpha and beta from a least-squares fit of the
-  ring formula t = 2(p-1) alpha + 2(p-1)/p n beta. With one node, inter = intra.
+  communicator of one rank per node (inter); alpha and beta of the ring formula
+  t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
+  whole world at the same sizes: which formula it follows, and by what factor.
 - Compute: every rank times hpcdl.step.train_step (the `bench compute` step) at batch b/2 and b,
   all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
   (hpcdl.bench.scaling_model.fit).
@@ -185,14 +186,19 @@ def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
 
 
 def fit_alpha_beta(ranks: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """alpha, beta of the ring formula from allreduce timings (least squares, relative)."""
+    """alpha, beta of the ring formula t = 2(p-1) alpha + 2(p-1)/p n beta from a size sweep.
+
+    alpha from the smallest message, beta from the slope between 1 MiB and the largest: two
+    points, because on busy shared cores a least-squares fit over all sizes let one slow small
+    message turn the slope negative (measured: beta 0 at 2 emulated nodes)."""
     if ranks <= 1:
         return 0.0, 0.0
-    n = np.asarray(sizes, dtype=np.float64)
-    t = np.asarray(seconds, dtype=np.float64)
-    design = np.stack([np.full_like(n, 2.0 * (ranks - 1)), 2.0 * (ranks - 1) / ranks * n], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(design / t[:, None], np.ones_like(t), rcond=None)
-    return max(float(alpha), 0.0), max(float(beta), 0.0)
+    messages, share = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks
+    mid = next(i for i, n in enumerate(sizes) if n >= 1 << 20)
+    slope = (seconds[-1] - seconds[mid]) / (sizes[-1] - sizes[mid])
+    if slope <= 0:  # no growth measured: all of the largest message's time is bandwidth
+        slope = seconds[-1] / sizes[-1]
+    return seconds[0] / messages, slope / share
 
 
 def time_allreduce(comm: Any, nbytes: int, repeats: int) -> float:
