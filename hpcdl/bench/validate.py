@@ -94,8 +94,8 @@ def train_args(setup: Setup, mount: Path, metrics: Path) -> list[str]:
             "--stage-dir", "/local/stage", "--keep-staged", *job_flags(setup)]  # fmt: skip
 
 
-def run_case(setup: Setup, workdir: Path) -> dict[str, Any]:
-    """Calibrate, predict and measure one case; predicted and measured figures."""
+def run_case(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str, Any]:
+    """Calibrate (unless a calibration file is given), predict and measure one case."""
     data = make_images(workdir / "images", setup.files)
     mount = workdir / "pfs"
     mount.mkdir()
@@ -107,8 +107,11 @@ def run_case(setup: Setup, workdir: Path) -> dict[str, Any]:
         from hpcdl.data import open_dataset  # noqa: PLC0415
 
         open_dataset(mount)  # the index, cached outside the read-only mount, before the job
-        calib = workdir / "calibration.toml"
-        calibrated = run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
+        calib = given or workdir / "calibration.toml"
+        calibrated = (
+            f"calibration: {given}" if given
+            else run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
+        )  # fmt: skip
         predicted = predict(setup, mount, calib)
         opens_before = pfs.stats(settle=True)["opens"]
         metrics = workdir / "metrics.jsonl"
@@ -118,6 +121,19 @@ def run_case(setup: Setup, workdir: Path) -> dict[str, Any]:
         finish = max(staging_finish(stage, predicted, setup) for stage in stages)
     return dict(setup=setup.__dict__, calibration=calibrated.strip().splitlines(),
                 predicted=predicted, measured=measure(metrics, opens, finish))  # fmt: skip
+
+
+def calibrate_only(setup: Setup, workdir: Path, out: Path) -> str:
+    """Calibrate on setup.nodes emulated nodes into `out`; the calibration's summary."""
+    data = make_images(workdir / "images", setup.files)
+    mount = workdir / "pfs"
+    mount.mkdir()
+    with (
+        mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)),
+        Cluster(workdir / "cluster", nodes=setup.nodes) as cluster,
+    ):
+        cluster.limit_links(setup.link)
+        return run_mpi(cluster, setup, calibrate_args(setup, mount, out))
 
 
 def run_mpi(cluster: Cluster, setup: Setup, program: list[str]) -> str:
@@ -215,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--link", default=d.link, help="tc rate of every node's link")
     a("--epochs", type=int, default=d.epochs, help="training epochs")
     a("--stage-threads", type=int, default=d.stage_threads, help="copy threads per node")
+    a(
+        "--calibrate-nodes",
+        type=int,
+        help="calibrate once on this many nodes and predict every case from that file "
+        "(default: each case calibrates on its own node count)",
+    )
     a("--keep", action="store_true", help="keep each case's files (data, metrics, calibration)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -226,18 +248,28 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"hpcdl.bench validate: {reason}", file=sys.stderr)
         return 2
+
+    def setup(nodes: int) -> Setup:
+        return Setup(nodes, args.ranks_per_node, args.files, args.latency_ms, args.link,
+                     epochs=args.epochs, stage_threads=args.stage_threads)  # fmt: skip
+
     results = []
-    for nodes in (int(n) for n in args.nodes.split(",")):
-        setup = Setup(nodes, args.ranks_per_node, args.files, args.latency_ms, args.link,
-                      epochs=args.epochs, stage_threads=args.stage_threads)  # fmt: skip
-        if args.keep:
-            kept = tempfile.mkdtemp(prefix=f"hpcdl-validate-{nodes}-")
-            print(f"keeping the case's files in {kept}", flush=True)
-        place = contextlib.nullcontext(kept) if args.keep else tempfile.TemporaryDirectory()
-        with place as workdir:
-            results.append(run_case(setup, Path(workdir)))
-        print("\n".join(results[-1]["calibration"]), flush=True)
-        print(table(results[-1:]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="hpcdl-validate-") as scratch:
+        given = None
+        if args.calibrate_nodes:
+            given = Path(scratch) / "calibration.toml"
+            (Path(scratch) / "calibrate").mkdir()
+            summary = calibrate_only(setup(args.calibrate_nodes), Path(scratch) / "calibrate", given)
+            print(summary.strip(), flush=True)
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            kept = tempfile.mkdtemp(prefix=f"hpcdl-validate-{nodes}-") if args.keep else None
+            if kept:
+                print(f"keeping the case's files in {kept}", flush=True)
+            place = contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory()
+            with place as workdir:
+                results.append(run_case(setup(nodes), Path(workdir), given))
+            print("\n".join(results[-1]["calibration"]), flush=True)
+            print(table(results[-1:]), flush=True)
     if args.json:
         print(json.dumps([{**r, "errors": compare(r)} for r in results]))
     return 0
