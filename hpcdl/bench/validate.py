@@ -258,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         given = None
         if args.calibrate_nodes:
             given = Path(scratch) / "calibration.toml"
-            (Path(scratch) / "calibrate").mkdir()
-            summary = calibrate_only(setup(args.calibrate_nodes), Path(scratch) / "calibrate", given)
+            work = Path(scratch) / "calibrate"
+            work.mkdir()
+            summary = calibrate_only(setup(args.calibrate_nodes), work, given)
             print(summary.strip(), flush=True)
         for nodes in (int(n) for n in args.nodes.split(",")):
             kept = tempfile.mkdtemp(prefix=f"hpcdl-validate-{nodes}-") if args.keep else None
