@@ -141,6 +141,7 @@ class EpochOne:
     seconds: float  # epoch 1, first step to last
     input_bound_s: float  # of which waiting for staging
     staging_finish_s: float  # the epoch's files staged, from the stager's start
+    needed_by_s: float  # when the step that first reads the last of them starts, never waiting
     first_late_step: int | None  # first step whose files are not all staged in time (None: none)
 
 
@@ -153,10 +154,12 @@ def epoch_one(reads: NodeReads, rate: StagingRate, step_s: float, lead_s: float)
             late = s
         clock = max(clock, at) + step_s
     seconds = clock - lead_s
+    last_step = int(np.searchsorted(reads.first_needed, reads.new_files[0]))
     return EpochOne(
         seconds=seconds,
         input_bound_s=max(0.0, seconds - reads.steps_per_epoch * step_s),
         staging_finish_s=float(staged_at(rate, reads.new_files[0])),
+        needed_by_s=lead_s + last_step * step_s,
         first_late_step=late,
     )
 
@@ -251,6 +254,7 @@ class Prediction:
     staging_files_per_s: float  # one node
     staging_limit: str
     staging_finish_s: float
+    staging_needed_by_s: float  # the last epoch-1 file's first use, at the compute-bound pace
     epoch1_s: float
     epoch1_input_bound_s: float
     first_late_step: int | None
@@ -303,6 +307,7 @@ def predict(
         staging_files_per_s=rate.files_per_s,
         staging_limit=rate.limit,
         staging_finish_s=one.staging_finish_s,
+        staging_needed_by_s=one.needed_by_s,
         epoch1_s=one.seconds,
         epoch1_input_bound_s=one.input_bound_s,
         first_late_step=one.first_late_step,

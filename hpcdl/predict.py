@@ -97,6 +97,7 @@ COLUMNS = (  # header, width, how a Prediction shows in it
     ("PFS opens e1", 12, lambda p: f"{p.pfs_opens_per_epoch[0]}"),
     ("opens/s peak", 12, lambda p: f"{p.pfs_peak_opens_per_s:.0f}"),
     ("staged s", 9, lambda p: f"{p.staging_finish_s:.1f}"),
+    ("needed s", 9, lambda p: f"{p.staging_needed_by_s:.1f}"),
     ("input-bound s", 13, lambda p: f"{p.epoch1_input_bound_s:.1f}"),
     ("ring ms", 8, lambda p: f"{p.allreduce_ring_s * 1e3:.1f}"),
     ("hier ms", 8, lambda p: f"{p.allreduce_hierarchical_s * 1e3:.1f}"),

@@ -68,6 +68,7 @@ def test_staging_ahead_of_the_steps_leaves_epoch_one_compute_bound():
     assert one.input_bound_s == pytest.approx(0.0) and one.first_late_step is None
     assert one.seconds == pytest.approx(1.0)
     assert one.staging_finish_s == pytest.approx(0.001 + 99 / 1000)
+    assert one.needed_by_s == pytest.approx(0.1 + 9 * 0.1)  # the last files: step 9
 
 
 def test_slow_staging_makes_epoch_one_wait_for_the_last_files():
