@@ -9,7 +9,8 @@ number in SI units (seconds, bytes, bytes/s), so nothing needs a unit parser:
     [pfs]        open_latency_s, thread_bandwidth_Bps, node_bandwidth_Bps,
                  total_bandwidth_Bps, total_opens_per_s   (0 = no such limit)
     [local]      write_bandwidth_Bps
-    [network]    intra_alpha_s, intra_beta_s_per_B, inter_alpha_s, inter_beta_s_per_B, algorithm
+    [network]    intra_alpha_s, intra_beta_s_per_B, inter_alpha_s, inter_beta_s_per_B, algorithm,
+                 algorithm_factor
     [compute]    model, batch_size, v0, t, backward_fraction, gradient_bytes
 
 Optional text fields (`source`, `notes` in any table) say where a figure came from.
