@@ -144,6 +144,12 @@ def from_dict(raw: dict[str, Any], where: str = "calibration") -> Calibration:
 
 
 def _table(cls: type, table: dict[str, Any], where: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(table) - known - {"notes", "source"})
+    if unknown:  # a misspelt optional limit would otherwise be dropped without a word
+        raise CalibrationError(
+            f"{where}: unknown field {unknown[0]} (known: {', '.join(sorted(known))})"
+        )
     values = {}
     for f in fields(cls):
         if f.name not in table:

@@ -142,6 +142,9 @@ def test_calibration_file_round_trips_and_names_a_bad_field(tmp_path):
     path.write_text(path.read_text().replace("v0 = 800.0", 'v0 = "fast"'))
     with pytest.raises(CalibrationError, match=r"c.toml: \[compute\]: v0 must be a number"):
         calibration.load(path)
+    path.write_text(CAL.to_toml().replace("node_bandwidth_Bps", "node_bandwith_Bps"))
+    with pytest.raises(CalibrationError, match=r"\[pfs\]: unknown field node_bandwith_Bps"):
+        calibration.load(path)
     path.write_text(CAL.to_toml().replace('algorithm = "hierarchical"', 'algorithm = "star"'))
     with pytest.raises(CalibrationError, match="algorithm must be one of hierarchical, ring"):
         calibration.load(path)
