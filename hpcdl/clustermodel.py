@@ -245,7 +245,8 @@ class Prediction:
     steps_per_epoch: int
     node_files_epoch1: int
     node_bytes_epoch1: int
-    node_new_files: list[int]  # per epoch
+    node_new_files: list[int]  # per epoch, the busiest node
+    every_node_new_files: list[list[int]] | None  # per node, per epoch (None: analytic reads)
     pfs_opens_per_epoch: list[int]  # all nodes (epoch 1 also counts the index)
     pfs_bytes_per_epoch: list[int]
     pfs_metadata_ops_per_epoch: list[int]  # open + close per file read
@@ -299,6 +300,7 @@ def predict(
         node_files_epoch1=reads.new_files[0],
         node_bytes_epoch1=reads.new_bytes[0],
         node_new_files=list(reads.new_files),
+        every_node_new_files=[list(r.new_files) for r in every_node] if every_node else None,
         pfs_opens_per_epoch=opens,
         pfs_bytes_per_epoch=nbytes,
         pfs_metadata_ops_per_epoch=[2 * n for n in opens],

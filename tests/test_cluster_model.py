@@ -166,6 +166,9 @@ def test_dry_run_with_a_calibration_predicts_per_node_count(tree, tmp_path):
     assert [r["nodes"] for r in rows] == [1, 2, 4]
     assert [r["node_files_epoch1"] for r in rows] == [400, 200, 100]
     assert rows[0]["pfs_opens_total"] == 400  # one node reads every file once, then has it
+    assert [sum(map(sum, r["every_node_new_files"])) for r in rows[1:]] == [
+        r["pfs_opens_total"] for r in rows[1:]
+    ]
     assert all(r["reads_source"] == "plan" for r in rows)
     assert "files/node e1" in proc.stdout and "images/s" in proc.stdout
 
