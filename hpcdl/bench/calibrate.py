@@ -1,7 +1,8 @@
 """`python -m hpcdl.bench calibrate`: measure this machine for the cluster model; write the file.
 
     mpirun -np 8 --map-by ppr:4:node python -m hpcdl.bench calibrate --data /lustre/imagenet \\
-        --stage-dir /local/scratch/me --model resnet50 --batch-size 32 --out calib.toml --json
+        --stage-dir /local/scratch/me --model resnet50 --input-shape 3,224,224 --classes 1000 \\
+        --batch-size 32 --out calib.toml --json
 
 Run it under the job's launcher, with the job's ranks per node, on two nodes or more: then the
 interconnect part sees both kinds of link. What it measures (docs/cluster-model.md):
