@@ -416,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--labels", help="comma-separated run names, one per run drawn (default: file names)"
     )
     ap.add_argument(
+        "--predicted",
+        help="the JSON of hpcdl.stage --dry-run --calibration --json: also draw predicted vs "
+        "measured epoch times into OUT-model.png (docs/cluster-model.md)",
+    )
+    ap.add_argument(
         "--all-runs",
         action="store_true",
         help="draw every run of a file that several runs appended to (default: the last one)",
@@ -443,6 +448,26 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(summary_lines(run)))
     render(runs, Path(args.out))
     print(f"wrote {args.out}")
+    if args.predicted:
+        return compare_with_model(runs, args.predicted, Path(args.out))
+    return 0
+
+
+def compare_with_model(runs: list[Run], predicted: str, out: Path) -> int:
+    """--predicted: the cluster model's figures against these runs (hpcdl.report_model)."""
+    from hpcdl import report_model  # noqa: PLC0415
+
+    try:
+        predictions = report_model.load_predictions(predicted)
+    except ReportError as exc:
+        print(f"hpcdl.report: error: {exc}", file=sys.stderr)
+        return 1
+    target = out.with_name(f"{out.stem}-model.png")
+    if report_model.render_comparison(runs, predictions, target) == 0:
+        print(f"hpcdl.report: error: --predicted {predicted} holds no prediction for the world "
+              "size of these runs; run the dry run with their --nodes and --ranks-per-node",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

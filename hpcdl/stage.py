@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--files-only", action="store_true", help="treat every file under --data as one sample")
     a("--stage-dir", help="node-local directory to stage into")
     a("--dry-run", action="store_true", help="print the plan per node; copy nothing, no MPI")
-    a("--nodes", type=int, help="nodes of the training job (default: Slurm/MPI environment)")
+    a(
+        "--nodes",
+        help="nodes of the training job (default: Slurm/MPI environment); with --dry-run "
+        "--calibration also a list, e.g. 2,4,8,...,1024",
+    )
     a("--ranks-per-node", type=int, help="training ranks per node (default: environment or 1)")
     a("--node", type=int, help="stage-only: which node this process stages for (default: MPI)")
     a(
@@ -83,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pfs-open-latency", type=float, help="dry run estimate: ms per open (default 1)")
     a("--probe", action="store_true", default=None, help="dry run: measure PFS speed by reading")
     a("--write-plans", help="dry run: write each node's plan file into this directory")
+    # cluster model (hpcdl.predict, docs/cluster-model.md)
+    a(
+        "--calibration",
+        help="dry run: calibration file (python -m hpcdl.bench calibrate, or the site's); "
+        "predicts PFS load, staging, allreduce and time to train per --nodes",
+    )
+    a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
+    a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
     a("--json", action="store_true", default=None, help="last line: one JSON object")
     a("--quiet", action="store_true", default=None, help="no progress output")
     return p
@@ -123,7 +135,25 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("batch_size", "epochs", "stage_threads"):
         if int(getattr(out, name)) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    out.node_counts = node_counts(out.nodes)
+    out.nodes = out.node_counts[0] if out.node_counts else None
+    if len(out.node_counts) > 1 and not (out.dry_run and out.calibration):
+        raise UsageError("--nodes takes a list (2,4,8) only with --dry-run --calibration")
     return out
+
+
+def node_counts(value: Any) -> list[int]:
+    """--nodes as a list: 16, "16" or "2,4,8" (TOML: an integer or a list)."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else str(value).split(",")
+    try:
+        counts = [int(v) for v in items]
+    except ValueError:
+        raise UsageError(f"--nodes must be a number or a list like 2,4,8, got {value!r}") from None
+    if not counts or min(counts) < 1:
+        raise UsageError(f"--nodes must be at least 1, got {value!r}")
+    return counts
 
 
 def env_layout() -> tuple[int | None, int | None]:
@@ -179,6 +209,12 @@ def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]
 
 
 def dry_run(args: argparse.Namespace) -> int:
+    if args.calibration:  # the cluster model instead of the per-node plan listing
+        from hpcdl import calibration, predict  # noqa: PLC0415
+
+        args.node_counts = args.node_counts or [env_layout()[0] or 1]
+        ds = predict.described_dataset(args) if args.dataset_files else open_data(args)
+        return predict.print_predictions(ds, args, calibration.load(args.calibration))
     env_nodes, env_per = env_layout()
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
     layout = rank_layout([per] * nodes, args.placement)

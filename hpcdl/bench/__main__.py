@@ -17,6 +17,8 @@ BENCHMARKS = {
     "scaling": "hpcdl.bench.scaling",
     "train": "hpcdl.bench.train",
     "finetune": "hpcdl.bench.finetune",
+    "calibrate": "hpcdl.bench.calibrate",
+    "validate": "hpcdl.bench.validate",
 }
 USAGE = "usage: python -m hpcdl.bench NAME [options]"
 

@@ -1,0 +1,357 @@
+"""`python -m hpcdl.bench calibrate`: measure this machine for the cluster model; write the file.
+
+    mpirun -np 8 --map-by ppr:4:node python -m hpcdl.bench calibrate --data /lustre/imagenet \\
+        --stage-dir /local/scratch/me --model resnet50 --input-shape 3,224,224 --classes 1000 \\
+        --batch-size 32 --out calib.toml --json
+
+Run it under the job's launcher, with the job's ranks per node, on two nodes or more: then the
+interconnect part sees both kinds of link. What it measures (docs/cluster-model.md):
+
+- PFS (world rank 0 alone, while the others wait): open + read + close of distinct files of
+  --data with 1, 2, 4, ... --threads reader threads. One thread gives the open latency and the
+  per-thread bandwidth; when more threads fall short of threads x the one-thread rate by more
+  than a third, the rate they reached is written as the file system's limit (opens/s, or
+  bytes/s for large files). A site that knows its Lustre better writes its own figures.
+- Node-local disk (world rank 0): --local-mb MB written to a temporary file in --stage-dir,
+  fsync'ed and removed; nothing else there is touched.
+- Interconnect: Allreduce of 4 KiB .. 8 MiB on the node communicator (intra) and on a
+  communicator of one rank per node (inter); alpha and beta of the ring formula
+  t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
+  whole world at the same sizes: which formula it follows, and by what factor.
+- Compute: every rank times hpcdl.step.train_step (the `bench compute` step) at batch b/2 and b,
+  all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
+  (hpcdl.bench.scaling_model.fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from hpcdl import calibration, nn
+from hpcdl.bench import scaling_model
+from hpcdl.bench.compute import hpcdl_stepper
+from hpcdl.calibration import (
+    Calibration,
+    ComputeFigures,
+    LocalFigures,
+    NetworkFigures,
+    PfsFigures,
+)
+from hpcdl.comm import blas_threads
+from hpcdl.comm.failure import UserError, install_abort_on_exception
+from hpcdl.helpformat import HelpFormatter
+
+SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
+# Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by
+# default; the model extrapolates beyond 8 MiB linearly, as the alpha-beta form does).
+SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
+BACKWARD_SHARE = 2 / 3  # of forward + backward: backward does about twice forward's work
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench calibrate",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    a = ap.add_argument
+    a("--data", required=True, help="the data set directory on the PFS (files are only read)")
+    a("--stage-dir", required=True, help="node-local directory (one temporary file written)")
+    a("--threads", type=int, default=8, help="most PFS reader threads (1, 2, 4, ... up to it)")
+    a("--files", type=int, default=64, help="files read per thread count")
+    a("--local-mb", type=int, default=64, help="MB written to the stage dir")
+    a("--model", default="mlp", help="network whose step is timed (hpcdl.nn.MODELS)")
+    a("--batch-size", type=int, default=32, help="per-rank batch of the job")
+    a("--input-shape", default="3,32,32", help="C,H,W of one sample")
+    a("--classes", type=int, default=10, help="output classes")
+    a("--steps", type=int, default=10, help="timed steps per batch size")
+    a("--repeats", type=int, default=5, help="allreduce timings per size (median)")
+    a("--out", help="calibration file to write (TOML; docs/cluster-model.md)")
+    a("--json", action="store_true", help="last line: one JSON object")
+    return ap
+
+
+def sample_files(root: Path, count: int) -> list[Path]:
+    """Up to `count` regular files under root, spread over the tree (sorted, every k-th)."""
+    files = [
+        Path(d) / n
+        for d, dirs, names in os.walk(root)
+        for n in sorted(names)
+        if not n.startswith(".")
+    ]
+    files.sort()
+    if not files:
+        raise UserError(f"hpcdl.bench calibrate: --data {root} holds no files to read")
+    step = max(1, len(files) // count)
+    return files[::step][:count]
+
+
+def _read(path: Path) -> tuple[float, float, int]:
+    """(seconds in open, seconds reading, bytes) of one whole file."""
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        t1 = time.perf_counter()
+        n = 0
+        while chunk := f.read(1 << 20):
+            n += len(chunk)
+    return t1 - t0, time.perf_counter() - t1, n
+
+
+def measure_pfs(root: Path, max_threads: int, per_count: int) -> tuple[PfsFigures, list[dict]]:
+    """Reader-thread sweep on distinct files; returns the figures and the sweep's rows."""
+    counts = [1 << k for k in range(max_threads.bit_length()) if 1 << k <= max_threads]
+    files = sample_files(root, per_count * len(counts))
+    chunks = [files[i :: len(counts)] for i in range(len(counts))]
+    rows = []
+    for threads, chunk in zip(counts, chunks):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(_read, chunk))
+        wall = time.perf_counter() - t0
+        nbytes = sum(r[2] for r in results)
+        rows.append(dict(threads=threads, files=len(chunk), opens_per_s=len(chunk) / wall,
+                         bytes_per_s=nbytes / wall,
+                         open_s=statistics.mean(r[0] for r in results),
+                         read_s=statistics.mean(r[1] for r in results),
+                         bytes=nbytes))  # fmt: skip
+    one, top = rows[0], rows[-1]
+    thread_bw = one["bytes"] / max(one["read_s"] * one["files"], 1e-9)
+    limited = top["opens_per_s"] < SATURATED * top["threads"] * one["opens_per_s"]
+    mean_size = top["bytes"] / max(top["files"], 1)
+    big_files = mean_size / max(thread_bw, 1e-9) > one["open_s"]  # reading, not opening, dominates
+    return PfsFigures(
+        open_latency_s=one["open_s"],
+        thread_bandwidth_Bps=thread_bw,
+        total_bandwidth_Bps=top["bytes_per_s"] if limited and big_files else 0.0,
+        total_opens_per_s=top["opens_per_s"] if limited and not big_files else 0.0,
+    ), rows
+
+
+def measure_pfs_together(
+    world: Any, root: Path, threads: int, per_node: int, alone: PfsFigures
+) -> PfsFigures:
+    """Every node's leader reads per_node other files with `threads` threads at once, as the
+    stagers will; an aggregate short of nodes x threads / (one file's time) by more than a
+    tenth is written as the file system's limit at this many nodes."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    leaders = world.comm.Split(0 if world.local_rank == 0 else MPI.UNDEFINED, world.rank)
+    result = alone
+    if leaders:
+        nodes = leaders.size
+        files = sample_files(root, per_node * (nodes + 8))[-per_node * nodes :]
+        leaders.Barrier()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(_read, files[leaders.rank :: nodes]))
+        wall = leaders.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        total_files = leaders.allreduce(len(results))
+        total_bytes = leaders.allreduce(sum(r[2] for r in results))
+        leaders.Free()
+        per_file = alone.open_latency_s + total_bytes / total_files / alone.thread_bandwidth_Bps
+        reached = total_files / wall
+        if reached < 0.9 * nodes * threads / per_file:
+            result = replace(alone, total_opens_per_s=reached, total_bandwidth_Bps=0.0)
+    return world.comm.bcast(result, root=0)
+
+
+def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
+    """Write megabytes to a temporary file in stage_dir, fsync, remove it."""
+    block = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    fd, name = tempfile.mkstemp(prefix=".hpcdl-calibrate-", dir=stage_dir)
+    try:
+        t0 = time.perf_counter()
+        written = 0
+        while written < megabytes * 1_000_000:
+            written += os.write(fd, block)
+        os.fsync(fd)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return LocalFigures(write_bandwidth_Bps=written / seconds)
+
+
+def fit_alpha_beta(ranks: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """alpha, beta of the ring formula t = 2(p-1) alpha + 2(p-1)/p n beta from a size sweep.
+
+    alpha from the smallest message, beta from the slope between 1 MiB and the largest: two
+    points, because on busy shared cores a least-squares fit over all sizes let one slow small
+    message turn the slope negative (measured: beta 0 at 2 emulated nodes)."""
+    if ranks <= 1:
+        return 0.0, 0.0
+    messages, share = 2.0 * (ranks - 1), 2.0 * (ranks - 1) / ranks
+    mid = next(i for i, n in enumerate(sizes) if n >= 1 << 20)
+    slope = (seconds[-1] - seconds[mid]) / (sizes[-1] - sizes[mid])
+    if slope <= 0:  # no growth measured: all of the largest message's time is bandwidth
+        slope = seconds[-1] / sizes[-1]
+    return seconds[0] / messages, slope / share
+
+
+def time_allreduce(comm: Any, nbytes: int, repeats: int) -> float:
+    """Median seconds of one in-place Allreduce of nbytes (float32), slowest rank."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    buf = np.ones(nbytes // 4, dtype=np.float32)
+    comm.Allreduce(MPI.IN_PLACE, buf)  # warm-up: connections, registration
+    times = []
+    for _ in range(repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, buf)
+        times.append(time.perf_counter() - t0)
+    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def measure_network(world: Any, repeats: int) -> NetworkFigures:
+    """Size sweeps on the node communicator and on one rank per node give alpha and beta;
+    a sweep on all ranks tells which formula (ring or hierarchical) the MPI follows here."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    leaders = world.comm.Split(0 if world.local_rank == 0 else MPI.UNDEFINED, world.rank)
+    intra = [time_allreduce(world.node_comm, n, repeats) for n in SIZES]
+    intra_ab = fit_alpha_beta(world.node_comm.size, SIZES, intra)
+    inter_ab = intra_ab
+    if world.num_nodes > 1:
+        inter = [time_allreduce(leaders, n, repeats) for n in SIZES] if leaders else []
+        inter_ab = world.comm.bcast(
+            fit_alpha_beta(world.num_nodes, SIZES, inter) if world.rank == 0 else None, root=0
+        )
+    if leaders:
+        leaders.Free()
+    fitted = NetworkFigures(intra_ab[0], intra_ab[1], inter_ab[0], inter_ab[1])
+    if world.num_nodes == 1:
+        return fitted
+    whole = [time_allreduce(world.comm, n, repeats) for n in SIZES]
+    return closest_algorithm(fitted, world, whole)
+
+
+def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> NetworkFigures:
+    """net with the formula whose predictions of the whole world's allreduce lie closest (log
+    error) at the sizes of gradient buckets (1 MiB and up: small messages take other
+    algorithms), and the median ratio of measured to that formula as algorithm_factor."""
+    from hpcdl.clustermodel import allreduce_s  # noqa: PLC0415
+
+    nodes, per_node = world.num_nodes, world.node_comm.size
+
+    def ratios(name: str) -> np.ndarray:
+        pairs = [(allreduce_s(net, nodes, per_node, n)[name], t)
+                 for n, t in zip(SIZES, seconds) if n >= 1 << 20]  # fmt: skip
+        return np.array([t / max(p, 1e-12) for p, t in pairs])
+
+    best = min(calibration.ALGORITHMS, key=lambda name: float(np.sum(np.log(ratios(name)) ** 2)))
+    return replace(net, algorithm=best, algorithm_factor=float(np.median(ratios(best))))
+
+
+def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
+    """Every rank times train_step at b/2 and b at once; the slowest rank's medians."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    batches = sorted({max(1, args.batch_size // 2), args.batch_size})
+    if len(batches) == 1:
+        batches = [1, 2]
+    medians = []
+    for batch in batches:
+        spec = SimpleNamespace(model=args.model, shape=args.shape, classes=args.classes,
+                               device="cpu", precision="fp32", batch_size=batch)  # fmt: skip
+        step, sync = hpcdl_stepper(spec)
+        for _ in range(3):
+            step()
+        comm.Barrier()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+        medians.append(comm.allreduce(statistics.median(times), op=MPI.MAX))
+    try:
+        fit = scaling_model.fit([float(b) for b in batches], medians)
+        v0, t = fit.v0, max(fit.t, 0.0)
+    except scaling_model.ScalingFitError:  # too noisy to split: all of the step grows with b
+        v0, t = batches[-1] / medians[-1], 0.0
+    model = nn.build_model(args.model, args.shape, args.classes, seed=0)
+    return ComputeFigures(
+        model=args.model,
+        batch_size=args.batch_size,
+        v0=v0,
+        t=t,
+        backward_fraction=BACKWARD_SHARE,
+        gradient_bytes=int(model.params.size) * 4,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.shape = tuple(int(v) for v in args.input_shape.split(","))
+    from hpcdl.comm.world import init_world  # noqa: PLC0415
+
+    world = init_world()
+    # A rank that fails (no files, a stage dir it cannot write) ends every rank with its one
+    # line, instead of leaving the others in the next collective.
+    install_abort_on_exception(world.comm, world.rank)
+    blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
+    pfs = local = rows = None
+    if world.rank == 0:
+        pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
+        local = measure_local(Path(args.stage_dir), args.local_mb)
+    world.comm.Barrier()  # the PFS and the disk were measured alone
+    if world.num_nodes > 1:
+        pfs = world.comm.bcast(pfs, root=0)
+        pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
+    network = measure_network(world, args.repeats)
+    compute = measure_compute(args, world.comm)
+    if world.rank != 0:
+        return 0
+    where = f"{world.num_nodes} nodes x {world.node_comm.size} ranks"
+    source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
+    cal = Calibration(pfs, local, network, compute, source=source)
+    print(describe(cal, rows, where))
+    if args.out:
+        calibration.save(args.out, cal)
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json.dumps({**cal.to_json(), "pfs_sweep": rows}))
+    return 0
+
+
+def describe(cal: Calibration, rows: list[dict], where: str) -> str:
+    """The measured figures, one line per part."""
+    p, n, c = cal.pfs, cal.network, cal.compute
+    sweep = ", ".join(f"{r['threads']}t {r['opens_per_s']:.0f}/s" for r in rows)
+    limit = (
+        f"; limit {p.total_opens_per_s:.0f} opens/s" if p.total_opens_per_s
+        else f"; limit {p.total_bandwidth_Bps / 1e6:.0f} MB/s" if p.total_bandwidth_Bps
+        else ""
+    )  # fmt: skip
+    return "\n".join([
+        f"calibration on {where}:",
+        f"  PFS: {p.open_latency_s * 1e3:.2f} ms/open, {p.thread_bandwidth_Bps / 1e6:.0f} MB/s "
+        f"per thread; opens/s by threads: {sweep}{limit}",
+        f"  local disk: {cal.local.write_bandwidth_Bps / 1e6:.0f} MB/s written",
+        f"  allreduce: intra alpha {n.intra_alpha_s * 1e6:.1f} us, "
+        f"{1e-6 / max(n.intra_beta_s_per_B, 1e-18):.0f} MB/s; inter alpha "
+        f"{n.inter_alpha_s * 1e6:.1f} us, {1e-6 / max(n.inter_beta_s_per_B, 1e-18):.0f} MB/s; "
+        f"{n.algorithm} x {n.algorithm_factor:.2f}",
+        f"  compute: {c.model} step = b / {c.v0:.0f} + {c.t * 1e3:.2f} ms "
+        f"({c.step_s(c.batch_size) * 1e3:.1f} ms at batch {c.batch_size}); "
+        f"{c.gradient_bytes / 1e6:.1f} MB of gradients",
+    ])  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

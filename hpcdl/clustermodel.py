@@ -1,0 +1,326 @@
+"""The cluster model: PFS load, staging, allreduce and time to train of a job on N nodes.
+
+Inputs: a calibration (hpcdl.calibration: PFS, node-local disk, interconnect, step time), the
+job's shape (nodes, ranks per node, batch, epochs, stage threads, bucket size), and what each
+node reads (NodeReads: from the staging plan, exactly, or analytically for a global shuffle).
+Every equation is written out in docs/cluster-model.md, in the order of the functions here:
+
+1. staging rate of a node (a roofline of per-thread latency and bandwidth, node, file-system
+   and metadata limits, and the local disk);
+2. epoch 1: the step clock against the time each file is staged (loaders wait for staging);
+3. allreduce per step (alpha-beta: ring, or hierarchical as Open MPI's coll_han does: trees
+   inside and between nodes), bucket by bucket on one communication thread while backward
+   runs (hpcdl.comm.reducer);
+4. images/s, scaling efficiency, epoch times and time to the last epoch.
+
+The speed model v(b) = b / (b / v0 + t) (hpcdl.bench.scaling_model) is the compute term: one
+rank's step without communication takes b / v0 + t.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcdl.calibration import Calibration, NetworkFigures, PfsFigures
+from hpcdl.comm.reducer import plan_buckets
+
+GRADIENT_ITEMSIZE = 4  # float32 gradients: the reducer's buckets are counted in elements
+CHECK_BYTES = 8  # hpcdl.train's blocking allreduce per step: is any rank's loss not finite?
+
+
+@dataclass(frozen=True)
+class JobShape:
+    nodes: int
+    ranks_per_node: int
+    batch_size: int  # per rank
+    epochs: int
+    stage_threads: int = 8
+    bucket_mb: float = 25.0  # the reducer's bucket size (--bucket-mb)
+    index_files: int = 0  # files the job's index opens (0: a cached index is found)
+    index_threads: int = 32  # hpcdl.data.imagefolder.INDEX_THREADS
+    lead_s: float = 0.0  # how long staging runs before the first step
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class NodeReads:
+    """What one node reads from the PFS: per epoch, the files it needs for the first time."""
+
+    new_files: tuple[int, ...]  # per epoch: files first needed in that epoch (PFS opens)
+    new_bytes: tuple[int, ...]
+    first_needed: np.ndarray  # (steps,) epoch 1: files first used at steps <= s, cumulative
+    steps_per_epoch: int
+    source: str  # "plan" (hpcdl.staging.plan) or "analytic" (global shuffle, expected values)
+
+    @property
+    def mean_file_bytes(self) -> float:
+        return self.new_bytes[0] / max(self.new_files[0], 1)
+
+
+def plan_reads(plan: Any) -> NodeReads:
+    """Exact reads of one node from its staging plan (hpcdl.staging.plan.NodePlan over the
+    job's epochs): a file is opened in the epoch of its first use, and never again (the
+    capacity holds the run; eviction and re-reads are not modelled)."""
+    steps = plan.steps_per_epoch
+    epochs = plan.epoch_end - plan.epoch_begin
+    first = np.fromiter((int(t[0]) for t in plan.ticks), dtype=np.int64, count=plan.files)
+    epoch_of = first // steps
+    sizes = np.asarray(plan.sizes, dtype=np.int64)
+    new = np.bincount(epoch_of, minlength=epochs)[:epochs]
+    new_bytes = np.bincount(epoch_of, weights=sizes, minlength=epochs)[:epochs]
+    in_first = np.bincount(first[epoch_of == 0], minlength=steps)[:steps]
+    return NodeReads(
+        tuple(int(n) for n in new),
+        tuple(int(b) for b in new_bytes),
+        np.cumsum(in_first),
+        steps,
+        "plan",
+    )
+
+
+def analytic_reads(files: int, nbytes: int, shape: JobShape, shuffle: str = "global") -> NodeReads:
+    """Expected reads of one node. shuffle=global: one permutation per epoch cut for all
+    ranks, so a node reads F = steps x R x b distinct files per epoch, and a file it has not
+    read in e earlier epochs is new with probability (1 - F/D)^e. node/none: the node keeps
+    its F files, all new in epoch 1."""
+    steps = (files // shape.ranks) // shape.batch_size
+    per_epoch = steps * shape.ranks_per_node * shape.batch_size
+    keep = 1.0 - per_epoch / files if shuffle == "global" else 0.0
+    new = tuple(int(round(per_epoch * keep**e)) for e in range(shape.epochs))
+    mean = nbytes / files
+    first = np.arange(1, steps + 1, dtype=np.int64) * shape.ranks_per_node * shape.batch_size
+    return NodeReads(new, tuple(int(n * mean) for n in new), first, steps, "analytic")
+
+
+# ---------------------------------------------------------------------- 1. staging rate
+
+
+@dataclass(frozen=True)
+class StagingRate:
+    files_per_s: float  # one node, all copy threads
+    per_file_s: float  # one copy thread: open + read of a mean file
+    limit: str  # which term sets the rate
+
+
+def staging_rate(cal: Calibration, shape: JobShape, mean_bytes: float) -> StagingRate:
+    """Files/s one node stages while every node stages: the smallest of the limits."""
+    pfs: PfsFigures = cal.pfs
+    per_file = pfs.open_latency_s + mean_bytes / max(pfs.thread_bandwidth_Bps, 1e-9)
+    limits = {"open latency x threads": shape.stage_threads / per_file}
+    size = max(mean_bytes, 1.0)
+    if pfs.node_bandwidth_Bps > 0:
+        limits["node PFS bandwidth"] = pfs.node_bandwidth_Bps / size
+    if pfs.total_bandwidth_Bps > 0:
+        limits["shared PFS bandwidth"] = pfs.total_bandwidth_Bps / size / shape.nodes
+    if pfs.total_opens_per_s > 0:
+        limits["PFS metadata (opens/s)"] = pfs.total_opens_per_s / shape.nodes
+    if cal.local.write_bandwidth_Bps > 0:
+        limits["local disk write"] = cal.local.write_bandwidth_Bps / size
+    limit = min(limits, key=limits.__getitem__)
+    return StagingRate(limits[limit], per_file, limit)
+
+
+def staged_at(rate: StagingRate, count: np.ndarray | int) -> np.ndarray | float:
+    """Seconds after staging starts at which the first `count` files are ready."""
+    n = np.asarray(count, dtype=np.float64)
+    return np.where(n > 0, rate.per_file_s + (n - 1) / rate.files_per_s, 0.0)
+
+
+# ---------------------------------------------------------------------- 2. epoch 1
+
+
+@dataclass(frozen=True)
+class EpochOne:
+    seconds: float  # epoch 1, first step to last
+    input_bound_s: float  # of which waiting for staging
+    staging_finish_s: float  # the epoch's files staged, from the stager's start
+    needed_by_s: float  # when the step that first reads the last of them starts, never waiting
+    first_late_step: int | None  # first step whose files are not all staged in time (None: none)
+
+
+def epoch_one(reads: NodeReads, rate: StagingRate, step_s: float, lead_s: float) -> EpochOne:
+    """Step clock against staging: step s starts when step s-1 ends and its files are staged."""
+    ready = np.asarray(staged_at(rate, reads.first_needed), dtype=np.float64)  # (steps,)
+    clock, late = lead_s, None
+    for s, at in enumerate(ready.tolist()):
+        if at > clock and late is None:
+            late = s
+        clock = max(clock, at) + step_s
+    seconds = clock - lead_s
+    last_step = int(np.searchsorted(reads.first_needed, reads.new_files[0]))
+    return EpochOne(
+        seconds=seconds,
+        input_bound_s=max(0.0, seconds - reads.steps_per_epoch * step_s),
+        staging_finish_s=float(staged_at(rate, reads.new_files[0])),
+        needed_by_s=lead_s + last_step * step_s,
+        first_late_step=late,
+    )
+
+
+# ---------------------------------------------------------------------- 3. allreduce
+
+
+def ring_s(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Ring allreduce: 2(p-1) messages, 2(p-1)/p of the buffer through every link."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * nbytes * beta
+
+
+def tree_s(ranks: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Reduce, then broadcast, each along a binomial tree: ceil(log2 p) rounds of the whole
+    buffer apiece (what coll_han runs among the node leaders, and inside a node)."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(ranks)) * (alpha + nbytes * beta)
+
+
+def allreduce_s(net: NetworkFigures, nodes: int, per_node: int, nbytes: float) -> dict[str, float]:
+    """Seconds of one allreduce of nbytes. ring: over all ranks, the slowest link (between
+    nodes) setting the pace. hierarchical (Open MPI 5's default across nodes, coll_han): reduce
+    inside the node, reduce + broadcast among one leader per node, broadcast inside the node.
+    The calibrated algorithm's figure is scaled by net.algorithm_factor (what the whole world's
+    allreduce measured against its formula)."""
+    intra_ring = ring_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
+    if nodes == 1:
+        return {"ring": intra_ring, "hierarchical": intra_ring}
+    times = {
+        "ring": ring_s(nodes * per_node, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
+        "hierarchical": tree_s(per_node, nbytes, net.intra_alpha_s, net.intra_beta_s_per_B)
+        + tree_s(nodes, nbytes, net.inter_alpha_s, net.inter_beta_s_per_B),
+    }
+    times[net.algorithm] *= net.algorithm_factor
+    return times
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float  # forward + backward + update, one rank (b / v0 + t)
+    allreduce_s: dict[str, float]  # all buckets back to back, per algorithm
+    exposed_s: float  # communication left after backward, with the calibrated algorithm
+    check_s: float  # the 8-byte loss check every step
+    step_s: float
+
+
+def step_time(cal: Calibration, shape: JobShape) -> StepTime:
+    """One step: buckets become ready as backward proceeds (uniformly over its share of the
+    step) and one thread reduces them in order; the step waits for the last one, then for the
+    trainer's 8-byte loss check."""
+    compute = cal.compute.step_s(shape.batch_size)
+    elements = max(1, cal.compute.gradient_bytes // GRADIENT_ITEMSIZE)
+    buckets = plan_buckets(elements, GRADIENT_ITEMSIZE, shape.bucket_mb)
+    per_algo = {"ring": 0.0, "hierarchical": 0.0}
+    backward_start = compute * (1.0 - cal.compute.backward_fraction)
+    done = 0.0
+    for bucket in buckets:
+        nbytes = (bucket.hi - bucket.lo) * GRADIENT_ITEMSIZE
+        times = allreduce_s(cal.network, shape.nodes, shape.ranks_per_node, nbytes)
+        for name, t in times.items():
+            per_algo[name] += t
+        ready = backward_start + compute * cal.compute.backward_fraction * bucket.hi / elements
+        done = max(done, ready) + times[cal.network.algorithm]
+    if shape.ranks == 1:
+        return StepTime(compute, per_algo, 0.0, 0.0, compute)
+    exposed = max(0.0, done - compute)
+    check = allreduce_s(cal.network, shape.nodes, shape.ranks_per_node, CHECK_BYTES)
+    check_s = check[cal.network.algorithm]
+    return StepTime(compute, per_algo, exposed, check_s, compute + exposed + check_s)
+
+
+# ---------------------------------------------------------------------- 4. the job
+
+
+@dataclass(frozen=True)
+class Prediction:
+    nodes: int
+    ranks_per_node: int
+    reads_source: str
+    steps_per_epoch: int
+    node_files_epoch1: int
+    node_bytes_epoch1: int
+    node_new_files: list[int]  # per epoch, the busiest node
+    every_node_new_files: list[list[int]] | None  # per node, per epoch (None: analytic reads)
+    pfs_opens_per_epoch: list[int]  # all nodes (epoch 1 also counts the index)
+    pfs_bytes_per_epoch: list[int]
+    pfs_metadata_ops_per_epoch: list[int]  # open + close per file read
+    pfs_opens_total: int
+    pfs_peak_opens_per_s: float  # all nodes staging at once
+    staging_files_per_s: float  # one node
+    staging_limit: str
+    staging_finish_s: float
+    staging_needed_by_s: float  # the last epoch-1 file's first use, at the compute-bound pace
+    epoch1_s: float
+    epoch1_input_bound_s: float
+    first_late_step: int | None
+    compute_s: float
+    allreduce_ring_s: float
+    allreduce_hierarchical_s: float
+    allreduce_exposed_s: float
+    step_s: float
+    images_per_s: float
+    efficiency: float  # images/s over ranks x one rank's images/s without communication
+    later_epoch_s: float
+    index_s: float
+    time_to_last_epoch_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def predict(
+    cal: Calibration, shape: JobShape, reads: NodeReads, every_node: list[NodeReads] | None = None
+) -> Prediction:
+    """Every figure of the model for one job shape. reads: the busiest node's; every_node: all
+    nodes' reads, for the PFS totals (None: N times the busiest node's, as for analytic reads)."""
+    rate = staging_rate(cal, shape, reads.mean_file_bytes)
+    step = step_time(cal, shape)
+    one = epoch_one(reads, rate, step.step_s, shape.lead_s)
+    compute_epoch = reads.steps_per_epoch * step.step_s
+    # Later epochs: the stager fetches each epoch's new files during the epoch before.
+    later = [max(compute_epoch, float(staged_at(rate, n))) for n in reads.new_files[1:]]
+    later = later or [compute_epoch]
+    nodes = every_node or [reads] * shape.nodes
+    opens = [sum(r.new_files[e] for r in nodes) for e in range(shape.epochs)]
+    opens[0] += shape.index_files
+    nbytes = [sum(r.new_bytes[e] for r in nodes) for e in range(shape.epochs)]
+    index_s = shape.index_files * cal.pfs.open_latency_s / max(shape.index_threads, 1)
+    images = shape.ranks * shape.batch_size / step.step_s
+    return Prediction(
+        nodes=shape.nodes,
+        ranks_per_node=shape.ranks_per_node,
+        reads_source=reads.source,
+        steps_per_epoch=reads.steps_per_epoch,
+        node_files_epoch1=reads.new_files[0],
+        node_bytes_epoch1=reads.new_bytes[0],
+        node_new_files=list(reads.new_files),
+        every_node_new_files=[list(r.new_files) for r in every_node] if every_node else None,
+        pfs_opens_per_epoch=opens,
+        pfs_bytes_per_epoch=nbytes,
+        pfs_metadata_ops_per_epoch=[2 * n for n in opens],
+        pfs_opens_total=sum(opens),
+        pfs_peak_opens_per_s=rate.files_per_s * shape.nodes,
+        staging_files_per_s=rate.files_per_s,
+        staging_limit=rate.limit,
+        staging_finish_s=one.staging_finish_s,
+        staging_needed_by_s=one.needed_by_s,
+        epoch1_s=one.seconds,
+        epoch1_input_bound_s=one.input_bound_s,
+        first_late_step=one.first_late_step,
+        compute_s=step.compute_s,
+        allreduce_ring_s=step.allreduce_s["ring"],
+        allreduce_hierarchical_s=step.allreduce_s["hierarchical"],
+        allreduce_exposed_s=step.exposed_s,
+        step_s=step.step_s,
+        images_per_s=images,
+        efficiency=step.compute_s / step.step_s,
+        later_epoch_s=float(np.mean(later)),
+        index_s=index_s,
+        time_to_last_epoch_s=index_s + one.seconds + float(sum(later[: shape.epochs - 1])),
+    )

@@ -1,0 +1,148 @@
+"""The dry run's predictions: `python -m hpcdl.stage --dry-run --calibration FILE --nodes 2,4,...`.
+
+For each node count it takes what every node reads from the staging plan (exactly, through
+hpcdl.staging.plan.plan_for_node for every node) or, where that would cost more than
+PLAN_BUDGET, from the expected values of the shuffle (hpcdl.clustermodel.analytic_reads); the
+table says which. The cost counted is today's planner's: every rank's sampler draws a
+permutation of the data set per epoch, so ranks x epochs x samples. Then hpcdl.clustermodel predicts
+PFS load, staging, allreduce and time to train. Equations: docs/cluster-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from hpcdl import clustermodel
+from hpcdl.calibration import Calibration
+from hpcdl.clustermodel import JobShape, NodeReads, Prediction
+from hpcdl.data.sampler import SamplerSpec, rank_layout
+from hpcdl.staging.plan import plan_for_node
+
+PLAN_BUDGET = 200_000_000  # ranks x epochs x samples the exact plans may cost per row (~1 min)
+
+
+class DescribedDataset:
+    """A data set given by its size only (--dataset-files, --dataset-bytes): the model takes
+    every node's reads analytically, since there are no files to plan."""
+
+    index_source = "built"
+
+    def __init__(self, files: int, nbytes: float) -> None:
+        if files < 1 or nbytes <= 0:
+            raise ValueError("--dataset-files and --dataset-bytes must be positive")
+        self.num_files, self.nbytes = files, int(nbytes)
+
+    def __len__(self) -> int:
+        return self.num_files
+
+
+def described_dataset(args: argparse.Namespace) -> DescribedDataset:
+    if args.dataset_bytes is None:
+        raise ValueError("--dataset-files needs --dataset-bytes (the data set's bytes in all)")
+    return DescribedDataset(int(args.dataset_files), float(args.dataset_bytes))
+
+
+def dataset_figures(ds: Any) -> tuple[int, int]:
+    """(files, bytes) of a data set."""
+    if isinstance(ds, DescribedDataset):
+        return ds.num_files, ds.nbytes
+    return len(ds.files), sum(int(f.size) for f in ds.files)
+
+
+def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeReads]:
+    """Every node's reads of a job of this shape, busiest first (most files in epoch 1);
+    analytic: one entry, the expected node."""
+    files, nbytes = dataset_figures(ds)
+    if isinstance(ds, DescribedDataset) or shape.ranks * shape.epochs * len(ds) > PLAN_BUDGET:
+        return [clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)]
+    layout = rank_layout([shape.ranks_per_node] * shape.nodes, args.placement)
+    sampler = SamplerSpec(
+        num_samples=len(ds), world_size=shape.ranks, seed=int(args.seed),
+        shuffle=args.shuffle, ranks_by_node=layout,
+    )  # fmt: skip
+    reads = [
+        clustermodel.plan_reads(
+            plan_for_node(ds, sampler, shape.batch_size, (0, shape.epochs), layout[n], n)
+        )
+        for n in range(shape.nodes)
+    ]
+    return sorted(reads, key=lambda r: (r.new_files[0], sum(r.new_files)), reverse=True)
+
+
+def predict_all(ds: Any, args: argparse.Namespace, cal: Calibration) -> list[Prediction]:
+    """One Prediction per entry of --nodes."""
+    files, _ = dataset_figures(ds)
+    index_files = files if getattr(ds, "index_source", "cache") == "built" else 0
+    out = []
+    for nodes in args.node_counts:
+        shape = JobShape(
+            nodes=nodes,
+            ranks_per_node=int(args.ranks_per_node or 1),
+            batch_size=int(args.batch_size),
+            epochs=int(args.epochs),
+            stage_threads=int(args.stage_threads),
+            index_files=index_files,
+        )
+        reads = node_reads(ds, args, shape)
+        every_node = reads if len(reads) == nodes else None
+        out.append(clustermodel.predict(cal, shape, reads[0], every_node))
+    return out
+
+
+COLUMNS = (  # header, width, how a Prediction shows in it
+    ("nodes", 6, lambda p: f"{p.nodes}"),
+    ("files/node e1", 13, lambda p: f"{p.node_files_epoch1}"),
+    ("PFS opens e1", 12, lambda p: f"{p.pfs_opens_per_epoch[0]}"),
+    ("opens/s peak", 12, lambda p: f"{p.pfs_peak_opens_per_s:.0f}"),
+    ("staged s", 9, lambda p: f"{p.staging_finish_s:.1f}"),
+    ("needed s", 9, lambda p: f"{p.staging_needed_by_s:.1f}"),
+    ("input-bound s", 13, lambda p: f"{p.epoch1_input_bound_s:.1f}"),
+    ("ring ms", 8, lambda p: f"{p.allreduce_ring_s * 1e3:.1f}"),
+    ("hier ms", 8, lambda p: f"{p.allreduce_hierarchical_s * 1e3:.1f}"),
+    ("step ms", 8, lambda p: f"{p.step_s * 1e3:.1f}"),
+    ("images/s", 10, lambda p: f"{p.images_per_s:.0f}"),
+    ("eff", 5, lambda p: f"{p.efficiency:.2f}"),
+    ("epoch1 s", 9, lambda p: f"{p.epoch1_s:.1f}"),
+    ("later s", 8, lambda p: f"{p.later_epoch_s:.1f}"),
+    ("total", 9, lambda p: _duration(p.time_to_last_epoch_s)),
+    ("reads", 8, lambda p: p.reads_source),
+)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def table(predictions: list[Prediction]) -> str:
+    head = " ".join(f"{name:>{w}}" for name, w, _ in COLUMNS)
+    rows = [" ".join(f"{show(p):>{w}}" for _, w, show in COLUMNS) for p in predictions]
+    return "\n".join([head, *rows])
+
+
+def print_predictions(ds: Any, args: argparse.Namespace, cal: Calibration) -> int:
+    """The dry run with --calibration: a table, then (with --json) one JSON object."""
+    predictions = predict_all(ds, args, cal)
+    print(
+        f"cluster model ({args.calibration}): {cal.compute.model}, batch {args.batch_size} per "
+        f"rank, {args.ranks_per_node or 1} ranks/node, {args.epochs} epochs, "
+        f"{dataset_figures(ds)[0]} files; staging limited by {predictions[0].staging_limit}; "
+        f"allreduce {cal.network.algorithm}"
+    )
+    print(table(predictions))
+    # waits under 1 % of the epoch (the first files of step 0) are not worth a line
+    late = [p for p in predictions if p.epoch1_input_bound_s > 0.01 * p.epoch1_s]
+    for p in late:
+        print(
+            f"  {p.nodes} nodes: epoch 1 is input-bound from step {p.first_late_step}: "
+            f"{p.epoch1_input_bound_s:.3g} s of {p.epoch1_s:.3g} s wait for staging"
+        )
+    if args.json:
+        print(json.dumps({"calibration": cal.to_json(),
+                          "predictions": [p.to_json() for p in predictions]}))  # fmt: skip
+    return 0
