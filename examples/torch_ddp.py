@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         with hpcdl.torch.Loader(
             args.data, args.batch_size, epochs=args.epochs, workers=args.workers,
             seed=args.seed, augment=args.augment, stage_dir=args.stage_dir,
+            keep_staged=args.keep_staged,
         ) as loader:  # fmt: skip
             channels, classes = loader.dataset.sample_shape[0], loader.dataset.num_classes
             model = DistributedDataParallel(resnet(channels, classes, args.blocks, args.width))
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", required=True, help="HDF5 shards or an image folder (required)")
     ap.add_argument("--epochs", type=int, default=3, help="passes over the data")
     ap.add_argument("--stage-dir", help="node-local directory to stage into (default: none)")
+    ap.add_argument("--keep-staged", action="store_true", help="leave the staged copies")
     ap.add_argument("--batch-size", type=int, default=32, help="samples per step and rank")
     ap.add_argument("--workers", type=int, default=2, help="loader processes per rank")
     ap.add_argument("--augment", default="none", help="hpcdl.train --augment, e.g. crop4+flip")
