@@ -115,7 +115,8 @@ class Loader:
         self._start()
         atexit.register(self._abandon)
         self._catch_signals()
-        if sys.excepthook is sys.__excepthook__:  # a script's own hook wins
+        if sys.excepthook is not _one_line_errors:  # torch.distributed's, a script's: kept
+            _one_line_errors.previous = sys.excepthook
             sys.excepthook = _one_line_errors
 
     def _start(self) -> None:
@@ -263,8 +264,12 @@ def _start_error(message: str | None, speak: bool) -> LoaderStartError:
 def _one_line_errors(exc_type, exc, tb) -> None:
     """sys.excepthook: hpcdl's mid-run faults that reach the top of a script (a dead or stalled
     loader worker, an unreadable sample, a stage dir refused) print one line `hpcdl: rank R:
-    error: ...`, as hpcdl.train's do; other exceptions keep Python's traceback. Status 1."""
+    error: ...`, as hpcdl.train's do; other exceptions go to the hook that was there before
+    (Python's traceback, or torch.distributed's with its rank prefix). Status 1."""
     if issubclass(exc_type, (LoaderFault, DataError, StageDirError)):
         print(f"hpcdl: rank {messages.launcher_rank()}: error: {exc}", file=sys.stderr, flush=True)
     else:
-        sys.__excepthook__(exc_type, exc, tb)
+        _one_line_errors.previous(exc_type, exc, tb)
+
+
+_one_line_errors.previous = sys.excepthook
