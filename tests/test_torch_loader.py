@@ -81,13 +81,14 @@ def test_a_batch_is_its_slot_no_copy_valid_until_the_next_request(shards):
     want = numpy_batches(shards, 0)
     with Loader(shards, BATCH, epochs=1, workers=1, prefetch=2, seed=SEED, augment=AUG) as loader:
         batches = iter(loader)
-        first, _ = next(batches)
+        first, labels = next(batches)
         kept = first.clone()
         assert np.array_equal(kept.numpy(), want[0][0])
         for _ in range(3):  # two slots: batch 2 went into batch 0's slot
             next(batches)
         assert not torch.equal(first, kept)
         assert np.array_equal(kept.numpy(), want[0][0])  # the clone is the way to keep one
+        assert np.array_equal(labels.numpy(), want[0][1])  # labels are copied: still right
         del first
         batches.close()
 

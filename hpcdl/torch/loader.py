@@ -4,10 +4,11 @@ stager, for a PyTorch training script. The same start-up functions as hpcdl.trai
 loader.
 
 NOTE [slot lifetime]
-A batch's images and labels are torch tensors over the shared-memory slot the loader worker
-wrote (torch.from_numpy: no copy). The slot goes back to the workers when the script asks for
-the next batch, so a batch is valid until then, as in hpcdl.train; keep one longer (a list of
-inputs for later, a tensor saved across steps) with `.clone()`. With CUDA available (and
+A batch's images are a torch tensor over the shared-memory slot the loader worker wrote
+(torch.from_numpy: no copy). The slot goes back to the workers when the script asks for the
+next batch, so the images are valid until then, as in hpcdl.train; keep them longer (inputs
+saved for later, a tensor kept across steps) with `.clone()`. The labels (B int64) are copied:
+a script that collects them for epoch metrics needs no clone. With CUDA available (and
 pin_memory left on), each batch is copied once into pinned memory instead (Tensor.pin_memory,
 as DataLoader's pin_memory does): torch's pinned-memory allocator then keeps the block until an
 asynchronous `.to("cuda", non_blocking=True)` from it has finished, so no slot can be
@@ -188,7 +189,9 @@ class Loader:
         host = self._loader.iterate(order, epoch, train=True)
         try:
             for step, (images, labels) in enumerate(host, 1):
-                x, y = from_numpy(images), from_numpy(labels)  # views of the slot: no copy
+                # images: a view of the slot, no copy; labels: B int64, copied, so that the
+                # common `targets.append(y)` for epoch metrics stays right
+                x, y = from_numpy(images), self._torch.tensor(labels)
                 if self.pin:
                     x, y = x.pin_memory(), y.pin_memory()
                 yield x, y
