@@ -113,26 +113,27 @@ class Loader:
             self.world, self.launched_by = current_world()
         except (ConfigError, NotInitialised) as exc:
             raise _start_error(str(exc), messages.launcher_rank() == 0) from None
-        self._start()
+        # what hpcdl.train's start-up makes: the data set (opened once per job), this rank's
+        # sampler, the node's staging session (None without stage_dir), the worker pool, and
+        # the stack that owns the last two (NOTE [closing the loader])
+        self.dataset, self.sampler, self.staging, self._loader, self._stack = self._start()
         atexit.register(self._abandon)
         self._catch_signals()
         if sys.excepthook is not _one_line_errors:  # torch.distributed's, a script's: kept
             _one_line_errors.previous = sys.excepthook
             sys.excepthook = _one_line_errors
 
-    def _start(self) -> None:
-        """Open the data set once per job, start the node's stager, start the workers."""
+    def _start(self) -> tuple[Any, Any, Any, Any, ExitStack]:
+        """Open the data set once per job, start the node's stager, start the workers;
+        collective. (dataset, sampler, staging session or None, hpcdl Loader, their stack)."""
         cfg, world = self.cfg, self.world
         try:
             with ExitStack() as stack:  # an error half way closes what was made (this rank)
-                self.dataset, _ = startup.open_datasets(cfg, world)
-                spec = startup.sampler_spec(cfg, world, len(self.dataset))
-                self.sampler = spec.for_rank(world.rank)
-                self.staging = startup.start_staging(cfg, world, stack, self.dataset, spec, 0)
-                self._loader, _ = startup.open_loaders(
-                    cfg, world, stack, self.dataset, None, self.staging
-                )
-                self._stack = stack.pop_all()
+                dataset, _ = startup.open_datasets(cfg, world)
+                spec = startup.sampler_spec(cfg, world, len(dataset))
+                staging = startup.start_staging(cfg, world, stack, dataset, spec, 0)
+                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging)
+                return dataset, spec.for_rank(world.rank), staging, loader, stack.pop_all()
         except SystemExitWithMessage as exc:  # agreed by every rank; printed once
             raise _start_error(exc.message, world.rank == 0) from None
 
