@@ -12,8 +12,9 @@ stager copies the data to node-local disk ahead of need, without it the loader r
 in place. --dataloader trains with torch's own DataLoader instead, in hpcdl's sample order and
 with hpcdl's per-sample work (hpcdl.torch.HpcdlSampler, HpcdlSamples), so both reach the same
 parameters. The model is a CIFAR-style ResNet (3 stages of --blocks basic blocks, --width
-channels doubling per stage; 3 blocks and 16 channels: ResNet-20). Rank 0 prints one line per
-epoch and one JSON object last; --save writes its final state dict.
+channels doubling per stage; 3 blocks and 16 channels: ResNet-20; `--model linear` is one dense
+layer, for benchmarks of the input pipeline). Rank 0 prints one line per epoch and one JSON
+object last; --save writes its final state dict.
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def resnet(channels: int, classes: int, blocks: int = 3, width: int = 16) -> nn.
     return nn.Sequential(*layers)
 
 
+def build_model(name: str, shape: tuple, classes: int, blocks: int, width: int) -> nn.Module:
+    """--model resnet, or linear: one dense layer, for input-pipeline benchmarks where the step
+    should cost next to nothing (hpcdl.bench train --torch-loader)."""
+    if name == "linear":
+        return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(shape).prod()), classes))
+    return resnet(shape[0], classes, blocks, width)
+
+
 def init_distributed() -> torch.device:
     """Join the job (env:// rendezvous; mpirun and srun variables mapped onto torchrun's)."""
     env = os.environ
@@ -125,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             persistent_workers=args.workers > 0, pin_memory=device.type == "cuda",
         )  # fmt: skip
         classes = samples.ds.num_classes
-        model = DistributedDataParallel(resnet(samples.shape[0], classes, args.blocks, args.width))
+        model = DistributedDataParallel(
+            build_model(args.model, samples.shape, classes, args.blocks, args.width)
+        )
         result = train(args, model.to(device), loader, sampler, device)
         stats = {}
     else:
@@ -134,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, augment=args.augment, stage_dir=args.stage_dir,
             keep_staged=args.keep_staged,
         ) as loader:  # fmt: skip
-            channels, classes = loader.dataset.sample_shape[0], loader.dataset.num_classes
-            model = DistributedDataParallel(resnet(channels, classes, args.blocks, args.width))
+            shape, classes = loader.sample_shape, loader.dataset.num_classes
+            model = DistributedDataParallel(
+                build_model(args.model, shape, classes, args.blocks, args.width)
+            )
             result = train(args, model.to(device), loader, loader, device)
             stats = loader.stats()
     if rank == 0:
@@ -158,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--augment", default="none", help="hpcdl.train --augment, e.g. crop4+flip")
     ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     ap.add_argument("--seed", type=int, default=0, help="model initialisation and sample order")
+    ap.add_argument("--model", default="resnet", choices=("resnet", "linear"), help="the network")
     ap.add_argument("--blocks", type=int, default=3, help="basic blocks per stage (3: ResNet-20)")
     ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
     ap.add_argument("--dataloader", action="store_true", help="torch's DataLoader instead")

@@ -61,6 +61,7 @@ def numpy_batches(data: Path, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]
 def test_batches_are_hpcdls_as_tensors_in_the_sampler_order(shards):
     with Loader(shards, BATCH, epochs=2, workers=2, seed=SEED, augment=AUG) as loader:
         assert len(loader) == 400 // BATCH
+        assert loader.sample_shape == (3, 12, 12)
         for epoch in (0, 1):
             loader.set_epoch(epoch)
             got = [(x.clone(), y.clone()) for x, y in loader]

@@ -1,9 +1,10 @@
 """`python -m hpcdl.bench train --torch-loader`: one PyTorch DDP script, two data paths.
 
-examples/torch_ddp.py (a DDP ResNet: 3 stages of 1 basic block, 8 channels, so that the input
-pipeline is what differs) runs under `mpirun -np R` with torch's DataLoader (`--dataloader`:
-hpcdl's sample order and per-sample decode, torch's pipeline, reading the data in place) and
-with hpcdl.torch.Loader, alternated `--rounds` times on the same data, workers, batch and ranks:
+examples/torch_ddp.py (DDP; `--model linear`, one dense layer, so that the step costs next to
+nothing and the input pipeline is what is measured, as issue 14's mlp) runs under `mpirun -np
+R` with torch's DataLoader (`--dataloader`: hpcdl's sample order and per-sample decode, torch's
+pipeline, reading the data in place) and with hpcdl.torch.Loader, alternated `--rounds` times
+on the same data, workers, batch and ranks:
 - on local data (hpcdl.torch reading in place): steady-state images/s, the epochs after the
   first;
 - behind the slow FUSE file system (`--slow-fs MS,MBPS`, hpcdl.bench.slowfs): DataLoader reading
@@ -35,7 +36,7 @@ from hpcdl.bench import peers
 from hpcdl.bench.scaling import child_env, mpirun_command
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp.py"
-MODEL = ["--blocks", "1", "--width", "8"]
+MODEL = ["--model", "linear"]
 DEFAULTS = dict(
     synthetic=6000, format="jpg", image_size=32, slow_fs="5,200", epochs=3, workers=2,
     batch_size=32, ranks=1, staging="on",

@@ -147,6 +147,11 @@ class Loader:
             raise ValueError(f"epoch {epoch} is outside the loader's epochs 0..{last}")
         self.epoch = int(epoch)
 
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the images it yields, after augment: the model's input shape."""
+        return self._loader.sample_shape
+
     def __len__(self) -> int:
         """Batches per epoch on this rank (every rank the same; last partial batch dropped)."""
         return self.sampler.steps_per_epoch(self.cfg.batch_size)
