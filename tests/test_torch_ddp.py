@@ -169,7 +169,10 @@ def test_every_way_a_run_ends_leaves_nothing_of_it(fault, digits_dir, tmp_path):
     shm.mkdir()
     marker = str(tmp_path)
     raise_on = "1" if fault.startswith("loop_exception") else "-"
-    flags = ["--data", digits_dir / "train", "--epochs", 30, *TINY, "--stage-dir", stage]
+    # Long enough to be ended while training; the killed stager's run ends on its own, and
+    # its loader.stats() at the end notices the dead stager if training has not yet.
+    epochs = 6 if fault == "killed_stager" else 30
+    flags = ["--data", digits_dir / "train", "--epochs", epochs, *TINY, "--stage-dir", stage]
     flags += ["--keep-staged"] if fault.endswith("keep") else []
     script = [HOOKS, 12, raise_on, mark, "--", *flags]
     job = subprocess.Popen(
