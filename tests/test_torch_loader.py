@@ -150,3 +150,17 @@ def test_staging_figures_and_clean_up(shards, tmp_path, keep):
     assert children() == before
     staged = sorted(p.name for p in stage.rglob("*.h5")) if stage.exists() else []
     assert staged == (["part-0.h5", "part-1.h5"] if keep else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_with_cuda_batches_are_pinned_and_copy_asynchronously(shards):
+    want = numpy_batches(shards, 0)
+    with Loader(shards, BATCH, epochs=1, workers=1, seed=SEED, augment=AUG) as loader:
+        got = []
+        for x, y in loader:
+            assert x.is_pinned() and y.is_pinned()
+            got.append((x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)))
+        torch.cuda.synchronize()
+    for (x, y), (wx, wy) in zip(got, want):
+        assert np.array_equal(x.cpu().numpy(), wx) and np.array_equal(y.cpu().numpy(), wy)
