@@ -128,6 +128,17 @@ def test_a_bad_option_ends_with_one_line_and_starts_nothing(shards, capfd):
     assert not (shards / "stage").exists()
 
 
+def test_under_torchrun_before_init_process_group_one_line_says_so(shards, capfd, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # what torchrun sets for its workers
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(LoaderStartError):
+        Loader(shards, BATCH, epochs=1, workers=1)
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("hpcdl: rank 0: error: torchrun started"), err
+    assert "init_process_group()" in err[0]
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["remove", "keep"])
 def test_staging_figures_and_clean_up(shards, tmp_path, keep):
     stage = tmp_path / "stage"
