@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hpcdl import backend
+from hpcdl import backend, messages
 from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
@@ -34,11 +34,7 @@ from hpcdl.step import StepParts
 
 def env_rank() -> int:
     """This process's world rank as announced by the launcher (0 for a singleton)."""
-    for key in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        value = os.environ.get(key)
-        if value is not None and value.isdigit():
-            return int(value)
-    return 0
+    return messages.launcher_rank()
 
 
 QUIET_RANK_EXIT_DELAY_S = 2.0

@@ -23,6 +23,10 @@ load-alone measurement is skipped (it would read the slow file system once more)
 ranks, alternated `--rounds` times, and prints the steady-state images/s of each (epochs after
 the first) and their ratio; its defaults are issue 12's setup (cnn, 2 ranks, batch 64, 1
 worker, synthetic HDF5 32x32, crop4+flip).
+
+`--torch-loader` runs instead one PyTorch DDP script (examples/torch_ddp.py) with torch's
+DataLoader and with hpcdl.torch, alternated, on local data and behind `--slow-fs`
+(hpcdl.bench.torch_loader).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import numpy as np
 from hpcdl import report
 from hpcdl.backend import gpu_available
 from hpcdl.bench import peers as peers_
-from hpcdl.bench import vs_torch
+from hpcdl.bench import torch_loader, vs_torch
 from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
 from hpcdl.bench.slowfs import SlowFSOptions
 from hpcdl.data import open_dataset
@@ -113,7 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
         "synthetic HDF5 32x32 (8192 images), crop4+flip. Needs torch",
     )
     ap.add_argument(
-        "--rounds", type=int, default=1, help="--vs-torch: hpcdl and torch runs, alternated"
+        "--torch-loader",
+        action="store_true",
+        help="instead: one PyTorch DDP script (examples/torch_ddp.py) with torch's DataLoader "
+        "and with hpcdl.torch, alternated: images/s on local data, and the total time of "
+        "--epochs epochs behind --slow-fs (DataLoader reading it, hpcdl.torch staging from it; "
+        "goal <= 0.5x). Defaults then: 6000 synthetic 32x32 JPEGs, --slow-fs 5,200, 3 epochs, "
+        "2 workers, batch 32, 1 rank. Needs torch (hpcdl.bench.torch_loader)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="--vs-torch, --torch-loader: runs of each side, alternated",
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -129,6 +145,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = build_parser()
     if "--vs-torch" in argv:
         ap.set_defaults(**VS_TORCH_DEFAULTS)
+    if "--torch-loader" in argv:
+        ap.set_defaults(**torch_loader.DEFAULTS)
     args = ap.parse_args(argv)
     for name in ("ranks", "epochs", "batch_size", "synthetic", "rounds"):
         if getattr(args, name) < 1:
@@ -141,6 +159,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except ValueError:
             ap.error(f"--slow-fs takes MS,MBPS (e.g. 5,200), got {args.slow_fs!r}")
         args.slow_fs_options = SlowFSOptions(latency_ms, mbps)
+    if args.vs_torch and args.torch_loader:
+        ap.error("--vs-torch and --torch-loader are two benchmarks: give one")
+    if args.torch_loader and not args.slow_fs:
+        ap.error("--torch-loader measures behind the slow file system: give --slow-fs MS,MBPS")
     if args.vs_torch:
         try:
             aug = parse_augment(args.augment)
@@ -399,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.vs_torch:
             return vs_torch.compare(args, run_training, ensure_data)
+        if args.torch_loader:
+            return torch_loader.compare(args, ensure_data)
         data = ensure_data(args)
     except CacheError as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)

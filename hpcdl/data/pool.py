@@ -14,9 +14,10 @@ does not respawn (a batch that kills a worker once would likely kill it again).
 Silent workers (stopped, stuck in uninterruptible I/O on a hung file system, deadlocked) are
 alive, so only a watchdog sees them: while the trainer waits for batch b, the worker that owns
 b has been silent since its last reply (or since it was handed work when idle). At half of
-`timeout_s` one RuntimeWarning names its pid, the batch and its process state from /proc; at
-`timeout_s` LoaderTimeout is raised and every worker is stopped. No heartbeats: a stopped or
-D-state process could not send them, and a busy one is what the timeout must allow for.
+`timeout_s` one warning line (hpcdl.messages.warn) names its pid, the batch and its process
+state from /proc; at `timeout_s` LoaderTimeout is raised and every worker is stopped. No
+heartbeats: a stopped or D-state process could not send them, and a busy one is what the
+timeout must allow for.
 
 Stop requests: `iterate(..., stop_requested)` is polled while waiting. Once it answers True (the
 trainer caught Slurm's SIGTERM), the pool stops depending on its workers: it closes them and
@@ -34,7 +35,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import messages
 from hpcdl.data.dataset import DataError
 from hpcdl.data.slots import (
     OP_BUILD,
@@ -233,11 +234,9 @@ class WorkerPool:
         where = f"while building batch {b} of epoch {self._epoch} (process state: {state})"
         if silent < self.timeout_s:
             self._warned.add(b)
-            warnings.warn(
+            messages.warn(
                 f"loader worker pid {pid} has not answered for {self.timeout_s / 2:g} s {where}; "
-                f"the loader gives up at {self.timeout_s:g} s (--loader-timeout)",
-                RuntimeWarning,
-                stacklevel=2,
+                f"the loader gives up at {self.timeout_s:g} s (--loader-timeout)"
             )
             return
         self.close()

@@ -1,0 +1,148 @@
+"""`python -m hpcdl.bench train --torch-loader`: one PyTorch DDP script, two data paths.
+
+examples/torch_ddp.py (DDP; `--model linear`, one dense layer, so that the step costs next to
+nothing and the input pipeline is what is measured, as issue 14's mlp) runs under `mpirun -np
+R` with torch's DataLoader (`--dataloader`: hpcdl's sample order and per-sample decode, torch's
+pipeline, reading the data in place) and with hpcdl.torch.Loader, alternated `--rounds` times
+on the same data, workers, batch and ranks:
+- on local data (hpcdl.torch reading in place): steady-state images/s, the epochs after the
+  first;
+- behind the slow FUSE file system (`--slow-fs MS,MBPS`, hpcdl.bench.slowfs): DataLoader reading
+  the mount on every epoch, hpcdl.torch staging from it (`--stage-dir`, a fresh directory each
+  run); wall seconds of the whole command for `--epochs` epochs, start-up included. The image
+  folder's index is built once before (hpcdl.bench.peers.index_cost) and cached off the mount,
+  so neither side pays for it.
+Defaults: issue 14's setup (6,000 synthetic 32x32 JPEGs, 5 ms per open, 200 MB/s, 3 epochs,
+2 workers, batch 32, 1 rank). Needs torch and the repository's examples/ directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from hpcdl.bench import peers
+from hpcdl.bench.scaling import child_env, mpirun_command
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp.py"
+MODEL = ["--model", "linear"]
+DEFAULTS = dict(
+    synthetic=6000, format="jpg", image_size=32, slow_fs="5,200", epochs=3, workers=2,
+    batch_size=32, ranks=1, staging="on",
+)  # fmt: skip
+GOAL = 0.5  # hpcdl.torch staged / DataLoader on the slow file system, total time
+
+
+def run_script(args: argparse.Namespace, data: str, extra: list[str]) -> dict[str, Any]:
+    """One `mpirun ... examples/torch_ddp.py` run: rank 0's JSON record plus wall seconds and
+    steady-state images/s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = mpirun_command(args.ranks) + [
+        sys.executable, str(EXAMPLE), "--data", data, "--epochs", str(args.epochs),
+        "--batch-size", str(args.batch_size), "--workers", str(args.workers),
+        "--augment", args.augment, *MODEL, *extra,
+    ]  # fmt: skip
+    env = child_env(args.ranks, "cpu") | {"MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - start
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"examples/torch_ddp.py exited with {done.returncode}:\n{tail}")
+    record = json.loads(lines[-1])
+    seconds, images = record["epoch_seconds"], record["images_per_epoch"]
+    skip = 1 if len(seconds) > 1 else 0
+    record["images_per_s"] = sum(images[skip:]) / sum(seconds[skip:])
+    return record | {"wall_s": wall}
+
+
+def alternate(args: argparse.Namespace, data: str, hpcdl_flags: Callable[[int], list[str]]):
+    """DataLoader, then hpcdl.torch, --rounds times: {"dataloader": [...], "hpcdl": [...]}."""
+    runs: dict[str, list[dict]] = {"dataloader": [], "hpcdl": []}
+    for r in range(args.rounds):
+        runs["dataloader"].append(run_script(args, data, ["--dataloader"]))
+        runs["hpcdl"].append(run_script(args, data, hpcdl_flags(r)))
+        d, h = runs["dataloader"][-1], runs["hpcdl"][-1]
+        print(f"  round {r + 1}: DataLoader {d['wall_s']:.1f} s, {d['images_per_s']:.0f} "
+              f"images/s; hpcdl.torch {h['wall_s']:.1f} s, {h['images_per_s']:.0f} images/s",
+              flush=True)  # fmt: skip
+    return runs
+
+
+def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
+    """Both measurements (module notes); prints the table and the ratios."""
+    try:
+        import torch  # noqa: F401, PLC0415
+    except ImportError:
+        print("hpcdl.bench train: --torch-loader needs PyTorch (pip install 'hpcdl[torch]')",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not EXAMPLE.exists():
+        print(f"hpcdl.bench train: --torch-loader runs {EXAMPLE}, which is missing; run it "
+              "from a checkout of the repository", file=sys.stderr)  # fmt: skip
+        return 2
+    data = ensure_data(args)[0]
+    print(f"hpcdl.bench train --torch-loader: examples/torch_ddp.py, {args.ranks} rank(s) x "
+          f"batch {args.batch_size}, {args.epochs} epoch(s), {args.workers} worker(s)/rank, "
+          f"data {data}", flush=True)  # fmt: skip
+    try:
+        with ExitStack() as stack:
+            scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-torch-loader-"))
+            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            print("local data, read in place by both:", flush=True)
+            local = alternate(args, data, lambda r: [])
+            pfs = peers.mount_data(stack, args, data, scratch)
+            index = peers.index_cost(pfs)
+            print(f"slow file system {args.slow_fs}: DataLoader reads it, hpcdl.torch stages "
+                  f"from it (index built once: {index['seconds']:.1f} s)", flush=True)  # fmt: skip
+            slow = alternate(
+                args, str(pfs.mountpoint), lambda r: ["--stage-dir", str(scratch / f"stage-{r}")]
+            )
+    except (RuntimeError, FileNotFoundError, subprocess.TimeoutExpired) as exc:
+        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
+        return 1
+    ratios = print_table(local, slow)
+    if args.json:
+        keep = ("ranks", "batch_size", "epochs", "workers", "augment", "slow_fs", "rounds")
+        config = {k: getattr(args, k) for k in keep}
+        print(json.dumps({"config": config, "data": data, "local": local, "slow_fs": slow,
+                          "index": index, "ratios": ratios}))  # fmt: skip
+    return 0
+
+
+def print_table(local: dict, slow: dict) -> dict[str, float]:
+    """Medians over the rounds, and the two ratios."""
+
+    def median(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    print(f"  {'':<26} {'DataLoader':>11} {'hpcdl.torch':>11} {'ratio':>6}")
+    rows = {
+        "local images/s (steady)": (local, "images_per_s"),
+        "slow FS total s": (slow, "wall_s"),
+        "slow FS images/s (steady)": (slow, "images_per_s"),
+    }
+    ratios = {}
+    for label, (runs, key) in rows.items():
+        theirs, ours = median(runs["dataloader"], key), median(runs["hpcdl"], key)
+        ratios[label] = ours / theirs
+        print(f"  {label:<26} {theirs:>11.1f} {ours:>11.1f} {ours / theirs:>6.2f}")
+    print(f"slow FS: hpcdl.torch staged total / DataLoader total (goal <= {GOAL}): "
+          f"{ratios['slow FS total s']:.2f}")  # fmt: skip
+    print(f"local data: hpcdl.torch / DataLoader images/s: "
+          f"{ratios['local images/s (steady)']:.2f}")  # fmt: skip
+    return ratios

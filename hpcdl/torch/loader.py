@@ -1,0 +1,284 @@
+"""hpcdl.torch.Loader: hpcdl's sampler -> worker pool -> shared-memory slots, and the node's
+stager, for a PyTorch training script. The same start-up functions as hpcdl.train build it
+(hpcdl.startup: open_datasets, sampler_spec, start_staging, open_loaders): there is no second
+loader.
+
+NOTE [slot lifetime]
+A batch's images are a torch tensor over the shared-memory slot the loader worker wrote
+(torch.from_numpy: no copy). The slot goes back to the workers when the script asks for the
+next batch, so the images are valid until then, as in hpcdl.train; keep them longer (inputs
+saved for later, a tensor kept across steps) with `.clone()`. The labels (B int64) are copied:
+a script that collects them for epoch metrics needs no clone. With CUDA available (and
+pin_memory left on), each batch is copied once into pinned memory instead (Tensor.pin_memory,
+as DataLoader's pin_memory does): torch's pinned-memory allocator then keeps the block until an
+asynchronous `.to("cuda", non_blocking=True)` from it has finished, so no slot can be
+overwritten under a copy in flight.
+
+NOTE [closing the loader]
+Like a Run (NOTE [closing a run] in hpcdl/run.py), the loader owns its resources on one
+ExitStack: `close()` (or leaving a `with` block normally) closes them together with the other
+ranks (the staging session's node barriers); leaving with an exception closes them on this rank
+alone, with no collective (the workers stop, the stager stops and what it staged is removed
+unless keep_staged). A process that exits without either (an exception outside the `with`,
+SystemExit) does the same from atexit. SIGTERM (torchrun's and mpirun's way to stop a job,
+Slurm's time limit) ends the script through SystemExit(143) raised in the main thread, so that
+these clean-ups run; Ctrl-C's KeyboardInterrupt does the same. The workers ignore both signals
+and follow their trainer; the shared-memory file has no name to leak.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+from hpcdl import messages, startup
+from hpcdl.comm.failure import SystemExitWithMessage
+from hpcdl.config import ConfigError, TrainConfig, validate
+from hpcdl.data.dataset import DataError
+from hpcdl.data.loader import LOADER_TIMEOUT_S
+from hpcdl.data.pool import LoaderFault
+from hpcdl.staging.ownership import StageDirError
+from hpcdl.torch.world import NotInitialised, current_world
+
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+class LoaderStartError(SystemExit):
+    """The loader cannot start (bad option, data, stage dir): rank 0 printed one line; every
+    rank ends with status 2 unless the script catches this."""
+
+    def __init__(self, message: str | None) -> None:
+        super().__init__(2)
+        self.message = message
+
+
+class Loader:
+    """Batches of (images (B, C, H, W) float32, labels (B,) int64) torch tensors for this rank.
+
+    data: HDF5 shards or an image folder. epochs: how many the script trains (the stager plans
+    the job's reading order ahead). The other options are hpcdl.train's flags of the same name
+    (docs/training.md; error messages name those flags): workers (None: a fair share of the
+    node's cores), prefetch (batch slots), seed and shuffle (the sampler: a pure function of
+    seed, epoch, world size and rank), augment, stage_dir (None: read in place), stage_threads,
+    stage_capacity, keep_staged, stage_verify, loader_timeout, skip_bad_samples. pin_memory:
+    None pins when CUDA is available. Rank and world come from torch.distributed, else MPI,
+    else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime].
+    """
+
+    def __init__(
+        self,
+        data: str,
+        batch_size: int,
+        *,
+        epochs: int,
+        workers: int | None = None,
+        prefetch: int = 4,
+        seed: int = 0,
+        shuffle: str = "global",
+        augment: str = "none",
+        stage_dir: str | None = None,
+        stage_threads: int = 8,
+        stage_capacity: str | None = None,
+        keep_staged: bool = False,
+        stage_verify: bool = False,
+        loader_timeout: float = LOADER_TIMEOUT_S,
+        skip_bad_samples: bool = False,
+        pin_memory: bool | None = None,
+    ) -> None:
+        import torch  # noqa: PLC0415
+
+        self._torch = torch
+        cfg = TrainConfig(
+            data=str(data), batch_size=batch_size, epochs=epochs, workers=workers,
+            prefetch=prefetch, seed=seed, shuffle=shuffle, augment=augment,
+            stage_dir=None if stage_dir is None else str(stage_dir),
+            stage_threads=stage_threads, stage_capacity=stage_capacity,
+            keep_staged=keep_staged, stage_verify=stage_verify,
+            loader_timeout=loader_timeout, skip_bad_samples=skip_bad_samples,
+        )  # fmt: skip
+        self.cfg = cfg
+        self.pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.epoch = 0
+        self.closed = False
+        self._iteration: Iterator | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._leaving = False
+        try:
+            validate(cfg)
+            self.world, self.launched_by = current_world()
+        except (ConfigError, NotInitialised) as exc:
+            raise _start_error(str(exc), messages.launcher_rank() == 0) from None
+        # what hpcdl.train's start-up makes: the data set (opened once per job), this rank's
+        # sampler, the node's staging session (None without stage_dir), the worker pool, and
+        # the stack that owns the last two (NOTE [closing the loader])
+        self.dataset, self.sampler, self.staging, self._loader, self._stack = self._start()
+        atexit.register(self._abandon)
+        self._catch_signals()
+        if sys.excepthook is not _one_line_errors:  # torch.distributed's, a script's: kept
+            _one_line_errors.previous = sys.excepthook
+            sys.excepthook = _one_line_errors
+
+    def _start(self) -> tuple[Any, Any, Any, Any, ExitStack]:
+        """Open the data set once per job, start the node's stager, start the workers;
+        collective. (dataset, sampler, staging session or None, hpcdl Loader, their stack)."""
+        cfg, world = self.cfg, self.world
+        try:
+            with ExitStack() as stack:  # an error half way closes what was made (this rank)
+                dataset, _ = startup.open_datasets(cfg, world)
+                spec = startup.sampler_spec(cfg, world, len(dataset))
+                staging = startup.start_staging(cfg, world, stack, dataset, spec, 0)
+                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging)
+                return dataset, spec.for_rank(world.rank), staging, loader, stack.pop_all()
+        except SystemExitWithMessage as exc:  # agreed by every rank; printed once
+            raise _start_error(exc.message, world.rank == 0) from None
+
+    # ------------------------------------------------------------------ what a script uses
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads (its order and augmentation), as
+        DistributedSampler.set_epoch."""
+        if not 0 <= epoch < self.cfg.epochs:
+            last = self.cfg.epochs - 1
+            raise ValueError(f"epoch {epoch} is outside the loader's epochs 0..{last}")
+        self.epoch = int(epoch)
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of the images it yields, after augment: the model's input shape."""
+        return self._loader.sample_shape
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (every rank the same; last partial batch dropped)."""
+        return self.sampler.steps_per_epoch(self.cfg.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        if self.closed:
+            raise RuntimeError("this hpcdl.torch.Loader was closed")
+        if self._iteration is not None:
+            self._iteration.close()  # an epoch left early: its batches in flight are drained
+        self._iteration = self._batches(self.epoch)
+        return self._iteration
+
+    def stats(self) -> dict[str, Any]:
+        """Figures to log: the node's files/bytes staged, this rank's local hits and PFS misses,
+        whether the stager is alive (cumulative), and the loader's reads and bad samples."""
+        out: dict[str, Any] = {"staging": self.staging is not None}
+        if self.staging is not None:
+            out.update(self.staging.epoch_stats())
+        out.update(self._loader.stats())
+        return out
+
+    def close(self) -> None:
+        """Every rank together (collective): stop the workers and the stager, clean up."""
+        self._leave(None)
+
+    def abandon(self) -> None:
+        """This rank alone, no collective: as close, for a rank that fails."""
+        self._leave(RuntimeError)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self._leave(exc_type)
+
+    # ------------------------------------------------------------------ internals
+
+    def _batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
+        from_numpy = self._torch.from_numpy
+        order = self.sampler.batches(epoch, self.cfg.batch_size)
+        host = self._loader.iterate(order, epoch, train=True)
+        try:
+            for step, (images, labels) in enumerate(host, 1):
+                # images: a view of the slot, no copy; labels: B int64, copied, so that the
+                # common `targets.append(y)` for epoch metrics stays right
+                x, y = from_numpy(images), self._torch.tensor(labels)
+                if self.pin:
+                    x, y = x.pin_memory(), y.pin_memory()
+                yield x, y
+                # The script asked for the next batch: it is done with this one.
+                if self.staging is not None:
+                    self.staging.consumed(epoch, step)  # the stager may evict behind it
+        finally:
+            host.close()
+
+    def _leave(self, exc_type: Any) -> None:
+        """Close (exc_type None) or abandon (an exception), once; see NOTE [closing the loader]."""
+        if self.closed:
+            return
+        self.closed = True
+        self._leaving = True
+        atexit.unregister(self._abandon)
+        quiet = _ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut a clean-up short
+        try:
+            if self._iteration is not None:
+                self._iteration.close()
+            if exc_type is None and not self._world_usable():
+                exc_type = RuntimeError  # torch.distributed already destroyed: no collective
+            self._stack.__exit__(exc_type, None, None)  # run.own: close or abandon by type
+        finally:
+            _restore(quiet)
+            _restore(self._previous_handlers)
+
+    def _abandon(self) -> None:
+        self._leave(RuntimeError)
+
+    def _world_usable(self) -> bool:
+        if self.launched_by != "torch.distributed":
+            return True
+        return self._torch.distributed.is_initialized()
+
+    def _catch_signals(self) -> None:
+        """SIGTERM -> SystemExit(143) in the main thread, so the clean-ups run (module notes).
+        Only where nobody else handles it (a script's own handler wins)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._previous_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        if self._leaving:
+            return
+        self._leaving = True
+        print(
+            f"hpcdl: rank {self.world.rank}: stopped by signal SIGTERM", file=sys.stderr, flush=True
+        )
+        raise SystemExit(EXIT_SIGTERM)
+
+
+def _ignore_interrupts() -> dict[int, Any]:
+    """Ignore SIGINT and SIGTERM (main thread only); returns the handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    handlers.clear()
+
+
+def _start_error(message: str | None, speak: bool) -> LoaderStartError:
+    if speak and message:
+        print(f"hpcdl: rank 0: error: {message}", file=sys.stderr, flush=True)
+    return LoaderStartError(message)
+
+
+def _one_line_errors(exc_type, exc, tb) -> None:
+    """sys.excepthook: hpcdl's mid-run faults that reach the top of a script (a dead or stalled
+    loader worker, an unreadable sample, a stage dir refused) print one line `hpcdl: rank R:
+    error: ...`, as hpcdl.train's do; other exceptions go to the hook that was there before
+    (Python's traceback, or torch.distributed's with its rank prefix). Status 1."""
+    if issubclass(exc_type, (LoaderFault, DataError, StageDirError)):
+        print(f"hpcdl: rank {messages.launcher_rank()}: error: {exc}", file=sys.stderr, flush=True)
+    else:
+        _one_line_errors.previous(exc_type, exc, tb)
+
+
+_one_line_errors.previous = sys.excepthook
