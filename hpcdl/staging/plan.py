@@ -266,10 +266,12 @@ def render_plan(
 def write_plan(
     path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
 ) -> None:
-    """Write the plan atomically (temporary file + rename)."""
+    """Write the plan atomically (temporary file + rename), mode 0600 whatever the umask."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(render_plan(plan, dataset, fingerprint, dest_prefix))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
+        f.write(render_plan(plan, dataset, fingerprint, dest_prefix))
     os.replace(tmp, path)
 
 

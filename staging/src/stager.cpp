@@ -106,7 +106,7 @@ class Stager {
     if (!opt_.quiet) {
       log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
                opt_.stage_dir + " with " + std::to_string(opt_.threads) + " threads, capacity " +
-               std::to_string(capacity_) + " bytes" +
+               human_bytes(capacity_) +
                (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : ""));
@@ -132,7 +132,7 @@ class Stager {
     status_.heartbeat();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Stopped));
     if (!opt_.quiet) {
-      log_line("stopped" + stop_reason_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
+      log_line(ending_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
                " files (" +
                std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
                std::to_string(status_.load(so::kFilesReused)) + " reused, " +
@@ -223,10 +223,14 @@ class Stager {
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGUSR1);
     const struct timespec zero {};
     const int sig = ::sigtimedwait(&set, nullptr, &zero);
     if (sig > 0) {
-      stop_reason_ = sig == SIGTERM ? " on SIGTERM" : sig == SIGINT ? " on SIGINT" : " on SIGHUP";
+      ending_ = sig == SIGUSR1   ? "finished (the job ended)"
+                : sig == SIGTERM ? "stopped on SIGTERM"
+                : sig == SIGINT  ? "stopped on SIGINT"
+                                 : "stopped on SIGHUP";
     }
     return sig > 0;
   }
@@ -243,7 +247,7 @@ class Stager {
         return 0;
       }
       if (parent_gone()) {
-        stop_reason_ = " (its parent process exited)";
+        ending_ = "stopped (its parent process exited)";
         cancel_.store(true);
         return 0;
       }
@@ -257,6 +261,7 @@ class Stager {
       if (reload_requested_ && inflight_count_ == 0) reload_plan();
       const bool blocked = reload_requested_ ? true : dispatch();
       if (opt_.once && inflight_count_ == 0 && (blocked || schedule_->exhausted())) {
+        ending_ = "finished";
         status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Done));
         return 0;
       }
@@ -470,7 +475,9 @@ class Stager {
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
   bool nospace_ = false, reload_requested_ = false, reported_too_big_ = false;
-  std::string stop_reason_;  // " on SIGTERM", ...: part of the one stop line
+  // The one last line's first words: why the stager ends. SIGUSR1 is the trainer's "the job
+  // ended" (StagingSession.close); SIGTERM/SIGINT/SIGHUP come from someone else.
+  std::string ending_ = "stopped";
 
   // Shared with the copy threads, under mu_.
   std::mutex mu_;
@@ -499,6 +506,7 @@ int run_stager(const StagerOptions& options) {
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGHUP);
+  sigaddset(&set, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   try {
     Stager stager(options);
