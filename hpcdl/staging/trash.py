@@ -1,0 +1,208 @@
+"""Removing a stage dir's copies off the job's path: renamed away at the end, removed after.
+
+NOTE [clean-up off the job's path]
+Removing 126,274 staged files took longer than the job's last epoch's tail (27.5 s; `rm -rf`
+19.4 s), and 1.28 M files take minutes: the job must not wait for it. So the last job out
+(StageDirLease.release, not --keep-staged), under the stage dir's lock:
+1. makes <stage>/.hpcdl/trash/<session>/{manifest,tree/} (mode 0700) and hard-links the
+   manifest there first: from then on that entry names what it must remove;
+2. renames every top-level manifest entry (the data sets' trees, <stage>/<data key>) whose
+   inode is still the recorded one into tree/, through directory descriptors, never following
+   a symlink (renameat moves a symlink itself; the removal refuses to enter it);
+3. unlinks <stage>/.hpcdl/manifest.
+Renames are O(data sets), so the job leaves at once; a new job on the node sees an empty stage
+dir. Then the removal (remove_trash): an entry's remover holds flock(LOCK_EX) on its manifest, so
+a live remover is proven by the lock, a dead one (SIGKILL, a batch system killing the job's
+processes at its end) by the lock being free. It removes exactly the manifest's records, below
+tree/, by remove_created's rules (inode still the recorded one, directory descriptors, O_NOFOLLOW),
+then puts back where it was what is left (not hpcdl's: a user's file in a staged directory),
+then removes the manifest and the entry.
+Who removes: the releasing job itself when the entry lists at most INLINE_FILES files (under a
+second); else a detached process (`python -m hpcdl.staging.trash STAGE_DIR`, its own session,
+stdio closed) that outlives the job. Every StageDirLease.acquire starts one when an entry is
+unclaimed (its lock free), so what a killed remover left goes with the next job on the node that
+uses the stage dir; a Slurm epilog can run the same command. The last remover out (no live
+session, no manifest, no trash) removes hpcdl's metadata and the stage dir, like release.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcdl.staging.manifest import ManifestRecord, decode_records
+from hpcdl.staging.ownership import (
+    _DIR_FLAGS,
+    StageDir,
+    _list_dir,
+    _locked,
+    _make_dir,
+    _rmdir_quietly,
+    remove_created,
+    tidy_if_unused,
+)
+
+TRASH = "trash"
+TREE = "tree"
+INLINE_FILES = 4096  # at most this many files are removed by the releasing job itself
+
+
+def trash_root(stage: Path) -> Path:
+    return StageDir(stage).meta / TRASH
+
+
+def move_to_trash(stage: Path, name: str, records: list[ManifestRecord]) -> Path | None:
+    """Steps 1-3 of NOTE [clean-up off the job's path]; the caller holds the stage dir's lock.
+
+    Returns the trash entry, or None when the manifest is empty. A top-level entry that cannot
+    be renamed (EXDEV: a mount point) is removed in place, here."""
+    layout = StageDir(stage)
+    if not records:
+        with contextlib.suppress(OSError):
+            os.unlink(layout.manifest)
+        return None
+    entry = trash_root(stage) / name
+    _make_dir(trash_root(stage))
+    _make_dir(entry)
+    _make_dir(entry / TREE)
+    os.link(layout.manifest, entry / "manifest", follow_symlinks=False)
+    tops = {r.dest.split("/")[0]: r for r in records if "/" not in r.dest}
+    stuck = []
+    src = os.open(stage, _DIR_FLAGS)
+    dst = os.open(entry / TREE, _DIR_FLAGS)
+    try:
+        for top, record in tops.items():
+            if not _move_one(src, dst, top, record):
+                stuck.append(top)
+    finally:
+        os.close(src)
+        os.close(dst)
+    if stuck:  # not renameable: removed where they are, as before
+        stuck_set = set(stuck)
+        remove_created(stage, [r for r in records if r.dest.split("/")[0] in stuck_set])
+    os.unlink(layout.manifest)
+    return entry
+
+
+def _move_one(src: int, dst: int, name: str, record: ManifestRecord) -> bool:
+    """Rename src/name to dst/name when it is still the recorded file or directory; False when
+    it must be removed in place instead (the rename failed other than by its absence)."""
+    try:
+        st = os.stat(name, dir_fd=src, follow_symlinks=False)
+    except OSError:
+        return True  # gone: nothing to move
+    kind = stat.S_ISDIR if record.kind == "d" else stat.S_ISREG
+    if not kind(st.st_mode) or (st.st_ino, st.st_dev) != (record.copy_ino, record.copy_dev):
+        return True  # not ours (any more): it stays
+    try:
+        os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+    except OSError as exc:
+        return exc.errno == errno.ENOENT
+    return True
+
+
+def remove_trash(stage: Path) -> int:
+    """Remove every unclaimed trash entry of the stage dir; then tidy (see the NOTE). Returns
+    the number of files removed. Entries whose remover is alive are skipped."""
+    stage = Path(os.path.realpath(stage))
+    removed = 0
+    for name in _list_dir(trash_root(stage)):
+        removed += _remove_entry(trash_root(stage) / name)
+    with contextlib.suppress(OSError):
+        tidy_if_unused(stage)
+    return removed
+
+
+def _remove_entry(entry: Path) -> int:
+    """Remove one trash entry while holding its manifest's lock; 0 when another holds it."""
+    try:
+        fd = os.open(entry / "manifest", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        _rmdir_quietly(entry / TREE)  # a finished entry, or one holding what is not ours
+        _rmdir_quietly(entry)
+        return 0
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return 0  # a live remover has it
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return 0
+        with os.fdopen(os.dup(fd), "rb") as f:
+            records = decode_records(f.read())
+        removed = remove_created(entry / TREE, records)
+        _put_back(entry)
+        os.unlink(entry / "manifest")
+    finally:
+        os.close(fd)
+    _rmdir_quietly(entry / TREE)
+    _rmdir_quietly(entry)
+    return removed
+
+
+def _put_back(entry: Path) -> None:
+    """Move what is left in tree/ (not hpcdl's: a user's file in a staged directory) back to
+    where it was in the stage dir, unless that name is taken again."""
+    stage = entry.parent.parent.parent
+    with _locked(stage):
+        src = os.open(entry / TREE, _DIR_FLAGS)
+        dst = os.open(stage, _DIR_FLAGS)
+        try:
+            for name in os.listdir(src):
+                try:
+                    os.stat(name, dir_fd=dst, follow_symlinks=False)
+                except FileNotFoundError:
+                    with contextlib.suppress(OSError):
+                        os.rename(name, name, src_dir_fd=src, dst_dir_fd=dst)
+        finally:
+            os.close(src)
+            os.close(dst)
+
+
+def unclaimed(stage: Path) -> bool:
+    """True when a trash entry's manifest is not locked by a live remover."""
+    for name in _list_dir(trash_root(stage)):
+        try:
+            fd = os.open(trash_root(stage) / name / "manifest", os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return False
+
+
+def start_remover(stage: Path) -> subprocess.Popen:
+    """A detached `python -m hpcdl.staging.trash STAGE` that outlives this process."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcdl.staging.trash", str(stage)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpcdl.staging.trash STAGE_DIR`: remove what ended jobs left to remove there."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpcdl.staging.trash STAGE_DIR", file=sys.stderr)
+        return 2
+    remove_trash(Path(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
