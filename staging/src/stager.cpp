@@ -156,7 +156,8 @@ class Stager {
       const FileState s = status_.state(e.file_id);
       const bool known_ready = s == FileState::Ready && copies_.count(e.file_id);
       const auto reused =
-          known_ready ? std::nullopt : engine_.reusable(e.source, e.dest, e.size, buffer);
+          known_ready ? std::nullopt
+                      : engine_.reusable(plan_.source(e), plan_.dest(e), e.size, buffer);
       if (known_ready || reused) {
         if (reused) {
           status_.add(so::kFilesReused, 1);
@@ -288,11 +289,9 @@ class Stager {
     // Files still resident from the old plan stay, with no planned use (first to be evicted).
     std::vector<uint8_t> in_next(plan_.dataset_files);
     for (const auto& e : next.entries) in_next[e.file_id] = 1;
-    for (size_t i = 0; i < plan_.entries.size(); ++i) {
-      auto& e = plan_.entries[i];
+    for (const auto& e : plan_.entries) {
       if (!in_next[e.file_id] && status_.state(e.file_id) == FileState::Ready) {
-        e.ticks.clear();
-        next.entries.push_back(std::move(e));
+        next.add(e.file_id, e.size, plan_.dest(e), plan_.source(e), {});
       }
     }
     schedule_.reset();
@@ -339,7 +338,7 @@ class Stager {
       inflight_[i] = 1;
       inflight_bytes_ += e.size;
       status_.set_state(e.file_id, FileState::Copying);
-      batch.push_back(Job{i, e.source, e.dest});
+      batch.push_back(Job{i, plan_.source(e), plan_.dest(e)});
     }
     if (!batch.empty()) {
       inflight_count_ += batch.size();
@@ -357,9 +356,9 @@ class Stager {
     // State first: a reader that saw READY and then finds no file falls back to the PFS.
     status_.set_state(e.file_id, FileState::Evicted);
     const auto copy = copies_.find(e.file_id);
-    const int err = copy == copies_.end() ? ENOENT : engine_.remove(e.dest, copy->second);
+    const int err = copy == copies_.end() ? ENOENT : engine_.remove(plan_.dest(e), copy->second);
     if (err != 0 && err != ENOENT) {
-      log_line("cannot evict " + opt_.stage_dir + "/" + e.dest + ": " + errno_text(err) +
+      log_line("cannot evict " + opt_.stage_dir + "/" + plan_.dest(e) + ": " + errno_text(err) +
                "; its space stays counted as used");
       return;
     }
