@@ -144,3 +144,24 @@ def test_dry_run_prints_what_the_per_rank_planner_printed(tmp_path, capsys, plac
     for node, ranks in enumerate(layout):
         old = reference_plan(ds, spec, 5, (0, 1), ranks, node)
         assert (plans / f"plan.node{node}").read_text() == render_plan(old, ds)
+
+
+def test_one_permutation_per_epoch_for_a_node_and_for_the_whole_job(tmp_path, monkeypatch):
+    import hpcdl.data.sampler as sampler_module
+
+    draws = []
+    real = sampler_module.epoch_rng
+
+    def counting(seed, epoch, stream=0):
+        draws.append((epoch, stream))
+        return real(seed, epoch, stream)
+
+    monkeypatch.setattr(sampler_module, "epoch_rng", counting)
+    ds = make_tree(tmp_path, 96, 10)
+    layout = rank_layout([4] * 3, "block")
+    spec = SamplerSpec(96, world_size=12, seed=1, shuffle="global", ranks_by_node=layout)
+    plan_for_node(ds, spec, 2, (0, 3), layout[1], 1)
+    assert draws == [(0, 0), (1, 0), (2, 0)]  # not one per local rank (4 x 3)
+    draws.clear()
+    node_figures(ds, spec, 2, (0, 3), layout)
+    assert draws == [(0, 0), (1, 0), (2, 0)]  # not one per node and rank (12 x 3)
