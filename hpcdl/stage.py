@@ -222,7 +222,7 @@ def dry_run(args: argparse.Namespace) -> int:
             latency_ms, mbps = float(args.pfs_open_latency), float(args.pfs_bandwidth)
         seconds = files * latency_ms / 1000 / threads + nbytes / 1e6 / max(mbps, 1e-9)
         if args.write_plans:
-            Path(args.write_plans).mkdir(parents=True, exist_ok=True)
+            Path(args.write_plans).mkdir(mode=0o755, parents=True, exist_ok=True)
             write_plan(Path(args.write_plans) / f"plan.node{node}", plan, ds, fingerprint)
         rows.append(
             dict(
