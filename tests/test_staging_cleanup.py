@@ -69,12 +69,13 @@ def test_release_hands_20000_copies_off_and_the_next_job_finishes_a_killed_remov
 
 def test_a_large_release_returns_before_the_removal_and_nothing_is_left(tmp_path):
     data, stage = tmp_path / "data", tmp_path / "stage"
-    make_files(data, trash.INLINE_FILES + 500)
+    make_files(data, 5000)
     stage_all(data, stage)
+    assert (stage / ".hpcdl" / "manifest").stat().st_size > trash.INLINE_MANIFEST_BYTES
     StageDirLease.acquire(stage).release(keep=False)
     assert not (stage / data_key(data)).exists()
     assert wait_until(lambda: not stage.exists())  # the detached remover, then its tidy-up
-    assert count_files(data) == trash.INLINE_FILES + 500  # the data set untouched
+    assert count_files(data) == 5000  # the data set untouched
 
 
 def test_the_removal_keeps_what_is_not_hpcdls_and_never_follows_a_symlink(tmp_path):

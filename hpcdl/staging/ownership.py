@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
-from hpcdl.staging.manifest import ManifestRecord, read_manifest
+from hpcdl.staging.manifest import ManifestRecord
 
 META = ".hpcdl"
 SESSIONS = "sessions"
@@ -196,10 +196,9 @@ class StageDirLease:
             live = [s for s in _list_dir(sessions) if _session_alive(sessions / s)]
             if live or keep:
                 return
-            records = read_manifest(layout.manifest)
-            entry = trash.move_to_trash(self.stage_dir, self.session, records)
-        files = sum(r.kind == "f" for r in records)
-        if entry is not None and files > trash.INLINE_FILES:
+            entry = trash.move_to_trash(self.stage_dir, self.session)
+        size = (entry / "manifest").stat().st_size if entry is not None else 0
+        if size > trash.INLINE_MANIFEST_BYTES:
             trash.start_remover(self.stage_dir)
         elif entry is not None:
             trash.remove_trash(self.stage_dir)

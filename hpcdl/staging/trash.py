@@ -17,12 +17,13 @@ processes at its end) by the lock being free. It removes exactly the manifest's 
 tree/, by remove_created's rules (inode still the recorded one, directory descriptors, O_NOFOLLOW),
 then puts back where it was what is left (not hpcdl's: a user's file in a staged directory),
 then removes the manifest and the entry.
-Who removes: the releasing job itself when the entry lists at most INLINE_FILES files (under a
-second); else a detached process (`python -m hpcdl.staging.trash STAGE_DIR`, its own session,
-stdio closed) that outlives the job. Every StageDirLease.acquire starts one when an entry is
-unclaimed (its lock free), so what a killed remover left goes with the next job on the node that
-uses the stage dir; a Slurm epilog can run the same command. The last remover out (no live
-session, no manifest, no trash) removes hpcdl's metadata and the stage dir, like release.
+Who removes: the releasing job itself when the manifest is at most INLINE_MANIFEST_BYTES
+(about 4,000 files, well under a second); else a detached process (`python -m
+hpcdl.staging.trash STAGE_DIR`, its own session, stdio closed) that outlives the job. Every
+StageDirLease.acquire starts one when an entry is unclaimed (its lock free), so what a killed
+remover left goes with the next job on the node that uses the stage dir; a Slurm epilog can run
+the same command. The last remover out (no live session, no manifest, no trash) removes hpcdl's
+metadata and the stage dir, like release.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
-from hpcdl.staging.manifest import ManifestRecord, decode_records
+from hpcdl.staging.manifest import ManifestRecord, decode_records, read_manifest
 from hpcdl.staging.ownership import (
     _DIR_FLAGS,
+    META,
     StageDir,
     _list_dir,
     _locked,
@@ -50,49 +53,87 @@ from hpcdl.staging.ownership import (
 
 TRASH = "trash"
 TREE = "tree"
-INLINE_FILES = 4096  # at most this many files are removed by the releasing job itself
+# A manifest of at most this many bytes (about 4,000 files) is removed by the releasing job.
+INLINE_MANIFEST_BYTES = 512 << 10
 
 
 def trash_root(stage: Path) -> Path:
     return StageDir(stage).meta / TRASH
 
 
-def move_to_trash(stage: Path, name: str, records: list[ManifestRecord]) -> Path | None:
+def move_to_trash(stage: Path, name: str) -> Path | None:
     """Steps 1-3 of NOTE [clean-up off the job's path]; the caller holds the stage dir's lock.
 
-    Returns the trash entry, or None when the manifest is empty. A top-level entry that cannot
+    Returns the trash entry, or None when there is no manifest. A top-level entry that cannot
     be renamed (EXDEV: a mount point) is removed in place, here."""
     layout = StageDir(stage)
-    if not records:
-        with contextlib.suppress(OSError):
-            os.unlink(layout.manifest)
+    tops = top_level_records(stage)
+    if tops is None:
         return None
     entry = trash_root(stage) / name
     _make_dir(trash_root(stage))
     _make_dir(entry)
     _make_dir(entry / TREE)
     os.link(layout.manifest, entry / "manifest", follow_symlinks=False)
-    tops = {r.dest.split("/")[0]: r for r in records if "/" not in r.dest}
     stuck = []
     src = os.open(stage, _DIR_FLAGS)
     dst = os.open(entry / TREE, _DIR_FLAGS)
     try:
-        for top, record in tops.items():
-            if not _move_one(src, dst, top, record):
-                stuck.append(top)
+        for record in tops:
+            if not _move_one(src, dst, record):
+                stuck.append(record.dest)
     finally:
         os.close(src)
         os.close(dst)
     if stuck:  # not renameable: removed where they are, as before
-        stuck_set = set(stuck)
-        remove_created(stage, [r for r in records if r.dest.split("/")[0] in stuck_set])
+        records = read_manifest(layout.manifest)
+        remove_created(stage, [r for r in records if r.dest.split("/")[0] in set(stuck)])
     os.unlink(layout.manifest)
     return entry
 
 
-def _move_one(src: int, dst: int, name: str, record: ManifestRecord) -> bool:
+def top_level_records(stage: Path) -> list[ManifestRecord] | None:
+    """The manifest's records of entries directly in the stage dir; None without a manifest.
+
+    Found by searching the manifest for each name in the stage dir, not by decoding every
+    record (1.28 M records take seconds in Python; the job must not wait for that). A record's
+    payload starts right after the one newline of its header "R1 <length>\n", and no name holds
+    a newline or NUL (planner and stager refuse control characters), so b"\n<kind>\0<name>\0"
+    matches only the start of a real record of that name."""
+    try:
+        fd = os.open(StageDir(stage).manifest, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return []
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as data:
+            return [
+                record
+                for name in _list_dir(stage)
+                if name != META
+                for kind in (b"d", b"f")
+                for record in _records_named(data, kind, os.fsencode(name))
+            ]
+
+
+def _records_named(data: mmap.mmap, kind: bytes, name: bytes) -> list[ManifestRecord]:
+    out, key = [], b"\n" + kind + b"\0" + name + b"\0"
+    pos = data.find(key)
+    while pos >= 0:
+        start = data.rfind(b"R1 ", max(0, pos - 32), pos)
+        length = data[start + 3 : pos]
+        if start >= 0 and length.isdigit():
+            out += decode_records(data[start : pos + 1 + int(length)])
+        pos = data.find(key, pos + 1)
+    return [r for r in out if r.dest == os.fsdecode(name)]
+
+
+def _move_one(src: int, dst: int, record: ManifestRecord) -> bool:
     """Rename src/name to dst/name when it is still the recorded file or directory; False when
     it must be removed in place instead (the rename failed other than by its absence)."""
+    name = record.dest
     try:
         st = os.stat(name, dir_fd=src, follow_symlinks=False)
     except OSError:
