@@ -128,6 +128,26 @@ int main(int argc, char** argv) {
         "manifest record round trip");
   check(used == bytes.size() / 2, "torn manifest tail left unparsed");
 
+  // The index keeps the newest record of each (dest, copy inode), and finds it by hash.
+  ::unlink((scratch + "/manifest2").c_str());
+  hpcdl::Manifest index(scratch + "/manifest2");
+  rec.dest = "k/a";
+  check(index.append(rec) == 0, "record appended");
+  rec.source = "/pfs/newer";
+  rec.source_id.mtime_ns = 9;
+  check(index.append(rec) == 0, "newer record of the same copy appended");
+  rec.copy_ino = 8;
+  rec.source = "/pfs/other";
+  check(index.append(rec) == 0, "record of another copy appended");
+  const auto six = index.find("k/a", 6, 7);
+  const auto eight = index.find("k/a", 8, 7);
+  check(six && six->source_hash == hpcdl::Manifest::path_hash("/pfs/newer") &&
+            six->source_id.mtime_ns == 9,
+        "newest record of a copy wins");
+  check(eight && eight->source_hash == hpcdl::Manifest::path_hash("/pfs/other"),
+        "each copy of a name has its own record");
+  check(!index.find("k/b", 6, 7) && !index.find("k/a", 6, 8), "unknown name or copy not found");
+
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
   return failures ? 1 : 0;
 }
