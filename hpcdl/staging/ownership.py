@@ -14,10 +14,12 @@ hpcdl deletes only what it created, and reuses only bytes whose identity it know
 - A session holds a reference while its owner file names a live process (pid and start time;
   a session of another host always counts as live, since its process cannot be seen).
 - Leaving (StageDirLease.release): under the lock the job removes its session. When no live
-  session is left and the job does not keep its copies, it removes every manifest entry whose
-  inode is still the recorded one, reaching it through directory descriptors opened with
-  O_NOFOLLOW, so a symlink is never followed; then hpcdl's own metadata; then the stage dir, if
-  hpcdl created it and it is empty. Anything else found there is left alone.
+  session is left and the job does not keep its copies, what the manifest lists is removed:
+  every entry whose inode is still the recorded one, reached through directory descriptors
+  opened with O_NOFOLLOW, so a symlink is never followed; then hpcdl's own metadata; then the
+  stage dir, if hpcdl created it and it is empty. Anything else found there is left alone. The
+  copies are renamed away first and removed off the job's path (hpcdl/staging/trash.py, NOTE
+  [clean-up off the job's path]); tidy_if_unused is the last step of both.
 """
 
 from __future__ import annotations
