@@ -198,8 +198,8 @@ class Stager {
     if (count == 0 || reported_too_big_ || opt_.quiet) return;
     reported_too_big_ = true;
     log_line(std::to_string(count) + " of " + std::to_string(plan_.entries.size()) +
-             " planned files (" + std::to_string(bytes) + " bytes) do not fit the stage capacity of " +
-             std::to_string(capacity_) + " bytes and are read from the PFS; set --stage-capacity "
+             " planned files (" + human_bytes(bytes) + ") do not fit the stage capacity of " +
+             human_bytes(capacity_) + " and are read from the PFS; set --stage-capacity "
              "to at least " + std::to_string(std::max<uint64_t>(largest, 1)) +
              " bytes (the largest of them) to stage them");
   }
