@@ -1,7 +1,11 @@
-"""Generate an ImageNet-1k-sized tree of names: 1,000 class dirs x 1,281 hard links to one JPEG per class."""
-import os, sys
+"""An ImageNet-1k-sized tree of names: 1,000 class dirs x 1,281 hard links to one JPEG each."""
+
+import os
+import sys
+
 import numpy as np
 from PIL import Image
+
 root = sys.argv[1]
 os.makedirs(root, exist_ok=True)
 src = os.path.join(root, ".src")
