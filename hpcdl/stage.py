@@ -39,7 +39,15 @@ from hpcdl.staging.ownership import (
     check_no_overlap,
     data_key,
 )
-from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, write_plan
+from hpcdl.staging.plan import (
+    FileTreeDataset,
+    NodePlan,
+    dataset_fingerprint,
+    first_epoch_plans,
+    node_figures,
+    plan_for_node,
+    write_plan,
+)
 from hpcdl.staging.session import _launch, default_capacity, parse_capacity
 from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
 
@@ -184,13 +192,7 @@ def node_plan(
     ds: Any, args: argparse.Namespace, layout: NodeLayout, node: int, epochs: tuple[int, int]
 ) -> NodePlan:
     """Plan of `node` of a training job whose ranks sit on the nodes as `layout` says."""
-    sampler = SamplerSpec(
-        num_samples=len(ds),
-        world_size=sum(len(ranks) for ranks in layout),
-        seed=int(args.seed),
-        shuffle=args.shuffle,
-        ranks_by_node=layout,
-    )
+    sampler = job_sampler(ds, args, layout)
     return plan_for_node(ds, sampler, int(args.batch_size), epochs, ranks=layout[node], node=node)
 
 
@@ -208,6 +210,17 @@ def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]
     return latency, (nbytes / 1e6) / max(t_read, 1e-9)
 
 
+def job_sampler(ds: Any, args: argparse.Namespace, layout: NodeLayout) -> SamplerSpec:
+    """The SamplerSpec of a training job whose ranks sit on the nodes as `layout` says."""
+    return SamplerSpec(
+        num_samples=len(ds),
+        world_size=sum(len(ranks) for ranks in layout),
+        seed=int(args.seed),
+        shuffle=args.shuffle,
+        ranks_by_node=layout,
+    )
+
+
 def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
         from hpcdl import calibration, predict  # noqa: PLC0415
@@ -222,38 +235,60 @@ def dry_run(args: argparse.Namespace) -> int:
     capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
     if capacity is None:
         capacity = default_capacity(args.stage_dir or ".")
-    threads = int(args.stage_threads)
+    threads, batch = int(args.stage_threads), int(args.batch_size)
+    sampler = job_sampler(ds, args, layout)
+    # Every node's figures at once, from one permutation per epoch (node_figures).
+    first = node_figures(ds, sampler, batch, (0, 1), layout)
+    run = (
+        first
+        if int(args.epochs) == 1
+        else node_figures(ds, sampler, batch, (0, int(args.epochs)), layout)
+    )
+    plans = None
+    if args.probe or args.write_plans:
+        plans = first_epoch_plans(ds, sampler, batch, 0, layout)
+        fingerprint = dataset_fingerprint(ds)
     rows = []
     for node in range(nodes):
-        first = node_plan(ds, args, layout, node, (0, 1))
-        run = (
-            first
-            if int(args.epochs) == 1
-            else node_plan(ds, args, layout, node, (0, int(args.epochs)))
-        )
+        files, nbytes = int(first.files[node]), int(first.bytes[node])
+        plan = next(plans) if plans is not None else None
         if args.probe:
-            latency_ms, mbps = probe_pfs(ds, first)
+            latency_ms, mbps = probe_pfs(ds, plan)
         else:
             latency_ms, mbps = float(args.pfs_open_latency), float(args.pfs_bandwidth)
-        seconds = first.files * latency_ms / 1000 / threads + first.bytes / 1e6 / max(mbps, 1e-9)
+        seconds = files * latency_ms / 1000 / threads + nbytes / 1e6 / max(mbps, 1e-9)
         if args.write_plans:
-            Path(args.write_plans).mkdir(parents=True, exist_ok=True)
-            write_plan(Path(args.write_plans) / f"plan.node{node}", first, ds)
+            Path(args.write_plans).mkdir(mode=0o755, parents=True, exist_ok=True)
+            write_plan(Path(args.write_plans) / f"plan.node{node}", plan, ds, fingerprint)
         rows.append(
             dict(
                 node=node,
-                files=first.files,
-                bytes=first.bytes,
-                fits=first.bytes <= capacity,
-                run_files=run.files,
-                run_bytes=run.bytes,
-                run_fits=run.bytes <= capacity,
+                files=files,
+                bytes=nbytes,
+                fits=nbytes <= capacity,
+                run_files=int(run.files[node]),
+                run_bytes=int(run.bytes[node]),
+                run_fits=int(run.bytes[node]) <= capacity,
                 capacity=capacity,
                 est_seconds=round(seconds, 3),
                 pfs_open_latency_ms=round(latency_ms, 3),
                 pfs_mbps=round(mbps, 1),
             )
         )
+    print_dry_run(args, ds, rows, nodes, per, capacity, threads)
+    return 0
+
+
+def print_dry_run(
+    args: argparse.Namespace,
+    ds: Any,
+    rows: list[dict[str, Any]],
+    nodes: int,
+    per: int,
+    capacity: int,
+    threads: int,
+) -> None:
+    """The dry run's report: one line per node, then --json's object."""
     shape = loader_shape(ds, args.augment)
     print(
         f"staging plan: {nodes} nodes x {per} ranks ({args.placement} placement), batch "
@@ -272,7 +307,6 @@ def dry_run(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(json.dumps({"nodes": rows, "sample_shape": shape and list(shape)}))
-    return 0
 
 
 def loader_shape(ds: Any, augment: str) -> tuple[int, int, int] | None:

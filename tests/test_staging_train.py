@@ -350,7 +350,9 @@ def test_the_stager_says_one_start_and_one_stop_line_per_node_naming_it(digits_d
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hpcdl-stage")]
     prefix = f"hpcdl-stage on {socket.gethostname()}: "
     assert len(lines) == 2 and all(line.startswith(prefix) for line in lines), lines
-    assert lines[0].startswith(prefix + "staging ") and lines[1].startswith(prefix + "stopped")
+    assert lines[0].startswith(prefix + "staging ") and lines[1].startswith(
+        prefix + "finished (the job ended)"
+    )
 
 
 # ---------------------------------------------------------------------------------- capacity

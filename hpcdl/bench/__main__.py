@@ -14,6 +14,7 @@ BENCHMARKS = {
     "interconnect": "hpcdl.bench.interconnect",
     "loader": "hpcdl.bench.loader",
     "staging": "hpcdl.bench.staging",
+    "cleanup": "hpcdl.bench.cleanup",
     "scaling": "hpcdl.bench.scaling",
     "train": "hpcdl.bench.train",
     "finetune": "hpcdl.bench.finetune",

@@ -160,6 +160,44 @@ class SamplerSpec:
         """The samplers of the given world ranks (a node's, in local-rank order)."""
         return [self.for_rank(rank) for rank in ranks]
 
+    def rank_indices(self, epoch: int, ranks: Sequence[int] | None = None) -> np.ndarray:
+        """(len(ranks), samples_per_rank) int64: row i is for_rank(ranks[i]).indices(epoch).
+
+        Draws the epoch's permutation once for all the ranks ('global'), or once per node
+        they sit on ('node'), where DistributedSampler draws it once per rank: the planners
+        of a node and of a whole job (dry runs) use this. ranks: world ranks (default all,
+        in rank order)."""
+        sampler = self.for_rank(0)  # checks the spec
+        want = np.arange(self.world_size) if ranks is None else np.asarray(ranks, np.int64)
+        if want.size and (want.min() < 0 or want.max() >= self.world_size):
+            raise ValueError(f"ranks {want.tolist()} outside world of size {self.world_size}")
+        per = sampler.samples_per_rank
+        if self.shuffle == "none":
+            return want[:, None] * per + np.arange(per, dtype=np.int64)
+        if self.shuffle == "global":
+            perm = epoch_rng(self.seed, epoch).permutation(self.num_samples)
+            return perm[: self.world_size * per].reshape(self.world_size, per)[want]
+        return self._node_rank_indices(epoch, want, per)
+
+    def _node_rank_indices(self, epoch: int, want: np.ndarray, per: int) -> np.ndarray:
+        """rank_indices for shuffle='node': each node's block, permuted once per epoch."""
+        layout = self.ranks_by_node or tuple((r,) for r in range(self.world_size))
+        node_of = np.empty(self.world_size, np.int64)
+        local_of = np.empty(self.world_size, np.int64)
+        for node, ranks in enumerate(layout):
+            node_of[list(ranks)] = node
+            local_of[list(ranks)] = np.arange(len(ranks))
+        sizes = np.array([len(ranks) for ranks in layout], np.int64)
+        firsts = per * np.concatenate([[0], np.cumsum(sizes)[:-1]])  # node blocks in node order
+        fixed = epoch_rng(self.seed, 0, stream=_NODE_SPLIT_STREAM).permutation(self.num_samples)
+        out = np.empty((len(want), per), np.int64)
+        for node in np.unique(node_of[want]).tolist():
+            block = fixed[firsts[node] : firsts[node] + per * sizes[node]]
+            mixed = epoch_rng(self.seed, epoch, stream=node + 1).permutation(block)
+            rows = np.flatnonzero(node_of[want] == node)
+            out[rows] = mixed.reshape(sizes[node], per)[local_of[want[rows]]]
+        return out
+
 
 def eval_indices(num_samples: int, world_size: int, rank: int) -> np.ndarray:
     """Validation shard: every sample exactly once across ranks (shards may differ by one)."""

@@ -14,10 +14,12 @@ hpcdl deletes only what it created, and reuses only bytes whose identity it know
 - A session holds a reference while its owner file names a live process (pid and start time;
   a session of another host always counts as live, since its process cannot be seen).
 - Leaving (StageDirLease.release): under the lock the job removes its session. When no live
-  session is left and the job does not keep its copies, it removes every manifest entry whose
-  inode is still the recorded one, reaching it through directory descriptors opened with
-  O_NOFOLLOW, so a symlink is never followed; then hpcdl's own metadata; then the stage dir, if
-  hpcdl created it and it is empty. Anything else found there is left alone.
+  session is left and the job does not keep its copies, what the manifest lists is removed:
+  every entry whose inode is still the recorded one, reached through directory descriptors
+  opened with O_NOFOLLOW, so a symlink is never followed; then hpcdl's own metadata; then the
+  stage dir, if hpcdl created it and it is empty. Anything else found there is left alone. The
+  copies are renamed away first and removed off the job's path (hpcdl/staging/trash.py, NOTE
+  [clean-up off the job's path]); tidy_if_unused is the last step of both.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
-from hpcdl.staging.manifest import ManifestRecord, read_manifest
+from hpcdl.staging.manifest import ManifestRecord
 
 META = ".hpcdl"
 SESSIONS = "sessions"
@@ -164,6 +166,7 @@ class StageDirLease:
                     _write_new(layout.created, _inode_text(stage))
                 _make_dir(layout.sessions)
                 _remove_stale_sessions(layout.sessions)
+                _remove_unclaimed_trash(stage)
                 _make_dir(lease.meta)
                 _write_new(lease.files.owner, _owner_text())
         except OSError as exc:
@@ -180,7 +183,10 @@ class StageDirLease:
         return SessionDir(self.meta)
 
     def release(self, keep: bool) -> None:
-        """Leave: remove this session; the last job out removes everything hpcdl created."""
+        """Leave: remove this session; the last job out has everything hpcdl created removed,
+        renamed away first so that it need not wait (NOTE [clean-up off the job's path])."""
+        from hpcdl.staging import trash  # noqa: PLC0415 (trash builds on this module)
+
         layout = StageDir(self.stage_dir)
         with _locked(self.stage_dir):
             sessions = layout.sessions
@@ -192,16 +198,37 @@ class StageDirLease:
             live = [s for s in _list_dir(sessions) if _session_alive(sessions / s)]
             if live or keep:
                 return
-            remove_created(self.stage_dir, read_manifest(layout.manifest))
-            for name in _list_dir(sessions):
-                _remove_session(sessions, name)
-            _rmdir_quietly(sessions)
-            created = _read_text(layout.created)
-            for path in (layout.manifest, layout.created, layout.lock):
-                _unlink_quietly(path)
-        _rmdir_quietly(layout.meta)
-        if created == _inode_text(self.stage_dir):
-            _rmdir_quietly(self.stage_dir)
+            entry = trash.move_to_trash(self.stage_dir, self.session)
+        size = (entry / "manifest").stat().st_size if entry is not None else 0
+        if size > trash.INLINE_MANIFEST_BYTES:
+            trash.start_remover(self.stage_dir)
+        elif entry is not None:
+            trash.remove_trash(self.stage_dir)
+        tidy_if_unused(self.stage_dir)
+
+
+def tidy_if_unused(stage: Path) -> None:
+    """Remove hpcdl's metadata, and the stage dir if hpcdl created it, when no live session,
+    manifest or trash entry is left (the last job or remover out)."""
+    layout = StageDir(stage)
+    if not layout.meta.is_dir():
+        return
+    with _locked(stage):
+        sessions = layout.sessions
+        if any(_session_alive(sessions / s) for s in _list_dir(sessions)):
+            return
+        _rmdir_quietly(layout.meta / "trash")
+        if os.path.lexists(layout.manifest) or os.path.lexists(layout.meta / "trash"):
+            return
+        for name in _list_dir(sessions):
+            _remove_session(sessions, name)
+        _rmdir_quietly(sessions)
+        created = _read_text(layout.created)
+        for path in (layout.created, layout.lock):
+            _unlink_quietly(path)
+    _rmdir_quietly(layout.meta)
+    if created == _inode_text(stage):
+        _rmdir_quietly(stage)
 
 
 def remove_created(stage_dir: Path, records: list[ManifestRecord]) -> int:
@@ -332,6 +359,15 @@ def _session_alive(session: Path) -> bool:
     if lines[0] != socket.gethostname():
         return True  # another host's process: cannot be checked, so it keeps its reference
     return _process_start(int(lines[1])) == lines[2]
+
+
+def _remove_unclaimed_trash(stage: Path) -> None:
+    """What an ended job's remover could not finish (killed with the job) goes now, off this
+    job's path too (NOTE [clean-up off the job's path])."""
+    from hpcdl.staging import trash  # noqa: PLC0415 (trash builds on this module)
+
+    if trash.unclaimed(stage):
+        trash.start_remover(stage)
 
 
 def _remove_stale_sessions(sessions: Path) -> None:

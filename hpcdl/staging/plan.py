@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,53 +93,141 @@ def plan_for_node(
 
     sampler: the job's SamplerSpec. epochs: [begin, end). ranks: the world ranks on the node, in
     local-rank order (World.node_ranks). node: the node's index, a label in the plan file.
+    One permutation per epoch for the whole node (SamplerSpec.rank_indices), not one per rank.
     """
     begin, end = int(epochs[0]), int(epochs[1])
     if end <= begin:
         raise ValueError(f"empty epoch range {epochs!r}")
     if not ranks:
         raise ValueError("a node plan needs at least one rank")
-    samplers = sampler.for_ranks(ranks)
-    local_ranks = len(samplers)
-    steps = samplers[0].steps_per_epoch(batch_size)
-    used = steps * batch_size
-    nfiles = len(dataset.files)
+    steps = sampler.for_ranks(ranks)[0].steps_per_epoch(batch_size)
     # (E, steps, L, B) file ids in reading order: epoch, step, local rank, position in batch.
-    reads = np.empty((end - begin, steps, local_ranks, batch_size), dtype=np.int64)
-    for e, epoch in enumerate(range(begin, end)):
-        for local, sampler in enumerate(samplers):
-            ids = np.asarray(dataset.file_ids(sampler.indices(epoch)[:used]), dtype=np.int64)
-            reads[e, :, local, :] = ids.reshape(steps, batch_size)
-    flat = reads.reshape(-1)
-    tick_of_read = np.repeat(
-        np.arange((end - begin) * steps, dtype=np.int64), local_ranks * batch_size
+    reads = np.stack(
+        [
+            _reads(dataset, sampler.rank_indices(epoch, ranks), steps, batch_size)
+            for epoch in range(begin, end)
+        ]
     )
+    return _plan_of_reads(dataset, reads, (begin, end), ranks, node, sampler)
+
+
+def first_epoch_plans(
+    dataset: Any, sampler: SamplerSpec, batch_size: int, epoch: int, layout: Sequence[Sequence[int]]
+) -> Iterator[NodePlan]:
+    """plan_for_node(..., (epoch, epoch + 1), layout[node], node) of every node in turn, from
+    one permutation for them all (dry runs that write or probe every node's plan)."""
+    rows = sampler.rank_indices(epoch)
+    steps = sampler.for_rank(0).steps_per_epoch(batch_size)
+    for node, ranks in enumerate(layout):
+        reads = _reads(dataset, rows[list(ranks)], steps, batch_size)[None]
+        yield _plan_of_reads(dataset, reads, (epoch, epoch + 1), ranks, node, sampler)
+
+
+def _reads(dataset: Any, rows: np.ndarray, steps: int, batch_size: int) -> np.ndarray:
+    """(steps, L, B) file ids that L ranks read in one epoch, from their (L, samples) indices."""
+    used = rows[:, : steps * batch_size]
+    ids = np.asarray(dataset.file_ids(used.reshape(-1)), dtype=np.int64)
+    return ids.reshape(len(rows), steps, batch_size).transpose(1, 0, 2)
+
+
+def _plan_of_reads(
+    dataset: Any,
+    reads: np.ndarray,
+    epochs: tuple[int, int],
+    ranks: Sequence[int],
+    node: int,
+    sampler: SamplerSpec,
+) -> NodePlan:
+    """The NodePlan of a node's (E, steps, L, B) file ids in reading order."""
+    nepochs, steps, local_ranks, batch_size = reads.shape
+    flat = reads.reshape(-1)
+    ticks_total = max(1, nepochs * steps)
+    tick_of_read = np.repeat(np.arange(nepochs * steps, dtype=np.int64), local_ranks * batch_size)
     uniq, first = np.unique(flat, return_index=True)
-    order = np.argsort(first, kind="stable")
-    file_ids = uniq[order]
+    file_ids = uniq[np.argsort(first, kind="stable")]
     # Distinct (file, step) pairs, grouped by file in ascending step order.
-    pairs = np.unique(flat * max(1, (end - begin) * steps) + tick_of_read)
-    pair_file = pairs // max(1, (end - begin) * steps)
-    pair_tick = pairs % max(1, (end - begin) * steps)
+    pairs = np.unique(flat * ticks_total + tick_of_read)
+    pair_file, pair_tick = pairs // ticks_total, pairs % ticks_total
     bounds = np.searchsorted(pair_file, file_ids)
     ends = np.searchsorted(pair_file, file_ids, side="right")
-    ticks = [pair_tick[a:b] for a, b in zip(bounds, ends)]
-    sizes = np.fromiter(
-        (dataset.files[i].size for i in file_ids), dtype=np.int64, count=len(file_ids)
-    )
-    assert file_ids.max(initial=-1) < nfiles
+    assert file_ids.max(initial=-1) < len(dataset.files)
     return NodePlan(
         node=node,
         file_ids=file_ids,
-        ticks=ticks,
-        sizes=sizes,
-        epoch_begin=begin,
-        epoch_end=end,
+        ticks=[pair_tick[a:b] for a, b in zip(bounds, ends)],
+        sizes=file_sizes(dataset, file_ids),
+        epoch_begin=epochs[0],
+        epoch_end=epochs[1],
         steps_per_epoch=steps,
         ranks=tuple(int(r) for r in ranks),
         seed=sampler.seed,
         shuffle=sampler.shuffle,
     )
+
+
+def file_sizes(dataset: Any, file_ids: np.ndarray | None = None) -> np.ndarray:
+    """int64 byte sizes of the given data set files (default: all of them)."""
+    files = dataset.files
+    ids = range(len(files)) if file_ids is None else file_ids.tolist()
+    return np.fromiter((files[i].size for i in ids), dtype=np.int64, count=len(ids))
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    """What every node of a job reads in a range of epochs: plan_for_node's files and bytes."""
+
+    files: np.ndarray  # (nodes,) int64 distinct files
+    bytes: np.ndarray  # (nodes,) int64 their bytes
+
+
+# Bytes of the (nodes x files) marks node_figures holds at once.
+_MARK_BYTES = 64 << 20
+
+
+def node_figures(
+    dataset: Any,
+    sampler: SamplerSpec,
+    batch_size: int,
+    epochs: tuple[int, int],
+    layout: Sequence[Sequence[int]],
+) -> NodeFigures:
+    """NodePlan.files and .bytes of every node of `layout` for epochs [begin, end), at once.
+
+    One permutation per epoch for the whole job; each epoch's file ids are kept grouped by node
+    (4 bytes a read), then nodes are taken in groups whose (nodes x files) marks fit
+    _MARK_BYTES. Costs O(epochs x samples + nodes x files); no Python loop over files."""
+    begin, end = int(epochs[0]), int(epochs[1])
+    if end <= begin:
+        raise ValueError(f"empty epoch range {epochs!r}")
+    steps = sampler.for_rank(0).steps_per_epoch(batch_size)
+    nfiles = len(dataset.files)
+    order = np.concatenate([np.asarray(ranks, np.int64) for ranks in layout])
+    per_node = np.array([len(ranks) for ranks in layout], np.int64) * steps * batch_size
+    starts = np.concatenate([[0], np.cumsum(per_node)])
+    id_type = np.int32 if nfiles < 2**31 else np.int64
+    by_epoch = [
+        np.asarray(
+            dataset.file_ids(sampler.rank_indices(epoch)[order, : steps * batch_size].reshape(-1)),
+            dtype=id_type,
+        )
+        for epoch in range(begin, end)
+    ]
+    sizes = file_sizes(dataset)
+    files = np.zeros(len(layout), np.int64)
+    nbytes = np.zeros(len(layout), np.int64)
+    group = max(1, _MARK_BYTES // max(nfiles, 1))
+    for first in range(0, len(layout), group):
+        last = min(first + group, len(layout))
+        marks = np.zeros((last - first) * nfiles, dtype=bool)
+        row = np.repeat(np.arange(last - first, dtype=np.int64), per_node[first:last]) * nfiles
+        for ids in by_epoch:
+            marks[row + ids[starts[first] : starts[last]]] = True
+        hit = np.flatnonzero(marks)
+        bounds = np.searchsorted(hit, np.arange(last - first + 1, dtype=np.int64) * nfiles)
+        files[first:last] = np.diff(bounds)
+        total = np.concatenate([[0], np.cumsum(sizes[hit % nfiles])])
+        nbytes[first:last] = np.diff(total[bounds])
+    return NodeFigures(files=files, bytes=nbytes)
 
 
 def render_plan(
@@ -178,10 +266,12 @@ def render_plan(
 def write_plan(
     path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
 ) -> None:
-    """Write the plan atomically (temporary file + rename)."""
+    """Write the plan atomically (temporary file + rename), mode 0600 whatever the umask."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(render_plan(plan, dataset, fingerprint, dest_prefix))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
+        f.write(render_plan(plan, dataset, fingerprint, dest_prefix))
     os.replace(tmp, path)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import threading
@@ -318,7 +319,7 @@ class StagingSession:
         if self.closed:
             return
         self.node_comm.Barrier()  # every local rank has finished reading
-        if self._leave():
+        if self._leave(signal.SIGUSR1):
             for mapped in (self.status, self.progress, self.counters):
                 if mapped is not None:
                     mapped.close()
@@ -328,16 +329,19 @@ class StagingSession:
         """This rank alone, when the job fails: as close, without a collective and leaving the
         shared maps mapped (another thread may still read them; the process ends soon).
         Thread-safe and idempotent; a failing job's stand-down clean-up (hpcdl.comm.failure)."""
-        self._leave()
+        self._leave(signal.SIGTERM)
 
-    def _leave(self) -> bool:
-        """Stop the stager and release the stage dir, once; False if already done."""
+    def _leave(self, stop_signal: int) -> bool:
+        """Stop the stager and release the stage dir, once; False if already done.
+
+        stop_signal: SIGUSR1 tells the stager that the job ended (its last line says it
+        finished), SIGTERM that it is stopped (a failing job)."""
         with self._leaving:
             if self.closed:
                 return False
             self.closed = True
             if self.proc is not None:
-                _stop(self.proc)
+                _stop(self.proc, stop_signal)
             if self.lease is not None:
                 self.lease.release(self.keep)
             return True
@@ -531,9 +535,9 @@ def _wait_running(proc: subprocess.Popen, status_path: Path) -> tuple[bool, str]
         view.close()
 
 
-def _stop(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+def _stop(proc: subprocess.Popen, stop_signal: int, timeout_s: float = 10.0) -> None:
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(stop_signal)
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -6,6 +6,8 @@
 
 #include <cerrno>
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -14,6 +16,20 @@
 namespace hpcdl {
 
 inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+// Bytes as a person reads them: "65.1 GiB", "512 B" (binary units, one decimal).
+inline std::string human_bytes(uint64_t bytes) {
+  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < sizeof units / sizeof units[0]) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.1f %s", value, units[unit]);
+  return text;
+}
 
 // An error that stops the stager; the message already names the path, the errno text and what
 // happens next.

@@ -414,7 +414,7 @@ CopyResult CopyEngine::publish(const std::string& tmp, int dirfd, const std::str
                   "readers use the PFS copy";
       return r;
     }
-    if (known->source == source && known->source_id == source_id) {
+    if (known->source_hash == Manifest::path_hash(source) && known->source_id == source_id) {
       // Another stager sharing the stage dir published the same bytes first.
       return {CopyOutcome::Ok, 0, "",
               CopyId{static_cast<uint64_t>(there.st_ino), static_cast<uint64_t>(there.st_dev)}};
@@ -442,7 +442,8 @@ std::optional<CopyId> CopyEngine::reusable(const std::string& source, const std:
   const CopyId id{static_cast<uint64_t>(local.st_ino), static_cast<uint64_t>(local.st_dev)};
   const auto known = manifest_.find(dest, id.ino, id.dev);
   struct stat remote {};
-  if (!known || known->source != source || ::stat(source.c_str(), &remote) != 0) {
+  if (!known || known->source_hash != Manifest::path_hash(source) ||
+      ::stat(source.c_str(), &remote) != 0) {
     return std::nullopt;
   }
   if (identity_of(remote) == known->source_id) return id;

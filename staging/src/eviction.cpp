@@ -6,17 +6,19 @@ namespace hpcdl {
 
 NextUseSchedule::NextUseSchedule(const Plan& plan) : plan_(plan), resident_(plan.entries.size()) {
   size_t total = 0;
-  for (const auto& e : plan.entries) total += e.ticks.size();
+  for (const auto& e : plan.entries) total += e.tick_count;
   events_.reserve(total);
   for (size_t i = 0; i < plan.entries.size(); ++i) {
-    for (uint32_t t : plan.entries[i].ticks) events_.emplace_back(t, static_cast<uint32_t>(i));
+    for (uint32_t t : plan.ticks(plan.entries[i])) {
+      events_.emplace_back(t, static_cast<uint32_t>(i));
+    }
   }
   // Ties keep plan order (first use, interleaved across local ranks).
   std::sort(events_.begin(), events_.end());
 }
 
 uint32_t NextUseSchedule::next_use(size_t entry, uint32_t cursor) const {
-  const auto& ticks = plan_.entries[entry].ticks;
+  const TickSpan ticks = plan_.ticks(plan_.entries[entry]);
   auto it = std::lower_bound(ticks.begin(), ticks.end(), cursor);
   return it == ticks.end() ? kNever : *it;
 }

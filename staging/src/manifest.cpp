@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace hpcdl {
@@ -104,41 +105,58 @@ int Manifest::append(const ManifestRecord& r) {
   return 0;  // indexed by the next refresh, with the other stagers' records
 }
 
-std::optional<ManifestRecord> Manifest::find(const std::string& dest, uint64_t ino,
-                                             uint64_t dev) {
+uint64_t Manifest::path_hash(const std::string& path) {
+  Fnv1a64 h;
+  h.update(path.data(), path.size());
+  return h.digest();
+}
+
+std::optional<Manifest::Match> Manifest::find(const std::string& dest, uint64_t ino,
+                                              uint64_t dev) {
   std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t key = path_hash(dest);
   for (int pass = 0; pass < 2; ++pass) {
-    auto it = by_dest_.find(dest);
-    if (it != by_dest_.end()) {
-      for (auto r = it->second.rbegin(); r != it->second.rend(); ++r) {
-        if (r->copy_ino == ino && r->copy_dev == dev) return *r;
-      }
+    const auto [first, last] = by_dest_.equal_range(key);
+    for (auto it = first; it != last; ++it) {
+      if (it->second.copy_ino == ino && it->second.copy_dev == dev) return it->second.match;
     }
     if (pass == 0) refresh_locked();
   }
   return std::nullopt;
 }
 
-void Manifest::refresh_locked() {
-  // Read on from the first byte not yet parsed: our own appends and other stagers' alike.
-  struct stat st {};
-  if (::fstat(fd_.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) <= consumed_) return;
-  std::string data(static_cast<size_t>(st.st_size - consumed_), '\0');
-  ssize_t got = ::pread(fd_.get(), data.data(), data.size(), static_cast<off_t>(consumed_));
-  if (got <= 0) return;
-  data.resize(static_cast<size_t>(got));
-  std::vector<ManifestRecord> records;
-  consumed_ += decode_records(data, &records);
-  for (auto& r : records) {
-    // The newest record of a (dest, inode) wins: inode numbers are reused after an eviction.
-    auto& list = by_dest_[r.dest];
-    for (auto k = list.begin(); k != list.end(); ++k) {
-      if (k->copy_ino == r.copy_ino && k->copy_dev == r.copy_dev) {
-        list.erase(k);
-        break;
-      }
+void Manifest::index(const ManifestRecord& r) {
+  // The newest record of a (dest, inode) wins: inode numbers are reused after an eviction.
+  Known known{r.copy_ino, r.copy_dev, Match{path_hash(r.source), r.source_id}};
+  const auto [first, last] = by_dest_.equal_range(path_hash(r.dest));
+  for (auto it = first; it != last; ++it) {
+    if (it->second.copy_ino == r.copy_ino && it->second.copy_dev == r.copy_dev) {
+      it->second = known;
+      return;
     }
-    list.push_back(std::move(r));
+  }
+  by_dest_.emplace(path_hash(r.dest), known);
+}
+
+void Manifest::refresh_locked() {
+  // Read on from the first byte not yet parsed (our own appends and other stagers' alike), in
+  // 4 MiB chunks: a manifest of 1.28 M records is never held whole, as bytes or as records.
+  constexpr size_t kChunk = 4u << 20;
+  std::string data;
+  std::vector<ManifestRecord> records;
+  for (;;) {
+    struct stat st {};
+    if (::fstat(fd_.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) <= consumed_) return;
+    const uint64_t want = std::min<uint64_t>(st.st_size - consumed_, kChunk + kMaxRecord + 64);
+    data.assign(static_cast<size_t>(want), '\0');
+    ssize_t got = ::pread(fd_.get(), data.data(), data.size(), static_cast<off_t>(consumed_));
+    if (got <= 0) return;
+    data.resize(static_cast<size_t>(got));
+    records.clear();
+    const size_t used = decode_records(data, &records);
+    for (const auto& r : records) index(r);
+    consumed_ += used;
+    if (used == 0) return;  // a torn or malformed tail: wait for more, read no further
   }
 }
 

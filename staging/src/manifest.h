@@ -57,18 +57,35 @@ class Manifest {
   // Appends one record; returns 0 or the errno.
   int append(const ManifestRecord& r);
 
-  // The record for `dest` whose created file is (ino, dev), also among records that other
-  // stagers appended since the last look.
-  std::optional<ManifestRecord> find(const std::string& dest, uint64_t ino, uint64_t dev);
+  // What a reuse check needs of the record for `dest` whose created file is (ino, dev), also
+  // among records that other stagers appended since the last look.
+  struct Match {
+    uint64_t source_hash = 0;  // path_hash(source)
+    FileIdentity source_id;
+  };
+  std::optional<Match> find(const std::string& dest, uint64_t ino, uint64_t dev);
+
+  // FNV-1a of a path: records are indexed by hashes, not by copies of their names.
+  static uint64_t path_hash(const std::string& path);
 
  private:
   void refresh_locked();
+  void index(const ManifestRecord& r);
+
+  // One record: 64 bytes, keyed by path_hash(dest). A stage dir holding 1.28 M kept copies
+  // indexed its records as strings in a map of vectors (several hundred bytes each). A copy is
+  // found by its inode and device too, and reuse compares the source's full identity, so a
+  // hash shared by two names cannot make a stranger's bytes count as a copy.
+  struct Known {
+    uint64_t copy_ino = 0, copy_dev = 0;
+    Match match;
+  };
 
   std::string path_;
   UniqueFd fd_;
   std::mutex mu_;
   uint64_t consumed_ = 0;
-  std::unordered_map<std::string, std::vector<ManifestRecord>> by_dest_;
+  std::unordered_multimap<uint64_t, Known> by_dest_;
 };
 
 }  // namespace hpcdl

@@ -106,7 +106,7 @@ class Stager {
     if (!opt_.quiet) {
       log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
                opt_.stage_dir + " with " + std::to_string(opt_.threads) + " threads, capacity " +
-               std::to_string(capacity_) + " bytes" +
+               human_bytes(capacity_) +
                (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : ""));
@@ -132,7 +132,7 @@ class Stager {
     status_.heartbeat();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Stopped));
     if (!opt_.quiet) {
-      log_line("stopped" + stop_reason_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
+      log_line(ending_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
                " files (" +
                std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
                std::to_string(status_.load(so::kFilesReused)) + " reused, " +
@@ -156,7 +156,8 @@ class Stager {
       const FileState s = status_.state(e.file_id);
       const bool known_ready = s == FileState::Ready && copies_.count(e.file_id);
       const auto reused =
-          known_ready ? std::nullopt : engine_.reusable(e.source, e.dest, e.size, buffer);
+          known_ready ? std::nullopt
+                      : engine_.reusable(plan_.source(e), plan_.dest(e), e.size, buffer);
       if (known_ready || reused) {
         if (reused) {
           status_.add(so::kFilesReused, 1);
@@ -197,8 +198,8 @@ class Stager {
     if (count == 0 || reported_too_big_ || opt_.quiet) return;
     reported_too_big_ = true;
     log_line(std::to_string(count) + " of " + std::to_string(plan_.entries.size()) +
-             " planned files (" + std::to_string(bytes) + " bytes) do not fit the stage capacity of " +
-             std::to_string(capacity_) + " bytes and are read from the PFS; set --stage-capacity "
+             " planned files (" + human_bytes(bytes) + ") do not fit the stage capacity of " +
+             human_bytes(capacity_) + " and are read from the PFS; set --stage-capacity "
              "to at least " + std::to_string(std::max<uint64_t>(largest, 1)) +
              " bytes (the largest of them) to stage them");
   }
@@ -223,10 +224,14 @@ class Stager {
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGUSR1);
     const struct timespec zero {};
     const int sig = ::sigtimedwait(&set, nullptr, &zero);
     if (sig > 0) {
-      stop_reason_ = sig == SIGTERM ? " on SIGTERM" : sig == SIGINT ? " on SIGINT" : " on SIGHUP";
+      ending_ = sig == SIGUSR1   ? "finished (the job ended)"
+                : sig == SIGTERM ? "stopped on SIGTERM"
+                : sig == SIGINT  ? "stopped on SIGINT"
+                                 : "stopped on SIGHUP";
     }
     return sig > 0;
   }
@@ -243,7 +248,7 @@ class Stager {
         return 0;
       }
       if (parent_gone()) {
-        stop_reason_ = " (its parent process exited)";
+        ending_ = "stopped (its parent process exited)";
         cancel_.store(true);
         return 0;
       }
@@ -257,6 +262,7 @@ class Stager {
       if (reload_requested_ && inflight_count_ == 0) reload_plan();
       const bool blocked = reload_requested_ ? true : dispatch();
       if (opt_.once && inflight_count_ == 0 && (blocked || schedule_->exhausted())) {
+        ending_ = "finished";
         status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Done));
         return 0;
       }
@@ -283,11 +289,9 @@ class Stager {
     // Files still resident from the old plan stay, with no planned use (first to be evicted).
     std::vector<uint8_t> in_next(plan_.dataset_files);
     for (const auto& e : next.entries) in_next[e.file_id] = 1;
-    for (size_t i = 0; i < plan_.entries.size(); ++i) {
-      auto& e = plan_.entries[i];
+    for (const auto& e : plan_.entries) {
       if (!in_next[e.file_id] && status_.state(e.file_id) == FileState::Ready) {
-        e.ticks.clear();
-        next.entries.push_back(std::move(e));
+        next.add(e.file_id, e.size, plan_.dest(e), plan_.source(e), {});
       }
     }
     schedule_.reset();
@@ -334,7 +338,7 @@ class Stager {
       inflight_[i] = 1;
       inflight_bytes_ += e.size;
       status_.set_state(e.file_id, FileState::Copying);
-      batch.push_back(Job{i, e.source, e.dest});
+      batch.push_back(Job{i, plan_.source(e), plan_.dest(e)});
     }
     if (!batch.empty()) {
       inflight_count_ += batch.size();
@@ -352,9 +356,9 @@ class Stager {
     // State first: a reader that saw READY and then finds no file falls back to the PFS.
     status_.set_state(e.file_id, FileState::Evicted);
     const auto copy = copies_.find(e.file_id);
-    const int err = copy == copies_.end() ? ENOENT : engine_.remove(e.dest, copy->second);
+    const int err = copy == copies_.end() ? ENOENT : engine_.remove(plan_.dest(e), copy->second);
     if (err != 0 && err != ENOENT) {
-      log_line("cannot evict " + opt_.stage_dir + "/" + e.dest + ": " + errno_text(err) +
+      log_line("cannot evict " + opt_.stage_dir + "/" + plan_.dest(e) + ": " + errno_text(err) +
                "; its space stays counted as used");
       return;
     }
@@ -470,7 +474,9 @@ class Stager {
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
   bool nospace_ = false, reload_requested_ = false, reported_too_big_ = false;
-  std::string stop_reason_;  // " on SIGTERM", ...: part of the one stop line
+  // The one last line's first words: why the stager ends. SIGUSR1 is the trainer's "the job
+  // ended" (StagingSession.close); SIGTERM/SIGINT/SIGHUP come from someone else.
+  std::string ending_ = "stopped";
 
   // Shared with the copy threads, under mu_.
   std::mutex mu_;
@@ -499,6 +505,7 @@ int run_stager(const StagerOptions& options) {
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGHUP);
+  sigaddset(&set, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   try {
     Stager stager(options);

@@ -51,7 +51,17 @@ int main(int argc, char** argv) {
              "local_ranks 2\ndataset_files 4\nentries 3\n"
              "2\t10\t0,4\tb\t/src/b\n0\t5\t1\ta/x\t/src/a/x\n3\t7\t2,3\tc\t/src/c\nend\n");
   const hpcdl::Plan plan = hpcdl::read_plan(good);
-  check(plan.entries.size() == 3 && plan.entries[1].dest == "a/x", "plan parsed");
+  check(plan.entries.size() == 3 && plan.dest(plan.entries[1]) == "a/x", "plan parsed");
+  check(plan.source(plan.entries[0]) == "/src/b" && plan.source(plan.entries[1]) == "/src/a/x",
+        "sources rebuilt from the shared prefix and the destination's tail");
+  check(plan.prefixes.size() == 1 && plan.ticks(plan.entries[2]).size() == 2, "compact plan");
+  hpcdl::Plan mixed;
+  mixed.add(0, 1, "k/a/x", "/r/a/x", {});
+  mixed.add(1, 1, "k/b", "/other/c", {1, 2});
+  mixed.add(2, 1, "x", "x", {});
+  check(mixed.source(mixed.entries[0]) == "/r/a/x" && mixed.source(mixed.entries[1]) == "/other/c" &&
+            mixed.source(mixed.entries[2]) == "x" && mixed.dest(mixed.entries[1]) == "k/b",
+        "any source is rebuilt exactly");
   check(hpcdl::fingerprint_number(plan.fingerprint) == 0xff, "fingerprint number");
 
   hpcdl::NextUseSchedule schedule(plan);
@@ -117,6 +127,26 @@ int main(int argc, char** argv) {
             decoded[0].source_id == rec.source_id && decoded[0].copy_dev == 7,
         "manifest record round trip");
   check(used == bytes.size() / 2, "torn manifest tail left unparsed");
+
+  // The index keeps the newest record of each (dest, copy inode), and finds it by hash.
+  ::unlink((scratch + "/manifest2").c_str());
+  hpcdl::Manifest index(scratch + "/manifest2");
+  rec.dest = "k/a";
+  check(index.append(rec) == 0, "record appended");
+  rec.source = "/pfs/newer";
+  rec.source_id.mtime_ns = 9;
+  check(index.append(rec) == 0, "newer record of the same copy appended");
+  rec.copy_ino = 8;
+  rec.source = "/pfs/other";
+  check(index.append(rec) == 0, "record of another copy appended");
+  const auto six = index.find("k/a", 6, 7);
+  const auto eight = index.find("k/a", 8, 7);
+  check(six && six->source_hash == hpcdl::Manifest::path_hash("/pfs/newer") &&
+            six->source_id.mtime_ns == 9,
+        "newest record of a copy wins");
+  check(eight && eight->source_hash == hpcdl::Manifest::path_hash("/pfs/other"),
+        "each copy of a name has its own record");
+  check(!index.find("k/b", 6, 7) && !index.find("k/a", 6, 8), "unknown name or copy not found");
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
   return failures ? 1 : 0;

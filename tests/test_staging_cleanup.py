@@ -1,0 +1,104 @@
+"""The job ends when training ends (issue 29): the last job out renames its copies away and
+leaves; a separate process removes them, and the next job on the node finishes what a killed
+remover left. Asserts on files, not on time (NOTE [clean-up off the job's path])."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from hpcdl.stage import main as stage_main
+from hpcdl.staging import trash
+from hpcdl.staging.ownership import StageDirLease, data_key
+
+
+def make_files(root: Path, n: int, per_dir: int = 1000) -> None:
+    for i in range(n):
+        d = root / f"d{i // per_dir:03d}"
+        if i % per_dir == 0:
+            d.mkdir(parents=True)
+        fd = os.open(d / f"f{i:06d}.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x" * (1 + i % 5))
+        os.close(fd)
+
+
+def stage_all(data: Path, stage: Path) -> None:
+    """A stage-only run: copies every file of data into stage and keeps them."""
+    argv = ["--data", str(data), "--files-only", "--stage-dir", str(stage), "--quiet"]
+    argv += ["--batch-size", "1"]
+    assert stage_main(argv) == 0
+
+
+def count_files(root: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
+def wait_until(predicate, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_release_hands_20000_copies_off_and_the_next_job_finishes_a_killed_removal(
+    tmp_path, monkeypatch
+):
+    data, stage = tmp_path / "data", tmp_path / "stage"
+    make_files(data, 20_000)
+    stage_all(data, stage)
+    key = data_key(data)
+    assert count_files(stage / key) == 20_000
+    handed = []
+    monkeypatch.setattr(trash, "start_remover", handed.append)  # a remover killed at once
+    StageDirLease.acquire(stage).release(keep=False)
+    assert handed == [stage.resolve()]
+    assert sorted(os.listdir(stage)) == [".hpcdl"]  # the copies left the stage dir's namespace
+    [entry] = list((stage / ".hpcdl" / "trash").iterdir())
+    assert count_files(entry / "tree") == 20_000  # and the job removed none of them itself
+    monkeypatch.undo()
+
+    lease = StageDirLease.acquire(stage)  # the next job: the entry is unclaimed, a remover starts
+    assert wait_until(lambda: not entry.exists())
+    left = {str(Path(d, f).relative_to(stage)) for d, _, fs in os.walk(stage) for f in fs}
+    own = {".hpcdl/lock", ".hpcdl/created", f".hpcdl/sessions/{lease.session}/owner"}
+    assert left == own  # only the new job's own files
+    lease.release(keep=False)
+    assert not stage.exists()
+
+
+def test_a_large_release_returns_before_the_removal_and_nothing_is_left(tmp_path):
+    data, stage = tmp_path / "data", tmp_path / "stage"
+    make_files(data, 5000)
+    stage_all(data, stage)
+    assert (stage / ".hpcdl" / "manifest").stat().st_size > trash.INLINE_MANIFEST_BYTES
+    StageDirLease.acquire(stage).release(keep=False)
+    assert not (stage / data_key(data)).exists()
+    assert wait_until(lambda: not stage.exists())  # the detached remover, then its tidy-up
+    assert count_files(data) == 5000  # the data set untouched
+
+
+def test_the_removal_keeps_what_is_not_hpcdls_and_never_follows_a_symlink(tmp_path):
+    data, stage, mine = tmp_path / "data", tmp_path / "stage", tmp_path / "mine"
+    make_files(data, 30)
+    make_files(mine, 3)
+    stage_all(data, stage)
+    key = data_key(data)
+    (stage / key / "d000" / "notes.txt").write_text("a user's file")
+    os.symlink(mine, stage / key / "d000" / "link")
+    (stage / "other").mkdir()
+    StageDirLease.acquire(stage).release(keep=False)
+    left = [Path(d) / f for d, _, fs in os.walk(stage) for f in fs]
+    notes = stage / key / "d000" / "notes.txt"  # put back where it was
+    assert left == [notes] and notes.read_text() == "a user's file"
+    assert (stage / key / "d000" / "link").is_symlink() and count_files(mine) == 3
+    assert (stage / "other").is_dir() and not (stage / ".hpcdl").exists()
+
+
+def test_keep_staged_moves_nothing(tmp_path):
+    data, stage = tmp_path / "data", tmp_path / "stage"
+    make_files(data, 20)
+    stage_all(data, stage)
+    StageDirLease.acquire(stage).release(keep=True)
+    assert count_files(stage / data_key(data)) == 20
+    assert not (stage / ".hpcdl" / "trash").exists()

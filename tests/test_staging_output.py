@@ -1,0 +1,91 @@
+"""What the stager says and what it leaves (issue 29): its last line at a normal end, its start
+line's capacity, and the modes of every file and directory staging creates, whatever the umask."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+from test_staging_helpers import make_tree
+
+from hpcdl.data.sampler import SamplerSpec
+from hpcdl.staging import StageOptions, StagingSession
+from hpcdl.staging.status import StatusView
+
+
+def start(ds, stage, **kw):
+    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
+    return StagingSession.start(None, ds, spec, 4, (0, 2), StageOptions(stage, threads=2, **kw))
+
+
+def wait_staged(session, files):
+    status = StatusView(session.meta / "status")
+    deadline = time.monotonic() + 20
+    while status.field("plan_ready") < files and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status.field("plan_ready") == files
+    status.close()
+
+
+def stager_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("hpcdl-stage on ")]
+
+
+def test_a_normal_end_says_the_job_ended_not_sigterm(tmp_path, capfd):
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage")
+    wait_staged(session, 12)
+    session.close()
+    last = stager_lines(capfd.readouterr().err)[-1]
+    assert "SIGTERM" not in last, last
+    assert "finished (the job ended)" in last, last
+
+
+def test_a_real_sigterm_is_still_named(tmp_path, capfd):
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage")
+    wait_staged(session, 12)
+    os.kill(session.proc.pid, signal.SIGTERM)
+    session.proc.wait(10)
+    session.close()
+    assert "stopped on SIGTERM" in stager_lines(capfd.readouterr().err)[-1]
+
+
+def test_the_start_line_gives_the_capacity_in_binary_units(tmp_path, capfd):
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage", capacity=int(65.1 * 2**30))
+    wait_staged(session, 12)
+    session.close()
+    first = stager_lines(capfd.readouterr().err)[0]
+    assert "capacity 65.1 GiB" in first, first
+    assert str(int(65.1 * 2**30)) not in first, first
+
+
+def test_every_file_staging_creates_has_an_explicit_mode_under_umask_0(tmp_path):
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    stage = tmp_path / "stage"
+    old = os.umask(0)
+    try:
+        session = start(ds, stage, keep=True)
+        wait_staged(session, 12)
+        found = modes_below(stage)  # while the job runs: plan, progress, counters, owner...
+        session.close()
+    finally:
+        os.umask(old)
+    found.update(modes_below(stage))  # what --keep-staged leaves
+    names = {os.path.basename(p) for p in found}
+    assert {"plan", "status", "progress", "counters", "owner", "manifest", "lock"} <= names
+    assert sum(p.endswith(".bin") for p in found) == 12  # the staged copies
+    loose = {p: oct(m) for p, m in found.items() if m & 0o077}
+    assert not loose, loose
+
+
+def modes_below(root) -> dict[str, int]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            out[path] = stat.S_IMODE(os.lstat(path).st_mode)
+    return out
