@@ -73,6 +73,7 @@ class TrainConfig:
     loader_timeout: float = LOADER_TIMEOUT_S  # seconds a worker may be silent on an awaited batch
     augment: str = "none"
     skip_bad_samples: bool = False
+    index_in_data_root: bool = False  # cache an image folder's index in --data itself
     stage_dir: str | None = None
     stage_threads: int = 8
     stage_capacity: str | None = None
@@ -161,6 +162,10 @@ _HELP = {
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
     "skip_bad_samples": "replace an unreadable sample by the nearest good one of its batch "
     "instead of stopping (counted in the summary) (default: off)",
+    "index_in_data_root": "cache an image folder's index in the data directory itself "
+    "(.hpcdl-index, mode 0444) for every user of the data set; without it the index goes to "
+    "$XDG_CACHE_HOME/hpcdl (default ~/.cache/hpcdl) and the data directory is left alone "
+    "(default: off)",
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
     "stage_threads": "copy threads of the node's stager",

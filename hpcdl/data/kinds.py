@@ -13,8 +13,9 @@ from hpcdl.data.hdf5 import HDF5_SUFFIXES, HDF5Dataset
 from hpcdl.data.imagefolder import ImageFolderDataset
 
 
-def open_dataset(path: str | Path):
-    """Open an HDF5 file, a directory of HDF5 shards, or an image folder root/<class>/<file>."""
+def open_dataset(path: str | Path, index_in_data_root: bool = False):
+    """Open an HDF5 file, a directory of HDF5 shards, or an image folder root/<class>/<file>
+    (whose index is cached in the folder itself only with index_in_data_root)."""
     p = Path(path)
     if not p.exists():
         raise DataError(
@@ -33,7 +34,7 @@ def open_dataset(path: str | Path):
                 f"{p} holds train/ and val/ shard directories, not samples; "
                 f"use --data {p / 'train'} --val-data {p / 'val'}"
             )
-        return ImageFolderDataset(p)
+        return ImageFolderDataset(p, index_in_data_root)
     raise DataError(
         f"{p}: directory holds no HDF5 shards (*.h5, *.hdf5) and no class subdirectories"
     )
