@@ -138,16 +138,18 @@ def env_layout() -> tuple[int | None, int | None]:
     return (int(nodes) if nodes else None, int(per) if per and per.isdigit() else None)
 
 
-def open_data(args: argparse.Namespace) -> Any:
+def open_data(args: argparse.Namespace, samples: bool = True) -> Any:
+    """The data set of --data; samples=False: only what staging needs (an image folder's
+    listing and sizes, no image opened: hpcdl.data.kinds.open_listing)."""
     if not args.data:
         raise UsageError("--data is required (the data set directory or file)")
     if args.files_only:
         return FileTreeDataset(args.data)
     try:
-        from hpcdl.data import open_dataset  # noqa: PLC0415
+        from hpcdl.data.kinds import open_dataset, open_listing  # noqa: PLC0415
     except ImportError:
         return FileTreeDataset(args.data)
-    return open_dataset(args.data)
+    return open_dataset(args.data) if samples else open_listing(args.data)
 
 
 def node_plan(
@@ -277,7 +279,7 @@ def stage_only(args: argparse.Namespace) -> int:
     if not 0 <= node < nodes:
         raise UsageError(f"--node {node} outside 0..{nodes - 1}")
     layout = gathered or rank_layout([per] * nodes, args.placement)
-    ds = open_data(args)
+    ds = open_data(args, samples=False)  # the copy opens each file once; the index would too
     check_no_overlap(args.stage_dir, {"--data": args.data})
     lease = StageDirLease.acquire(args.stage_dir)
     try:

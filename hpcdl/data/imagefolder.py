@@ -303,13 +303,49 @@ class ImageFolderDataset:
         return len(self.classes)
 
     def file_ids(self, indices) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"sample index out of range 0..{len(self) - 1}")
-        return idx.copy()
+        return _file_ids(indices, len(self))
 
     def reader(self, locate: Locate | None = None) -> ImageFolderReader:
         return ImageFolderReader(self, locate)
+
+
+class FolderListing:
+    """What staging needs of an image folder, without opening an image: the names, labels and
+    byte sizes (one stat per file, INDEX_THREADS at a time), in the index's order, so plans are
+    the training run's. A stage-only run uses it: heights and widths, which only the loader
+    needs, cost an open and a header read per file on the PFS, as much as the copy."""
+
+    kind = "folder"
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = self.source = Path(root)
+        relpaths, labels, self.classes = scan_folder(self.root)
+        with ThreadPoolExecutor(INDEX_THREADS) as pool:
+            sizes = list(pool.map(_size, (self.root / r for r in relpaths), chunksize=256))
+        self.files = FileTable.from_entries(relpaths, sizes)
+        self.labels = np.asarray(labels, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def file_ids(self, indices) -> np.ndarray:
+        return _file_ids(indices, len(self))
+
+
+def _size(path: Path) -> int:
+    """Bytes of path (0 when it cannot be stat-ed: the stager reports the file)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _file_ids(indices, n: int) -> np.ndarray:
+    """File id of each sample index: an image folder holds one sample per file."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"sample index out of range 0..{n - 1}")
+    return idx.copy()
 
 
 def _consistent(columns: dict[str, np.ndarray]) -> bool:
