@@ -16,6 +16,7 @@ BENCHMARKS = {
     "staging": "hpcdl.bench.staging",
     "scaling": "hpcdl.bench.scaling",
     "train": "hpcdl.bench.train",
+    "memory": "hpcdl.bench.memory",
 }
 USAGE = "usage: python -m hpcdl.bench NAME [options]"
 
