@@ -106,15 +106,16 @@ def kind_of(pid: int) -> str | None:
         return "stager"
     if b"hpcdl.train" in text:
         return "rank"
-    if b"--torch-child" in text:
-        return "dataloader worker" if b"--torch-child" in parent_cmd else "dataloader main"
+    if b"--torch-child" in text:  # forked workers run the same command line as their main
+        forked = parent_cmd.split(b"\0")[1:3] == [b"-m", b"hpcdl.bench.memory"]
+        return "dataloader worker" if forked else "dataloader main"
     return None
 
 
 def watch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, list[tuple[int, int]]]:
     """Run cmd; the last (PSS, USS) of each process of each kind, sampled every second."""
     last: dict[int, tuple[str, tuple[int, int]]] = {}
-    with open(log, "wb") as out:
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             for pid in descendants(proc.pid):
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         make_names_tree(tree, files, classes)
         row: dict = {"files": files, "tree": str(tree), "tree_s": time.perf_counter() - t0}
         with tempfile.TemporaryDirectory(prefix="hpcdl-bench-memory-") as tmp:
-            log = Path(tmp) / "run.log"
+            log = cache / "last-run.log"  # kept: a failed run's whole output
             t0 = time.perf_counter()
             row["hpcdl"] = summarize(watch(hpcdl_command(a, tree, Path(tmp) / "stage"), env, log))
             row["hpcdl_s"] = round(time.perf_counter() - t0, 1)
