@@ -33,6 +33,9 @@ else:  # pragma: no cover
 PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 
+STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_threads)
+
+
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field."""
 
@@ -75,7 +78,10 @@ class TrainConfig:
     skip_bad_samples: bool = False
     index_in_data_root: bool = False  # cache an image folder's index in --data itself
     stage_dir: str | None = None
-    stage_threads: int = 8
+    # Copies in flight hide the PFS's open latency: 32 / 5 ms = 6,400 files/s (8 gave 1,600,
+    # half of what the emulated PFS serves: docs/PERFORMANCE.md, issue 29). Mostly blocked in
+    # open and read, so threads beyond the cores cost little CPU.
+    stage_threads: int = STAGE_THREADS
     stage_capacity: str | None = None
     keep_staged: bool = False
     stage_verify: bool = False

@@ -28,6 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from hpcdl.config import STAGE_THREADS
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.helpformat import HelpFormatter
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--epochs", type=int, help="training epochs (dry run: also report the whole run) (default 1)")
     a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode (default global)")
     a("--augment", help="dry run: the training --augment, for the samples' shape (default none)")
-    a("--stage-threads", type=int, help="copy threads (default 8)")
+    a("--stage-threads", type=int, help=f"copy threads (default {STAGE_THREADS})")
     a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use (default: all)")
     a("--stage-verify", action="store_true", default=None, help="verify copies by checksum")
     a("--pfs-bandwidth", type=float, help="dry run estimate: PFS MB/s per node (default 1000)")
@@ -95,7 +96,7 @@ DEFAULTS: dict[str, Any] = dict(
     shuffle="global",
     augment="none",
     placement="block",
-    stage_threads=8,
+    stage_threads=STAGE_THREADS,
     pfs_bandwidth=1000.0,
     pfs_open_latency=1.0,
     probe=False,

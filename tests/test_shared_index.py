@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl.bench.memory import make_names_tree, smaps_rollup
+from hpcdl.bench.memory import make_names_tree, mapping, smaps_rollup
 from hpcdl.data import Loader, open_dataset
 
 
@@ -21,21 +21,6 @@ def names_tree(tmp_path_factory) -> Path:
     return tree
 
 
-def mapping(pid: int, path: Path) -> dict[str, int] | None:
-    """The /proc/PID/smaps fields (kB) of pid's mappings of path, summed; None if unmapped."""
-    found, fields = False, {}
-    inside = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split()
-        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
-            inside = len(head) >= 6 and head[5] == str(path)
-            found = found or inside
-        elif inside and line.endswith(" kB"):
-            name, value = line.split(":")
-            fields[name] = fields.get(name, 0) + int(value.split()[0])
-    return fields if found else None
-
-
 def test_loader_workers_map_the_index_file_shared_not_copied(names_tree):
     ds = open_dataset(names_tree)
     assert len(ds) == 20_000 and ds.index_path is not None
@@ -44,7 +29,7 @@ def test_loader_workers_map_the_index_file_shared_not_copied(names_tree):
         batches = [np.arange(i, 20_000, 2_500)[:8] for i in range(4)]
         assert sum(len(y) for _, y in loader.iterate(batches, 0)) == 32
         for pid in [os.getpid(), *loader.worker_pids]:
-            m = mapping(pid, ds.index_path)
+            m = mapping(pid, str(ds.index_path))
             assert m is not None, f"process {pid} does not map {ds.index_path}"
             assert m["Rss"] >= names_kb  # every name was read (checked) through the mapping
             assert m["Private_Dirty"] == 0 and m["Anonymous"] == 0  # not written, not copied

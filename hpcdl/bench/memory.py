@@ -16,7 +16,8 @@ and both again on a --small-files tree, so that the difference is what the tree'
 Every second it reads /proc/PID/smaps_rollup of every process of the runs and reports, per
 process kind (rank, loader worker, stager; DataLoader main, DataLoader worker), the last PSS
 (proportional set size: shared pages split among their users) and USS (private memory,
-Private_Clean + Private_Dirty) seen before the process ended, in MB (1e6 bytes). Needs Linux,
+Private_Clean + Private_Dirty) seen before the process ended, in MB (1e6 bytes), and the
+summed PSS of the mapped index file (/proc/PID/smaps): what the index costs the node. Needs Linux,
 mpirun and, for the PyTorch side, `torch` (--skip-torch without it).
 """
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from hpcdl.helpformat import HelpFormatter
 
+INDEX_SUFFIX = ".hpcdl-index"  # the image-folder index file (hpcdl.data.imagefolder)
 KINDS = ("rank", "worker", "stager", "dataloader main", "dataloader worker")
 _IMAGE_SIDE = 80  # > 64: rrc64 crops it; the centre crop of the DataLoader side is 64 x 64
 
@@ -77,6 +79,25 @@ def smaps_rollup(pid: int) -> tuple[int, int] | None:
     return kb["Pss"] * 1024, (kb["Private_Clean"] + kb["Private_Dirty"]) * 1024
 
 
+def mapping(pid: int, suffix: str) -> dict[str, int] | None:
+    """The /proc/PID/smaps fields (kB) of pid's mappings of files whose path ends with suffix,
+    summed; None when there is none (or pid is gone)."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    found, inside, fields = False, False, {}
+    for line in lines:
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+            inside = len(head) >= 6 and head[-1].endswith(suffix)
+            found = found or inside
+        elif inside and line.endswith(" kB"):
+            name, value = line.split(":")
+            fields[name] = fields.get(name, 0) + int(value.split()[0])
+    return fields if found else None
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below pid (children, their children, ...)."""
     out, todo = [], [pid]
@@ -112,21 +133,23 @@ def kind_of(pid: int) -> str | None:
     return None
 
 
-def watch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, list[tuple[int, int]]]:
-    """Run cmd; the last (PSS, USS) of each process of each kind, sampled every second."""
-    last: dict[int, tuple[str, tuple[int, int]]] = {}
+def watch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, list[tuple]]:
+    """Run cmd; the last (PSS, USS, PSS of the mapped index file) of each process of each
+    kind, sampled every second."""
+    last: dict[int, tuple[str, tuple]] = {}
     with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             for pid in descendants(proc.pid):
                 kind, mem = kind_of(pid), smaps_rollup(pid)
+                index = mapping(pid, INDEX_SUFFIX) if kind is not None else None
                 if kind is not None and mem is not None:
-                    last[pid] = (kind, mem)
+                    last[pid] = (kind, (*mem, 1024 * index["Pss"] if index else 0))
             time.sleep(1.0)
     if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}")
-    by_kind: dict[str, list[tuple[int, int]]] = {}
+    by_kind: dict[str, list[tuple]] = {}
     for kind, mem in last.values():
         by_kind.setdefault(kind, []).append(mem)
     return by_kind
@@ -193,20 +216,22 @@ def torch_child(tree: Path, workers: int, batches: int, batch_size: int = 32) ->
     return 0
 
 
-def summarize(by_kind: dict[str, list[tuple[int, int]]]) -> dict[str, dict]:
-    """Per kind: processes, PSS and USS per process (min..max), all in MB, and their sum."""
+def summarize(by_kind: dict[str, list[tuple]]) -> dict[str, dict]:
+    """Per kind: processes, PSS and USS per process (min..max), all in MB, the sum of their PSS
+    and of the PSS of their mappings of the index file."""
     out = {}
     for kind in KINDS:
         mems = by_kind.get(kind)
         if not mems:
             continue
-        pss = [p / 1e6 for p, _ in mems]
-        uss = [u / 1e6 for _, u in mems]
+        pss = [m[0] / 1e6 for m in mems]
+        uss = [m[1] / 1e6 for m in mems]
         out[kind] = dict(
             processes=len(mems),
             pss_mb=[round(min(pss), 1), round(max(pss), 1)],
             uss_mb=[round(min(uss), 1), round(max(uss), 1)],
             pss_total_mb=round(sum(pss), 1),
+            index_pss_total_mb=round(sum(m[2] for m in mems) / 1e6, 1),
         )
     return out
 
@@ -282,7 +307,8 @@ def print_tree(row: dict) -> None:
             pss, uss = r["pss_mb"], r["uss_mb"]
             print(
                 f"  {kind:<18} {r['processes']:2d} x  PSS {pss[0]:7.1f}..{pss[1]:7.1f} MB  "
-                f"USS {uss[0]:7.1f}..{uss[1]:7.1f} MB  (PSS sum {r['pss_total_mb']:8.1f} MB)"
+                f"USS {uss[0]:7.1f}..{uss[1]:7.1f} MB  (PSS sum {r['pss_total_mb']:7.1f} MB, "
+                f"of the index file {r['index_pss_total_mb']:5.1f} MB)"
             )
         if side in row:
             print(f"  {side} run: {row[side + '_s']} s")

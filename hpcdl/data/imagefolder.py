@@ -51,6 +51,7 @@ from hpcdl.data.dataset import (
     check_entries,
     check_link_inside,
     check_table,
+    names_end_at_newlines,
 )
 from hpcdl.data.indexfile import index_bytes, map_index_file, write_index_file
 from hpcdl.data.pfs import open_source
@@ -358,7 +359,7 @@ def _consistent(columns: dict[str, np.ndarray]) -> bool:
             return False
         if not all(len(columns[k]) == n for k in ("labels", "sizes", "heights", "widths")):
             return False
-        return bool(np.all(names[starts[1:-1] - 1] == ord("\n")))
+        return names_end_at_newlines(names, starts)
     except (KeyError, IndexError):
         return False
 

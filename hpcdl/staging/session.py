@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
+from hpcdl.config import STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
@@ -101,7 +102,7 @@ class StageOptions:
     """
 
     stage_dir: str | Path
-    threads: int = 8
+    threads: int = STAGE_THREADS
     capacity: str | int | None = None
     keep: bool = False
     verify: bool = False
