@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $XDG_CACHE_HOME/hpcdl-bench, else ~/.cache/hpcdl-bench)",
     )
     a("--json", action="store_true", help="last line: one JSON object")
-    a("--torch-child", help=argparse.SUPPRESS)
+    a("--torch-child", metavar="TREE", help="internal: be one DataLoader process over TREE")
     return p
 
 

@@ -13,16 +13,30 @@ costs milliseconds and N ranks opening every file is a metadata storm. So:
   scandir; a stat only where the file system gives no type); then INDEX_THREADS threads each
   open a file, fstat it and parse its header, so that the open latencies overlap: the index
   costs about files x latency / INDEX_THREADS. A live progress line shows on a terminal.
-- Who: `hpcdl.startup.open_datasets` opens the data set on rank 0 only (built, or loaded from
-  the cache) and broadcasts the index; the other ranks build their data set from it
-  (`ImageFolderDataset(root, index=...)`). Loader workers reopen the data set from its path and
-  find the cache.
-- Where it is cached: root/.hpcdl-index.npz; when that cannot be written (any OSError: read-only
-  file system, permissions, quota), $XDG_CACHE_HOME/hpcdl (default ~/.cache/hpcdl); then
-  $TMPDIR/hpcdl-<uid>. A failed write leaves nothing behind and raises nothing.
+- What it is: columns, no per-file Python object (ImageNet's 1.28 M tuples cost 400-800 MB in
+  every rank and loader worker): the relative paths as one UTF-8 blob with int64 offsets, and
+  int64 labels, sizes, heights and widths (FileTable, ds.labels, ...), plus a JSON header of
+  the classes, greyscale and the smallest height and width (FolderIndex). They are one
+  uncompressed, read-only file (hpcdl.data.indexfile) that every process maps, so the kernel
+  holds its pages once per node whatever the ranks x workers; ds.files pickles as the file's
+  path, so a loader worker maps it rather than receiving a copy.
+- Who: `hpcdl.startup.open_datasets` opens the data set on rank 0 only (built, or mapped from
+  the cache) and sends the other ranks the file's path and key; they map it
+  (ImageFolderDataset.from_index_file). A node that cannot see that path gets the file's bytes
+  from rank 0, and its first rank writes them into the node's cache (startup.share_index).
+  Loader workers reopen the data set from its path and map the cached file.
+- Where it is cached: not in the data root, which is the user's (shared data sets are often
+  group-writable; no other loader writes there): $XDG_CACHE_HOME/hpcdl (default ~/.cache/hpcdl),
+  then $TMPDIR/hpcdl-<uid>, as index-<hash of the root>.hpcdl-index, mode 0444, directories
+  0700, written through a temporary file and a rename (a failed write leaves nothing behind and
+  raises nothing). root/.hpcdl-index only with --index-in-data-root. Read first, wherever it
+  is: root/.hpcdl-index, the caches, and root/.hpcdl-index.npz of hpcdl before the mapped
+  format (converted into the cache, the root left alone).
 - When it is rebuilt: the cache key is the root's real path plus the name and mtime of every
   class directory: adding, removing or renaming a file changes its directory's mtime. (A file
   rewritten in place under the same name is not noticed; delete the cache file after such edits.)
+- Stage-only runs do not build it: FolderListing gives the names and sizes without opening an
+  image (the copy opens each file once).
 
 sample_shape is (C, min height, min width) over the tree; C = 1 when every image is greyscale,
 else 3. Pixel statistics default to ImageNet's mean/std (0..255 units).
