@@ -47,3 +47,18 @@ def test_a_mapped_file_table_pickles_as_its_file_not_its_names(names_tree):
     assert len(table) == 20_000 and table[12_345] == ds.files[12_345]
     assert table.relpath(0) == "c0000/c0000_0000000.JPEG"
     assert np.array_equal(table.sizes, ds.files.sizes)
+
+
+def test_cache_dirs_and_the_index_file_get_their_modes_whatever_the_umask(tmp_path, monkeypatch):
+    from test_data_imagefolder import make_folder  # noqa: PLC0415
+
+    make_folder(tmp_path / "data")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg" / "cache"))
+    old = os.umask(0)
+    try:
+        ds = open_dataset(tmp_path / "data")
+    finally:
+        os.umask(old)
+    assert ds.index_path.stat().st_mode & 0o777 == 0o444
+    for d in (tmp_path / "xdg", tmp_path / "xdg" / "cache", ds.index_path.parent):
+        assert d.stat().st_mode & 0o777 == 0o700, d

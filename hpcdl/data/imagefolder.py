@@ -202,8 +202,18 @@ def build_index(root: Path, key: str, dirs: list[os.DirEntry]) -> FolderIndex:
     return _folder_index(key, classes, relpaths, labels, sizes, heights, widths, grey)
 
 
-def _folder_index(key, classes, relpaths, labels, sizes, heights, widths, grey) -> FolderIndex:
-    """The columns and meta of an index (all per-file arguments in file order)."""
+def _folder_index(
+    key: str,
+    classes: list[str],
+    relpaths: list[str],
+    labels: Any,
+    sizes: Any,
+    heights: Any,
+    widths: Any,
+    grey: bool,
+) -> FolderIndex:
+    """The columns and meta of an index (labels, sizes, heights, widths: array-likes in file
+    order, like relpaths)."""
     table = FileTable.from_entries(relpaths, sizes)
     heights, widths = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
     readable = heights > 0

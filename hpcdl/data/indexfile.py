@@ -67,7 +67,7 @@ def write_atomically(path: Path, write) -> bool:
     fsync and rename; False on any OSError, with the temporary file removed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        make_dirs(path.parent)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -82,6 +82,21 @@ def write_atomically(path: Path, write) -> bool:
         except OSError:
             pass  # nothing was created (EROFS, EACCES): nothing to remove
         return False
+
+
+def make_dirs(path: Path) -> None:
+    """Create path and its missing parents, each DIR_MODE whatever the umask (mkdir's parents
+    would get 0777 less the umask: 0777 itself under umask 000)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            continue  # another process made it meanwhile
+        os.chmod(d, DIR_MODE)
 
 
 def map_index_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
