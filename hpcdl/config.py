@@ -33,6 +33,9 @@ else:  # pragma: no cover
 PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 
+STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_threads)
+
+
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field."""
 
@@ -73,8 +76,12 @@ class TrainConfig:
     loader_timeout: float = LOADER_TIMEOUT_S  # seconds a worker may be silent on an awaited batch
     augment: str = "none"
     skip_bad_samples: bool = False
+    index_in_data_root: bool = False  # cache an image folder's index in --data itself
     stage_dir: str | None = None
-    stage_threads: int = 8
+    # Copies in flight hide the PFS's open latency: 32 / 5 ms = 6,400 files/s (8 gave 1,600,
+    # half of what the emulated PFS serves: docs/PERFORMANCE.md, issue 29). Mostly blocked in
+    # open and read, so threads beyond the cores cost little CPU.
+    stage_threads: int = STAGE_THREADS
     stage_capacity: str | None = None
     keep_staged: bool = False
     stage_verify: bool = False
@@ -173,6 +180,10 @@ _HELP = {
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
     "skip_bad_samples": "replace an unreadable sample by the nearest good one of its batch "
     "instead of stopping (counted in the summary) (default: off)",
+    "index_in_data_root": "cache an image folder's index in the data directory itself "
+    "(.hpcdl-index, mode 0444) for every user of the data set; without it the index goes to "
+    "$XDG_CACHE_HOME/hpcdl (default ~/.cache/hpcdl) and the data directory is left alone "
+    "(default: off)",
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
     "stage_threads": "copy threads of the node's stager",

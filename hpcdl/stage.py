@@ -28,6 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from hpcdl.config import STAGE_THREADS
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.helpformat import HelpFormatter
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--epochs", type=int, help="training epochs (dry run: also report the whole run) (default 1)")
     a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode (default global)")
     a("--augment", help="dry run: the training --augment, for the samples' shape (default none)")
-    a("--stage-threads", type=int, help="copy threads (default 8)")
+    a("--stage-threads", type=int, help=f"copy threads (default {STAGE_THREADS})")
     a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use (default: all)")
     a("--stage-verify", action="store_true", default=None, help="verify copies by checksum")
     a("--pfs-bandwidth", type=float, help="dry run estimate: PFS MB/s per node (default 1000)")
@@ -115,7 +116,7 @@ DEFAULTS: dict[str, Any] = dict(
     shuffle="global",
     augment="none",
     placement="block",
-    stage_threads=8,
+    stage_threads=STAGE_THREADS,
     pfs_bandwidth=1000.0,
     pfs_open_latency=1.0,
     probe=False,
@@ -176,16 +177,18 @@ def env_layout() -> tuple[int | None, int | None]:
     return (int(nodes) if nodes else None, int(per) if per and per.isdigit() else None)
 
 
-def open_data(args: argparse.Namespace) -> Any:
+def open_data(args: argparse.Namespace, samples: bool = True) -> Any:
+    """The data set of --data; samples=False: only what staging needs (an image folder's
+    listing and sizes, no image opened: hpcdl.data.kinds.open_listing)."""
     if not args.data:
         raise UsageError("--data is required (the data set directory or file)")
     if args.files_only:
         return FileTreeDataset(args.data)
     try:
-        from hpcdl.data import open_dataset  # noqa: PLC0415
+        from hpcdl.data.kinds import open_dataset, open_listing  # noqa: PLC0415
     except ImportError:
         return FileTreeDataset(args.data)
-    return open_dataset(args.data)
+    return open_dataset(args.data) if samples else open_listing(args.data)
 
 
 def node_plan(
@@ -347,7 +350,7 @@ def stage_only(args: argparse.Namespace) -> int:
     if not 0 <= node < nodes:
         raise UsageError(f"--node {node} outside 0..{nodes - 1}")
     layout = gathered or rank_layout([per] * nodes, args.placement)
-    ds = open_data(args)
+    ds = open_data(args, samples=False)  # the copy opens each file once; the index would too
     check_no_overlap(args.stage_dir, {"--data": args.data})
     lease = StageDirLease.acquire(args.stage_dir)
     try:

@@ -66,36 +66,43 @@ def _local_error(fn) -> tuple[Any, str | None]:
 def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
     """Open --data and --val-data; any failure stops all ranks with one message.
 
-    Rank 0 opens them, building an image folder's index or loading it from its cache, and
-    broadcasts the index: the job opens each image file once, in one process (NOTE [the index]
-    in hpcdl/data/imagefolder.py). The first rank of every other node writes the index to its
-    node's cache, where its loader workers look for it. Other data sets (HDF5) are opened on
-    every rank. The validation labels are remapped onto the training classes by name
-    (align_classes)."""
+    Rank 0 opens them, building an image folder's index or mapping it from its cache, and
+    tells the other ranks where the index file is: they map the same file, so a node holds its
+    pages once (NOTE [the index] in hpcdl/data/imagefolder.py). A node that cannot see that
+    file gets its bytes from rank 0 and caches them on the node (share_index). Other data sets
+    (HDF5) are opened on every rank. The validation labels are remapped onto the training
+    classes by name (align_classes)."""
     from hpcdl.data import open_dataset  # noqa: PLC0415
     from hpcdl.data.dataset import align_classes  # noqa: PLC0415
-    from hpcdl.data.imagefolder import ImageFolderDataset  # noqa: PLC0415
 
     paths = [cfg.data, *([cfg.val_data] if cfg.val_data else [])]
     shared = None
+    opened: list[Any] = [None] * len(paths)
     if world.is_root:
-        opened, error = _local_error(lambda: [open_dataset(p) for p in paths])
-        indexes = [(d.index, d.index_path) if d.kind == "folder" else None for d in opened or []]
-        shared = (error, indexes)
-    error, indexes = world.comm.bcast(shared, root=0)
+        found, error = _local_error(
+            lambda: [open_dataset(p, cfg.index_in_data_root) for p in paths]
+        )
+        opened = found or opened
+        refs = [_index_ref(d) for d in found or []]
+        shared = (error, refs)
+    error, refs = world.comm.bcast(shared, root=0)
 
-    def receive(path: str, index: tuple | None) -> Any:
-        if index is None:
+    def receive(path: str, ref: tuple | None) -> Any:
+        from hpcdl.data.imagefolder import ImageFolderDataset  # noqa: PLC0415
+
+        if ref is None:
             return open_dataset(path)
-        ds = ImageFolderDataset(path, index=index[0])
-        if world.local_rank == 0 and world.node_index != 0:
-            ds.ensure_cached(index[1])
-        else:
-            ds.index_path = index[1]
-        return ds
+        return None if ref[0] is None else ImageFolderDataset.from_index_file(path, *ref)
 
     if not world.is_root and error is None:
-        opened, error = _local_error(lambda: [receive(*pi) for pi in zip(paths, indexes)])
+        found, error = _local_error(lambda: [receive(*pr) for pr in zip(paths, refs)])
+        opened = found or opened
+    if world.comm.bcast(error is None if world.is_root else None, root=0):
+        for i, ref in enumerate(refs):  # collective: every rank, whatever its own error
+            if ref is not None:
+                args = (world, opened[i], paths[i], ref[1], cfg.index_in_data_root)
+                opened[i], failed = _local_error(lambda: share_index(*args))  # noqa: B023
+                error = error or failed
     train_ds, val_ds = (opened + [None])[:2] if error is None else (None, None)
     if error is None:
         per_rank = len(train_ds) // world.size
@@ -111,6 +118,41 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
         _, error = _local_error(lambda: align_classes(val_ds, train_ds))
     agree_on_errors(world.comm, world.rank, error)  # also: every node's cache is written
     return train_ds, val_ds
+
+
+def _index_ref(ds: Any) -> tuple[Path | None, str] | None:
+    """(where rank 0's index file is, its key) of an image folder; None for other kinds."""
+    return (ds.index_path, ds.index.meta["key"]) if ds.kind == "folder" else None
+
+
+def share_index(world: World, ds: Any, root: str, key: str, in_data_root: bool) -> Any:
+    """ds, or (where it is None: rank 0's index file is not visible here) the image folder
+    built from rank 0's index, which the node's first rank writes to the node's cache for
+    every rank and loader worker of the node to map. Collective; the bytes go over MPI only
+    when some rank lacks them."""
+    from hpcdl.data.imagefolder import (  # noqa: PLC0415
+        FolderIndex,
+        ImageFolderDataset,
+        map_index,
+        save_index,
+    )
+    from hpcdl.data.indexfile import parse_index  # noqa: PLC0415
+
+    if not any(world.comm.allgather(ds is None)):
+        return ds
+    data = world.comm.bcast(ds.index.to_bytes() if world.is_root else None, root=0)
+    path = None
+    if any(world.node_comm.allgather(ds is None)):
+        if world.local_rank == 0:
+            if ds is None:
+                path = save_index(Path(root), FolderIndex(*parse_index(data)), in_data_root).path
+            else:
+                path = ds.index_path
+        path = world.node_comm.bcast(path, root=0)
+    if ds is not None:
+        return ds
+    index = map_index(path, key) if path is not None else None
+    return ImageFolderDataset(root, index=index or FolderIndex(*parse_index(data)))
 
 
 def input_shape(cfg: TrainConfig, ds: Any) -> tuple[int, int, int]:

@@ -55,6 +55,15 @@ def read_events(path, event: str) -> list[dict]:
     return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def index_cache(tmp_path_factory) -> Path:
+    """The image-folder index cache of this test session ($XDG_CACHE_HOME, inherited by the
+    runs the tests start), not the user's ~/.cache."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    return cache / "hpcdl"
+
+
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory) -> Path:
     """scikit-learn's digits converted to HDF5 shards (train/ and val/) once per session."""

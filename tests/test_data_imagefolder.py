@@ -36,7 +36,9 @@ def test_index_is_built_once_cached_and_rebuilt_when_the_tree_changes(tmp_path):
     assert ds.sample_shape == (3, 16, 20)
     assert [f.relpath for f in ds.files] == sorted(images)
     assert ds.labels.tolist() == [0, 0, 0, 1, 1, 1]
-    assert ds.index_path == tmp_path / "data" / ".hpcdl-index.npz"
+    assert ds.index_path.parent == Path(os.environ["XDG_CACHE_HOME"]) / "hpcdl"
+    assert ds.index_path.stat().st_mode & 0o777 == 0o444
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["cat", "dog"]
     assert ds.file_ids([5, 0]).tolist() == [5, 0]
     mtime = ds.index_path.stat().st_mtime_ns
     assert len(open_dataset(tmp_path / "data")) == 6
@@ -45,12 +47,41 @@ def test_index_is_built_once_cached_and_rebuilt_when_the_tree_changes(tmp_path):
     assert len(open_dataset(tmp_path / "data")) == 7
 
 
-def test_unwritable_root_caches_in_the_user_cache_dir(tmp_path, monkeypatch):
+def test_unwritable_user_cache_falls_back_to_the_nodes_temporary_dir(tmp_path, monkeypatch):
     make_folder(tmp_path / "data")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    (tmp_path / "data" / ".hpcdl-index.npz").mkdir()  # root side unwritable (even for root)
+    (tmp_path / "cache").write_text("a file where the cache dir should be (even root fails)")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
     ds = open_dataset(tmp_path / "data")
-    assert ds.index_path.parent == tmp_path / "cache" / "hpcdl"
+    assert ds.index_path.parent == tmp_path / "tmp" / f"hpcdl-{os.getuid()}"
+    assert ds.index_path.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_an_npz_index_in_the_data_root_is_read_and_left_alone(tmp_path):
+    from hpcdl.data.imagefolder import _class_dirs, _tree_key  # noqa: PLC0415
+
+    root = tmp_path / "data"
+    make_folder(root)
+    built = open_dataset(root)
+    relpaths = [f.relpath for f in built.files]
+    np.savez(  # what hpcdl wrote into data roots before format 3
+        root / ".hpcdl-index.npz",
+        key=np.array(_tree_key(root, _class_dirs(root), 2)),
+        paths=np.frombuffer("\n".join(relpaths).encode(), np.uint8),
+        classes=np.frombuffer(b"cat\ndog", np.uint8),
+        labels=np.asarray(built.labels, np.int32),
+        sizes=np.asarray(built.files.sizes),
+        heights=np.asarray(built.heights),
+        widths=np.asarray(built.widths),
+        grey=np.array(False),
+    )
+    built.index_path.unlink()
+    listing = sorted((p.name, p.stat().st_mtime_ns) for p in root.iterdir())
+    ds = open_dataset(root)
+    assert ds.index_source == "cache" and [f.relpath for f in ds.files] == relpaths
+    assert ds.sample_shape == built.sample_shape and ds.labels.tolist() == built.labels.tolist()
+    assert ds.index_path == built.index_path  # converted into the user's cache, mapped there
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in root.iterdir()) == listing
 
 
 READ_ONLY_PROBE = """
@@ -198,7 +229,7 @@ def test_empty_folder_and_unreadable_header(tmp_path):
     ds = open_dataset(tmp_path / "g")
     with pytest.raises(BadSample, match="junk.png"):
         ds.reader().decode([f.relpath for f in ds.files].index("a/junk.png"))
-    assert os.path.exists(tmp_path / "g" / ".hpcdl-index.npz")
+    assert ds.index_path.exists() and not (tmp_path / "g" / ".hpcdl-index").exists()
 
 
 @pytest.mark.parametrize("char", ["\n", "\t", "\x01", "\x7f"])
@@ -226,22 +257,24 @@ def test_names_refused_by_the_data_sets_are_exactly_those_the_stager_refuses():
         assert staged == (not has_control_character(name)), repr(name)
 
 
-def _rewrite_index(root, paths):
-    index = root / ".hpcdl-index.npz"
-    with np.load(index) as z:
-        arrays = {k: z[k] for k in z.files}
-    arrays["paths"] = np.frombuffer("\n".join(paths).encode(), np.uint8)
-    with open(index, "wb") as f:
-        np.savez(f, **arrays)
-    return index
+def _rewrite_index(ds, paths):
+    """Replace the relative paths in ds's cached index file by paths; the file's path."""
+    from hpcdl.data.dataset import FileTable  # noqa: PLC0415
+    from hpcdl.data.indexfile import index_bytes, write_index_file  # noqa: PLC0415
+
+    columns = dict(ds.index.columns)
+    table = FileTable.from_entries(paths, np.zeros(len(paths), np.int64))
+    columns["names"], columns["starts"] = table.names, table.starts
+    assert write_index_file(ds.index_path, index_bytes(columns, ds.index.meta))
+    return ds.index_path
 
 
 @pytest.mark.parametrize("entry", ["../outside.png", "/tmp/outside.png", "cat/../../outside.png"])
 def test_index_entry_outside_the_root_is_refused(tmp_path, entry):
     make_folder(tmp_path / "d")
     Image.fromarray(np.zeros((16, 20, 3), np.uint8)).save(tmp_path / "outside.png")
-    paths = [f.relpath for f in open_dataset(tmp_path / "d").files]
-    index = _rewrite_index(tmp_path / "d", [*paths[:-1], entry])
+    ds = open_dataset(tmp_path / "d")
+    index = _rewrite_index(ds, [*[f.relpath for f in ds.files][:-1], entry])
     with pytest.raises(DataError) as info:
         open_dataset(tmp_path / "d")
     assert repr(entry) in str(info.value) and str(index) in str(info.value)
@@ -276,8 +309,9 @@ def test_a_tab_in_a_name_fails_staged_and_unstaged_runs_alike_at_startup(tmp_pat
 
 def test_an_index_whose_fields_disagree_in_length_is_rebuilt(tmp_path):
     make_folder(tmp_path / "d")
-    paths = [f.relpath for f in open_dataset(tmp_path / "d").files]
-    _rewrite_index(tmp_path / "d", paths[:-1])  # what a newline in a name did to version 1
+    first = open_dataset(tmp_path / "d")
+    paths = [f.relpath for f in first.files]
+    _rewrite_index(first, paths[:-1])  # what a newline in a name did to version 1
     ds = open_dataset(tmp_path / "d")
     assert [f.relpath for f in ds.files] == paths and len(ds.labels) == 6
 

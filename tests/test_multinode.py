@@ -375,3 +375,18 @@ def test_bench_interconnect_measures_with_and_without_a_link_limit_and_cleans_up
         assert all(result[k] > 0 for k in ("flat_s", "reducer_s", "naive_s", "two_level_s"))
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"hpcdl{bench.pid}" not in names  # the benchmark tore its cluster down
+
+
+def test_a_node_that_cannot_see_rank_0s_index_caches_its_own_copy(cluster, folder, tmp_path):
+    """The index cache on /local: node 2 cannot map rank 0's index file, so rank 0 sends the
+    bytes and node 2's first rank writes them into its own cache for its ranks and workers
+    (hpcdl.startup.share_index); training is the same as on one node."""
+    args = [*train_args(folder, tmp_path), "--workers", 1]
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    cache = ("-x", f"XDG_CACHE_HOME={LOCAL / 'cache'}")
+    run_in(cluster, cluster.mpirun([2, 2], *program, extra=(*cache, *SAME_SUM_ORDER)))
+    copies = [list((n.local / "cache" / "hpcdl").glob("*.hpcdl-index")) for n in cluster.nodes]
+    assert [len(c) for c in copies] == [1, 1], copies
+    assert copies[0][0].read_bytes() == copies[1][0].read_bytes()
+    assert all(c[0].stat().st_mode & 0o777 == 0o444 for c in copies)
+    assert not any(p.name.startswith(".hpcdl-index") for p in folder.iterdir())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.staging.plan import FileEntry
+from hpcdl.data.dataset import FileTable
 
 
 class ShardDataset:
@@ -15,7 +15,8 @@ class ShardDataset:
 
     def __init__(self, root: Path, files: list[str], per_file: int = 1):
         self.root = Path(root)
-        self.files = [FileEntry(r, (self.root / r).stat().st_size) for r in files]
+        sizes = [(self.root / r).stat().st_size for r in files]
+        self.files = FileTable.from_entries(files, sizes)
         self.per_file = per_file
 
     def __len__(self) -> int:

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from test_staging_helpers import ShardDataset, make_tree
 
+from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec
 from hpcdl.staging import PlanError, find_stager_binary, plan_for_node, write_plan
-from hpcdl.staging.plan import FileEntry, check_relpath
+from hpcdl.staging.plan import check_relpath
 
 # World ranks on each node: block (mpirun's default), round robin (--map-by node), uneven.
 PLACEMENTS = {
@@ -113,7 +114,9 @@ def test_unsafe_destinations_are_rejected_by_planner_and_stager(tmp_path, bad):
 
 def test_planner_refuses_dataset_with_escaping_path(tmp_path):
     ds = make_tree(tmp_path, 4, 10)
-    ds.files[2] = FileEntry("../outside.bin", 10)
+    names = [f.relpath for f in ds.files]
+    names[2] = "../outside.bin"
+    ds.files = FileTable.from_entries(names, ds.files.sizes)
     args = SamplerSpec(num_samples=4, world_size=1, seed=0, shuffle="none")
     plan = plan_for_node(ds, args, batch_size=1, epochs=(0, 1))
     with pytest.raises(PlanError, match="outside.bin"):

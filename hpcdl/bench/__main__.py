@@ -20,6 +20,7 @@ BENCHMARKS = {
     "finetune": "hpcdl.bench.finetune",
     "calibrate": "hpcdl.bench.calibrate",
     "validate": "hpcdl.bench.validate",
+    "memory": "hpcdl.bench.memory",
 }
 USAGE = "usage: python -m hpcdl.bench NAME [options]"
 

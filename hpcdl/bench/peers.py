@@ -46,7 +46,7 @@ def index_cost(pfs: SlowMount) -> dict[str, Any]:
         "opens": opens,
         "goal_seconds": len(ds) * latency_s / 16,
         "sample_shape": list(output_shape(ds, Augment())),  # what hpcdl.train yields: no --augment
-        "bytes": sum(f.size for f in ds.files),
+        "bytes": int(ds.files.sizes.sum()),
     }
 
 

@@ -1,8 +1,8 @@
 """Data sets, sampling, minibatch loading and conversion tools (docs/data.md)."""
 
 from hpcdl.data.augment import parse_augment
-from hpcdl.data.dataset import BadSample, DataError, FileEntry
-from hpcdl.data.kinds import open_dataset
+from hpcdl.data.dataset import BadSample, DataError, FileEntry, FileTable
+from hpcdl.data.kinds import open_dataset, open_listing
 from hpcdl.data.loader import Loader, default_workers
 
 __all__ = [
@@ -10,9 +10,11 @@ __all__ = [
     "DataError",
     "DevicePrefetcher",
     "FileEntry",
+    "FileTable",
     "Loader",
     "default_workers",
     "open_dataset",
+    "open_listing",
     "parse_augment",
 ]
 

@@ -102,7 +102,7 @@ def describe(path: str | Path) -> str:
     counts = np.bincount(ds.labels, minlength=ds.num_classes)
     names = ", ".join(f"{c}: {n}" for c, n in zip(ds.classes[:20], counts[:20]))
     more = f", ... ({ds.num_classes - 20} more)" if ds.num_classes > 20 else ""
-    total = sum(f.size for f in ds.files)
+    total = int(ds.files.sizes.sum())
     lines = [
         f"{path}: {ds.kind} data set",
         f"  samples:      {len(ds)} in {len(ds.files)} file(s), {total} bytes "

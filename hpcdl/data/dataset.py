@@ -48,6 +48,79 @@ class FileEntry(NamedTuple):
     size: int  # bytes
 
 
+class FileTable(Sequence):
+    """The files of a data set as columns: `table[i]` is FileEntry i, made on demand.
+
+    names: the relative paths as UTF-8, joined by newlines (uint8); starts: (N + 1,) int64, the
+    offset of each name and, last, len(names) + 1; sizes: (N,) int64 bytes. The arrays may be
+    views of a mapped index file (hpcdl.data.indexfile), shared by every process of the node;
+    no per-file Python object is kept. Use relpath(i) and `sizes` on hot paths.
+
+    mapped_from: (index file, key) when the arrays are views of that file: the table then
+    pickles as that reference (a loader worker maps the file, sharing its pages, instead of
+    unpickling a private copy)."""
+
+    def __init__(
+        self,
+        names: np.ndarray,
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        mapped_from: tuple[Path, str] | None = None,
+    ) -> None:
+        if len(starts) != len(sizes) + 1:
+            raise ValueError(f"{len(starts)} name offsets for {len(sizes)} files")
+        self.names, self.starts, self.sizes = names, starts, sizes
+        self.mapped_from = mapped_from
+
+    def __reduce__(self):
+        if self.mapped_from is None:
+            return FileTable, (self.names, self.starts, self.sizes)
+        return _map_file_table, self.mapped_from
+
+    @classmethod
+    def from_entries(cls, relpaths: Sequence[str], sizes: Sequence[int]) -> FileTable:
+        """A table of names and sizes (held by this process, not mapped)."""
+        encoded = [r.encode() for r in relpaths]
+        starts = np.zeros(len(encoded) + 1, np.int64)
+        np.cumsum([len(e) + 1 for e in encoded], out=starts[1:])
+        names = np.frombuffer(b"\n".join(encoded), np.uint8)
+        return cls(names, starts, np.asarray(sizes, np.int64).reshape(len(encoded)))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def relpath(self, i: int) -> str:
+        return bytes(self.names[self.starts[i] : self.starts[i + 1] - 1]).decode()
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"file id {i} out of range 0..{len(self) - 1}")
+        return FileEntry(self.relpath(i), int(self.sizes[i]))
+
+    def joined(self) -> bytes:
+        """Every relative path, newline-separated (one copy: for checks, not for hot paths)."""
+        return bytes(self.names)
+
+
+def _map_file_table(path: Path, key: str) -> FileTable:
+    """The FileTable of the index file at path (a pickled, mapped FileTable)."""
+    from hpcdl.data.indexfile import map_index_file  # noqa: PLC0415
+
+    found = map_index_file(path)
+    if found is None or found[1].get("key") != key:
+        raise DataError(
+            f"{path}: the data set's index changed or vanished while the job ran; "
+            "start the job again"
+        )
+    cols = found[0]
+    return FileTable(cols["names"], cols["starts"], cols["sizes"], (Path(path), key))
+
+
 class ReadCounts:
     """Samples read from a staged (local) copy vs the parallel file system, and bad ones."""
 
@@ -119,6 +192,39 @@ def check_entries(root: Path, relpaths: Sequence[str], listed_in: Path | None = 
             )
 
 
+_CONTROL_BUT_NEWLINE_BYTES = re.compile(rb"[\x00-\x09\x0b-\x1f\x7f]")
+_EMPTY_OR_DOT_COMPONENT_BYTES = re.compile(rb"[/\n][/\n.]")
+
+
+def check_table(root: Path, table: FileTable, listed_in: Path | None = None) -> None:
+    """check_entries for a FileTable, run on its joined names where they lie (a mapped file is
+    read, not copied); the entries are decoded only when the scan finds something suspect."""
+    names = memoryview(table.names)
+    suspect = (
+        len(table) == 0
+        or len(names) == 0
+        or names[0] in b"/.\n"
+        or names[-1] in b"/\n"
+        or not names_end_at_newlines(table.names, table.starts)
+        or _CONTROL_BUT_NEWLINE_BYTES.search(names) is not None
+        or _EMPTY_OR_DOT_COMPONENT_BYTES.search(names) is not None
+    )
+    if suspect:
+        check_entries(root, table.joined().decode().split("\n"), listed_in)
+
+
+def names_end_at_newlines(names: np.ndarray, starts: np.ndarray, chunk: int = 1 << 16) -> bool:
+    """True when every name but the last ends with a newline where the next one starts.
+
+    In chunks: temporaries of a few hundred KB that the allocator gives back, where one pass
+    would leave tens of MB in every loader worker's heap for ImageNet's 1.28 M names."""
+    for begin in range(1, len(starts) - 1, chunk):
+        ends = starts[begin : min(begin + chunk, len(starts) - 1)] - 1
+        if not np.all(names[ends] == ord("\n")):
+            return False
+    return True
+
+
 def check_link_inside(root: Path, relpath: str, real_root: Path | None = None) -> None:
     """DataError when root/relpath is a symbolic link that resolves outside root."""
     real_root = real_root or Path(os.path.realpath(root))
@@ -177,11 +283,11 @@ def index_record(train_ds: Any, val_ds: Any | None) -> dict[str, dict | None]:
     return {"train": one(train_ds), "val": one(val_ds)}
 
 
-def default_locate(root: Path, files: list[FileEntry]) -> Locate:
+def default_locate(root: Path, files: FileTable) -> Locate:
     """The PFS path of each file: root / relpath."""
 
     def locate(file_id: int) -> Path:
-        return root / files[file_id].relpath
+        return root / files.relpath(file_id)
 
     return locate
 

@@ -24,7 +24,7 @@ import numpy as np
 from hpcdl.data.dataset import (
     BadSample,
     DataError,
-    FileEntry,
+    FileTable,
     Locate,
     SourceReader,
     check_entries,
@@ -43,8 +43,7 @@ class HDF5Dataset:
         path = Path(path)
         self.source = path
         self.root, shards = _list_shards(path)
-        self.files: list[FileEntry] = []
-        labels, counts = [], []
+        relpaths, sizes, labels, counts = [], [], [], []
         first_shape = None
         for shard in shards:
             shape, dtype, lab = _check_shard(shard)
@@ -56,9 +55,11 @@ class HDF5Dataset:
                     f"{shard}: images are {dtype}{list(shape)} per sample but {shards[0]} has "
                     f"{self.dtype}{list(first_shape)}; all shards must agree"
                 )
-            self.files.append(FileEntry(shard.relative_to(self.root).as_posix(), _size(shard)))
+            relpaths.append(shard.relative_to(self.root).as_posix())
+            sizes.append(_size(shard))
             labels.append(lab)
             counts.append(len(lab))
+        self.files = FileTable.from_entries(relpaths, sizes)  # the shards: the image folders' API
         self.stored_shape = first_shape  # per sample, as stored: (H, W, C) or (C, H, W)
         self.layout = "CHW" if self.dtype == np.float32 else "HWC"
         self.labels = np.concatenate(labels).astype(np.int64)  # (N,)

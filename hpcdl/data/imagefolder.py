@@ -13,16 +13,30 @@ costs milliseconds and N ranks opening every file is a metadata storm. So:
   scandir; a stat only where the file system gives no type); then INDEX_THREADS threads each
   open a file, fstat it and parse its header, so that the open latencies overlap: the index
   costs about files x latency / INDEX_THREADS. A live progress line shows on a terminal.
-- Who: `hpcdl.startup.open_datasets` opens the data set on rank 0 only (built, or loaded from
-  the cache) and broadcasts the index; the other ranks build their data set from it
-  (`ImageFolderDataset(root, index=...)`). Loader workers reopen the data set from its path and
-  find the cache.
-- Where it is cached: root/.hpcdl-index.npz; when that cannot be written (any OSError: read-only
-  file system, permissions, quota), $XDG_CACHE_HOME/hpcdl (default ~/.cache/hpcdl); then
-  $TMPDIR/hpcdl-<uid>. A failed write leaves nothing behind and raises nothing.
+- What it is: columns, no per-file Python object (ImageNet's 1.28 M tuples cost 400-800 MB in
+  every rank and loader worker): the relative paths as one UTF-8 blob with int64 offsets, and
+  int64 labels, sizes, heights and widths (FileTable, ds.labels, ...), plus a JSON header of
+  the classes, greyscale and the smallest height and width (FolderIndex). They are one
+  uncompressed, read-only file (hpcdl.data.indexfile) that every process maps, so the kernel
+  holds its pages once per node whatever the ranks x workers; ds.files pickles as the file's
+  path, so a loader worker maps it rather than receiving a copy.
+- Who: `hpcdl.startup.open_datasets` opens the data set on rank 0 only (built, or mapped from
+  the cache) and sends the other ranks the file's path and key; they map it
+  (ImageFolderDataset.from_index_file). A node that cannot see that path gets the file's bytes
+  from rank 0, and its first rank writes them into the node's cache (startup.share_index).
+  Loader workers reopen the data set from its path and map the cached file.
+- Where it is cached: not in the data root, which is the user's (shared data sets are often
+  group-writable; no other loader writes there): $XDG_CACHE_HOME/hpcdl (default ~/.cache/hpcdl),
+  then $TMPDIR/hpcdl-<uid>, as index-<hash of the root>.hpcdl-index, mode 0444, directories
+  0700, written through a temporary file and a rename (a failed write leaves nothing behind and
+  raises nothing). root/.hpcdl-index only with --index-in-data-root. Read first, wherever it
+  is: root/.hpcdl-index, the caches, and root/.hpcdl-index.npz of hpcdl before the mapped
+  format (converted into the cache, the root left alone).
 - When it is rebuilt: the cache key is the root's real path plus the name and mtime of every
   class directory: adding, removing or renaming a file changes its directory's mtime. (A file
   rewritten in place under the same name is not noticed; delete the cache file after such edits.)
+- Stage-only runs do not build it: FolderListing gives the names and sizes without opening an
+  image (the copy opens each file once).
 
 sample_shape is (C, min height, min width) over the tree; C = 1 when every image is greyscale,
 else 3. Pixel statistics default to ImageNet's mean/std (0..255 units).
@@ -36,24 +50,32 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hpcdl.data.dataset import (
     BadSample,
     DataError,
-    FileEntry,
+    FileTable,
     Locate,
     SourceReader,
     check_entries,
     check_link_inside,
+    check_table,
+    names_end_at_newlines,
 )
+from hpcdl.data.indexfile import index_bytes, map_index_file, write_index_file
 from hpcdl.data.pfs import open_source
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-INDEX_NAME = ".hpcdl-index.npz"
-_INDEX_VERSION = 2  # 2: indexes of 1 were built without the name and symlink checks
+INDEX_NAME = ".hpcdl-index"  # in the data root: written only with --index-in-data-root
+LEGACY_INDEX_NAME = ".hpcdl-index.npz"  # format 2, read (never written) in the data root
+# 3: a mapped columnar file (hpcdl.data.indexfile); 2: an .npz each process copied;
+# 1: built without the name and symlink checks.
+_INDEX_VERSION = 3
 # Header reads in flight: hides open latency (32 x 1 / 5 ms = 6,400 files/s on a 5 ms file
 # system) while Pillow's header parsing, which holds the GIL, stays far below one core.
 INDEX_THREADS = 32
@@ -103,19 +125,20 @@ def scan_folder(
     return relpaths, labels, classes
 
 
-def _tree_key(root: Path, dirs: list[os.DirEntry]) -> str:
-    h = hashlib.sha256(f"{_INDEX_VERSION}:{root.resolve()}".encode())
+def _tree_key(root: Path, dirs: list[os.DirEntry], version: int = _INDEX_VERSION) -> str:
+    h = hashlib.sha256(f"{version}:{root.resolve()}".encode())
     for e in dirs:
         h.update(f"\n{e.name}:{e.stat().st_mtime_ns}".encode())
     return h.hexdigest()
 
 
-def _cache_paths(root: Path) -> list[Path]:
-    """Where the index may be cached, in the order tried: the root, the user's, /tmp."""
+def _cache_paths(root: Path, in_data_root: bool = False) -> list[Path]:
+    """Where the index may be written, in the order tried: the data root (only when asked),
+    the user's cache, this node's temporary directory."""
     user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl"
     node = Path(tempfile.gettempdir()) / f"hpcdl-{os.getuid()}"
-    name = f"index-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.npz"
-    return [root / INDEX_NAME, user / name, node / name]
+    name = f"index-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.hpcdl-index"
+    return [root / INDEX_NAME] * in_data_root + [user / name, node / name]
 
 
 def _read_header(path: Path) -> tuple[int, int, int, bool]:
@@ -159,40 +182,86 @@ def read_headers(
     return out[0], out[1], out[2], grey
 
 
-def build_index(root: Path, key: str, dirs: list[os.DirEntry]) -> dict[str, np.ndarray]:
-    """The index arrays of root (see NOTE [the index]); opens every image once."""
+@dataclass(frozen=True)
+class FolderIndex:
+    """An image folder's index: columns (hpcdl.data.indexfile; mapped when path is set) and
+    meta (key, classes, grey, min_hw, readable)."""
+
+    columns: dict[str, np.ndarray]
+    meta: dict[str, Any]
+    path: Path | None = None
+
+    def to_bytes(self) -> bytes:
+        return index_bytes(self.columns, self.meta)
+
+
+def build_index(root: Path, key: str, dirs: list[os.DirEntry]) -> FolderIndex:
+    """The index of root (see NOTE [the index]); opens every image once."""
     relpaths, labels, classes = scan_folder(root, dirs)
     sizes, heights, widths, grey = read_headers(root, relpaths)
-    return {
-        "key": np.array(key),
-        "paths": np.frombuffer("\n".join(relpaths).encode(), np.uint8),
-        "classes": np.frombuffer("\n".join(classes).encode(), np.uint8),
-        "labels": np.asarray(labels, np.int32),
-        "sizes": sizes,
+    return _folder_index(key, classes, relpaths, labels, sizes, heights, widths, grey)
+
+
+def _folder_index(
+    key: str,
+    classes: list[str],
+    relpaths: list[str],
+    labels: Any,
+    sizes: Any,
+    heights: Any,
+    widths: Any,
+    grey: bool,
+) -> FolderIndex:
+    """The columns and meta of an index (labels, sizes, heights, widths: array-likes in file
+    order, like relpaths)."""
+    table = FileTable.from_entries(relpaths, sizes)
+    heights, widths = np.asarray(heights, np.int64), np.asarray(widths, np.int64)
+    readable = heights > 0
+    min_hw = [int(heights[readable].min()), int(widths[readable].min())] if readable.any() else []
+    columns = {
+        "names": table.names,
+        "starts": table.starts,
+        "labels": np.asarray(labels, np.int64),
+        "sizes": table.sizes,
         "heights": heights,
         "widths": widths,
-        "grey": np.array(grey),
     }
+    meta = dict(
+        key=key, classes=list(classes), grey=bool(grey), min_hw=min_hw, readable=int(readable.sum())
+    )
+    return FolderIndex(columns, meta)
 
 
-def load_index(root: Path, key: str) -> tuple[dict[str, np.ndarray], Path] | None:
-    """The cached index of root with this key, and where it was found; None when there is none."""
-    for path in _cache_paths(root):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                if str(z["key"]) == key and _consistent(z):
-                    return {k: z[k] for k in z.files}, path
-        except (OSError, KeyError, ValueError):
-            continue
-    return None
+def map_index(path: Path, key: str) -> FolderIndex | None:
+    """The index file at path, mapped, when it holds this key and its columns agree."""
+    found = map_index_file(path)
+    if found is None or found[1].get("key") != key or not _consistent(found[0]):
+        return None
+    return FolderIndex(*found, path=path)
 
 
-def save_index(root: Path, index: dict[str, np.ndarray]) -> Path | None:
-    """Cache index in the first place that takes it (see NOTE [the index]); None if none does."""
-    for path in _cache_paths(root):
-        if _write_atomically(path, index):
-            return path
-    return None
+def load_index(root: Path, dirs: list[os.DirEntry]) -> FolderIndex | None:
+    """The cached index of root, mapped where it was found; None when there is none. An .npz
+    index (format 2) found in the data root is converted into the cache."""
+    key = _tree_key(root, dirs)
+    for path in [root / INDEX_NAME, *_cache_paths(root)]:
+        found = map_index(path, key)
+        if found is not None:
+            return found
+    legacy = _load_npz(root / LEGACY_INDEX_NAME, _tree_key(root, dirs, 2), key)
+    return None if legacy is None else save_index(root, legacy)
+
+
+def save_index(root: Path, index: FolderIndex, in_data_root: bool = False) -> FolderIndex:
+    """The index written to the first place that takes it (see NOTE [the index]) and mapped
+    from there; the index as it was (held by this process) when no place does."""
+    data = index.to_bytes()
+    for path in _cache_paths(root, in_data_root):
+        if write_index_file(path, data):
+            mapped = map_index(path, index.meta["key"])
+            if mapped is not None:
+                return mapped
+    return index
 
 
 class ImageFolderDataset:
@@ -201,54 +270,51 @@ class ImageFolderDataset:
     dtype = np.uint8
     named_classes = True  # class = directory name
 
-    def __init__(self, root: str | Path, index: dict[str, np.ndarray] | None = None) -> None:
-        """Open root: load the cached index or build it; `index` (another rank's
-        `self.index`) is taken as it is, without touching the file system."""
+    def __init__(
+        self, root: str | Path, index_in_data_root: bool = False, index: FolderIndex | None = None
+    ) -> None:
+        """Open root: map the cached index or build it (and cache it: in the data root only
+        with index_in_data_root). `index` (FolderIndex) is taken as it is, without touching the
+        file system."""
         self.root = self.source = Path(root)
-        self.index_path: Path | None = None
         self.index_source = "given"  # or "cache", "built"
         t0 = time.perf_counter()
         if index is None:
-            index = self._load_or_build()
+            index = self._load_or_build(index_in_data_root)
         self.index = index
+        self.index_path = index.path
+        cols, meta = index.columns, index.meta
+        mapped = None if index.path is None else (index.path, meta["key"])
+        self.files = FileTable(cols["names"], cols["starts"], cols["sizes"], mapped)
+        self.classes = list(meta["classes"])
+        check_entries(self.root, self.classes, self.index_path)
+        check_table(self.root, self.files, self.index_path)
+        self.labels, self.heights, self.widths = cols["labels"], cols["heights"], cols["widths"]
+        if not meta["readable"]:
+            raise DataError(f"{self.root}: none of the {len(self.files)} images can be read")
         self.index_seconds = time.perf_counter() - t0
-        names = _split(index["paths"])
-        self.classes = _split(index["classes"])
-        check_entries(self.root, self.classes + names, self.index_path)
-        self.labels = index["labels"].astype(np.int64)
-        self.heights = index["heights"].astype(np.int64)
-        self.widths = index["widths"].astype(np.int64)
-        self.files = [FileEntry(p, int(s)) for p, s in zip(names, index["sizes"].tolist())]
-        readable = self.heights > 0
-        if not readable.any():
-            raise DataError(f"{self.root}: none of the {len(names)} images can be read")
-        channels = 1 if bool(index["grey"]) else 3
-        self.min_hw = (int(self.heights[readable].min()), int(self.widths[readable].min()))
+        channels = 1 if meta["grey"] else 3
+        self.min_hw = (int(meta["min_hw"][0]), int(meta["min_hw"][1]))
         self._shape = (channels, *self.min_hw)
         self.mean = np.array(IMAGENET_MEAN[:channels] if channels == 3 else [127.5], np.float32)
         self.std = np.array(IMAGENET_STD[:channels] if channels == 3 else [127.5], np.float32)
 
-    def _load_or_build(self) -> dict[str, np.ndarray]:
+    @classmethod
+    def from_index_file(cls, root: str | Path, path: Path, key: str) -> ImageFolderDataset | None:
+        """The data set whose index another rank cached at path; None when this process cannot
+        map it there (another node's cache) or it no longer holds key."""
+        index = map_index(Path(path), key)
+        return None if index is None else cls(root, index=index)
+
+    def _load_or_build(self, in_data_root: bool) -> FolderIndex:
         dirs = _class_dirs(self.root)
-        key = _tree_key(self.root, dirs)
-        found = load_index(self.root, key)
+        found = load_index(self.root, dirs)
         if found is not None:
             self.index_source = "cache"
-            index, self.index_path = found
-            return index
+            return found
         self.index_source = "built"
-        index = build_index(self.root, key, dirs)
-        self.index_path = save_index(self.root, index)
-        return index
-
-    def ensure_cached(self, path: Path | None) -> None:
-        """Make the index that another rank found at `path` findable here too (loader workers
-        reopen the data set from its path): write it to this node's cache when `path` is not
-        there with the same key. Touches only the cache's file system."""
-        if path is not None and _cached_key(path) == str(self.index["key"]):
-            self.index_path = path
-            return
-        self.index_path = save_index(self.root, self.index)
+        index = build_index(self.root, _tree_key(self.root, dirs), dirs)
+        return save_index(self.root, index, in_data_root)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -262,52 +328,83 @@ class ImageFolderDataset:
         return len(self.classes)
 
     def file_ids(self, indices) -> np.ndarray:
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
-            raise IndexError(f"sample index out of range 0..{len(self) - 1}")
-        return idx.copy()
+        return _file_ids(indices, len(self))
 
     def reader(self, locate: Locate | None = None) -> ImageFolderReader:
         return ImageFolderReader(self, locate)
 
 
-def _split(joined: np.ndarray) -> list[str]:
-    """The names of an index field: UTF-8 text, one name a line (names hold no newline)."""
-    return bytes(joined).decode().split("\n")
+class FolderListing:
+    """What staging needs of an image folder, without opening an image: the names, labels and
+    byte sizes (one stat per file, INDEX_THREADS at a time), in the index's order, so plans are
+    the training run's. A stage-only run uses it: heights and widths, which only the loader
+    needs, cost an open and a header read per file on the PFS, as much as the copy."""
+
+    kind = "folder"
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = self.source = Path(root)
+        relpaths, labels, self.classes = scan_folder(self.root)
+        with ThreadPoolExecutor(INDEX_THREADS) as pool:
+            sizes = list(pool.map(_size, (self.root / r for r in relpaths), chunksize=256))
+        self.files = FileTable.from_entries(relpaths, sizes)
+        self.labels = np.asarray(labels, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def file_ids(self, indices) -> np.ndarray:
+        return _file_ids(indices, len(self))
 
 
-def _consistent(z) -> bool:
-    """True when an index holds as many paths as labels, sizes and image shapes (else rebuild)."""
-    n = int(np.count_nonzero(z["paths"] == ord("\n"))) + 1
-    return all(len(z[k]) == n for k in ("labels", "sizes", "heights", "widths"))
+def _size(path: Path) -> int:
+    """Bytes of path (0 when it cannot be stat-ed: the stager reports the file)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
-def _cached_key(path: Path) -> str | None:
+def _file_ids(indices, n: int) -> np.ndarray:
+    """File id of each sample index: an image folder holds one sample per file."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"sample index out of range 0..{n - 1}")
+    return idx.copy()
+
+
+def _consistent(columns: dict[str, np.ndarray]) -> bool:
+    """True when an index holds one name per label, size and image shape, each name ending
+    where the next one starts (else it is rebuilt)."""
+    try:
+        names, starts = columns["names"], columns["starts"]
+        n = len(starts) - 1
+        if n < 1 or starts[0] != 0 or starts[-1] != len(names) + 1:
+            return False
+        if not all(len(columns[k]) == n for k in ("labels", "sizes", "heights", "widths")):
+            return False
+        return names_end_at_newlines(names, starts)
+    except (KeyError, IndexError):
+        return False
+
+
+def _load_npz(path: Path, npz_key: str, key: str) -> FolderIndex | None:
+    """An index of format 2 (.npz, in the data root) holding npz_key, as columns with key;
+    None when there is none or it does not fit."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            return str(z["key"])
+            if str(z["key"]) != npz_key:
+                return None
+            arrays = {k: z[k] for k in z.files}
+        relpaths = bytes(arrays["paths"]).decode().split("\n")
     except (OSError, KeyError, ValueError):
         return None
-
-
-def _write_atomically(path: Path, arrays: dict) -> bool:
-    """Write path through a temporary file and a rename. False on any OSError, leaving nothing:
-    on a read-only file system even the clean-up fails, and that is not an error either."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # nothing was created (EROFS, EACCES): nothing to remove
-        return False
+    fields = ("labels", "sizes", "heights", "widths")
+    if not all(len(arrays[k]) == len(relpaths) for k in fields):
+        return None
+    classes = bytes(arrays["classes"]).decode().split("\n")
+    per_file = [arrays[k] for k in fields]
+    return _folder_index(key, classes, relpaths, *per_file, bool(arrays["grey"]))
 
 
 class ImageFolderReader(SourceReader):

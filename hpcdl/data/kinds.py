@@ -10,11 +10,25 @@ from pathlib import Path
 
 from hpcdl.data.dataset import DataError
 from hpcdl.data.hdf5 import HDF5_SUFFIXES, HDF5Dataset
-from hpcdl.data.imagefolder import ImageFolderDataset
+from hpcdl.data.imagefolder import FolderListing, ImageFolderDataset
 
 
-def open_dataset(path: str | Path):
-    """Open an HDF5 file, a directory of HDF5 shards, or an image folder root/<class>/<file>."""
+def open_dataset(path: str | Path, index_in_data_root: bool = False):
+    """Open an HDF5 file, a directory of HDF5 shards, or an image folder root/<class>/<file>
+    (whose index is cached in the folder itself only with index_in_data_root)."""
+    if kind_of(path) == "hdf5":
+        return HDF5Dataset(path)
+    return ImageFolderDataset(path, index_in_data_root)
+
+
+def open_listing(path: str | Path):
+    """What a stage-only run needs of a data set: its files, sizes and samples. For an image
+    folder that is a FolderListing (no image is opened); an HDF5 set is opened as usual."""
+    return HDF5Dataset(path) if kind_of(path) == "hdf5" else FolderListing(path)
+
+
+def kind_of(path: str | Path) -> str:
+    """ "hdf5" or "folder": what path holds; DataError when it is neither."""
     p = Path(path)
     if not p.exists():
         raise DataError(
@@ -22,10 +36,10 @@ def open_dataset(path: str | Path):
             "shards, or an image folder root/<class>/<file>)"
         )
     if p.is_file():
-        return HDF5Dataset(p)
+        return "hdf5"
     entries = list(p.iterdir())
     if any(e.is_file() and e.suffix.lower() in HDF5_SUFFIXES for e in entries):
-        return HDF5Dataset(p)
+        return "hdf5"
     if any(e.is_dir() and not e.name.startswith(".") for e in entries):
         subdirs = {e.name for e in entries if e.is_dir()}
         if {"train", "val"} <= subdirs and _has_shards(p / "train"):
@@ -33,7 +47,7 @@ def open_dataset(path: str | Path):
                 f"{p} holds train/ and val/ shard directories, not samples; "
                 f"use --data {p / 'train'} --val-data {p / 'val'}"
             )
-        return ImageFolderDataset(p)
+        return "folder"
     raise DataError(
         f"{p}: directory holds no HDF5 shards (*.h5, *.hdf5) and no class subdirectories"
     )

@@ -3,10 +3,10 @@
 See docs/staging.md for the file formats and behaviour.
 """
 
+from hpcdl.data.dataset import FileEntry, FileTable
 from hpcdl.data.pfs import PfsEmulation, open_source
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary, stager_version
 from hpcdl.staging.plan import (
-    FileEntry,
     FileTreeDataset,
     NodePlan,
     PlanError,
@@ -24,6 +24,7 @@ from hpcdl.staging.session import (
 
 __all__ = [
     "FileEntry",
+    "FileTable",
     "FileTreeDataset",
     "Locator",
     "NodePlan",

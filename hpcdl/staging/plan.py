@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.data.dataset import FileEntry, has_control_character, is_plain_relpath
+from hpcdl.data.dataset import FileTable, has_control_character, is_plain_relpath
 from hpcdl.data.sampler import SamplerSpec
 
 PLAN_VERSION = 1
@@ -282,16 +282,17 @@ class FileTreeDataset:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"data directory {self.root} does not exist")
-        files = []
+        relpaths, sizes = [], []
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames.sort()
             for name in sorted(filenames):
                 full = Path(dirpath) / name
                 if full.is_file() and not full.is_symlink():
-                    files.append(FileEntry(str(full.relative_to(self.root)), full.stat().st_size))
-        if not files:
+                    relpaths.append(str(full.relative_to(self.root)))
+                    sizes.append(full.stat().st_size)
+        if not relpaths:
             raise ValueError(f"data directory {self.root} holds no files")
-        self.files = files
+        self.files = FileTable.from_entries(relpaths, sizes)  # as every data set's
 
     def __len__(self) -> int:
         return len(self.files)

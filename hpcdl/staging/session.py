@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
+from hpcdl.config import STAGE_THREADS
+from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.ownership import (
@@ -101,7 +103,7 @@ class StageOptions:
     """
 
     stage_dir: str | Path
-    threads: int = 8
+    threads: int = STAGE_THREADS
     capacity: str | int | None = None
     keep: bool = False
     verify: bool = False
@@ -120,17 +122,14 @@ class Locator:
         local_root: Path,
         meta: Path,
         root: Path,
-        relpaths: list[str],
+        files: FileTable,
         local_rank: int,
         ranks: int,
     ):
         self.local_root = str(local_root)
         self.meta = str(meta)
         self.root = str(root)
-        self._names = "\n".join(relpaths).encode()
-        ends = np.cumsum([len(r.encode()) + 1 for r in relpaths], dtype=np.int64)
-        self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-        self._ends = ends - 1
+        self._files = files  # a mapped index pickles as its path: workers share its pages
         self.local_rank = local_rank
         self.ranks = ranks
         self.layout = status_layout()  # pickled along: workers need not ask the binary
@@ -143,7 +142,7 @@ class Locator:
         return state
 
     def relpath(self, file_id: int) -> str:
-        return self._names[self._starts[file_id] : self._ends[file_id]].decode()
+        return self._files.relpath(file_id)
 
     def __call__(self, file_id: int) -> Path:
         if self._status is None:
@@ -268,7 +267,7 @@ class StagingSession:
             self.local_root,
             self.meta,
             Path(self.dataset.root),
-            [f.relpath for f in self.dataset.files],
+            self.dataset.files,
             self.local_rank,
             self.local_size,
         )
