@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_staging_helpers import ShardDataset, make_tree
 
+from hpcdl.config import STAGE_THREADS
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec, rank_layout
 from hpcdl.stage import main as stage_main
 from hpcdl.staging.plan import (
@@ -101,7 +102,7 @@ def reference_rows(ds, spec, batch, epochs, layout, capacity):
     for node, ranks in enumerate(layout):
         first = reference_plan(ds, spec, batch, (0, 1), ranks, node)
         run = reference_plan(ds, spec, batch, (0, epochs), ranks, node)
-        seconds = first.files * 1.0 / 1000 / 8 + first.bytes / 1e6 / 1000.0
+        seconds = first.files * 1.0 / 1000 / STAGE_THREADS + first.bytes / 1e6 / 1000.0
         rows.append(
             dict(
                 node=node,

@@ -167,9 +167,8 @@ def _plan_of_reads(
 
 def file_sizes(dataset: Any, file_ids: np.ndarray | None = None) -> np.ndarray:
     """int64 byte sizes of the given data set files (default: all of them)."""
-    files = dataset.files
-    ids = range(len(files)) if file_ids is None else file_ids.tolist()
-    return np.fromiter((files[i].size for i in ids), dtype=np.int64, count=len(ids))
+    sizes = np.asarray(dataset.files.sizes, dtype=np.int64)  # a FileTable's column: no loop
+    return sizes.copy() if file_ids is None else sizes[file_ids]
 
 
 @dataclass(frozen=True)
