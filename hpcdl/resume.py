@@ -9,7 +9,7 @@ from typing import Any
 
 from hpcdl import checkpoint
 from hpcdl.backend import to_device, to_host
-from hpcdl.comm.failure import agree_on_errors
+from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.run import Position, Run
@@ -21,6 +21,26 @@ def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
     if cfg.resume == "auto":
         return checkpoint.latest(cfg.checkpoint_dir)
     return Path(cfg.resume)
+
+
+class NothingToTrain(SystemExitWithMessage):
+    """The resumed checkpoint is where the run ends (the last job of a chain resumes a finished
+    run): every rank leaves start-up together, rank 0 prints the message, the exit status is 0."""
+
+
+def stop_if_finished(cfg: TrainConfig, start: Position) -> None:
+    """Raise NothingToTrain on every rank when the resumed position is the end of the run.
+
+    Before staging and loaders start: a stager asked to plan no epoch at all has nothing to do,
+    and --max-steps already reached must not train one more step."""
+    if cfg.max_steps and start.global_step >= cfg.max_steps:
+        where = f"has reached --max-steps {cfg.max_steps}"
+    elif start.epoch >= cfg.epochs:
+        where = f"is at the end of --epochs {cfg.epochs}"
+    else:
+        return
+    path = find_resume_checkpoint(cfg)
+    raise NothingToTrain(f"hpcdl.train: nothing to train: checkpoint {path} {where}")
 
 
 def restore(

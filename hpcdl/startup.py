@@ -27,7 +27,7 @@ from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsWriter, Progress
-from hpcdl.resume import restore, shapes
+from hpcdl.resume import restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 from hpcdl.step import StepParts
 
@@ -173,6 +173,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
         scaler = loss_scaler(cfg, world, stack)
         start = restore(cfg, world, model, optimizer, scaler)
+        stop_if_finished(cfg, start)  # a chain's last job: one line, exit 0 (hpcdl.train)
         if start.global_step:
             say(
                 f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "

@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     install_abort_on_exception(world.comm, world.rank)
     try:
         return train(cfg, world)
+    except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
+        if world.is_root:
+            print(exc.message, flush=True)
+        world.comm.Barrier()  # the line is out before any rank exits
+        return 0
     except SystemExitWithMessage as exc:
         return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
     except (DataError, LoaderFault) as exc:  # mid-run: one line from this rank (comm.failure)
@@ -213,12 +218,10 @@ def final_line(history: dict[str, float], images_per_s: float) -> str:
     rate = f"({images_per_s:.0f} images/s)"
     if "val_acc" in history:
         return f"hpcdl.train: final val_acc {history['val_acc']:.4f} {rate}"
-    if "acc" in history:
-        return (
-            f"hpcdl.train: final train loss {history['loss']:.4f}, "
-            f"train acc {history['acc']:.4f} {rate}"
-        )
-    return "hpcdl.train: nothing to train: the resumed checkpoint is past the last epoch"
+    return (
+        f"hpcdl.train: final train loss {history['loss']:.4f}, "
+        f"train acc {history['acc']:.4f} {rate}"
+    )
 
 
 def stop_if_loss_not_finite(world: World, loss: float, step: int, epoch: int) -> None:
