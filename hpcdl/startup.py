@@ -27,7 +27,7 @@ from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsWriter, Progress
-from hpcdl.resume import restore, shapes, stop_if_finished
+from hpcdl.resume import continue_epoch, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 from hpcdl.step import StepParts
 
@@ -179,6 +179,9 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
                 f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "
                 f"({cfg.resume})"
             )
+        cfg, start, rest, reshaped = continue_epoch(cfg, world, spec, start)  # another world
+        if reshaped:
+            say(reshaped)
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
@@ -218,6 +221,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             schedule=lr_schedule(cfg, world, steps_per_epoch),
             step_parts=parts,
             start=start,
+            rest=rest,
             loader=loader,
             val_loader=val_loader,
             staging=staging,

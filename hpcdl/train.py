@@ -82,13 +82,12 @@ def train(cfg: TrainConfig, world: World) -> int:
                 for stats in (epoch_stats, totals):
                     stats.add(result.times, result.loss, correct, len(labels))
                 step, global_step = step + 1, global_step + 1
-                if run.staging:
-                    run.staging.consumed(epoch, step)  # the stager may evict what is behind us
+                run.consumed(epoch, step)  # with staging: the stager may evict what is behind
                 run.progress.update(step, epoch_stats.loss, epoch_stats.acc)
                 if global_step % cfg.metrics_every == 0:
                     log_step(run, global_step, epoch, result, lr)
 
-                end_of_epoch = step == run.steps_per_epoch
+                end_of_epoch = step == run.steps_in(epoch)
                 stopped_by = run.stop.signal_name if run.stop.should_stop() else None
                 at_max_steps = bool(cfg.max_steps) and global_step >= cfg.max_steps
                 if (end_of_epoch or at_max_steps) and not stopped_by:

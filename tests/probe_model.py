@@ -69,3 +69,9 @@ def sample_index_h5(path: Path, num_samples: int, num_classes: int = 4) -> Path:
         f["images"] = images
         f["labels"] = rng.integers(0, num_classes, num_samples).astype(np.int64)
     return path
+
+
+def recorded_steps(directory: Path, rank: int) -> list[list[int]]:
+    """The sample indices of each training step of one rank, as the probe recorded them."""
+    path = Path(directory) / f"rank-{rank}.txt"
+    return [[int(i) for i in line.split()] for line in path.read_text().splitlines()]
