@@ -21,6 +21,7 @@ from typing import Any
 from hpcdl import backend
 from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
+from hpcdl.comm.node_watch import NodeWatch
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
@@ -166,6 +167,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
             f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
         )
+        watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
+        own(stack, watch.close, watch.abandon)
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
