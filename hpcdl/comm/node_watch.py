@@ -25,8 +25,9 @@ line then outlives mpirun's forwarding; the file is opened for appending, so a j
 added to), else to the rank's stderr. Then the watcher tells its rank, which calls MPI_Abort:
 for a node that went silent rather than dead, mpirun would otherwise wait minutes.
 
-Quiet when it should be: close() is collective (every rank stops its watcher before any
-connection closes: a normal end reports nothing), a rank that fails alone says so itself and
+Quiet when it should be: close() is collective (every rank tells its watcher QUIET, the ranks
+meet in a barrier, and only then do the watchers exit and the connections close: a normal end
+reports nothing), a rank that fails alone says so itself and
 stops its watcher, and a rank that hears of another rank's failure (hpcdl.comm.failure: a
 Python error, whose process then exits and closes its connection) stops its watcher before
 that happens. A watcher whose rank is gone waits WATCHER_LINGER_S for a connection to end,
@@ -166,11 +167,15 @@ class NodeWatch:
         self._stop_watcher()
 
     def abandon(self) -> None:
-        """This rank leaves alone (it failed and says so itself): stop watching."""
+        """This rank leaves alone (it failed and says so itself): stop watching. The watcher
+        exits when this process does (its pipe closes)."""
         self._quiet()
 
     def _stop_watcher(self) -> None:
         self._quiet()
+        if self._tell is not None:  # after QUIET, the watcher exits when this pipe closes
+            os.close(self._tell)
+            self._tell = None
         if self._watcher is not None:
             try:
                 self._watcher.wait(timeout=5)
@@ -178,9 +183,6 @@ class NodeWatch:
                 self._watcher.kill()
                 self._watcher.wait()
             self._watcher = None
-        if self._tell is not None:
-            os.close(self._tell)
-            self._tell = None
         for conn in self._sockets.values():
             conn.close()
         self._sockets = {}
@@ -222,28 +224,35 @@ def _launcher_stderr() -> int | None:
 
 def watch(spec: dict) -> int:
     """Wait until a watched connection ends or goes silent and report it, unless the rank
-    says QUIET first; give up WATCHER_LINGER_S after the rank is gone (module notes)."""
+    said QUIET first; exit when the rank closes its end of the pipe (after QUIET: at once, so
+    the connections close only once every rank is quiet), or WATCHER_LINGER_S after the rank
+    is gone without a word (module notes)."""
     watched = {int(fd): node for fd, node in spec["watched"].items()}
     poller = select.poll()
     for fd in [*watched, spec["tell"]]:
         poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
-    deadline = None  # set once the rank is gone
+    quiet, deadline = False, None  # deadline: set once the rank is gone
     while True:
         left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
         events = poller.poll(left)
         if not events:
             return 0
-        # The rank's QUIET first: at a normal end it is written before any connection closes.
+        # The rank's pipe first: QUIET is written before any connection may close.
         for fd, _ in sorted(events, key=lambda event: event[0] != spec["tell"]):
             if fd == spec["tell"]:
-                if os.read(fd, 1) == QUIET:
+                said = os.read(fd, 1)
+                if said == QUIET:
+                    quiet = True
+                    continue
+                if quiet:
                     return 0
                 poller.unregister(fd)  # the rank is gone: a lost node may still follow
                 deadline = time.monotonic() + WATCHER_LINGER_S
                 continue
-            node = watched[fd]
-            if node == 0 and not spec["report_root"]:
-                return 0  # node 1's watcher reports rank 0's node
+            node = watched.pop(fd)
+            poller.unregister(fd)
+            if quiet or (node == 0 and not spec["report_root"]):
+                continue  # node 1's watcher reports rank 0's node
             _report(spec, node, _why(fd, spec["nodes"][node][1][0]))
             with contextlib.suppress(OSError):
                 os.write(spec["told"], LOST)
