@@ -23,7 +23,9 @@ watcher of node 1's leader reports rank 0's node. The report is one line, `hpcdl
 (ranks ...) was lost: ...`, written to mpirun's own stderr when the rank is mpirun's child (the
 line then outlives mpirun's forwarding; the file is opened for appending, so a job log is only
 added to), else to the rank's stderr. Then the watcher tells its rank, which calls MPI_Abort:
-for a node that went silent rather than dead, mpirun would otherwise wait minutes.
+for a node that went silent rather than dead, mpirun would otherwise wait minutes. It still
+waits, for the silent node's daemon, so the watcher of a rank that is mpirun's child ends
+mpirun (SIGTERM, then SIGKILL) if it has not exited LAUNCHER_GRACE_S later.
 
 Quiet when it should be: close() is collective (every rank tells its watcher QUIET, the ranks
 meet in a barrier, and only then do the watchers exit and the connections close: a normal end
@@ -40,6 +42,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -54,6 +57,7 @@ from hpcdl.comm import failure
 KEEPALIVE_S = (5, 2, 3)  # idle seconds, seconds between probes, probes: silent after ~11 s
 CONNECT_S = 30.0  # how long start-up waits for every node's connection
 WATCHER_LINGER_S = 2.0  # a watcher whose rank is gone waits this long for a lost node
+LAUNCHER_GRACE_S = (10.0, 5.0)  # after a report: mpirun's own exit, then after its SIGTERM
 QUIET, LOST = b"q", b"L"  # rank -> watcher: stop without a report; watcher -> rank: abort
 EXIT_NODE_LOST = 5
 LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # /proc/PID/comm of mpirun itself
@@ -116,6 +120,7 @@ class NodeWatch:
         tell_r, self._tell = os.pipe()
         told_r, told_w = os.pipe()
         console = _launcher_stderr()
+        launcher = os.getppid() if console is not None else None
         watched = {conn.fileno(): node for node, conn in self._sockets.items()}
         spec = {
             "nodes": self.nodes,
@@ -124,6 +129,7 @@ class NodeWatch:
             "tell": tell_r,
             "told": told_w,
             "console": console if console is not None else 2,
+            "launcher": launcher,
         }
         fds = [*watched, tell_r, told_w, *([console] if console is not None else [])]
         try:
@@ -211,8 +217,7 @@ def _launcher_stderr() -> int | None:
     """mpirun's own stderr when this rank is its child, opened for appending; else None."""
     parent = os.getppid()
     try:
-        name = Path(f"/proc/{parent}/comm").read_text().strip()
-        if not name.startswith(LAUNCHERS):
+        if not _is_launcher(parent):
             return None
         return os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except OSError:
@@ -256,7 +261,32 @@ def watch(spec: dict) -> int:
             _report(spec, node, _why(fd, spec["nodes"][node][1][0]))
             with contextlib.suppress(OSError):
                 os.write(spec["told"], LOST)
+            if spec["launcher"]:
+                _end_launcher(int(spec["launcher"]))
             return 0
+
+
+def _end_launcher(pid: int) -> None:
+    """After MPI_Abort, mpirun still waits for a silent node's daemon (its TCP keepalive,
+    minutes): past LAUNCHER_GRACE_S, SIGTERM, then SIGKILL, so the job ends and a batch
+    script goes on to its last lines. Only while pid is still a launcher (not a reused pid)."""
+    for sig, grace in zip((signal.SIGTERM, signal.SIGKILL), LAUNCHER_GRACE_S, strict=True):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if not _is_launcher(pid):
+                return
+            time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def _is_launcher(pid: int) -> bool:
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return name.startswith(LAUNCHERS) and state != "Z"
 
 
 def _why(fd: int, leader: int) -> str:
