@@ -52,6 +52,9 @@ class Checkpoint:
     config: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     loss_scale: dict[str, Any] | None = None  # --precision fp16: LossScaler.state_dict()
+    # How the epoch in progress was being read (hpcdl.data.epoch_order.EpochOrder.to_json);
+    # None in checkpoints written before it was recorded.
+    epoch_order: dict[str, Any] | None = None
 
 
 def checkpoint_name(epoch: int, global_step: int) -> str:
@@ -99,6 +102,8 @@ def _write_atomically(directory: Path, final: Path, ckpt: Checkpoint) -> None:
             f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True)
             if ckpt.loss_scale is not None:
                 f.attrs["loss_scale"] = json.dumps(ckpt.loss_scale)
+            if ckpt.epoch_order is not None:
+                f.attrs["epoch_order"] = json.dumps(ckpt.epoch_order)
             f.create_dataset("params", data=ckpt.params)
             f.create_dataset("buffers", data=ckpt.buffers)
             opt = f.create_group("optimizer")
@@ -166,6 +171,9 @@ def _read(f: h5py.File, path: Path) -> Checkpoint:
         config=_attr(f, path, "config", _parse_dict),
         world_size=_attr(f, path, "world_size", _count),
         loss_scale=_attr(f, path, "loss_scale", _parse_dict) if "loss_scale" in f.attrs else None,
+        epoch_order=_attr(f, path, "epoch_order", _parse_dict)
+        if "epoch_order" in f.attrs
+        else None,
     )
     if len(ckpt.rng_states) != ckpt.world_size:
         raise CheckpointError(
@@ -184,6 +192,10 @@ def _attr(f: h5py.File, path: Path, key: str, parse: Callable[[Any], Any]) -> An
         raise CheckpointError(
             f"checkpoint {path} has an unreadable '{key}' attribute ({exc}); {DAMAGED}"
         ) from None
+
+
+def _optional_dict(f: h5py.File, path: Path, key: str) -> dict[str, Any] | None:
+    return _attr(f, path, key, _parse_dict) if key in f.attrs else None
 
 
 def _count(value: Any) -> int:

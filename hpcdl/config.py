@@ -164,7 +164,9 @@ _HELP = {
     "checkpoint_dir": "directory for HDF5 checkpoints, written at every epoch end "
     "(default: none, no checkpoints)",
     "checkpoint_every": "also checkpoint every N steps (0: only at epoch ends)",
-    "resume": "none, auto (latest checkpoint in --checkpoint-dir if any) or a checkpoint path",
+    "resume": "none, auto (latest checkpoint in --checkpoint-dir if any) or a checkpoint path; "
+    "with another number of ranks the global batch is kept and the interrupted epoch finished "
+    "with each remaining sample once; a finished run says 'nothing to train' and exits 0",
     "metrics": "write JSON lines (step, epoch, summary events) to this path (default: none)",
     "metrics_every": "write a step record to --metrics every N steps",
     "quiet": "print only the final result line: no start-up lines, no progress (overrides "

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hpcdl import checkpoint
 from hpcdl.backend import to_device, to_host
-from hpcdl.comm.failure import agree_on_errors
+from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
-from hpcdl.run import Position, Run
+from hpcdl.data.epoch_order import EpochOrder, rest_of_epoch, rest_size, resume_batch
+from hpcdl.data.sampler import SamplerSpec
+from hpcdl.run import Position, RestOfEpoch, Run
 
 
 def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
@@ -21,6 +24,26 @@ def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
     if cfg.resume == "auto":
         return checkpoint.latest(cfg.checkpoint_dir)
     return Path(cfg.resume)
+
+
+class NothingToTrain(SystemExitWithMessage):
+    """The resumed checkpoint is where the run ends (the last job of a chain resumes a finished
+    run): every rank leaves start-up together, rank 0 prints the message, the exit status is 0."""
+
+
+def stop_if_finished(cfg: TrainConfig, start: Position) -> None:
+    """Raise NothingToTrain on every rank when the resumed position is the end of the run.
+
+    Before staging and loaders start: a stager asked to plan no epoch at all has nothing to do,
+    and --max-steps already reached must not train one more step."""
+    if cfg.max_steps and start.global_step >= cfg.max_steps:
+        where = f"has reached --max-steps {cfg.max_steps}"
+    elif start.epoch >= cfg.epochs:
+        where = f"is at the end of --epochs {cfg.epochs}"
+    else:
+        return
+    path = find_resume_checkpoint(cfg)
+    raise NothingToTrain(f"hpcdl.train: nothing to train: checkpoint {path} {where}")
 
 
 def restore(
@@ -40,6 +63,7 @@ def restore(
                 ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
             )
             _load_state(ckpt, path, cfg, world, model, optimizer)
+            order = _epoch_order(ckpt, path, world)
             if scaler is not None and ckpt.loss_scale is not None:
                 _load_loss_scale(scaler, ckpt, path)
         except checkpoint.CheckpointError as exc:
@@ -47,7 +71,64 @@ def restore(
     agree_on_errors(world.comm, world.rank, error)
     if ckpt is None:
         return Position()
-    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step)
+    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step, order)
+
+
+def _epoch_order(ckpt: checkpoint.Checkpoint, path: Path, world: World) -> EpochOrder:
+    """How the checkpoint's epoch was being read; CheckpointError if that is unreadable."""
+    if ckpt.epoch_order is not None:
+        try:
+            return EpochOrder.from_json(ckpt.epoch_order)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} has an unreadable epoch order ({exc!r}); {checkpoint.DAMAGED}"
+            ) from None
+    # Written before orders were recorded: its job read one DistributedSampler per rank, placed
+    # as here when the world size is the same (the placement was not recorded).
+    batch = int(ckpt.config.get("batch_size", 1))
+    layout = world.ranks_by_node if ckpt.world_size == world.size else ()
+    done = ckpt.step_in_epoch * ckpt.world_size * batch
+    return EpochOrder(ckpt.world_size, batch, layout, done)
+
+
+def continue_epoch(
+    cfg: TrainConfig, world: World, spec: SamplerSpec, start: Position
+) -> tuple[TrainConfig, Position, RestOfEpoch | None, str | None]:
+    """How a resumed run goes on with this job's world size: (configuration, start position,
+    the rest of the checkpoint's epoch to read first or None, a line to say or None).
+
+    Another world size keeps the checkpoint's global batch (per-rank batch = global / ranks,
+    or the largest below, hpcdl.data.epoch_order.resume_batch) and the learning rate; a
+    checkpoint taken mid-epoch by another world size or batch finishes that epoch with every
+    sample it had not read exactly once (NOTE [the rest of an epoch])."""
+    order = start.order
+    if order is None:
+        return cfg, start, None, None
+    batch = cfg.batch_size
+    if order.world_size != world.size:
+        batch = resume_batch(order.global_batch, world.size)
+        cfg = replace(cfg, batch_size=batch, base_batch=cfg.base_batch or cfg.batch_size)
+    same_layout = cfg.shuffle != "node" or order.ranks_by_node == world.ranks_by_node
+    if (order.world_size, order.batch_size) == (world.size, batch) and same_layout:
+        return cfg, start, None, None
+    was = f"{order.world_size} ranks x {order.batch_size} (global batch {order.global_batch})"
+    now = f"{world.size} ranks x {batch} (global batch {world.size * batch})"
+    line = f"hpcdl: the checkpoint was written by {was}; this job trains on {now}"
+    if order.global_batch % world.size and order.world_size != world.size:
+        line += f": {order.global_batch} is not a multiple of {world.size} ranks, lr unchanged"
+    if not order.samples_done:
+        return cfg, start, None, line
+    rest = RestOfEpoch(
+        start.epoch,
+        rest_of_epoch(spec, order, start.epoch, world.rank, world.size, batch),
+        order,
+    )
+    left = rest_size(spec.num_samples, order)
+    skipped = left - len(rest.batches) * world.size * batch
+    line += f"; the {left} samples left of epoch {start.epoch + 1} are read once each"
+    if skipped:
+        line += f" but the last {skipped} (less than one global batch), which are skipped"
+    return cfg, replace(start, step_in_epoch=0), rest, line
 
 
 def _load_state(
@@ -118,6 +199,7 @@ def save(run: Run, at: Position) -> Path | None:
             config=json.loads(cfg.to_json()),
             world_size=world.size,
             loss_scale=run.step_parts.scaler.state_dict() if run.step_parts.scaler else None,
+            epoch_order=run.epoch_order(at).to_json(),
         )
         path = checkpoint.save(cfg.checkpoint_dir, ckpt)
     return world.comm.bcast(path, root=0)

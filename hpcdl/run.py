@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.device import on_device
+from hpcdl.data.epoch_order import EpochOrder
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.metrics import MetricsWriter, Progress
 from hpcdl.nn.schedule import LrSchedule
@@ -51,11 +54,23 @@ def own(stack: ExitStack, close: Callable[[], None], abandon: Callable[[], None]
 
 @dataclass(frozen=True)
 class Position:
-    """Where training continues: epoch and step in it (0-based), and the global step."""
+    """Where training continues: epoch and step in it (0-based), and the global step; order:
+    how a resumed checkpoint's epoch was being read (None when starting afresh)."""
 
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
+    order: EpochOrder | None = None
+
+
+@dataclass(frozen=True)
+class RestOfEpoch:
+    """The end of an epoch another world size or batch began (NOTE [the rest of an epoch] in
+    hpcdl/data/epoch_order.py): this rank's batches, and the order the epoch was read in."""
+
+    epoch: int
+    batches: list[np.ndarray]
+    order: EpochOrder  # samples_done: what the checkpoint had read when this job started
 
 
 @dataclass
@@ -75,6 +90,7 @@ class Run:
     schedule: LrSchedule
     step_parts: StepParts  # what hpcdl.step.train_step works on (model, optimizer, reducer)
     start: Position  # from --resume, else the beginning
+    rest: RestOfEpoch | None  # finishing an epoch another world size began, else None
     loader: Any  # hpcdl.data.Loader of the training data
     val_loader: Any | None
     staging: Any | None  # hpcdl.staging.StagingSession with --stage-dir
@@ -91,10 +107,35 @@ class Run:
     def global_batch(self) -> int:
         return self.cfg.batch_size * self.world.size
 
+    def resharded(self, epoch: int) -> bool:
+        """This job reads epoch as the rest of one another world size began."""
+        return self.rest is not None and epoch == self.rest.epoch
+
+    def steps_in(self, epoch: int) -> int:
+        return len(self.rest.batches) if self.resharded(epoch) else self.steps_per_epoch
+
+    def epoch_order(self, at: Position) -> EpochOrder:
+        """How the epoch of a checkpoint that continues at `at` is read, and how far."""
+        done = at.step_in_epoch * self.global_batch
+        if self.resharded(at.epoch):
+            return replace(self.rest.order, samples_done=self.rest.order.samples_done + done)
+        return EpochOrder(self.world.size, self.cfg.batch_size, self.world.ranks_by_node, done)
+
+    def consumed(self, epoch: int, step: int) -> None:
+        """Tell the stager that step is done: it may evict what is behind. Not in a resharded
+        epoch, whose order the stager's plan (this job's sampler) does not know."""
+        if self.staging and not self.resharded(epoch):
+            self.staging.consumed(epoch, step)
+
     def batches(self, epoch: int, first: int = 0) -> Iterator[tuple[Any, Any]]:
         """This rank's training batches of epoch from step `first`, on the device:
         images (B, C, H, W) float32, labels (B,) int64, valid until the next one."""
-        order = self.sampler.batches(epoch, self.cfg.batch_size)[first:]
+        every = (
+            self.rest.batches
+            if self.resharded(epoch)
+            else self.sampler.batches(epoch, self.cfg.batch_size)
+        )
+        order = every[first:]
         # a stop signal while waiting on a stalled worker: the loader builds the batch itself
         host = self.loader.iterate(order, epoch, train=True, stop_requested=self.stop.requested)
         return on_device(host, self.xp)

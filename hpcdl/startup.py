@@ -21,13 +21,14 @@ from typing import Any
 from hpcdl import backend, messages
 from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
+from hpcdl.comm.node_watch import NodeWatch
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
-from hpcdl.resume import find_resume_checkpoint, restore, shapes
+from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 from hpcdl.step import StepParts
 
@@ -204,6 +205,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
             f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
         )
+        watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
+        own(stack, watch.close, watch.abandon)
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
@@ -211,11 +214,15 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
         scaler = loss_scaler(cfg, world, stack)
         start = restore(cfg, world, model, optimizer, scaler)
+        stop_if_finished(cfg, start)  # a chain's last job: one line, exit 0 (hpcdl.train)
         if start.global_step:
             say(
                 f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "
                 f"({cfg.resume})"
             )
+        cfg, start, rest, reshaped = continue_epoch(cfg, world, spec, start)  # another world
+        if reshaped:
+            say(reshaped)
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
@@ -257,6 +264,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             schedule=lr_schedule(cfg, world, steps_per_epoch),
             step_parts=parts,
             start=start,
+            rest=rest,
             loader=loader,
             val_loader=val_loader,
             staging=staging,

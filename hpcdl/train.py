@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     install_abort_on_exception(world.comm, world.rank)
     try:
         return train(cfg, world)
+    except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
+        if world.is_root:
+            print(exc.message, flush=True)
+        world.comm.Barrier()  # the line is out before any rank exits
+        return 0
     except SystemExitWithMessage as exc:
         return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
     except (DataError, LoaderFault) as exc:  # mid-run: one line from this rank (comm.failure)
@@ -77,13 +82,12 @@ def train(cfg: TrainConfig, world: World) -> int:
                 for stats in (epoch_stats, totals):
                     stats.add(result.times, result.loss, correct, len(labels))
                 step, global_step = step + 1, global_step + 1
-                if run.staging:
-                    run.staging.consumed(epoch, step)  # the stager may evict what is behind us
+                run.consumed(epoch, step)  # with staging: the stager may evict what is behind
                 run.progress.update(step, epoch_stats.loss, epoch_stats.acc)
                 if global_step % cfg.metrics_every == 0:
                     log_step(run, global_step, epoch, result, lr)
 
-                end_of_epoch = step == run.steps_per_epoch
+                end_of_epoch = step == run.steps_in(epoch)
                 stopped_by = run.stop.signal_name if run.stop.should_stop() else None
                 at_max_steps = bool(cfg.max_steps) and global_step >= cfg.max_steps
                 if (end_of_epoch or at_max_steps) and not stopped_by:
@@ -213,12 +217,10 @@ def final_line(history: dict[str, float], images_per_s: float) -> str:
     rate = f"({images_per_s:.0f} images/s)"
     if "val_acc" in history:
         return f"hpcdl.train: final val_acc {history['val_acc']:.4f} {rate}"
-    if "acc" in history:
-        return (
-            f"hpcdl.train: final train loss {history['loss']:.4f}, "
-            f"train acc {history['acc']:.4f} {rate}"
-        )
-    return "hpcdl.train: nothing to train: the resumed checkpoint is past the last epoch"
+    return (
+        f"hpcdl.train: final train loss {history['loss']:.4f}, "
+        f"train acc {history['acc']:.4f} {rate}"
+    )
 
 
 def stop_if_loss_not_finite(world: World, loss: float, step: int, epoch: int) -> None:

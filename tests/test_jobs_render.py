@@ -329,3 +329,35 @@ def test_cli_lists_bundled_sites():
     for name in ("generic", "perlmutter", "frontier", "abci"):
         assert name in r.stdout
     assert "untested" in r.stdout and "CI:" in r.stdout
+
+
+def test_chain_submits_the_same_job_script_n_times_each_after_the_last(config):
+    job, _ = render(spec(config))
+    chain, warnings = render(spec(config, chain=3))
+    assert warnings == []
+    bash_n(chain)
+    heredoc = re.search(r"<<'HPCDL_CHAIN_JOB'\n(.*)\nHPCDL_CHAIN_JOB\n", chain, re.S)
+    assert heredoc and heredoc.group(1) == job.rstrip("\n")  # one job script, verbatim
+    assert RESUME.search(job) and "#SBATCH --signal=B:USR1@120" in job
+    assert "for k in $(seq 1 3)" in chain
+    assert '${previous:+"--dependency=afterany:$previous"}' in chain
+    assert render(spec(config, chain=1))[0] == job  # --chain 1: the job script itself
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"chain": 0}, "--chain must be >= 1"),
+        ({"chain": 2, "requeue": True}, "--chain and --requeue"),
+        ({"chain": 2, "kind": "stage", "stage_key": "k"}, "--chain is for training jobs"),
+    ],
+)
+def test_chain_errors_name_the_flag(config, overrides, match):
+    with pytest.raises(JobSpecError, match=match):
+        render(spec(config, **overrides))
+
+
+def test_chain_needs_a_checkpoint_directory(tmp_path):
+    config = write_config(tmp_path / "job.toml", data=str(tmp_path / "data"))
+    with pytest.raises(JobSpecError, match="--chain needs a checkpoint directory"):
+        render(spec(config, chain=2))

@@ -16,7 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_train
 from slurm_cluster import INSTALL_HINT, SlurmCluster, SlurmError, missing_binaries
+
+from hpcdl import checkpoint
 
 pytestmark = pytest.mark.slurm
 
@@ -63,7 +66,8 @@ def write_config(path: Path, digits: Path, **values) -> Path:
 
 
 def render(tmp_path: Path, kind: str, config: Path, *args: str, name: str = "") -> Path:
-    """`python -m hpcdl.jobs render` for the generic site into tmp_path/<name>.sbatch."""
+    """`python -m hpcdl.jobs render` for the generic site into tmp_path/<name>.sbatch;
+    args after the defaults (a later --time wins)."""
     name = name or f"hpcdl-{kind}"
     cmd = [
         sys.executable,
@@ -221,3 +225,50 @@ def test_stage_job_then_dependent_train_job(slurm: SlurmCluster, digits_dir, tmp
     assert f"stage dir {tmp_path / 'node-local'}/hpcdl-chain" in log_of(train_info)
     result = summary(tmp_path / "metrics.jsonl")
     assert result["world_size"] == 2 and result["staging"] is not None
+
+
+def test_a_chain_of_three_jobs_resumes_until_done_and_ends_as_one_run_would(
+    slurm: SlurmCluster, digits_dir, tmp_path
+):
+    ckpt = tmp_path / "ckpt"
+    config = write_config(
+        tmp_path / "chain.toml",
+        digits_dir,
+        model=f"{Path(__file__).parent / 'probe_model.py'}:probe_mlp",
+        epochs=2,
+        checkpoint_dir=str(ckpt),
+    )
+    # The shortest limit Slurm has (1 minute), the signal 5 s before it. Slurm checks limits
+    # every 30 s and sends the signal up to 30 s early, so the first job (2 s a step: 88 s of
+    # training) is always cut by it; the probe slows only a job that found no checkpoint.
+    render(tmp_path, "train", config, "--time", "00:01:00", "--signal-seconds", "5",
+           "--chain", "3", name="chain")  # fmt: skip
+    env = {**slurm.env, "HPCDL_STAGE_DIR": str(tmp_path / "node-local")}
+    env["HPCDL_PROBE_SLOW"] = f"2:{ckpt}"
+    submitted = subprocess.run(["bash", str(tmp_path / "chain.sbatch")], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    jobs = [int(line.rsplit(": ", 1)[1]) for line in submitted.stdout.splitlines()]
+    assert len(jobs) == 3, submitted.stdout
+    assert slurm.job(jobs[2])["Dependency"] == f"afterany:{jobs[1]}(unfulfilled)"
+
+    reference = tmp_path / "reference"  # one uninterrupted run, meanwhile
+    proc = run_train(2, "--config", config, "--checkpoint-dir", reference, "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    first = slurm.wait_done(jobs[0], JOB_TIMEOUT)
+    assert_state(first, "FAILED", "3:0")  # stopped by the signal, before the limit's kill
+    log = log_of(first)
+    assert "batch shell got SIGUSR1" in log and "stopped by signal SIGUSR1, checkpoint at" in log
+    second = slurm.wait_done(jobs[1], JOB_TIMEOUT)
+    assert_state(second, "COMPLETED", "0:0")
+    assert "hpcdl: resumed at epoch" in log_of(second) and "hpcdl.train: final" in log_of(second)
+    third = slurm.wait_done(jobs[2], JOB_TIMEOUT)
+    assert_state(third, "COMPLETED", "0:0")
+    assert "hpcdl.train: nothing to train: checkpoint" in log_of(third)
+    assert third["StartTime"] >= second["EndTime"] >= second["StartTime"] >= first["EndTime"]
+
+    done = checkpoint.load(checkpoint.latest(ckpt))
+    expected = checkpoint.load(checkpoint.latest(reference))
+    assert done.global_step == expected.global_step
+    assert done.params.tobytes() == expected.params.tobytes()

@@ -71,6 +71,20 @@ LINGER_S = 60.0  # how long a rank that stood down waits for that MPI_Abort befo
 FORWARD_S = 0.2  # for mpirun to forward the message before it prints its MPI_Abort report
 
 _STAND_DOWN_CLEANUPS: list[Callable[[], None]] = []  # see cleanup_on_stand_down
+_HEARD_CALLBACKS: list[Callable[[], None]] = []  # see on_failure_heard
+
+
+def on_failure_heard(callback: Callable[[], None]) -> None:
+    """Run callback (no MPI, quick) once this rank fails or hears that another rank failed:
+    that rank explains the failure, so a process that ends next is no news
+    (hpcdl.comm.node_watch then stays quiet)."""
+    _HEARD_CALLBACKS.append(callback)
+
+
+def _failure_heard() -> None:
+    while _HEARD_CALLBACKS:
+        with contextlib.suppress(Exception):
+            _HEARD_CALLBACKS.pop()()
 
 
 @contextlib.contextmanager
@@ -142,6 +156,7 @@ class FailureNotice:
     def report_or_stand_down(self, status: int) -> None:
         """Called as this rank fails. Returns once the others have said their line (this rank
         reports); never returns when another rank failed first or is lower (it reports)."""
+        _failure_heard()
         try:
             with self._lock:
                 self._receive()
@@ -172,6 +187,7 @@ class FailureNotice:
         """Take in the notices that have arrived (lock held)."""
         while not self._closed and self._request.Test():
             failed, status = int(self._inbox[0]), int(self._inbox[1])
+            _failure_heard()
             if self.culprit is None or failed < self.culprit[0]:
                 self.culprit = (failed, status)
             self._request = self._post()

@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="#SBATCH --requeue, and requeue the job itself after a checkpoint-on-signal stop",
     )
+    r.add_argument(
+        "--chain",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train: print a bash script that submits N identical jobs, each starting when the "
+        "one before ended (sbatch --dependency=afterany), all resuming with --resume auto: a "
+        "training longer than the time limit (needs a checkpoint directory) (default: 1, the "
+        "job script itself)",
+    )
 
     sub.add_parser(
         "sites",
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             stage=args.stage,
             stage_key=args.stage_key,
             requeue=args.requeue,
+            chain=args.chain,
             extra_args=extra,
         )
         script, warnings = render(spec)

@@ -46,6 +46,7 @@ class JobSpec:
     stage: bool = True  # pass a node-local --stage-dir to the trainer
     stage_key: str = ""  # stage subdirectory key; "" = the job id (stage jobs need one)
     requeue: bool = False  # #SBATCH --requeue, and requeue itself after a signal stop
+    chain: int = 1  # > 1: a script that submits this many identical jobs, each after the last
     extra_args: list[str] = field(default_factory=list)  # appended to the hpcdl command
 
 
@@ -353,19 +354,55 @@ def _default_launcher(site: Site, python: str) -> str:
     return name
 
 
-def template_text(kind: str) -> str:
-    return resources.files("hpcdl.jobs").joinpath("templates", f"{kind}.sbatch").read_text()
+def template_text(name: str) -> str:
+    """A bundled template by file name (train.sbatch, stage.sbatch, chain.sh)."""
+    return resources.files("hpcdl.jobs").joinpath("templates", name).read_text()
 
 
 def render(spec: JobSpec) -> tuple[str, list[str]]:
-    """The sbatch script for `spec`, and warnings for the user (stderr)."""
+    """The sbatch script for `spec` (with chain > 1: the script that submits the chain), and
+    warnings for the user (stderr)."""
     resolved = _resolve(spec)
-    text = template_text(spec.kind)
+    script = _fill(f"{spec.kind}.sbatch", resolved.values)
+    if spec.chain == 1:
+        return script, resolved.warnings
+    return _render_chain(spec, script, resolved.values), resolved.warnings
+
+
+def _render_chain(spec: JobSpec, script: str, values: dict[str, str]) -> str:
+    """A bash script that submits `script` spec.chain times, each job after the one before
+    (--dependency=afterany): a training too long for one job's time limit (docs/slurm.md)."""
+    _positive("--chain", spec.chain)
+    if spec.kind != "train":
+        raise JobSpecError("--chain is for training jobs (render train)")
+    if spec.requeue:
+        raise JobSpecError(
+            "--chain and --requeue both start the training again after a time-limit stop; "
+            "use one of them"
+        )
+    if values["checkpoint_dir"] == "''":
+        raise JobSpecError(
+            "--chain needs a checkpoint directory (the config's checkpoint_dir or "
+            "--checkpoint-dir): every job of the chain resumes from the last one's checkpoint"
+        )
+    if "\nHPCDL_CHAIN_JOB\n" in script:  # the here-document's end marker
+        raise JobSpecError("the job script must not contain a line HPCDL_CHAIN_JOB")
+    chain_values = {
+        "count": str(spec.chain),
+        "site": values["site"],
+        "checkpoint_dir": values["checkpoint_dir"],
+        "job": script.rstrip("\n"),
+    }
+    return _fill("chain.sh", chain_values)
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    """A template's text with every {{placeholder}} replaced by its value."""
 
     def fill(m: re.Match) -> str:
         key = m.group(1)
-        if key not in resolved.values:
-            raise KeyError(f"template {spec.kind}.sbatch uses unknown placeholder {key}")
-        return resolved.values[key]
+        if key not in values:
+            raise KeyError(f"template {template} uses unknown placeholder {key}")
+        return values[key]
 
-    return _PLACEHOLDER.sub(fill, text), resolved.warnings
+    return _PLACEHOLDER.sub(fill, template_text(template))
