@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import BIN, mpi_env, mpirun_cmd
+from test_exit_cleanup import job_pids
 
 from hpcdl.staging.manifest import read_manifest
 
@@ -47,25 +48,6 @@ def job_env(marker: str, shm: Path) -> dict[str, str]:
     env = dict(mpi_env(), HPCDL_TEST_MARKER=marker, HPCDL_SHM_DIR=str(shm))
     env.update(MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     return env
-
-
-def job_pids(marker: str) -> list[int]:
-    """Processes whose environment carries this test's marker (launcher, ranks, workers,
-    stager)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-            with open(f"/proc/{entry.name}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"HPCDL_TEST_MARKER={marker}".encode() in environ and state != "Z":
-            pids.append(int(entry.name))
-    return pids
 
 
 def cmdline(pid: int) -> bytes:

@@ -5,7 +5,6 @@ line, staging is started and cleaned up. Jobs of several ranks: tests/test_torch
 from __future__ import annotations
 
 import gc
-import os
 import re
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from test_loader import children
 from torch.utils.data import DataLoader
 
 from hpcdl.data import Loader as NumpyLoader
@@ -34,20 +34,6 @@ def shards(tmp_path_factory) -> Path:
             f["images"] = x[k * 200 : (k + 1) * 200]
             f["labels"] = np.arange(k * 200, (k + 1) * 200) % 10
     return d
-
-
-def children() -> set[int]:
-    """Live (non-zombie) child processes of this process."""
-    me, out = os.getpid(), set()
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.add(int(p.name))
-    return out
 
 
 def numpy_batches(data: Path, epoch: int) -> list[tuple[np.ndarray, np.ndarray]]:
