@@ -3,8 +3,8 @@
 For each node count it takes what every node reads from the staging plan (exactly, through
 hpcdl.staging.plan.plan_for_node for every node) or, where that would cost more than
 PLAN_BUDGET, from the expected values of the shuffle (hpcdl.clustermodel.analytic_reads); the
-table says which. The cost counted is today's planner's: every rank's sampler draws a
-permutation of the data set per epoch, so ranks x epochs x samples. Then hpcdl.clustermodel predicts
+table says which. The cost counted is the planner's: plan_for_node draws one permutation of the
+data set per epoch for each node, so nodes x epochs x samples. Then hpcdl.clustermodel predicts
 PFS load, staging, allreduce and time to train. Equations: docs/cluster-model.md.
 """
 
@@ -20,7 +20,7 @@ from hpcdl.clustermodel import JobShape, NodeReads, Prediction
 from hpcdl.data.sampler import SamplerSpec, rank_layout
 from hpcdl.staging.plan import plan_for_node
 
-PLAN_BUDGET = 200_000_000  # ranks x epochs x samples the exact plans may cost per row (~1 min)
+PLAN_BUDGET = 200_000_000  # nodes x epochs x samples the exact plans may cost per row
 
 
 class DescribedDataset:
@@ -48,14 +48,14 @@ def dataset_figures(ds: Any) -> tuple[int, int]:
     """(files, bytes) of a data set."""
     if isinstance(ds, DescribedDataset):
         return ds.num_files, ds.nbytes
-    return len(ds.files), sum(int(f.size) for f in ds.files)
+    return len(ds.files), int(ds.files.sizes.sum())
 
 
 def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeReads]:
     """Every node's reads of a job of this shape, busiest first (most files in epoch 1);
     analytic: one entry, the expected node."""
     files, nbytes = dataset_figures(ds)
-    if isinstance(ds, DescribedDataset) or shape.ranks * shape.epochs * len(ds) > PLAN_BUDGET:
+    if isinstance(ds, DescribedDataset) or shape.nodes * shape.epochs * len(ds) > PLAN_BUDGET:
         return [clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)]
     layout = rank_layout([shape.ranks_per_node] * shape.nodes, args.placement)
     sampler = SamplerSpec(
