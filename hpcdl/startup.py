@@ -231,23 +231,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
-        metrics = MetricsWriter(
-            cfg.metrics if world.is_root else None, tensorboard=tensorboard_events(cfg, world)
-        )
-        own(stack, metrics.close, metrics.close)
         steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
-        metrics.write(
-            "start",
-            world_size=world.size,
-            global_batch=cfg.batch_size * world.size,
-            model=cfg.model,
-            device=cfg.device,
-            cuda_aware=aware.aware,
-            cpu_threads=threads,
-            sync=cfg.sync,
-            steps_per_epoch=steps_per_epoch,
-            config=cfg.to_json(),
-        )
+        metrics = open_metrics(cfg, world, stack, aware.aware, threads, steps_per_epoch)
         metrics.write("index", **index_record(train_ds, val_ds))  # image folders: index seconds
         shown = world.is_root and not cfg.quiet  # --quiet: no progress whatever --progress says
         return Run(
@@ -273,6 +258,35 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             progress=Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress),
             stack=stack.pop_all(),
         )
+
+
+def open_metrics(
+    cfg: TrainConfig,
+    world: World,
+    stack: ExitStack,
+    cuda_aware_mpi: bool,
+    threads: list[int],
+    steps_per_epoch: int,
+) -> MetricsWriter:
+    """The run's metrics (JSONL and --tensorboard, rank 0), owned by stack, with its `start`
+    record written."""
+    metrics = MetricsWriter(
+        cfg.metrics if world.is_root else None, tensorboard=tensorboard_events(cfg, world)
+    )
+    own(stack, metrics.close, metrics.close)
+    metrics.write(
+        "start",
+        world_size=world.size,
+        global_batch=cfg.batch_size * world.size,
+        model=cfg.model,
+        device=cfg.device,
+        cuda_aware=cuda_aware_mpi,
+        cpu_threads=threads,
+        sync=cfg.sync,
+        steps_per_epoch=steps_per_epoch,
+        config=cfg.to_json(),
+    )
+    return metrics
 
 
 def set_cpu_threads(world: World, say: Any) -> list[int]:

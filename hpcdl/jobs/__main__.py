@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="send SIGUSR1 this many seconds before the time limit to checkpoint "
         "(default: the site's; 0: none)",
     )
+    add_restart_arguments(r)
+
+    sub.add_parser(
+        "sites",
+        help="list the bundled site files",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    return parser
+
+
+def add_restart_arguments(r: argparse.ArgumentParser) -> None:
+    """render's options for checkpoints, staging and what follows a stop (requeue, chains)."""
     r.add_argument("--checkpoint-dir", default=None, help="overrides the config's checkpoint_dir")
     r.add_argument(
         "--no-stage",
@@ -91,14 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
         "training longer than the time limit (needs a checkpoint directory) (default: 1, the "
         "job script itself)",
     )
-
-    sub.add_parser(
-        "sites",
-        help="list the bundled site files",
-        allow_abbrev=False,
-        formatter_class=HelpFormatter,
-    )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
