@@ -38,7 +38,7 @@ from typing import Any
 
 from hpcdl import messages, startup
 from hpcdl.comm.failure import SystemExitWithMessage
-from hpcdl.config import ConfigError, TrainConfig, validate
+from hpcdl.config import STAGE_THREADS, ConfigError, TrainConfig, validate
 from hpcdl.data.dataset import DataError
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.data.pool import LoaderFault
@@ -82,7 +82,7 @@ class Loader:
         shuffle: str = "global",
         augment: str = "none",
         stage_dir: str | None = None,
-        stage_threads: int = 8,
+        stage_threads: int = STAGE_THREADS,
         stage_capacity: str | None = None,
         keep_staged: bool = False,
         stage_verify: bool = False,
