@@ -75,7 +75,10 @@ def train(ranks: int, *args: object) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench finetune", description=__doc__, formatter_class=HelpFormatter
+        prog="python -m hpcdl.bench finetune",
+        description=__doc__,
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--out", required=True, help="work directory (data, checkpoints, weights)")
     p.add_argument("--ranks", type=int, default=2, help="MPI ranks of every run")
