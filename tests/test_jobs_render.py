@@ -125,6 +125,15 @@ def test_trainer_command_line_carries_every_render_option(tmp_path, device):
     ]
 
 
+def test_training_jobs_of_one_user_share_a_stage_dir_without_a_stage_key(tmp_path):
+    """Without --stage-key every training job of a user stages into the same hpcdl-u<uid>, so
+    the next job on a node finishes what an earlier one left there (a lost node's copies, a
+    removal cut off by the job's end) and a chain's jobs reuse the copies."""
+    config = write_config(tmp_path / "job.toml", data="d")
+    words = launched_command(tmp_path, render(spec(config))[0])
+    assert after(words, ["--stage-dir"])[0] == f"{tmp_path}/local/hpcdl-u{os.getuid()}"
+
+
 def test_trainer_command_line_without_checkpoints_or_staging(tmp_path):
     config = write_config(tmp_path / "job.toml", data="d", metrics="m.jsonl", device="gpu")
     words = launched_command(tmp_path, render(spec(config, device="", stage=False))[0])

@@ -134,7 +134,7 @@ def test_train_job_completes_with_two_ranks_and_staging(slurm: SlurmCluster, dig
     assert result["staging"] is not None and result["staging"]["files_staged"] > 0, result
     log = log_of(info)
     assert Path(info["StdOut"]).name == f"hpcdl-train-{job}.out"
-    assert f"stage dir {local}/hpcdl-{job}" in log
+    assert f"stage dir {local}/hpcdl-u{os.getuid()}" in log
     assert "hpcdl: summary {" in log
     assert f"hpcdl: job {job} finished training" in log
 

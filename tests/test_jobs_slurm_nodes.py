@@ -91,7 +91,7 @@ def test_train_job_on_two_nodes_stages_into_each_nodes_local(slurm, digits_dir, 
     assert [n["node"] for n in nodes] == ["vnode1", "vnode2"], nodes
     for entry in nodes:
         assert entry["files_staged"] > 0 and entry["hits"] > 0, entry
-    assert f"stage dir {LOCAL}/hpcdl-{job}" in log_of(info)
+    assert f"stage dir {LOCAL}/hpcdl-u{os.getuid()}" in log_of(info)
 
 
 def test_stage_job_stages_on_each_node_then_training_reads_those_copies(

@@ -87,7 +87,7 @@ def add_restart_arguments(r: argparse.ArgumentParser) -> None:
         "--stage-key",
         default="",
         help="name of the node-local stage subdirectory shared by a stage job and the training "
-        "job after it (default for train: the job id)",
+        "job after it (default for train: u<uid>, one shared by the user's jobs on a node)",
     )
     r.add_argument(
         "--requeue",

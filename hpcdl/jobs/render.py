@@ -44,7 +44,7 @@ class JobSpec:
     signal_seconds: int | None = None  # None = the site's default; 0 = no early signal
     checkpoint_dir: str | None = None  # overrides the config's checkpoint_dir
     stage: bool = True  # pass a node-local --stage-dir to the trainer
-    stage_key: str = ""  # stage subdirectory key; "" = the job id (stage jobs need one)
+    stage_key: str = ""  # stage subdirectory key; "" = u<uid>, the user's (stage jobs need one)
     requeue: bool = False  # #SBATCH --requeue, and requeue itself after a signal stop
     chain: int = 1  # > 1: a script that submits this many identical jobs, each after the last
     extra_args: list[str] = field(default_factory=list)  # appended to the hpcdl command
