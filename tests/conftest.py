@@ -94,3 +94,17 @@ def digits_dir(tmp_path_factory) -> Path:
 def xp(request):
     """The array module a layer/model test runs on: numpy always, cupy when a GPU exists."""
     return cupy_or_none() if request.param == "cupy" else request.param
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Two emulated nodes (hpcdl.bench.cluster); skips, with the reason, where none can be made.
+    Everything it made is gone afterwards."""
+    from hpcdl.bench.cluster import Cluster, leftovers, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Cluster(tmp_path / "cluster", nodes=2) as c:
+        yield c
+    assert not leftovers(), leftovers()

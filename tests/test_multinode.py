@@ -52,16 +52,6 @@ FACTS = (
 )
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=2) as c:
-        yield c
-    assert not leftovers(), leftovers()
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """160 PNG images of 8x8 pixels in 4 classes: one file per sample, ~20 KB in all."""

@@ -23,7 +23,7 @@ from conftest import mpi_env
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint
-from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
+from hpcdl.bench.cluster import LOCAL, Cluster
 from hpcdl.data.epoch_order import global_order
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec
 
@@ -32,16 +32,6 @@ pytestmark = pytest.mark.multinode
 N, SEED, BATCH = 192, 2, 4  # 4 ranks: 12 steps of global batch 16 per epoch
 PROBE = f"{Path(__file__).parent / 'probe_model.py'}:probe_mlp"
 STAGE = LOCAL / "stage"
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    with Cluster(tmp_path / "cluster", nodes=2) as c:
-        yield c
-    assert not leftovers(), leftovers()
 
 
 def train(cluster: Cluster, slots: list[int], data: Path, out: Path, *more) -> list[str]:
