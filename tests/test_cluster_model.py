@@ -227,3 +227,28 @@ def test_alpha_beta_come_back_from_ring_timings():
     noisy[-1] = noisy[2] * 0.9  # the largest message measured faster than 1 MiB
     assert fit_alpha_beta(4, SIZES, noisy)[1] == pytest.approx(noisy[-1] / SIZES[-1] / 1.5)
     assert fit_alpha_beta(1, SIZES, seconds) == (0.0, 0.0)
+
+
+def test_the_algorithm_factor_is_fitted_to_the_trainers_measured_step():
+    from types import SimpleNamespace
+
+    from hpcdl.bench.calibrate import fit_to_trainer_step
+
+    world = SimpleNamespace(num_nodes=4, node_comm=SimpleNamespace(size=2))
+    args = SimpleNamespace(batch_size=8, bucket_mb=25.0)
+    shape = JobShape(4, 2, 8, 1)
+
+    def step_at(factor: float) -> float:
+        network = replace(CAL.network, algorithm_factor=factor)
+        return clustermodel.step_time(replace(CAL, network=network), shape).step_s
+
+    measured = step_at(1.7)
+    assert measured > step_at(1.0)  # the exposed allreduce grows with the factor
+    fitted = fit_to_trainer_step(CAL, world, args, measured)
+    assert fitted.network.algorithm_factor == pytest.approx(1.7, rel=1e-6)
+    assert clustermodel.step_time(fitted, shape).step_s == pytest.approx(measured, rel=1e-9)
+    assert fitted.pfs == CAL.pfs and fitted.compute == CAL.compute
+    # nothing to fit: a step no longer than compute, or one node (no inter-node formula)
+    assert fit_to_trainer_step(CAL, world, args, CAL.compute.step_s(8) / 2) == CAL
+    one = SimpleNamespace(num_nodes=1, node_comm=SimpleNamespace(size=2))
+    assert fit_to_trainer_step(CAL, one, args, measured) == CAL

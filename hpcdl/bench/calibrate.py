@@ -17,16 +17,20 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 - Interconnect: Allreduce of 4 KiB .. 8 MiB on the node communicator (intra) and on a
   communicator of one rank per node (inter); alpha and beta of the ring formula
   t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
-  whole world at the same sizes: which formula it follows, and by what factor.
+  whole world at the same sizes: which formula it follows.
 - Compute: every rank times hpcdl.step.train_step (the `bench compute` step) at batch b/2 and b,
   all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
   (hpcdl.bench.scaling_model.fit).
+- The trainer's step: train_step with the gradient reducer, then the trainer's 8-byte loss
+  check, back to back on every rank; the factor on the allreduce formula is set so that the
+  model's step (hpcdl.clustermodel.step_time) equals it (fit_to_trainer_step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -42,7 +46,7 @@ import numpy as np
 
 from hpcdl import calibration, nn
 from hpcdl.bench import scaling_model
-from hpcdl.bench.compute import hpcdl_stepper
+from hpcdl.bench.compute import hpcdl_setup, hpcdl_stepper
 from hpcdl.calibration import (
     Calibration,
     ComputeFigures,
@@ -51,8 +55,10 @@ from hpcdl.calibration import (
     PfsFigures,
 )
 from hpcdl.comm import blas_threads
+from hpcdl.comm.collectives import allreduce_sum
 from hpcdl.comm.failure import UserError, install_abort_on_exception
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.step import train_step
 
 SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
 # Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by
@@ -79,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--input-shape", default="3,32,32", help="C,H,W of one sample")
     a("--classes", type=int, default=10, help="output classes")
     a("--steps", type=int, default=10, help="timed steps per batch size")
+    a("--bucket-mb", type=float, default=25.0, help="the job's gradient bucket size (MiB)")
     a("--repeats", type=int, default=5, help="allreduce timings per size (median)")
     a("--out", help="calibration file to write (TOML; docs/cluster-model.md)")
     a("--json", action="store_true", help="last line: one JSON object")
@@ -295,6 +302,68 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
     )
 
 
+def measure_trainer_step(args: argparse.Namespace, world: Any) -> float:
+    """Median seconds of hpcdl.train's step without data, slowest rank: train_step with the
+    gradient reducer (--bucket-mb buckets on its thread, overlapping backward) and then the
+    trainer's 8-byte loss check, back to back on every rank, as training runs them."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from hpcdl.comm.reducer import GradientReducer  # noqa: PLC0415
+
+    spec = SimpleNamespace(model=args.model, shape=args.shape, classes=args.classes,
+                           device="cpu", precision="fp32", batch_size=args.batch_size)  # fmt: skip
+    parts, x, y = hpcdl_setup(spec)
+    if world.size == 1:
+        return statistics.median(_timed_steps(parts, x, y, world.comm, args.steps))
+    reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
+    try:
+        times = _timed_steps(replace(parts, reducer=reducer), x, y, world.comm, args.steps)
+    finally:
+        reducer.close()
+    return world.comm.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def _timed_steps(parts: Any, x: Any, y: Any, comm: Any, steps: int) -> list[float]:
+    flag = np.zeros(1)
+    times = []
+    for _ in range(steps + 3):  # 3 warm-up steps
+        t0 = time.perf_counter()
+        train_step(parts, x, y, 0.01)
+        if parts.reducer:
+            allreduce_sum(comm, flag)
+        times.append(time.perf_counter() - t0)
+    return times[3:]
+
+
+def fit_to_trainer_step(
+    cal: Calibration, world: Any, args: argparse.Namespace, trained: float
+) -> Calibration:
+    """cal with network.algorithm_factor set so that the model's step (clustermodel.step_time)
+    at this calibration's shape equals the trainer's measured step. The raw allreduce sweep
+    chose the algorithm; what hpcdl's reducer adds on top of MPI (its thread, two buckets,
+    the ranks' skew that the loss check waits for) goes into the factor. Unchanged with one
+    node (no inter-node formula to scale), or when the measured step leaves no communication
+    exposed to fit (all of it hidden behind backward)."""
+    from hpcdl.clustermodel import JobShape, step_time  # noqa: PLC0415
+
+    if world.num_nodes == 1:
+        return cal
+    shape = JobShape(world.num_nodes, world.node_comm.size, args.batch_size, 1,
+                     bucket_mb=args.bucket_mb)  # fmt: skip
+
+    def step_s(factor: float) -> float:
+        network = replace(cal.network, algorithm_factor=factor)
+        return step_time(replace(cal, network=network), shape).step_s
+
+    low, high = 1e-3, 1e3
+    if not step_s(low) < trained < step_s(high):
+        return cal
+    for _ in range(60):  # bisection in log space: step_s grows with the factor
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if step_s(mid) < trained else (low, mid)
+    return replace(cal, network=replace(cal.network, algorithm_factor=math.sqrt(low * high)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.shape = tuple(int(v) for v in args.input_shape.split(","))
@@ -315,21 +384,23 @@ def main(argv: list[str] | None = None) -> int:
         pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
     network = measure_network(world, args.repeats)
     compute = measure_compute(args, world.comm)
+    trained = measure_trainer_step(args, world)
     if world.rank != 0:
         return 0
     where = f"{world.num_nodes} nodes x {world.node_comm.size} ranks"
     source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
     cal = Calibration(pfs, local, network, compute, source=source)
-    print(describe(cal, rows, where))
+    cal = fit_to_trainer_step(cal, world, args, trained)
+    print(describe(cal, rows, where, trained))
     if args.out:
         calibration.save(args.out, cal)
         print(f"wrote {args.out}")
     if args.json:
-        print(json.dumps({**cal.to_json(), "pfs_sweep": rows}))
+        print(json.dumps({**cal.to_json(), "pfs_sweep": rows, "trainer_step_s": trained}))
     return 0
 
 
-def describe(cal: Calibration, rows: list[dict], where: str) -> str:
+def describe(cal: Calibration, rows: list[dict], where: str, trained: float) -> str:
     """The measured figures, one line per part."""
     p, n, c = cal.pfs, cal.network, cal.compute
     sweep = ", ".join(f"{r['threads']}t {r['opens_per_s']:.0f}/s" for r in rows)
@@ -350,6 +421,7 @@ def describe(cal: Calibration, rows: list[dict], where: str) -> str:
         f"  compute: {c.model} step = b / {c.v0:.0f} + {c.t * 1e3:.2f} ms "
         f"({c.step_s(c.batch_size) * 1e3:.1f} ms at batch {c.batch_size}); "
         f"{c.gradient_bytes / 1e6:.1f} MB of gradients",
+        f"  trainer step (compute, reducer, loss check, all ranks): {trained * 1e3:.1f} ms",
     ])  # fmt: skip
 
 
