@@ -1,11 +1,13 @@
-"""The cluster model against one training run on 4 emulated nodes (hpcdl.bench.validate).
+"""The cluster model against training runs on 4 emulated nodes (hpcdl.bench.validate).
 
 Calibrate under mpirun across the nodes, predict with the dry run, then train 2 epochs with
-staging from the slow FUSE file system: the predicted PFS opens are the run's, up to one open
-per loader miss (a loader that read a file before its copy was ready). The predicted times are
-compared by `python -m hpcdl.bench validate` (docs/PERFORMANCE.md, issue 26): on this 2-core
-machine they land within 15 % in most runs but not all (epoch 1 up to +23 %), so they are a
-benchmark's figures here, not a test's assertion.
+staging from the slow FUSE file system, three times from empty stage dirs. The model's epoch 1,
+later epoch and staging finish lie within 15 % of the runs' medians, and its PFS opens are each
+run's, up to one open per loader miss (a loader that read a file before its copy was ready).
+
+One rank per node: with two, 8 ranks spin in MPI on this 2-core machine beside 4 stagers and
+the FUSE server, and about one run in four stalls for 1-6 s in epoch 1 while staging runs
+(docs/PERFORMANCE.md, issue 26); `python -m hpcdl.bench validate` covers 2 ranks per node.
 """
 
 from __future__ import annotations
@@ -14,21 +16,24 @@ import pytest
 from slowfs import require_fuse
 
 from hpcdl.bench.cluster import leftovers, unavailable
-from hpcdl.bench.validate import Setup, compare, run_case
+from hpcdl.bench.validate import CHECKS, Setup, compare, run_case
 
 pytestmark = pytest.mark.multinode
 
 
-def test_model_counts_the_pfs_opens_of_a_4_node_run(tmp_path):
+def test_model_predicts_a_4_node_run_within_15_percent_and_its_pfs_opens(tmp_path):
     reason = unavailable()
     if reason:
         pytest.skip(reason)
     require_fuse()
-    setup = Setup(nodes=4, files=960, latency_ms=100.0, stage_threads=4)
+    setup = Setup(nodes=4, ranks_per_node=1, runs=3)
     result = run_case(setup, tmp_path)
     assert not leftovers(), leftovers()
-    errors, measured = compare(result), result["measured"]
-    assert 0 <= errors["pfs_opens"] <= measured["misses"], (errors, measured)
+    errors, measured, predicted = compare(result), result["measured"], result["predicted"]
+    for figure in CHECKS[:3]:
+        assert abs(errors[figure]) <= 0.15, (figure, errors, measured, predicted)
     steps = setup.files // (setup.nodes * setup.ranks_per_node) // setup.batch_size
     reads = setup.epochs * setup.nodes * setup.ranks_per_node * steps * setup.batch_size
-    assert measured["hits"] + measured["misses"] == reads
+    for run in result["runs"]:
+        assert 0 <= run["pfs_opens"] - predicted["pfs_opens_total"] <= run["misses"], run
+        assert run["hits"] + run["misses"] == reads, run
