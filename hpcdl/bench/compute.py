@@ -334,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         print("  torch       n/a (torch not installed, or --no-torch)")
     else:
         print(f"  torch  {theirs_ms:8.1f} ms/step   ratio hpcdl/torch {ratio:.2f}")
+    memory = peak_memory_mib(args.device, torch_step is not None)
+    if memory:
+        print(
+            f"  peak GPU memory: hpcdl {memory['hpcdl_peak_mib']:.0f} MiB (CuPy pool), torch "
+            + (
+                "n/a"
+                if memory["torch_peak_mib"] is None
+                else f"{memory['torch_peak_mib']:.0f} MiB (caching allocator, reserved)"
+            )
+        )
     if args.json:
         result = {
             **run_config(args),
@@ -341,6 +351,36 @@ def main(argv: list[str] | None = None) -> int:
             "hpcdl_ms_per_step": round(ours_ms, 3),
             "torch_ms_per_step": None if theirs_ms is None else round(theirs_ms, 3),
             "ratio": None if ratio is None else round(ratio, 3),
+            "hpcdl_images_per_s": round(args.batch_size / ours_ms * 1e3, 1),
+            "torch_images_per_s": None
+            if theirs_ms is None
+            else round(args.batch_size / theirs_ms * 1e3, 1),
+            **memory,
         }
         print(json.dumps(result))
     return 0
+
+
+def peak_memory_mib(device: str, with_torch: bool) -> dict[str, float | None]:
+    """Peak GPU memory of each framework after the timed steps (empty on CPU), in MiB.
+
+    Both hold what they allocate in a caching pool and return nothing to the driver unless
+    asked, so CuPy's pool total after the run is hpcdl's high-water mark; its PyTorch peer is
+    torch.cuda.max_memory_reserved() (the peak of what PyTorch's allocator held), with
+    max_memory_allocated() beside it."""
+    if device != "gpu":
+        return {}
+    import cupy  # noqa: PLC0415
+
+    mib = float(1 << 20)
+    result: dict[str, float | None] = {
+        "hpcdl_peak_mib": round(cupy.get_default_memory_pool().total_bytes() / mib, 1),
+        "torch_peak_mib": None,
+        "torch_peak_allocated_mib": None,
+    }
+    if with_torch:
+        import torch  # noqa: PLC0415
+
+        result["torch_peak_mib"] = round(torch.cuda.max_memory_reserved() / mib, 1)
+        result["torch_peak_allocated_mib"] = round(torch.cuda.max_memory_allocated() / mib, 1)
+    return result

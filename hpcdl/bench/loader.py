@@ -254,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="loader worker processes")
     p.add_argument("--batch-size", type=int, default=32, help="images per batch")
     p.add_argument("--max-images", type=int, default=2048, help="images read per measurement")
+    p.add_argument(
+        "--augment",
+        default=f"rcrop{CROP}+flip",
+        help="per-sample work of the JPEG measurement (hpcdl.data.augment; e.g. rrc224+flip, "
+        "ImageNet-style random-resized crops) (default: rcrop224+flip)",
+    )
     p.add_argument("--skip-hdf5", action="store_true", help="skip the HDF5 and overlap parts")
     p.add_argument(
         "--device",
@@ -274,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     n = min(args.max_images, len(ds))
     k, b = args.workers, args.batch_size
     result: dict = {"workers": k, "batch_size": b, "images": n, "cores": os.cpu_count()}
-    result["hpcdl_images_per_s"] = hpcdl_rate(ds, k, b, f"rcrop{CROP}+flip", n)
+    result["hpcdl_images_per_s"] = hpcdl_rate(ds, k, b, args.augment, n)
+    result["augment"] = args.augment
     result["torch_images_per_s"] = torch_rate(ds, k, b, n)
     full, decode = ceiling_rate(ds, min(n, 256))
     result["single_process_images_per_s"] = full

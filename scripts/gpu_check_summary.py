@@ -1,0 +1,146 @@
+"""The table that ends scripts/gpu-check.sh, from its raw/ folder; also writes the top-level
+tests.log, compute.jsonl, train.jsonl and loader.json beside it.
+
+    python scripts/gpu_check_summary.py RAW_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def last_json(path: Path) -> dict | None:
+    """The last line of a log that parses as a JSON object, or None."""
+    if not path.exists():
+        return None
+    for line in reversed(path.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def records(path: Path, event: str) -> list[dict]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if r.get("event") == event:
+            out.append(r)
+    return out
+
+
+def phases(raw: Path) -> dict[str, tuple[str, str]]:
+    table = {}
+    for line in (raw / "phases.txt").read_text().splitlines():
+        name, rc, seconds = line.split()
+        table[name] = (rc, seconds)
+    return table
+
+
+def tests_section(raw: Path, out: Path, status: dict) -> list[str]:
+    lines, logs = ["tests"], []
+    for name in ("tests", "tests-mpi"):
+        log = raw / f"{name}.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        logs.append(f"===== {name} (exit {status.get(name, ('-', ''))[0]})\n{text}")
+        tail = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped)", ln)]
+        result = tail[-1] if tail else "(no result)"
+        lines.append(f"  {name:10s} exit {status.get(name, ('-',))[0]:>3s}  {result}")
+    (out / "tests.log").write_text("\n".join(logs))
+    return lines
+
+
+def train_section(raw: Path, out: Path, status: dict) -> list[str]:
+    lines = ["training (val acc: last epoch; fp16: loss-scale range, skipped steps)"]
+    lines.append(f"  {'run':22s} {'exit':>4s} {'steps':>6s} {'val_acc':>8s} {'img/s':>9s}  fp16")
+    summaries = []
+    for path in sorted(raw.glob("train-*.jsonl")):
+        name = path.stem.removeprefix("train-")
+        rc = status.get(f"train-{name}", ("-",))[0]
+        summary = (records(path, "summary") or [{}])[-1]
+        summaries.append({"run": name, "exit": rc, **summary})
+        scales = [r["loss_scale"] for r in records(path, "step") if "loss_scale" in r]
+        fp16 = (
+            f"scale {min(scales):g}..{max(scales):g}, skipped {summary.get('skipped_steps')}"
+            if scales
+            else ""
+        )
+        acc, rate = summary.get("val_accuracy"), summary.get("images_per_s")
+        acc_text = "-" if acc is None else f"{acc:.4f}"
+        rate_text = "-" if rate is None else f"{rate:.0f}"
+        steps = summary.get("steps", "-")
+        lines.append(f"  {name:22s} {rc:>4s} {steps!s:>6s} {acc_text:>8s} {rate_text:>9s}  {fp16}")
+    (out / "train.jsonl").write_text("".join(json.dumps(s) + "\n" for s in summaries))
+    acc = {s["run"]: s.get("val_accuracy") for s in summaries}
+    for run, ref in sorted(acc.items()):
+        base = "ref-" + re.sub(r"-(gpu|cpu)-", "-cpu-", run)
+        if run.startswith("ref-") or acc.get(base) is None or ref is None:
+            continue
+        lines.append(f"  {run} vs {base}: {100 * (ref - acc[base]):+.1f} points of val acc")
+    return lines
+
+
+def compute_section(raw: Path, out: Path) -> tuple[list[str], dict]:
+    lines = ["compute (ms/step; ratio hpcdl/torch; peak MiB hpcdl vs torch reserved)"]
+    rows = []
+    for path in sorted(raw.glob("compute-*.log")):
+        row = last_json(path)
+        name = path.stem.removeprefix("compute-")
+        if row is None:
+            lines.append(f"  {name:18s} (no result: see raw/{path.name})")
+            continue
+        rows.append(row)
+        nan = float("nan")
+        lines.append(
+            f"  {name:18s} b{row['batch_size']:<4d} hpcdl {row['hpcdl_ms_per_step']:8.2f}  "
+            f"torch {row['torch_ms_per_step'] or nan:8.2f}  ratio {row['ratio'] or nan:5.2f}  "
+            f"MiB {row.get('hpcdl_peak_mib') or 0:7.0f} / {row.get('torch_peak_mib') or 0:7.0f}"
+        )
+    (out / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_name = {(r["model"], r["precision"]): r for r in rows}
+    return lines, by_name
+
+
+def loader_section(raw: Path, out: Path, compute: dict) -> list[str]:
+    result = last_json(raw / "loader.log")
+    if result is None:
+        return ["loader: no result (see raw/loader.log)"]
+    (out / "loader.json").write_text(json.dumps(result) + "\n")
+    rate = result["hpcdl_images_per_s"]
+    lines = [f"loader: {result['augment']}, {result['workers']} workers: {rate:.0f} images/s"]
+    step = compute.get(("resnet50", "bf16"))
+    if step:
+        for who in ("hpcdl", "torch"):
+            need = step.get(f"{who}_images_per_s")
+            if need:
+                lines.append(
+                    f"  vs the resnet50 bf16 step ({who}): {need:.0f} images/s, "
+                    f"so decode covers {rate / need:.2f}x of it"
+                )
+    return lines
+
+
+def main() -> int:
+    raw, out = Path(sys.argv[1]), Path(sys.argv[2])
+    status = phases(raw)
+    lines = [
+        "phases: " + ", ".join(f"{k} {rc} ({s} s)" for k, (rc, s) in status.items()),
+        *tests_section(raw, out, status),
+        *train_section(raw, out, status),
+    ]
+    compute_lines, compute = compute_section(raw, out)
+    lines += compute_lines + loader_section(raw, out, compute)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
