@@ -72,6 +72,11 @@ if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
     export OPAL_PREFIX="$PREFIX" PATH="$PREFIX/bin:$PATH" PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     export LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     phase install-hpcdl 150 python3 -m pip install -q --no-build-isolation --no-deps -e .
+    if ! python3 -c "import hpcdl" 2>/dev/null; then  # pure Python from the checkout, stager by hand
+        export PYTHONPATH="$PWD:$PYTHONPATH"
+        phase build-stager 120 bash -c "cmake -S . -B $WORK/stager && cmake --build $WORK/stager -j"
+        export HPCDL_STAGE_BIN="$WORK/stager/hpcdl-stage"
+    fi
 fi
 PY="$(command -v python3)"
 [ -x .venv/bin/python ] && [ -z "${GPU_CHECK_WHEELS:-}" ] && PY="$PWD/.venv/bin/python" &&
