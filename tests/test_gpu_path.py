@@ -219,3 +219,69 @@ def test_a_job_rendered_with_device_gpu_trains_on_the_gpu(digits_dir, tmp_path):
     assert json.loads(start["config"])["device"] == "gpu"
     summary = next(r for r in records if r["event"] == "summary")
     assert summary["steps"] > 0 and summary["val_accuracy"] is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"), [("resnet20", (3, 16, 16)), ("resnet18", (3, 64, 64)), ("cnn", (3, 16, 16))]
+)
+def test_a_model_computes_the_same_step_on_numpy_and_cupy(name, shape):
+    """float64: logits, loss and every parameter's gradient agree to 1e-9 relative between the
+    backends (dropout off: its masks come from each backend's own generator). A failure names
+    the parameters whose gradients differ most, which locates the layer."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, *shape))
+    y = rng.integers(0, 10, 8)
+    out = {}
+    for xp in (np, cp):
+        model = nn.build_model(name, shape, 10, seed=0, xp=xp, dtype=np.float64)
+        for leaf in model.body.leaves():
+            if isinstance(leaf, nn.layers.Dropout):
+                leaf.rate = 0.0
+        logits = model.forward(xp.asarray(x), train=True)
+        loss, d = nn.softmax_cross_entropy(logits, xp.asarray(y))
+        model.backward(d)
+        out[xp.__name__] = (to_host(logits), float(loss), to_host(model.grads), model.layout())
+    (l_np, loss_np, g_np, layout), (l_cp, loss_cp, g_cp, _) = out["numpy"], out["cupy"]
+    worst = sorted(
+        (
+            (_rel(g_cp[o : o + int(np.prod(s))], g_np[o : o + int(np.prod(s))]), n)
+            for n, s, o in layout
+            if np.abs(g_np[o : o + int(np.prod(s))]).max() > 0
+        ),
+        reverse=True,
+    )[:3]
+    assert _rel(l_cp, l_np) < 1e-9, (loss_np, loss_cp, worst)
+    assert worst[0][0] < 1e-9, worst
+
+
+def test_the_trainer_takes_the_same_first_step_on_cpu_and_gpu(tmp_path):
+    """resnet18 with rrc crops on a JPEG folder, two steps each: the same seed gives the same
+    first-step loss on both devices (float32: 1e-4 relative), and after one update the second
+    step's loss still agrees to 1e-3 (float32 sums in another order)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(32):
+        d = tmp_path / "jpegs" / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        img = rng.integers(0, 255, (80, 80, 3), dtype=np.uint8)
+        Image.fromarray(img).save(d / f"{i:03d}.jpg", quality=90)
+    losses = {}
+    for device in ("cpu", "gpu"):
+        metrics = tmp_path / f"{device}.jsonl"
+        proc = subprocess.run(
+            [sys.executable, "-m", "hpcdl.train", "--device", device]
+            + ["--data", str(tmp_path / "jpegs"), "--model", "resnet18", "--augment", "rrc64+flip"]
+            + ["--batch-size", "16", "--max-steps", "2", "--workers", "1", "--seed", "0"]
+            + ["--metrics", str(metrics), "--metrics-every", "1", "--quiet"],
+            capture_output=True,
+            text=True,
+            env=mpi_env(),
+            timeout=180,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        steps = [json.loads(r) for r in metrics.read_text().splitlines()]
+        losses[device] = [r["loss"] for r in steps if r["event"] == "step"]
+    assert len(losses["cpu"]) == len(losses["gpu"]) == 2, losses
+    np.testing.assert_allclose(losses["gpu"][0], losses["cpu"][0], rtol=1e-4, err_msg=str(losses))
+    np.testing.assert_allclose(losses["gpu"][1], losses["cpu"][1], rtol=1e-3, err_msg=str(losses))
