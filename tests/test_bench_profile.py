@@ -88,3 +88,15 @@ def test_torch_rows_pair_with_hpcdl_rows(model):
     assert theirs.rows[0].kind == "Conv2d" and theirs.rows[0].backward_s > 0
     assert 0 < theirs.loss_s and 0 < theirs.update_s
     assert sum(r.forward_s + r.backward_s for r in theirs.rows) <= theirs.step_s
+
+
+def test_torch_side_profiles_a_model_with_in_place_relus():
+    """torchvision's ResNets use ReLU(inplace=True), which PyTorch forbids on the output of a
+    module with a full backward hook; the profile times them out of place (the same math)."""
+    torch = pytest.importorskip("torch")
+    args = tiny_args("resnet18")
+    theirs = profile.profile_torch(args)
+    assert theirs is not None
+    kinds = [row.kind for row in theirs.rows]
+    assert kinds.count("ReLU") >= 1 and all(row.forward_s > 0 for row in theirs.rows)
+    assert torch.is_grad_enabled()

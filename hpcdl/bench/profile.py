@@ -301,6 +301,11 @@ def profile_torch(args: argparse.Namespace) -> Breakdown | None:
     plain = [step()[2] for _ in range(WARMUP + args.steps)]
     order: list[LayerTimes] = []
     leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    for _, module in leaves:
+        # PyTorch forbids an in-place op on the output of a module with a full backward hook
+        # (torchvision's ReLU(inplace=True)); out of place is the same math and one more buffer.
+        if getattr(module, "inplace", False):
+            module.inplace = False
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         clocks = [_hook_module(name, m, sync, order) for name, m in leaves]
