@@ -23,7 +23,8 @@ from hpcdl import checkpoint
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.binary import find_stager_binary
-from hpcdl.staging.ownership import StageDir, StageDirLease
+from hpcdl.staging.layout import StageDir
+from hpcdl.staging.ownership import StageDirLease
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
