@@ -28,9 +28,9 @@ from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
+from hpcdl.nn.step import StepParts
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
-from hpcdl.step import StepParts
 
 
 def env_rank() -> int:

@@ -18,7 +18,7 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   communicator of one rank per node (inter); alpha and beta of the ring formula
   t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
   whole world at the same sizes: which formula it follows.
-- Compute: every rank times hpcdl.step.train_step (the `bench compute` step) at batch b/2 and b,
+- Compute: every rank times hpcdl.nn.step.train_step (the `bench compute` step) at batch b/2 and b,
   all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
   (hpcdl.bench.scaling_model.fit).
 - The trainer's step: train_step with the gradient reducer, then the trainer's 8-byte loss
@@ -58,7 +58,7 @@ from hpcdl.comm import blas_threads
 from hpcdl.comm.collectives import allreduce_sum
 from hpcdl.comm.failure import UserError, install_abort_on_exception
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.step import train_step
+from hpcdl.nn.step import train_step
 
 SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
 # Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by

@@ -1,7 +1,7 @@
 """`python -m hpcdl.bench compute`: ms per training step of hpcdl.nn vs PyTorch, same run.
 
 A step is forward + softmax cross-entropy + backward + SGD-momentum update on a random batch
-(hpcdl: hpcdl.step.train_step, the step hpcdl.train runs), for the same architecture (cnn = the
+(hpcdl: hpcdl.nn.step.train_step, the step hpcdl.train runs), for the same architecture (cnn = the
 Keras cifar10_cnn network; resnet18/resnet50 = torchvision's, written out in
 hpcdl.bench.torch_models) on the same device. PyTorch is optional (benchmark-only): without it
 the torch column is null. With --json the last line is one JSON object.
@@ -24,7 +24,7 @@ import numpy as np
 from hpcdl import backend, nn
 from hpcdl.comm import blas_threads
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.step import StepParts, train_step
+from hpcdl.nn.step import StepParts, train_step
 
 
 def build_parser() -> argparse.ArgumentParser:
