@@ -46,7 +46,7 @@ import numpy as np
 
 from hpcdl import calibration, nn
 from hpcdl.bench import scaling_model
-from hpcdl.bench.compute import hpcdl_setup, hpcdl_stepper
+from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
 from hpcdl.calibration import (
     Calibration,
     ComputeFigures,

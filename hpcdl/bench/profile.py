@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import backend, nn
+from hpcdl.bench.compute_setup import hpcdl_setup, run_config, torch_setup
 from hpcdl.nn.step import StepParts, train_step
 
 # torch module class -> the hpcdl leaf class it is paired with
@@ -174,8 +175,6 @@ def timed_loss(parts: StepParts, row: LayerTimes) -> StepParts:
 
 def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
     """The hpcdl breakdown over args.steps steps after WARMUP (quiet_mean)."""
-    from hpcdl.bench.compute import hpcdl_setup  # noqa: PLC0415
-
     parts, x, y = hpcdl_setup(args)
     xp, model = parts.xp, parts.model
     plain = []
@@ -273,8 +272,6 @@ def _hook_module(name: str, module: Any, sync: Callable, order: list) -> _Module
 
 def profile_torch(args: argparse.Namespace) -> Breakdown | None:
     """The PyTorch breakdown, or None when torch (or the reference model) is not importable."""
-    from hpcdl.bench.compute import torch_setup  # noqa: PLC0415
-
     t = torch_setup(args)
     if t is None:
         return None
@@ -369,8 +366,6 @@ def print_table(ours: Breakdown, theirs: Breakdown | None) -> None:
 
 def main_profile(args: argparse.Namespace) -> int:
     """Print the per-layer profile of args.model (the parsed `bench compute` options)."""
-    from hpcdl.bench.compute import run_config  # noqa: PLC0415  (compute imports this module)
-
     try:
         ours = profile_hpcdl(args)
     except backend.BackendError as exc:
