@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import stage_cli
 
 from hpcdl import calibration, clustermodel
 from hpcdl.calibration import (
@@ -151,8 +152,7 @@ def test_calibration_file_round_trips_and_names_a_bad_field(tmp_path):
 
 
 def stage(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcdl.stage", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    return stage_cli(*args, cwd=REPO)
 
 
 def test_dry_run_with_a_calibration_predicts_per_node_count(tree, tmp_path):

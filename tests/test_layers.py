@@ -1,4 +1,4 @@
-"""The house plan holds: hpcdl's layers (docs/internals.md, "Layers").
+"""The house plan holds: hpcdl's layers (docs/internals.md, "Layers"), and tests share helpers.
 
 Every import of every module under hpcdl/ is read with ast, the ones inside functions (lazy)
 included, so an import that only runs later still counts. The package must have no import cycle
@@ -199,3 +199,17 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     ]
     assert layer_of("hpcdl.nn.__main__") == COMMANDS > layer_of("hpcdl.nn.step")
     assert layer_of("hpcdl.bench.__main__") == layer_of("hpcdl.bench") > COMMANDS
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py (and gradcheck.py, slurm_jobs.py, conftest.py)."""
+    tests = {p.stem for p in TESTS.glob("test_*.py")}
+    crossing = sorted(
+        {
+            f"{path.name}:{line} imports {name.split('.')[0]}"
+            for path in TESTS.glob("*.py")
+            for name, line in imported_names(path.stem, path)
+            if name.split(".")[0] in tests - {path.stem}
+        }
+    )
+    assert crossing == [], "\n".join(crossing)

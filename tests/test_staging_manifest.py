@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from test_staging_helpers import ShardDataset
+from helpers import ShardDataset
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession

@@ -6,7 +6,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_staging_helpers import ShardDataset, make_tree
+from helpers import ShardDataset, make_tree
 
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec

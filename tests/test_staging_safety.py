@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env, run_train, train_cmd
-from test_staging_helpers import make_tree
-from test_train_cli import own_lines
+from helpers import make_tree, own_lines
 
 from hpcdl import checkpoint
 from hpcdl.data.sampler import SamplerSpec
