@@ -31,6 +31,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from pathlib import Path
 from hpcdl.staging import trash
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.layout import (
+    META,
     SessionDir,
     StageDir,
     inode_text,
@@ -82,6 +84,22 @@ def check_no_overlap(stage_dir: str | Path, data: Mapping[str, str | Path | None
             "overwrite or delete the data set: choose a node-local directory outside the data, "
             "e.g. $TMPDIR/hpcdl-stage"
         )
+
+
+def check_stage_dir(stage_dir: str | Path, data: Mapping[str, str | Path | None]) -> None:
+    """What can be said of a stage dir before anything is created: StageDirError when it
+    overlaps a data path, or when it or its .hpcdl exists as a file or a symlink."""
+    check_no_overlap(stage_dir, data)
+    stage = Path(stage_dir)
+    for path in (stage, stage / META):
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return  # missing (created later), or not reachable: the lease says why
+        if not stat.S_ISDIR(mode):
+            err = OSError(errno.ENOTDIR, "exists and is not a directory (or is a symlink)")
+            err.filename = str(path)
+            raise _usage_error(stage_dir, err)
 
 
 def data_key(root: str | Path) -> str:
