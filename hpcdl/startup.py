@@ -229,6 +229,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         if cfg.precision != "fp32":
             say(precision_line(cfg.precision))
+        if cfg.lr == 0:
+            say("hpcdl: --lr 0: the parameters will not change")
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready

@@ -334,3 +334,19 @@ def test_a_wrong_user_model_is_one_line_naming_the_flag(builder, message, digits
     assert lines[0].startswith(f"hpcdl.train: error: --model '{USER_MODEL}:{builder}': "), lines
     assert message in lines[0]
     assert not metrics.exists()
+
+
+def test_lr_zero_trains_without_changing_the_parameters_and_says_so_once(digits_dir, tmp_path):
+    """PyTorch's optimizers and Keras accept lr=0 (freeze a model, check a weights round trip)."""
+    proc = run_train(
+        1,
+        *("--data", digits_dir / "train", "--model", "mlp", "--epochs", 2, "--lr", 0),
+        *("--batch-size", 32, "--workers", 0, "--checkpoint-every", 2),
+        *("--max-steps", 4, "--checkpoint-dir", tmp_path / "ckpt"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "--lr 0" in line]
+    assert said == ["hpcdl: --lr 0: the parameters will not change"], proc.stdout
+    first, last = map(checkpoint.load, checkpoint.list_checkpoints(tmp_path / "ckpt"))
+    assert (first.global_step, last.global_step) == (2, 4)
+    assert np.array_equal(first.params, last.params)
