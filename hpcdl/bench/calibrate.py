@@ -288,7 +288,7 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
         medians.append(comm.allreduce(statistics.median(times), op=MPI.MAX))
     try:
         fit = scaling_model.fit([float(b) for b in batches], medians)
-        v0, t = fit.v0, max(fit.t, 0.0)
+        v0, t = fit.v0, fit.t  # the fit holds t >= 0
     except scaling_model.ScalingFitError:  # too noisy to split: all of the step grows with b
         v0, t = batches[-1] / medians[-1], 0.0
     model = nn.build_model(args.model, args.shape, args.classes, seed=0)

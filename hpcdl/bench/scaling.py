@@ -150,7 +150,7 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
             b90 = fit.batch_for_fraction(FRACTION)
             fits.append(
                 {"ranks": ranks, "v0": fit.v0, "t": fit.t, "r2": fit.r2, "b90": b90,
-                 "b90_per_rank": b90 / ranks}
+                 "b90_per_rank": b90 / ranks, "separable": fit.separable, "note": fit.note}
             )  # fmt: skip
         for p, b, s in zip(rec["points"], global_b, seconds, strict=True):
             points.append(
@@ -180,7 +180,9 @@ def print_table(fits: list[dict], points: list[dict]) -> None:
             f"r2 = {f['r2']:.3f}; {FRACTION:.0%} of v0 needs a global batch of {f['b90']:.0f} "
             f"({f['b90_per_rank']:.0f} per rank)"
         )
-        if f["r2"] < 0.9 or f["t"] < 0:
+        if f["note"]:
+            print(f"  {f['note']}")
+        if f["r2"] < 0.9:
             print(
                 f"  warning: r2 {f['r2']:.2f}, t {f['t'] * 1e3:.2f} ms: the timings do not follow "
                 "b / v0 + t well (other load on the machine? too few --steps?); check the plot"
