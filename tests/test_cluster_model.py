@@ -215,6 +215,31 @@ def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
     assert f"--data {empty} holds no files to read" in proc.stderr
 
 
+def test_bench_calibrate_creates_a_missing_stage_dir_as_training_does(tree, tmp_path):
+    """A stage dir that does not exist yet is made (hpcdl.train makes it), used and removed;
+    one that cannot be a directory is one line, not a traceback."""
+    def calibrate(stage_dir: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(tree),
+               "--stage-dir", str(stage_dir), "--threads", "1", "--files", "2",
+               "--local-mb", "1", "--steps", "1", "--batch-size", "2", "--input-shape", "1,4,4",
+               "--repeats", "1"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    missing = tmp_path / "local" / "stage"
+    proc = calibrate(missing)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "local disk:" in proc.stdout, proc.stdout
+    assert not missing.exists() and not (tmp_path / "local").exists()  # made here, removed
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    proc = calibrate(a_file)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and f"cannot use --stage-dir {a_file}" in lines[0], proc.stderr
+    assert a_file.read_text() == "mine"
+
+
 def test_alpha_beta_come_back_from_ring_timings():
     from hpcdl.bench.calibrate import SIZES, fit_alpha_beta
 

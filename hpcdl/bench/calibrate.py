@@ -29,6 +29,7 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -177,7 +178,38 @@ def measure_pfs_together(
 
 
 def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
-    """Write megabytes to a temporary file in stage_dir, fsync, remove it."""
+    """Write megabytes to a temporary file in stage_dir, fsync, remove it.
+
+    A stage dir that does not exist yet is made as hpcdl.train makes it (mode 0700, with its
+    missing parents) and removed again with them; one that cannot be used is a UserError of
+    one line."""
+    made: list[Path] = []
+    try:
+        made = _make_dirs(stage_dir)
+        return _timed_write(stage_dir, megabytes)
+    except OSError as exc:
+        raise UserError(
+            f"hpcdl.bench calibrate: cannot use --stage-dir {stage_dir}: {exc.strerror or exc}; "
+            "choose a writable directory on node-local storage"
+        ) from None
+    finally:
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """Create path and its missing parents (mode 0700); the ones created, outermost first."""
+    missing = []
+    while not path.exists() and not path.is_symlink():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700)
+    return list(reversed(missing))
+
+
+def _timed_write(stage_dir: Path, megabytes: int) -> LocalFigures:
     block = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
     fd, name = tempfile.mkstemp(prefix=".hpcdl-calibrate-", dir=stage_dir)
     try:
