@@ -2,9 +2,9 @@
 
 `hpcdl.train --metrics` writes the file (hpcdl.metrics; format in docs/internals.md). Every run
 begins with a `start` event and hpcdl.train appends, so a file is split into runs there. This is
-the one reader: `python -m hpcdl.report` draws from it, hpcdl.report_model compares it with the
-cluster model's prediction, and the benchmarks that train (`bench train`, vs_torch) take their
-figures from it.
+the one reader: `python -m hpcdl.report` draws from it, hpcdl.clustermodel.comparison compares
+it with the cluster model's prediction, and the benchmarks that train (`bench train`,
+vs_torch) take their figures from it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpcdl import report_model
+from hpcdl.clustermodel import comparison
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.metrics_file import (
     BREAKDOWN,
@@ -245,14 +245,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare_with_model(runs: list[Run], predicted: str, out: Path) -> int:
-    """--predicted: the cluster model's figures against these runs (hpcdl.report_model)."""
+    """--predicted: the cluster model's figures against these runs (clustermodel.comparison)."""
     try:
-        predictions = report_model.load_predictions(predicted)
+        predictions = comparison.load_predictions(predicted)
     except ReportError as exc:
         print(f"hpcdl.report: error: {exc}", file=sys.stderr)
         return 1
     target = out.with_name(f"{out.stem}-model.png")
-    if report_model.render_comparison(runs, predictions, target) == 0:
+    if comparison.render_comparison(runs, predictions, target) == 0:
         print(f"hpcdl.report: error: --predicted {predicted} holds no prediction for the world "
               "size of these runs; run the dry run with their --nodes and --ranks-per-node",
               file=sys.stderr)  # fmt: skip

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl import calibration
 from hpcdl.atomic import write_atomically, write_bytes_atomically
+from hpcdl.clustermodel import calibration
 from hpcdl.data.indexfile import FILE_MODE, write_index_file
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.nn.weights_io import write_new_file
@@ -75,7 +75,7 @@ def test_exported_weights_never_replace_a_file_that_appears_meanwhile(tmp_path):
 
 
 def test_calibration_save_cleans_up_on_error(tmp_path):
-    from hpcdl.calibration import (  # noqa: PLC0415
+    from hpcdl.clustermodel.calibration import (  # noqa: PLC0415
         Calibration,
         ComputeFigures,
         LocalFigures,

@@ -27,8 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcdl.config",),  # TrainConfig: validated against the data and model names
     ("hpcdl.staging",),  # the stage dir, plans, the stager session
     # what a run writes and what predicts it
-    ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.calibration",
-     "hpcdl.clustermodel", "hpcdl.predict", "hpcdl.report_model"),  # fmt: skip
+    ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),
     ("hpcdl.run", "hpcdl.resume", "hpcdl.export"),  # a run's resources; checkpoint in and out
     ("hpcdl.startup",),  # builds a Run from a TrainConfig
     # commands (every package's __main__ counts here, at least)

@@ -20,7 +20,7 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   whole world at the same sizes: which formula it follows.
 - Compute: every rank times hpcdl.nn.step.train_step (the `bench compute` step) at batch b/2 and b,
   all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
-  (hpcdl.bench.scaling_model.fit).
+  (hpcdl.clustermodel.speed.fit).
 - The trainer's step: train_step with the gradient reducer, then the trainer's 8-byte loss
   check, back to back on every rank; the factor on the allreduce formula is set so that the
   model's step (hpcdl.clustermodel.step_time) equals it (fit_to_trainer_step).
@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import calibration, nn
-from hpcdl.bench import scaling_model
+from hpcdl import nn
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
-from hpcdl.calibration import (
+from hpcdl.clustermodel import calibration, speed
+from hpcdl.clustermodel.calibration import (
     Calibration,
     ComputeFigures,
     LocalFigures,
@@ -319,9 +319,9 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
             times.append(time.perf_counter() - t0)
         medians.append(comm.allreduce(statistics.median(times), op=MPI.MAX))
     try:
-        fit = scaling_model.fit([float(b) for b in batches], medians)
+        fit = speed.fit([float(b) for b in batches], medians)
         v0, t = fit.v0, fit.t  # the fit holds t >= 0
-    except scaling_model.ScalingFitError:  # too noisy to split: all of the step grows with b
+    except speed.ScalingFitError:  # too noisy to split: all of the step grows with b
         v0, t = batches[-1] / medians[-1], 0.0
     model = nn.build_model(args.model, args.shape, args.classes, seed=0)
     return ComputeFigures(
@@ -376,7 +376,7 @@ def fit_to_trainer_step(
     the ranks' skew that the loss check waits for) goes into the factor. Unchanged with one
     node (no inter-node formula to scale), or when the measured step leaves no communication
     exposed to fit (all of it hidden behind backward)."""
-    from hpcdl.clustermodel import JobShape, step_time  # noqa: PLC0415
+    from hpcdl.clustermodel.equations import JobShape, step_time  # noqa: PLC0415
 
     if world.num_nodes == 1:
         return cal

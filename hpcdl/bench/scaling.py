@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.backend import cpu_threads_hint, gpu_available
-from hpcdl.bench import scaling_model
+from hpcdl.clustermodel import speed
 from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9
@@ -142,8 +142,8 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
         global_b = [ranks * p["batch"] for p in rec["points"]]
         seconds = [p["seconds_per_step"] for p in rec["points"]]
         try:
-            fit = scaling_model.fit(global_b, seconds)
-        except scaling_model.ScalingFitError as exc:
+            fit = speed.fit(global_b, seconds)
+        except speed.ScalingFitError as exc:
             fits.append({"ranks": ranks, "error": str(exc)})
             fit = None
         else:
@@ -205,7 +205,7 @@ def plot(path: str, fits: list[dict], points: list[dict], title: str) -> None:
         if "v0" in f:
             grid = np.geomspace(min(xs) / 2, max(xs, default=1) * 4, 200)
             label += f": v0 {f['v0']:.0f} img/s, t {f['t'] * 1e3:.1f} ms, r2 {f['r2']:.2f}"
-            ax.plot(grid, scaling_model.speed(grid, f["v0"], f["t"]), "-", color=f"C{i}")
+            ax.plot(grid, speed.speed(grid, f["v0"], f["t"]), "-", color=f"C{i}")
             ax.axhline(f["v0"], color=f"C{i}", ls=":", lw=0.8)
             if f["b90"] > 0:
                 ax.plot([f["b90"]], [FRACTION * f["v0"]], "x", color=f"C{i}", markersize=9)

@@ -68,7 +68,7 @@ class NetworkFigures:
 class ComputeFigures:
     model: str  # the network the step was timed for
     batch_size: int  # per-rank batch of the timed steps
-    v0: float  # images/s of one rank in the limit of large batches (hpcdl.bench.scaling_model)
+    v0: float  # images/s of one rank in the limit of large batches (hpcdl.clustermodel.speed)
     t: float  # seconds of fixed cost per step (launches, update); step = b / v0 + t
     backward_fraction: float  # share of a step spent in backward, where the allreduce overlaps
     gradient_bytes: int  # bytes allreduced per step (parameters x bytes per gradient)

@@ -2,8 +2,8 @@
 
 For each node count it takes what every node reads from the staging plan (exactly, through
 hpcdl.staging.plan.plan_for_node for every node) or, where that would cost more than
-PLAN_BUDGET, from the expected values of the shuffle (hpcdl.clustermodel.analytic_reads); the
-table says which. The cost counted is the planner's: plan_for_node draws one permutation of the
+PLAN_BUDGET, from the expected values of the shuffle (equations.analytic_reads); the table
+says which. The cost counted is the planner's: plan_for_node draws one permutation of the
 data set per epoch for each node, so nodes x epochs x samples. Then hpcdl.clustermodel predicts
 PFS load, staging, allreduce and time to train. Equations: docs/cluster-model.md.
 """
@@ -14,9 +14,9 @@ import argparse
 import json
 from typing import Any
 
-from hpcdl import clustermodel
-from hpcdl.calibration import Calibration
-from hpcdl.clustermodel import JobShape, NodeReads, Prediction
+from hpcdl.clustermodel import equations
+from hpcdl.clustermodel.calibration import Calibration
+from hpcdl.clustermodel.equations import JobShape, NodeReads, Prediction
 from hpcdl.data.sampler import SamplerSpec, rank_layout
 from hpcdl.staging.plan import plan_for_node
 
@@ -56,14 +56,14 @@ def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeR
     analytic: one entry, the expected node."""
     files, nbytes = dataset_figures(ds)
     if isinstance(ds, DescribedDataset) or shape.nodes * shape.epochs * len(ds) > PLAN_BUDGET:
-        return [clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)]
+        return [equations.analytic_reads(files, nbytes, shape, args.shuffle)]
     layout = rank_layout([shape.ranks_per_node] * shape.nodes, args.placement)
     sampler = SamplerSpec(
         num_samples=len(ds), world_size=shape.ranks, seed=int(args.seed),
         shuffle=args.shuffle, ranks_by_node=layout,
     )  # fmt: skip
     reads = [
-        clustermodel.plan_reads(
+        equations.plan_reads(
             plan_for_node(ds, sampler, shape.batch_size, (0, shape.epochs), layout[n], n)
         )
         for n in range(shape.nodes)
@@ -87,7 +87,7 @@ def predict_all(ds: Any, args: argparse.Namespace, cal: Calibration) -> list[Pre
         )
         reads = node_reads(ds, args, shape)
         every_node = reads if len(reads) == nodes else None
-        out.append(clustermodel.predict(cal, shape, reads[0], every_node))
+        out.append(equations.predict(cal, shape, reads[0], every_node))
     return out
 
 
