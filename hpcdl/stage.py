@@ -228,9 +228,24 @@ def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
         from hpcdl.clustermodel import calibration, prediction  # noqa: PLC0415
 
-        args.node_counts = args.node_counts or [env_layout()[0] or 1]
-        ds = prediction.described_dataset(args) if args.dataset_files else open_data(args)
-        return prediction.print_predictions(ds, args, calibration.load(args.calibration))
+        if args.dataset_files:
+            ds = prediction.described_dataset(args.dataset_files, args.dataset_bytes)
+        else:
+            ds = open_data(args)
+        request = prediction.PredictionRequest(
+            calibration=calibration.load(args.calibration),
+            source=args.calibration,
+            dataset=ds,
+            node_counts=tuple(args.node_counts or [env_layout()[0] or 1]),
+            ranks_per_node=int(args.ranks_per_node or 1),
+            batch_size=int(args.batch_size),
+            epochs=int(args.epochs),
+            stage_threads=int(args.stage_threads),
+            seed=int(args.seed),
+            shuffle=args.shuffle,
+            placement=args.placement,
+        )
+        return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
     layout = rank_layout([per] * nodes, args.placement)

@@ -127,7 +127,7 @@ def test_prediction_totals_sum_every_node_and_the_index():
                                    "plan")  # fmt: skip
     other = replace(reads, new_files=(90, 30), new_bytes=(9 * 10**5, 3 * 10**5))
     shape = JobShape(nodes=2, ranks_per_node=2, batch_size=5, epochs=2, index_files=300)
-    p = equations.predict(CAL, shape, reads, [reads, other])
+    p = equations.predict_shape(CAL, shape, reads, [reads, other])
     assert p.pfs_opens_per_epoch == [490, 70] and p.pfs_opens_total == 560
     assert p.pfs_metadata_ops_per_epoch == [980, 140]
     assert p.images_per_s == pytest.approx(4 * 5 / p.step_s)
@@ -171,6 +171,20 @@ def test_dry_run_with_a_calibration_predicts_per_node_count(tree, tmp_path):
     ]
     assert all(r["reads_source"] == "plan" for r in rows)
     assert "files/node e1" in proc.stdout and "images/s" in proc.stdout
+
+
+def test_predict_takes_one_typed_request_not_a_namespace(tree):
+    from hpcdl.clustermodel.prediction import PredictionRequest, predict  # noqa: PLC0415
+
+    request = PredictionRequest(
+        calibration=CAL, source="test", dataset=FileTreeDataset(tree), node_counts=(1, 2, 4),
+        ranks_per_node=2, batch_size=10, epochs=2, stage_threads=8, seed=0,
+        shuffle="global", placement="block",
+    )  # fmt: skip
+    rows = predict(request)
+    assert [p.nodes for p in rows] == [1, 2, 4]
+    assert [p.node_files_epoch1 for p in rows] == [400, 200, 100]
+    assert all(p.reads_source == "plan" for p in rows)
 
 
 def test_projection_without_files_takes_reads_analytically(tmp_path):

@@ -275,7 +275,7 @@ class Prediction:
         return asdict(self)
 
 
-def predict(
+def predict_shape(
     cal: Calibration, shape: JobShape, reads: NodeReads, every_node: list[NodeReads] | None = None
 ) -> Prediction:
     """Every figure of the model for one job shape. reads: the busiest node's; every_node: all
