@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcdl.atomic import write_atomically
 from hpcdl.comm.failure import UserError
-from hpcdl.fsync import fsync_path
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-e(\d{5})-s(\d{9})\.h5$")
@@ -69,7 +68,7 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
     final = directory / checkpoint_name(ckpt.epoch, ckpt.global_step)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomically(directory, final, ckpt)
+        write_atomically(final, lambda tmp: _write_h5(tmp, ckpt))  # hpcdl.atomic
     except OSError as exc:
         raise CheckpointWriteError(
             f"cannot write checkpoint {final}: {_reason(exc)}; free space in "
@@ -85,38 +84,27 @@ def _reason(exc: OSError) -> str:
     return os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
 
 
-def _write_atomically(directory: Path, final: Path, ckpt: Checkpoint) -> None:
-    """A temporary file in directory, fsync'ed, renamed to final; the directory fsync'ed."""
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".h5.tmp", dir=directory)
-    os.close(fd)
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format_version"] = FORMAT_VERSION
-            f.attrs["model"] = ckpt.model
-            f.attrs["layout"] = json.dumps([[n, list(s)] for n, s in ckpt.layout])
-            f.attrs["epoch"] = ckpt.epoch
-            f.attrs["step_in_epoch"] = ckpt.step_in_epoch
-            f.attrs["global_step"] = ckpt.global_step
-            f.attrs["world_size"] = ckpt.world_size
-            f.attrs["rng_states"] = json.dumps(ckpt.rng_states)
-            f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True)
-            if ckpt.loss_scale is not None:
-                f.attrs["loss_scale"] = json.dumps(ckpt.loss_scale)
-            if ckpt.epoch_order is not None:
-                f.attrs["epoch_order"] = json.dumps(ckpt.epoch_order)
-            f.create_dataset("params", data=ckpt.params)
-            f.create_dataset("buffers", data=ckpt.buffers)
-            opt = f.create_group("optimizer")
-            for key, value in ckpt.optimizer.items():
-                opt.create_dataset(key, data=np.asarray(value))
-            f.flush()
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_path(directory)
+def _write_h5(path: str, ckpt: Checkpoint) -> None:
+    """ckpt as an HDF5 file at path (hpcdl.atomic's temporary file)."""
+    with h5py.File(path, "w") as f:
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["model"] = ckpt.model
+        f.attrs["layout"] = json.dumps([[n, list(s)] for n, s in ckpt.layout])
+        f.attrs["epoch"] = ckpt.epoch
+        f.attrs["step_in_epoch"] = ckpt.step_in_epoch
+        f.attrs["global_step"] = ckpt.global_step
+        f.attrs["world_size"] = ckpt.world_size
+        f.attrs["rng_states"] = json.dumps(ckpt.rng_states)
+        f.attrs["config"] = json.dumps(ckpt.config, sort_keys=True)
+        if ckpt.loss_scale is not None:
+            f.attrs["loss_scale"] = json.dumps(ckpt.loss_scale)
+        if ckpt.epoch_order is not None:
+            f.attrs["epoch_order"] = json.dumps(ckpt.epoch_order)
+        f.create_dataset("params", data=ckpt.params)
+        f.create_dataset("buffers", data=ckpt.buffers)
+        opt = f.create_group("optimizer")
+        for key, value in ckpt.optimizer.items():
+            opt.create_dataset(key, data=np.asarray(value))
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:

@@ -364,8 +364,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in _NON_NEGATIVE:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(cfg, name)}")
-    if not cfg.lr > 0:
-        raise ConfigError(f"--lr must be > 0, got {cfg.lr}")
+    if not cfg.lr >= 0:  # 0 freezes the model, as PyTorch and Keras allow (startup says so)
+        raise ConfigError(f"--lr must be >= 0, got {cfg.lr}")
     if not cfg.bucket_mb > 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
     if cfg.workers is not None and cfg.workers < 0:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from hpcdl.comm.failure import UserError
 from hpcdl.config import progress_from_env
-from hpcdl.step import StepTimes  # the step's timing split; summed here
+from hpcdl.nn.step import StepTimes  # the step's timing split; summed here
 
 STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
 

@@ -35,7 +35,7 @@ from hpcdl.data.epoch_order import EpochOrder
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.metrics import MetricsWriter, Progress
 from hpcdl.nn.schedule import LrSchedule
-from hpcdl.step import StepParts
+from hpcdl.nn.step import StepParts
 
 
 def own(stack: ExitStack, close: Callable[[], None], abandon: Callable[[], None] | None) -> None:
@@ -88,7 +88,7 @@ class Run:
     model: Any  # hpcdl.nn.Model
     optimizer: Any
     schedule: LrSchedule
-    step_parts: StepParts  # what hpcdl.step.train_step works on (model, optimizer, reducer)
+    step_parts: StepParts  # what hpcdl.nn.step.train_step works on (model, optimizer, reducer)
     start: Position  # from --resume, else the beginning
     rest: RestOfEpoch | None  # finishing an epoch another world size began, else None
     loader: Any  # hpcdl.data.Loader of the training data

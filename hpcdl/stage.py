@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pfs-open-latency", type=float, help="dry run estimate: ms per open (default 1)")
     a("--probe", action="store_true", default=None, help="dry run: measure PFS speed by reading")
     a("--write-plans", help="dry run: write each node's plan file into this directory")
-    # cluster model (hpcdl.predict, docs/cluster-model.md)
+    # cluster model (hpcdl.clustermodel, docs/cluster-model.md)
     a(
         "--calibration",
         help="dry run: calibration file (python -m hpcdl.bench calibrate, or the site's); "
@@ -226,11 +226,26 @@ def job_sampler(ds: Any, args: argparse.Namespace, layout: NodeLayout) -> Sample
 
 def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
-        from hpcdl import calibration, predict  # noqa: PLC0415
+        from hpcdl.clustermodel import calibration, prediction  # noqa: PLC0415
 
-        args.node_counts = args.node_counts or [env_layout()[0] or 1]
-        ds = predict.described_dataset(args) if args.dataset_files else open_data(args)
-        return predict.print_predictions(ds, args, calibration.load(args.calibration))
+        if args.dataset_files:
+            ds = prediction.described_dataset(args.dataset_files, args.dataset_bytes)
+        else:
+            ds = open_data(args)
+        request = prediction.PredictionRequest(
+            calibration=calibration.load(args.calibration),
+            source=args.calibration,
+            dataset=ds,
+            node_counts=tuple(args.node_counts or [env_layout()[0] or 1]),
+            ranks_per_node=int(args.ranks_per_node or 1),
+            batch_size=int(args.batch_size),
+            epochs=int(args.epochs),
+            stage_threads=int(args.stage_threads),
+            seed=int(args.seed),
+            shuffle=args.shuffle,
+            placement=args.placement,
+        )
+        return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
     layout = rank_layout([per] * nodes, args.placement)

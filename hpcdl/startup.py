@@ -28,9 +28,9 @@ from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
+from hpcdl.nn.step import StepParts
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
-from hpcdl.step import StepParts
 
 
 def env_rank() -> int:
@@ -199,6 +199,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
     with ExitStack() as stack:
         xp, error = backend.try_select(cfg.device, world.local_rank)
         agree_on_errors(world.comm, world.rank, error)  # no GPU: one message, every rank stops
+        check_outputs(cfg, world)  # config errors: said before the start line, every rank
+        check_stage_dir(cfg, world)
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware
         say(
@@ -207,7 +209,6 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         )
         watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
         own(stack, watch.close, watch.abandon)
-        check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
         sampler = spec.for_rank(world.rank)
@@ -228,6 +229,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         if cfg.precision != "fp32":
             say(precision_line(cfg.precision))
+        if cfg.lr == 0:
+            say("hpcdl: --lr 0: the parameters will not change")
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
@@ -540,6 +543,21 @@ def check_outputs(cfg: TrainConfig, world: World) -> None:
     error = world.comm.bcast(_output_error(cfg) if world.is_root else None, root=0)
     if error:
         raise SystemExitWithMessage(error if world.is_root else None)
+
+
+def check_stage_dir(cfg: TrainConfig, world: World) -> None:
+    """--stage-dir that overlaps the data or is a file: refused on every rank, said once,
+    before anything is created (the stager session checks again, with what it creates)."""
+    if not cfg.stage_dir:
+        return
+    from hpcdl.staging.ownership import StageDirError, check_stage_dir  # noqa: PLC0415
+
+    error = None
+    try:
+        check_stage_dir(cfg.stage_dir, {"--data": cfg.data, "--val-data": cfg.val_data})
+    except StageDirError as exc:
+        error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
 
 
 def _output_error(cfg: TrainConfig) -> str | None:

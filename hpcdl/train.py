@@ -2,7 +2,7 @@
 
 Read top to bottom: main (configuration, MPI), then train: the loop. Start-up (device, data,
 model, resume, staging, loaders) builds a Run (hpcdl.startup, hpcdl.run) that owns every resource
-and closes them on every exit path; the step itself is hpcdl.step.train_step, which averages
+and closes them on every exit path; the step itself is hpcdl.nn.step.train_step, which averages
 the gradients with a bucketed allreduce that overlaps with backward (hpcdl.comm.reducer). Every
 rank runs this file; rank 0 prints and writes metrics.
 """
@@ -30,8 +30,8 @@ from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import RunningMean
+from hpcdl.nn.step import StepResult, train_step
 from hpcdl.run import Position, Run
-from hpcdl.step import StepResult, train_step
 
 EXIT_STOPPED_BY_SIGNAL = 3
 EXIT_LOADER_TIMEOUT = 4  # a loader worker stayed silent past --loader-timeout

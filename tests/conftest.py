@@ -108,3 +108,30 @@ def cluster(tmp_path):
     with Cluster(tmp_path / "cluster", nodes=2) as c:
         yield c
     assert not leftovers(), leftovers()
+
+
+@pytest.fixture(scope="module")
+def world():
+    """This MPI job's World (tests marked mpi, run under mpirun with --with-mpi)."""
+    from hpcdl.comm.world import init_world  # noqa: PLC0415 (MPI starts only for the tests using it)
+
+    return init_world()
+
+
+@pytest.fixture(scope="module")
+def shared_digits(world, tmp_path_factory):
+    """Digits as HDF5 shards in ONE directory that every rank sees (the run config must agree)."""
+    import subprocess  # noqa: PLC0415
+
+    path, error = None, None
+    if world.rank == 0:
+        out = tmp_path_factory.mktemp("digits_shared")
+        proc = subprocess.run(
+            [sys.executable, "-m", "hpcdl.data", "convert", "digits", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        path, error = str(out), (proc.stderr if proc.returncode else None)
+    path, error = world.comm.bcast((path, error), root=0)
+    assert error is None, error
+    return Path(path)

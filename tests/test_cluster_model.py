@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import stage_cli
 
-from hpcdl import calibration, clustermodel
-from hpcdl.calibration import (
+from hpcdl.clustermodel import calibration, equations
+from hpcdl.clustermodel.calibration import (
     Calibration,
     CalibrationError,
     ComputeFigures,
@@ -21,7 +22,7 @@ from hpcdl.calibration import (
     NetworkFigures,
     PfsFigures,
 )
-from hpcdl.clustermodel import JobShape
+from hpcdl.clustermodel.equations import JobShape
 from hpcdl.data.sampler import SamplerSpec, rank_layout
 from hpcdl.staging.plan import FileTreeDataset, plan_for_node
 
@@ -38,33 +39,33 @@ CAL = Calibration(
 
 
 def test_ring_and_tree_follow_their_formulas():
-    assert clustermodel.ring_s(1, 1e6, 1.0, 1.0) == 0.0
+    assert equations.ring_s(1, 1e6, 1.0, 1.0) == 0.0
     # 2(p-1) alpha + 2(p-1)/p n beta
-    assert clustermodel.ring_s(4, 1000, 0.5, 0.01) == pytest.approx(6 * 0.5 + 1.5 * 1000 * 0.01)
+    assert equations.ring_s(4, 1000, 0.5, 0.01) == pytest.approx(6 * 0.5 + 1.5 * 1000 * 0.01)
     # reduce + broadcast along binomial trees: 2 ceil(log2 p) (alpha + n beta)
-    assert clustermodel.tree_s(5, 1000, 0.5, 0.01) == pytest.approx(2 * 3 * (0.5 + 10))
+    assert equations.tree_s(5, 1000, 0.5, 0.01) == pytest.approx(2 * 3 * (0.5 + 10))
     net = CAL.network
-    one_node = clustermodel.allreduce_s(net, 1, 4, 1e6)
-    assert one_node["ring"] == one_node["hierarchical"] == clustermodel.ring_s(4, 1e6, 1e-5, 1e-9)
-    two = clustermodel.allreduce_s(net, 2, 4, 1e6)
+    one_node = equations.allreduce_s(net, 1, 4, 1e6)
+    assert one_node["ring"] == one_node["hierarchical"] == equations.ring_s(4, 1e6, 1e-5, 1e-9)
+    two = equations.allreduce_s(net, 2, 4, 1e6)
     assert two["hierarchical"] == pytest.approx(2 * 2 * (1e-5 + 1e-3) + 2 * 1 * (1e-4 + 1e-2))
     assert two["ring"] == pytest.approx(14 * 1e-4 + 2 * 7 / 8 * 1e6 * 1e-8)
 
 
 def test_staging_rate_is_the_smallest_limit():
     shape = JobShape(nodes=4, ranks_per_node=2, batch_size=8, epochs=1, stage_threads=8)
-    rate = clustermodel.staging_rate(CAL, shape, mean_bytes=1e5)
+    rate = equations.staging_rate(CAL, shape, mean_bytes=1e5)
     assert rate.per_file_s == pytest.approx(0.01 + 1e5 / 1e8)
     assert rate.files_per_s == pytest.approx(8 / 0.011) and rate.limit == "open latency x threads"
     capped = replace(CAL, pfs=replace(CAL.pfs, total_opens_per_s=1000.0))
-    rate = clustermodel.staging_rate(capped, shape, mean_bytes=1e5)
+    rate = equations.staging_rate(capped, shape, mean_bytes=1e5)
     assert rate.files_per_s == pytest.approx(250.0) and rate.limit == "PFS metadata (opens/s)"
 
 
 def test_staging_ahead_of_the_steps_leaves_epoch_one_compute_bound():
-    reads = clustermodel.NodeReads((100,), (10**6,), np.arange(10, 101, 10), 10, "plan")
-    fast = clustermodel.StagingRate(files_per_s=1000.0, per_file_s=0.001, limit="x")
-    one = clustermodel.epoch_one(reads, fast, step_s=0.1, lead_s=0.1)
+    reads = equations.NodeReads((100,), (10**6,), np.arange(10, 101, 10), 10, "plan")
+    fast = equations.StagingRate(files_per_s=1000.0, per_file_s=0.001, limit="x")
+    one = equations.epoch_one(reads, fast, step_s=0.1, lead_s=0.1)
     assert one.input_bound_s == pytest.approx(0.0) and one.first_late_step is None
     assert one.seconds == pytest.approx(1.0)
     assert one.staging_finish_s == pytest.approx(0.001 + 99 / 1000)
@@ -72,9 +73,9 @@ def test_staging_ahead_of_the_steps_leaves_epoch_one_compute_bound():
 
 
 def test_slow_staging_makes_epoch_one_wait_for_the_last_files():
-    reads = clustermodel.NodeReads((100,), (10**6,), np.arange(10, 101, 10), 10, "plan")
-    slow = clustermodel.StagingRate(files_per_s=10.0, per_file_s=0.1, limit="x")
-    one = clustermodel.epoch_one(reads, slow, step_s=0.1, lead_s=0.0)
+    reads = equations.NodeReads((100,), (10**6,), np.arange(10, 101, 10), 10, "plan")
+    slow = equations.StagingRate(files_per_s=10.0, per_file_s=0.1, limit="x")
+    one = equations.epoch_one(reads, slow, step_s=0.1, lead_s=0.0)
     # step s waits for file 10(s+1): ready at 0.1 + (10(s+1) - 1) / 10; the last step ends 0.1 later
     assert one.seconds == pytest.approx(0.1 + 99 / 10 + 0.1)
     assert one.first_late_step == 0
@@ -84,13 +85,13 @@ def test_slow_staging_makes_epoch_one_wait_for_the_last_files():
 def test_allreduce_hidden_behind_a_long_backward_is_not_exposed():
     slow_compute = replace(CAL, compute=replace(CAL.compute, v0=8.0, backward_fraction=0.9))
     shape = JobShape(nodes=2, ranks_per_node=2, batch_size=8, epochs=1, bucket_mb=1.0)
-    step = clustermodel.step_time(slow_compute, shape)
+    step = equations.step_time(slow_compute, shape)
     assert step.compute_s == pytest.approx(1.01)
-    last_bucket = clustermodel.allreduce_s(CAL.network, 2, 2, 4_000_000 - 3 * (1 << 20))
+    last_bucket = equations.allreduce_s(CAL.network, 2, 2, 4_000_000 - 3 * (1 << 20))
     # only the bucket that becomes ready at the end of backward is left to wait for
     assert step.exposed_s == pytest.approx(last_bucket["hierarchical"], rel=1e-6)
     assert step.step_s == pytest.approx(step.compute_s + step.exposed_s + step.check_s)
-    alone = clustermodel.step_time(CAL, replace(shape, nodes=1, ranks_per_node=1))
+    alone = equations.step_time(CAL, replace(shape, nodes=1, ranks_per_node=1))
     assert alone.step_s == CAL.compute.step_s(8)
 
 
@@ -108,25 +109,25 @@ def test_reads_from_the_plan_count_each_nodes_files_once(tree):
     spec = SamplerSpec(num_samples=len(ds), world_size=4, seed=3, shuffle="global",
                        ranks_by_node=layout)  # fmt: skip
     plan = plan_for_node(ds, spec, 10, (0, 3), layout[1], 1)
-    reads = clustermodel.plan_reads(plan)
+    reads = equations.plan_reads(plan)
     assert sum(reads.new_files) == plan.files and sum(reads.new_bytes) == plan.bytes
     first_epoch = plan_for_node(ds, spec, 10, (0, 1), layout[1], 1)
     assert reads.new_files[0] == first_epoch.files == int(reads.first_needed[-1])
     assert len(reads.first_needed) == 10 and np.all(np.diff(reads.first_needed) >= 0)
     # the expected values of a global shuffle lie close to one draw of it
     shape = JobShape(nodes=2, ranks_per_node=2, batch_size=10, epochs=3)
-    expected = clustermodel.analytic_reads(len(ds), sum(f.size for f in ds.files), shape)
+    expected = equations.analytic_reads(len(ds), sum(f.size for f in ds.files), shape)
     assert expected.new_files[0] == reads.new_files[0] == 200
     assert expected.new_files[1:] == (100, 50)
     assert all(abs(a - b) <= 25 for a, b in zip(expected.new_files, reads.new_files))
 
 
 def test_prediction_totals_sum_every_node_and_the_index():
-    reads = clustermodel.NodeReads((100, 40), (10**6, 4 * 10**5), np.arange(10, 101, 10), 10,
+    reads = equations.NodeReads((100, 40), (10**6, 4 * 10**5), np.arange(10, 101, 10), 10,
                                    "plan")  # fmt: skip
     other = replace(reads, new_files=(90, 30), new_bytes=(9 * 10**5, 3 * 10**5))
     shape = JobShape(nodes=2, ranks_per_node=2, batch_size=5, epochs=2, index_files=300)
-    p = clustermodel.predict(CAL, shape, reads, [reads, other])
+    p = equations.predict_shape(CAL, shape, reads, [reads, other])
     assert p.pfs_opens_per_epoch == [490, 70] and p.pfs_opens_total == 560
     assert p.pfs_metadata_ops_per_epoch == [980, 140]
     assert p.images_per_s == pytest.approx(4 * 5 / p.step_s)
@@ -151,8 +152,7 @@ def test_calibration_file_round_trips_and_names_a_bad_field(tmp_path):
 
 
 def stage(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcdl.stage", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    return stage_cli(*args, cwd=REPO)
 
 
 def test_dry_run_with_a_calibration_predicts_per_node_count(tree, tmp_path):
@@ -171,6 +171,20 @@ def test_dry_run_with_a_calibration_predicts_per_node_count(tree, tmp_path):
     ]
     assert all(r["reads_source"] == "plan" for r in rows)
     assert "files/node e1" in proc.stdout and "images/s" in proc.stdout
+
+
+def test_predict_takes_one_typed_request_not_a_namespace(tree):
+    from hpcdl.clustermodel.prediction import PredictionRequest, predict  # noqa: PLC0415
+
+    request = PredictionRequest(
+        calibration=CAL, source="test", dataset=FileTreeDataset(tree), node_counts=(1, 2, 4),
+        ranks_per_node=2, batch_size=10, epochs=2, stage_threads=8, seed=0,
+        shuffle="global", placement="block",
+    )  # fmt: skip
+    rows = predict(request)
+    assert [p.nodes for p in rows] == [1, 2, 4]
+    assert [p.node_files_epoch1 for p in rows] == [400, 200, 100]
+    assert all(p.reads_source == "plan" for p in rows)
 
 
 def test_projection_without_files_takes_reads_analytically(tmp_path):
@@ -215,11 +229,36 @@ def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
     assert f"--data {empty} holds no files to read" in proc.stderr
 
 
+def test_bench_calibrate_creates_a_missing_stage_dir_as_training_does(tree, tmp_path):
+    """A stage dir that does not exist yet is made (hpcdl.train makes it), used and removed;
+    one that cannot be a directory is one line, not a traceback."""
+    def calibrate(stage_dir: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(tree),
+               "--stage-dir", str(stage_dir), "--threads", "1", "--files", "2",
+               "--local-mb", "1", "--steps", "1", "--batch-size", "2", "--input-shape", "1,4,4",
+               "--repeats", "1"]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    missing = tmp_path / "local" / "stage"
+    proc = calibrate(missing)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "local disk:" in proc.stdout, proc.stdout
+    assert not missing.exists() and not (tmp_path / "local").exists()  # made here, removed
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    proc = calibrate(a_file)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and f"cannot use --stage-dir {a_file}" in lines[0], proc.stderr
+    assert a_file.read_text() == "mine"
+
+
 def test_alpha_beta_come_back_from_ring_timings():
     from hpcdl.bench.calibrate import SIZES, fit_alpha_beta
 
     alpha, beta = 2e-5, 1 / 3e7
-    seconds = [clustermodel.ring_s(4, n, alpha, beta) for n in SIZES]
+    seconds = [equations.ring_s(4, n, alpha, beta) for n in SIZES]
     fitted = fit_alpha_beta(4, SIZES, seconds)
     assert fitted[1] == pytest.approx(beta)
     assert fitted[0] == pytest.approx(alpha + SIZES[0] * beta * 1.5 / 6)  # 4 KiB: some bandwidth
@@ -240,13 +279,13 @@ def test_the_algorithm_factor_is_fitted_to_the_trainers_measured_step():
 
     def step_at(factor: float) -> float:
         network = replace(CAL.network, algorithm_factor=factor)
-        return clustermodel.step_time(replace(CAL, network=network), shape).step_s
+        return equations.step_time(replace(CAL, network=network), shape).step_s
 
     measured = step_at(1.7)
     assert measured > step_at(1.0)  # the exposed allreduce grows with the factor
     fitted = fit_to_trainer_step(CAL, world, args, measured)
     assert fitted.network.algorithm_factor == pytest.approx(1.7, rel=1e-6)
-    assert clustermodel.step_time(fitted, shape).step_s == pytest.approx(measured, rel=1e-9)
+    assert equations.step_time(fitted, shape).step_s == pytest.approx(measured, rel=1e-9)
     assert fitted.pfs == CAL.pfs and fitted.compute == CAL.compute
     # nothing to fit: a step no longer than compute, or one node (no inter-node formula)
     assert fit_to_trainer_step(CAL, world, args, CAL.compute.step_s(8) / 2) == CAL

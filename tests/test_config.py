@@ -19,6 +19,11 @@ def test_flags_override_toml(tmp_path):
     assert cfg.epochs == 10  # default kept
 
 
+def test_lr_zero_is_accepted_to_freeze_a_model():
+    """PyTorch's optimizers and Keras take lr=0 (freeze, or check that weights round-trip)."""
+    assert parse_args(["--data", "x", "--lr", "0"]).lr == 0.0
+
+
 def test_sync_params_k():
     assert parse_args(["--data", "x", "--sync", "params:4"]).params_sync_every == 4
     assert parse_args(["--data", "x"]).params_sync_every == 0
@@ -31,7 +36,7 @@ def test_sync_params_k():
         (["--data", "x", "--batch-size", "abc"], "--batch-size .*must be an integer"),
         (["--data", "x", "--model", "vgg"], "--model must be one of mlp, cnn, resnet20"),
         (["--data", "x", "--sync", "params:0"], "--sync"),
-        (["--data", "x", "--lr", "-1"], "--lr must be > 0"),
+        (["--data", "x", "--lr", "-1"], "--lr must be >= 0"),
         (["--data", "x", "--resume", "auto"], "needs --checkpoint-dir"),
         (["--data", "x", "--stage-capacity", "lots"], "--stage-capacity"),
         (["--batch-size", "4"], "--data is required"),

@@ -92,7 +92,7 @@ def test_npz_and_cifar_round_trips(tmp_path):
 
 
 def test_folder_round_trip_and_resize(tmp_path):
-    from test_data_imagefolder import make_folder
+    from helpers import make_folder
 
     images = make_folder(tmp_path / "src", per_class=2)
     assert main(["convert", "folder", str(tmp_path / "src"), str(tmp_path / "o")]) == 0
@@ -103,7 +103,7 @@ def test_folder_round_trip_and_resize(tmp_path):
 
 @pytest.mark.parametrize("case", ["empty", "mixed", "unreadable"])
 def test_bad_folders_give_one_clear_error_and_no_output(tmp_path, capsys, case):
-    from test_data_imagefolder import make_folder
+    from helpers import make_folder
 
     src = tmp_path / "src"
     if case == "empty":

@@ -65,7 +65,7 @@ def test_loader_batches_equal_direct_reads(shards):
 def test_validation_crops_of_uint8_samples_are_torchvisions(shards, spec, resize):
     """6x5 samples: rrc4 validates on a resize to shorter side int(4 / 0.875) = 4 (5x4), then
     the centre 4x4; rcrop4 on the centre 4x4 (the shape the training crops have)."""
-    from test_data_imagefolder import torchvision_eval  # noqa: PLC0415
+    from helpers import torchvision_eval  # noqa: PLC0415
 
     d, x, y = shards
     ds = open_dataset(d)

@@ -9,24 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_train
+from helpers import make_folder, torchvision_eval
 from PIL import Image
 
 from hpcdl.data import BadSample, DataError, Loader, open_dataset
 from hpcdl.staging.plan import PlanError, check_relpath
-
-
-def make_folder(root, per_class=3, size=(20, 16), classes=("cat", "dog"), fmt="png", seed=0):
-    """root/<class>/<i>.<fmt> random RGB images (w, h) = size; returns {relpath: HWC array}."""
-    rng = np.random.default_rng(seed)
-    images = {}
-    for c in classes:
-        (root / c).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-            rel = f"{c}/{i}.{fmt}"
-            Image.fromarray(arr).save(root / rel, quality=95)
-            images[rel] = np.asarray(Image.open(root / rel).convert("RGB"))
-    return images
 
 
 def test_index_is_built_once_cached_and_rebuilt_when_the_tree_changes(tmp_path):
@@ -154,21 +141,6 @@ def test_mixed_sizes_centre_crop_to_the_smallest(tmp_path):
     assert ds.sample_shape == (3, 16, 11)
     ((x, _),) = list(Loader(ds, 6).iterate([np.arange(6)], 0, train=False))
     assert x.shape == (6, 3, 16, 11)
-
-
-def torchvision_eval(img: np.ndarray, crop: int, resize: int | None) -> np.ndarray:
-    """torchvision's eval transform on an (h, w, C) uint8 image, written from its definitions:
-    Resize(resize) (shorter side to resize, longer int(resize * long / short), PIL bilinear),
-    then CenterCrop(crop) (top int(round((h - crop) / 2)))."""
-    h, w = img.shape[:2]
-    if resize is not None:
-        if h <= w:
-            h, w = resize, int(resize * w / h)
-        else:
-            h, w = int(resize * h / w), resize
-        img = np.asarray(Image.fromarray(img).resize((w, h), Image.BILINEAR))
-    top, left = int(round((h - crop) / 2.0)), int(round((w - crop) / 2.0))
-    return img[top : top + crop, left : left + crop]
 
 
 @pytest.mark.parametrize("workers,fmt", [(0, "png"), (1, "png"), (0, "jpg")])

@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 import pytest
-from test_data_imagefolder import make_folder
+from helpers import make_folder
 
 from hpcdl.data import Loader, open_dataset
 from hpcdl.data.convert import write_dataset

@@ -4,12 +4,10 @@ The index cache goes to the user's cache directory unless --index-in-data-root a
 data root; an index someone already put there is read."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from conftest import mpi_env, read_events, run_train
-from test_data_imagefolder import make_folder
+from helpers import make_folder, stage_cli
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -23,13 +21,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def stage(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "hpcdl.stage", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=mpi_env(),
-        timeout=300,
-    )
+    return stage_cli(*args, env=mpi_env(), timeout=300)
 
 
 def test_train_dry_run_and_stage_only_leave_the_data_root_as_it_was(tmp_path):

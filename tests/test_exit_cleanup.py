@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import mpi_env, mpirun_cmd, read_events, train_cmd
+from helpers import job_pids
 from PIL import Image
 
 from hpcdl.data import open_dataset
@@ -65,22 +66,6 @@ def corrupt_copy(folder: Path, dest: Path, rank: int, step: int) -> tuple[Path, 
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])  # header intact, image data cut
     return dest, ds.files[sample].relpath
-
-
-def job_pids(marker: str) -> list[int]:
-    """Processes whose environment carries this test's marker (ranks, workers, stager)."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if f"HPCDL_TEST_MARKER={marker}".encode() in environ.split(b"\0"):
-            pids.append(int(entry.name))
-    return pids
 
 
 def rank_pid(marker: str, rank: int) -> int:

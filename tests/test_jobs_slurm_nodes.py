@@ -15,8 +15,7 @@ import re
 
 import pytest
 from slurm_cluster import INSTALL_HINT, SlurmError, missing_binaries
-from slurm_nodes import SlurmOnNodes
-from test_jobs_slurm import (
+from slurm_jobs import (
     assert_state,
     log_of,
     render,
@@ -24,6 +23,7 @@ from test_jobs_slurm import (
     wait_for_training_steps,
     write_config,
 )
+from slurm_nodes import SlurmOnNodes
 
 from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 

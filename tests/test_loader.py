@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import children
 from loader_hooks import SlowLocate
 
 from hpcdl.data import DataError, Loader, open_dataset
@@ -29,20 +30,6 @@ def h5data(tmp_path_factory):
             f["images"] = x[k * 200 : (k + 1) * 200]
             f["labels"] = np.arange(k * 200, (k + 1) * 200) % 10
     return open_dataset(d)
-
-
-def children() -> set[int]:
-    """Live (non-zombie) child processes of this process."""
-    me, out = os.getpid(), set()
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == me and fields[0] != "Z":
-                out.add(int(p.name))
-    return out
 
 
 def shm_in_use() -> list[str]:

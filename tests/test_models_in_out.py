@@ -12,7 +12,7 @@ import pytest
 from conftest import read_events, run_train
 
 from hpcdl import checkpoint, nn
-from hpcdl.nn.export import ExportRequest, model_of
+from hpcdl.export import ExportRequest, model_of
 from hpcdl.nn.weights_io import state_dict
 
 torch = pytest.importorskip("torch")

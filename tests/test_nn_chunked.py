@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_nn_layers import check_layer
+from gradcheck import assert_same_step, check_layer, conv_step
 
 from hpcdl import backend
 from hpcdl.comm import blas_threads
@@ -42,23 +42,6 @@ def one_blas_thread(monkeypatch):
     yield chunk_of
     backend.set_blas_threads(before)
     backend.set_compute_threads(1)
-
-
-def conv_step(layer, x, dy, blas_threads, seen="chunk"):
-    """(layer.<seen> after forward, y, dx, gradients) of one forward and backward."""
-    backend.set_blas_threads(blas_threads)
-    y = layer.forward(x).copy()
-    path = getattr(layer, seen)
-    layer.g["W"][...] = np.nan  # every entry must be written
-    dx = layer.backward(dy).copy()
-    return path, y, dx, {name: g.copy() for name, g in layer.g.items()}
-
-
-def assert_same_step(first, second) -> None:
-    """Two conv_step results hold the same bits (y, dx and every gradient)."""
-    for a, b in zip(first[1:3], second[1:3]):
-        assert np.array_equal(a, b)
-    assert all(np.array_equal(first[3][k], second[3][k]) for k in first[3])
 
 
 @pytest.mark.parametrize("c_in,c_out,kernel,stride,padding,nhw", CASES)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_nn_chunked import assert_same_step, conv_step
-from test_nn_layers import check_layer
+from gradcheck import assert_same_step, check_layer, conv_step
 
 from hpcdl import backend
 from hpcdl.nn import Conv2d, conv

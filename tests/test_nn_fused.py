@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_nn_layers import check_layer
+from gradcheck import check_layer
 
 from hpcdl.backend import to_host
 from hpcdl.nn import BatchNorm, Conv2d, Dropout, Linear, MaxPool2d, ReLU, Sequential

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gradcheck import EPS, TOL, check_layer, rel_error
 
 from hpcdl.backend import to_host
 from hpcdl.nn import (
@@ -23,63 +24,6 @@ from hpcdl.nn import (
 )
 from hpcdl.nn.blocks import OptionAShortcut
 from hpcdl.nn.model import bind_flat
-
-TOL = 1e-6
-EPS = 1e-6
-
-
-def rel_error(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
-    scale = max(np.linalg.norm(a), np.linalg.norm(b), 1e-12)
-    return float(np.linalg.norm(a - b) / scale)
-
-
-def check_layer(layer, x_shape, xp, seed=0, train=True, params_checked=40, reset=None):
-    """Compare backward's dx and parameter gradients with central differences of sum(y * r)."""
-    rng = np.random.default_rng(seed)
-    params, grads, _, _ = bind_flat(layer, xp, np.float64, seed)
-    x = xp.asarray(rng.standard_normal(x_shape))
-
-    def forward():
-        if reset:
-            reset()
-        return layer.forward(x, train)
-
-    y = forward()
-    r = xp.asarray(rng.standard_normal(y.shape))
-
-    def objective() -> float:
-        return float((forward() * r).sum())
-
-    forward()
-    grads[...] = np.nan  # every gradient entry must be written by backward
-    dx = layer.backward(r.copy())
-    assert dx.shape == x.shape
-    num_dx = np.zeros(x.size)
-    flat_x = x.reshape(-1)
-    for i in range(x.size):
-        old = float(flat_x[i])
-        flat_x[i] = old + EPS
-        plus = objective()
-        flat_x[i] = old - EPS
-        minus = objective()
-        flat_x[i] = old
-        num_dx[i] = (plus - minus) / (2 * EPS)
-    assert rel_error(to_host(dx), num_dx) < TOL, "input gradient"
-    if params.size:
-        assert not np.isnan(to_host(grads)).any(), "backward left gradient entries unwritten"
-        idx = rng.choice(params.size, min(params_checked, params.size), replace=False)
-        num = []
-        for i in idx:
-            old = float(params[i])
-            params[i] = old + EPS
-            plus = objective()
-            params[i] = old - EPS
-            minus = objective()
-            params[i] = old
-            num.append((plus - minus) / (2 * EPS))
-        assert rel_error(to_host(grads)[idx], num) < TOL, "parameter gradient"
-    return y
 
 
 @pytest.mark.parametrize("n_in,n_out,batch", [(5, 3, 4), (1, 7, 1), (12, 2, 6)])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_nn_layers import check_layer
+from gradcheck import check_layer
 
 from hpcdl import nn
 from hpcdl.nn.blocks import conv_bn

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from test_nn_layers import check_layer
+from gradcheck import check_layer
 
 from hpcdl import backend
 from hpcdl.nn import BatchNorm, Dropout, Linear, MaxPool2d, ReLU, ResidualBlock, threads

@@ -6,7 +6,7 @@ import pytest
 
 from hpcdl import nn
 from hpcdl.nn.precision import LossScaler, round_in_place
-from hpcdl.step import StepParts, train_step
+from hpcdl.nn.step import StepParts, train_step
 
 # (significant bits, smallest quantum, largest finite value) of each format
 FORMATS = {

@@ -6,7 +6,7 @@ import pytest
 
 from hpcdl import nn
 from hpcdl.nn.precision import LossScaler
-from hpcdl.step import StepParts, train_step
+from hpcdl.nn.step import StepParts, train_step
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

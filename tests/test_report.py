@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl import report
+from hpcdl import metrics_file, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -100,13 +100,13 @@ def test_malformed_line_is_named_by_file_and_line(tmp_path):
     good = {"event": "step", "epoch": 0, "time": 1.0, "t_data": 0.0, "t_compute": 0.1,
             "t_comm_exposed": 0.0, "t_update": 0.0, "t_step": 0.1}  # fmt: skip
     path.write_text(json.dumps(good) + "\n" + '{"event": "step", "epoch": 0,\n')
-    with pytest.raises(report.ReportError, match=rf"{path}:2: not a JSON object"):
-        report.load_run(path)
+    with pytest.raises(metrics_file.ReportError, match=rf"{path}:2: not a JSON object"):
+        metrics_file.load_run(path)
     path.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, t_compute=None)) + "\n")
     with pytest.raises(
-        report.ReportError, match=rf"{path}:2: .*lacks numeric field\(s\) t_compute"
+        metrics_file.ReportError, match=rf"{path}:2: .*lacks numeric field\(s\) t_compute"
     ):
-        report.load_run(path)
+        metrics_file.load_run(path)
 
 
 def fake_run(t0: float, epochs: int = 2, steps: int = 4, world_size: int = 1) -> list[dict]:
@@ -160,7 +160,7 @@ def appended(tmp_path) -> Path:
 
 
 def test_appended_runs_report_only_the_last_run(appended, tmp_path, capsys):
-    run = report.load_run(appended)
+    run = metrics_file.load_run(appended)
     assert run.world_size == 1 and len(run.epochs) == 2 and len(run.steps) == 8
     run.label = "last"
     fig = report.build_figure([run])
@@ -182,14 +182,14 @@ def test_all_runs_draws_every_run_of_the_file(appended, tmp_path, capsys):
     assert report.main([str(appended), "--all-runs", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "m run 1/2 (2 ranks):" in text and "m run 2/2 (1 rank):" in text
-    runs = report.load_runs(appended)
+    runs = metrics_file.load_runs(appended)
     assert [len(r.epochs) for r in runs] == [3, 2] and runs[1].t0 == 1640.0
     with pytest.raises(SystemExit):
         report.main([str(appended), "--all-runs", "--labels", "one", "--out", str(out)])
 
 
 def test_learning_curve_panel_shows_loss_and_accuracy_per_epoch(appended):
-    run = report.load_run(appended)
+    run = metrics_file.load_run(appended)
     run.label = "r"
     (ax,) = axes_titled(report.build_figure([run]), "Learning curve: r")
     lines = plotted(ax.figure, ax)
@@ -200,7 +200,7 @@ def test_learning_curve_panel_shows_loss_and_accuracy_per_epoch(appended):
 
 
 def test_staging_panel_y_axis_starts_at_zero(appended):
-    run = report.load_run(appended)
+    run = metrics_file.load_run(appended)
     run.label = "r"
     (ax,) = axes_titled(report.build_figure([run]), "Staging vs consumption: r")
     assert ax.get_ylim()[0] == 0

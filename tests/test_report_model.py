@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl import calibration, report
-from hpcdl.calibration import Calibration, ComputeFigures, LocalFigures, NetworkFigures, PfsFigures
+from hpcdl import report
+from hpcdl.clustermodel import calibration
+from hpcdl.clustermodel.calibration import (
+    Calibration,
+    ComputeFigures,
+    LocalFigures,
+    NetworkFigures,
+    PfsFigures,
+)
 
 
 @pytest.fixture(scope="module")

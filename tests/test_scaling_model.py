@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcdl.bench import scaling_model
-from hpcdl.bench.scaling_model import ScalingFitError
+from hpcdl.clustermodel import speed
+from hpcdl.clustermodel.speed import ScalingFitError
 
 
 @pytest.mark.parametrize(
@@ -18,7 +18,7 @@ def test_fit_recovers_v0_and_t_from_noisy_timings(v0, t):
     batches = np.repeat([8, 16, 32, 64, 128, 256], 5).astype(float)
     seconds = batches / v0 + t
     seconds *= 1.0 + 0.02 * rng.standard_normal(seconds.size)  # 2% timing noise
-    fit = scaling_model.fit(batches, seconds)
+    fit = speed.fit(batches, seconds)
     assert fit.v0 == pytest.approx(v0, rel=0.05)
     assert fit.t == pytest.approx(t, rel=0.05)
     assert fit.r2 > 0.95
@@ -27,22 +27,47 @@ def test_fit_recovers_v0_and_t_from_noisy_timings(v0, t):
 
 def test_exact_timings_give_exact_fit_and_speed():
     batches = [8, 16, 32, 64]
-    fit = scaling_model.fit(batches, [b / 400.0 + 0.02 for b in batches])
+    fit = speed.fit(batches, [b / 400.0 + 0.02 for b in batches])
     assert fit.v0 == pytest.approx(400.0)
     assert fit.t == pytest.approx(0.02)
     assert fit.r2 == pytest.approx(1.0)
     assert fit.speed(32) == pytest.approx(32 / (32 / 400.0 + 0.02))
 
 
+def test_a_negative_overhead_is_held_at_zero_and_said():
+    """Under load a 2-rank fit once gave t = -0.3 ms: not a physical answer."""
+    batches = [8.0, 16.0, 32.0, 64.0]
+    seconds = [b / 1000.0 - 0.0003 for b in batches]  # what an unconstrained fit reads as t < 0
+    fit = speed.fit(batches, seconds)
+    assert fit.t == 0.0 and not fit.separable
+    assert fit.v0 == pytest.approx(1 / np.mean(np.array(seconds) / np.array(batches)), rel=0.02)
+    assert "cannot separate v0 from t" in fit.note and "t >= 0" in fit.note
+
+
+def test_a_fixed_cost_within_the_noise_is_said_to_be_inseparable():
+    rng = np.random.default_rng(3)
+    batches = np.repeat([8.0, 16.0, 32.0], 3)
+    seconds = (batches / 500.0 + 0.0005) * (1.0 + 0.05 * rng.standard_normal(batches.size))
+    fit = speed.fit(batches, seconds)
+    assert fit.t >= 0.0 and not fit.separable
+    assert "cannot separate v0 from t" in fit.note
+
+
+def test_a_clear_fixed_cost_is_separable_and_has_no_note():
+    batches = [8, 16, 32, 64]
+    fit = speed.fit(batches, [b / 400.0 + 0.02 for b in batches])
+    assert fit.separable and fit.note == ""
+
+
 def test_batch_for_fraction_reaches_that_fraction_of_v0():
     v0, t = 513.8, 0.15
-    b90 = scaling_model.batch_for_fraction(v0, t, 0.9)
+    b90 = speed.batch_for_fraction(v0, t, 0.9)
     assert b90 == pytest.approx(0.9 * v0 * t / 0.1)
-    assert scaling_model.speed(b90, v0, t) == pytest.approx(0.9 * v0)
-    assert scaling_model.speed(b90 * 0.99, v0, t) < 0.9 * v0
-    assert scaling_model.batch_for_fraction(v0, -0.001) == 0.0
+    assert speed.speed(b90, v0, t) == pytest.approx(0.9 * v0)
+    assert speed.speed(b90 * 0.99, v0, t) < 0.9 * v0
+    assert speed.batch_for_fraction(v0, -0.001) == 0.0
     with pytest.raises(ValueError, match="fraction"):
-        scaling_model.batch_for_fraction(v0, t, 1.0)
+        speed.batch_for_fraction(v0, t, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +84,7 @@ def test_batch_for_fraction_reaches_that_fraction_of_v0():
 )
 def test_unfittable_input_gives_clear_error(batches, seconds, message):
     with pytest.raises(ScalingFitError, match=message):
-        scaling_model.fit(batches, seconds)
+        speed.fit(batches, seconds)
 
 
 def test_benchmark_fits_each_rank_count_on_the_global_batch():
@@ -77,7 +102,8 @@ def test_benchmark_fits_each_rank_count_on_the_global_batch():
     assert two["v0"] == pytest.approx(513.8) and two["t"] == pytest.approx(0.15)
     assert two["b90"] == pytest.approx(9 * 513.8 * 0.15)
     assert two["b90_per_rank"] == pytest.approx(two["b90"] / 2)
-    assert four["t"] == pytest.approx(0.0, abs=1e-12)
+    assert four["t"] == pytest.approx(0.0, abs=1e-12) and four["t"] >= 0.0
+    assert one["separable"] and two["separable"] and one["note"] == ""
     p = next(p for p in points if p["ranks"] == 2 and p["batch"] == 32)
     assert p["global_batch"] == 64
     assert p["images_per_s"] == pytest.approx(64 / (64 / 513.8 + 0.15))

@@ -50,7 +50,7 @@ def test_a_mapped_file_table_pickles_as_its_file_not_its_names(names_tree):
 
 
 def test_cache_dirs_and_the_index_file_get_their_modes_whatever_the_umask(tmp_path, monkeypatch):
-    from test_data_imagefolder import make_folder  # noqa: PLC0415
+    from helpers import make_folder  # noqa: PLC0415
 
     make_folder(tmp_path / "data")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg" / "cache"))

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import mpi_env, mpirun_cmd, run_train
+from helpers import make_folder
 from slowfs import slow_mount
-from test_data_imagefolder import make_folder
 
 from hpcdl.bench.slowfs import is_mounted
 from hpcdl.staging.ownership import data_key

@@ -7,21 +7,11 @@ import subprocess
 import sys
 import time
 
-from test_staging_helpers import make_tree
-
-
-def stage(*args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "hpcdl.stage", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+from helpers import make_tree, stage_cli
 
 
 def test_version_runs_the_binary():
-    out = stage("--version")
+    out = stage_cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("hpcdl-stage ")
 
 
@@ -40,19 +30,20 @@ def test_dry_run_counts_match_a_stage_only_run_and_rerun_reuses(tmp_path):
         "--seed",
         5,
     ]
-    dry = stage("--dry-run", *common, "--epochs", 3, "--write-plans", tmp_path / "plans", "--json")
+    plans = tmp_path / "plans"
+    dry = stage_cli("--dry-run", *common, "--epochs", 3, "--write-plans", plans, "--json")
     assert dry.returncode == 0, dry.stderr
     nodes = json.loads(dry.stdout.splitlines()[-1])["nodes"]
     assert [n["node"] for n in nodes] == [0, 1, 2] and all(n["fits"] for n in nodes)
     assert len(list((tmp_path / "plans").iterdir())) == 3
     for node in (0, 2):
-        out = stage(*common, "--node", node, "--stage-dir", tmp_path / f"s{node}", "--json")
+        out = stage_cli(*common, "--node", node, "--stage-dir", tmp_path / f"s{node}", "--json")
         assert out.returncode == 0, out.stderr
         summary = json.loads(out.stdout.splitlines()[-1])
         assert summary["copied"] == nodes[node]["files"] and summary["failures"] == 0
         assert summary["bytes"] == nodes[node]["bytes"]
         assert "100%" in out.stderr
-    again = stage(*common, "--node", 0, "--stage-dir", tmp_path / "s0", "--json")
+    again = stage_cli(*common, "--node", 0, "--stage-dir", tmp_path / "s0", "--json")
     summary = json.loads(again.stdout.splitlines()[-1])
     assert summary["copied"] == 0 and summary["reused"] == nodes[0]["files"]
 
@@ -63,7 +54,7 @@ def test_capacity_limit_stops_growing_with_a_clear_summary(tmp_path):
     toml.write_text(
         f'data = "{ds.root}"\nfiles_only = true\nbatch_size = 2\nstage_capacity = "10000"\n'
     )
-    out = stage("--config", toml, "--stage-dir", tmp_path / "s", "--json")
+    out = stage_cli("--config", toml, "--stage-dir", tmp_path / "s", "--json")
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.splitlines()[-1])
     assert summary["capacity_full"] and 0 < summary["bytes"] <= 10_000
@@ -71,7 +62,7 @@ def test_capacity_limit_stops_growing_with_a_clear_summary(tmp_path):
 
 
 def test_bad_flag_value_is_one_clear_error(tmp_path):
-    out = stage("--dry-run", "--data", tmp_path / "missing", "--files-only")
+    out = stage_cli("--dry-run", "--data", tmp_path / "missing", "--files-only")
     assert out.returncode == 2 and "missing" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -97,20 +88,20 @@ def test_stage_only_under_mpirun_into_a_file_writes_whole_lines(tmp_path):
 
 
 def test_dry_run_shows_the_shape_the_loader_yields_from_the_training_config(tmp_path):
-    from test_data_imagefolder import make_folder  # noqa: PLC0415
+    from helpers import make_folder  # noqa: PLC0415
 
     make_folder(tmp_path / "data", per_class=2, size=(64, 40))
     config = tmp_path / "job.toml"
     config.write_text('data = "data"\naugment = "rrc32+flip"\nbatch_size = 2\n')
-    dry = stage("--dry-run", "--config", config, "--json")
+    dry = stage_cli("--dry-run", "--config", config, "--json")
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout.splitlines()[-1])["sample_shape"] == [3, 32, 32]
     assert (
         "samples reach the model as (3, 32, 32) (C, H, W) with --augment rrc32+flip" in dry.stdout
     )
-    plain = stage("--dry-run", "--data", tmp_path / "data", "--batch-size", 2, "--json")
+    plain = stage_cli("--dry-run", "--data", tmp_path / "data", "--batch-size", 2, "--json")
     assert json.loads(plain.stdout.splitlines()[-1])["sample_shape"] == [3, 40, 64]
-    bad = stage("--dry-run", "--data", tmp_path / "data", "--augment", "rrc")
+    bad = stage_cli("--dry-run", "--data", tmp_path / "data", "--augment", "rrc")
     assert bad.returncode == 2 and "--augment: unknown op 'rrc'" in bad.stderr
 
 

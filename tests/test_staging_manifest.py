@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import time
 
-from test_staging_helpers import ShardDataset
+from helpers import ShardDataset
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
+from hpcdl.staging.layout import remove_created
 from hpcdl.staging.manifest import decode_records, read_manifest
-from hpcdl.staging.ownership import data_key, remove_created
+from hpcdl.staging.ownership import data_key
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 NAMES = ["plain/a.bin", "with space/b c.bin", "ünïcode/é.bin", "deep/er/still/d.bin"]

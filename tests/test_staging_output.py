@@ -8,7 +8,7 @@ import signal
 import stat
 import time
 
-from test_staging_helpers import make_tree
+from helpers import make_tree
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession

@@ -6,7 +6,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from test_staging_helpers import ShardDataset, make_tree
+from helpers import ShardDataset, make_tree
 
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec
@@ -88,7 +88,7 @@ def test_plan_file_has_header_and_is_accepted_by_the_stager(tmp_path):
     assert lines[0] == "hpcdl-plan 1"
     assert lines[1].startswith("fingerprint ") and "seed 1" in lines and "epochs 0 2" in lines
     assert lines[-1] == "end"
-    assert not list(tmp_path.glob(".plan.tmp*"))
+    assert not list(tmp_path.glob(".plan.*"))
     out = subprocess.run(
         [find_stager_binary(), "--check-plan", path], capture_output=True, text=True
     )

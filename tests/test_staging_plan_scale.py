@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from test_staging_helpers import ShardDataset, make_tree
+from helpers import ShardDataset, make_tree
 
 from hpcdl.config import STAGE_THREADS
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec, rank_layout

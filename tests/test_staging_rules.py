@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from test_staging_helpers import make_tree
+from helpers import make_tree
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import (

@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env, run_train, train_cmd
-from test_staging_helpers import make_tree
-from test_train_cli import own_lines
+from helpers import make_tree, own_lines
 
 from hpcdl import checkpoint
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.binary import find_stager_binary
-from hpcdl.staging.ownership import StageDir, StageDirLease
+from hpcdl.staging.layout import StageDir
+from hpcdl.staging.ownership import StageDirLease
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
@@ -110,6 +110,7 @@ def test_a_stage_dir_overlapping_the_data_is_refused_in_one_line_and_loses_nothi
         timeout=120,
     )
     assert_one_error_line(proc, "hpcdl.train: error: --stage-dir")
+    assert "rank(s) on" not in proc.stdout, proc.stdout  # a config error comes before the start
     assert snapshot(data) == before
 
 
@@ -307,6 +308,8 @@ def test_an_unusable_stage_dir_is_one_line_and_exit_2(digits_dir, tmp_path, case
         timeout=120,
     )
     assert str(stage) in assert_one_error_line(proc, "hpcdl.train: error: cannot use --stage-dir")
+    if case != "proc":  # seen without creating anything: said before the start line
+        assert "rank(s) on" not in proc.stdout, proc.stdout
     assert list(outside.iterdir()) == []
     if case == "file":
         assert stage.read_text() == "mine"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_staging_helpers import make_tree
+from helpers import make_tree
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession

@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 
-from test_staging_helpers import make_tree, stage_bytes, temp_files
+from helpers import make_tree, stage_bytes, temp_files
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession

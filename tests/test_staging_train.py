@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env, read_events, run_train, train_cmd
-from test_staging_helpers import stage_bytes, temp_files
+from helpers import stage_bytes, temp_files
 
 from hpcdl import checkpoint
 from hpcdl.data.convert import write_dataset

@@ -1,9 +1,9 @@
-"""hpcdl.step.train_step: the one training step, bitwise the step written out by hand."""
+"""hpcdl.nn.step.train_step: the one training step, bitwise the step written out by hand."""
 
 import numpy as np
 
 from hpcdl import nn
-from hpcdl.step import StepParts, train_step
+from hpcdl.nn.step import StepParts, train_step
 
 
 def model_and_optimizer():
@@ -69,3 +69,18 @@ def test_train_step_hands_buckets_to_the_reducer_and_scales_the_loss_gradient():
     # the loss gradient is scaled by 1 / world_size before backward: the ranks' sum is the mean
     np.testing.assert_allclose(reduced.grads * 4, plain.grads, rtol=1e-5, atol=1e-7)
     assert np.isfinite(result.loss)
+
+
+def test_the_step_uses_the_loss_it_is_given():
+    """The loss is a part of the step (a profiler times it by giving a wrapped one)."""
+    (x, y), calls = batch(), []
+    model, opt = model_and_optimizer()
+    before = model.params.copy()
+
+    def no_gradient(logits, labels):
+        calls.append(labels)
+        return np.float32(7.0), np.zeros_like(logits)
+
+    result = train_step(StepParts(model, opt, loss=no_gradient), x, y, 0.05)
+    assert result.loss == 7.0 and len(calls) == 1 and calls[0] is y
+    np.testing.assert_array_equal(model.params, before)  # zero gradient, no momentum yet: no change

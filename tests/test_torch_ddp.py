@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import BIN, mpi_env, mpirun_cmd
-from test_exit_cleanup import job_pids
+from helpers import job_pids
 
 from hpcdl.staging.manifest import read_manifest
 

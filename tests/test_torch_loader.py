@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from test_loader import children
+from helpers import children
 from torch.utils.data import DataLoader
 
 from hpcdl.data import Loader as NumpyLoader

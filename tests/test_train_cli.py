@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import mpi_env, read_events, run_train, train_cmd
+from helpers import own_lines
 
 from hpcdl import checkpoint
 
@@ -215,22 +216,6 @@ def test_help_lists_every_flag():
         assert flag in proc.stdout
 
 
-def own_lines(output: str) -> list[str]:
-    """Non-empty output lines, without Open MPI's framed reports (between lines of dashes).
-
-    mpirun adds one when a rank exits non-zero ("prterun detected that one or more processes
-    exited with non-zero status"); it is the launcher's, not hpcdl's, and cannot be turned off
-    without also losing the exit status. Under load Open MPI's PMIx also adds, at times,
-    "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH ..." as a rank exits: launcher noise too."""
-    lines, framed = [], False
-    for line in output.splitlines():
-        if line.startswith("-" * 40):
-            framed = not framed
-        elif line.strip() and not framed and not re.match(r"\[[^\]]*\] PMIX ERROR: ", line):
-            lines.append(line)
-    return lines
-
-
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -282,7 +267,7 @@ def test_crops_train_and_validate_on_a_folder_of_larger_images(augment, validati
     """Issue 10: the model takes the shape the loader yields, not the stored sample shape.
 
     The validation images are larger and not square: with a crop they still give S x S."""
-    from test_data_imagefolder import make_folder  # noqa: PLC0415
+    from helpers import make_folder  # noqa: PLC0415
 
     make_folder(tmp_path / "train", per_class=4, size=(64, 64), fmt="jpg")
     make_folder(tmp_path / "val", per_class=2, size=(90, 70), fmt="jpg", seed=1)
@@ -299,7 +284,7 @@ def test_crops_train_and_validate_on_a_folder_of_larger_images(augment, validati
 
 
 def test_validation_data_that_cannot_give_the_training_shape_is_one_error(tmp_path):
-    from test_data_imagefolder import make_folder  # noqa: PLC0415
+    from helpers import make_folder  # noqa: PLC0415
 
     make_folder(tmp_path / "train", per_class=4, size=(32, 32))
     make_folder(tmp_path / "val", per_class=2, size=(40, 40))
@@ -349,3 +334,19 @@ def test_a_wrong_user_model_is_one_line_naming_the_flag(builder, message, digits
     assert lines[0].startswith(f"hpcdl.train: error: --model '{USER_MODEL}:{builder}': "), lines
     assert message in lines[0]
     assert not metrics.exists()
+
+
+def test_lr_zero_trains_without_changing_the_parameters_and_says_so_once(digits_dir, tmp_path):
+    """PyTorch's optimizers and Keras accept lr=0 (freeze a model, check a weights round trip)."""
+    proc = run_train(
+        1,
+        *("--data", digits_dir / "train", "--model", "mlp", "--epochs", 2, "--lr", 0),
+        *("--batch-size", 32, "--workers", 0, "--checkpoint-every", 2),
+        *("--max-steps", 4, "--checkpoint-dir", tmp_path / "ckpt"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "--lr 0" in line]
+    assert said == ["hpcdl: --lr 0: the parameters will not change"], proc.stdout
+    first, last = map(checkpoint.load, checkpoint.list_checkpoints(tmp_path / "ckpt"))
+    assert (first.global_step, last.global_step) == (2, 4)
+    assert np.array_equal(first.params, last.params)

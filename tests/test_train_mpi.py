@@ -1,12 +1,12 @@
 """Data-parallel invariants, checked inside a 2-rank MPI job (pytest --with-mpi)."""
 
-import hashlib
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
+from helpers import digest
 
 from hpcdl import nn
 from hpcdl.comm.collectives import broadcast
@@ -21,10 +21,6 @@ def _batch(seed, n):
     x = rng.standard_normal((n, *SHAPE)).astype(np.float32)
     y = rng.integers(0, CLASSES, n).astype(np.int64)
     return x, y
-
-
-def _digest(a):
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -47,7 +43,7 @@ def test_parameters_stay_bitwise_identical_after_every_step(model_name):
             model.backward(dlogits, grad_ready=reducer.mark_ready)
             reducer.wait()
             opt.step(0.05)
-            digests = comm.allgather(_digest(model.params))
+            digests = comm.allgather(digest(model.params))
             assert len(set(digests)) == 1, f"parameters differ after step {step}"
     finally:
         reducer.close()

@@ -4,47 +4,16 @@ Every test gathers each rank's outcome with a collective before asserting, so a 
 behaves differently fails the test on every rank instead of leaving the others in a collective.
 """
 
-import hashlib
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import digest
 
 from hpcdl import nn, resume, startup
 from hpcdl import train as trainer
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import SystemExitWithMessage
-from hpcdl.comm.world import init_world
 from hpcdl.config import TrainConfig, parse_args
-
-
-def _digest(a):
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def world():
-    return init_world()
-
-
-@pytest.fixture(scope="module")
-def shared_digits(world, tmp_path_factory):
-    """Digits as HDF5 shards in ONE directory that every rank sees (the run config must agree)."""
-    path, error = None, None
-    if world.rank == 0:
-        out = tmp_path_factory.mktemp("digits_shared")
-        proc = subprocess.run(
-            [sys.executable, "-m", "hpcdl.data", "convert", "digits", str(out)],
-            capture_output=True,
-            text=True,
-        )
-        path, error = str(out), (proc.stderr if proc.returncode else None)
-    path, error = world.comm.bcast((path, error), root=0)
-    assert error is None, error
-    return Path(path)
-
 
 # --- verify_same_run ---------------------------------------------------------------------------
 
@@ -135,7 +104,7 @@ def test_parameters_agree_exactly_at_sync_points_and_differ_between(
     )
     assert status == 0
     assert sorted(after_step) == list(range(1, 8))
-    digests = world.comm.allgather({s: _digest(p) for s, p in after_step.items()})
+    digests = world.comm.allgather({s: digest(p) for s, p in after_step.items()})
     same = {s: len({d[s] for d in digests}) == 1 for s in after_step}
     assert same == {s: s % k == 0 for s in after_step}, (sync, same)
 

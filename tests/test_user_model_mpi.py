@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_train_sync_mpi import _digest, shared_digits, world  # noqa: F401 (fixtures)
+from helpers import digest
 
 from hpcdl import resume
 from hpcdl import train as trainer
@@ -46,8 +46,8 @@ def test_a_model_from_a_users_file_keeps_bitwise_identical_parameters_on_every_r
     outcome = (status, sorted(after_step), set(names))
     expected = (0, list(range(1, STEPS + 1)), {"my_model:build"})
     assert world.comm.allgather(outcome) == [expected] * world.size
-    params = world.comm.allgather({s: _digest(p) for s, (p, _) in after_step.items()})
-    buffers = world.comm.allgather({s: _digest(b) for s, (_, b) in after_step.items()})
+    params = world.comm.allgather({s: digest(p) for s, (p, _) in after_step.items()})
+    buffers = world.comm.allgather({s: digest(b) for s, (_, b) in after_step.items()})
     for step in after_step:
         assert len({p[step] for p in params}) == 1, f"parameters differ after step {step}"
     # Each rank normalised its own batch (no --sync-bn): its BatchNorm statistics differ within

@@ -2,7 +2,7 @@
 
 Run under mpirun by hpcdl.bench.scaling (not by users). Every rank builds the same model on
 random data, so loading is excluded: a step is forward + loss + backward with the bucketed
-gradient allreduce (when there is more than one rank) + SGD update: hpcdl.step.train_step, the
+gradient allreduce (when there is more than one rank) + SGD update: hpcdl.nn.step.train_step, the
 step hpcdl.train runs. Rank 0
 prints one JSON line: per batch size, the median and mean over the timed steps (`--rounds`
 rounds of `--steps` each, batch sizes interleaved) of the slowest rank's step time.
@@ -22,7 +22,7 @@ from hpcdl.comm import cuda_aware
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import init_world
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.step import StepParts, train_step
+from hpcdl.nn.step import StepParts, train_step
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,9 +18,9 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   communicator of one rank per node (inter); alpha and beta of the ring formula
   t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
   whole world at the same sizes: which formula it follows.
-- Compute: every rank times hpcdl.step.train_step (the `bench compute` step) at batch b/2 and b,
+- Compute: every rank times hpcdl.nn.step.train_step (the `bench compute` step) at batch b/2 and b,
   all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
-  (hpcdl.bench.scaling_model.fit).
+  (hpcdl.clustermodel.speed.fit).
 - The trainer's step: train_step with the gradient reducer, then the trainer's 8-byte loss
   check, back to back on every rank; the factor on the allreduce formula is set so that the
   model's step (hpcdl.clustermodel.step_time) equals it (fit_to_trainer_step).
@@ -29,6 +29,7 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -44,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import calibration, nn
-from hpcdl.bench import scaling_model
-from hpcdl.bench.compute import hpcdl_setup, hpcdl_stepper
-from hpcdl.calibration import (
+from hpcdl import nn
+from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
+from hpcdl.clustermodel import calibration, speed
+from hpcdl.clustermodel.calibration import (
     Calibration,
     ComputeFigures,
     LocalFigures,
@@ -58,7 +59,7 @@ from hpcdl.comm import blas_threads
 from hpcdl.comm.collectives import allreduce_sum
 from hpcdl.comm.failure import UserError, install_abort_on_exception
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.step import train_step
+from hpcdl.nn.step import train_step
 
 SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
 # Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by
@@ -177,7 +178,38 @@ def measure_pfs_together(
 
 
 def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
-    """Write megabytes to a temporary file in stage_dir, fsync, remove it."""
+    """Write megabytes to a temporary file in stage_dir, fsync, remove it.
+
+    A stage dir that does not exist yet is made as hpcdl.train makes it (mode 0700, with its
+    missing parents) and removed again with them; one that cannot be used is a UserError of
+    one line."""
+    made: list[Path] = []
+    try:
+        made = _make_dirs(stage_dir)
+        return _timed_write(stage_dir, megabytes)
+    except OSError as exc:
+        raise UserError(
+            f"hpcdl.bench calibrate: cannot use --stage-dir {stage_dir}: {exc.strerror or exc}; "
+            "choose a writable directory on node-local storage"
+        ) from None
+    finally:
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """Create path and its missing parents (mode 0700); the ones created, outermost first."""
+    missing = []
+    while not path.exists() and not path.is_symlink():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o700)
+    return list(reversed(missing))
+
+
+def _timed_write(stage_dir: Path, megabytes: int) -> LocalFigures:
     block = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
     fd, name = tempfile.mkstemp(prefix=".hpcdl-calibrate-", dir=stage_dir)
     try:
@@ -287,9 +319,9 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
             times.append(time.perf_counter() - t0)
         medians.append(comm.allreduce(statistics.median(times), op=MPI.MAX))
     try:
-        fit = scaling_model.fit([float(b) for b in batches], medians)
-        v0, t = fit.v0, max(fit.t, 0.0)
-    except scaling_model.ScalingFitError:  # too noisy to split: all of the step grows with b
+        fit = speed.fit([float(b) for b in batches], medians)
+        v0, t = fit.v0, fit.t  # the fit holds t >= 0
+    except speed.ScalingFitError:  # too noisy to split: all of the step grows with b
         v0, t = batches[-1] / medians[-1], 0.0
     model = nn.build_model(args.model, args.shape, args.classes, seed=0)
     return ComputeFigures(
@@ -344,7 +376,7 @@ def fit_to_trainer_step(
     the ranks' skew that the loss check waits for) goes into the factor. Unchanged with one
     node (no inter-node formula to scale), or when the measured step leaves no communication
     exposed to fit (all of it hidden behind backward)."""
-    from hpcdl.clustermodel import JobShape, step_time  # noqa: PLC0415
+    from hpcdl.clustermodel.equations import JobShape, step_time  # noqa: PLC0415
 
     if world.num_nodes == 1:
         return cal

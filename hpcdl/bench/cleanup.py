@@ -24,8 +24,9 @@ from pathlib import Path
 
 from hpcdl.bench.staging import make_tree, stager_command
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.staging.layout import StageDir, remove_created
 from hpcdl.staging.manifest import read_manifest
-from hpcdl.staging.ownership import StageDir, StageDirLease, data_key, remove_created
+from hpcdl.staging.ownership import StageDirLease, data_key
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,10 +5,11 @@ SGD-momentum update on a fixed random batch) on the same architecture, timed fro
 no layer of either framework is edited, so the profile measures the code that trains.
 
 hpcdl: `timed_leaves` replaces each leaf layer's bound `forward`/`backward` by a timed wrapper for
-the duration of the profile (and `hpcdl.step.softmax_cross_entropy` by a timed one), then puts
-the originals back. The step is `hpcdl.step.train_step` itself, so the optimizer update is its
-`t_update`. Work outside the leaves (the input transpose to channels-last, the residual adds of
-the ResNet blocks) is what the step takes beyond the rows: the "other" row.
+the duration of the profile (and the step's loss by a timed one, given to the step in its
+`StepParts.loss`), then puts the originals back. The step is `hpcdl.nn.step.train_step`
+itself, so the optimizer update is its `t_update`. Work outside the leaves (the input transpose
+to channels-last, the residual adds of the ResNet blocks) is what the step takes beyond the
+rows: the "other" row.
 
 PyTorch: the same wrapping, done with module hooks on every leaf `nn.Module` (one without
 children). Forward: a forward pre-hook and a forward hook. Backward: from the module's full
@@ -41,14 +42,14 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from hpcdl import backend, nn
-from hpcdl import step as step_module
-from hpcdl.step import train_step
+from hpcdl.bench.compute_setup import hpcdl_setup, run_config, torch_setup
+from hpcdl.nn.step import StepParts, train_step
 
 # torch module class -> the hpcdl leaf class it is paired with
 TORCH_KINDS = {
@@ -163,16 +164,17 @@ def timed_leaves(model: nn.Model, xp: Any) -> Iterator[tuple[list[LayerTimes], L
             for method, attr in (("forward", "forward_s"), ("backward", "backward_s")):
                 setattr(leaf, method, _timed(getattr(leaf, method), row, attr, sync, order))
                 undo.callback(delattr, leaf, method)  # the class's method shows through again
-        original = step_module.softmax_cross_entropy
-        step_module.softmax_cross_entropy = _timed(original, loss, "forward_s", sync, [])
-        undo.callback(setattr, step_module, "softmax_cross_entropy", original)
         yield order, loss
+
+
+def timed_loss(parts: StepParts, row: LayerTimes) -> StepParts:
+    """parts with its loss timed into row.forward_s (the step is given its loss)."""
+    sync = lambda: backend.synchronize(parts.xp)  # noqa: E731
+    return replace(parts, loss=_timed(parts.loss, row, "forward_s", sync, []))
 
 
 def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
     """The hpcdl breakdown over args.steps steps after WARMUP (quiet_mean)."""
-    from hpcdl.bench.compute import hpcdl_setup  # noqa: PLC0415
-
     parts, x, y = hpcdl_setup(args)
     xp, model = parts.xp, parts.model
     plain = []
@@ -181,6 +183,7 @@ def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
         train_step(parts, x, y, 0.01)
         plain.append(time.perf_counter() - t0)
     with timed_leaves(model, xp) as (rows, loss):
+        parts = timed_loss(parts, loss)
         for _ in range(WARMUP):
             train_step(parts, x, y, 0.01)
 
@@ -269,8 +272,6 @@ def _hook_module(name: str, module: Any, sync: Callable, order: list) -> _Module
 
 def profile_torch(args: argparse.Namespace) -> Breakdown | None:
     """The PyTorch breakdown, or None when torch (or the reference model) is not importable."""
-    from hpcdl.bench.compute import torch_setup  # noqa: PLC0415
-
     t = torch_setup(args)
     if t is None:
         return None
@@ -370,8 +371,6 @@ def print_table(ours: Breakdown, theirs: Breakdown | None) -> None:
 
 def main_profile(args: argparse.Namespace) -> int:
     """Print the per-layer profile of args.model (the parsed `bench compute` options)."""
-    from hpcdl.bench.compute import run_config  # noqa: PLC0415  (compute imports this module)
-
     try:
         ours = profile_hpcdl(args)
     except backend.BackendError as exc:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.backend import cpu_threads_hint, gpu_available
-from hpcdl.bench import scaling_model
+from hpcdl.clustermodel import speed
 from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9
@@ -142,15 +142,15 @@ def analyse(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
         global_b = [ranks * p["batch"] for p in rec["points"]]
         seconds = [p["seconds_per_step"] for p in rec["points"]]
         try:
-            fit = scaling_model.fit(global_b, seconds)
-        except scaling_model.ScalingFitError as exc:
+            fit = speed.fit(global_b, seconds)
+        except speed.ScalingFitError as exc:
             fits.append({"ranks": ranks, "error": str(exc)})
             fit = None
         else:
             b90 = fit.batch_for_fraction(FRACTION)
             fits.append(
                 {"ranks": ranks, "v0": fit.v0, "t": fit.t, "r2": fit.r2, "b90": b90,
-                 "b90_per_rank": b90 / ranks}
+                 "b90_per_rank": b90 / ranks, "separable": fit.separable, "note": fit.note}
             )  # fmt: skip
         for p, b, s in zip(rec["points"], global_b, seconds, strict=True):
             points.append(
@@ -180,7 +180,9 @@ def print_table(fits: list[dict], points: list[dict]) -> None:
             f"r2 = {f['r2']:.3f}; {FRACTION:.0%} of v0 needs a global batch of {f['b90']:.0f} "
             f"({f['b90_per_rank']:.0f} per rank)"
         )
-        if f["r2"] < 0.9 or f["t"] < 0:
+        if f["note"]:
+            print(f"  {f['note']}")
+        if f["r2"] < 0.9:
             print(
                 f"  warning: r2 {f['r2']:.2f}, t {f['t'] * 1e3:.2f} ms: the timings do not follow "
                 "b / v0 + t well (other load on the machine? too few --steps?); check the plot"
@@ -203,7 +205,7 @@ def plot(path: str, fits: list[dict], points: list[dict], title: str) -> None:
         if "v0" in f:
             grid = np.geomspace(min(xs) / 2, max(xs, default=1) * 4, 200)
             label += f": v0 {f['v0']:.0f} img/s, t {f['t'] * 1e3:.1f} ms, r2 {f['r2']:.2f}"
-            ax.plot(grid, scaling_model.speed(grid, f["v0"], f["t"]), "-", color=f"C{i}")
+            ax.plot(grid, speed.speed(grid, f["v0"], f["t"]), "-", color=f"C{i}")
             ax.axhline(f["v0"], color=f"C{i}", ls=":", lw=0.8)
             if f["b90"] > 0:
                 ax.plot([f["b90"]], [FRACTION * f["v0"]], "x", color=f"C{i}", markersize=9)

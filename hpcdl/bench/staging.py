@@ -31,7 +31,8 @@ from hpcdl.bench.slowfs import SlowFSOptions, mounted
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import find_stager_binary
-from hpcdl.staging.ownership import StageDir, data_key
+from hpcdl.staging.layout import StageDir
+from hpcdl.staging.ownership import data_key
 from hpcdl.staging.plan import FileTreeDataset, plan_for_node, write_plan
 from hpcdl.staging.status import ProgressFile
 

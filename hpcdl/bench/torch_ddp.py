@@ -6,7 +6,7 @@
 What a PyTorch user writes for hpcdl's job, on the same terms: the ranks are started by the
 same mpirun (so they get the same core binding), find each other over TCP on 127.0.0.1:P
 (`init_process_group("gloo")`, rank and size from Open MPI's environment), and train the
-reference model of `bench compute` (hpcdl.bench.compute.torch_model) wrapped in
+reference model of `bench compute` (hpcdl.bench.compute_setup.torch_model) wrapped in
 DistributedDataParallel, with SGD momentum 0.9 at lr 0.01 (hpcdl.train's defaults) and
 softmax cross-entropy. Data: hpcdl's HDF5 shards (N, H, W, C) uint8 with `mean`/`std`
 attributes, read one sample at a time with h5py in each worker (handles opened lazily per
@@ -122,7 +122,7 @@ def train(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist  # noqa: PLC0415
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
-    from hpcdl.bench.compute import torch_model  # noqa: PLC0415
+    from hpcdl.bench.compute_setup import torch_model  # noqa: PLC0415
 
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
     size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--data", required=True, help="HDF5 file or shard directory (required)")
     ap.add_argument("--port", type=int, required=True, help="TCP port of the rendezvous")
-    ap.add_argument("--model", default="cnn", help="network (hpcdl.bench.compute.torch_model)")
+    ap.add_argument("--model", default="cnn", help="network (bench compute_setup.torch_model)")
     ap.add_argument("--batch-size", type=int, default=64, help="samples per step and rank")
     ap.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank")
     ap.add_argument("--prefetch", type=int, default=4, help="batches in flight per rank")

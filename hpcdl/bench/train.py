@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import report
+from hpcdl import metrics_file, report
 from hpcdl.backend import gpu_available
 from hpcdl.bench import peers as peers_
 from hpcdl.bench import torch_loader, vs_torch
@@ -298,7 +298,7 @@ def measure_load(args: argparse.Namespace, data: str) -> float | None:
 
 def run_training(
     args: argparse.Namespace, data: tuple[str, str | None], staging: bool, metrics: Path
-) -> tuple[report.Run, float]:
+) -> tuple[metrics_file.Run, float]:
     """One `mpirun ... hpcdl.train` run; returns its parsed metrics and wall seconds."""
     metrics.unlink(missing_ok=True)  # the trainer appends
     cmd = mpirun_command(args.ranks) + [
@@ -327,13 +327,13 @@ def run_training(
     if done.returncode != 0:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
         raise RuntimeError(f"hpcdl.train exited with {done.returncode}:\n{tail}")
-    return report.load_run(metrics), wall
+    return metrics_file.load_run(metrics), wall
 
 
-def summarise(run: report.Run, load_s: float | None, wall: float) -> dict[str, Any]:
+def summarise(run: metrics_file.Run, load_s: float | None, wall: float) -> dict[str, Any]:
     """The figures of one run; step means over the steady state (epochs after the first)."""
     steady = [s for s in run.steps if s["epoch"] >= 1] or run.steps
-    parts = report.mean_breakdown(steady)
+    parts = metrics_file.mean_breakdown(steady)
     compute = parts["t_compute"] + parts["t_comm_exposed"] + parts["t_update"]
     epochs = sorted(run.epochs, key=lambda e: e["epoch"])
     seconds = [float(e["seconds"]) for e in epochs]
@@ -341,15 +341,15 @@ def summarise(run: report.Run, load_s: float | None, wall: float) -> dict[str, A
     if load_s is not None and parts["t_step"] > 0:
         overlap = max(compute, load_s) / parts["t_step"]
     return {
-        "images_per_s": report.images_per_s(run),
+        "images_per_s": metrics_file.images_per_s(run),
         "epoch_seconds": seconds,
         "epoch_images_per_s": [e.get("images_per_s") for e in epochs],
         "mean_step": parts,
         "compute_s": compute,
         "load_s": load_s,
         "overlap_efficiency": overlap,
-        "staging_hit_rate": report.staging_hit_rate(run),
-        "val_accuracy": report.val_accuracy(run),
+        "staging_hit_rate": metrics_file.staging_hit_rate(run),
+        "val_accuracy": metrics_file.val_accuracy(run),
         "wall_s": wall,
     }
 
@@ -452,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                 peers["torch"] = peers_.torch_dataloader(
                     args, pfs, peers["index"]["sample_shape"][1:]
                 )
-    except (RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, report.ReportError) as exc:
+    except (
+        RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, metrics_file.ReportError
+    ) as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)
         return 1
     ratios = compare(results["off"], results["on"]) if len(results) == 2 else {}

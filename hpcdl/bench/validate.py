@@ -120,7 +120,7 @@ def run_case(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str
             f"calibration: {given}" if given
             else run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
         )  # fmt: skip
-        predicted = predict(setup, mount, calib)
+        predicted = dry_run_prediction(setup, mount, calib)
         runs = [train_once(cluster, pfs, setup, mount, workdir / f"metrics-{k}.jsonl", predicted)
                 for k in range(setup.runs)]  # fmt: skip
     return dict(setup=setup.__dict__, calibration=calibrated.strip().splitlines(),
@@ -183,7 +183,7 @@ def run_mpi(cluster: Cluster, setup: Setup, program: list[str]) -> str:
     return proc.stdout
 
 
-def predict(setup: Setup, mount: Path, calib: Path) -> dict[str, Any]:
+def dry_run_prediction(setup: Setup, mount: Path, calib: Path) -> dict[str, Any]:
     """The dry run's JSON prediction for this case."""
     from hpcdl import stage  # noqa: PLC0415
 

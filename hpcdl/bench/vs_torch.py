@@ -18,12 +18,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcdl import report
+from hpcdl import metrics_file
 from hpcdl.bench import torch_ddp
 from hpcdl.data import open_dataset
 
 
-def hpcdl_steady_images_per_s(run: report.Run) -> float:
+def hpcdl_steady_images_per_s(run: metrics_file.Run) -> float:
     epochs = sorted(run.epochs, key=lambda e: e["epoch"])
     seconds = [float(e["seconds"]) for e in epochs]
     images = [e["images_per_s"] * s for e, s in zip(epochs, seconds)]
@@ -68,7 +68,7 @@ def compare(args: argparse.Namespace, run_training: Callable, ensure_data: Calla
                       f"torch {theirs[-1]:.0f} images/s (load {loads[-1][1]:.1f}, "
                       f"{peer['threads']} thread(s)/rank), ratio {ours[-1] / theirs[-1]:.2f}",
                       flush=True)  # fmt: skip
-    except (RuntimeError, subprocess.TimeoutExpired, report.ReportError) as exc:
+    except (RuntimeError, subprocess.TimeoutExpired, metrics_file.ReportError) as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)
         return 1
     ratio = statistics.median(ours) / statistics.median(theirs)

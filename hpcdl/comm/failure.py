@@ -63,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import messages
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NOTICE_TAG, ACK_TAG = 1, 2
 POLL_S = 0.05  # how often the notice thread looks for a notice
@@ -119,10 +121,10 @@ def install_abort_on_exception(comm: Any, rank: int) -> None:
             with contextlib.suppress(Exception):  # whatever happens here, still report and abort
                 notice.report_or_stand_down(status)  # returns only on the rank that reports
         if isinstance(exc, UserError):
-            print(f"hpcdl: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+            messages.error(str(exc), rank)
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
-            print(f"hpcdl: rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
+            messages.crashed(text, rank)
         if notice is not None:
             time.sleep(FORWARD_S)
             comm.Abort(status)
@@ -239,8 +241,7 @@ class FailureNotice:
             first = not self._stood_down
             if first:
                 self._stood_down = True
-                line = f"hpcdl: rank {self.rank}: stopped because rank {failed} failed"
-                print(line, file=sys.stderr, flush=True)
+                messages.say(f"stopped because rank {failed} failed", rank=self.rank)
         if first:
             for cleanup in list(_STAND_DOWN_CLEANUPS):  # before the ack: MPI_Abort waits for it
                 with contextlib.suppress(Exception):

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.atomic import write_bytes_atomically
+
 MAGIC = b"HPCDLIX3"
 _ALIGN = 64
 FILE_MODE = 0o444  # nobody rewrites an index in place: a new one replaces it by rename
@@ -57,31 +59,15 @@ def index_bytes(columns: dict[str, np.ndarray], meta: dict[str, Any]) -> bytes:
 
 
 def write_index_file(path: Path, data: bytes) -> bool:
-    """Write index_bytes() through a temporary file and a rename; False on any OSError,
-    leaving nothing behind (on a read-only file system even the clean-up fails; that is fine)."""
-    return write_atomically(Path(path), lambda f: f.write(data))
-
-
-def write_atomically(path: Path, write) -> bool:
-    """Create path (mode FILE_MODE, whatever the umask) by write(file) into a temporary file,
-    fsync and rename; False on any OSError, with the temporary file removed."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Write index_bytes() as path (mode FILE_MODE, whatever the umask) atomically
+    (hpcdl.atomic), its missing directories first; False on any OSError (a read-only data root,
+    a full cache), with the temporary file removed."""
     try:
-        make_dirs(path.parent)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fchmod(f.fileno(), FILE_MODE)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return True
+        make_dirs(Path(path).parent)
+        write_bytes_atomically(path, data, mode=FILE_MODE)
     except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # nothing was created (EROFS, EACCES): nothing to remove
         return False
+    return True
 
 
 def make_dirs(path: Path) -> None:

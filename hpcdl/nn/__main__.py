@@ -8,7 +8,7 @@ then the totals of parameters and buffers (BatchNorm running statistics, not tra
 layers. See docs/models.md.
 
 export writes a checkpoint's model as a PyTorch state dict (torchvision's names for
-resnet18/50), a safetensors file or an ONNX graph (hpcdl.nn.export; docs/models.md).
+resnet18/50), a safetensors file or an ONNX graph (hpcdl.export; docs/models.md).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 
+from hpcdl.export import FORMATS, ExportRequest, export
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.nn.export import FORMATS, ExportRequest, export
 from hpcdl.nn.models import MODELS, build_model
 from hpcdl.nn.summary import layer_rows, summary_record, summary_table
 

@@ -1,6 +1,6 @@
 """Single-process training loop for tests, examples and benchmarks (no MPI, no loader).
 
-Each step is hpcdl.step.train_step, the step hpcdl.train runs, without a reducer."""
+Each step is hpcdl.nn.step.train_step, the step hpcdl.train runs, without a reducer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from hpcdl.backend import array_module
 from hpcdl.nn.loss import accuracy_count, softmax_cross_entropy
 from hpcdl.nn.model import Model
+from hpcdl.nn.step import StepParts, train_step
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -48,7 +49,6 @@ def fit(
     history: dict[str, list[float]] = {"loss": [], "acc": []}
     if x_val is not None:
         history.update(val_loss=[], val_acc=[])
-    from hpcdl.step import StepParts, train_step  # noqa: PLC0415 (hpcdl.step imports hpcdl.nn)
 
     parts = StepParts(model, optimizer, xp)
     step = 0

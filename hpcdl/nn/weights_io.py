@@ -16,15 +16,14 @@ file in the target's directory, fsync'ed, then hard-linked to the final name.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpcdl.atomic import write_atomically
 from hpcdl.backend import array_module, to_host
-from hpcdl.fsync import fsync_path
 from hpcdl.nn.model import Model, leaf_names
 from hpcdl.nn.weight_names import WeightName, from_torch, head_leaf, to_torch, weight_names
 
@@ -132,17 +131,10 @@ def write_new_file(path: str | os.PathLike, write: Callable[[str], None]) -> Non
     path = Path(path)
     if path.exists():
         raise ValueError(f"{path} exists; give a new file name (hpcdl never replaces a file)")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        write(tmp)
-        fsync_path(tmp)
-        os.link(tmp, path)  # fails if path appeared meanwhile: never replaces
-    except FileExistsError:
+        write_atomically(path, write, replace=False)  # published by a link: never replaces
+    except FileExistsError:  # path appeared meanwhile
         raise ValueError(f"{path} exists; give a new file name") from None
-    finally:
-        os.unlink(tmp)
-    fsync_path(path.parent)
 
 
 def _read_torch(path: Path) -> dict[str, np.ndarray]:

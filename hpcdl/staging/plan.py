@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.atomic import write_bytes_atomically
 from hpcdl.data.dataset import FileTable, has_control_character, is_plain_relpath
 from hpcdl.data.sampler import SamplerSpec
 
@@ -265,13 +266,9 @@ def render_plan(
 def write_plan(
     path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
 ) -> None:
-    """Write the plan atomically (temporary file + rename), mode 0600 whatever the umask."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
-        f.write(render_plan(plan, dataset, fingerprint, dest_prefix))
-    os.replace(tmp, path)
+    """Write the plan atomically (hpcdl.atomic), mode 0600 whatever the umask."""
+    text = render_plan(plan, dataset, fingerprint, dest_prefix)
+    write_bytes_atomically(path, text.encode(), mode=0o600)
 
 
 class FileTreeDataset:

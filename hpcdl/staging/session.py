@@ -29,8 +29,8 @@ from hpcdl.config import STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.layout import SessionDir
 from hpcdl.staging.ownership import (
-    SessionDir,
     StageDirError,
     StageDirFull,
     StageDirLease,

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcdl.atomic import write_bytes_atomically
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 
 COUNTERS_MAGIC = b"HPCDLCNT"
@@ -152,14 +153,6 @@ def stager_alive(view: StatusView, timeout_s: float = 5.0) -> bool:
     return age < timeout_s * 1e9
 
 
-def _atomic_create(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 class ProgressFile:
     """<stage_dir>/.hpcdl/progress: one cursor per local rank (epoch*steps_per_epoch + steps)."""
 
@@ -178,7 +171,7 @@ class ProgressFile:
         struct.pack_into("<I", header, 8, layout["version"])
         struct.pack_into("<I", header, layout["ranks_offset"], ranks)
         slot = struct.pack("<q", -1) + b"\0" * (layout["slot_size"] - 8)
-        _atomic_create(Path(path), bytes(header) + slot * ranks)
+        write_bytes_atomically(path, bytes(header) + slot * ranks)
         return cls(path, ranks)
 
     def _mapped(self) -> mmap.mmap:
@@ -219,7 +212,7 @@ class CounterFile:
     @classmethod
     def create(cls, path: str | Path, ranks: int) -> CounterFile:
         header = COUNTERS_MAGIC + struct.pack("<II", 1, ranks) + b"\0" * 48
-        _atomic_create(Path(path), header + b"\0" * (ranks * COUNTER_SLOTS * COUNTER_SLOT))
+        write_bytes_atomically(path, header + b"\0" * (ranks * COUNTER_SLOTS * COUNTER_SLOT))
         return cls(path, ranks)
 
     def _mapped(self) -> mmap.mmap:

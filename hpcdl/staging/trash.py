@@ -38,18 +38,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcdl.staging.manifest import ManifestRecord, decode_records, read_manifest
-from hpcdl.staging.ownership import (
-    _DIR_FLAGS,
+from hpcdl.staging.layout import (
+    DIR_FLAGS,
     META,
     StageDir,
-    _list_dir,
-    _locked,
-    _make_dir,
-    _rmdir_quietly,
+    list_dir,
+    locked,
+    make_dir,
     remove_created,
+    rmdir_quietly,
     tidy_if_unused,
 )
+from hpcdl.staging.manifest import ManifestRecord, decode_records, read_manifest
 
 TRASH = "trash"
 TREE = "tree"
@@ -71,13 +71,13 @@ def move_to_trash(stage: Path, name: str) -> Path | None:
     if tops is None:
         return None
     entry = trash_root(stage) / name
-    _make_dir(trash_root(stage))
-    _make_dir(entry)
-    _make_dir(entry / TREE)
+    make_dir(trash_root(stage))
+    make_dir(entry)
+    make_dir(entry / TREE)
     os.link(layout.manifest, entry / "manifest", follow_symlinks=False)
     stuck = []
-    src = os.open(stage, _DIR_FLAGS)
-    dst = os.open(entry / TREE, _DIR_FLAGS)
+    src = os.open(stage, DIR_FLAGS)
+    dst = os.open(entry / TREE, DIR_FLAGS)
     try:
         for record in tops:
             if not _move_one(src, dst, record):
@@ -111,7 +111,7 @@ def top_level_records(stage: Path) -> list[ManifestRecord] | None:
         with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as data:
             return [
                 record
-                for name in _list_dir(stage)
+                for name in list_dir(stage)
                 if name != META
                 for kind in (b"d", b"f")
                 for record in _records_named(data, kind, os.fsencode(name))
@@ -153,7 +153,7 @@ def remove_trash(stage: Path) -> int:
     the number of files removed. Entries whose remover is alive are skipped."""
     stage = Path(os.path.realpath(stage))
     removed = 0
-    for name in _list_dir(trash_root(stage)):
+    for name in list_dir(trash_root(stage)):
         removed += _remove_entry(trash_root(stage) / name)
     with contextlib.suppress(OSError):
         tidy_if_unused(stage)
@@ -165,8 +165,8 @@ def _remove_entry(entry: Path) -> int:
     try:
         fd = os.open(entry / "manifest", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        _rmdir_quietly(entry / TREE)  # a finished entry, or one holding what is not ours
-        _rmdir_quietly(entry)
+        rmdir_quietly(entry / TREE)  # a finished entry, or one holding what is not ours
+        rmdir_quietly(entry)
         return 0
     try:
         try:
@@ -182,8 +182,8 @@ def _remove_entry(entry: Path) -> int:
         os.unlink(entry / "manifest")
     finally:
         os.close(fd)
-    _rmdir_quietly(entry / TREE)
-    _rmdir_quietly(entry)
+    rmdir_quietly(entry / TREE)
+    rmdir_quietly(entry)
     return removed
 
 
@@ -191,9 +191,9 @@ def _put_back(entry: Path) -> None:
     """Move what is left in tree/ (not hpcdl's: a user's file in a staged directory) back to
     where it was in the stage dir, unless that name is taken again."""
     stage = entry.parent.parent.parent
-    with _locked(stage):
-        src = os.open(entry / TREE, _DIR_FLAGS)
-        dst = os.open(stage, _DIR_FLAGS)
+    with locked(stage):
+        src = os.open(entry / TREE, DIR_FLAGS)
+        dst = os.open(stage, DIR_FLAGS)
         try:
             for name in os.listdir(src):
                 try:
@@ -208,7 +208,7 @@ def _put_back(entry: Path) -> None:
 
 def unclaimed(stage: Path) -> bool:
     """True when a trash entry's manifest is not locked by a live remover."""
-    for name in _list_dir(trash_root(stage)):
+    for name in list_dir(trash_root(stage)):
         try:
             fd = os.open(trash_root(stage) / name / "manifest", os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:

@@ -3,14 +3,14 @@ import sys, time, statistics
 import torch; torch.set_num_threads(1)
 import hpcdl
 from hpcdl import backend
-from hpcdl.bench import compute
+from hpcdl.bench import compute, compute_setup
 if hasattr(backend, "set_blas_threads"):
     backend.set_blas_threads(1)  # what hpcdl.train's blas_threads.apply(1) records
     if len(sys.argv) > 3:
         from hpcdl.nn import conv; conv.CHUNK_BYTES = int(float(sys.argv[3]) * (1 << 20))
 args = compute.parse_args(["--model", sys.argv[1], "--batch-size", "64"])
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-st = [compute.hpcdl_stepper(args), compute.torch_stepper(args)]
+st = [compute_setup.hpcdl_stepper(args), compute_setup.torch_stepper(args)]
 for s, _ in st:
     for _ in range(3): s()
 res = [[], []]

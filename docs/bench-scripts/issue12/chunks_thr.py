@@ -4,10 +4,10 @@ import sys, time, statistics
 import torch; torch.set_num_threads(2)
 import threadpoolctl
 from hpcdl import backend
-from hpcdl.bench import compute
+from hpcdl.bench import compute, compute_setup
 model, rounds, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 args = compute.parse_args(["--model", model, "--batch-size", "64"])
-hp, _ = compute.hpcdl_stepper(args); tp, _ = compute.torch_stepper(args)
+hp, _ = compute_setup.hpcdl_stepper(args); tp, _ = compute_setup.torch_stepper(args)
 def setup(mode):
     if mode == "A": threadpoolctl.threadpool_limits(2, user_api="blas"); backend.set_blas_threads(None); backend.set_compute_threads(1)
     if mode == "B": threadpoolctl.threadpool_limits(1, user_api="blas"); backend.set_blas_threads(1); backend.set_compute_threads(2)

@@ -1,6 +1,7 @@
 """One training step, the one every caller runs: hpcdl.train, the benchmarks and hpcdl.nn.fit.
 
-forward -> softmax cross-entropy (times the loss scale with --precision fp16) -> backward,
+forward -> the loss (StepParts.loss, softmax cross-entropy unless the caller gives another;
+times the loss scale with --precision fp16) -> backward,
 which hands each finished gradient bucket to the reducer as it goes (bucket readiness,
 hpcdl.comm.reducer) -> wait for the last bucket -> (fp16: unscale, or skip the update on every
 rank if any gradient overflowed) -> one fused optimizer update (-> parameter averaging for
@@ -8,7 +9,8 @@ rank if any gradient overflowed) -> one fused optimizer update (-> parameter ave
 benchmark that calls train_step measures exactly what training runs.
 
 Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
-hpcdl.nn.fit can use the step without importing hpcdl.comm.
+hpcdl.nn.fit can use the step without importing hpcdl.comm. The step lives in hpcdl.nn because
+it is model arithmetic; the layers above (the trainer, the benchmarks) hand it their reducer.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class StepParts:
     reducer: Reducer | None = None  # averages the gradients over the ranks; None: one rank
     average_params: Callable[[], None] | None = None  # --sync params:K: mean of the parameters
     scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler; None: no loss scaling
+    # (logits (B, K), labels (B,)) -> (mean loss, dlogits (B, K)); a profiler gives a timed one
+    loss: Callable[[Any, Any], tuple[Any, Any]] = softmax_cross_entropy
 
 
 @dataclass
@@ -82,7 +86,7 @@ def train_step(
     start = t0 if waited_since is None else waited_since
     model, reducer = parts.model, parts.reducer
     logits = model.forward(images, train=True)
-    loss, dlogits = softmax_cross_entropy(logits, labels)
+    loss, dlogits = parts.loss(logits, labels)
     # gradients of loss / N: their sum over the ranks is the average; x the loss scale
     scale = (parts.scaler.scale if parts.scaler else 1.0) / (reducer.world_size if reducer else 1)
     if scale != 1.0:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpcdl.report import ReportError, Run
+from hpcdl.metrics_file import ReportError, Run
 
 
 def load_predictions(path: str | Path) -> list[dict[str, Any]]:

@@ -5,6 +5,11 @@ fixed cost of a step (gradient allreduce, optimizer update, launch overheads), i
 The speed at batch b is then v(b) = b / (b / v0 + t): it approaches v0 as b grows, and reaches a
 fraction f of v0 at b = f * v0 * t / (1 - f).
 
+A fixed cost is never negative: the fit is constrained to t >= 0 (a negative t, which load
+on a shared machine can produce, is refitted with t = 0). When the timings cannot tell v0 and t
+apart (t held at 0, or t within two standard errors of 0), the fit says so (`separable`,
+`note`) instead of reporting a t that is noise.
+
 Units are whatever the caller uses consistently; hpcdl.bench.scaling passes the GLOBAL batch
 (per-rank batch x ranks) and so gets the job's images/s as v0 (docs/report.md).
 """
@@ -27,6 +32,8 @@ class ScalingFit:
     t: float  # seconds of fixed cost per step
     r2: float  # coefficient of determination of the seconds-per-step fit
     points: int  # number of (batch, seconds) pairs used
+    separable: bool = True  # False: the timings cannot tell v0 from t (see note)
+    note: str = ""  # one line for the user when not separable
 
     def speed(self, batch: float | np.ndarray) -> float | np.ndarray:
         """Images/s predicted at this batch size."""
@@ -83,7 +90,13 @@ def fit(batch_sizes: Sequence[float], seconds_per_step: Sequence[float]) -> Scal
     design = np.stack([b, np.ones_like(b)], axis=1)  # (n, 2): [batch, 1]
     # Relative residuals: timing noise scales with the step time, and unweighted residuals
     # would let the largest batches decide t, the small part of their step.
-    (slope, intercept), *_ = np.linalg.lstsq(design / s[:, None], np.ones_like(s), rcond=None)
+    weighted = design / s[:, None]
+    (slope, intercept), *_ = np.linalg.lstsq(weighted, np.ones_like(s), rcond=None)
+    t_error = _intercept_error(weighted, np.array([slope, intercept]))
+    held = intercept < 0
+    if held:  # t >= 0: the best fit on the boundary, seconds = batch / v0
+        x = weighted[:, 0]
+        slope, intercept = float(x.sum() / (x @ x)), 0.0
     if slope <= 0:
         raise ScalingFitError(
             f"seconds per step does not grow with the batch size (slope {slope:.3g} s/image): "
@@ -92,4 +105,35 @@ def fit(batch_sizes: Sequence[float], seconds_per_step: Sequence[float]) -> Scal
     residual = s - design @ np.array([slope, intercept])
     total = np.sum((s - s.mean()) ** 2)
     r2 = 1.0 - float(np.sum(residual**2) / total) if total > 0 else 1.0
-    return ScalingFit(v0=float(1.0 / slope), t=float(intercept), r2=r2, points=int(b.size))
+    note = _inseparable_note(held, float(intercept), t_error)
+    return ScalingFit(
+        v0=float(1.0 / slope), t=float(intercept), r2=r2, points=int(b.size),
+        separable=not note, note=note,
+    )  # fmt: skip
+
+
+def _intercept_error(weighted: np.ndarray, coef: np.ndarray) -> float | None:
+    """Standard error of the unconstrained t (relative-residual least squares); None with no
+    degree of freedom left (two points fit exactly, whatever their noise)."""
+    dof = weighted.shape[0] - 2
+    if dof <= 0:
+        return None
+    rss = float(np.sum((weighted @ coef - 1.0) ** 2))
+    covariance = np.linalg.pinv(weighted.T @ weighted) * rss / dof
+    return float(np.sqrt(max(covariance[1, 1], 0.0)))
+
+
+def _inseparable_note(held: bool, t: float, t_error: float | None) -> str:
+    """'' when t is told apart from 0; else one line saying why v0 and t cannot be separated."""
+    if held:
+        return (
+            "the timings cannot separate v0 from t: the best fit had t < 0, so t is held at 0 "
+            "(t >= 0) and v0 is the mean speed; time more steps, or on a quieter machine"
+        )
+    if t_error is not None and t > 0 and t <= 2 * t_error:
+        return (
+            f"the timings cannot separate v0 from t: t = {t * 1e3:.3g} ms is within two "
+            f"standard errors ({2 * t_error * 1e3:.2g} ms) of 0; time more steps or a wider "
+            "range of batch sizes"
+        )
+    return ""

@@ -1,8 +1,9 @@
 """The cluster model: PFS load, staging, allreduce and time to train of a job on N nodes.
 
-Inputs: a calibration (hpcdl.calibration: PFS, node-local disk, interconnect, step time), the
-job's shape (nodes, ranks per node, batch, epochs, stage threads, bucket size), and what each
-node reads (NodeReads: from the staging plan, exactly, or analytically for a global shuffle).
+Inputs: a calibration (hpcdl.clustermodel.calibration: PFS, node-local disk, interconnect,
+step time), the job's shape (nodes, ranks per node, batch, epochs, stage threads, bucket
+size), and what each node reads (NodeReads: from the staging plan, exactly, or analytically
+for a global shuffle).
 Every equation is written out in docs/cluster-model.md, in the order of the functions here:
 
 1. staging rate of a node (a roofline of per-thread latency and bandwidth, node, file-system
@@ -13,7 +14,7 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
    runs (hpcdl.comm.reducer);
 4. images/s, scaling efficiency, epoch times and time to the last epoch.
 
-The speed model v(b) = b / (b / v0 + t) (hpcdl.bench.scaling_model) is the compute term: one
+The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.calibration import Calibration, NetworkFigures, PfsFigures
+from hpcdl.clustermodel.calibration import Calibration, NetworkFigures, PfsFigures
 from hpcdl.comm.reducer import plan_buckets
 
 GRADIENT_ITEMSIZE = 4  # float32 gradients: the reducer's buckets are counted in elements
@@ -274,7 +275,7 @@ class Prediction:
         return asdict(self)
 
 
-def predict(
+def predict_shape(
     cal: Calibration, shape: JobShape, reads: NodeReads, every_node: list[NodeReads] | None = None
 ) -> Prediction:
     """Every figure of the model for one job shape. reads: the busiest node's; every_node: all

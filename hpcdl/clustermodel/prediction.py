@@ -2,21 +2,23 @@
 
 For each node count it takes what every node reads from the staging plan (exactly, through
 hpcdl.staging.plan.plan_for_node for every node) or, where that would cost more than
-PLAN_BUDGET, from the expected values of the shuffle (hpcdl.clustermodel.analytic_reads); the
-table says which. The cost counted is the planner's: plan_for_node draws one permutation of the
-data set per epoch for each node, so nodes x epochs x samples. Then hpcdl.clustermodel predicts
-PFS load, staging, allreduce and time to train. Equations: docs/cluster-model.md.
+PLAN_BUDGET, from the expected values of the shuffle (equations.analytic_reads); the table
+says which. The cost counted is the planner's: plan_for_node draws one permutation of the data
+set per epoch for each node, so nodes x epochs x samples. Then equations.predict_shape predicts
+PFS load, staging, allreduce and time to train of each job shape. Equations:
+docs/cluster-model.md. The dry run asks through one typed PredictionRequest; `predict(request)`
+gives one Prediction per node count.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from hpcdl import clustermodel
-from hpcdl.calibration import Calibration
-from hpcdl.clustermodel import JobShape, NodeReads, Prediction
+from hpcdl.clustermodel import equations
+from hpcdl.clustermodel.calibration import Calibration
+from hpcdl.clustermodel.equations import JobShape, NodeReads, Prediction
 from hpcdl.data.sampler import SamplerSpec, rank_layout
 from hpcdl.staging.plan import plan_for_node
 
@@ -38,10 +40,27 @@ class DescribedDataset:
         return self.num_files
 
 
-def described_dataset(args: argparse.Namespace) -> DescribedDataset:
-    if args.dataset_bytes is None:
+def described_dataset(files: int, nbytes: float | None) -> DescribedDataset:
+    if nbytes is None:
         raise ValueError("--dataset-files needs --dataset-bytes (the data set's bytes in all)")
-    return DescribedDataset(int(args.dataset_files), float(args.dataset_bytes))
+    return DescribedDataset(int(files), float(nbytes))
+
+
+@dataclass(frozen=True)
+class PredictionRequest:
+    """What the dry run asks the cluster model: this job on each of node_counts nodes."""
+
+    calibration: Calibration
+    source: str  # where the calibration came from (its file), for the header line
+    dataset: Any  # a data set with .files, or a DescribedDataset
+    node_counts: tuple[int, ...]
+    ranks_per_node: int
+    batch_size: int  # per rank
+    epochs: int
+    stage_threads: int
+    seed: int
+    shuffle: str  # the sampler's: global | node | none
+    placement: str  # how the job places its ranks: block | cyclic
 
 
 def dataset_figures(ds: Any) -> tuple[int, int]:
@@ -51,19 +70,20 @@ def dataset_figures(ds: Any) -> tuple[int, int]:
     return len(ds.files), int(ds.files.sizes.sum())
 
 
-def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeReads]:
+def node_reads(request: PredictionRequest, shape: JobShape) -> list[NodeReads]:
     """Every node's reads of a job of this shape, busiest first (most files in epoch 1);
     analytic: one entry, the expected node."""
+    ds = request.dataset
     files, nbytes = dataset_figures(ds)
     if isinstance(ds, DescribedDataset) or shape.nodes * shape.epochs * len(ds) > PLAN_BUDGET:
-        return [clustermodel.analytic_reads(files, nbytes, shape, args.shuffle)]
-    layout = rank_layout([shape.ranks_per_node] * shape.nodes, args.placement)
+        return [equations.analytic_reads(files, nbytes, shape, request.shuffle)]
+    layout = rank_layout([shape.ranks_per_node] * shape.nodes, request.placement)
     sampler = SamplerSpec(
-        num_samples=len(ds), world_size=shape.ranks, seed=int(args.seed),
-        shuffle=args.shuffle, ranks_by_node=layout,
+        num_samples=len(ds), world_size=shape.ranks, seed=request.seed,
+        shuffle=request.shuffle, ranks_by_node=layout,
     )  # fmt: skip
     reads = [
-        clustermodel.plan_reads(
+        equations.plan_reads(
             plan_for_node(ds, sampler, shape.batch_size, (0, shape.epochs), layout[n], n)
         )
         for n in range(shape.nodes)
@@ -71,23 +91,23 @@ def node_reads(ds: Any, args: argparse.Namespace, shape: JobShape) -> list[NodeR
     return sorted(reads, key=lambda r: (r.new_files[0], sum(r.new_files)), reverse=True)
 
 
-def predict_all(ds: Any, args: argparse.Namespace, cal: Calibration) -> list[Prediction]:
-    """One Prediction per entry of --nodes."""
-    files, _ = dataset_figures(ds)
-    index_files = files if getattr(ds, "index_source", "cache") == "built" else 0
+def predict(request: PredictionRequest) -> list[Prediction]:
+    """One Prediction per entry of request.node_counts (the dry run's --nodes)."""
+    files, _ = dataset_figures(request.dataset)
+    index_files = files if getattr(request.dataset, "index_source", "cache") == "built" else 0
     out = []
-    for nodes in args.node_counts:
+    for nodes in request.node_counts:
         shape = JobShape(
             nodes=nodes,
-            ranks_per_node=int(args.ranks_per_node or 1),
-            batch_size=int(args.batch_size),
-            epochs=int(args.epochs),
-            stage_threads=int(args.stage_threads),
+            ranks_per_node=request.ranks_per_node,
+            batch_size=request.batch_size,
+            epochs=request.epochs,
+            stage_threads=request.stage_threads,
             index_files=index_files,
         )
-        reads = node_reads(ds, args, shape)
+        reads = node_reads(request, shape)
         every_node = reads if len(reads) == nodes else None
-        out.append(clustermodel.predict(cal, shape, reads[0], every_node))
+        out.append(equations.predict_shape(request.calibration, shape, reads[0], every_node))
     return out
 
 
@@ -125,14 +145,15 @@ def table(predictions: list[Prediction]) -> str:
     return "\n".join([head, *rows])
 
 
-def print_predictions(ds: Any, args: argparse.Namespace, cal: Calibration) -> int:
-    """The dry run with --calibration: a table, then (with --json) one JSON object."""
-    predictions = predict_all(ds, args, cal)
+def print_predictions(request: PredictionRequest, as_json: bool) -> int:
+    """The dry run with --calibration: a table, then (as_json) one JSON object."""
+    cal = request.calibration
+    predictions = predict(request)
     print(
-        f"cluster model ({args.calibration}): {cal.compute.model}, batch {args.batch_size} per "
-        f"rank, {args.ranks_per_node or 1} ranks/node, {args.epochs} epochs, "
-        f"{dataset_figures(ds)[0]} files; staging limited by {predictions[0].staging_limit}; "
-        f"allreduce {cal.network.algorithm}"
+        f"cluster model ({request.source}): {cal.compute.model}, batch {request.batch_size} per "
+        f"rank, {request.ranks_per_node} ranks/node, {request.epochs} epochs, "
+        f"{dataset_figures(request.dataset)[0]} files; staging limited by "
+        f"{predictions[0].staging_limit}; allreduce {cal.network.algorithm}"
     )
     print(table(predictions))
     # waits under 1 % of the epoch (the first files of step 0) are not worth a line
@@ -142,7 +163,7 @@ def print_predictions(ds: Any, args: argparse.Namespace, cal: Calibration) -> in
             f"  {p.nodes} nodes: epoch 1 is input-bound from step {p.first_late_step}: "
             f"{p.epoch1_input_bound_s:.3g} s of {p.epoch1_s:.3g} s wait for staging"
         )
-    if args.json:
+    if as_json:
         print(json.dumps({"calibration": cal.to_json(),
                           "predictions": [p.to_json() for p in predictions]}))  # fmt: skip
     return 0

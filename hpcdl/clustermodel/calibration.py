@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from hpcdl.atomic import write_bytes_atomically
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,7 +68,7 @@ class NetworkFigures:
 class ComputeFigures:
     model: str  # the network the step was timed for
     batch_size: int  # per-rank batch of the timed steps
-    v0: float  # images/s of one rank in the limit of large batches (hpcdl.bench.scaling_model)
+    v0: float  # images/s of one rank in the limit of large batches (hpcdl.clustermodel.speed)
     t: float  # seconds of fixed cost per step (launches, update); step = b / v0 + t
     backward_fraction: float  # share of a step spent in backward, where the allreduce overlaps
     gradient_bytes: int  # bytes allreduced per step (parameters x bytes per gradient)
@@ -176,8 +177,5 @@ def _toml_value(value: Any) -> str:
 
 
 def save(path: str | Path, calibration: Calibration) -> None:
-    """Write the TOML file atomically (temporary file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(calibration.to_toml())
-    os.replace(tmp, path)
+    """Write the TOML file atomically (hpcdl.atomic), readable by all (mode 0644)."""
+    write_bytes_atomically(path, calibration.to_toml().encode(), mode=0o644)

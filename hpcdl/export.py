@@ -10,6 +10,9 @@ from the run's --data and --augment when that data is still readable, else given
 - safetensors: the same tensors (metadata format=pt), written without PyTorch.
 - onnx: the inference graph of hpcdl.nn.onnx_export.
 OUT is never replaced (hpcdl.nn.weights_io.write_new_file).
+
+It sits beside hpcdl.checkpoint, above hpcdl.nn and hpcdl.data: it reads a checkpoint and the
+run's data set, which hpcdl.nn (no MPI, no data loading) may not.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""write_atomically: the one way hpcdl publishes a file that others read whole.
+
+A reader sees the old file or the new one, never half of one, and a crash leaves no partial
+file under the final name:
+1. a temporary file is created beside the target (same directory, so same file system), named
+   `.<name>.<random>.tmp` with O_EXCL (mkstemp: never a symlink followed, mode 0600);
+2. the caller writes it by path (`write(tmp)`: h5py, torch.save and onnx.save take a path);
+3. its mode is set (`mode`, whatever the umask) and its contents fsync'ed;
+4. it is published: renamed over the target (`replace=True`), or hard-linked to it
+   (`replace=False`), which fails with FileExistsError when the target exists, so a user's
+   file is never replaced even if it appears meanwhile;
+5. the directory is fsync'ed, so the new name survives a crash too.
+On any error, in the caller's write included, the temporary file is removed and the error
+raised; the target is untouched. Writers: the calibration file, a node's staging plan, the
+status map's first image, the image-folder index, checkpoints, exported weights.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from hpcdl.fsync import fsync_path
+
+
+def write_atomically(
+    path: str | os.PathLike,
+    write: Callable[[str], None],
+    replace: bool = True,
+    mode: int = 0o600,
+) -> None:
+    """Publish path with the contents write(tmp_path) puts in a temporary file beside it.
+
+    replace=False: FileExistsError when path exists (it is never replaced). OSError from any
+    step; the temporary file is gone either way."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        fsync_path(tmp)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_path(path.parent)
+
+
+def write_bytes_atomically(
+    path: str | os.PathLike, data: bytes, replace: bool = True, mode: int = 0o600
+) -> None:
+    """write_atomically of a byte string (text: encode it first)."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    write_atomically(path, write, replace=replace, mode=mode)

@@ -1,0 +1,165 @@
+"""What several test modules share (no test module imports another): small real data sets on
+disk (file trees, image folders), the processes a test started, hpcdl's own output lines, and
+`python -m hpcdl.stage` run as a user would."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from hpcdl.data.dataset import FileTable
+
+
+class ShardDataset:
+    """Minimal data set per docs/internals.md: `per_file` consecutive samples per file."""
+
+    def __init__(self, root: Path, files: list[str], per_file: int = 1):
+        self.root = Path(root)
+        sizes = [(self.root / r).stat().st_size for r in files]
+        self.files = FileTable.from_entries(files, sizes)
+        self.per_file = per_file
+
+    def __len__(self) -> int:
+        return len(self.files) * self.per_file
+
+    def file_ids(self, indices):
+        return np.asarray(indices, dtype=np.int64) // self.per_file
+
+
+def make_tree(root: Path, n: int, size: int, seed: int = 0, dirs: int = 4) -> ShardDataset:
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(n):
+        rel = f"d{i % dirs}/f{i:05d}.bin"
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.integers(0, 256, size + i % 7, dtype=np.uint8).tobytes())
+        names.append(rel)
+    return ShardDataset(root, names)
+
+
+def temp_files(stage_dir: Path) -> list[str]:
+    """The stager's temporary copies ('tmp.<thread>' in a session dir) anywhere below."""
+    return [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(stage_dir)
+        for f in fs
+        if f.startswith("tmp.") and Path(d).parent.name == "sessions"
+    ]
+
+
+def stage_bytes(stage: Path) -> int:
+    """Bytes on disk in a stage dir: staged copies and the stager's temporaries, not .hpcdl's
+    control files (files may vanish while it counts). Counted once per inode: a copy being
+    published is linked under its temporary name and its destination for a moment."""
+    seen: dict[tuple[int, int], int] = {}
+    for d, _, names in os.walk(stage):
+        meta = ".hpcdl" in Path(d).relative_to(stage).parts
+        for name in names:
+            if meta and not name.startswith("tmp."):  # temporaries live in session dirs
+                continue
+            try:
+                st = os.lstat(os.path.join(d, name))
+            except FileNotFoundError:
+                continue
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
+
+
+def make_folder(root, per_class=3, size=(20, 16), classes=("cat", "dog"), fmt="png", seed=0):
+    """root/<class>/<i>.<fmt> random RGB images (w, h) = size; returns {relpath: HWC array}."""
+    rng = np.random.default_rng(seed)
+    images = {}
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            arr = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+            rel = f"{c}/{i}.{fmt}"
+            Image.fromarray(arr).save(root / rel, quality=95)
+            images[rel] = np.asarray(Image.open(root / rel).convert("RGB"))
+    return images
+
+
+def torchvision_eval(img: np.ndarray, crop: int, resize: int | None) -> np.ndarray:
+    """torchvision's eval transform on an (h, w, C) uint8 image, written from its definitions:
+    Resize(resize) (shorter side to resize, longer int(resize * long / short), PIL bilinear),
+    then CenterCrop(crop) (top int(round((h - crop) / 2)))."""
+    h, w = img.shape[:2]
+    if resize is not None:
+        if h <= w:
+            h, w = resize, int(resize * w / h)
+        else:
+            h, w = int(resize * h / w), resize
+        img = np.asarray(Image.fromarray(img).resize((w, h), Image.BILINEAR))
+    top, left = int(round((h - crop) / 2.0)), int(round((w - crop) / 2.0))
+    return img[top : top + crop, left : left + crop]
+
+
+def own_lines(output: str) -> list[str]:
+    """Non-empty output lines, without Open MPI's framed reports (between lines of dashes).
+
+    mpirun adds one when a rank exits non-zero ("prterun detected that one or more processes
+    exited with non-zero status"); it is the launcher's, not hpcdl's, and cannot be turned off
+    without also losing the exit status. Under load Open MPI's PMIx also adds, at times,
+    "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH ..." as a rank exits: launcher noise too."""
+    lines, framed = [], False
+    for line in output.splitlines():
+        if line.startswith("-" * 40):
+            framed = not framed
+        elif line.strip() and not framed and not re.match(r"\[[^\]]*\] PMIX ERROR: ", line):
+            lines.append(line)
+    return lines
+
+
+def job_pids(marker: str) -> list[int]:
+    """Processes whose environment carries this test's marker (ranks, workers, stager)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if f"HPCDL_TEST_MARKER={marker}".encode() in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def children() -> set[int]:
+    """Live (non-zombie) child processes of this process."""
+    me, out = os.getpid(), set()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.add(int(p.name))
+    return out
+
+
+def digest(a) -> str:
+    """sha256 of an array's bytes: equal digests on every rank mean bitwise-equal arrays."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def stage_cli(*args, env=None, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m hpcdl.stage args...` (args converted to str), its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "hpcdl.stage", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+    )
