@@ -19,6 +19,9 @@ install_inputs_hash() {
         cd "$REPO"
         printf '%s\n' "$REPO" "$EXTRAS" "$("$VENV/bin/python" -VV)"
         find pyproject.toml CMakeLists.txt staging -type f -print0 | sort -z | xargs -0 sha256sum
+        # The editable install maps each module name to its file when it is made: a module that
+        # becomes a package (or moves) needs a new install, so the module list counts too.
+        find hpcdl -name '*.py' | sort
     ) | sha256sum | cut -d' ' -f1
 }
 STAMP="$VENV/.hpcdl-install-inputs"
