@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hpcdl import backend, messages
+from hpcdl import backend, diag, messages
 from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.node_watch import NodeWatch
@@ -207,6 +207,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         )
         watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
         own(stack, watch.close, watch.abandon)
+        start_diagnostics(cfg, world, stack)  # timeline, stall inspector, flight recorder
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
@@ -258,6 +259,22 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             progress=Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress),
             stack=stack.pop_all(),
         )
+
+
+def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> None:
+    """The run's hpcdl.diag session, owned by stack. Flight records go to the run's directory:
+    --checkpoint-dir, else beside --metrics, else beside --timeline, else the current one."""
+    outputs = [cfg.checkpoint_dir, cfg.metrics and Path(cfg.metrics).parent, cfg.timeline and
+               Path(cfg.timeline).parent]  # fmt: skip
+    options = diag.DiagOptions(
+        stall_warning=cfg.stall_warning,
+        stall_shutdown=cfg.stall_shutdown,
+        timeline=cfg.timeline,
+        run_dir=str(next((o for o in outputs if o), Path.cwd())),
+        quiet=cfg.quiet,
+    )
+    session = diag.DiagSession.open(world.comm, world.node_comm, options, world.node_index)
+    own(stack, session.close, session.abandon)
 
 
 def open_metrics(

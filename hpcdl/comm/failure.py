@@ -63,6 +63,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import diag
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NOTICE_TAG, ACK_TAG = 1, 2
 POLL_S = 0.05  # how often the notice thread looks for a notice
@@ -115,6 +117,7 @@ def install_abort_on_exception(comm: Any, rank: int) -> None:
 
     def hook(exc_type, exc, tb) -> None:
         status = exc.exit_status if isinstance(exc, UserError) else 1
+        diag.dump_flight(f"{exc_type.__name__}: {exc}")  # the flight recorder (hpcdl.diag)
         if notice is not None:
             with contextlib.suppress(Exception):  # whatever happens here, still report and abort
                 notice.report_or_stand_down(status)  # returns only on the rank that reports
@@ -242,6 +245,7 @@ class FailureNotice:
                 line = f"hpcdl: rank {self.rank}: stopped because rank {failed} failed"
                 print(line, file=sys.stderr, flush=True)
         if first:
+            diag.dump_flight(f"rank {failed} failed")
             for cleanup in list(_STAND_DOWN_CLEANUPS):  # before the ack: MPI_Abort waits for it
                 with contextlib.suppress(Exception):
                     cleanup()
@@ -302,6 +306,7 @@ class StopAgreement:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self._local[0] = max(self._local[0], int(signum))
+        diag.instant(diag.Kind.SIGNAL, int(signum))
 
     def requested(self) -> bool:
         """This rank caught a stop signal (the ranks agree on it at the next step boundary).
@@ -322,7 +327,8 @@ class StopAgreement:
         """True on every rank when any rank had a stop signal before its start_step()."""
         if self._request is None:
             return False
-        self._request.Wait()
+        with diag.span(diag.Kind.SYNC):  # a wait the stall inspector watches
+            self._request.Wait()
         self._request = None
         if self._global[0]:
             self.signal_name = signal.Signals(int(self._global[0])).name

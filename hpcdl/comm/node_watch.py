@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcdl import diag
 from hpcdl.comm import failure
 
 KEEPALIVE_S = (5, 2, 3)  # idle seconds, seconds between probes, probes: silent after ~11 s
@@ -157,6 +158,7 @@ class NodeWatch:
             lost = os.read(told, 1) == LOST  # b"" when the watcher exits quietly
             os.close(told)
             if lost and not self._closing:
+                diag.dump_flight("a node was lost (hpcdl.comm.node_watch)")
                 self.world.comm.Abort(EXIT_NODE_LOST)
 
     def _quiet(self) -> None:

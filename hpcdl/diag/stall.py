@@ -1,0 +1,176 @@
+"""The stall inspector: a rank that waits too long names the ranks it waits for.
+
+NOTE [naming a stuck rank]
+A rank stuck but alive (SIGSTOP, a hung file system call, a deadlocked hook) sends nothing and
+answers nothing, so it cannot be asked; the ranks waiting for it must infer it from what it
+published before it stopped. Each rank's heartbeat slot (hpcdl.diag.events) says which step it
+is in, whether it waits and in what since when, and its last event; the session's daemon
+thread (hpcdl.diag.session) stamps the slot's ALIVE field every POLL_S. It calls no MPI (but
+MPI_Abort at a shutdown), and the training thread pays only the slot writes of the events it
+records anyway: no collective on the hot path.
+
+When this rank has waited in a collective or for its loader for --stall-warning seconds, the
+thread reads the node's heartbeat table and names every other rank that has not arrived:
+- no ALIVE stamp for STALE_S: its process does not run (stopped, frozen by the kernel);
+- alive but not waiting: busy in something that does not end (its last event says what);
+- waiting, but at an earlier step: itself held up, or waiting for its loader.
+One rank per node prints, the lowest that waits (the others would print the same line); it
+says once per stall, and again when the wait ends. Ranks on other nodes are not in the table:
+the line names the node-local view only (docs/diagnose.md).
+
+--stall-shutdown S: at warning + S seconds every waiting rank writes its flight record, and the
+printing rank ends the job with exit status 5 (EXIT_STALLED) after GRACE_S, time for the
+others' records; a waiting rank that does not print ends it GRACE_S later, in case the
+printing one cannot.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hpcdl import messages
+from hpcdl.diag import flight
+from hpcdl.diag.events import (
+    ALIVE,
+    LAST_END,
+    LAST_KIND,
+    RECORDER,
+    SINCE,
+    STATE,
+    STEP,
+    WAITING,
+    Kind,
+    Recorder,
+    label,
+)
+
+POLL_S = 0.25  # how often the thread stamps ALIVE and looks at this rank's wait
+# No ALIVE stamp for this long: the rank's process does not run. Eight polls: a thread that a
+# loaded node delays this long is rarer than a stopped process.
+STALE_S = 2.0
+GRACE_S = 1.0  # after a shutdown decision, for the other ranks' flight records
+EXIT_STALLED = 5  # --stall-shutdown's exit status (docs/reliability.md)
+
+
+class StallInspector:
+    """What this rank's diagnostics thread does every POLL_S (NOTE [naming a stuck rank])."""
+
+    def __init__(
+        self,
+        table: Any,  # hpcdl.diag.heartbeat.HeartbeatTable of this node
+        node_ranks: tuple[int, ...],  # world rank of each local rank
+        local_rank: int,
+        host: str,
+        warn_s: float,
+        shutdown_s: float | None,
+        abort: Callable[[int], None],
+        recorder: Recorder = RECORDER,
+    ) -> None:
+        self.table, self.node_ranks, self.local_rank = table, node_ranks, local_rank
+        self.rank, self.host = node_ranks[local_rank], host
+        self.warn_s, self.shutdown_s, self.abort = warn_s, shutdown_s, abort
+        self.recorder = recorder
+        self._stall: float | None = None  # SINCE of the wait warned about
+        self._printed = False  # this rank printed the warning of the current stall
+        self._ending = False
+        self._frozen_wait = -1.0  # SINCE of a wait this process spent partly stopped
+        recorder.slot[ALIVE] = time.perf_counter()
+
+    def check(self, now: float) -> None:
+        """One look: stamp ALIVE, warn of a new stall, say one ended, shut down if asked."""
+        slot = self.recorder.slot
+        gap, slot[ALIVE] = now - slot[ALIVE], now
+        state, since = int(slot[STATE]), float(slot[SINCE])
+        if gap >= STALE_S:  # this process was stopped: the others named it; its wait is no stall
+            self._frozen(gap, since)
+        waiting = state in WAITING and since != self._frozen_wait
+        if self._stall is not None and (not waiting or since != self._stall):
+            if self._printed:
+                messages.warn(
+                    f"stall over: rank {self.rank} waited {now - self._stall:.1f} s in all "
+                    f"(step {int(slot[STEP])})"
+                )
+            self._stall, self._printed = None, False
+        if not waiting or now - since < self.warn_s:
+            return
+        if self._stall is None:
+            rows = self.table.snapshot()
+            line, named = self.describe(rows, now)
+            if not named and now - since < self.warn_s + STALE_S:
+                return  # a rank that stopped just now shows as silent within STALE_S
+            self._stall = since
+            self._printed = self._reports(rows, now)
+            if self._printed:
+                messages.warn(line)
+            self.recorder.instant(Kind.STALL, int(now - since))
+        if self.shutdown_s is not None and now - since >= self.warn_s + self.shutdown_s:
+            self._shut_down(now - since)
+
+    def _frozen(self, gap: float, since: float) -> None:
+        self._frozen_wait = since
+        self.recorder.instant(Kind.FROZEN, int(gap * 1e3))
+        messages.warn(
+            f"this process (rank {self.rank}) did not run for {gap:.1f} s: stopped (SIGSTOP, a "
+            "debugger) or frozen by the system; the other ranks waited for it"
+        )
+
+    def _reports(self, rows: Any, now: float) -> bool:
+        """This rank prints: no lower local rank is alive and waiting too."""
+        for row in rows[: self.local_rank]:
+            alive = now - row[ALIVE] < STALE_S
+            if alive and int(row[STATE]) in WAITING and now - row[SINCE] >= self.warn_s / 2:
+                return False
+        return True
+
+    def describe(self, rows: Any, now: float) -> tuple[str, bool]:
+        """The stall line: this rank's wait, then every local rank that has not arrived; and
+        whether it names any."""
+        mine = rows[self.local_rank]
+        step, state = int(mine[STEP]), int(mine[STATE])
+        line = f"stall: rank {self.rank} has waited {now - mine[SINCE]:.1f} s in {label(state)}"
+        line += f" (step {step})" if state != Kind.DATA_WAIT else f" for step {step + 1}"
+        late = [self._late(local, row, mine, now) for local, row in enumerate(rows)]
+        late = [text for text in late if text]
+        if late:
+            return f"{line}; not arrived: {'; '.join(late)}", True
+        if state == Kind.DATA_WAIT:
+            return f"{line}: its loader holds it up (and the ranks waiting for it)", True
+        return f"{line}; every rank on this node waits too: the one missing is elsewhere", False
+
+    def _late(self, local: int, row: Any, mine: Any, now: float) -> str | None:
+        """Why local rank `local` has not arrived, or None when it waits with this rank
+        (mine: this rank's row)."""
+        if local == self.local_rank:
+            return None
+        step, loading = int(mine[STEP]), int(mine[STATE]) == Kind.DATA_WAIT
+        silent, state = now - row[ALIVE], int(row[STATE])
+        if silent >= STALE_S:
+            why = f"no sign of life for {silent:.1f} s (stopped or frozen?)"
+        elif state not in WAITING:
+            why = "busy, not waiting"
+        elif row[STEP] < step or (state == Kind.DATA_WAIT and row[STEP] <= step and not loading):
+            why = f"in {label(state)} for {now - row[SINCE]:.1f} s at step {int(row[STEP])}"
+        else:
+            return None
+        last = f"{label(row[LAST_KIND])} {now - row[LAST_END]:.1f} s ago" if row[LAST_KIND] else ""
+        rank = self.node_ranks[local]
+        return f"rank {rank} on {self.host}: {why}" + (f", last event {last}" if last else "")
+
+    def _shut_down(self, waited: float) -> None:
+        if self._ending:
+            return
+        self._ending = True
+        flight.dump(f"stall shutdown after {waited:.1f} s (--stall-shutdown)", self.recorder)
+        if self._printed:
+            print(
+                f"hpcdl: rank {self.rank}: error: stalled {waited:.1f} s (--stall-warning "
+                f"{self.warn_s:g} + --stall-shutdown {self.shutdown_s:g}): the job ends with exit "
+                f"status {EXIT_STALLED}; resume with --resume auto from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(GRACE_S if self._printed else 3 * GRACE_S)
+        self.abort(EXIT_STALLED)
