@@ -13,6 +13,7 @@ are already going wrong (an excepthook, a failure-notice thread, a signal).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -71,12 +72,14 @@ def dump(reason: str, recorder: Recorder = RECORDER) -> Path | None:
         ],
     }
     path = PLAN.directory / "flight" / f"rank-{PLAN.rank:05d}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
-    except OSError:
+    except OSError:  # a full disk, say: no record, and no partial file
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return None
     return path
 
