@@ -263,14 +263,15 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
 
 def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> None:
     """The run's hpcdl.diag session, owned by stack. Flight records go to the run's directory:
-    --checkpoint-dir, else beside --metrics, else beside --timeline, else the current one."""
+    --checkpoint-dir, else beside --metrics, else beside --timeline; a run with none of them
+    writes none (it has no directory of its own)."""
     outputs = [cfg.checkpoint_dir, cfg.metrics and Path(cfg.metrics).parent, cfg.timeline and
                Path(cfg.timeline).parent]  # fmt: skip
     options = diag.DiagOptions(
         stall_warning=cfg.stall_warning,
         stall_shutdown=cfg.stall_shutdown,
         timeline=cfg.timeline,
-        run_dir=str(next((o for o in outputs if o), Path.cwd())),
+        run_dir=next((str(o) for o in outputs if o), None),
         quiet=cfg.quiet,
     )
     session = diag.DiagSession.open(world.comm, world.node_comm, options, world.node_index)

@@ -100,9 +100,8 @@ def read_records(directory: str | Path) -> list[dict]:
             raise FlightError(f"{path} is not a flight record ({exc}); remove it") from None
     if not records:
         raise FlightError(
-            f"{folder} holds no flight record (rank-R.json): a run writes them into "
-            "--checkpoint-dir (else beside --metrics, else the current directory)/flight "
-            "when it ends abnormally"
+            f"{folder} holds no flight record (rank-R.json): a run that ends abnormally writes "
+            "them into flight/ in its --checkpoint-dir (else beside --metrics or --timeline)"
         )
     newest = max(r["run"] for r in records)
     return sorted((r for r in records if r["run"] == newest), key=lambda r: r["rank"])
