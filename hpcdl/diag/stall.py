@@ -74,6 +74,7 @@ class StallInspector:
         self.warn_s, self.shutdown_s, self.abort = warn_s, shutdown_s, abort
         self.recorder = recorder
         self._stall: float | None = None  # SINCE of the wait warned about
+        self._stall_step = 0  # the step it happened in
         self._printed = False  # this rank printed the warning of the current stall
         self._ending = False
         self._frozen_wait = -1.0  # SINCE of a wait this process spent partly stopped
@@ -91,7 +92,7 @@ class StallInspector:
             if self._printed:
                 messages.warn(
                     f"stall over: rank {self.rank} waited {now - self._stall:.1f} s in all "
-                    f"(step {int(slot[STEP])})"
+                    f"(step {self._stall_step})"
                 )
             self._stall, self._printed = None, False
         if not waiting or now - since < self.warn_s:
@@ -101,7 +102,7 @@ class StallInspector:
             line, named = self.describe(rows, now)
             if not named and now - since < self.warn_s + STALE_S:
                 return  # a rank that stopped just now shows as silent within STALE_S
-            self._stall = since
+            self._stall, self._stall_step = since, int(slot[STEP])
             self._printed = self._reports(rows, now)
             if self._printed:
                 messages.warn(line)
