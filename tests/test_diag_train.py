@@ -49,6 +49,13 @@ def test_timeline_has_every_ranks_phases_and_each_buckets_allreduce(digits_dir, 
     assert first[0]["args"]["step"] == first[1]["args"]["step"]
     ends = [e["ts"] + e["dur"] for e in first]
     assert abs(ends[0] - ends[1]) < 50_000, first  # within 50 ms (a loaded 2-core machine)
+    png = tmp_path / "steps.png"
+    report = subprocess.run(
+        [sys.executable, "-m", "hpcdl.report", "timeline", str(trace), "--png", str(png)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert report.returncode == 0 and "wrote" in report.stdout, report.stderr
+    assert png.stat().st_size > 10_000
 
 
 def test_report_timeline_merges_buffers_left_by_a_stopped_run_and_draws_steps(
