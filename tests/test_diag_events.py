@@ -24,6 +24,7 @@ from hpcdl.diag.events import (
     Kind,
     Recorder,
 )
+from hpcdl.diag.heartbeat import ages
 from hpcdl.diag.stall import STALE_S, StallInspector
 
 
@@ -217,3 +218,36 @@ def test_timeline_buffers_merge_into_a_chrome_trace(tmp_path):
     assert any(e["name"] == "lost 8 events" for e in events if e["pid"] == 1)
     timeline.remove_parts(trace, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
+class Answers:
+    """Other nodes' answers as hpcdl.diag.remote.NodeQuestions.ask gives them."""
+
+    def __init__(self, answers) -> None:
+        self.answers, self.asked = answers, 0
+
+    def ask(self):
+        self.asked += 1
+        return self.answers
+
+
+def test_when_every_local_rank_waits_the_inspector_asks_the_other_nodes(capsys):
+    now = 500.0
+    table = Table(2)
+    ring = Recorder()
+    ring.bind_slot(table.rows[0])
+    row(table, 0, 4, Kind.COMM_WAIT, now - 3, now)
+    row(table, 1, 4, Kind.COMM_WAIT, now - 3, now)
+    waiting_b = ages(np.array([table.rows[0]]), now)[0]
+    stopped_b = waiting_b.copy()
+    stopped_b[3] = 4.0  # ALIVE_AGE: no stamp for 4 s
+    remote = Answers([("nodeB", (2, 3), np.array([waiting_b, stopped_b])),
+                      ("nodeC", (4, 5), None)])  # fmt: skip
+    inspector = StallInspector(table, (0, 1), 0, "nodeA", 1.0, None, print, ring, remote)
+    inspector.check(now - 3 + 1.5)  # past --stall-warning, within STALE_S: wait for a picture
+    assert remote.asked == 0 and "stall:" not in capsys.readouterr().err
+    inspector.check(now)
+    err = capsys.readouterr().err
+    assert remote.asked == 1 and err.count("stall:") == 1, err
+    assert "rank 3 on nodeB: no sign of life for 4.0 s" in err and "rank 2 on" not in err
+    assert "node nodeC (ranks 4, 5) did not answer" in err

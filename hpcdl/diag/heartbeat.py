@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.diag.events import SLOT_FIELDS
+from hpcdl.diag.events import ALIVE, LAST_END, LAST_KIND, SINCE, SLOT_FIELDS, STATE, STEP
+
+# A table's rows as ages, comparable across nodes (no clocks compared): the columns.
+STEP_NOW, STATE_NOW, SINCE_AGE, ALIVE_AGE, LAST, LAST_AGE = range(6)
 
 
 def shm_dir() -> str:
@@ -66,3 +69,14 @@ def open_on_node(node_comm: Any) -> HeartbeatTable:
         if node_comm.Get_rank() == 0:
             os.unlink(path)
     return table
+
+
+def ages(rows: np.ndarray, now: float) -> np.ndarray:
+    """Heartbeat rows (perf_counter times of this node) as ages: (n, 6) float64, columns
+    STEP_NOW, STATE_NOW, SINCE_AGE (s in the state), ALIVE_AGE (s since the thread's stamp),
+    LAST (kind of the last event), LAST_AGE (s since it ended)."""
+    out = np.empty((len(rows), 6))
+    out[:, STEP_NOW], out[:, STATE_NOW] = rows[:, STEP], rows[:, STATE]
+    out[:, SINCE_AGE], out[:, ALIVE_AGE] = now - rows[:, SINCE], now - rows[:, ALIVE]
+    out[:, LAST], out[:, LAST_AGE] = rows[:, LAST_KIND], now - rows[:, LAST_END]
+    return out

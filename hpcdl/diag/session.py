@@ -23,6 +23,7 @@ from typing import Any
 from hpcdl import messages
 from hpcdl.diag import flight, heartbeat, timeline
 from hpcdl.diag.events import PID, RECORDER, Recorder
+from hpcdl.diag.remote import NodeQuestions
 from hpcdl.diag.stall import POLL_S, StallInspector
 
 
@@ -43,6 +44,7 @@ class DiagSession:
         self.table: heartbeat.HeartbeatTable | None = None
         self.inspector: StallInspector | None = None
         self.writer: timeline.TimelineWriter | None = None
+        self.remote: NodeQuestions | None = None  # other nodes' heartbeats, on a stall
         self.t_zero = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcdl-diag", daemon=True)
@@ -64,11 +66,15 @@ class DiagSession:
             messages.warn(f"stall inspector off: cannot share heartbeats on the node ({exc})")
         if session.table is not None:
             session.recorder.bind_slot(session.table.rows[node_comm.Get_rank()])
+        node_ranks = tuple(node_comm.allgather(rank))
+        every = {n: (h, ranks) for n, h, ranks in comm.allgather((node, host, node_ranks))}
+        nodes = [every[n] for n in sorted(every)]
         if session.table is not None and options.stall_warning:
-            node_ranks = tuple(node_comm.allgather(rank))
+            if len(nodes) > 1 and _thread_multiple():  # collective: Dup
+                session.remote = NodeQuestions(comm, nodes, node, session.table)
             session.inspector = StallInspector(
                 session.table, node_ranks, node_comm.Get_rank(), host, options.stall_warning,
-                options.stall_shutdown, comm.Abort,
+                options.stall_shutdown, comm.Abort, remote=session.remote,
             )  # fmt: skip
         comm.Barrier()
         comm.Barrier()  # the clock: every rank leaves this barrier at about the same instant
@@ -83,6 +89,8 @@ class DiagSession:
         drained = time.perf_counter()
         while not self._stop.wait(POLL_S):
             now = time.perf_counter()
+            if self.remote is not None:
+                self.remote.serve()
             if self.inspector is not None:
                 self.inspector.check(now)
             if self.writer is not None and now - drained >= timeline.DRAIN_S:
@@ -99,6 +107,8 @@ class DiagSession:
         self._stop_thread()
         if self.writer is not None:
             self.writer.close()
+        if self.remote is not None:
+            self.remote.close()
         self.comm.Barrier()
         if self.writer is not None and self.comm.Get_rank() == 0:
             ranks = timeline.merge(timeline.parts_dir(self.options.timeline), self.options.timeline)
@@ -118,3 +128,10 @@ class DiagSession:
         if self.table is not None:
             self.table.close()
             self.table = None
+
+
+def _thread_multiple() -> bool:
+    """The diagnostics thread may call MPI (questions to other nodes)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

@@ -31,20 +31,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from hpcdl import messages
 from hpcdl.diag import flight
-from hpcdl.diag.events import (
-    ALIVE,
-    LAST_END,
-    LAST_KIND,
-    RECORDER,
-    SINCE,
-    STATE,
-    STEP,
-    WAITING,
-    Kind,
-    Recorder,
-    label,
+from hpcdl.diag.events import ALIVE, RECORDER, SINCE, STATE, STEP, WAITING, Kind, Recorder, label
+from hpcdl.diag.heartbeat import (
+    ALIVE_AGE,
+    LAST,
+    LAST_AGE,
+    SINCE_AGE,
+    STATE_NOW,
+    STEP_NOW,
+    ages,
 )
 
 POLL_S = 0.25  # how often the thread stamps ALIVE and looks at this rank's wait
@@ -68,11 +67,12 @@ class StallInspector:
         shutdown_s: float | None,
         abort: Callable[[int], None],
         recorder: Recorder = RECORDER,
+        remote: Any = None,  # hpcdl.diag.remote.NodeQuestions: other nodes' heartbeats
     ) -> None:
         self.table, self.node_ranks, self.local_rank = table, node_ranks, local_rank
         self.rank, self.host = node_ranks[local_rank], host
         self.warn_s, self.shutdown_s, self.abort = warn_s, shutdown_s, abort
-        self.recorder = recorder
+        self.recorder, self.remote = recorder, remote
         self._stall: float | None = None  # SINCE of the wait warned about
         self._stall_step = 0  # the step it happened in
         self._printed = False  # this rank printed the warning of the current stall
@@ -98,14 +98,17 @@ class StallInspector:
         if not waiting or now - since < self.warn_s:
             return
         if self._stall is None:
-            rows = self.table.snapshot()
-            line, named = self.describe(rows, now)
-            if not named and now - since < self.warn_s + STALE_S:
-                return  # a rank that stopped just now shows as silent within STALE_S
+            rows = ages(self.table.snapshot(), now)  # this node's ranks, by local rank
+            late = self._late_here(rows)
+            if not late and state != Kind.DATA_WAIT:
+                if now - since < self.warn_s + STALE_S:
+                    return  # a rank that stopped just now shows as silent within STALE_S
+                if self.remote is not None and self._reports(rows):
+                    late = self._late_elsewhere(rows[self.local_rank])
             self._stall, self._stall_step = since, int(slot[STEP])
-            self._printed = self._reports(rows, now)
+            self._printed = self._reports(rows)
             if self._printed:
-                messages.warn(line)
+                messages.warn(self.describe(rows[self.local_rank], late))
             self.recorder.instant(Kind.STALL, int(now - since))
         if self.shutdown_s is not None and now - since >= self.warn_s + self.shutdown_s:
             self._shut_down(now - since)
@@ -118,47 +121,47 @@ class StallInspector:
             "debugger) or frozen by the system; the other ranks waited for it"
         )
 
-    def _reports(self, rows: Any, now: float) -> bool:
-        """This rank prints: no lower local rank is alive and waiting too."""
+    def _reports(self, rows: np.ndarray) -> bool:
+        """This rank prints: no lower local rank is alive and waiting too (rows: ages)."""
         for row in rows[: self.local_rank]:
-            alive = now - row[ALIVE] < STALE_S
-            if alive and int(row[STATE]) in WAITING and now - row[SINCE] >= self.warn_s / 2:
+            if row[ALIVE_AGE] < STALE_S and int(row[STATE_NOW]) in WAITING and (
+                row[SINCE_AGE] >= self.warn_s / 2
+            ):
                 return False
         return True
 
-    def describe(self, rows: Any, now: float) -> tuple[str, bool]:
-        """The stall line: this rank's wait, then every local rank that has not arrived; and
-        whether it names any."""
-        mine = rows[self.local_rank]
-        step, state = int(mine[STEP]), int(mine[STATE])
-        line = f"stall: rank {self.rank} has waited {now - mine[SINCE]:.1f} s in {label(state)}"
+    def describe(self, mine: np.ndarray, late: list[str]) -> str:
+        """The stall line: this rank's wait (mine: its ages row), then the ranks not arrived."""
+        step, state = int(mine[STEP_NOW]), int(mine[STATE_NOW])
+        line = f"stall: rank {self.rank} has waited {mine[SINCE_AGE]:.1f} s in {label(state)}"
         line += f" (step {step})" if state != Kind.DATA_WAIT else f" for step {step + 1}"
-        late = [self._late(local, row, mine, now) for local, row in enumerate(rows)]
-        late = [text for text in late if text]
         if late:
-            return f"{line}; not arrived: {'; '.join(late)}", True
+            return f"{line}; not arrived: {'; '.join(late)}"
         if state == Kind.DATA_WAIT:
-            return f"{line}: its loader holds it up (and the ranks waiting for it)", True
-        return f"{line}; every rank on this node waits too: the one missing is elsewhere", False
+            return f"{line}: its loader holds it up (and the ranks waiting for it)"
+        return f"{line}; every rank on this node waits too: the one missing is elsewhere"
 
-    def _late(self, local: int, row: Any, mine: Any, now: float) -> str | None:
-        """Why local rank `local` has not arrived, or None when it waits with this rank
-        (mine: this rank's row)."""
-        if local == self.local_rank:
-            return None
-        step, loading = int(mine[STEP]), int(mine[STATE]) == Kind.DATA_WAIT
-        silent, state = now - row[ALIVE], int(row[STATE])
-        if silent >= STALE_S:
-            why = f"no sign of life for {silent:.1f} s (stopped or frozen?)"
-        elif state not in WAITING:
-            why = "busy, not waiting"
-        elif row[STEP] < step or (state == Kind.DATA_WAIT and row[STEP] <= step and not loading):
-            why = f"in {label(state)} for {now - row[SINCE]:.1f} s at step {int(row[STEP])}"
-        else:
-            return None
-        last = f"{label(row[LAST_KIND])} {now - row[LAST_END]:.1f} s ago" if row[LAST_KIND] else ""
-        rank = self.node_ranks[local]
-        return f"rank {rank} on {self.host}: {why}" + (f", last event {last}" if last else "")
+    def _late_here(self, rows: np.ndarray) -> list[str]:
+        mine = rows[self.local_rank]
+        found = [
+            late(self.node_ranks[local], self.host, row, mine)
+            for local, row in enumerate(rows)
+            if local != self.local_rank
+        ]
+        return [text for text in found if text]
+
+    def _late_elsewhere(self, mine: np.ndarray) -> list[str]:
+        """The ranks of other nodes not arrived, from their nodes' answers (hpcdl.diag.remote)."""
+        found = []
+        for host, ranks, rows in self.remote.ask():
+            if rows is None:
+                found.append(
+                    f"node {host} (ranks {', '.join(map(str, ranks))}) did not answer: every "
+                    "process there is stopped, or the link to it is cut"
+                )
+                continue
+            found += [late(rank, host, row, mine) for rank, row in zip(ranks, rows)]
+        return [text for text in found if text]
 
     def _shut_down(self, waited: float) -> None:
         if self._ending:
@@ -175,3 +178,22 @@ class StallInspector:
             )
         time.sleep(GRACE_S if self._printed else 3 * GRACE_S)
         self.abort(EXIT_STALLED)
+
+
+def late(rank: int, host: str, row: np.ndarray, mine: np.ndarray) -> str | None:
+    """Why `rank` (its heartbeat as ages) has not arrived where this rank (mine) waits, or
+    None when it waits there too."""
+    step, loading = int(mine[STEP_NOW]), int(mine[STATE_NOW]) == Kind.DATA_WAIT
+    state, behind = int(row[STATE_NOW]), row[STEP_NOW] < mine[STEP_NOW]
+    # a rank waiting for its batch of step N + 1 shows step N until the batch arrives
+    behind = behind or (state == Kind.DATA_WAIT and row[STEP_NOW] <= step and not loading)
+    if row[ALIVE_AGE] >= STALE_S:
+        why = f"no sign of life for {row[ALIVE_AGE]:.1f} s (stopped or frozen?)"
+    elif state not in WAITING:
+        why = "busy, not waiting"
+    elif behind:
+        why = f"in {label(state)} for {row[SINCE_AGE]:.1f} s at step {int(row[STEP_NOW])}"
+    else:
+        return None
+    last = f", last event {label(row[LAST])} {row[LAST_AGE]:.1f} s ago" if row[LAST] else ""
+    return f"rank {rank} on {host}: {why}{last}"
