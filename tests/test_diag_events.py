@@ -251,3 +251,46 @@ def test_when_every_local_rank_waits_the_inspector_asks_the_other_nodes(capsys):
     assert remote.asked == 1 and err.count("stall:") == 1, err
     assert "rank 3 on nodeB: no sign of life for 4.0 s" in err and "rank 2 on" not in err
     assert "node nodeC (ranks 4, 5) did not answer" in err
+
+
+class OneRank:
+    """A communicator of one rank with the methods a diagnostics session uses (hpcdl.torch's
+    stand-in for torch.distributed has the same)."""
+
+    def Get_rank(self):  # noqa: N802 (mpi4py spelling)
+        return 0
+
+    def Get_size(self):  # noqa: N802
+        return 1
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def allgather(self, obj):
+        return [obj]
+
+    def Barrier(self):  # noqa: N802
+        pass
+
+
+def test_a_session_without_mpi_writes_its_timeline_and_leaves_no_heartbeat_file(
+    tmp_path, monkeypatch, plan
+):
+    from hpcdl import diag
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("HPCDL_SHM_DIR", str(shm))
+    trace = tmp_path / "t.json"
+    options = diag.DiagOptions(timeline=str(trace), run_dir=str(tmp_path), quiet=True)
+    session = diag.DiagSession.open(OneRank(), OneRank(), options)
+    try:
+        assert list(shm.iterdir()) == []  # unlinked once mapped
+        assert session.inspector is not None and session.remote is None
+        with diag.span(diag.Kind.OPTIMIZER):
+            time.sleep(0.01)
+    finally:
+        session.close()
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]]
+    assert names[-1] == "optimizer"
+    assert diag.RECORDER.slot.flags.owndata  # no longer a view of the unmapped table

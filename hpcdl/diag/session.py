@@ -7,7 +7,10 @@ timeline buffer every DRAIN_S. close() (every rank together) stops the thread an
 --timeline, has rank 0 merge the buffers into the trace file. abandon() (this rank leaves
 alone) only stops the thread: no MPI.
 
-The communicators are mpi4py objects passed in (this package imports nothing of hpcdl.comm).
+The communicators are passed in: mpi4py's, or anything with their Get_rank, Get_size, bcast,
+allgather and Barrier (hpcdl.torch's stand-in over torch.distributed; its jobs end a stall
+shutdown with os._exit(5) on every waiting rank, and ask no other node). This package imports
+nothing of hpcdl.comm.
 """
 
 from __future__ import annotations
@@ -70,11 +73,11 @@ class DiagSession:
         every = {n: (h, ranks) for n, h, ranks in comm.allgather((node, host, node_ranks))}
         nodes = [every[n] for n in sorted(every)]
         if session.table is not None and options.stall_warning:
-            if len(nodes) > 1 and _thread_multiple():  # collective: Dup
+            if len(nodes) > 1 and _thread_multiple(comm):  # collective: Dup
                 session.remote = NodeQuestions(comm, nodes, node, session.table)
             session.inspector = StallInspector(
                 session.table, node_ranks, node_comm.Get_rank(), host, options.stall_warning,
-                options.stall_shutdown, comm.Abort, remote=session.remote,
+                options.stall_shutdown, getattr(comm, "Abort", os._exit), remote=session.remote,
             )  # fmt: skip
         comm.Barrier()
         comm.Barrier()  # the clock: every rank leaves this barrier at about the same instant
@@ -130,8 +133,11 @@ class DiagSession:
             self.table = None
 
 
-def _thread_multiple() -> bool:
-    """The diagnostics thread may call MPI (questions to other nodes)."""
+def _thread_multiple(comm: Any) -> bool:
+    """The diagnostics thread may call MPI (questions to other nodes): comm is an mpi4py
+    communicator (not hpcdl.torch's torch.distributed stand-in) and MPI grants threads."""
+    if not type(comm).__module__.startswith("mpi4py"):
+        return False
     from mpi4py import MPI  # noqa: PLC0415
 
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
