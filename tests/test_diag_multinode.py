@@ -98,3 +98,36 @@ def test_ranks_on_another_node_are_named_stopped_one_or_all(cluster, digits_dir,
     assert "final train loss" in out
     print("".join(lines))  # shown with -s: docs/diagnose.md quotes it
     assert Path(metrics).exists()
+
+
+def test_node_watch_connects_by_address_when_names_do_not_resolve(digits_dir, tmp_path):
+    """Issue 36, deliverable 5: no 30 s start-up hold and no `node watch off`; a killed node
+    is named."""
+    from hpcdl.bench.cluster import Cluster, leftovers, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Cluster(tmp_path / "cluster", nodes=2, resolve=False) as cluster:
+        probe = subprocess.run(cluster.argv(1, "getent hosts vnode2"), capture_output=True)
+        assert probe.returncode != 0  # the names really do not resolve
+        metrics = tmp_path / "m.jsonl"
+        program = [sys.executable, "-m", "hpcdl.train", "--data", digits_dir / "train",
+                   "--model", "cnn", "--epochs", 20, "--batch-size", 16, "--workers", 0,
+                   "--progress", "none", "--metrics", metrics, "--metrics-every", 1]  # fmt: skip
+        command = cluster.argv(1, cluster.mpirun([1, 1], *map(str, program)))
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=mpi_env()) as job:  # fmt: skip
+            deadline = time.monotonic() + 180
+            while not metrics.exists() or metrics.read_text().count('"step"') < 3:
+                assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+                time.sleep(0.05)
+            for pid in cluster.pids(2):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = job.communicate(timeout=60)
+    assert not leftovers(), leftovers()
+    assert "node watch off" not in out + err, out + err
+    assert "hpcdl: node vnode2 (ranks 1) was lost" in out + err, out + err
