@@ -390,6 +390,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--stall-warning must be > 0 seconds, got {cfg.stall_warning}")
     if cfg.stall_shutdown is not None and not cfg.stall_shutdown > 0:
         raise ConfigError(f"--stall-shutdown must be > 0 seconds, got {cfg.stall_shutdown}")
+    if cfg.timeline is not None and Path(cfg.timeline).is_dir():
+        raise ConfigError(
+            f"--timeline {cfg.timeline} is a directory; give a file name such as "
+            f"{Path(cfg.timeline) / 'trace.json'}"
+        )
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
     try:
