@@ -207,7 +207,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         )
         watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
         own(stack, watch.close, watch.abandon)
-        start_diagnostics(cfg, world, stack)  # timeline, stall inspector, flight recorder
+        diagnostics = start_diagnostics(cfg, world, stack)  # timeline, stalls, flight recorder
         check_outputs(cfg, world)  # --metrics, --checkpoint-dir: one message, every rank
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
@@ -225,6 +225,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         if reshaped:
             say(reshaped)
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
+        if staging and world.is_node_leader:  # --timeline: the node's stager as rates
+            diagnostics.add_counters("stager", staging.counter_sample)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         if cfg.precision != "fp32":
@@ -261,7 +263,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         )
 
 
-def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> None:
+def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> diag.DiagSession:
     """The run's hpcdl.diag session, owned by stack. Flight records go to the run's directory:
     --checkpoint-dir, else beside --metrics, else beside --timeline; a run with none of them
     writes none (it has no directory of its own)."""
@@ -276,6 +278,7 @@ def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> None:
     )
     session = diag.DiagSession.open(world.comm, world.node_comm, options, world.node_index)
     own(stack, session.close, session.abandon)
+    return session
 
 
 def open_metrics(

@@ -202,6 +202,8 @@ def test_timeline_buffers_merge_into_a_chrome_trace(tmp_path):
     ring.record(Kind.FORWARD, 100.5, 100.75)
     ring.record_aside(Kind.ALLREDUCE, 100.75, 101.0, 4096)
     writers[0].drain()
+    writers[0].sample("stager", {"copies": 0, "pfs_fallbacks": 0}, 100.0)
+    writers[0].sample("stager", {"copies": 50, "pfs_fallbacks": 2}, 102.0)
     for i in range(70):  # more than the ring holds between two drains
         ring.record(Kind.OPTIMIZER, 101.0 + i, 101.0 + i)
     for w in writers:
@@ -209,15 +211,19 @@ def test_timeline_buffers_merge_into_a_chrome_trace(tmp_path):
     assert timeline.merge(timeline.parts_dir(trace), trace) == 2
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert names == {"rank 0 (h)", "rank 1 (h)"}
+    assert names == {"rank 0 (h)", "rank 1 (h)", "node 0 (h): stager"}
     forward = next(e for e in events if e["name"] == "forward" and e["pid"] == 0)
     assert (forward["ts"], forward["dur"], forward["ph"]) == (500_000.0, 250_000.0, "X")
     allreduce = next(e for e in events if e["name"] == "allreduce" and e["pid"] == 0)
     assert allreduce["tid"] == 1 and allreduce["args"]["bytes"] == 4096
     assert any(e["name"] == "lost 6 events" for e in events if e["pid"] == 0)
+    rates = [e for e in events if e["ph"] == "C"]
+    assert {e["name"]: e["args"] for e in rates} == {
+        "copies/s": {"copies/s": 25.0}, "pfs_fallbacks/s": {"pfs_fallbacks/s": 1.0}}
+    assert {e["pid"] for e in rates} == {timeline.NODE_TRACK}
     assert any(e["name"] == "lost 8 events" for e in events if e["pid"] == 1)
     timeline.remove_parts(trace, 2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]  # buffers removed
 
 
 class Answers:

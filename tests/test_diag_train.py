@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import mpi_env, mpirun_cmd, run_train, train_cmd
 from test_diag_stall import rank_pid
 
-from hpcdl.diag import flight
+from hpcdl.diag import flight, timeline
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 240
@@ -29,7 +29,8 @@ def base_flags(data: Path, out: Path) -> list:
 
 def test_timeline_has_every_ranks_phases_and_each_buckets_allreduce(digits_dir, tmp_path):
     trace = tmp_path / "trace.json"
-    args = [*base_flags(digits_dir, tmp_path), "--timeline", trace, "--bucket-mb", 0.05]
+    args = [*base_flags(digits_dir, tmp_path), "--timeline", trace, "--bucket-mb", 0.05,
+            "--stage-dir", tmp_path / "stage"]  # fmt: skip
     result = run_train(2, *args, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout + result.stderr
     events = json.loads(trace.read_text())["traceEvents"]
@@ -43,6 +44,8 @@ def test_timeline_has_every_ranks_phases_and_each_buckets_allreduce(digits_dir, 
         steps = {e["args"]["step"] for e in buckets}
         assert len(buckets) > len(steps) > 1  # several buckets per step, on the comm thread
         assert {e["tid"] for e in buckets} == {1} and all(e["args"]["bytes"] > 0 for e in buckets)
+    stager = [e for e in events if e["ph"] == "C" and e["name"] == "copies/s"]
+    assert stager and {e["pid"] for e in stager} == {timeline.NODE_TRACK}  # one node, as rates
     # one clock: the same step's allreduce of a bucket overlaps on both ranks
     first = [next(e for e in events if e.get("pid") == r and e["name"] == "allreduce")
              for r in (0, 1)]  # fmt: skip

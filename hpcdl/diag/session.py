@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ class DiagSession:
         self.inspector: StallInspector | None = None
         self.writer: timeline.TimelineWriter | None = None
         self.remote: NodeQuestions | None = None  # other nodes' heartbeats, on a stall
+        self._samplers: list[tuple[str, Callable[[], dict[str, int]]]] = []
         self.t_zero = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcdl-diag", daemon=True)
@@ -88,6 +90,12 @@ class DiagSession:
         session._thread.start()
         return session
 
+    def add_counters(self, name: str, sample: Callable[[], dict[str, int] | None]) -> None:
+        """With --timeline: sample() (cumulative counts, quick, thread-safe; None once its
+        owner closed) every DRAIN_S, drawn as rates on this node's track (a node leader's
+        stager)."""
+        self._samplers.append((name, sample))
+
     def _run(self) -> None:
         drained = time.perf_counter()
         while not self._stop.wait(POLL_S):
@@ -97,8 +105,18 @@ class DiagSession:
             if self.inspector is not None:
                 self.inspector.check(now)
             if self.writer is not None and now - drained >= timeline.DRAIN_S:
-                self.writer.drain()
+                self._drain(now)
                 drained = now
+
+    def _drain(self, now: float) -> None:
+        self.writer.drain()
+        for name, sample in list(self._samplers):
+            try:
+                values = sample()
+            except (OSError, ValueError):  # its owner closed it (a run's last sample)
+                continue
+            if values is not None:
+                self.writer.sample(name, values, now)
 
     def _stop_thread(self) -> None:
         self._stop.set()
@@ -109,6 +127,7 @@ class DiagSession:
         """Every rank together: stop the thread, write the timeline, unmap the table."""
         self._stop_thread()
         if self.writer is not None:
+            self._drain(time.perf_counter())  # the counters' last sample
             self.writer.close()
         if self.remote is not None:
             self.remote.close()

@@ -2,9 +2,11 @@
 
 Each rank writes its own buffer: the diagnostics thread moves new events from the ring into
 `FILE.ranks/rank-R.bin` (RECORD, fixed-size binary: times in seconds since the clock
-alignment) every DRAIN_S, beside `rank-R.json` (who: rank, host, node). The ring is large with
-a timeline (TIMELINE_EVENTS) so that a drain never falls a whole ring behind; if it does, the
-gap is counted and shown as an instant event "lost N events".
+alignment) every DRAIN_S, beside `rank-R.json` (who: rank, host, node). A node leader with a
+stager also samples the stager's cumulative counters (files copied, PFS fallbacks) every DRAIN_S
+into `rank-R.counters.jsonl`: the trace shows them per node as rates, not one event per file.
+The ring is large with a timeline (TIMELINE_EVENTS) so that a drain never falls a whole ring
+behind; if it does, the gap is counted and shown as an instant event "lost N events".
 
 The clock: at session start every rank leaves two barriers and takes perf_counter() as its
 zero. Barrier exits are within tens of microseconds of each other on a node (more across
@@ -31,6 +33,7 @@ DRAIN_S = 1.0
 RECORD = np.dtype([("kind", "<i4"), ("t0", "<f8"), ("t1", "<f8"), ("step", "<i8"), ("arg", "<i8")])
 LOST = -1  # kind of a record that counts events lost between drains (arg)
 INSTANT = frozenset({Kind.SIGNAL, Kind.STALL, Kind.FROZEN, LOST})
+NODE_TRACK = 1_000_000  # trace pid of node N's counters: NODE_TRACK + N (ranks are 0..W-1)
 
 
 def parts_dir(timeline: str | Path) -> Path:
@@ -45,11 +48,12 @@ class TimelineWriter:
     def __init__(self, timeline: str, who: dict, t_zero: float, recorder: Recorder = RECORDER):
         self.folder = parts_dir(timeline)
         self.folder.mkdir(parents=True, exist_ok=True)
-        rank = who["rank"]
+        self.rank = rank = who["rank"]
         (self.folder / f"rank-{rank:05d}.json").write_text(json.dumps(who))
         self._file = open(self.folder / f"rank-{rank:05d}.bin", "wb")  # noqa: SIM115
         self.t_zero, self.recorder = t_zero, recorder
         self._next = 0  # the first ring event not yet written
+        self._counters = None  # rank-R.counters.jsonl, opened at the first sample
 
     def drain(self) -> None:
         events, self._next, lost = self.recorder.since(self._next)
@@ -63,19 +67,34 @@ class TimelineWriter:
         rows.tofile(self._file)
         self._file.flush()
 
+    def sample(self, name: str, values: dict[str, int], t: float) -> None:
+        """One sample of a node's cumulative counters (the stager's), as a JSON line."""
+        if self._counters is None:
+            path = self.folder / f"rank-{self.rank:05d}.counters.jsonl"
+            self._counters = open(path, "w")  # noqa: SIM115
+        record = {"name": name, "t": t - self.t_zero, **values}
+        self._counters.write(json.dumps(record) + "\n")
+        self._counters.flush()
+
     def close(self) -> None:
         self.drain()
         self._file.close()
+        if self._counters is not None:
+            self._counters.close()
 
 
 def read_parts(folder: str | Path) -> list[tuple[dict, np.ndarray]]:
-    """Every rank's (who, records) in a FILE.ranks folder, by rank."""
+    """Every rank's (who, records) in a FILE.ranks folder, by rank; who["counters"]: the
+    counter samples the rank took for its node (node leaders with staging), oldest first."""
     folder = Path(folder)
     parts = []
     for meta in sorted(folder.glob("rank-*.json")):
         who = json.loads(meta.read_text())
         data = meta.with_suffix(".bin")
         records = np.fromfile(data, RECORD) if data.exists() else np.zeros(0, RECORD)
+        samples = meta.with_suffix(".counters.jsonl")
+        lines = samples.read_text().splitlines() if samples.exists() else []
+        who["counters"] = [json.loads(line) for line in lines if line.endswith("}")]
         parts.append((who, records))
     if not parts:
         raise FileNotFoundError(f"{folder} holds no rank-R.json / rank-R.bin timeline buffers")
@@ -97,6 +116,25 @@ def trace_events(parts: list[tuple[dict, np.ndarray]]) -> list[dict]:
             )
         for kind, t0, t1, step, arg in records.tolist():
             out.append(_event(pid, kind, t0, t1, step, arg))
+        out += counter_events(who)
+    return out
+
+
+def counter_events(who: dict) -> list[dict]:
+    """A node's track of rates from its cumulative counter samples: per second, between two
+    samples (Chrome trace "C" events: Perfetto draws each name as a counter track)."""
+    samples = who.get("counters", [])
+    if not samples:
+        return []
+    pid = NODE_TRACK + who["node"]
+    name = f"node {who['node']} ({who['host']}): {samples[0]['name']}"
+    out: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    for before, now in zip(samples, samples[1:]):
+        dt = max(now["t"] - before["t"], 1e-9)
+        rates = {k: (now[k] - before[k]) / dt for k in now if k not in ("name", "t")}
+        for key, rate in rates.items():
+            out.append({"ph": "C", "name": f"{key}/s", "pid": pid, "ts": now["t"] * 1e6,
+                        "args": {f"{key}/s": rate}})  # fmt: skip
     return out
 
 
@@ -134,7 +172,7 @@ def remove_parts(timeline: str | Path, ranks: int) -> None:
     folder if nothing else is in it: only the files named rank-R.json / .bin, R < ranks."""
     folder = parts_dir(timeline)
     for rank in range(ranks):
-        for suffix in (".json", ".bin"):
+        for suffix in (".json", ".bin", ".counters.jsonl"):
             (folder / f"rank-{rank:05d}{suffix}").unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder.rmdir()
