@@ -131,3 +131,35 @@ def test_node_watch_connects_by_address_when_names_do_not_resolve(digits_dir, tm
     assert not leftovers(), leftovers()
     assert "node watch off" not in out + err, out + err
     assert "hpcdl: node vnode2 (ranks 1) was lost" in out + err, out + err
+
+
+def test_a_cut_link_is_named_by_the_waiting_ranks_and_the_job_ends(cluster, digits_dir, tmp_path):
+    """Issue 36, deliverable 5: with node 2's link cut (its processes alive) the job printed
+    nothing and hung. Now rank 0's stall line names the node, and the node watch ends the job."""
+    metrics = tmp_path / "m.jsonl"
+    program = [sys.executable, "-m", "hpcdl.train", "--data", digits_dir / "train", "--model",
+               "cnn", "--epochs", 20, "--batch-size", 16, "--workers", 0, "--progress", "none",
+               "--metrics", metrics, "--metrics-every", 1, "--stall-warning", WARN_S]  # fmt: skip
+    command = cluster.argv(1, cluster.mpirun([2, 2], *map(str, program)))
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=mpi_env())  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not metrics.exists() or metrics.read_text().count('"step"') < 6:
+            assert job.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.02)
+        subprocess.run(["ip", "-n", cluster.switch, "link", "set", "p2", "down"], check=True)
+        job.wait(timeout=120)  # no hang
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        reader.join(timeout=10)
+    output = "".join(lines)
+    stall = [line for line in lines if line.startswith("hpcdl: rank 0: warning: stall:")]
+    assert stall and "node vnode2 (ranks 2, 3) did not answer" in stall[0], output
+    assert "hpcdl: node vnode2 (ranks 2, 3) was lost: it stopped answering" in output, output
+    assert job.returncode != 0
