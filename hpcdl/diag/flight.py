@@ -107,40 +107,67 @@ def read_records(directory: str | Path) -> list[dict]:
     return sorted((r for r in records if r["run"] == newest), key=lambda r: r["rank"])
 
 
+SHORT = {"gradient allreduce wait": "comm wait", "host-to-device copy": "h2d",
+         "process did not run": "frozen"}  # fmt: skip
+
+
 def _cell(event: list) -> str:
     kind, step, ago, duration, _ = event
-    return f"{kind} s{step} -{ago:.2f}s ({duration * 1e3:.1f} ms)"
+    return f"{SHORT.get(kind, kind)} s{step} -{ago:.2f}s ({duration * 1e3:.1f} ms)"
+
+
+def _ranks(numbers: list[int]) -> str:
+    """1, 2, 3, 5 -> "1-3, 5"."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _state(r: dict) -> str:
+    last = r["events"][-1] if r["events"] else None
+    doing = f"in {SHORT.get(r['waiting'], r['waiting'])} {r['waiting_s']:.1f} s" if (
+        r["waiting"]) else "running"  # fmt: skip
+    return f"step {r['step']}, {doing}, last {SHORT.get(last[0], last[0]) if last else 'none'}"
 
 
 def side_by_side(records: list[dict], world_size: int | None = None, rows: int = 8) -> str:
-    """Every rank's last events in columns, newest first; `*` marks ranks whose state or last
-    event differs from most ranks', and ranks without a record are listed."""
-
-    def state(r: dict) -> str:
-        last = r["events"][-1] if r["events"] else None
-        doing = f"in {r['waiting']} for {r['waiting_s']:.1f} s" if r["waiting"] else "running"
-        return f"step {r['step']}, {doing}, last {last[0] if last else 'none'}"
-
-    states = [state(r) for r in records]
-    common = max(set(states), key=states.count)
-    mark = {r["rank"]: ("*" if s != common and len(set(states)) > 1 else " ")
-            for r, s in zip(records, states)}  # fmt: skip
-    width = 34
-    head = [f"{mark[r['rank']]}rank {r['rank']} ({r['host']})"[:width] for r in records]
-    lines = ["  ".join(h.ljust(width) for h in head)]
-    lines.append("  ".join(r["reason"][:width].ljust(width) for r in records))
-    lines.append("  ".join(s[:width].ljust(width) for s in states))
+    """The last events side by side, newest first: one column per group of ranks in the same
+    state (step, the wait they are in, their last event), shown by its lowest rank, so that a
+    thousand ranks that all wait read as one column; `*` marks the groups other than the
+    largest, and ranks without a record are listed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        last = r["events"][-1][:2] if r["events"] else None
+        groups.setdefault((r["step"], r["waiting"], str(last)), []).append(r)
+    columns = list(groups.values())
+    largest = max(range(len(columns)), key=lambda k: len(columns[k]))
+    width = min(70, max(34, 118 // len(columns) - 2))  # a few columns: room to read
+    head = []
+    for k, column in enumerate(columns):
+        mark = "*" if k != largest else " "
+        hosts = sorted({r["host"] for r in column})
+        where = hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts"
+        word = "rank" if len(column) == 1 else "ranks"
+        head.append(f"{mark}{word} {_ranks([r['rank'] for r in column])} ({where})")
+    lines = ["  ".join(h[:width].ljust(width) for h in head)]
+    lines.append("  ".join(c[0]["reason"][:width].ljust(width) for c in columns))
+    lines.append("  ".join(_state(c[0])[:width].ljust(width) for c in columns))
     for i in range(rows):
-        cells = [_cell(r["events"][-1 - i]) if i < len(r["events"]) else "" for r in records]
-        lines.append("  ".join(c[:width].ljust(width) for c in cells))
+        events = [c[0]["events"] for c in columns]
+        cells = [_cell(e[-1 - i]) if i < len(e) else "" for e in events]
+        lines.append("  ".join(c[:width].ljust(width) for c in cells).rstrip())
     if world_size is None:
         world_size = max(r.get("world_size", r["rank"] + 1) for r in records)
     missing = sorted(set(range(world_size)) - {r["rank"] for r in records})
     if missing:
         lines.append(
-            f"no record from rank(s) {', '.join(map(str, missing))}: killed before they could "
-            "write (stopped, or lost with their node?)"
+            f"no record from rank(s) {_ranks(missing)}: killed before they could write "
+            "(stopped, or lost with their node?)"
         )
-    if any(m == "*" for m in mark.values()):
-        lines.append("* : state or last event differs from most ranks")
-    return "\n".join(lines)
+    if len(columns) > 1:
+        lines.append("* : in another state than the largest group of ranks")
+    return "\n".join(line.rstrip() for line in lines)
