@@ -300,3 +300,28 @@ def test_a_session_without_mpi_writes_its_timeline_and_leaves_no_heartbeat_file(
     names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]]
     assert names[-1] == "optimizer"
     assert diag.RECORDER.slot.flags.owndata  # no longer a view of the unmapped table
+
+
+def test_diag_is_a_base_layer_package():
+    """hpcdl.diag imports the standard library, numpy, hpcdl.messages and itself only (mpi4py
+    inside functions, for what needs MPI); everything else calls into it."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "hpcdl" / "diag"
+    imported = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                imported |= set(names) if node.module == "hpcdl" else {node.module}
+
+    def allowed(module: str) -> bool:
+        top = module.split(".")[0]
+        if top == "hpcdl":
+            return module.split(".")[1] in ("messages", "diag")
+        return top in sys.stdlib_module_names or top in ("numpy", "mpi4py")
+
+    assert [m for m in sorted(imported) if not allowed(m)] == []
