@@ -74,9 +74,10 @@ class DiagSession:
         node_ranks = tuple(node_comm.allgather(rank))
         every = {n: (h, ranks) for n, h, ranks in comm.allgather((node, host, node_ranks))}
         nodes = [every[n] for n in sorted(every)]
+        every_table = all(comm.allgather(session.table is not None))  # the same on every rank
+        if every_table and options.stall_warning and len(nodes) > 1 and _thread_multiple(comm):
+            session.remote = NodeQuestions(comm, nodes, node, session.table)  # collective: Dup
         if session.table is not None and options.stall_warning:
-            if len(nodes) > 1 and _thread_multiple(comm):  # collective: Dup
-                session.remote = NodeQuestions(comm, nodes, node, session.table)
             session.inspector = StallInspector(
                 session.table, node_ranks, node_comm.Get_rank(), host, options.stall_warning,
                 options.stall_shutdown, getattr(comm, "Abort", os._exit), remote=session.remote,
@@ -86,7 +87,10 @@ class DiagSession:
         session.t_zero = time.perf_counter()
         if options.timeline:
             who = {"rank": rank, "host": host, "node": node, "world_size": comm.Get_size()}
-            session.writer = timeline.TimelineWriter(options.timeline, who, session.t_zero)
+            try:
+                session.writer = timeline.TimelineWriter(options.timeline, who, session.t_zero)
+            except OSError as exc:  # training goes on; this rank's track is missing
+                messages.warn(f"--timeline {options.timeline}: {exc.strerror or exc}; no timeline")
         session._thread.start()
         return session
 
@@ -133,11 +137,24 @@ class DiagSession:
             self.remote.close()
         self.comm.Barrier()
         if self.writer is not None and self.comm.Get_rank() == 0:
-            ranks = timeline.merge(timeline.parts_dir(self.options.timeline), self.options.timeline)
-            timeline.remove_parts(self.options.timeline, ranks)
-            if not self.options.quiet:
-                print(f"hpcdl: timeline of {ranks} rank(s) in {self.options.timeline}", flush=True)
+            self._merge(self.options.timeline)
         self._unbind()
+
+    def _merge(self, trace: str) -> None:
+        """Rank 0: the ranks' buffers into the trace, then remove them (a failed merge leaves
+        them for `python -m hpcdl.report timeline`)."""
+        try:
+            ranks = timeline.merge(timeline.parts_dir(trace), trace)
+        except (OSError, ValueError) as exc:
+            parts = timeline.parts_dir(trace)
+            messages.warn(
+                f"--timeline {trace} not written ({exc}); the ranks' buffers stay in {parts}: "
+                "python -m hpcdl.report timeline merges them"
+            )
+            return
+        timeline.remove_parts(trace, ranks)
+        if not self.options.quiet:
+            print(f"hpcdl: timeline of {ranks} rank(s) in {trace}", flush=True)
 
     def abandon(self) -> None:
         """This rank alone (it failed): stop the thread; no MPI."""
