@@ -325,3 +325,17 @@ def test_diag_is_a_base_layer_package():
         return top in sys.stdlib_module_names or top in ("numpy", "mpi4py")
 
     assert [m for m in sorted(imported) if not allowed(m)] == []
+
+
+def test_a_wait_on_a_helper_thread_is_not_the_ranks_wait():
+    ring = Recorder()
+    seen = []
+
+    def prefetch():
+        with ring.span(Kind.DATA_WAIT):
+            seen.append(ring.slot[STATE])
+
+    helper = threading.Thread(target=prefetch)
+    helper.start()
+    helper.join()
+    assert seen == [0] and ring.recorded == 0

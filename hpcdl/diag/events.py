@@ -19,6 +19,7 @@ session binds it to that table, the slot is a private array and nobody reads it.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from enum import IntEnum
@@ -152,22 +153,28 @@ class Recorder:
 
 
 class Span:
-    """A timed block: waits show in the slot from its start; the event is recorded at its end."""
+    """A timed block: waits show in the slot from its start; the event is recorded at its end.
 
-    __slots__ = ("recorder", "kind", "arg", "t0")
+    A wait is the training thread's (the main thread's): the same wait on a helper thread (the
+    GPU path's prefetch thread waiting for the loader, ahead of the step) is not this rank's
+    wait and records nothing; the training thread's own wait for that thread is recorded."""
+
+    __slots__ = ("recorder", "kind", "arg", "t0", "on")
 
     def __init__(self, recorder: Recorder, kind: int, arg: int) -> None:
         self.recorder, self.kind, self.arg = recorder, kind, arg
         self.t0 = 0.0
+        self.on = kind not in WAITING or threading.current_thread() is threading.main_thread()
 
     def __enter__(self) -> Span:
         self.t0 = time.perf_counter()
-        if self.kind in WAITING:
+        if self.on and self.kind in WAITING:
             self.recorder.enter(self.kind, self.t0)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.recorder.record(self.kind, self.t0, time.perf_counter(), self.arg)
+        if self.on:
+            self.recorder.record(self.kind, self.t0, time.perf_counter(), self.arg)
 
 
 RECORDER = Recorder()  # this process's ring: one per process, like a logger
