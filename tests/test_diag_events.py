@@ -339,3 +339,23 @@ def test_a_wait_on_a_helper_thread_is_not_the_ranks_wait():
     helper.start()
     helper.join()
     assert seen == [0] and ring.recorded == 0
+
+
+def test_the_kernel_says_whether_a_silent_rank_is_stopped_or_gone():
+    import os
+    import signal
+
+    from hpcdl.diag.heartbeat import process_state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(child.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(child.pid) == "T"
+        assert process_state(os.getpid()) in "RS"
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) == "X" and process_state(0) == "\0"

@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.diag.events import ALIVE, LAST_END, LAST_KIND, SINCE, SLOT_FIELDS, STATE, STEP
+from hpcdl.diag.events import ALIVE, LAST_END, LAST_KIND, PID, SINCE, SLOT_FIELDS, STATE, STEP
 
 # A table's rows as ages, comparable across nodes (no clocks compared): the columns.
-STEP_NOW, STATE_NOW, SINCE_AGE, ALIVE_AGE, LAST, LAST_AGE = range(6)
+STEP_NOW, STATE_NOW, SINCE_AGE, ALIVE_AGE, LAST, LAST_AGE, PROCESS = range(7)
+AGE_FIELDS = 7
 
 
 def shm_dir() -> str:
@@ -72,11 +73,28 @@ def open_on_node(node_comm: Any) -> HeartbeatTable:
 
 
 def ages(rows: np.ndarray, now: float) -> np.ndarray:
-    """Heartbeat rows (perf_counter times of this node) as ages: (n, 6) float64, columns
-    STEP_NOW, STATE_NOW, SINCE_AGE (s in the state), ALIVE_AGE (s since the thread's stamp),
-    LAST (kind of the last event), LAST_AGE (s since it ended)."""
-    out = np.empty((len(rows), 6))
+    """Heartbeat rows (perf_counter times of this node) as ages: (n, AGE_FIELDS) float64,
+    columns STEP_NOW, STATE_NOW, SINCE_AGE (s in the state), ALIVE_AGE (s since the thread's
+    stamp), LAST (kind of the last event), LAST_AGE (s since it ended), PROCESS (the kernel's
+    state letter of the rank's process as ord(), 0 when unknown: process_state)."""
+    out = np.empty((len(rows), AGE_FIELDS))
     out[:, STEP_NOW], out[:, STATE_NOW] = rows[:, STEP], rows[:, STATE]
     out[:, SINCE_AGE], out[:, ALIVE_AGE] = now - rows[:, SINCE], now - rows[:, ALIVE]
     out[:, LAST], out[:, LAST_AGE] = rows[:, LAST_KIND], now - rows[:, LAST_END]
+    out[:, PROCESS] = [ord(process_state(int(pid))) for pid in rows[:, PID]]
     return out
+
+
+def process_state(pid: int) -> str:
+    """The kernel's state letter of a process of this node (/proc/PID/stat: R running, S
+    sleeping, D uninterruptible I/O, T stopped, Z zombie), "X" when it is gone, "\0" when it
+    cannot be known (no pid, no /proc)."""
+    if pid <= 0:
+        return "\0"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0][:1] or "\0"
+    except FileNotFoundError:
+        return "X"
+    except (OSError, IndexError):
+        return "\0"

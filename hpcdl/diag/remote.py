@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.diag.heartbeat import ages
+from hpcdl.diag.heartbeat import AGE_FIELDS, ages
 
 QUESTION, ANSWER = 11, 12  # tags
 ASKED_PER_NODE = 2  # a node whose first ranks are all stopped is rare; 2 is cheap
 ANSWER_S = 1.0
-AGE_FIELDS = 6  # an answer row: hpcdl.diag.heartbeat.ages
 
 
 class NodeQuestions:

@@ -40,6 +40,7 @@ from hpcdl.diag.heartbeat import (
     ALIVE_AGE,
     LAST,
     LAST_AGE,
+    PROCESS,
     SINCE_AGE,
     STATE_NOW,
     STEP_NOW,
@@ -52,6 +53,14 @@ POLL_S = 0.25  # how often the thread stamps ALIVE and looks at this rank's wait
 STALE_S = 2.0
 GRACE_S = 1.0  # after a shutdown decision, for the other ranks' flight records
 EXIT_STALLED = 5  # --stall-shutdown's exit status (docs/reliability.md)
+SILENT = {  # why a rank is silent, by its process's state letter (hpcdl.diag.heartbeat)
+    "T": " (its process is stopped: SIGSTOP, a debugger)",
+    "t": " (its process is stopped by a debugger)",
+    "D": " (its process waits in uninterruptible I/O: a hung file system?)",
+    "Z": " (its process has exited)",
+    "X": " (its process is gone)",
+    "\0": " (stopped or frozen?)",
+}
 
 
 class StallInspector:
@@ -78,14 +87,16 @@ class StallInspector:
         self._printed = False  # this rank printed the warning of the current stall
         self._ending = False
         self._frozen_wait = -1.0  # SINCE of a wait this process spent partly stopped
+        self._cpu = time.process_time()  # this process's CPU seconds at the last check
         recorder.slot[ALIVE] = time.perf_counter()
 
     def check(self, now: float) -> None:
         """One look: stamp ALIVE, warn of a new stall, say one ended, shut down if asked."""
         slot = self.recorder.slot
         gap, slot[ALIVE] = now - slot[ALIVE], now
+        cpu, self._cpu = time.process_time() - self._cpu, time.process_time()
         state, since = int(slot[STATE]), float(slot[SINCE])
-        if gap >= STALE_S:  # this process was stopped: the others named it; its wait is no stall
+        if gap >= STALE_S and cpu < gap / 10:  # stopped, not busy: its wait was no stall
             self._frozen(gap, since)
         waiting = state in WAITING and since != self._frozen_wait
         if self._stall is not None and (not waiting or since != self._stall):
@@ -188,7 +199,8 @@ def late(rank: int, host: str, row: np.ndarray, mine: np.ndarray) -> str | None:
     # a rank waiting for its batch of step N + 1 shows step N until the batch arrives
     behind = behind or (state == Kind.DATA_WAIT and row[STEP_NOW] <= step and not loading)
     if row[ALIVE_AGE] >= STALE_S:
-        why = f"no sign of life for {row[ALIVE_AGE]:.1f} s (stopped or frozen?)"
+        why = f"no sign of life for {row[ALIVE_AGE]:.1f} s" + SILENT.get(
+            chr(int(row[PROCESS])), " (its process runs: busy in code that holds the GIL?)")
     elif state not in WAITING:
         why = "busy, not waiting"
     elif behind:
