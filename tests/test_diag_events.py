@@ -359,3 +359,18 @@ def test_the_kernel_says_whether_a_silent_rank_is_stopped_or_gone():
         child.kill()
         child.wait()
     assert process_state(child.pid) == "X" and process_state(0) == "\0"
+
+
+def test_a_hundred_ranks_in_one_state_read_as_one_column():
+    def record(rank, waiting, last):
+        events = [["forward", 41, 62.0, 0.01, 0], [last, 41, 61.0 + rank / 1e3, 0.02, 0]]
+        return {"rank": rank, "host": f"n{rank // 8}", "reason": "stall shutdown", "run": 1.0,
+                "step": 41, "waiting": waiting, "waiting_s": 61.0 + rank / 100,
+                "world_size": 101, "events": events}  # fmt: skip
+
+    records = [record(r, "gradient allreduce wait", "backward") for r in range(100) if r != 37]
+    records.append(record(37, None, "forward"))
+    text = flight.side_by_side(sorted(records, key=lambda r: r["rank"]))
+    head = text.splitlines()[0]
+    assert head.split() == ["ranks", "0-36,", "38-99", "(13", "hosts)", "*rank", "37", "(n4)"]
+    assert "no record from rank(s) 100:" in text
