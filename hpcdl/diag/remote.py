@@ -63,7 +63,7 @@ class NodeQuestions:
         """Every other node's (host, ranks, ages or None when nobody there answered)."""
         self._asked += 1
         number = np.array([float(self._asked)])
-        pending: dict[int, list[tuple[Any, np.ndarray]]] = {}
+        pending: dict[int, list[list]] = {}  # node -> [[request, box, rank], ...]
         for index, (_, ranks) in enumerate(self.nodes):
             if index == self.node:
                 continue
@@ -71,18 +71,24 @@ class NodeQuestions:
             for rank in ranks[:ASKED_PER_NODE]:
                 self._sends.append(self.comm.Isend(number, dest=rank, tag=QUESTION))
                 box = np.zeros(1 + len(ranks) * AGE_FIELDS)
-                pending[index].append((self.comm.Irecv(box, source=rank, tag=ANSWER), box))
+                request = self.comm.Irecv(box, source=rank, tag=ANSWER)
+                pending[index].append([request, box, rank])
         answers: dict[int, np.ndarray] = {}
         deadline = time.monotonic() + ANSWER_S
         while len(answers) < len(pending) and time.monotonic() < deadline:
             self.serve()
             for index, posted in pending.items():
-                for request, box in posted:
-                    if index not in answers and request.Test() and box[0] == number[0]:
+                for entry in posted:
+                    request, box, rank = entry
+                    if index in answers or not request.Test():
+                        continue
+                    if box[0] == number[0]:
                         answers[index] = box[1:].reshape(-1, AGE_FIELDS)
+                    else:  # a late answer to an earlier question: wait for this one's
+                        entry[0] = self.comm.Irecv(box, source=rank, tag=ANSWER)
             time.sleep(0.005)
-        for posted in pending.values():  # late answers are dropped
-            for request, _ in posted:
+        for posted in pending.values():  # answers still to come are dropped
+            for request, _, _ in posted:
                 if not request.Test():
                     request.Cancel()
                     request.Wait()
