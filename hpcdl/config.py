@@ -89,6 +89,10 @@ class TrainConfig:
     # Models in and out (issue 27): start from a state dict; TensorBoard event files.
     init_from: str | None = None  # .pth/.pt/.safetensors (hpcdl.nn.weights_io)
     tensorboard: str | None = None  # directory for tensorboardX event files, rank 0
+    # Why is my job slow, or stuck (issue 36, hpcdl.diag).
+    stall_warning: float = 60.0  # seconds a rank may wait in a collective or for its loader
+    stall_shutdown: float | None = None  # seconds more, then the job ends with exit status 5
+    timeline: str | None = None  # Chrome trace JSON of every rank's events
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -121,6 +125,7 @@ PATH_KEYS = (
     "resume",
     "init_from",
     "tensorboard",
+    "timeline",
 )
 _NOT_PATHS = {"resume": ("none", "auto")}
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
@@ -200,6 +205,13 @@ _HELP = {
     "tensorboard": "write TensorBoard event files (loss, accuracy, lr, images/s, step-time "
     "split, validation, staging, loss scale) to this directory from rank 0; needs tensorboardX "
     "(docs/training.md) (default: none)",
+    "stall_warning": "seconds a rank may wait in a collective or for its loader before it names "
+    "the ranks it waits for, and what each was last doing (docs/diagnose.md)",
+    "stall_shutdown": "end the job this many seconds after a stall warning, with exit status 5 "
+    "and every waiting rank's flight record (docs/reliability.md) (default: none, wait)",
+    "timeline": "write every rank's events (data wait, forward, backward, each bucket's "
+    "allreduce, optimizer, evaluation, checkpoints, signals) on one clock to this Chrome trace "
+    "file, for Perfetto or chrome://tracing (docs/diagnose.md) (default: none)",
 }
 
 
@@ -374,6 +386,15 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--loader-timeout must be > 0 seconds, got {cfg.loader_timeout}")
     if cfg.base_batch is not None and cfg.base_batch < 1:
         raise ConfigError(f"--base-batch must be a positive integer, got {cfg.base_batch}")
+    if not cfg.stall_warning > 0:
+        raise ConfigError(f"--stall-warning must be > 0 seconds, got {cfg.stall_warning}")
+    if cfg.stall_shutdown is not None and not cfg.stall_shutdown > 0:
+        raise ConfigError(f"--stall-shutdown must be > 0 seconds, got {cfg.stall_shutdown}")
+    if cfg.timeline is not None and Path(cfg.timeline).is_dir():
+        raise ConfigError(
+            f"--timeline {cfg.timeline} is a directory; give a file name such as "
+            f"{Path(cfg.timeline) / 'trace.json'}"
+        )
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
     try:

@@ -220,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("timeline", "last"):  # what the ranks did (hpcdl.report_diag)
+        from hpcdl import report_diag  # noqa: PLC0415
+
+        return report_diag.main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     try:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpcdl import checkpoint
+from hpcdl import checkpoint, diag
 from hpcdl.backend import to_device, to_host
 from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.world import World
@@ -178,6 +178,7 @@ def _load_loss_scale(scaler: Any, ckpt: checkpoint.Checkpoint, path: Path) -> No
         ) from None
 
 
+@diag.spanned(diag.Kind.CHECKPOINT)
 def save(run: Run, at: Position) -> Path | None:
     """Collective: gather every rank's RNG state; rank 0 writes the checkpoint of the run's
     model and optimizer, to continue at `at`. Returns its path on every rank."""

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hpcdl import backend, messages
+from hpcdl import backend, diag, messages
 from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.node_watch import NodeWatch
@@ -209,6 +209,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         )
         watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
         own(stack, watch.close, watch.abandon)
+        diagnostics = start_diagnostics(cfg, world, stack)  # timeline, stalls, flight recorder
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
         sampler = spec.for_rank(world.rank)
@@ -225,6 +226,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         if reshaped:
             say(reshaped)
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
+        if staging and world.is_node_leader:  # --timeline: the node's stager as rates
+            diagnostics.add_counters("stager", staging.counter_sample)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         if cfg.precision != "fp32":
@@ -261,6 +264,24 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             progress=Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress),
             stack=stack.pop_all(),
         )
+
+
+def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> diag.DiagSession:
+    """The run's hpcdl.diag session, owned by stack. Flight records go to the run's directory:
+    --checkpoint-dir, else beside --metrics, else beside --timeline; a run with none of them
+    writes none (it has no directory of its own)."""
+    outputs = [cfg.checkpoint_dir, cfg.metrics and Path(cfg.metrics).parent, cfg.timeline and
+               Path(cfg.timeline).parent]  # fmt: skip
+    options = diag.DiagOptions(
+        stall_warning=cfg.stall_warning,
+        stall_shutdown=cfg.stall_shutdown,
+        timeline=cfg.timeline,
+        run_dir=next((str(o) for o in outputs if o), None),
+        quiet=cfg.quiet,
+    )
+    session = diag.DiagSession.open(world.comm, world.node_comm, options, world.node_index)
+    own(stack, session.close, session.abandon)
+    return session
 
 
 def open_metrics(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl import nn, resume, startup
+from hpcdl import diag, nn, resume, startup
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
@@ -74,6 +74,7 @@ def train(cfg: TrainConfig, world: World) -> int:
             t_wait = time.perf_counter()
             for images, labels in run.batches(epoch, first=step):
                 run.stop.start_step()  # the ranks agree on stop signals while the step runs
+                diag.begin_step(global_step)  # what the timeline and the stall inspector show
                 lr = run.schedule(global_step)
                 mix = bool(cfg.params_sync_every) and (global_step + 1) % cfg.params_sync_every == 0
                 result = train_step(run.step_parts, images, labels, lr, mix, waited_since=t_wait)
@@ -199,6 +200,7 @@ def final_status(
 ) -> int:
     """Print the run's last line on rank 0 (also with --quiet); return the exit status."""
     if stopped_by:
+        diag.dump_flight(f"stopped by signal {stopped_by}")
         where = (
             f"checkpoint at {checkpoint_path}"
             if checkpoint_path
@@ -251,6 +253,7 @@ def staging_nodes(world: World, stats: dict | None) -> list[dict] | None:
     return world.per_node(shared, {k: stats[k] for k in ("hits", "misses")})
 
 
+@diag.spanned(diag.Kind.EVAL)
 def evaluate(run: Run, epoch_stats: RunningMean) -> dict[str, float]:
     """Epoch metrics: training loss/acc over all ranks, and validation on every rank's shard."""
     world, batch_size = run.world, run.cfg.batch_size

@@ -41,6 +41,9 @@ def test_sync_params_k():
         (["--data", "x", "--stage-capacity", "lots"], "--stage-capacity"),
         (["--batch-size", "4"], "--data is required"),
         (["--data", "x", "--no-such-flag"], "unrecognized arguments"),
+        (["--data", "x", "--stall-warning", "0"], "--stall-warning must be > 0 seconds"),
+        (["--data", "x", "--stall-shutdown", "-1"], "--stall-shutdown must be > 0 seconds"),
+        (["--data", "x", "--timeline", "/"], "--timeline / is a directory; give a file name"),
     ],
 )
 def test_invalid_values_name_the_field(argv, match):

@@ -208,7 +208,9 @@ def test_checkpoint_disk_full_mid_run_is_one_line_from_rank_0(digits_dir, tiny_f
     assert_rank_0_line_and_stopped_line(
         proc, f"cannot write checkpoint {full / 'ckpt'}/ckpt-e", "No space left on device"
     )
-    assert list(Path(f"{full}.after/ckpt").iterdir()) == []  # no temporary file left behind
+    left = [p.name for p in Path(f"{full}.after/ckpt").iterdir()]
+    assert left in ([], ["flight"]), left  # no temporary file left behind; flight: hpcdl.diag
+    assert not list(Path(f"{full}.after/ckpt").glob("flight/.*"))
 
 
 # --- an unexpected exception mid-run -------------------------------------------------------------

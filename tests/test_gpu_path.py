@@ -103,7 +103,7 @@ def test_adamw_on_the_gpu_is_the_numpy_update():
 
 def test_fp16_overflow_skips_the_step_on_the_gpu_then_trains():
     from hpcdl.nn.precision import LossScaler
-    from hpcdl.step import StepParts, train_step
+    from hpcdl.nn.step import StepParts, train_step
 
     model = nn.build_model("cnn", (1, 8, 8), 10, seed=3, xp=cp)
     model.set_precision("fp16")

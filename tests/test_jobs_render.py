@@ -69,11 +69,19 @@ def test_every_bundled_site_renders_valid_bash(config, site, kind):
     assert "srun mpirun" not in script
 
 
+# A stand-in launcher's lines that leave what a finished run leaves: a summary in --metrics.
+WRITE_SUMMARY = """while [ $# -gt 0 ]; do
+  [ "$1" = --metrics ] && printf '{"event": "start"}\\n{"event": "summary"}\\n' >> "$2"
+  shift
+done
+"""
+
+
 def launched_command(tmp_path: Path, script: str) -> list[str]:
     """Run a rendered script with a stand-in launcher; the words the launcher was given."""
     record = tmp_path / "launcher-args"
     stub = tmp_path / "launcher"
-    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
+    stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n{WRITE_SUMMARY}')
     stub.chmod(0o755)
     script = re.sub(r"(?m)^launcher=.*$", f"launcher={stub}", script)
     env = {
@@ -370,3 +378,30 @@ def test_chain_needs_a_checkpoint_directory(tmp_path):
     config = write_config(tmp_path / "job.toml", data=str(tmp_path / "data"))
     with pytest.raises(JobSpecError, match="--chain needs a checkpoint directory"):
         render(spec(config, chain=2))
+
+
+@pytest.mark.parametrize(
+    "records,status,line",
+    [
+        ("", 5, "did NOT finish: the launcher exited 0"),  # mpirun after a lost node
+        ('{"event": "start"}\\n{"event": "summary"}\\n{"event": "start"}\\n', 5, "did NOT"),
+        ('{"event": "start"}\\n{"event": "summary"}\\n', 0, "finished training"),
+    ],
+    ids=["no-record", "earlier-run-finished", "finished"],
+)
+def test_a_run_is_finished_by_its_own_record_not_the_launchers_status(
+    tmp_path, records, status, line
+):
+    """Issue 36: Open MPI's mpirun exits 0 after losing a node; the job must not say finished."""
+    metrics = tmp_path / "metrics.jsonl"
+    config = write_config(tmp_path / "job.toml", data=str(tmp_path / "data"), metrics=str(metrics))
+    script, _ = render(spec(config, stage=False))
+    stub = tmp_path / "launcher"
+    stub.write_text(f"#!/bin/sh\nprintf '{records}' >> {metrics}\nexit 0\n")
+    stub.chmod(0o755)
+    script = re.sub(r"(?m)^launcher=.*$", f"launcher={stub}", script)
+    env = {**os.environ, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "8"}
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
+    assert r.returncode == status, r.stdout + r.stderr
+    assert line in r.stdout, r.stdout
+    assert ("finished training" in r.stdout) == (status == 0)

@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcdl.run", "hpcdl.resume", "hpcdl.export"),  # a run's resources; checkpoint in and out
     ("hpcdl.startup",),  # builds a Run from a TrainConfig
     # commands (every package's __main__ counts here, at least)
-    ("hpcdl.train", "hpcdl.stage", "hpcdl.report", "hpcdl.doctor", "hpcdl.jobs"),
+    ("hpcdl.train", "hpcdl.stage", "hpcdl.report", "hpcdl.report_diag", "hpcdl.doctor",
+     "hpcdl.jobs"),  # fmt: skip
     ("hpcdl.torch",),  # the PyTorch adapter for scripts
     ("hpcdl.bench",),  # `python -m hpcdl.bench`: may use everything, torch lazily
 )

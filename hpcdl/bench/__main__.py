@@ -21,6 +21,7 @@ BENCHMARKS = {
     "calibrate": "hpcdl.bench.calibrate",
     "validate": "hpcdl.bench.validate",
     "memory": "hpcdl.bench.memory",
+    "diag": "hpcdl.bench.diag",
 }
 USAGE = "usage: python -m hpcdl.bench NAME [options]"
 

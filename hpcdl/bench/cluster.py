@@ -75,7 +75,9 @@ class Node:
 class Cluster:
     """K emulated nodes on a private bridge; `up()` builds them, `down()` removes everything."""
 
-    def __init__(self, workdir: Path, nodes: int = 2):
+    def __init__(self, workdir: Path, nodes: int = 2, resolve: bool = True):
+        """resolve=False: the nodes reach each other by address only, their names do not
+        resolve (some sites; a management network's names)."""
         if not 1 <= nodes <= 250:
             raise ValueError(f"nodes must be in 1..250, got {nodes}")
         self.workdir = Path(workdir)
@@ -87,6 +89,7 @@ class Cluster:
         ]
         self.agent = self.workdir / "rsh-agent"
         self.hosts = self.workdir / "hosts"  # the nodes' /etc/hosts: names resolve inside nodes
+        self.resolve = resolve
         self._made: list[str] = []  # namespaces created so far, for down()
         self._netns_dir_mounted = _is_mount(NETNS_DIR)  # iproute2 mounts it at the first add
 
@@ -108,9 +111,8 @@ class Cluster:
             _ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
             _ip("-n", node.netns, "link", "set", "eth0", "up")
             _ip("-n", node.netns, "link", "set", "lo", "up")
-        self.hosts.write_text(
-            "127.0.0.1 localhost\n" + "".join(f"{n.ip} {n.hostname}\n" for n in self.nodes)
-        )
+        names = "".join(f"{n.ip} {n.hostname}\n" for n in self.nodes) if self.resolve else ""
+        self.hosts.write_text("127.0.0.1 localhost\n" + names)
         self._write_agent()
         return self
 

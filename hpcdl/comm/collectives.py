@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import diag
 from hpcdl.backend import array_module
 
 
@@ -16,6 +17,7 @@ def _sync_device(buf: Any) -> None:
         xp.cuda.get_current_stream().synchronize()
 
 
+@diag.spanned(diag.Kind.SYNC)  # a wait the stall inspector watches
 def allreduce_mean(comm: Any, buf: Any, host_staged: bool = False) -> None:
     """Average buf over comm in place. host_staged: copy a device buffer through host memory."""
     from mpi4py import MPI  # noqa: PLC0415
@@ -45,6 +47,7 @@ def broadcast(comm: Any, buf: Any, root: int = 0, host_staged: bool = False) -> 
     comm.Bcast(buf, root=root)
 
 
+@diag.spanned(diag.Kind.SYNC)
 def allreduce_sum(comm: Any, host: np.ndarray) -> None:
     """Sum a small host array over comm in place (counters, loss sums)."""
     from mpi4py import MPI  # noqa: PLC0415

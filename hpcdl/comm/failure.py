@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import messages
+from hpcdl import diag, messages
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NOTICE_TAG, ACK_TAG = 1, 2
@@ -117,6 +117,7 @@ def install_abort_on_exception(comm: Any, rank: int) -> None:
 
     def hook(exc_type, exc, tb) -> None:
         status = exc.exit_status if isinstance(exc, UserError) else 1
+        diag.dump_flight(f"{exc_type.__name__}: {exc}")  # the flight recorder (hpcdl.diag)
         if notice is not None:
             with contextlib.suppress(Exception):  # whatever happens here, still report and abort
                 notice.report_or_stand_down(status)  # returns only on the rank that reports
@@ -243,6 +244,7 @@ class FailureNotice:
                 self._stood_down = True
                 messages.say(f"stopped because rank {failed} failed", rank=self.rank)
         if first:
+            diag.dump_flight(f"rank {failed} failed")
             for cleanup in list(_STAND_DOWN_CLEANUPS):  # before the ack: MPI_Abort waits for it
                 with contextlib.suppress(Exception):
                     cleanup()
@@ -303,6 +305,7 @@ class StopAgreement:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self._local[0] = max(self._local[0], int(signum))
+        diag.instant(diag.Kind.SIGNAL, int(signum))
 
     def requested(self) -> bool:
         """This rank caught a stop signal (the ranks agree on it at the next step boundary).
@@ -323,7 +326,8 @@ class StopAgreement:
         """True on every rank when any rank had a stop signal before its start_step()."""
         if self._request is None:
             return False
-        self._request.Wait()
+        with diag.span(diag.Kind.SYNC):  # a wait the stall inspector watches
+            self._request.Wait()
         self._request = None
         if self._global[0]:
             self.signal_name = signal.Signals(int(self._global[0])).name

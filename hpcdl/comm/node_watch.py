@@ -52,10 +52,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcdl import diag
 from hpcdl.comm import failure
 
 KEEPALIVE_S = (5, 2, 3)  # idle seconds, seconds between probes, probes: silent after ~11 s
-CONNECT_S = 30.0  # how long start-up waits for every node's connection
+CONNECT_S = 5.0  # how long start-up waits for every node's connection (then: watch off)
 WATCHER_LINGER_S = 2.0  # a watcher whose rank is gone waits this long for a lost node
 LAUNCHER_GRACE_S = (10.0, 5.0)  # after a report: mpirun's own exit, then after its SIGTERM
 QUIET, LOST = b"q", b"L"  # rank -> watcher: stop without a report; watcher -> rank: abort
@@ -91,22 +92,33 @@ class NodeWatch:
                 print(f"hpcdl: node watch off (cannot connect the nodes: {first})", flush=True)
 
     def _connect(self, world: Any) -> None:
-        """Rank 0 listens; every other node's leader connects and says its node index."""
-        listener = None
+        """Rank 0 listens; every other node's leader connects and says its node index.
+
+        By address, not by name: rank 0 sends the IPv4 addresses of its interfaces (its host
+        name last), and a leader connects to all at once and keeps the first that answers.
+        Some sites' nodes reach each other by address but cannot resolve each other's names
+        (or the name is a management network's): waiting on a name cost 30 s and then the
+        watch (issue 36)."""
+        listener, where = None, None
         if world.is_root:
             listener = socket.create_server(("", 0))
             listener.settimeout(CONNECT_S)
-        port = world.comm.bcast(listener.getsockname()[1] if listener else None, root=0)
+            where = (listener.getsockname()[1], [*interface_addresses(), self.nodes[0][0]])
+        port, addresses = world.comm.bcast(where, root=0)
         try:
             if world.is_node_leader and not world.is_root:
-                conn = socket.create_connection((self.nodes[0][0], port), timeout=CONNECT_S)
+                conn = connect_first(addresses, port, CONNECT_S)
                 conn.sendall(struct.pack("!i", world.node_index))
                 self._sockets[0] = conn
             elif listener is not None:
-                for _ in range(world.num_nodes - 1):
+                while len(self._sockets) < world.num_nodes - 1:
                     conn, _ = listener.accept()
                     conn.settimeout(CONNECT_S)
-                    (node,) = struct.unpack("!i", _receive(conn, 4))
+                    try:
+                        (node,) = struct.unpack("!i", _receive(conn, 4))
+                    except ConnectionError:  # a leader's attempt at another address, dropped
+                        conn.close()
+                        continue
                     self._sockets[node] = conn
         finally:
             if listener is not None:
@@ -157,6 +169,7 @@ class NodeWatch:
             lost = os.read(told, 1) == LOST  # b"" when the watcher exits quietly
             os.close(told)
             if lost and not self._closing:
+                diag.dump_flight("a node was lost (hpcdl.comm.node_watch)")
                 self.world.comm.Abort(EXIT_NODE_LOST)
 
     def _quiet(self) -> None:
@@ -192,6 +205,61 @@ class NodeWatch:
         for conn in self._sockets.values():
             conn.close()
         self._sockets = {}
+
+
+def interface_addresses() -> list[str]:
+    """This host's IPv4 addresses, loopback left out (Linux: SIOCGIFADDR per interface)."""
+    import fcntl  # noqa: PLC0415
+
+    found = []
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
+            except OSError:  # no IPv4 address on this interface
+                continue
+            address = socket.inet_ntoa(reply[20:24])
+            if not address.startswith("127."):
+                found.append(address)
+    finally:
+        probe.close()
+    return found
+
+
+def connect_first(hosts: list[str], port: int, timeout: float) -> socket.socket:
+    """A connection to the first of hosts (addresses or names) that answers on port; all are
+    tried at once, so an unreachable address costs no time. OSError naming them all if none
+    answers within timeout."""
+    won: list[socket.socket] = []
+    errors: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def attempt(host: str) -> None:
+        try:
+            conn = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            with lock:
+                errors[host] = exc.strerror or str(exc)
+            return
+        with lock:
+            if won:
+                conn.close()
+            else:
+                won.append(conn)
+
+    threads = [threading.Thread(target=attempt, args=(h,), daemon=True) for h in hosts]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    while not won and len(errors) < len(hosts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with lock:
+        if won:
+            return won[0]
+        tried = ", ".join(f"{h} ({errors.get(h, 'timed out')})" for h in hosts)
+    raise OSError(f"no answer from rank 0's node at {tried}")
 
 
 def _receive(conn: socket.socket, size: int) -> bytes:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hpcdl import diag
 from hpcdl.backend import array_module, pinned_empty
 
 FIRST_BUCKET_BYTES = 1 << 20  # like PyTorch DDP: start communicating early
@@ -168,7 +170,10 @@ class GradientReducer:
             bucket, event = self._ready.popleft()
             try:
                 if self._error is None:
+                    t0 = time.perf_counter()
                     self._reduce(MPI, bucket, event)
+                    nbytes = (bucket.hi - bucket.lo) * self.grads.dtype.itemsize
+                    diag.record_aside(diag.Kind.ALLREDUCE, t0, time.perf_counter(), nbytes)
             except BaseException as exc:  # surfaced by wait() on the main thread
                 self._error = exc
             return True

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import diag
+
 _BUFFERS = 2
 _POLL_S = 0.2  # how often a blocked feeder looks whether the consumer has gone away
 
@@ -85,7 +87,8 @@ class DevicePrefetcher:
         compute = self.cp.cuda.get_current_stream()
         try:
             while True:
-                item = filled.get()
+                with diag.span(diag.Kind.DATA_WAIT):  # the step's wait (the feeder's: not)
+                    item = filled.get()
                 if item is None:
                     return
                 if item[0] == "error":

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import messages
+from hpcdl import diag, messages
 from hpcdl.data.dataset import DataError
 from hpcdl.data.slots import (
     OP_BUILD,
@@ -214,13 +214,14 @@ class WorkerPool:
 
     def _wait_for(self, b: int, stop_requested: Callable[[], bool] | None) -> bool:
         """Receive replies until batch b is done (True) or a stop is requested (False)."""
-        while b not in self._done:
-            if stop_requested is not None and stop_requested():
-                return False
-            self._receive()
-            if b not in self._done:
-                self._watch(b)
-        return True
+        with diag.span(diag.Kind.DATA_WAIT):  # the stall inspector sees this wait
+            while b not in self._done:
+                if stop_requested is not None and stop_requested():
+                    return False
+                self._receive()
+                if b not in self._done:
+                    self._watch(b)
+            return True
 
     def _watch(self, b: int) -> None:
         """The watchdog: warn once at half the timeout, raise LoaderTimeout at the timeout,

@@ -20,6 +20,7 @@ from hpcdl.jobs.site import JobSpecError, Site
 KINDS = ("train", "stage")
 DEVICES = ("cpu", "gpu")
 EXIT_STOPPED_BY_SIGNAL = 3  # hpcdl.train's exit status after a signal-triggered checkpoint
+EXIT_UNFINISHED = 5  # launcher said 0 but the run wrote no summary: a node stopped taking part
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _TIME = re.compile(r"(?:(\d+)-)?(\d{1,3}):(\d{2}):(\d{2})")
@@ -340,6 +341,7 @@ def _resolve(spec: JobSpec) -> _Resolved:
         "requeue": "true" if spec.requeue else "false",
         "stage": "true" if spec.stage else "false",
         "exit_stopped": str(EXIT_STOPPED_BY_SIGNAL),
+        "exit_unfinished": str(EXIT_UNFINISHED),
         "launch": " \\\n    ".join(_launch_lines(spec, job)),
     }
     return _Resolved(values, warnings)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hpcdl import diag
 from hpcdl.backend import synchronize
 from hpcdl.nn.loss import softmax_cross_entropy
 
@@ -87,6 +88,8 @@ def train_step(
     model, reducer = parts.model, parts.reducer
     logits = model.forward(images, train=True)
     loss, dlogits = parts.loss(logits, labels)
+    tf = time.perf_counter()  # forward ends (asynchronously on a GPU: the launch)
+    diag.record(diag.Kind.FORWARD, t0, tf)
     # gradients of loss / N: their sum over the ranks is the average; x the loss scale
     scale = (parts.scaler.scale if parts.scaler else 1.0) / (reducer.world_size if reducer else 1)
     if scale != 1.0:
@@ -96,9 +99,12 @@ def train_step(
     model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
     synchronize(parts.xp)
     t1 = time.perf_counter()
+    diag.record(diag.Kind.BACKWARD, tf, t1)
     if reducer:
+        diag.RECORDER.enter(diag.Kind.COMM_WAIT, t1)  # the stall inspector sees this wait
         reducer.wait()  # gradients are now averaged over all ranks
     t2 = time.perf_counter()
+    diag.record(diag.Kind.COMM_WAIT, t1, t2)
     applied = parts.scaler.unscale(model.grads) if parts.scaler else True
     if applied:
         parts.optimizer.step(lr)
@@ -106,6 +112,7 @@ def train_step(
         parts.average_params()
     synchronize(parts.xp)
     t3 = time.perf_counter()
+    diag.record(diag.Kind.OPTIMIZER, t2, t3)
     times = StepTimes(
         t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
     )

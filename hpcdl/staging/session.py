@@ -221,6 +221,7 @@ class StagingSession:
         self.warned = False  # the one "reading from the PFS" warning was given
         self.last_check = 0.0  # monotonic time of the last liveness check
         self.closed = False
+        self._last_sample = {"copies": 0, "pfs_fallbacks": 0}  # counter_sample's, once closed
         self._leaving = threading.Lock()  # close/abandon may race with a stand-down clean-up
 
     @classmethod
@@ -298,6 +299,17 @@ class StagingSession:
             "consumed_files": int(np.searchsorted(self.first_use, cursor, side="left")),
             "plan_files": len(self.first_use),
         }
+
+    def counter_sample(self) -> dict[str, int]:
+        """The node's cumulative files staged and PFS fallbacks (misses, every local rank):
+        what --timeline draws per node as rates (hpcdl.diag; local rank 0, any thread). Once
+        closed, the last values read."""
+        if not self.closed:
+            field = self.status.field if self.status else (lambda name: 0)
+            misses = sum(self.counters.totals(r)[1] for r in range(self.local_size)) if (
+                self.counters) else 0  # fmt: skip
+            self._last_sample = {"copies": int(field("files_staged")), "pfs_fallbacks": misses}
+        return self._last_sample
 
     def epoch_stats(self) -> dict[str, Any]:
         """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness."""
