@@ -37,6 +37,7 @@ from hpcdl.staging.ownership import (
     check_no_overlap,
     data_key,
 )
+from hpcdl.staging.peer_tier import PeerTier, peer_tier_wanted
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
 from hpcdl.staging.status import (
     CounterFile,
@@ -108,6 +109,7 @@ class StageOptions:
     keep: bool = False
     verify: bool = False
     protect: dict[str, Any] | None = field(default=None, hash=False)
+    peers: str = "auto"  # --peer-staging: auto, on, off (hpcdl.staging.peer_tier)
 
 
 class Locator:
@@ -221,6 +223,7 @@ class StagingSession:
         self.warned = False  # the one "reading from the PFS" warning was given
         self.last_check = 0.0  # monotonic time of the last liveness check
         self.closed = False
+        self.peer_tier: PeerTier | None = None  # local rank 0 of a node in the peer tier
         self._leaving = threading.Lock()  # close/abandon may race with a stand-down clean-up
 
     @classmethod
@@ -251,6 +254,7 @@ class StagingSession:
             check_no_overlap(options.stage_dir, options.protect or {"--data": dataset.root})
         except StageDirError as exc:
             error = str(exc)
+        session._start_peer_tier(options)
         info: dict[str, Any] = {"error": error}
         if session.local_rank == 0 and error is None:
             info = session._prepare(options)
@@ -347,6 +351,30 @@ class StagingSession:
 
     # ------------------------------------------------------------------ internals
 
+    def _start_peer_tier(self, options: StageOptions) -> None:
+        """Every rank, when the peer tier runs: the collective start (PeerTier.start)."""
+        world = self.world
+        if world is None or not peer_tier_wanted(
+            options.peers, world.num_nodes, self.sampler.shuffle
+        ):
+            return
+        capacity = 0
+        if world.is_node_leader:
+            try:
+                capacity = parse_capacity(options.capacity, options.stage_dir)
+                if capacity is None:
+                    capacity = default_capacity(options.stage_dir)
+            except (ValueError, OSError, subprocess.CalledProcessError, StagerNotFound):
+                capacity = 0  # no home here; the stage dir's own error comes next
+        epochs = (self.begin, self.end)
+        self.peer_tier, error = PeerTier.start(
+            world, self.dataset, self.sampler, self.batch_size, epochs, capacity, options.peers
+        )
+        _agree(world, error)
+
+    def _peer_lines(self, plan: Any) -> list[str]:
+        return self.peer_tier.plan_lines(plan) if self.peer_tier is not None else []
+
     def _prepare(self, options: StageOptions) -> dict:
         """Local rank 0: lease the stage dir, write the plan, start the stager."""
         stage_dir = Path(options.stage_dir)
@@ -369,7 +397,8 @@ class StagingSession:
         try:
             self.fingerprint = dataset_fingerprint(self.dataset)
             plan = self._plan(self.begin)
-            write_plan(files.plan, plan, self.dataset, self.fingerprint, dest_prefix=key)
+            peer_lines = self._peer_lines(plan)
+            write_plan(files.plan, plan, self.dataset, self.fingerprint, key, peer_lines)
             ProgressFile.create(files.progress, self.local_size)
             CounterFile.create(files.counters, self.local_size)
             cap = parse_capacity(options.capacity, self.lease.stage_dir)
@@ -377,10 +406,16 @@ class StagingSession:
             info["why"] = f"cannot write its plan in {meta}: {exc.strerror or exc}"
             return info
         lease, threads, verify = self.lease, options.threads, options.verify
-        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify)
+        tier = self.peer_tier if peer_lines or self._serves() else None
+        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify, tier)
+        if self.peer_tier is not None:
+            self.peer_tier.close_listener()
         info["ok"], info["why"] = _wait_running(self.proc, files.status)
         info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
         return info
+
+    def _serves(self) -> bool:
+        return self.peer_tier is not None and self.peer_tier.listener is not None
 
     def _attach(self, info: dict) -> None:
         """Every local rank: open the session's shared files, or note that staging is off."""
@@ -420,7 +455,7 @@ class StagingSession:
         plan = self._plan(epoch)
         key = self.local_root.name
         plan_path = SessionDir(self.meta).plan
-        write_plan(plan_path, plan, self.dataset, self.fingerprint, dest_prefix=key)
+        write_plan(plan_path, plan, self.dataset, self.fingerprint, key, self._peer_lines(plan))
 
     def _check_first_epoch(self) -> None:
         """Once per job (world rank 0, for its node): when readers went to the PFS in the first
@@ -490,9 +525,12 @@ def _launch(
     threads: int,
     capacity: int | None,
     verify: bool,
+    peer: PeerTier | None = None,
     once: bool = False,
     quiet: bool = False,
 ) -> subprocess.Popen:
+    """Start hpcdl-stage; with `peer`, the job's secret goes to its stdin (a pipe) and its
+    listening socket is inherited (docs/staging.md, "Peer tier")."""
     cmd = [
         str(binary),
         "--stage-dir",
@@ -512,7 +550,16 @@ def _launch(
         cmd.append("--once")
     if quiet:
         cmd.append("--quiet")
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    if peer is None:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    args, fds = peer.stager_args()
+    proc = subprocess.Popen(cmd + args, stdin=subprocess.PIPE, pass_fds=fds)
+    try:
+        proc.stdin.write(peer.secret_hex.encode() + b"\n")
+        proc.stdin.close()
+    except OSError:
+        pass  # the stager exited at once: _wait_running reports it
+    return proc
 
 
 def _wait_running(proc: subprocess.Popen, status_path: Path) -> tuple[bool, str]:
