@@ -8,8 +8,10 @@ every byte right and the PFS read instead (docs/staging.md, "Peer tier").
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -222,3 +224,43 @@ def test_a_dead_peer_costs_no_wait_and_a_silent_one_a_bounded_one(home, tmp_path
     assert status(other).field("pfs_opens") == FILES
     assert 4.5 < took < 30, f"{took:.1f} s"  # one 5 s I/O timeout per thread, in parallel
     assert_copies_are_the_sources(ds, other)
+
+
+def test_a_full_stage_dir_on_the_fetching_node_stops_growing_with_no_wrong_bytes(home, tmp_path):
+    """The fetching node's stage dir is a 64 KiB tmpfs: peer copies land until it is full, then
+    the ENOSPC rule of PFS copies holds (NOSPACE, no temporary file left, no partial copy)."""
+    ds, address, secret, _ = home
+    write_plan(ds, tmp_path / "b", 1, address)
+    out, mnt = tmp_path / "out", tmp_path / "mnt"
+    out.mkdir()
+    mnt.mkdir()
+    stager = [str(find_stager_binary()), "--stage-dir", str(mnt), "--session", SESSION]
+    stager += ["--threads", "4", "--peer", "--once", "--capacity", "10000000"]
+    meta = mnt / ".hpcdl" / "sessions" / SESSION
+    script = (
+        f"mount -t tmpfs -o size=64k,mode=0700 hpcdl-test {mnt} && mkdir -p {meta} && "
+        f"cp {tmp_path / 'b' / '.hpcdl' / 'sessions' / SESSION / 'plan'} {meta}/plan && "
+        f"{shlex.join(stager)}; rc=$?; cp {meta}/status {out}/status; ls -a {meta} > {out}/meta; "
+        f"(cd {mnt} && find k -type f -exec sha256sum {{}} +) > {out}/sums; exit $rc"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script],
+        input=secret + "\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "No space left on device" in proc.stderr, proc.stderr
+    view = StatusView(out / "status")
+    assert view.open() and view.has_flag("NOSPACE")
+    landed = view.field("peer_files")
+    assert 0 < landed < FILES and view.field("pfs_opens") == 0
+    sums = dict(
+        reversed(line.split(maxsplit=1)) for line in (out / "sums").read_text().splitlines()
+    )
+    assert len(sums) == landed
+    for rel, digest in sums.items():
+        source = ds.root / rel.removeprefix("k/")
+        assert digest == hashlib.sha256(source.read_bytes()).hexdigest(), rel
+    assert not [n for n in (out / "meta").read_text().split() if n.startswith("tmp.")]
