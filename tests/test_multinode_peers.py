@@ -4,8 +4,12 @@ depend on where the bytes came from (docs/staging.md, "Peer tier")."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +20,7 @@ from PIL import Image
 from hpcdl import checkpoint
 from hpcdl.bench.cluster import LOCAL, Cluster
 from hpcdl.data import open_dataset
-from hpcdl.staging.status import StatusView
+from hpcdl.staging.status import RUN_RUNNING, StatusView
 
 pytestmark = pytest.mark.multinode
 
@@ -74,3 +78,52 @@ def test_global_shuffle_opens_each_file_once_and_trains_the_same(cluster, folder
     assert sum(c["peer_files"] for c in with_peers) == sum(c["files_served"] for c in with_peers)
     assert all(c["peer_files"] == 0 for c in without), without
     assert sum(c["pfs_opens"] for c in without) > pfs_opens, (without, with_peers)
+
+
+def test_a_peer_stager_killed_mid_epoch_sends_its_clients_to_the_pfs(cluster, folder, tmp_path):
+    """Node 2's stager is SIGKILLed as soon as node 1 fetched a first file from it: node 1 reads
+    the rest of node 2's files from the PFS (one line), and the result is bitwise the same."""
+    train(cluster, folder, tmp_path / "off", "off")
+    env = {**mpi_env(), "HPCDL_STAGE_EMULATE_PFS": "latency_ms=10"}
+    args = [
+        "--data", folder, "--model", "mlp", "--epochs", EPOCHS, "--batch-size", BATCH,
+        "--workers", 0, "--seed", 3, "--quiet", "--checkpoint-dir", tmp_path / "on" / "ckpt",
+        "--shuffle", "global", "--stage-dir", STAGE, "--keep-staged", "--peer-staging", "on",
+    ]  # fmt: skip
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    extra = (*SAME_SUM_ORDER, "-x", "HPCDL_STAGE_EMULATE_PFS")
+    command = cluster.argv(1, cluster.mpirun([2, 2], *program, extra=extra))
+    stage1, stage2 = (node.local / STAGE.relative_to(LOCAL) for node in cluster.nodes)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as job:  # fmt: skip
+        fetching = StatusView(wait_for_status(stage1, job))
+        serving = StatusView(wait_for_status(stage2, job))
+        while job.poll() is None and fetching.field("peer_files") < 1:
+            time.sleep(0.002)
+        os.kill(serving.field("pid"), signal.SIGKILL)
+        killed_mid_run = job.poll() is None and fetching.field("peer_files") < FILES // 2
+        _, err = job.communicate(timeout=300)
+        fallbacks = fetching.field("peer_fallbacks")
+        fetching.close()
+        serving.close()
+    assert killed_mid_run
+    assert job.returncode == 0, err[-3000:]
+    assert fallbacks > 0
+    assert sum("is not asked again" in line for line in err.splitlines()) == 1, err[-3000:]
+    on = checkpoint.load(checkpoint.latest(tmp_path / "on" / "ckpt")).params
+    off = checkpoint.load(checkpoint.latest(tmp_path / "off" / "ckpt")).params
+    assert on.tobytes() == off.tobytes()
+
+
+def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:
+    """The status map of the job's session in one node's stage dir, once its stager runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        for path in stage.glob(".hpcdl/sessions/*/status"):
+            view = StatusView(path)
+            running = view.open() and view.field("run_state") >= RUN_RUNNING
+            view.close()
+            if running:
+                return path
+        time.sleep(0.005)
+    raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")

@@ -351,8 +351,11 @@ class Stager {
       const auto [i, tick] = *candidate;
       const auto& e = plan_.entries[i];
       const PeerSource from = plan_.peer_source(i);
-      if (from.peer >= 0 && from.ready_tick > cur && !peer_down(plan_.peers[from.peer].node)) {
-        break;  // the home reads it at ready_tick: fetch it then, and what follows after it
+      // The home reads it at ready_tick: fetch it then, and what follows after it. A --once run
+      // has no cursor that moves, so it never waits.
+      if (from.peer >= 0 && !opt_.once && from.ready_tick > cur &&
+          !peer_down(plan_.peers[from.peer].node)) {
+        break;
       }
       if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
         too_big_[i] = 1;
