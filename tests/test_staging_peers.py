@@ -138,3 +138,14 @@ def test_plan_file_carries_the_peer_section(tmp_path):
         assert int(peer) == sources.peer[k] and int(ready) == sources.ready_tick[k]
     with pytest.raises(ValueError, match="no usable peer address"):
         render_peer_section(plan, sources, [None, None, None])
+
+
+def test_the_peer_tier_runs_where_it_can_help():
+    from hpcdl.staging.peer_tier import peer_tier_wanted
+
+    assert peer_tier_wanted("auto", 2, "global") and peer_tier_wanted("on", 2, "node")
+    assert not peer_tier_wanted("auto", 2, "node")  # a node never reads another's files
+    assert not peer_tier_wanted("auto", 1, "global") and not peer_tier_wanted("on", 1, "global")
+    assert not peer_tier_wanted("off", 8, "global")
+    with pytest.raises(ValueError, match="--peer-staging must be one of auto, on, off"):
+        peer_tier_wanted("yes", 2, "global")

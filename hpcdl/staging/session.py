@@ -47,6 +47,7 @@ from hpcdl.staging.status import (
     status_layout,
 )
 
+PEER_COUNTERS = ("pfs_opens", "peer_files", "peer_bytes", "peer_fallbacks", "files_served")
 PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
 START_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 5.0
@@ -304,7 +305,8 @@ class StagingSession:
         }
 
     def epoch_stats(self) -> dict[str, Any]:
-        """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness."""
+        """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness,
+        and the node stager's PFS opens and peer counters (PEER_COUNTERS)."""
         hits, misses = self.counters.totals(self.local_rank) if self.counters else (0, 0)
         self._check_alive()
         field = self.status.field if self.status else (lambda name: 0)
@@ -314,6 +316,8 @@ class StagingSession:
             "hits": int(hits),
             "misses": int(misses),
             "stager_alive": not self.dead,
+            # The node's stager: its PFS opens and the peer tier's share (docs/staging.md).
+            **{name: int(field(name)) for name in PEER_COUNTERS},
         }
 
     def close(self) -> None:
