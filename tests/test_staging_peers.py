@@ -149,3 +149,39 @@ def test_the_peer_tier_runs_where_it_can_help():
     assert not peer_tier_wanted("off", 8, "global")
     with pytest.raises(ValueError, match="--peer-staging must be one of auto, on, off"):
         peer_tier_wanted("yes", 2, "global")
+
+
+@pytest.mark.parametrize("fits", [[True, True, True], [True, False, True]])
+def test_epoch_sources_count_each_nodes_copies_and_their_source(tmp_path, fits):
+    from hpcdl.staging.peers import epoch_sources
+
+    layout = LAYOUTS["round-robin"]
+    ds = make_tree(tmp_path, 40, 10)
+    spec = SamplerSpec(num_samples=40, world_size=6, seed=4, shuffle="global")
+    homes = reference_homes(ds, spec, 2, (1, 5), layout, fits)
+    steps = spec.for_rank(0).steps_per_epoch(2)
+    want = np.zeros((4, 4), dtype=np.int64)  # staged, pfs, peer files; pfs bytes
+    for node, ranks in enumerate(layout):
+        seen: set[int] = set()
+        for k, epoch in enumerate(range(1, 5)):
+            first: dict[int, int] = {}
+            for rank in ranks:
+                for step, batch in enumerate(spec.for_rank(rank).batches(epoch, 2)[:steps]):
+                    for fid in ds.file_ids(np.asarray(batch)).tolist():
+                        first[fid] = min(first.get(fid, 1 << 40), epoch * steps + step)
+            copies = {f: t for f, t in first.items() if not (fits[node] and f in seen)}
+            seen.update(first)
+            for fid, tick in copies.items():
+                home = homes.get(fid)
+                from_peer = home is not None and home[1] != node and home[0] < tick
+                want[:, k] += [1, not from_peer, from_peer, 0 if from_peer else ds.files[fid].size]
+    got = epoch_sources(ds, spec, 2, (1, 5), layout, fits)
+    assert got.staged_files.tolist() == want[0].tolist()
+    assert got.pfs_files.tolist() == want[1].tolist()
+    assert got.peer_files.tolist() == want[2].tolist()
+    assert got.pfs_bytes.tolist() == want[3].tolist()
+    assert (got.pfs_bytes + got.peer_bytes == got.staged_bytes).all()
+    if all(fits):  # each file read in the run is opened on the PFS once
+        read = {f for e in range(1, 5) for r in range(6) for b in spec.for_rank(r).batches(e, 2)
+                for f in ds.file_ids(np.asarray(b)).tolist()}  # fmt: skip
+        assert int(got.pfs_files.sum()) == len(read) < int(got.staged_files.sum())

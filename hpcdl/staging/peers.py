@@ -129,3 +129,66 @@ def render_peer_section(
     ready = sources.ready_tick[fetched].tolist()
     lines.extend(f"{f}\t{p}\t{t}" for f, p, t in zip(fids, peers, ready))
     return lines
+
+
+@dataclass(frozen=True)
+class EpochSources:
+    """Per epoch of a run, summed over nodes: the copies the stagers make, and their source.
+
+    Without peers every copy comes from the PFS (staged_*); with peers, pfs_* + peer_* make up
+    the same copies. A node whose run fits its capacity copies each file once, at its first
+    read; one that does not fit is counted as copying every epoch's files again (eviction)."""
+
+    staged_files: np.ndarray  # (E,) int64
+    staged_bytes: np.ndarray
+    pfs_files: np.ndarray
+    pfs_bytes: np.ndarray
+    peer_files: np.ndarray
+    peer_bytes: np.ndarray
+
+
+def epoch_sources(
+    dataset: Any,
+    sampler: SamplerSpec,
+    batch_size: int,
+    epochs: tuple[int, int],
+    layout: Sequence[Sequence[int]],
+    fits: Sequence[bool],
+) -> EpochSources:
+    """What the stagers of every node copy per epoch of [begin, end), with and without the peer
+    tier (the dry run's figures). One permutation per epoch; O(epochs x samples)."""
+    begin, end = int(epochs[0]), int(epochs[1])
+    homes = file_homes(dataset, sampler, batch_size, epochs, layout, fits)
+    steps, nfiles = homes.steps_per_epoch, len(dataset.files)
+    sizes = np.asarray(dataset.files.sizes, dtype=np.int64)
+    per_rank = steps * batch_size
+    figures = np.zeros((6, end - begin), dtype=np.int64)
+    id_type = np.int32 if nfiles < 2**31 else np.int64
+    by_epoch = [  # (world, per_rank) file ids of every rank, as node_figures keeps them
+        np.asarray(
+            dataset.file_ids(sampler.rank_indices(epoch)[:, :per_rank].reshape(-1)), id_type
+        ).reshape(sampler.world_size, per_rank)
+        for epoch in range(begin, end)
+    ]
+    step_of = np.arange(per_rank, dtype=np.int64) // max(batch_size, 1)
+    for node, ranks in enumerate(layout):
+        seen = np.zeros(nfiles, dtype=bool)
+        for k, epoch in enumerate(range(begin, end)):
+            ids = by_epoch[k][list(ranks)].reshape(-1).astype(np.int64)
+            ticks = epoch * steps + np.tile(step_of, len(ranks))
+            order = np.lexsort((ticks, ids))  # by file, earliest read first
+            ids, ticks = ids[order], ticks[order]
+            first = np.concatenate([[True], ids[1:] != ids[:-1]]) if len(ids) else ids > 0
+            ids, ticks = ids[first], ticks[first]
+            if fits[node]:
+                fresh = ~seen[ids]
+                seen[ids] = True
+                ids, ticks = ids[fresh], ticks[fresh]
+            home = homes.node[ids]
+            peer = (home != NO_HOME) & (home != node) & (homes.tick[ids] < ticks)
+            nbytes = sizes[ids]
+            figures[:, k] += [
+                len(ids), nbytes.sum(), (~peer).sum(), nbytes[~peer].sum(), peer.sum(),
+                nbytes[peer].sum(),
+            ]  # fmt: skip
+    return EpochSources(*figures)

@@ -350,7 +350,8 @@ class Stager {
       if (!candidate) break;
       const auto [i, tick] = *candidate;
       const auto& e = plan_.entries[i];
-      const PeerSource from = plan_.peer_source(i);
+      // Without --peer (no secret) a plan's peer section is not used.
+      const PeerSource from = opt_.peer ? plan_.peer_source(i) : PeerSource{};
       // The home reads it at ready_tick: fetch it then, and what follows after it. A --once run
       // has no cursor that moves, so it never waits.
       if (from.peer >= 0 && !opt_.once && from.ready_tick > cur &&
