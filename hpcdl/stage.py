@@ -279,9 +279,12 @@ def dry_run(args: argparse.Namespace) -> int:
                 pfs_mbps=round(mbps, 1),
             )
         )
-    fits = [r["run_fits"] for r in rows]
-    sources = epoch_sources(ds, sampler, batch, (0, int(args.epochs)), layout, fits)
-    print_dry_run(args, ds, rows, nodes, per, capacity, threads, epoch_rows(sources))
+    epochs: list[dict[str, int]] = []
+    if nodes > 1:  # one node has no peer
+        fits = [r["run_fits"] for r in rows]
+        sources = epoch_sources(ds, sampler, batch, (0, int(args.epochs)), layout, fits)
+        epochs = epoch_rows(sources)
+    print_dry_run(args, ds, rows, nodes, per, capacity, threads, epochs)
     return 0
 
 
