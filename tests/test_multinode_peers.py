@@ -5,6 +5,8 @@ depend on where the bytes came from (docs/staging.md, "Peer tier")."""
 from __future__ import annotations
 
 import os
+import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -15,11 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env
+from helpers import make_tree, write_peer_plan
 from PIL import Image
 
 from hpcdl import checkpoint
 from hpcdl.bench.cluster import LOCAL, Cluster
 from hpcdl.data import open_dataset
+from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.status import RUN_RUNNING, StatusView
 
 pytestmark = pytest.mark.multinode
@@ -127,3 +131,60 @@ def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) ->
                 return path
         time.sleep(0.005)
     raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
+
+
+# In a node: a listening socket on the node's address, handed to hpcdl-stage as a node leader
+# hands it (PeerTier); the port goes to stdout first.
+SERVE = (
+    "import os, socket, sys; s = socket.create_server((sys.argv[1], 0)); "
+    "print(s.getsockname()[1], flush=True); os.set_inheritable(s.fileno(), True); "
+    "os.execv(sys.argv[2], sys.argv[2:] + ['--peer-listen-fd', str(s.fileno())])"
+)
+
+
+def test_a_lost_peer_node_costs_its_clients_a_bounded_wait_then_the_pfs(cluster, tmp_path):
+    """Node 2's stager stages every file and serves it; then node 2 is lost (every process in
+    it killed, its namespace deleted: its address goes silent). Node 1's stager, planned to
+    fetch every file from node 2, reads them all from the PFS after one bounded wait."""
+    ds = make_tree(tmp_path / "pfs", 24, 3000)
+    secret = secrets.token_hex(32)
+    stager = str(find_stager_binary())
+    home, client = cluster.node(2), cluster.node(1)
+    write_peer_plan(ds, home.local / "stage", "job", 0, None)
+    args = ["--stage-dir", "/local/stage", "--session", "job", "--threads", "4", "--peer"]
+    serve = shlex.join([sys.executable, "-c", SERVE, home.ip, stager, *args])
+    proc = subprocess.Popen(cluster.argv(2, serve), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdin.write(secret + "\n")
+    proc.stdin.close()
+    proc.stdin = None  # read once; communicate() must not flush it
+    port = int(proc.stdout.readline())
+    status = StatusView(wait_for_status(home.local / "stage", proc))
+    deadline = time.monotonic() + 30
+    while status.field("plan_ready") < 24 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status.field("plan_ready") == 24
+    status.close()
+    for pid in cluster.pids(2):
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    subprocess.run(["ip", "netns", "del", home.netns], check=True, capture_output=True)
+
+    write_peer_plan(ds, client.local / "stage", "job", 1, f"{home.ip}:{port}")
+    fetch = shlex.join([stager, "--stage-dir", "/local/stage", "--session", "job", "--threads",
+                        "4", "--peer", "--once"])  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(cluster.argv(1, fetch), input=secret + "\n", capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert took < 30, f"{took:.1f} s"  # a 2 s connect timeout per copy thread, in parallel
+    assert sum("is not asked again" in line for line in done.stderr.splitlines()) == 1, done.stderr
+    view = StatusView(client.local / "stage" / ".hpcdl" / "sessions" / "job" / "status")
+    assert view.open()
+    assert view.field("pfs_opens") == 24 and view.field("peer_fallbacks") == 24
+    assert view.field("peer_files") == 0
+    view.close()
+    for f in ds.files:
+        copy = client.local / "stage" / "k" / f.relpath
+        assert copy.read_bytes() == (ds.root / f.relpath).read_bytes(), f.relpath

@@ -18,16 +18,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from helpers import make_tree
+from helpers import make_tree, write_peer_plan
 
-from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import plan_for_node
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.manifest import read_manifest
-from hpcdl.staging.peers import PeerSources, render_peer_section
-from hpcdl.staging.plan import render_plan
 from hpcdl.staging.status import StatusView
 
 FILES = 24
@@ -35,24 +30,9 @@ SESSION = "job"
 REFUSED = "refused a peer connection from 127.0.0.1: wrong or missing job secret"
 
 
-def session_dir(stage: Path) -> Path:
-    meta = stage / ".hpcdl" / "sessions" / SESSION
-    meta.mkdir(parents=True, mode=0o700)
-    return meta
-
-
 def write_plan(ds, stage: Path, node: int, peer_address: str | None) -> None:
     """One node's plan of every file; with peer_address, every file is fetched from node 0."""
-    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    plan = plan_for_node(ds, spec, 4, (0, 1), (0,), node)
-    lines: list[str] = []
-    if peer_address:
-        sources = PeerSources(
-            peer=np.zeros(plan.files, np.int32), ready_tick=np.zeros(plan.files, np.int64)
-        )
-        lines = render_peer_section(plan, sources, [peer_address])
-    text = render_plan(plan, ds, dest_prefix="k", peer_lines=lines)
-    (session_dir(stage) / "plan").write_text(text)
+    write_peer_plan(ds, stage, SESSION, node, peer_address)
 
 
 def start(stage: Path, secret: str, listener: socket.socket | None = None, *flags: str):
