@@ -193,6 +193,7 @@ bool PeerServer::lookup(uint32_t file_id, ServedCopy* out) {
 }
 
 void PeerServer::serve() {
+  std::vector<char> buffer(1u << 20);  // once per thread, not per request
   while (!stop_.load()) {
     struct pollfd p {listen_.get(), POLLIN, 0};
     if (::poll(&p, 1, 100) <= 0) continue;
@@ -204,11 +205,11 @@ void PeerServer::serve() {
     set_io_timeouts(conn.get());
     char host[INET_ADDRSTRLEN] = "?";
     ::inet_ntop(AF_INET, &from.sin_addr, host, sizeof host);
-    answer(conn.get(), host);
+    answer(conn.get(), host, buffer);
   }
 }
 
-void PeerServer::answer(int fd, const std::string& client) {
+void PeerServer::answer(int fd, const std::string& client, std::vector<char>& buffer) {
   Request req{};
   const int err = recv_all(fd, &req, sizeof req);
   if (err != 0 || std::memcmp(req.magic, kRequestMagic, sizeof req.magic) != 0 ||
@@ -259,7 +260,6 @@ void PeerServer::answer(int fd, const std::string& client) {
   r.has_checksum = copy.has_checksum ? 1 : 0;
   r.checksum = copy.checksum;
   if (send_all(fd, &r, sizeof r) != 0) return;
-  std::vector<char> buffer(1u << 20);
   Fnv1a64 sent;
   uint64_t left = copy.size;
   while (left > 0) {

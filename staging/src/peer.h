@@ -58,7 +58,7 @@ class PeerServer {
 
  private:
   void serve();
-  void answer(int fd, const std::string& client);
+  void answer(int fd, const std::string& client, std::vector<char>& buffer);
   bool lookup(uint32_t file_id, ServedCopy* out);
 
   UniqueFd listen_;
