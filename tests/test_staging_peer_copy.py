@@ -141,8 +141,8 @@ def test_a_connection_without_the_secret_is_refused_with_one_line(home, tmp_path
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_damaged_copy_on_the_peer_is_not_used(tmp_path, verify):
-    """A rewritten and a truncated copy on the home: the PFS is read for those two; with
-    --stage-verify, also for a rewrite whose mtime was put back (only a checksum sees it)."""
+    """A rewritten, a truncated and a symlinked copy on the home: the PFS is read for those;
+    with --stage-verify, also for a rewrite whose mtime was put back (only a checksum sees it)."""
     ds = make_tree(tmp_path / "pfs", FILES, 3000)
     listener = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{listener.getsockname()[1]}"
@@ -163,12 +163,19 @@ def test_a_damaged_copy_on_the_peer_is_not_used(tmp_path, verify):
     st = hidden.stat()
     hidden.write_bytes(bytes(st.st_size))
     os.utime(hidden, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # A copy replaced by a symlink to another file of the same size and mtime: never followed.
+    linked = staged[3]
+    private = tmp_path / "private"
+    private.write_bytes(b"p" * linked.stat().st_size)
+    os.utime(private, ns=(linked.stat().st_atime_ns, linked.stat().st_mtime_ns))
+    linked.unlink()
+    linked.symlink_to(private)
     try:
         got, _ = fetch(ds, tmp_path, address, secret, *flags)
     finally:
         proc.send_signal(signal.SIGUSR1)
         proc.wait(timeout=15)
-    damaged = 3 if verify else 2
+    damaged = 4 if verify else 3
     assert got.field("peer_fallbacks") == damaged and got.field("pfs_opens") == damaged
     assert got.field("peer_files") == FILES - damaged
     if verify:
