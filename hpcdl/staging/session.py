@@ -259,6 +259,8 @@ class StagingSession:
         info: dict[str, Any] = {"error": error}
         if session.local_rank == 0 and error is None:
             info = session._prepare(options)
+        if session.peer_tier is not None:  # the stager holds its own copy, if it started
+            session.peer_tier.close_listener()
         info = session.node_comm.bcast(info, root=0)
         _agree(world, info["error"])
         session._attach(info)
@@ -412,8 +414,6 @@ class StagingSession:
         lease, threads, verify = self.lease, options.threads, options.verify
         tier = self.peer_tier if peer_lines or self._serves() else None
         self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify, tier)
-        if self.peer_tier is not None:
-            self.peer_tier.close_listener()
         info["ok"], info["why"] = _wait_running(self.proc, files.status)
         info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
         return info
