@@ -33,6 +33,7 @@ else:  # pragma: no cover
 PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 
+PEER_MODES = ("auto", "on", "off")  # --peer-staging (hpcdl.staging.peer_tier)
 STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_threads)
 
 
@@ -85,6 +86,9 @@ class TrainConfig:
     stage_capacity: str | None = None
     keep_staged: bool = False
     stage_verify: bool = False
+    # Nodes serve staged files to each other (docs/staging.md, "Peer tier"); auto: with 2+
+    # nodes and --shuffle global, where each node needs files that other nodes staged.
+    peer_staging: str = "auto"
     max_steps: int | None = None  # stop after this many global steps (benchmarks, tests)
     # Models in and out (issue 27): start from a state dict; TensorBoard event files.
     init_from: str | None = None  # .pth/.pt/.safetensors (hpcdl.nn.weights_io)
@@ -113,6 +117,7 @@ _CHOICES = {
     "precision": ("fp32", "bf16", "fp16"),
     "device": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
+    "peer_staging": PEER_MODES,
     "progress": PROGRESS_MODES,
 }
 # Keys naming files or directories; words that are not paths, per key.
@@ -198,6 +203,8 @@ _HELP = {
     "(default: all free space)",
     "keep_staged": "leave staged files in --stage-dir at the end for a later job (default: off)",
     "stage_verify": "compare each staged copy with its source (FNV-1a checksum) (default: off)",
+    "peer_staging": "nodes fetch staged files from the node that staged them first instead of "
+    "the PFS; auto: on with 2 or more nodes and --shuffle global (default: auto)",
     "max_steps": "stop after this many steps in total (default: none, run all epochs)",
     "init_from": "start from these weights: a PyTorch state dict (.pth/.pt, torchvision's names "
     "for resnet18/50) or a .safetensors file; a classifier of another class count is "

@@ -40,6 +40,7 @@ from hpcdl.staging.ownership import (
     check_no_overlap,
     data_key,
 )
+from hpcdl.staging.peers import EpochSources, epoch_sources
 from hpcdl.staging.plan import (
     FileTreeDataset,
     NodePlan,
@@ -293,8 +294,21 @@ def dry_run(args: argparse.Namespace) -> int:
                 pfs_mbps=round(mbps, 1),
             )
         )
-    print_dry_run(args, ds, rows, nodes, per, capacity, threads)
+    epochs: list[dict[str, int]] = []
+    if nodes > 1:  # one node has no peer
+        fits = [r["run_fits"] for r in rows]
+        sources = epoch_sources(ds, sampler, batch, (0, int(args.epochs)), layout, fits)
+        epochs = epoch_rows(sources)
+    print_dry_run(args, ds, rows, nodes, per, capacity, threads, epochs)
     return 0
+
+
+def epoch_rows(sources: EpochSources) -> list[dict[str, int]]:
+    """The dry run's per-epoch copies of all nodes: from the PFS without peers (staged_*), and
+    with the peer tier (pfs_* + peer_*; docs/staging.md, "Peer tier")."""
+    names = ("staged_files", "staged_bytes", "pfs_files", "pfs_bytes", "peer_files", "peer_bytes")
+    columns = [getattr(sources, name).tolist() for name in names]
+    return [dict(epoch=k, **dict(zip(names, row))) for k, row in enumerate(zip(*columns))]
 
 
 def print_dry_run(
@@ -305,8 +319,9 @@ def print_dry_run(
     per: int,
     capacity: int,
     threads: int,
+    epochs: list[dict[str, int]],
 ) -> None:
-    """The dry run's report: one line per node, then --json's object."""
+    """The dry run's report: one line per node, one per epoch, then --json's object."""
     shape = loader_shape(ds, args.augment)
     print(
         f"staging plan: {nodes} nodes x {per} ranks ({args.placement} placement), batch "
@@ -323,8 +338,17 @@ def print_dry_run(
             f"{r['pfs_mbps']:.0f} MB/s, {threads} threads "
             f"(run: {r['run_files']} files, {r['run_bytes'] / 1e6:.1f} MB)"
         )
+    if nodes > 1:
+        print("  copies per epoch, all nodes: without peers | with --peer-staging (PFS + peers):")
+        for e in epochs:
+            print(
+                f"  epoch {e['epoch']}: {e['staged_files']} files, {e['staged_bytes'] / 1e6:.1f} "
+                f"MB from the PFS | {e['pfs_files']} files, {e['pfs_bytes'] / 1e6:.1f} MB from "
+                f"the PFS + {e['peer_files']} files, {e['peer_bytes'] / 1e6:.1f} MB from peers"
+            )
     if args.json:
-        print(json.dumps({"nodes": rows, "sample_shape": shape and list(shape)}))
+        shape_list = shape and list(shape)
+        print(json.dumps({"nodes": rows, "epochs": epochs, "sample_shape": shape_list}))
 
 
 def loader_shape(ds: Any, augment: str) -> tuple[int, int, int] | None:

@@ -491,6 +491,7 @@ def start_staging(
         keep=cfg.keep_staged,
         verify=cfg.stage_verify,
         protect={"--data": cfg.data, "--val-data": cfg.val_data},
+        peers=cfg.peer_staging,
     )
     staging = StagingSession.start(
         world, train_ds, spec, cfg.batch_size, (first_epoch, cfg.epochs), options

@@ -39,6 +39,7 @@ def test_sync_params_k():
         (["--data", "x", "--lr", "-1"], "--lr must be >= 0"),
         (["--data", "x", "--resume", "auto"], "needs --checkpoint-dir"),
         (["--data", "x", "--stage-capacity", "lots"], "--stage-capacity"),
+        (["--data", "x", "--peer-staging", "yes"], "--peer-staging must be one of auto, on, off"),
         (["--batch-size", "4"], "--data is required"),
         (["--data", "x", "--no-such-flag"], "unrecognized arguments"),
         (["--data", "x", "--stall-warning", "0"], "--stall-warning must be > 0 seconds"),

@@ -35,6 +35,14 @@ def test_dry_run_counts_match_a_stage_only_run_and_rerun_reuses(tmp_path):
     assert dry.returncode == 0, dry.stderr
     nodes = json.loads(dry.stdout.splitlines()[-1])["nodes"]
     assert [n["node"] for n in nodes] == [0, 1, 2] and all(n["fits"] for n in nodes)
+    # Per epoch, all nodes: every copy from the PFS, or each file once from the PFS with peers.
+    epochs = json.loads(dry.stdout.splitlines()[-1])["epochs"]
+    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    assert sum(e["staged_files"] for e in epochs) == sum(n["run_files"] for n in nodes)
+    assert all(e["pfs_files"] + e["peer_files"] == e["staged_files"] for e in epochs)
+    assert epochs[0]["peer_files"] == 0 and epochs[2]["peer_files"] > 0
+    assert sum(e["pfs_files"] for e in epochs) <= 90
+    assert "epoch 2: " in dry.stdout
     assert len(list((tmp_path / "plans").iterdir())) == 3
     for node in (0, 2):
         out = stage_cli(*common, "--node", node, "--stage-dir", tmp_path / f"s{node}", "--json")

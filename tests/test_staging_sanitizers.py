@@ -90,7 +90,8 @@ def _valid_plan(src: Path, files: int) -> bytes:
         f"{i}\t{(src / f'f{i}').stat().st_size}\t{i % 4},{4 + i % 4}\tk/d{i % 2}/f{i}\t{src}/f{i}"
         for i in range(files)
     ]
-    return "\n".join(head + rows + ["end", ""]).encode()
+    peers = ["peers 1", "0\t127.0.0.1:9", "peer_sources 2", "0\t0\t1", "3\t0\t0"]  # unused
+    return "\n".join(head + rows + peers + ["end", ""]).encode()
 
 
 def _mutate(plan: bytes, rng: random.Random) -> bytes:

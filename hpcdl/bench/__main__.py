@@ -20,6 +20,7 @@ BENCHMARKS = {
     "finetune": "hpcdl.bench.finetune",
     "calibrate": "hpcdl.bench.calibrate",
     "validate": "hpcdl.bench.validate",
+    "peer-staging": "hpcdl.bench.peer_staging",
     "memory": "hpcdl.bench.memory",
     "diag": "hpcdl.bench.diag",
 }

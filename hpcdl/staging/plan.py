@@ -231,11 +231,16 @@ def node_figures(
 
 
 def render_plan(
-    plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
+    plan: NodePlan,
+    dataset: Any,
+    fingerprint: str | None = None,
+    dest_prefix: str = "",
+    peer_lines: Sequence[str] = (),
 ) -> str:
     """The plan file's text (format version PLAN_VERSION, docs/staging.md).
 
-    dest_prefix: directory, relative to the stage dir, that the data set's copies go into."""
+    dest_prefix: directory, relative to the stage dir, that the data set's copies go into.
+    peer_lines: the optional peer section (hpcdl.staging.peers.render_peer_section)."""
     root = Path(dataset.root)
     files: Sequence[Any] = dataset.files
     head = [
@@ -260,14 +265,19 @@ def render_plan(
         steps = ",".join(map(str, ticks.tolist()))
         dest = f"{dest_prefix}/{rel}" if dest_prefix else rel
         lines.append(f"{fid}\t{files[fid].size}\t{steps}\t{dest}\t{root_text}/{rel}")
-    return "\n".join(head + lines + ["end", ""])
+    return "\n".join(head + lines + list(peer_lines) + ["end", ""])
 
 
 def write_plan(
-    path: Path, plan: NodePlan, dataset: Any, fingerprint: str | None = None, dest_prefix: str = ""
+    path: Path,
+    plan: NodePlan,
+    dataset: Any,
+    fingerprint: str | None = None,
+    dest_prefix: str = "",
+    peer_lines: Sequence[str] = (),
 ) -> None:
     """Write the plan atomically (hpcdl.atomic), mode 0600 whatever the umask."""
-    text = render_plan(plan, dataset, fingerprint, dest_prefix)
+    text = render_plan(plan, dataset, fingerprint, dest_prefix, peer_lines)
     write_bytes_atomically(path, text.encode(), mode=0o600)
 
 

@@ -37,6 +37,7 @@ from hpcdl.staging.ownership import (
     check_no_overlap,
     data_key,
 )
+from hpcdl.staging.peer_tier import PeerTier, peer_tier_wanted
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
 from hpcdl.staging.status import (
     CounterFile,
@@ -46,6 +47,7 @@ from hpcdl.staging.status import (
     status_layout,
 )
 
+PEER_COUNTERS = ("pfs_opens", "peer_files", "peer_bytes", "peer_fallbacks", "files_served")
 PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
 START_TIMEOUT_S = 30.0
 HEARTBEAT_TIMEOUT_S = 5.0
@@ -108,6 +110,7 @@ class StageOptions:
     keep: bool = False
     verify: bool = False
     protect: dict[str, Any] | None = field(default=None, hash=False)
+    peers: str = "auto"  # --peer-staging: auto, on, off (hpcdl.staging.peer_tier)
 
 
 class Locator:
@@ -222,6 +225,7 @@ class StagingSession:
         self.last_check = 0.0  # monotonic time of the last liveness check
         self.closed = False
         self._last_sample = {"copies": 0, "pfs_fallbacks": 0}  # counter_sample's, once closed
+        self.peer_tier: PeerTier | None = None  # local rank 0 of a node in the peer tier
         self._leaving = threading.Lock()  # close/abandon may race with a stand-down clean-up
 
     @classmethod
@@ -252,9 +256,12 @@ class StagingSession:
             check_no_overlap(options.stage_dir, options.protect or {"--data": dataset.root})
         except StageDirError as exc:
             error = str(exc)
+        session._start_peer_tier(options)
         info: dict[str, Any] = {"error": error}
         if session.local_rank == 0 and error is None:
             info = session._prepare(options)
+        if session.peer_tier is not None:  # the stager holds its own copy, if it started
+            session.peer_tier.close_listener()
         info = session.node_comm.bcast(info, root=0)
         _agree(world, info["error"])
         session._attach(info)
@@ -312,7 +319,8 @@ class StagingSession:
         return self._last_sample
 
     def epoch_stats(self) -> dict[str, Any]:
-        """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness."""
+        """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness,
+        and the node stager's PFS opens and peer counters (PEER_COUNTERS)."""
         hits, misses = self.counters.totals(self.local_rank) if self.counters else (0, 0)
         self._check_alive()
         field = self.status.field if self.status else (lambda name: 0)
@@ -322,6 +330,8 @@ class StagingSession:
             "hits": int(hits),
             "misses": int(misses),
             "stager_alive": not self.dead,
+            # The node's stager: its PFS opens and the peer tier's share (docs/staging.md).
+            **{name: int(field(name)) for name in PEER_COUNTERS},
         }
 
     def close(self) -> None:
@@ -359,6 +369,30 @@ class StagingSession:
 
     # ------------------------------------------------------------------ internals
 
+    def _start_peer_tier(self, options: StageOptions) -> None:
+        """Every rank, when the peer tier runs: the collective start (PeerTier.start)."""
+        world = self.world
+        if world is None or not peer_tier_wanted(
+            options.peers, world.num_nodes, self.sampler.shuffle
+        ):
+            return
+        capacity = 0
+        if world.is_node_leader:
+            try:
+                capacity = parse_capacity(options.capacity, options.stage_dir)
+                if capacity is None:
+                    capacity = default_capacity(options.stage_dir)
+            except (ValueError, OSError, subprocess.CalledProcessError, StagerNotFound):
+                capacity = 0  # no home here; the stage dir's own error comes next
+        epochs = (self.begin, self.end)
+        self.peer_tier, error = PeerTier.start(
+            world, self.dataset, self.sampler, self.batch_size, epochs, capacity, options.peers
+        )
+        _agree(world, error)
+
+    def _peer_lines(self, plan: Any) -> list[str]:
+        return self.peer_tier.plan_lines(plan) if self.peer_tier is not None else []
+
     def _prepare(self, options: StageOptions) -> dict:
         """Local rank 0: lease the stage dir, write the plan, start the stager."""
         stage_dir = Path(options.stage_dir)
@@ -381,7 +415,8 @@ class StagingSession:
         try:
             self.fingerprint = dataset_fingerprint(self.dataset)
             plan = self._plan(self.begin)
-            write_plan(files.plan, plan, self.dataset, self.fingerprint, dest_prefix=key)
+            peer_lines = self._peer_lines(plan)
+            write_plan(files.plan, plan, self.dataset, self.fingerprint, key, peer_lines)
             ProgressFile.create(files.progress, self.local_size)
             CounterFile.create(files.counters, self.local_size)
             cap = parse_capacity(options.capacity, self.lease.stage_dir)
@@ -389,10 +424,14 @@ class StagingSession:
             info["why"] = f"cannot write its plan in {meta}: {exc.strerror or exc}"
             return info
         lease, threads, verify = self.lease, options.threads, options.verify
-        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify)
+        tier = self.peer_tier if peer_lines or self._serves() else None
+        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify, tier)
         info["ok"], info["why"] = _wait_running(self.proc, files.status)
         info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
         return info
+
+    def _serves(self) -> bool:
+        return self.peer_tier is not None and self.peer_tier.listener is not None
 
     def _attach(self, info: dict) -> None:
         """Every local rank: open the session's shared files, or note that staging is off."""
@@ -432,7 +471,7 @@ class StagingSession:
         plan = self._plan(epoch)
         key = self.local_root.name
         plan_path = SessionDir(self.meta).plan
-        write_plan(plan_path, plan, self.dataset, self.fingerprint, dest_prefix=key)
+        write_plan(plan_path, plan, self.dataset, self.fingerprint, key, self._peer_lines(plan))
 
     def _check_first_epoch(self) -> None:
         """Once per job (world rank 0, for its node): when readers went to the PFS in the first
@@ -502,9 +541,12 @@ def _launch(
     threads: int,
     capacity: int | None,
     verify: bool,
+    peer: PeerTier | None = None,
     once: bool = False,
     quiet: bool = False,
 ) -> subprocess.Popen:
+    """Start hpcdl-stage; with `peer`, the job's secret goes to its stdin (a pipe) and its
+    listening socket is inherited (docs/staging.md, "Peer tier")."""
     cmd = [
         str(binary),
         "--stage-dir",
@@ -524,7 +566,16 @@ def _launch(
         cmd.append("--once")
     if quiet:
         cmd.append("--quiet")
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    if peer is None:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    args, fds = peer.stager_args()
+    proc = subprocess.Popen(cmd + args, stdin=subprocess.PIPE, pass_fds=fds)
+    try:
+        proc.stdin.write(peer.secret_hex.encode() + b"\n")
+        proc.stdin.close()
+    except OSError:
+        pass  # the stager exited at once: _wait_running reports it
+    return proc
 
 
 def _wait_running(proc: subprocess.Popen, status_path: Path) -> tuple[bool, str]:

@@ -60,6 +60,7 @@ class UniqueFd {
 
   int get() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }  // the caller closes it
   void reset() {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;

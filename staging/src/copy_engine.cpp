@@ -381,7 +381,67 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   CopyResult r = publish(tmp, dirfd, dest, source, identity_of(st),
                          CopyId{static_cast<uint64_t>(made.st_ino),
                                 static_cast<uint64_t>(made.st_dev)});
-  if (r.outcome == CopyOutcome::Ok) r.bytes = size;
+  if (r.outcome == CopyOutcome::Ok) {
+    r.bytes = size;
+    r.source_id = identity_of(st);
+    r.has_checksum = verify_;
+    r.checksum = verify_ ? source_hash.digest() : 0;
+  }
+  return r;
+}
+
+CopyResult CopyEngine::receive(const std::string& source, const std::string& dest, uint64_t size,
+                               const std::function<Received(int fd)>& fill, unsigned tag) {
+  const auto [dir, base] = split_dest(dest);
+  const std::string dest_path = tree_.root() + "/" + dest;
+  int dirfd = -1;
+  try {
+    dirfd = tree_.dir_for(dir, true);
+  } catch (const StageError& e) {
+    CopyResult r = error_result(e.err() ? e.err() : ENOTDIR, "cannot create directory for",
+                                dest_path);
+    if (r.outcome != CopyOutcome::NoSpace) r.outcome = CopyOutcome::Failed;
+    r.message = e.what();
+    return r;
+  }
+  const std::string tmp = kTempPrefix + std::to_string(tag);
+  const int tmp_dir = tmp_dir_.get();
+  ::unlinkat(tmp_dir, tmp.c_str(), 0);
+  UniqueFd out(::openat(tmp_dir, tmp.c_str(),
+                        O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!out.valid()) return error_result(errno, "cannot create a temporary file for", dest_path);
+  struct TempGuard {
+    int dirfd;
+    const std::string& name;
+    ~TempGuard() { ::unlinkat(dirfd, name.c_str(), 0); }
+  } guard{tmp_dir, tmp};
+
+  const Received got = fill(out.get());
+  if (!got.ok && got.err != 0) return error_result(got.err, "cannot write", dest_path);
+  if (!got.ok) return {CopyOutcome::Failed, 0, got.message, {}};
+  struct stat made {};
+  if (::fstat(out.get(), &made) != 0) return error_result(errno, "cannot stat", dest_path);
+  if (static_cast<uint64_t>(made.st_size) != size || got.source_id.size != size) {
+    return {CopyOutcome::Failed, 0, "a received copy of " + dest_path + " has the wrong size", {}};
+  }
+  if (verify_ && !got.has_checksum) {
+    return {CopyOutcome::Failed, 0, "a received copy of " + dest_path + " has no checksum", {}};
+  }
+  const struct timespec times[2] = {
+      {static_cast<time_t>(got.source_id.mtime_ns / 1000000000ull),
+       static_cast<long>(got.source_id.mtime_ns % 1000000000ull)},
+      {static_cast<time_t>(got.source_id.mtime_ns / 1000000000ull),
+       static_cast<long>(got.source_id.mtime_ns % 1000000000ull)}};
+  if (::futimens(out.get(), times) != 0) return error_result(errno, "cannot set mtime of", dest_path);
+  CopyResult r = publish(tmp, dirfd, dest, source, got.source_id,
+                         CopyId{static_cast<uint64_t>(made.st_ino),
+                                static_cast<uint64_t>(made.st_dev)});
+  if (r.outcome == CopyOutcome::Ok) {
+    r.bytes = size;
+    r.source_id = got.source_id;
+    r.has_checksum = got.has_checksum;
+    r.checksum = got.checksum;
+  }
   return r;
 }
 

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -75,10 +76,27 @@ struct CopyId {
 };
 
 struct CopyResult {
+  CopyResult() = default;
+  CopyResult(CopyOutcome o, uint64_t b, std::string m, CopyId i)
+      : outcome(o), bytes(b), message(std::move(m)), id(i) {}
+
   CopyOutcome outcome = CopyOutcome::Ok;
   uint64_t bytes = 0;
   std::string message;  // path + strerror + what happens next, when not Ok
   CopyId id;            // when Ok
+  bool has_checksum = false;  // FNV-1a 64 of the source's bytes, known with --verify
+  uint64_t checksum = 0;
+  FileIdentity source_id;     // the source's identity recorded in the manifest, when Ok
+};
+
+// What a source other than the PFS (a peer, peer.h) wrote into a temporary file.
+struct Received {
+  bool ok = false;
+  int err = 0;                // errno of a local write failure (ENOSPC, EDQUOT, ...)
+  std::string message;        // why, when not ok
+  FileIdentity source_id;     // the PFS original's identity as the sender recorded it
+  bool has_checksum = false;  // the source checksum the bytes were checked against
+  uint64_t checksum = 0;
 };
 
 class CopyEngine {
@@ -93,6 +111,12 @@ class CopyEngine {
   // does not list is never replaced: the copy then FAILS and readers use the PFS.
   CopyResult copy(const std::string& source, const std::string& dest, std::vector<char>& buffer,
                   unsigned tag);
+
+  // Publishes `dest` from bytes that `fill` writes into the temporary file (a peer's copy)
+  // by copy()'s rules: a temporary file in the session dir, the size the plan says, the
+  // source's mtime, a manifest record with the source identity `fill` reports, linkat.
+  CopyResult receive(const std::string& source, const std::string& dest, uint64_t size,
+                     const std::function<Received(int fd)>& fill, unsigned tag);
 
   // The copy at `dest` when it may be reused: the manifest lists it as made from `source`, and
   // the source's size, mtime, ctime, inode and device are still the recorded ones (with

@@ -21,7 +21,7 @@ namespace {
 const char* kUsage =
     "usage: hpcdl-stage --stage-dir DIR --session NAME [--threads T] [--capacity BYTES]\n"
     "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
-    "                   [--parent-pid PID] [--quiet]\n"
+    "                   [--parent-pid PID] [--quiet] [--peer [--peer-listen-fd FD]]\n"
     "       hpcdl-stage --stage-dir DIR --session NAME --remove-temporaries\n"
     "       hpcdl-stage --check-plan FILE...\n"
     "       hpcdl-stage --print-layout          (status map and progress file layout, JSON)\n"
@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
       opt.once = true;
     } else if (arg == "--quiet") {
       opt.quiet = true;
+    } else if (arg == "--peer") {
+      opt.peer = true;  // the job's secret follows on stdin
+    } else if (arg == "--peer-listen-fd") {
+      opt.peer_listen_fd = static_cast<int>(numeric("--peer-listen-fd"));
     } else if (arg == "--remove-temporaries") {
       remove_temporaries = true;
     } else {
@@ -135,6 +139,7 @@ int main(int argc, char** argv) {
   }
   if (opt.stage_dir.empty()) return usage_error("--stage-dir is required");
   if (opt.session.empty()) return usage_error("--session is required");
+  if (opt.peer_listen_fd >= 0 && !opt.peer) return usage_error("--peer-listen-fd needs --peer");
   if (remove_temporaries) {
     // What a SIGKILLed stager left behind; a running stager removes its own.
     try {

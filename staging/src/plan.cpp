@@ -1,7 +1,11 @@
 #include "plan.h"
 
+#include <arpa/inet.h>
+
 #include <cerrno>
 #include <cstdlib>
+#include <functional>
+#include <unordered_map>
 #include <fstream>
 #include <algorithm>
 #include <utility>
@@ -56,6 +60,61 @@ constexpr uint64_t kMaxDatasetFiles = 1ull << 32;
 constexpr uint64_t kMaxStepsPerEpoch = 1ull << 32;
 constexpr int64_t kMaxEpoch = 1ll << 24;
 constexpr uint64_t kMaxFileSize = 1ull << 50;
+
+// The optional peer section, from its "peers <P>" line (already in `line`) up to the line
+// before "end": P lines "<node>\t<ipv4>:<port>", then "peer_sources <S>" and S lines
+// "<file id>\t<node>\t<ready tick>". Every file id must be a plan entry, every node a peer.
+void read_peer_section(Plan& plan, const std::string& path, std::string& line, size_t& lineno,
+                       const std::function<bool()>& next) {
+  uint64_t count = 0;
+  const auto head = split(line, ' ');
+  if (head.size() != 2 || !parse_u64(head[1], &count) || count > 65536) {
+    fail(path, lineno, "bad peers line '" + line.substr(0, 60) + "'");
+  }
+  std::unordered_map<uint64_t, int32_t> peer_of_node;
+  for (uint64_t k = 0; k < count; ++k) {
+    if (!next()) fail(path, lineno, "truncated peer list");
+    const auto f = split(line, '\t');
+    const size_t colon = f.size() == 2 ? f[1].rfind(':') : std::string::npos;
+    PeerAddress peer;
+    uint64_t node = 0, port = 0;
+    struct in_addr addr {};
+    if (colon == std::string::npos || !parse_u64(f[0], &node) || node > UINT32_MAX ||
+        !parse_u64(f[1].substr(colon + 1), &port) || port == 0 || port > 65535 ||
+        ::inet_pton(AF_INET, f[1].substr(0, colon).c_str(), &addr) != 1 ||
+        peer_of_node.count(node)) {
+      fail(path, lineno, "bad peer line '" + line.substr(0, 60) + "' (want <node>\\t<ipv4>:<port>)");
+    }
+    peer.node = static_cast<uint32_t>(node);
+    peer.host = f[1].substr(0, colon);
+    peer.port = static_cast<uint16_t>(port);
+    peer_of_node[node] = static_cast<int32_t>(plan.peers.size());
+    plan.peers.push_back(peer);
+  }
+  uint64_t sources = 0;
+  if (!next() || split(line, ' ').size() != 2 || split(line, ' ')[0] != "peer_sources" ||
+      !parse_u64(split(line, ' ')[1], &sources) || sources > plan.entries.size()) {
+    fail(path, lineno, "expected 'peer_sources <n>' with n at most the entries");
+  }
+  std::unordered_map<uint64_t, size_t> entry_of_file;
+  for (size_t i = 0; i < plan.entries.size(); ++i) entry_of_file[plan.entries[i].file_id] = i;
+  plan.peer_sources.assign(plan.entries.size(), PeerSource{});
+  for (uint64_t k = 0; k < sources; ++k) {
+    if (!next()) fail(path, lineno, "truncated peer sources");
+    const auto f = split(line, '\t');
+    uint64_t file_id = 0, node = 0, ready = 0;
+    if (f.size() != 3 || !parse_u64(f[0], &file_id) || !parse_u64(f[1], &node) ||
+        !parse_u64(f[2], &ready) || ready > UINT32_MAX) {
+      fail(path, lineno, "bad peer source '" + line.substr(0, 60) + "'");
+    }
+    const auto entry = entry_of_file.find(file_id);
+    const auto peer = peer_of_node.find(node);
+    if (entry == entry_of_file.end() || peer == peer_of_node.end()) {
+      fail(path, lineno, "peer source for a file or node the plan does not list");
+    }
+    plan.peer_sources[entry->second] = PeerSource{peer->second, static_cast<uint32_t>(ready)};
+  }
+}
 
 }  // namespace
 
@@ -235,6 +294,13 @@ Plan read_plan(const std::string& path) {
   while (next()) {
     if (line == "end") {
       seen_end = true;
+      break;
+    }
+    if (line.compare(0, 6, "peers ") == 0) {
+      if (plan.entries.size() != expected_entries) fail(path, lineno, "peers before all entries");
+      read_peer_section(plan, path, line, lineno, next);
+      seen_end = next() && line == "end";
+      if (!seen_end) fail(path, lineno, "expected 'end' after the peer section");
       break;
     }
     const auto f = split(line, '\t');

@@ -30,6 +30,20 @@ struct TickSpan {
   bool empty() const { return first == last; }
 };
 
+// A node this stager may fetch from (the plan's optional peer section, docs/staging.md).
+struct PeerAddress {
+  uint32_t node = 0;     // the peer's node index (for messages)
+  std::string host;      // IPv4 address, dotted
+  uint16_t port = 0;
+};
+
+// Where one entry comes from: peer index into Plan::peers (-1: the PFS), and the plan step from
+// which the fetch may start (the home's first read of the file).
+struct PeerSource {
+  int32_t peer = -1;
+  uint32_t ready_tick = 0;
+};
+
 struct Plan {
   int version = 0;
   std::string fingerprint;       // data set fingerprint (hex)
@@ -44,7 +58,12 @@ struct Plan {
   std::string names;             // every entry's destination, each NUL-terminated
   std::vector<std::string> prefixes;  // distinct source prefixes (one per data set root)
   std::vector<uint32_t> tick_data;
+  std::vector<PeerAddress> peers;         // empty: every entry comes from the PFS
+  std::vector<PeerSource> peer_sources;   // per entry when peers is not empty, else empty
 
+  PeerSource peer_source(size_t entry) const {
+    return entry < peer_sources.size() ? peer_sources[entry] : PeerSource{};
+  }
   std::string dest(const PlanEntry& e) const { return names.c_str() + e.dest; }
   std::string source(const PlanEntry& e) const {
     return prefixes[e.source_prefix] + (names.c_str() + e.dest + e.source_suffix);

@@ -18,11 +18,13 @@
 #include <thread>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "copy_engine.h"
 #include "eviction.h"
 #include "manifest.h"
+#include "peer.h"
 #include "plan.h"
 #include "status_map.h"
 
@@ -39,11 +41,16 @@ constexpr size_t kMaxLoggedFailures = 20;
 struct Job {
   size_t entry;
   std::string source, dest;
+  uint32_t file_id = 0;
+  uint64_t size = 0;
+  std::optional<PeerAddress> peer;  // fetch from this peer first (the plan's peer section)
 };
 
 struct Done {
   size_t entry;
   CopyResult result;
+  bool from_peer = false;     // the copy came from a peer
+  bool peer_fallback = false; // a peer was planned, the PFS gave the copy
 };
 
 // Every line names the node: a multi-node job log holds one start and one stop line per node.
@@ -91,13 +98,19 @@ class Stager {
         engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
     plan_id_ = plan_file_id(meta_ + "/plan");
     capacity_ = opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir);
+    if (opt.peer) secret_ = read_peer_secret(STDIN_FILENO);
+    if (opt.peer && opt.peer_listen_fd >= 0) {
+      server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, 4, log_line);
+    }
   }
 
   int run() {
     status_.store(so::kPid, static_cast<uint64_t>(::getpid()));
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Starting));
     for (size_t off : {so::kFilesStaged, so::kBytesStaged, so::kFailures, so::kEvictions,
-                       so::kFilesReused, so::kBytesReused, so::kBytesResident}) {
+                       so::kFilesReused, so::kBytesReused, so::kBytesResident, so::kPeerFiles,
+                       so::kPeerBytes, so::kPeerFallbacks, so::kFilesServed, so::kBytesServed,
+                       so::kPfsOpens}) {
       status_.store(off, 0);
     }
     status_.store32(so::kFlags, 0);
@@ -109,7 +122,10 @@ class Stager {
                human_bytes(capacity_) +
                (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
-                              : ""));
+                              : "") +
+               (opt_.peer ? std::string(", peers: ") + (server_ ? "serving, " : "not serving, ") +
+                                std::to_string(plan_.peers.size()) + " to fetch from"
+                          : ""));
     }
     adopt_plan();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Running));
@@ -124,6 +140,8 @@ class Stager {
     }
     cv_work_.notify_all();
     for (auto& w : workers) w.join();
+    publish_served();
+    server_.reset();  // no peer is served once the stager stops
     // Whatever was queued or cancelled is not on disk: back to PENDING.
     for (size_t i = 0; i < inflight_.size(); ++i) {
       if (inflight_[i]) status_.set_state(plan_.entries[i].file_id, FileState::Pending);
@@ -137,7 +155,13 @@ class Stager {
                std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
                std::to_string(status_.load(so::kFilesReused)) + " reused, " +
                std::to_string(status_.load(so::kFailures)) + " failed, " +
-               std::to_string(status_.load(so::kEvictions)) + " evicted");
+               std::to_string(status_.load(so::kEvictions)) + " evicted" +
+               (opt_.peer ? ", " + std::to_string(status_.load(so::kPeerFiles)) +
+                                " from peers (" +
+                                std::to_string(status_.load(so::kPeerFallbacks)) +
+                                " fell back to the PFS), " +
+                                std::to_string(status_.load(so::kFilesServed)) + " served"
+                          : ""));
     }
     return code;
   }
@@ -163,6 +187,11 @@ class Stager {
           status_.add(so::kFilesReused, 1);
           status_.add(so::kBytesReused, e.size);
           copies_[e.file_id] = *reused;
+          const auto record = manifest_.find(plan_.dest(e), reused->ino, reused->dev);
+          if (server_ && record) {
+            server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, record->source_id,
+                                                 *reused, false, 0});
+          }
         }
         status_.set_state(e.file_id, FileState::Ready);
         schedule_->set_resident(i, true);
@@ -253,6 +282,7 @@ class Stager {
         return 0;
       }
       status_.heartbeat();
+      publish_served();
       drain_done();
       const auto now = Clock::now();
       if (!opt_.once && now - last_plan_check > std::chrono::milliseconds(200)) {
@@ -320,6 +350,14 @@ class Stager {
       if (!candidate) break;
       const auto [i, tick] = *candidate;
       const auto& e = plan_.entries[i];
+      // Without --peer (no secret) a plan's peer section is not used.
+      const PeerSource from = opt_.peer ? plan_.peer_source(i) : PeerSource{};
+      // The home reads it at ready_tick: fetch it then, and what follows after it. A --once run
+      // has no cursor that moves, so it never waits.
+      if (from.peer >= 0 && !opt_.once && from.ready_tick > cur &&
+          !peer_down(plan_.peers[from.peer].node)) {
+        break;
+      }
       if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
         too_big_[i] = 1;
         continue;
@@ -338,7 +376,9 @@ class Stager {
       inflight_[i] = 1;
       inflight_bytes_ += e.size;
       status_.set_state(e.file_id, FileState::Copying);
-      batch.push_back(Job{i, plan_.source(e), plan_.dest(e)});
+      Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
+      if (from.peer >= 0) job.peer = plan_.peers[from.peer];
+      batch.push_back(std::move(job));
     }
     if (!batch.empty()) {
       inflight_count_ += batch.size();
@@ -356,6 +396,7 @@ class Stager {
     // State first: a reader that saw READY and then finds no file falls back to the PFS.
     status_.set_state(e.file_id, FileState::Evicted);
     const auto copy = copies_.find(e.file_id);
+    if (server_) server_->withdraw(e.file_id);
     const int err = copy == copies_.end() ? ENOENT : engine_.remove(plan_.dest(e), copy->second);
     if (err != 0 && err != ENOENT) {
       log_line("cannot evict " + opt_.stage_dir + "/" + plan_.dest(e) + ": " + errno_text(err) +
@@ -382,10 +423,20 @@ class Stager {
       inflight_[d.entry] = 0;
       inflight_bytes_ -= e.size;
       --inflight_count_;
+      if (d.peer_fallback) status_.add(so::kPeerFallbacks, 1);
       switch (d.result.outcome) {
         case CopyOutcome::Ok:
           status_.set_state(e.file_id, FileState::Ready);
           copies_[e.file_id] = d.result.id;
+          if (server_) {
+            server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, d.result.source_id,
+                                                 d.result.id, d.result.has_checksum,
+                                                 d.result.checksum});
+          }
+          if (d.from_peer) {
+            status_.add(so::kPeerFiles, 1);
+            status_.add(so::kPeerBytes, d.result.bytes);
+          }
           schedule_->set_resident(d.entry, true);
           resident_bytes_ += e.size;
           // A copy that was in flight when the disk filled still landed: it is resident, so
@@ -433,8 +484,20 @@ class Stager {
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
-      CopyResult result;
-      for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
+      Done done{job.entry, {}, false, false};
+      CopyResult& result = done.result;
+      if (job.peer && !peer_down(job.peer->node)) {
+        result = fetch_from(*job.peer, job, buffer, tag);
+        done.from_peer = result.outcome == CopyOutcome::Ok;
+        done.peer_fallback = !done.from_peer && result.outcome != CopyOutcome::NoSpace &&
+                             result.outcome != CopyOutcome::Cancelled;
+      } else if (job.peer) {
+        done.peer_fallback = true;
+      }
+      const bool pfs = !done.from_peer && result.outcome != CopyOutcome::NoSpace &&
+                       result.outcome != CopyOutcome::Cancelled;
+      for (int attempt = 0; pfs && attempt < kMaxAttempts; ++attempt) {
+        pfs_opens_.fetch_add(1);
         result = engine_.copy(job.source, job.dest, buffer, tag);
         if (result.outcome != CopyOutcome::Transient || cancel_.load()) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(50 << (2 * attempt)));
@@ -448,10 +511,48 @@ class Stager {
         std::lock_guard<std::mutex> lock(mu_);
         // Wake the coordinator when the queue runs low, not once per file.
         wake = done_.empty() || jobs_.size() < opt_.threads;
-        done_.push_back(Done{job.entry, std::move(result)});
+        done_.push_back(std::move(done));
       }
       if (wake) cv_done_.notify_one();
     }
+  }
+
+  // One peer fetch; a peer that cannot be reached or stays silent is down for the rest of the
+  // run (one line), so a lost node costs each copy thread one bounded wait, then the PFS.
+  CopyResult fetch_from(const PeerAddress& peer, const Job& job, std::vector<char>& buffer,
+                        unsigned tag) {
+    PeerOutcome how = PeerOutcome::Ok;
+    CopyResult r = copy_from_peer(engine_, peer, secret_, job.file_id, job.size, job.source,
+                                  job.dest, opt_.verify, buffer, tag, cancel_, &how);
+    if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
+    if (how == PeerOutcome::Unreachable || how == PeerOutcome::Refused) {
+      bool first = false;
+      {
+        std::lock_guard<std::mutex> lock(peer_mu_);
+        first = down_.insert(peer.node).second;
+      }
+      if (first) {
+        log_line(r.message + "; node " + std::to_string(peer.node) +
+                 " is not asked again, its files are read from the PFS");
+      }
+    } else if (how != PeerOutcome::Ok && how != PeerOutcome::Cancelled &&
+               logged_peer_failures_.fetch_add(1) < kMaxLoggedFailures) {
+      log_line(r.message + "; " + opt_.stage_dir + "/" + job.dest + " is read from the PFS instead");
+    }
+    return r;
+  }
+
+  bool peer_down(uint32_t node) {
+    std::lock_guard<std::mutex> lock(peer_mu_);
+    return down_.count(node) != 0;
+  }
+
+  // Counters the copy threads and the peer server keep, into the status map.
+  void publish_served() {
+    status_.store(so::kPfsOpens, pfs_opens_.load());
+    if (!server_) return;
+    status_.store(so::kFilesServed, server_->files_served());
+    status_.store(so::kBytesServed, server_->bytes_served());
   }
 
   StagerOptions opt_;
@@ -466,6 +567,11 @@ class Stager {
   CopyEngine engine_;
   PlanFileId plan_id_;
   uint64_t capacity_ = 0;
+  std::string secret_;                  // the job's secret (peer tier), never written anywhere
+  std::unique_ptr<PeerServer> server_;  // after tree_: stops before the tree closes
+  std::mutex peer_mu_;
+  std::unordered_set<uint32_t> down_;   // peers not asked again (by node), under peer_mu_
+  std::atomic<uint64_t> pfs_opens_{0}, logged_peer_failures_{0};
 
   // Coordinator-only state.
   std::unique_ptr<NextUseSchedule> schedule_;

@@ -19,6 +19,8 @@ struct StagerOptions {
   bool once = false;            // exit when nothing more can be staged (stage-only runs)
   long parent_pid = 0;          // exit when this process goes away (0 = do not watch)
   bool quiet = false;
+  bool peer = false;            // peer tier: the job's secret on stdin (docs/staging.md)
+  int peer_listen_fd = -1;      // serve peers on this inherited listening socket (-1: do not)
 };
 
 // The capacity used without --capacity: free space of `dir`'s file system minus

@@ -103,6 +103,9 @@ std::string layout_json() {
       {"run_state", so::kRunState, "u32"},      {"flags", so::kFlags, "u32"},
       {"plan_entries", so::kPlanEntries, "u64"}, {"plan_ready", so::kPlanReady, "u64"},
       {"bytes_reused", so::kBytesReused, "u64"},
+      {"peer_files", so::kPeerFiles, "u64"}, {"peer_bytes", so::kPeerBytes, "u64"},
+      {"peer_fallbacks", so::kPeerFallbacks, "u64"}, {"files_served", so::kFilesServed, "u64"},
+      {"bytes_served", so::kBytesServed, "u64"}, {"pfs_opens", so::kPfsOpens, "u64"},
   };
   std::string out = "{\"status\": {\"magic\": \"" + std::string(kStatusMagic, 8) +
                     "\", \"version\": " + std::to_string(kStatusVersion) +

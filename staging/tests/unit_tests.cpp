@@ -14,6 +14,7 @@
 #include "copy_engine.h"
 #include "eviction.h"
 #include "manifest.h"
+#include "peer.h"
 #include "plan.h"
 
 namespace {
@@ -91,6 +92,54 @@ int main(int argc, char** argv) {
       threw = std::string(e.what()).find(good) != std::string::npos;
     }
     check(threw, std::string("bad plan rejected with its path: ") + bad);
+  }
+
+  // The peer section: addresses and per-entry sources, each checked against the plan.
+  const std::string head =
+      "hpcdl-plan 1\nfingerprint 00ff\nseed 1\nepochs 0 2\nsteps_per_epoch 3\n"
+      "local_ranks 1\ndataset_files 4\nentries 2\n2\t10\t0,4\tb\t/src/b\n0\t5\t1\ta\t/src/a\n";
+  write_file(good, head + "peers 1\n3\t10.0.0.3:4000\npeer_sources 1\n0\t3\t1\nend\n");
+  const hpcdl::Plan peered = hpcdl::read_plan(good);
+  check(peered.peers.size() == 1 && peered.peers[0].host == "10.0.0.3" &&
+            peered.peers[0].port == 4000 && peered.peers[0].node == 3,
+        "peer address parsed");
+  check(peered.peer_source(0).peer == -1 && peered.peer_source(1).peer == 0 &&
+            peered.peer_source(1).ready_tick == 1,
+        "peer sources belong to their entries");
+  for (const std::string bad_peers :
+       {"peers 1\n3\thost:4000\npeer_sources 0\nend\n",     // not an IPv4 address
+        "peers 1\n3\t10.0.0.3:0\npeer_sources 0\nend\n",     // no port
+        "peers 1\n3\t10.0.0.3:4000\npeer_sources 1\n1\t3\t0\nend\n",  // not an entry
+        "peers 1\n3\t10.0.0.3:4000\npeer_sources 1\n0\t4\t0\nend\n",  // not a peer
+        "peers 1\n3\t10.0.0.3:4000\npeer_sources 2\n0\t3\t0\nend\n",  // short
+        "peers 1\n3\t10.0.0.3:4000\npeer_sources 0\n"}) {                // no end
+    write_file(good, head + bad_peers);
+    bool threw = false;
+    try {
+      hpcdl::read_plan(good);
+    } catch (const hpcdl::StageError& e) {
+      threw = std::string(e.what()).find(good) != std::string::npos;
+    }
+    check(threw, "bad peer section rejected: " + bad_peers);
+  }
+
+  // The job's secret: 64 hex digits on a pipe, nothing else.
+  for (const std::string& text : {std::string(64, 'a') + "\n", std::string(63, 'a') + "\n",
+                                 std::string(64, 'G') + "\n"}) {
+    int fds[2];
+    check(::pipe(fds) == 0, "pipe");
+    check(::write(fds[1], text.data(), text.size()) == static_cast<ssize_t>(text.size()), "write");
+    ::close(fds[1]);
+    bool ok = true;
+    std::string secret;
+    try {
+      secret = hpcdl::read_peer_secret(fds[0]);
+    } catch (const hpcdl::StageError&) {
+      ok = false;
+    }
+    ::close(fds[0]);
+    const bool want = text.size() == 65 && text[0] == 'a';
+    check(ok == want && (!ok || secret == std::string(32, '\xaa')), "secret read: " + text);
   }
 
   const std::string tree_root = scratch + "/tree";

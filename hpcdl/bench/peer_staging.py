@@ -1,0 +1,139 @@
+"""`python -m hpcdl.bench peer-staging`: the peer tier on emulated nodes (issue 35).
+
+One emulated cluster (hpcdl.bench.cluster, needs root) with the slow FUSE file system as the
+PFS (its index built before the jobs), and the same training job from empty stage dirs, in
+turn: `--shuffle node`, `--shuffle global --peer-staging off`, `--shuffle global` with peers.
+Per job: the slow FS's opens during the job, the stagers' own PFS opens and peer fetches (their
+status maps, through the metrics' staging_nodes), the loaders' misses, each epoch's seconds;
+and whether the two global jobs' final parameters are bitwise equal. The jobs run one after
+another on the same machine, so their ratios are the figures to read (docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl.bench.cluster import Cluster
+from hpcdl.bench.cluster import unavailable as no_cluster
+from hpcdl.bench.slowfs import SlowFSOptions, mounted
+from hpcdl.bench.slowfs import unavailable as no_fuse
+from hpcdl.bench.validate import Setup, make_images, run_mpi
+from hpcdl.helpformat import HelpFormatter
+
+JOBS = {  # name -> hpcdl.train flags
+    "node": ("--shuffle", "node", "--peer-staging", "off"),
+    "global, no peers": ("--shuffle", "global", "--peer-staging", "off"),
+    "global, peers": ("--shuffle", "global", "--peer-staging", "on"),
+}
+
+
+def train_args(setup: Setup, mount: Path, out: Path, flags: tuple[str, ...]) -> list[str]:
+    return ["-m", "hpcdl.train", "--data", str(mount), "--model", "mlp", "--workers", "0",
+            "--seed", "0", "--quiet", "--metrics", str(out / "metrics.jsonl"),
+            "--checkpoint-dir", str(out / "ckpt"), "--batch-size", str(setup.batch_size),
+            "--epochs", str(setup.epochs), "--stage-threads", str(setup.stage_threads),
+            "--stage-dir", "/local/stage", "--keep-staged", *flags]  # fmt: skip
+
+
+def run_job(cluster: Cluster, pfs: Any, setup: Setup, mount: Path, out: Path, flags) -> dict:
+    """One job from empty stage dirs; its measured figures."""
+    for node in cluster.nodes:
+        shutil.rmtree(node.local / "stage", ignore_errors=True)
+    out.mkdir()
+    before = pfs.stats(settle=True)["opens"]
+    run_mpi(cluster, setup, train_args(setup, mount, out, flags))
+    opens = pfs.stats(settle=True)["opens"] - before
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    nodes = next(r for r in records if r["event"] == "summary")["staging_nodes"]
+    return dict(
+        epochs_s=[r["seconds"] for r in records if r["event"] == "epoch"],
+        fs_opens=opens,
+        stager_pfs_opens=sum(n["pfs_opens"] for n in nodes),
+        peer_files=sum(n["peer_files"] for n in nodes),
+        misses=sum(n["misses"] for n in nodes),
+    )
+
+
+def params_of(out: Path) -> np.ndarray:
+    from hpcdl import checkpoint  # noqa: PLC0415
+
+    return checkpoint.load(checkpoint.latest(out / "ckpt")).params
+
+
+def measure(setup: Setup, workdir: Path) -> dict[str, Any]:
+    data = make_images(workdir / "images", setup.files)
+    mount = workdir / "pfs"
+    mount.mkdir()
+    with (
+        mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
+        Cluster(workdir / "cluster", nodes=setup.nodes) as cluster,
+    ):
+        from hpcdl.data import open_dataset  # noqa: PLC0415
+
+        open_dataset(mount)  # the index, cached outside the read-only mount, before the jobs
+        jobs = {name: run_job(cluster, pfs, setup, mount, workdir / f"job{k}", flags)
+                for k, (name, flags) in enumerate(JOBS.items())}  # fmt: skip
+    same = params_of(workdir / "job1").tobytes() == params_of(workdir / "job2").tobytes()
+    return dict(setup=setup.__dict__, jobs=jobs, global_params_bitwise_equal=same)
+
+
+def table(result: dict[str, Any]) -> str:
+    files = result["setup"]["files"]
+    lines = ["| job | epoch 1 s | later epochs s | stagers' PFS opens | peer fetches | loader "
+             "misses | slow FS opens |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, j in result["jobs"].items():
+        later = float(np.mean(j["epochs_s"][1:])) if len(j["epochs_s"]) > 1 else float("nan")
+        lines.append(
+            f"| {name} | {j['epochs_s'][0]:.2f} | {later:.2f} | {j['stager_pfs_opens']} "
+            f"({j['stager_pfs_opens'] / files:.2f}x files) | {j['peer_files']} | {j['misses']} "
+            f"| {j['fs_opens']} |"
+        )
+    lines.append(f"final parameters of the two global jobs bitwise equal: "
+                 f"{result['global_params_bitwise_equal']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench peer-staging",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    a = ap.add_argument
+    a("--nodes", type=int, default=4, help="emulated nodes")
+    a("--ranks-per-node", type=int, default=1, help="training ranks per node")
+    a("--files", type=int, default=960, help="PNG files of the data set")
+    a("--latency-ms", type=float, default=20.0, help="slow FS: ms per open")
+    a("--epochs", type=int, default=4, help="training epochs")
+    a("--stage-threads", type=int, default=8, help="copy threads per node")
+    a("--json", action="store_true", help="last line: one JSON object")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    reason = no_cluster() or no_fuse()
+    if reason:
+        print(f"hpcdl.bench peer-staging: {reason}", file=sys.stderr)
+        return 2
+    setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
+                  epochs=args.epochs, stage_threads=args.stage_threads, runs=1)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="hpcdl-peer-staging-") as scratch:
+        result = measure(setup, Path(scratch))
+    print(table(result), flush=True)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+// The peer tier: stagers of one job serve each other's staged copies over TCP (docs/staging.md,
+// "Peer tier"). The server answers only requests that carry the job's secret, and only with a
+// READY copy of its plan that this stager published or adopted, opened inside the stage dir
+// without following symlinks, whose size and mtime are still the source's. The client writes
+// what it receives to a file descriptor and checks it; the copy engine publishes it by the rules
+// of any staged copy. Any failure is the caller's cue to read the PFS.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "common.h"
+#include "copy_engine.h"
+#include "manifest.h"
+#include "plan.h"
+
+namespace hpcdl {
+
+constexpr size_t kPeerSecretBytes = 32;
+constexpr int kPeerConnectTimeoutMs = 2000;  // a dead node: then the PFS
+constexpr int kPeerIoTimeoutMs = 5000;       // a silent peer: then the PFS
+
+// Reads the job's secret: one line of 2 * kPeerSecretBytes hex digits on `fd` (the stager's
+// stdin, a pipe from the node leader). Throws StageError when it is not that.
+std::string read_peer_secret(int fd);
+
+// A copy this stager may serve, as the coordinator publishes it.
+struct ServedCopy {
+  std::string dest;          // relative to the stage dir
+  uint64_t size = 0;         // the plan's size
+  FileIdentity source_id;    // the PFS original's identity, as the manifest recorded it
+  CopyId id;                 // the staged file's inode and device
+  bool has_checksum = false; // FNV-1a 64 of the source, known when copied with --verify
+  uint64_t checksum = 0;
+};
+
+class PeerServer {
+ public:
+  // Serves on `listen_fd` (a bound, listening TCP socket handed over by the node leader; this
+  // object owns it) with `threads` threads. `log` receives one line per event worth a line.
+  PeerServer(int listen_fd, std::string secret, StageTree& tree, unsigned threads,
+             std::function<void(const std::string&)> log);
+  ~PeerServer();
+  PeerServer(const PeerServer&) = delete;
+  PeerServer& operator=(const PeerServer&) = delete;
+
+  void offer(uint32_t file_id, ServedCopy copy);  // READY: may be served
+  void withdraw(uint32_t file_id);                // evicted or replaced: no longer served
+  uint64_t files_served() const { return files_served_.load(); }
+  uint64_t bytes_served() const { return bytes_served_.load(); }
+
+ private:
+  void serve();
+  void answer(int fd, const std::string& client, std::vector<char>& buffer);
+  bool lookup(uint32_t file_id, ServedCopy* out);
+
+  UniqueFd listen_;
+  std::string secret_;
+  StageTree& tree_;
+  std::function<void(const std::string&)> log_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> files_served_{0}, bytes_served_{0};
+  std::mutex mu_;
+  std::unordered_map<uint32_t, ServedCopy> served_;
+  std::unordered_set<std::string> refused_;  // client addresses already logged
+  std::vector<std::thread> threads_;
+};
+
+enum class PeerOutcome { Ok, NotHere, Refused, Unreachable, Bad, Cancelled, WriteError };
+
+struct PeerFetch {
+  PeerOutcome outcome = PeerOutcome::Ok;
+  FileIdentity source_id;    // the home's record of the PFS original
+  bool has_checksum = false; // with verify: the source checksum the bytes matched
+  uint64_t checksum = 0;
+  int err = 0;               // errno of a WriteError
+  std::string message;       // why, when not Ok
+};
+
+// Fetches file `file_id` of `size` bytes from host:port into `out_fd` (at its current offset).
+// verify: ask for the source checksum and compare the received bytes with it. Never waits more
+// than the connect and I/O timeouts above.
+PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::string& secret,
+                          uint32_t file_id, uint64_t size, bool verify, int out_fd,
+                          std::vector<char>& buffer, const std::atomic<bool>& cancel);
+
+// fetch_from_peer through `engine`: the copy is published at `dest` by the rules of any staged
+// copy (CopyEngine::receive). `outcome` receives how the peer answered (Ok when published).
+CopyResult copy_from_peer(CopyEngine& engine, const PeerAddress& peer, const std::string& secret,
+                          uint32_t file_id, uint64_t size, const std::string& source,
+                          const std::string& dest, bool verify, std::vector<char>& buffer,
+                          unsigned tag, const std::atomic<bool>& cancel, PeerOutcome* outcome);
+
+}  // namespace hpcdl

@@ -1,0 +1,190 @@
+"""The peer tier across emulated nodes (hpcdl/bench/cluster.py): with --shuffle global each file
+is opened on the PFS by one stager per job, not one per node, and training's result does not
+depend on where the bytes came from (docs/staging.md, "Peer tier")."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import mpi_env
+from helpers import make_tree, write_peer_plan
+from PIL import Image
+
+from hpcdl import checkpoint
+from hpcdl.bench.cluster import LOCAL, Cluster
+from hpcdl.data import open_dataset
+from hpcdl.staging.binary import find_stager_binary
+from hpcdl.staging.status import RUN_RUNNING, StatusView
+
+pytestmark = pytest.mark.multinode
+
+FILES, BATCH, EPOCHS = 160, 8, 3
+SAME_SUM_ORDER = ("--mca", "coll", "^han")  # bitwise-comparable sums (test_multinode.py)
+STAGE = LOCAL / "stage"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """160 PNG images of 8x8 pixels in 4 classes."""
+    root = tmp_path_factory.mktemp("pfs") / "images"
+    rng = np.random.default_rng(1)
+    for c in range(4):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(FILES // 4):
+            pixels = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"c{c}" / f"{i:03d}.png")
+    open_dataset(root)
+    return root
+
+
+def train(cluster: Cluster, folder: Path, out: Path, peers: str) -> list[dict[str, int]]:
+    """2 nodes x 2 ranks, --shuffle global; returns each node's stager counters."""
+    args = [
+        "--data", folder, "--model", "mlp", "--epochs", EPOCHS, "--batch-size", BATCH,
+        "--workers", 0, "--seed", 3, "--quiet", "--checkpoint-dir", out / "ckpt",
+        "--shuffle", "global", "--stage-dir", STAGE, "--keep-staged", "--peer-staging", peers,
+    ]  # fmt: skip
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    proc = cluster.run(1, cluster.mpirun([2, 2], *program, extra=SAME_SUM_ORDER), env=mpi_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    counters = []
+    for node in cluster.nodes:
+        (path,) = (node.local / STAGE.relative_to(LOCAL)).glob(".hpcdl/sessions/*/status")
+        view = StatusView(path)
+        assert view.open()
+        names = ("pfs_opens", "peer_files", "peer_fallbacks", "files_served", "files_staged")
+        counters.append({name: int(view.field(name)) for name in names})
+        view.close()
+        shutil.rmtree(node.local / STAGE.relative_to(LOCAL))  # the next job stages afresh
+    return counters
+
+
+def test_global_shuffle_opens_each_file_once_and_trains_the_same(cluster, folder, tmp_path):
+    with_peers = train(cluster, folder, tmp_path / "on", "on")
+    without = train(cluster, folder, tmp_path / "off", "off")
+    on = checkpoint.load(checkpoint.latest(tmp_path / "on" / "ckpt")).params
+    off = checkpoint.load(checkpoint.latest(tmp_path / "off" / "ckpt")).params
+    assert on.tobytes() == off.tobytes()  # bitwise: where the bytes came from changes nothing
+
+    pfs_opens = sum(c["pfs_opens"] for c in with_peers)
+    assert pfs_opens <= 1.05 * FILES, with_peers
+    assert sum(c["peer_files"] for c in with_peers) > 0, with_peers
+    assert sum(c["peer_files"] for c in with_peers) == sum(c["files_served"] for c in with_peers)
+    assert all(c["peer_files"] == 0 for c in without), without
+    assert sum(c["pfs_opens"] for c in without) > pfs_opens, (without, with_peers)
+
+
+def test_a_peer_stager_killed_mid_epoch_sends_its_clients_to_the_pfs(cluster, folder, tmp_path):
+    """Node 2's stager is SIGKILLed as soon as node 1 fetched a first file from it: node 1 reads
+    the rest of node 2's files from the PFS (one line), and the result is bitwise the same."""
+    train(cluster, folder, tmp_path / "off", "off")
+    env = {**mpi_env(), "HPCDL_STAGE_EMULATE_PFS": "latency_ms=10"}
+    args = [
+        "--data", folder, "--model", "mlp", "--epochs", EPOCHS, "--batch-size", BATCH,
+        "--workers", 0, "--seed", 3, "--quiet", "--checkpoint-dir", tmp_path / "on" / "ckpt",
+        "--shuffle", "global", "--stage-dir", STAGE, "--keep-staged", "--peer-staging", "on",
+    ]  # fmt: skip
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    extra = (*SAME_SUM_ORDER, "-x", "HPCDL_STAGE_EMULATE_PFS")
+    command = cluster.argv(1, cluster.mpirun([2, 2], *program, extra=extra))
+    stage1, stage2 = (node.local / STAGE.relative_to(LOCAL) for node in cluster.nodes)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as job:  # fmt: skip
+        fetching = StatusView(wait_for_status(stage1, job))
+        serving = StatusView(wait_for_status(stage2, job))
+        while job.poll() is None and fetching.field("peer_files") < 1:
+            time.sleep(0.002)
+        os.kill(serving.field("pid"), signal.SIGKILL)
+        killed_mid_run = job.poll() is None and fetching.field("peer_files") < FILES // 2
+        _, err = job.communicate(timeout=300)
+        fallbacks = fetching.field("peer_fallbacks")
+        fetching.close()
+        serving.close()
+    assert killed_mid_run
+    assert job.returncode == 0, err[-3000:]
+    assert fallbacks > 0
+    assert sum("is not asked again" in line for line in err.splitlines()) == 1, err[-3000:]
+    on = checkpoint.load(checkpoint.latest(tmp_path / "on" / "ckpt")).params
+    off = checkpoint.load(checkpoint.latest(tmp_path / "off" / "ckpt")).params
+    assert on.tobytes() == off.tobytes()
+
+
+def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:
+    """The status map of the job's session in one node's stage dir, once its stager runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        for path in stage.glob(".hpcdl/sessions/*/status"):
+            view = StatusView(path)
+            running = view.open() and view.field("run_state") >= RUN_RUNNING
+            view.close()
+            if running:
+                return path
+        time.sleep(0.005)
+    raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
+
+
+# In a node: a listening socket on the node's address, handed to hpcdl-stage as a node leader
+# hands it (PeerTier); the port goes to stdout first.
+SERVE = (
+    "import os, socket, sys; s = socket.create_server((sys.argv[1], 0)); "
+    "print(s.getsockname()[1], flush=True); os.set_inheritable(s.fileno(), True); "
+    "os.execv(sys.argv[2], sys.argv[2:] + ['--peer-listen-fd', str(s.fileno())])"
+)
+
+
+def test_a_lost_peer_node_costs_its_clients_a_bounded_wait_then_the_pfs(cluster, tmp_path):
+    """Node 2's stager stages every file and serves it; then node 2 is lost (every process in
+    it killed, its namespace deleted: its address goes silent). Node 1's stager, planned to
+    fetch every file from node 2, reads them all from the PFS after one bounded wait."""
+    ds = make_tree(tmp_path / "pfs", 24, 3000)
+    secret = secrets.token_hex(32)
+    stager = str(find_stager_binary())
+    home, client = cluster.node(2), cluster.node(1)
+    write_peer_plan(ds, home.local / "stage", "job", 0, None)
+    args = ["--stage-dir", "/local/stage", "--session", "job", "--threads", "4", "--peer"]
+    serve = shlex.join([sys.executable, "-c", SERVE, home.ip, stager, *args])
+    proc = subprocess.Popen(cluster.argv(2, serve), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdin.write(secret + "\n")
+    proc.stdin.close()
+    proc.stdin = None  # read once; communicate() must not flush it
+    port = int(proc.stdout.readline())
+    status = StatusView(wait_for_status(home.local / "stage", proc))
+    deadline = time.monotonic() + 30
+    while status.field("plan_ready") < 24 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert status.field("plan_ready") == 24
+    status.close()
+    for pid in cluster.pids(2):
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    subprocess.run(["ip", "netns", "del", home.netns], check=True, capture_output=True)
+
+    write_peer_plan(ds, client.local / "stage", "job", 1, f"{home.ip}:{port}")
+    fetch = shlex.join([stager, "--stage-dir", "/local/stage", "--session", "job", "--threads",
+                        "4", "--peer", "--once"])  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(cluster.argv(1, fetch), input=secret + "\n", capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert took < 30, f"{took:.1f} s"  # a 2 s connect timeout per copy thread, in parallel
+    assert sum("is not asked again" in line for line in done.stderr.splitlines()) == 1, done.stderr
+    view = StatusView(client.local / "stage" / ".hpcdl" / "sessions" / "job" / "status")
+    assert view.open()
+    assert view.field("pfs_opens") == 24 and view.field("peer_fallbacks") == 24
+    assert view.field("peer_files") == 0
+    view.close()
+    for f in ds.files:
+        copy = client.local / "stage" / "k" / f.relpath
+        assert copy.read_bytes() == (ds.root / f.relpath).read_bytes(), f.relpath
