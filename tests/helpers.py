@@ -134,6 +134,19 @@ def job_pids(marker: str) -> list[int]:
     return pids
 
 
+def rank_pid(marker: str, rank: int) -> int:
+    """The pid of one world rank of the marked job (its OMPI_COMM_WORLD_RANK)."""
+    for pid in job_pids(marker):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"rank {rank} of the job not found")
+
+
 def children() -> set[int]:
     """Live (non-zombie) child processes of this process."""
     me, out = os.getpid(), set()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 from conftest import mpi_env, run_train, train_cmd
+from helpers import job_pids, rank_pid
 
 from hpcdl import checkpoint
 from hpcdl.diag import flight
@@ -40,28 +41,6 @@ def steps_written(metrics: Path) -> int:
         return metrics.read_text().count('"event": "step"')
     except OSError:
         return 0
-
-
-def job_pids(marker: str) -> list[int]:
-    """Processes whose environment carries this test's marker (mpirun and the ranks)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                if f"HPCDL_TEST_MARKER={marker}".encode() in f.read():
-                    found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def rank_pid(marker: str, rank: int) -> int:
-    for pid in job_pids(marker):
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
-        if f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"rank {rank} of the job not found")
 
 
 class Job:

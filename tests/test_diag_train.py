@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from conftest import mpi_env, mpirun_cmd, run_train, train_cmd
-from test_diag_stall import rank_pid
+from helpers import rank_pid
 
 from hpcdl.diag import flight, timeline
 

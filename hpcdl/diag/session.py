@@ -50,6 +50,7 @@ class DiagSession:
         self.writer: timeline.TimelineWriter | None = None
         self.remote: NodeQuestions | None = None  # other nodes' heartbeats, on a stall
         self._samplers: list[tuple[str, Callable[[], dict[str, int]]]] = []
+        self._new_sampler = False  # a sampler was added since the last drain
         self.t_zero = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcdl-diag", daemon=True)
@@ -99,6 +100,7 @@ class DiagSession:
         owner closed) every DRAIN_S, drawn as rates on this node's track (a node leader's
         stager)."""
         self._samplers.append((name, sample))
+        self._new_sampler = True  # sampled at once: a rate needs two samples, however short the run
 
     def _run(self) -> None:
         drained = time.perf_counter()
@@ -108,11 +110,13 @@ class DiagSession:
                 self.remote.serve()
             if self.inspector is not None:
                 self.inspector.check(now)
-            if self.writer is not None and now - drained >= timeline.DRAIN_S:
+            due = now - drained >= timeline.DRAIN_S or self._new_sampler
+            if self.writer is not None and due:
                 self._drain(now)
                 drained = now
 
     def _drain(self, now: float) -> None:
+        self._new_sampler = False
         self.writer.drain()
         for name, sample in list(self._samplers):
             try:
