@@ -129,6 +129,8 @@ for r in $RANKS; do train "cnn-$DEVICE-$r" "$DEVICE" "$r" "${DIGITS_ARGS[@]}"; d
 # fp16 at batch 8: over 2,000 steps, so the loss scale grows (GradScaler's interval) and backs off
 train "cnn-$DEVICE-fp16-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --precision fp16 --batch-size 8
 train "cnn-$DEVICE-bf16-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --precision bf16
+# the same run as cnn-$DEVICE-1 with --timeline: what recording every phase costs a GPU step
+train "cnn-$DEVICE-timeline-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --timeline "$RAW/timeline-cnn.json"
 for r in $RANKS; do train "resnet18-$DEVICE-$r" "$DEVICE" "$r" "${JPEG_ARGS[@]}"; done
 
 echo "== compute: hpcdl vs PyTorch eager, same device, same run"
