@@ -38,10 +38,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 COMMANDS = next(i for i, names in enumerate(LAYERS) if "hpcdl.train" in names)
 # The only places that may import PyTorch (NOTE in hpcdl/torch/__init__.py).
 TORCH_IMPORTERS = ("hpcdl.torch", "hpcdl.bench")
-# Known exception, named so that it cannot grow unseen: a .pth/.pt file is PyTorch's pickle
-# format, read (torch.load, weights_only) for --init-from and written for `hpcdl.nn export --to
-# torch`, below the torch layer; torch is imported there only when a user names such a file.
-TORCH_FILE_FORMAT = {"hpcdl.nn.weights_io"}
 # Dynamic imports of an optional package by a literal name count as imports of it.
 DYNAMIC_IMPORTS = ("import_module", "optional_import", "__import__")
 
@@ -179,7 +175,6 @@ def test_torch_is_imported_only_by_the_torch_adapter_and_the_benchmarks():
         for name, line in imported_names(module, path)
         if name.split(".")[0] == "torch"
         and not any(module == t or module.startswith(t + ".") for t in TORCH_IMPORTERS)
-        and module not in TORCH_FILE_FORMAT
     ]
     assert bad == [], "\n".join(bad)
 
