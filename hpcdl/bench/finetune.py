@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench.launch import mpirun_command
 from hpcdl.helpformat import HelpFormatter
 
 PRETRAIN_ANGLES = tuple(np.pi * k / 8 for k in range(8))
@@ -64,7 +65,7 @@ def train(ranks: int, *args: object) -> float:
     """Run hpcdl.train; its final validation accuracy."""
     cmd = [sys.executable, "-m", "hpcdl.train", *map(str, args), "--progress", "none"]
     if ranks > 1:
-        cmd = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), *cmd]
+        cmd = [*mpirun_command(ranks), *cmd]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         output = (done.stdout + done.stderr)[-2000:]

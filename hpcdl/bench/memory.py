@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench.launch import mpirun_command
 from hpcdl.helpformat import HelpFormatter
 
 INDEX_SUFFIX = ".hpcdl-index"  # the image-folder index file (hpcdl.data.imagefolder)
@@ -155,14 +156,9 @@ def watch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, list[tupl
     return by_kind
 
 
-def mpirun(ranks: int) -> list[str]:
-    here = Path(sys.executable).parent / "mpirun"
-    return [str(here if here.exists() else "mpirun"), "-np", str(ranks), "--oversubscribe"]
-
-
 def hpcdl_command(a: argparse.Namespace, tree: Path, stage: Path) -> list[str]:
     return [
-        *mpirun(a.ranks),
+        *mpirun_command(a.ranks, oversubscribe=True),
         sys.executable,
         "-m",
         "hpcdl.train",
@@ -188,7 +184,8 @@ def hpcdl_command(a: argparse.Namespace, tree: Path, stage: Path) -> list[str]:
 
 def torch_command(a: argparse.Namespace, tree: Path) -> list[str]:
     child = [sys.executable, "-m", "hpcdl.bench.memory", "--torch-child", str(tree)]
-    return [*mpirun(a.ranks), *child, "--workers", str(a.workers), "--batches", str(a.batches)]
+    mpirun = mpirun_command(a.ranks, oversubscribe=True)
+    return [*mpirun, *child, "--workers", str(a.workers), "--batches", str(a.batches)]
 
 
 def torch_child(tree: Path, workers: int, batches: int, batch_size: int = 32) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.bench.scaling import child_env, mpirun_command
+from hpcdl.bench.launch import child_env, mpirun_command
 from hpcdl.data.augment import parse_augment
 from hpcdl.helpformat import HelpFormatter
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.bench import peers
-from hpcdl.bench.scaling import child_env, mpirun_command
+from hpcdl.bench.launch import child_env, mpirun_command
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp.py"
 MODEL = ["--model", "linear"]

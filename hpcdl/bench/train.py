@@ -51,7 +51,8 @@ from hpcdl import metrics_file, report
 from hpcdl.backend import gpu_available
 from hpcdl.bench import peers as peers_
 from hpcdl.bench import torch_loader, vs_torch
-from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
+from hpcdl.bench.launch import child_env, mpirun_command
+from hpcdl.bench.scaling import NO_GPU
 from hpcdl.bench.slowfs import SlowFSOptions
 from hpcdl.data import open_dataset
 from hpcdl.data.augment import parse_augment
