@@ -35,3 +35,14 @@ def test_the_scaling_driver_offers_exactly_the_models_hpcdl_nn_builds():
     from hpcdl.bench import scaling
 
     assert scaling.MODELS == nn.MODELS
+
+
+def test_a_benchmark_given_missing_data_says_so_in_one_line(tmp_path):
+    r = bench("loader", "--data", str(tmp_path / "missing"), "--skip-hdf5")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"python -m hpcdl.bench loader: error: {tmp_path / 'missing'}: no such file or directory "
+        "(expected an HDF5 file, a directory of HDF5 shards, or an image folder "
+        "root/<class>/<file>)"
+    ]

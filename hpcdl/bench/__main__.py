@@ -1,4 +1,7 @@
-"""Dispatch `python -m hpcdl.bench NAME ...` to hpcdl.bench.NAME.main(argv)."""
+"""Dispatch `python -m hpcdl.bench NAME ...` to hpcdl.bench.NAME.main(argv).
+
+A data set a benchmark cannot open (hpcdl.data's DataError) is bad input, said in one line as
+every hpcdl command says it, not a traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
+
+from hpcdl.data.dataset import DataError
 
 BENCHMARKS = {
     "compute": "hpcdl.bench.compute",
@@ -58,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]])
-    return int(module.main(argv[1:]) or 0)
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except DataError as exc:
+        print(f"python -m hpcdl.bench {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
