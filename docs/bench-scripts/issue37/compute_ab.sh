@@ -1,6 +1,7 @@
 #!/bin/bash
+# Needs the base unpacked first: git archive d47b063 hpcdl | tar -x -C /tmp/hh_base
 # Back-to-back A/B of `bench compute` (cnn, batch 32, 3x32x32, 30 steps): base (d47b063) vs this branch, alternating order.
-cd /work/wt-h-house && source scripts/env.sh >/dev/null 2>&1; set +eo pipefail
+cd "$(dirname "$0")/../../.." && source scripts/env.sh >/dev/null 2>&1; set +eo pipefail
 for i in 1 2 3 4 5 6; do
   if [ $((i % 2)) -eq 1 ]; then order="base mine"; else order="mine base"; fi
   for who in $order; do
