@@ -1,4 +1,4 @@
-"""`python -m hpcdl.bench finetune`: resnet18 fine-tuned from a state dict vs from scratch.
+"""`python -m tools.bench finetune`: resnet18 fine-tuned from a state dict vs from scratch.
 
 The fine-tuning example of docs/models.md, measured. No pretrained download is possible on a
 cluster's compute nodes (nor here), so the "pretrained" weights come from pretraining hpcdl's
@@ -69,14 +69,14 @@ def train(ranks: int, *args: object) -> float:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         output = (done.stdout + done.stderr)[-2000:]
-        raise SystemExit(f"hpcdl.bench finetune: {' '.join(cmd)} failed:\n{output}")
+        raise SystemExit(f"tools.bench finetune: {' '.join(cmd)} failed:\n{output}")
     found = re.search(r"final val_acc ([0-9.]+)", done.stdout)
     return float(found.group(1))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench finetune",
+        prog="python -m tools.bench finetune",
         description=__doc__,
         formatter_class=HelpFormatter,
         allow_abbrev=False,

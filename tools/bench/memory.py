@@ -1,6 +1,6 @@
-"""`python -m hpcdl.bench memory`: memory per process kind, hpcdl vs PyTorch's DataLoader.
+"""`python -m tools.bench memory`: memory per process kind, hpcdl vs PyTorch's DataLoader.
 
-    python -m hpcdl.bench memory [--files 1281000] [--ranks 2] [--workers 3] [--json]
+    python -m tools.bench memory [--files 1281000] [--ranks 2] [--workers 3] [--json]
 
 On a generated ImageNet-sized tree of image names (--classes directories; each class's names
 are hard links to one small JPEG, as ext4 allows 65,000 links per file), generated once into
@@ -9,7 +9,7 @@ are hard links to one small JPEG, as ext4 allows 65,000 links per file), generat
 - hpcdl: `mpirun -np R python -m hpcdl.train --model M --augment rrc64+flip --workers K
   --stage-dir S --max-steps N` (the issue's command, cut short);
 - PyTorch: `mpirun -np R` processes that each iterate a DataLoader with K forked workers over
-  an ImageFolder-style list of (path, label) pairs (hpcdl.bench.torch_folder) for --batches
+  an ImageFolder-style list of (path, label) pairs (tools.bench.torch_folder) for --batches
   batches, as a DDP job's loaders do;
 
 and both again on a --small-files tree, so that the difference is what the tree's size costs.
@@ -129,7 +129,7 @@ def kind_of(pid: int) -> str | None:
     if b"hpcdl.train" in text:
         return "rank"
     if b"--torch-child" in text:  # forked workers run the same command line as their main
-        forked = parent_cmd.split(b"\0")[1:3] == [b"-m", b"hpcdl.bench.memory"]
+        forked = parent_cmd.split(b"\0")[1:3] == [b"-m", b"tools.bench.memory"]
         return "dataloader worker" if forked else "dataloader main"
     return None
 
@@ -183,7 +183,7 @@ def hpcdl_command(a: argparse.Namespace, tree: Path, stage: Path) -> list[str]:
 
 
 def torch_command(a: argparse.Namespace, tree: Path) -> list[str]:
-    child = [sys.executable, "-m", "hpcdl.bench.memory", "--torch-child", str(tree)]
+    child = [sys.executable, "-m", "tools.bench.memory", "--torch-child", str(tree)]
     mpirun = mpirun_command(a.ranks, oversubscribe=True)
     return [*mpirun, *child, "--workers", str(a.workers), "--batches", str(a.batches)]
 
@@ -194,7 +194,7 @@ def torch_child(tree: Path, workers: int, batches: int, batch_size: int = 32) ->
     import torch  # noqa: PLC0415
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
-    from hpcdl.bench.torch_folder import CentreCropFolder  # noqa: PLC0415
+    from tools.bench.torch_folder import CentreCropFolder  # noqa: PLC0415
 
     torch.set_num_threads(1)
     ds = CentreCropFolder(tree, (64, 64))
@@ -235,7 +235,7 @@ def summarize(by_kind: dict[str, list[tuple]]) -> dict[str, dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench memory",
+        prog="python -m tools.bench memory",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,
