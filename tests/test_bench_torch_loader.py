@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hpcdl.bench.train import synthetic_image_folder
+from hpcdl.bench.synthetic import class_colour_folder
 from tools.bench import slowfs, train
 
 
@@ -42,7 +42,7 @@ def test_both_loaders_train_locally_and_behind_the_slow_fs(tmp_path, capsys):
     why = slowfs.unavailable()
     if why:
         pytest.skip(why)  # as tests/test_slowfs.py: the benchmark's FUSE mount needs it
-    synthetic_image_folder(tmp_path / "train", 96, size=8)
+    class_colour_folder(tmp_path / "train", 96, side=8)
     argv = ["--torch-loader", "--data", str(tmp_path / "train"), "--slow-fs", "1,200",
             "--epochs", "2", "--batch-size", "8", "--workers", "1", "--timeout", "240",
             "--json"]  # fmt: skip

@@ -8,13 +8,13 @@ import sys
 import h5py
 import pytest
 
-from hpcdl.bench.train import synthetic_hdf5, synthetic_image_folder
+from hpcdl.bench.synthetic import class_colour_folder, hdf5_dataset
 from hpcdl.data import open_dataset
 from tools.bench import torch_ddp, train
 
 
 def test_synthetic_hdf5_is_an_hdf5_data_set_hpcdl_reads(tmp_path):
-    synthetic_hdf5(tmp_path, 40, size=8)
+    hdf5_dataset(tmp_path, 40, side=8)
     ds = open_dataset(str(tmp_path / "train"))
     assert len(ds) == 40 and ds.sample_shape == (3, 8, 8)
     with h5py.File(next((tmp_path / "train").glob("*.h5")), "r") as f:
@@ -49,7 +49,7 @@ def test_steady_state_skips_the_first_epoch():
 
 def test_both_sides_train_two_ranks_and_give_a_ratio(tmp_path, capsys):
     pytest.importorskip("torch")
-    synthetic_hdf5(tmp_path, 256, size=16)
+    hdf5_dataset(tmp_path, 256, side=16)
     argv = ["--vs-torch", "--data", str(tmp_path / "train"), "--batch-size", "16",
             "--epochs", "2", "--timeout", "240", "--json"]  # fmt: skip
     assert train.main(argv) == 0
@@ -62,6 +62,6 @@ def test_both_sides_train_two_ranks_and_give_a_ratio(tmp_path, capsys):
 
 def test_vs_torch_wants_hdf5_data(tmp_path, capsys):
     pytest.importorskip("torch")
-    synthetic_image_folder(tmp_path, 10, size=8)
+    class_colour_folder(tmp_path, 10, side=8)
     assert train.main(["--vs-torch", "--data", str(tmp_path)]) == 2
     assert "reads HDF5 data" in capsys.readouterr().err

@@ -30,10 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpcdl import metrics_file, report
 from hpcdl.backend import gpu_available
+from hpcdl.bench import synthetic
 from hpcdl.bench.launch import child_env, mpirun_command
 from hpcdl.bench.scaling import NO_GPU
 from hpcdl.data import open_dataset
@@ -108,38 +107,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 # --- data ------------------------------------------------------------------------------------
 
 
-def synthetic_image_folder(
-    root: Path, count: int, size: int = 32, classes: int = 10, fmt: str = "png"
-) -> None:
-    """root/<class>/<i>.<fmt>: noisy images whose mean colour depends on the class (learnable)."""
-    from PIL import Image  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    colours = rng.integers(40, 216, (classes, 3))
-    for i in range(count):
-        label = i % classes
-        pixels = colours[label] + rng.normal(0, 40, (size, size, 3))
-        folder = root / f"class{label}"
-        folder.mkdir(parents=True, exist_ok=True)
-        image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
-        image.save(folder / f"{i:06d}.{fmt}", quality=90)
-
-
-def synthetic_hdf5(root: Path, count: int, size: int = 32, classes: int = 10) -> None:
-    """root/{train,val}/part-*.h5 (hpcdl.data.convert's layout) of synthetic_image_folder's kind
-    of images: (N, S, S, 3) uint8 whose mean colour depends on the class."""
-    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    colours = rng.integers(40, 216, (classes, 3))
-    splits = {}
-    for split, n in (("train", count), ("val", max(10, count // 4))):
-        labels = np.arange(n) % classes
-        pixels = colours[labels][:, None, None, :] + rng.normal(0, 40, (n, size, size, 3))
-        splits[split] = (np.clip(pixels, 0, 255).astype(np.uint8), labels)
-    write_dataset(root, splits, [f"class{k}" for k in range(classes)])
-
-
 class CacheError(RuntimeError):
     """The synthetic-data cache directory cannot be trusted; the message names it."""
 
@@ -178,11 +145,11 @@ def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
         print(f"making a synthetic {what} of {args.synthetic} images in {base}", flush=True)
         work = base.with_name(f"{base.name}.tmp-{os.getpid()}")
         if args.format == "h5":
-            synthetic_hdf5(work, args.synthetic, args.image_size)
+            synthetic.hdf5_dataset(work, args.synthetic, args.image_size)
         else:
-            made = dict(size=args.image_size, fmt=args.format)
-            synthetic_image_folder(work / "train", args.synthetic, **made)
-            synthetic_image_folder(work / "val", max(10, args.synthetic // 4), **made)
+            made = dict(side=args.image_size, fmt=args.format)
+            synthetic.class_colour_folder(work / "train", args.synthetic, **made)
+            synthetic.class_colour_folder(work / "val", max(10, args.synthetic // 4), **made)
         (work / ".complete").touch()
         shutil.rmtree(base, ignore_errors=True)
         work.rename(base)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench import synthetic
 from hpcdl.bench.launch import mpirun_command
 from hpcdl.helpformat import HelpFormatter
 
@@ -42,8 +43,6 @@ def make_gratings(
 ) -> None:
     """root/c<k>/<i>.jpg: a sinusoidal grating at angles[k] with a random phase, a random
     colour tint and Gaussian noise (std 60 of 255), quality 90."""
-    from PIL import Image  # noqa: PLC0415
-
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     for k, angle in enumerate(angles):
@@ -56,9 +55,7 @@ def make_gratings(
             )
             tint = rng.uniform(0.3, 1.0, 3)
             img = 127 + 100 * wave[..., None] * tint + rng.normal(0, 60, (size, size, 3))
-            Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(
-                d / f"{i:05d}.jpg", quality=90
-            )
+            synthetic.save(d / f"{i:05d}.jpg", np.clip(img, 0, 255).astype(np.uint8))
 
 
 def train(ranks: int, *args: object) -> float:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench import synthetic
 from hpcdl.bench.launch import mpirun_command
 from hpcdl.helpformat import HelpFormatter
 
@@ -46,8 +47,6 @@ def make_names_tree(root: Path, files: int, classes: int) -> None:
     """root/cNNNN/cNNNN_NNNNNNN.JPEG: `files` names in `classes` directories, each class's
     names hard links to the class's one JPEG. Built beside root and renamed into place, so a
     tree at root is always whole."""
-    from PIL import Image  # noqa: PLC0415
-
     if root.is_dir():
         return
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
@@ -59,7 +58,7 @@ def make_names_tree(root: Path, files: int, classes: int) -> None:
         d.mkdir(mode=0o755)
         first = d / f"c{c:04d}_{0:07d}.JPEG"
         pixels = rng.integers(0, 256, (_IMAGE_SIDE, _IMAGE_SIDE, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(first, "JPEG")
+        first.write_bytes(synthetic.encode(pixels, "jpg", quality=75))  # PIL's default
         os.chmod(first, 0o644)
         for i in range(1, count):
             os.link(first, d / f"c{c:04d}_{i:07d}.JPEG")

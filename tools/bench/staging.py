@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench import synthetic
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import find_stager_binary
@@ -42,14 +43,9 @@ CLI_ROW = "python -m hpcdl.stage (defaults)"
 def make_tree(root: Path, files: int, size: int, per_dir: int = 1000) -> None:
     """root/dirNNNN/imgNNNNNNN.jpg: `files` JPEGs of `size` bytes (a small image, padded after
     its end marker with different bytes per file), so that image-folder readers accept them."""
-    import io  # noqa: PLC0415
-
-    from PIL import Image  # noqa: PLC0415
-
     rng = np.random.default_rng(0)
-    jpeg = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(jpeg, "JPEG")
-    head = jpeg.getvalue()[: max(0, size)]
+    jpeg = synthetic.encode(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "jpg", quality=75)
+    head = jpeg[: max(0, size)]
     blob = head + rng.integers(0, 256, max(0, size - len(head)) + files, dtype=np.uint8).tobytes()
     for i in range(files):
         d = root / f"dir{i // per_dir:04d}"

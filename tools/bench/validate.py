@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.bench import synthetic
 from hpcdl.helpformat import HelpFormatter
 from tools.bench.cluster import Cluster
 from tools.bench.cluster import unavailable as no_cluster
@@ -74,15 +75,9 @@ class Setup:
 
 def make_images(root: Path, files: int, classes: int = 4) -> Path:
     """files PNG images of 32x32 random pixels in `classes` directories."""
-    from PIL import Image  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    for i in range(files):
-        d = root / f"c{i % classes}"
-        d.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(d / f"{i:05d}.png")
-    return root
+    pixels = synthetic.noise(np.random.default_rng(0))
+    return synthetic.image_folder(root, files, pixels, classes=classes, class_dir="c{label}",
+                                  name="{i:05d}")  # fmt: skip
 
 
 def job_flags(setup: Setup) -> list[str]:
