@@ -30,4 +30,5 @@ done <<LIST
 --dry-run --data $D/digits/train --nodes 2 --ranks-per-node 2 --batch-size 8 --epochs 2 --json
 --dry-run --data $D/missing --files-only
 --dry-run --data $D/tree --nodes 2,4
+--dry-run --data $D/big --files-only --nodes 2 --batch-size 8 --epochs 1 --pfs-open-latency 1 --pfs-bandwidth 200 --json
 LIST
