@@ -1,10 +1,11 @@
 """The one mpirun launcher of hpcdl's benchmarks: the command and the ranks' environment.
 
 Every benchmark that starts its own MPI job on this machine (`bench scaling`, `bench train`,
-finetune, memory, the PyTorch peers) builds the command with mpirun_command (the venv's Open
-MPI beside this Python, else the one on PATH; --oversubscribe only when the ranks outnumber
-the cores) and gives it child_env (root allowed as in the tests, a fair share of BLAS threads
-per rank on CPU). Emulated multi-node runs go through tools.bench.cluster, which adds hosts.
+and the harnesses of tools/bench: finetune, memory, the PyTorch peers) builds the command with
+mpirun_command (the venv's Open MPI beside this Python, else the one on PATH; --oversubscribe
+only when the ranks outnumber the cores) and gives it child_env (root allowed as in the tests,
+a fair share of BLAS threads per rank on CPU). Emulated multi-node runs go through
+tools.bench.cluster, which adds hosts.
 """
 
 from __future__ import annotations
