@@ -1,4 +1,4 @@
-"""PyTorch DDP (gloo) + DataLoader on an HDF5 data set: the peer of `bench train --vs-torch`.
+"""PyTorch DDP (gloo) + DataLoader on an HDF5 data set: the peer of `tools.bench train --vs-torch`.
 
     mpirun -np R python -m tools.bench.torch_ddp --data DIR --port P --model cnn \
         --batch-size B --workers K --prefetch S --epochs E --augment crop4+flip
