@@ -74,7 +74,7 @@ def resnet(channels: int, classes: int, blocks: int = 3, width: int = 16) -> nn.
 
 def build_model(name: str, shape: tuple, classes: int, blocks: int, width: int) -> nn.Module:
     """--model resnet, or linear: one dense layer, for input-pipeline benchmarks where the step
-    should cost next to nothing (hpcdl.bench train --torch-loader)."""
+    should cost next to nothing (tools.bench train --torch-loader)."""
     if name == "linear":
         return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(shape).prod()), classes))
     return resnet(shape[0], classes, blocks, width)

@@ -28,7 +28,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from hpcdl.config import STAGE_THREADS
+from hpcdl.clustermodel.calibration import PfsFigures
+from hpcdl.clustermodel.equations import staged_at, staging_rate
+from hpcdl.config import STAGE_THREADS, TrainConfig
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.helpformat import HelpFormatter
@@ -87,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--batch-size", type=int, help="per-rank batch size (default 32)")
     a("--seed", type=int, help="sampler seed (default 0)")
-    a("--epochs", type=int, help="training epochs (dry run: also report the whole run) (default 1)")
+    a(
+        "--epochs",
+        type=int,
+        help="training epochs (dry run: also report the whole run) (default "
+        f"{TrainConfig.epochs}, hpcdl.train's)",
+    )
     a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode (default global)")
     a("--augment", help="dry run: the training --augment, for the samples' shape (default none)")
     a("--stage-threads", type=int, help=f"copy threads (default {STAGE_THREADS})")
@@ -113,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 DEFAULTS: dict[str, Any] = dict(
     batch_size=32,
     seed=0,
-    epochs=1,
+    epochs=TrainConfig.epochs,  # the whole run is the run hpcdl.train would do
     shuffle="global",
     augment="none",
     placement="block",
@@ -214,6 +221,18 @@ def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]
     return latency, (nbytes / 1e6) / max(t_read, 1e-9)
 
 
+def staging_seconds(
+    files: int, nbytes: int, latency_ms: float, mbps: float, threads: int
+) -> float:
+    """One node's first-epoch staging time by the cluster model's formula (equations.
+    staging_rate): the dry run's figures are one thread's open latency and bandwidth, which
+    is also the node's (--pfs-bandwidth is per node; --probe reads with one thread)."""
+    bandwidth = max(mbps, 1e-9) * 1e6
+    pfs = PfsFigures(latency_ms / 1000, bandwidth, node_bandwidth_Bps=bandwidth)
+    rate = staging_rate(pfs, threads, 1, nbytes / max(files, 1))
+    return float(staged_at(rate, files))
+
+
 def job_sampler(ds: Any, args: argparse.Namespace, layout: NodeLayout) -> SamplerSpec:
     """The SamplerSpec of a training job whose ranks sit on the nodes as `layout` says."""
     return SamplerSpec(
@@ -275,7 +294,7 @@ def dry_run(args: argparse.Namespace) -> int:
             latency_ms, mbps = probe_pfs(ds, plan)
         else:
             latency_ms, mbps = float(args.pfs_open_latency), float(args.pfs_bandwidth)
-        seconds = files * latency_ms / 1000 / threads + nbytes / 1e6 / max(mbps, 1e-9)
+        seconds = staging_seconds(files, nbytes, latency_ms, mbps, threads)
         if args.write_plans:
             Path(args.write_plans).mkdir(mode=0o755, parents=True, exist_ok=True)
             write_plan(Path(args.write_plans) / f"plan.node{node}", plan, ds, fingerprint)

@@ -572,12 +572,12 @@ def check_stage_dir(cfg: TrainConfig, world: World) -> None:
     before anything is created (the stager session checks again, with what it creates)."""
     if not cfg.stage_dir:
         return
-    from hpcdl.staging.ownership import StageDirError, check_stage_dir  # noqa: PLC0415
+    from hpcdl.staging import ownership  # noqa: PLC0415
 
     error = None
     try:
-        check_stage_dir(cfg.stage_dir, {"--data": cfg.data, "--val-data": cfg.val_data})
-    except StageDirError as exc:
+        ownership.check_stage_dir(cfg.stage_dir, {"--data": cfg.data, "--val-data": cfg.val_data})
+    except ownership.StageDirError as exc:
         error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the Debian packages that tests and benchmarks need beyond Slurm: fuse3 (fusermount3 and
-# libfuse3 for the slow read-only FUSE file system, hpcdl.bench.slowfs). Idempotent and quiet:
+# libfuse3 for the slow read-only FUSE file system, tools.bench.slowfs). Idempotent and quiet:
 # does nothing when they are there. Without root or apt-get it says so and exits 0: the FUSE
 # tests then skip with one reason.
 set -euo pipefail

@@ -98,9 +98,9 @@ def xp(request):
 
 @pytest.fixture
 def cluster(tmp_path):
-    """Two emulated nodes (hpcdl.bench.cluster); skips, with the reason, where none can be made.
+    """Two emulated nodes (tools.bench.cluster); skips, with the reason, where none can be made.
     Everything it made is gone afterwards."""
-    from hpcdl.bench.cluster import Cluster, leftovers, unavailable
+    from tools.bench.cluster import Cluster, leftovers, unavailable
 
     reason = unavailable()
     if reason:

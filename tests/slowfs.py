@@ -1,4 +1,4 @@
-"""Test helper: a slow, read-only FUSE view of a directory (hpcdl.bench.slowfs), or one skip.
+"""Test helper: a slow, read-only FUSE view of a directory (tools.bench.slowfs), or one skip.
 
     with slow_mount(src, tmp_path / "pfs", latency_ms=2) as pfs:   # pfs.mountpoint, pfs.stats()
         ...
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.bench.slowfs import SlowFSOptions, SlowMount, mounted, unavailable
+from tools.bench.slowfs import SlowFSOptions, SlowMount, mounted, unavailable
 
 
 @functools.cache

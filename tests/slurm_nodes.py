@@ -1,4 +1,4 @@
-"""Slurm across the emulated nodes of hpcdl/bench/cluster.py: one slurmd per node.
+"""Slurm across the emulated nodes of tools/bench/cluster.py: one slurmd per node.
 
 - **munge.** One munged per node, all with the same key, as on a real cluster: a credential
   that two nodes decode would look replayed to a single munged. They run on the host; a Unix
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from slurm_cluster import SlurmCluster, binary
 
-from hpcdl.bench.cluster import LOCAL, Cluster
+from tools.bench.cluster import LOCAL, Cluster
 
 # `ip netns exec` mounts a fresh /sys without /sys/fs/cgroup, and slurmd refuses to start
 # without a cgroup file system to detect, even with proctrack/linuxproc and task/none. On a

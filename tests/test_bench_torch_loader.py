@@ -1,4 +1,4 @@
-"""`python -m hpcdl.bench train --torch-loader`: one PyTorch DDP script with torch's DataLoader
+"""`python -m tools.bench train --torch-loader`: one PyTorch DDP script with torch's DataLoader
 and with hpcdl.torch, on local data and behind the slow FUSE file system."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from hpcdl.bench import slowfs, train
+from hpcdl.bench.synthetic import class_colour_folder
+from tools.bench import slowfs, train
 
 
 def test_torch_loader_takes_issue_14s_setup_as_defaults():
@@ -21,7 +22,7 @@ def test_torch_loader_takes_issue_14s_setup_as_defaults():
     )
     assert (args.epochs, args.workers, args.batch_size, args.ranks) == (3, 2, 32, 1)
     assert train.parse_args(["--torch-loader", "--epochs", "2"]).epochs == 2
-    assert train.parse_args([]).slow_fs is None  # the other modes keep their defaults
+    assert train.parse_args(["--vs-torch"]).slow_fs is None  # the other modes keep theirs
 
 
 def test_torch_loader_and_vs_torch_are_two_benchmarks(capsys):
@@ -41,7 +42,7 @@ def test_both_loaders_train_locally_and_behind_the_slow_fs(tmp_path, capsys):
     why = slowfs.unavailable()
     if why:
         pytest.skip(why)  # as tests/test_slowfs.py: the benchmark's FUSE mount needs it
-    train.synthetic_image_folder(tmp_path / "train", 96, size=8)
+    class_colour_folder(tmp_path / "train", 96, side=8)
     argv = ["--torch-loader", "--data", str(tmp_path / "train"), "--slow-fs", "1,200",
             "--epochs", "2", "--batch-size", "8", "--workers", "1", "--timeout", "240",
             "--json"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""`python -m hpcdl.bench train --vs-torch`: hpcdl.train against PyTorch DDP on the same data."""
+"""`python -m tools.bench train --vs-torch`: hpcdl.train against PyTorch DDP on the same data."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import sys
 import h5py
 import pytest
 
-from hpcdl.bench import torch_ddp, train
+from hpcdl.bench.synthetic import class_colour_folder, hdf5_dataset
 from hpcdl.data import open_dataset
+from tools.bench import torch_ddp, train
 
 
 def test_synthetic_hdf5_is_an_hdf5_data_set_hpcdl_reads(tmp_path):
-    train.synthetic_hdf5(tmp_path, 40, size=8)
+    hdf5_dataset(tmp_path, 40, side=8)
     ds = open_dataset(str(tmp_path / "train"))
     assert len(ds) == 40 and ds.sample_shape == (3, 8, 8)
     with h5py.File(next((tmp_path / "train").glob("*.h5")), "r") as f:
@@ -32,7 +33,7 @@ def test_vs_torch_takes_the_issue_12_setup_as_defaults():
     assert (args.model, args.ranks, args.batch_size, args.workers) == ("cnn", 2, 64, 1)
     assert (args.format, args.augment) == ("h5", "crop4+flip")
     assert train.parse_args(["--vs-torch", "--model", "mlp"]).model == "mlp"
-    assert train.parse_args([]).model == "mlp"  # the other modes keep their defaults
+    assert train.parse_args(["--slow-fs", "5,200"]).model == "mlp"  # the other modes keep theirs
 
 
 def test_vs_torch_rejects_what_the_torch_side_does_not_do(capsys):
@@ -48,7 +49,7 @@ def test_steady_state_skips_the_first_epoch():
 
 def test_both_sides_train_two_ranks_and_give_a_ratio(tmp_path, capsys):
     pytest.importorskip("torch")
-    train.synthetic_hdf5(tmp_path, 256, size=16)
+    hdf5_dataset(tmp_path, 256, side=16)
     argv = ["--vs-torch", "--data", str(tmp_path / "train"), "--batch-size", "16",
             "--epochs", "2", "--timeout", "240", "--json"]  # fmt: skip
     assert train.main(argv) == 0
@@ -61,6 +62,6 @@ def test_both_sides_train_two_ranks_and_give_a_ratio(tmp_path, capsys):
 
 def test_vs_torch_wants_hdf5_data(tmp_path, capsys):
     pytest.importorskip("torch")
-    train.synthetic_image_folder(tmp_path, 10, size=8)
+    class_colour_folder(tmp_path, 10, side=8)
     assert train.main(["--vs-torch", "--data", str(tmp_path)]) == 2
     assert "reads HDF5 data" in capsys.readouterr().err

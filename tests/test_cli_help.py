@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-HPCDL = Path(__file__).resolve().parents[1] / "hpcdl"
+REPO = Path(__file__).resolve().parents[1]
 
-# Every module that builds an argparse parser, found by reading the sources.
+# Every module that builds an argparse parser, found by reading the sources (the harnesses of
+# tools/ included).
 PARSER_MODULES = sorted(
-    ".".join(path.relative_to(HPCDL.parent).with_suffix("").parts)
-    for path in HPCDL.rglob("*.py")
+    ".".join(path.relative_to(REPO).with_suffix("").parts)
+    for root in (REPO / "hpcdl", REPO / "tools")
+    for path in root.rglob("*.py")
     if "add_argument" in path.read_text() and path.name != "helpformat.py"
 )
 # The user-facing commands the issue names, plus doctor; each must be among PARSER_MODULES.
@@ -28,9 +30,10 @@ COMMANDS = {
     "hpcdl.bench.compute": "hpcdl.bench compute",
     "hpcdl.bench.allreduce": "hpcdl.bench allreduce",
     "hpcdl.bench.loader": "hpcdl.bench loader",
-    "hpcdl.bench.staging": "hpcdl.bench staging",
+    "tools.bench.staging": "tools.bench staging",
     "hpcdl.bench.scaling": "hpcdl.bench scaling",
     "hpcdl.bench.train": "hpcdl.bench train",
+    "tools.bench.train": "tools.bench train",
 }
 
 
@@ -99,7 +102,7 @@ def test_train_help_gives_units(flag, pattern):
 
 
 def test_training_guide_lists_every_train_flag():
-    guide = (HPCDL.parent / "docs" / "training.md").read_text()
+    guide = (REPO / "docs" / "training.md").read_text()
     parser = importlib.import_module("hpcdl.config").build_parser()
     flags = [a.option_strings[0] for _, _, a in walk(parser, "hpcdl.train")]
     assert [flag for flag in flags if not re.search(f"`{flag}[` ]", guide)] == []

@@ -54,11 +54,11 @@ def test_ring_and_tree_follow_their_formulas():
 
 def test_staging_rate_is_the_smallest_limit():
     shape = JobShape(nodes=4, ranks_per_node=2, batch_size=8, epochs=1, stage_threads=8)
-    rate = equations.staging_rate(CAL, shape, mean_bytes=1e5)
+    rate = equations.staging_rate_for(CAL, shape, mean_bytes=1e5)
     assert rate.per_file_s == pytest.approx(0.01 + 1e5 / 1e8)
     assert rate.files_per_s == pytest.approx(8 / 0.011) and rate.limit == "open latency x threads"
     capped = replace(CAL, pfs=replace(CAL.pfs, total_opens_per_s=1000.0))
-    rate = equations.staging_rate(capped, shape, mean_bytes=1e5)
+    rate = equations.staging_rate_for(capped, shape, mean_bytes=1e5)
     assert rate.files_per_s == pytest.approx(250.0) and rate.limit == "PFS metadata (opens/s)"
 
 

@@ -1,4 +1,4 @@
-"""The cluster model against training runs on 4 emulated nodes (hpcdl.bench.validate).
+"""The cluster model against training runs on 4 emulated nodes (tools.bench.validate).
 
 Calibrate under mpirun across the nodes, predict with the dry run, then train 2 epochs with
 staging from the slow FUSE file system, three times from empty stage dirs. The model's epoch 1,
@@ -7,7 +7,7 @@ run's, up to one open per loader miss (a loader that read a file before its copy
 
 One rank per node: with two, 8 ranks spin in MPI on this 2-core machine beside 4 stagers and
 the FUSE server, and about one run in four stalls for 1-6 s in epoch 1 while staging runs
-(docs/PERFORMANCE.md, issue 26); `python -m hpcdl.bench validate` covers 2 ranks per node.
+(docs/PERFORMANCE.md, issue 26); `python -m tools.bench validate` covers 2 ranks per node.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from slowfs import require_fuse
 
-from hpcdl.bench.cluster import leftovers, unavailable
-from hpcdl.bench.validate import CHECKS, Setup, compare, run_case
+from tools.bench.cluster import leftovers, unavailable
+from tools.bench.validate import CHECKS, Setup, compare, run_case
 
 pytestmark = pytest.mark.multinode
 

@@ -129,6 +129,7 @@ def test_no_parser_in_the_package_accepts_abbreviated_flags(monkeypatch):
     import importlib  # noqa: PLC0415
 
     from hpcdl.bench.__main__ import BENCHMARKS  # noqa: PLC0415
+    from tools.bench.__main__ import HARNESSES  # noqa: PLC0415
 
     made: list[tuple[str, bool]] = []
     init = argparse.ArgumentParser.__init__
@@ -140,7 +141,7 @@ def test_no_parser_in_the_package_accepts_abbreviated_flags(monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "__init__", recording_init)
     mains = ["hpcdl.train", "hpcdl.stage", "hpcdl.jobs.__main__", "hpcdl.report"]
     mains += ["hpcdl.data.__main__"]
-    mains += [*BENCHMARKS.values(), "hpcdl.bench._steps"]
+    mains += [*BENCHMARKS.values(), "hpcdl.bench._steps", *HARNESSES.values()]
     for name in mains:
         with pytest.raises(SystemExit) as exit_:
             importlib.import_module(name).main(["--help"])

@@ -1,4 +1,4 @@
-"""The stall inspector across emulated nodes (hpcdl.bench.cluster): 2 nodes x 2 ranks.
+"""The stall inspector across emulated nodes (tools.bench.cluster): 2 nodes x 2 ranks.
 
 The ranks of node 1 cannot read node 2's heartbeat table; they ask node 2 (hpcdl.diag.remote).
 First rank 3 is stopped (SIGSTOP): rank 0's line names it, from the answer of rank 2, its
@@ -103,7 +103,7 @@ def test_ranks_on_another_node_are_named_stopped_one_or_all(cluster, digits_dir,
 def test_node_watch_connects_by_address_when_names_do_not_resolve(digits_dir, tmp_path):
     """Issue 36, deliverable 5: no 30 s start-up hold and no `node watch off`; a killed node
     is named."""
-    from hpcdl.bench.cluster import Cluster, leftovers, unavailable
+    from tools.bench.cluster import Cluster, leftovers, unavailable
 
     reason = unavailable()
     if reason:

@@ -25,7 +25,7 @@ from slurm_jobs import (
 )
 from slurm_nodes import SlurmOnNodes
 
-from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
+from tools.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode]
 

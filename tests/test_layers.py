@@ -1,23 +1,32 @@
 """The house plan holds: hpcdl's layers (docs/internals.md, "Layers"), and tests share helpers.
 
-Every import of every module under hpcdl/ is read with ast, the ones inside functions (lazy)
-included, so an import that only runs later still counts. The package must have no import cycle
-between modules and no import from a lower layer to a higher one; PyTorch is imported only in
-the layers that may (hpcdl.torch, and hpcdl.bench above it).
+Every import of every module under hpcdl/ and tools/ is read with ast, the ones inside
+functions (lazy) included, so an import that only runs later still counts. There must be no
+import cycle between modules and no import from a lower layer to a higher one; PyTorch is
+imported only in the layers that may (hpcdl.torch, hpcdl.bench above it, and tools/).
+tools/, the developer harnesses, sits above the package: it may import hpcdl, and hpcdl never
+imports it.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "hpcdl"
+TOOLS = REPO / "tools"
 TESTS = REPO / "tests"
 
 # Lowest first. A module may import modules of its own layer or of a lower one. A name is the
-# module or the package that heads it (hpcdl.nn covers hpcdl.nn.*); the longest name wins.
+# module or the package that heads it (hpcdl.nn covers hpcdl.nn.*; "hpcdl" is only the
+# package's own __init__, so a new module has no layer until it is written down here).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # base utilities: no hpcdl import above this line (hpcdl.diag: the diagnostics' event ring)
     ("hpcdl", "hpcdl.messages", "hpcdl.fsync", "hpcdl.atomic", "hpcdl.helpformat", "hpcdl.cli",
@@ -35,14 +44,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "hpcdl.jobs"),  # fmt: skip
     ("hpcdl.torch",),  # the PyTorch adapter for scripts
     ("hpcdl.bench",),  # `python -m hpcdl.bench`: may use everything, torch lazily
+    ("tools",),  # harnesses outside the package (python -m tools.bench); hpcdl never imports it
 )
 COMMANDS = next(i for i, names in enumerate(LAYERS) if "hpcdl.train" in names)
 # The only places that may import PyTorch (NOTE in hpcdl/torch/__init__.py).
-TORCH_IMPORTERS = ("hpcdl.torch", "hpcdl.bench")
-# Known exception, named so that it cannot grow unseen: a .pth/.pt file is PyTorch's pickle
-# format, read (torch.load, weights_only) for --init-from and written for `hpcdl.nn export --to
-# torch`, below the torch layer; torch is imported there only when a user names such a file.
-TORCH_FILE_FORMAT = {"hpcdl.nn.weights_io"}
+TORCH_IMPORTERS = ("hpcdl.torch", "hpcdl.bench", "tools")
 # Dynamic imports of an optional package by a literal name count as imports of it.
 DYNAMIC_IMPORTS = ("import_module", "optional_import", "__import__")
 
@@ -53,7 +59,9 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def package_modules() -> dict[str, Path]:
-    return {module_name(p, REPO): p for p in sorted(PACKAGE.rglob("*.py"))}
+    """hpcdl's modules and tools/'s (the top layer), by dotted name."""
+    paths = sorted(PACKAGE.rglob("*.py")) + sorted(TOOLS.rglob("*.py"))
+    return {module_name(p, REPO): p for p in paths}
 
 
 def imported_names(module: str, path: Path) -> Iterator[tuple[str, int]]:
@@ -100,7 +108,7 @@ def layer_of(module: str) -> int:
     best, index = "", -1
     for i, names in enumerate(LAYERS):
         for name in names:
-            heads = module == name or module.startswith(name + ".")
+            heads = module == name or (name != "hpcdl" and module.startswith(name + "."))
             if heads and len(name) > len(best):
                 best, index = name, i
     assert index >= 0, f"{module} has no layer: add it to LAYERS and to docs/internals.md"
@@ -173,6 +181,30 @@ def test_no_import_points_up():
     assert upward == [], "\n".join(upward)
 
 
+def test_the_package_never_imports_tools():
+    """tools/ is not installed: an import of it from hpcdl would fail on a user's machine."""
+    into_tools = [
+        f"{module} imports {target} (line {line})"
+        for module, edges in import_graph().items()
+        if module.startswith("hpcdl")
+        for target, line in edges.items()
+        if target.split(".")[0] == "tools"
+    ]
+    assert [m for m in package_modules() if m.startswith("tools.")], "tools/ was not read"
+    assert into_tools == [], "\n".join(into_tools)
+
+
+def test_tools_imports_from_the_repository_root_without_an_install(tmp_path):
+    """As CI and a developer run it: `python -m tools.bench` from the root, nothing on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.bench", "--help"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "python -m tools.bench NAME" in done.stdout and "validate" in done.stdout
+
+
 def test_torch_is_imported_only_by_the_torch_adapter_and_the_benchmarks():
     bad = [
         f"{module}:{line} imports {name}"
@@ -180,7 +212,6 @@ def test_torch_is_imported_only_by_the_torch_adapter_and_the_benchmarks():
         for name, line in imported_names(module, path)
         if name.split(".")[0] == "torch"
         and not any(module == t or module.startswith(t + ".") for t in TORCH_IMPORTERS)
-        and module not in TORCH_FILE_FORMAT
     ]
     assert bad == [], "\n".join(bad)
 
@@ -199,6 +230,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     ]
     assert layer_of("hpcdl.nn.__main__") == COMMANDS > layer_of("hpcdl.nn.step")
     assert layer_of("hpcdl.bench.__main__") == layer_of("hpcdl.bench") > COMMANDS
+    assert layer_of("tools.bench.train") > layer_of("hpcdl.bench.train")
+    with pytest.raises(AssertionError, match="has no layer"):
+        layer_of("hpcdl.not_written_down")
 
 
 def test_no_test_module_imports_another():

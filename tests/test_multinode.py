@@ -1,4 +1,4 @@
-"""Per-node behaviour across emulated nodes (hpcdl/bench/cluster.py): placement, staging, training.
+"""Per-node behaviour across emulated nodes (tools/bench/cluster.py): placement, staging, training.
 
 Every test here launches Open MPI across two network namespaces joined by a bridge, so the
 node communicator sees two nodes and ranks talk over TCP. Three placements are exercised:
@@ -22,11 +22,11 @@ from conftest import mpi_env, read_events, run_train
 from PIL import Image
 
 from hpcdl import checkpoint
-from hpcdl.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 from hpcdl.data import open_dataset
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.staging.ownership import data_key
 from hpcdl.staging.status import RUN_RUNNING, StatusView
+from tools.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 
 pytestmark = pytest.mark.multinode
 

@@ -1,4 +1,4 @@
-"""The peer tier across emulated nodes (hpcdl/bench/cluster.py): with --shuffle global each file
+"""The peer tier across emulated nodes (tools/bench/cluster.py): with --shuffle global each file
 is opened on the PFS by one stager per job, not one per node, and training's result does not
 depend on where the bytes came from (docs/staging.md, "Peer tier")."""
 
@@ -21,10 +21,10 @@ from helpers import make_tree, write_peer_plan
 from PIL import Image
 
 from hpcdl import checkpoint
-from hpcdl.bench.cluster import LOCAL, Cluster
 from hpcdl.data import open_dataset
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.status import RUN_RUNNING, StatusView
+from tools.bench.cluster import LOCAL, Cluster
 
 pytestmark = pytest.mark.multinode
 

@@ -171,7 +171,8 @@ def test_pth_is_read_with_weights_only(tmp_path):
     assert "weights_only=True" in str(info.value) and "\n" not in str(info.value)
 
 
-def test_without_pytorch_safetensors_works_and_pth_says_which_extra(tmp_path):
+def test_without_pytorch_both_formats_are_read_and_pth_is_written(tmp_path):
+    """.pth is PyTorch's zip format, which hpcdl.nn.pth reads and writes itself: no torch."""
     model = nn.build_model("mlp", (1, 8, 8), 10, seed=0)
     write_state(state_dict(model), tmp_path / "w.safetensors", "safetensors")
     torch.save(to_torch(state_dict(model)), tmp_path / "w.pth")
@@ -179,20 +180,18 @@ def test_without_pytorch_safetensors_works_and_pth_says_which_extra(tmp_path):
 import sys
 sys.modules["torch"] = None  # PyTorch not installed: importing it raises ImportError
 from hpcdl import nn
-from hpcdl.nn.weights_io import load_state, read_state
-model = nn.build_model("mlp", (1, 8, 8), 10, seed=1)
-load_state(model, read_state({str(tmp_path / "w.safetensors")!r}), "w")
-print(float(model.params.sum()))
-try:
-    read_state({str(tmp_path / "w.pth")!r})
-except ValueError as exc:
-    print(exc)
+from hpcdl.nn.weights_io import load_state, read_state, state_dict, write_state
+for name in ("w.safetensors", "w.pth"):
+    model = nn.build_model("mlp", (1, 8, 8), 10, seed=1)
+    load_state(model, read_state({str(tmp_path)!r} + "/" + name), "w")
+    print(float(model.params.sum()))
+write_state(state_dict(model), {str(tmp_path / "out.pth")!r}, "torch")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    total, line = out.stdout.strip().splitlines()
-    assert float(total) == pytest.approx(float(model.params.sum()), rel=1e-6)
-    assert line == (
-        f"reading {tmp_path / 'w.pth'} needs torch, which is not installed: "
-        "pip install 'hpcdl[torch]'"
-    )
+    totals = [float(v) for v in out.stdout.split()]
+    assert totals == pytest.approx([float(model.params.sum())] * 2, rel=1e-6)
+    back = torch.load(tmp_path / "out.pth", weights_only=True)  # PyTorch reads what we wrote
+    for key, value in state_dict(model).items():
+        np.testing.assert_array_equal(back[key].numpy(), value)
+        assert tuple(back[key].shape) == value.shape

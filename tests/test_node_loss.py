@@ -23,9 +23,9 @@ from conftest import mpi_env
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint
-from hpcdl.bench.cluster import LOCAL, Cluster
 from hpcdl.data.epoch_order import global_order
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec
+from tools.bench.cluster import LOCAL, Cluster
 
 pytestmark = pytest.mark.multinode
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl.bench.memory import make_names_tree, mapping, smaps_rollup
 from hpcdl.data import Loader, open_dataset
+from tools.bench.memory import make_names_tree, mapping, smaps_rollup
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The slow FUSE file system (hpcdl.bench.slowfs), and hpcdl on a read-only data set behind it:
+"""The slow FUSE file system (tools.bench.slowfs), and hpcdl on a read-only data set behind it:
 training, stage-only and the dry run work; staged bytes equal the source; on 2 ranks one
 process opens the images to build the index, once each."""
 
@@ -16,8 +16,8 @@ from conftest import mpi_env, mpirun_cmd, run_train
 from helpers import make_folder
 from slowfs import slow_mount
 
-from hpcdl.bench.slowfs import is_mounted
 from hpcdl.staging.ownership import data_key
+from tools.bench.slowfs import is_mounted
 
 
 def test_opens_pay_the_latency_concurrently_reads_share_the_cap_and_writes_fail(tmp_path):

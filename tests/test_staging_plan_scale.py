@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from helpers import ShardDataset, make_tree
 
-from hpcdl.config import STAGE_THREADS
+from hpcdl.clustermodel.calibration import PfsFigures
+from hpcdl.clustermodel.equations import staged_at, staging_rate
+from hpcdl.config import STAGE_THREADS, TrainConfig
 from hpcdl.data.sampler import DistributedSampler, SamplerSpec, rank_layout
 from hpcdl.stage import main as stage_main
 from hpcdl.staging.plan import (
@@ -96,13 +98,19 @@ def test_node_plans_and_figures_match_the_per_rank_planner(
         assert figures.bytes.tolist() == [p.bytes for p in olds]
 
 
+def model_staging_s(files: int, nbytes: int, latency_ms: float, mbps: float, threads: int):
+    """The cluster model's staging time for one node's files, from the dry run's two figures."""
+    pfs = PfsFigures(latency_ms / 1000, mbps * 1e6, node_bandwidth_Bps=mbps * 1e6)
+    return float(staged_at(staging_rate(pfs, threads, 1, nbytes / max(files, 1)), files))
+
+
 def reference_rows(ds, spec, batch, epochs, layout, capacity):
     """The dry run's per-node JSON rows as the per-rank planner computed them."""
     rows = []
     for node, ranks in enumerate(layout):
         first = reference_plan(ds, spec, batch, (0, 1), ranks, node)
         run = reference_plan(ds, spec, batch, (0, epochs), ranks, node)
-        seconds = first.files * 1.0 / 1000 / STAGE_THREADS + first.bytes / 1e6 / 1000.0
+        seconds = model_staging_s(first.files, first.bytes, 1.0, 1000.0, STAGE_THREADS)
         rows.append(
             dict(
                 node=node,
@@ -166,3 +174,33 @@ def test_one_permutation_per_epoch_for_a_node_and_for_the_whole_job(tmp_path, mo
     draws.clear()
     node_figures(ds, spec, 2, (0, 3), layout)
     assert draws == [(0, 0), (1, 0), (2, 0)]  # not one per node and rank (12 x 3)
+
+
+def dry_run_rows(capsys, *flags: str) -> list[dict]:
+    assert stage_main(["--dry-run", "--files-only", "--json", *flags]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    return out, json.loads(out[-1])["nodes"]
+
+
+def test_the_dry_run_estimates_staging_with_the_cluster_models_formula(tmp_path, capsys):
+    """One formula: the slowest of the limits (here 200 MB/s of 100 KB files: 2,000 files/s,
+    slower than 8 threads at 1.5 ms a file), not latency / threads plus bytes / bandwidth."""
+    make_tree(tmp_path / "data", 64, 100_000)
+    flags = ["--data", str(tmp_path / "data"), "--batch-size", "8", "--stage-threads", "8",
+             "--pfs-open-latency", "1", "--pfs-bandwidth", "200"]  # fmt: skip
+    _, (row,) = dry_run_rows(capsys, *flags)
+    want = model_staging_s(row["files"], row["bytes"], 1.0, 200.0, 8)
+    assert row["est_seconds"] == round(want, 3)
+    assert row["est_seconds"] != round(row["files"] * 0.001 / 8 + row["bytes"] / 200e6, 3)
+
+
+def test_the_dry_run_takes_the_trainers_epochs_by_default(tmp_path, capsys):
+    """Left out, --epochs is hpcdl.train's default, so the whole-run figures are the run's."""
+    make_tree(tmp_path / "data", 40, 1000)
+    flags = ["--data", str(tmp_path / "data"), "--batch-size", "4", "--nodes", "2",
+             "--stage-capacity", "1G"]  # not the free space, which others change meanwhile
+    out, rows = dry_run_rows(capsys, *flags)
+    epochs = TrainConfig().epochs
+    assert f"(whole run of {epochs} epochs)" in out[0]
+    assert dry_run_rows(capsys, *flags, "--epochs", str(epochs))[1] == rows
+    assert dry_run_rows(capsys, *flags, "--epochs", "1")[1] != rows

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from hpcdl import backend, nn
+from hpcdl.bench.timing import slowest_per_round
 from hpcdl.comm import cuda_aware
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import init_world
@@ -57,7 +58,6 @@ LR = 0.001
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpi4py import MPI  # noqa: PLC0415
 
     args = parse_args(argv)
     world = init_world()
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[batch][r, i] = time.perf_counter() - t0
     points = []
     for batch, t in times.items():
-        # A data-parallel step is as slow as its slowest rank.
-        world.comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+        t = slowest_per_round(world.comm, t.reshape(-1))  # hpcdl.bench.timing
         points.append(
             {
                 "batch": batch,

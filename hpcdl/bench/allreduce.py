@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from hpcdl.bench.timing import slowest_rank_median
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.helpformat import HelpFormatter
 
@@ -58,29 +59,14 @@ MODELS = {"resnet20": resnet20_shapes, "resnet50_like": resnet50_like_shapes}
 
 
 def _time(comm, fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats, ranks synchronised before each try."""
+    """Seconds of fn() over repeats, ranks synchronised before each try (hpcdl.bench.timing)."""
     samples = []
     for _ in range(repeats):
         comm.Barrier()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    # The slowest rank defines a collective's time.
-    slowest = np.array(samples)
-    comm.Allreduce(_in_place(), slowest, op=_max_op())
-    return float(np.median(slowest))
-
-
-def _max_op():
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.MAX
-
-
-def _in_place():
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.IN_PLACE
+    return slowest_rank_median(comm, samples)
 
 
 class TwoLevel:
@@ -204,10 +190,10 @@ def measure_overlap(comm, total: int, bucket_mb: float, backward_factor: float) 
         reducer.wait()
         exposed.append(time.perf_counter() - t1)
     reducer.close()
-    t_exposed = float(np.median(exposed))
+    t_exposed = slowest_rank_median(comm, exposed)
     return {
         "raw_allreduce_s": t_raw,
-        "backward_s": float(np.median(backward)),
+        "backward_s": slowest_rank_median(comm, backward),
         "exposed_s": t_exposed,
         "exposed_fraction_of_raw": t_exposed / t_raw,
     }

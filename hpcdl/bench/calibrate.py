@@ -47,6 +47,7 @@ import numpy as np
 
 from hpcdl import nn
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
+from hpcdl.bench.timing import slowest_rank_median
 from hpcdl.clustermodel import calibration, speed
 from hpcdl.clustermodel.calibration import (
     Calibration,
@@ -253,7 +254,7 @@ def time_allreduce(comm: Any, nbytes: int, repeats: int) -> float:
         t0 = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, buf)
         times.append(time.perf_counter() - t0)
-    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+    return slowest_rank_median(comm, times)
 
 
 def measure_network(world: Any, repeats: int) -> NetworkFigures:
@@ -297,9 +298,7 @@ def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> 
 
 
 def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
-    """Every rank times train_step at b/2 and b at once; the slowest rank's medians."""
-    from mpi4py import MPI  # noqa: PLC0415
-
+    """Every rank times train_step at b/2 and b at once (hpcdl.bench.timing's convention)."""
     batches = sorted({max(1, args.batch_size // 2), args.batch_size})
     if len(batches) == 1:
         batches = [1, 2]
@@ -317,7 +316,7 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
             step()
             sync()
             times.append(time.perf_counter() - t0)
-        medians.append(comm.allreduce(statistics.median(times), op=MPI.MAX))
+        medians.append(slowest_rank_median(comm, times))
     try:
         fit = speed.fit([float(b) for b in batches], medians)
         v0, t = fit.v0, fit.t  # the fit holds t >= 0
@@ -338,7 +337,6 @@ def measure_trainer_step(args: argparse.Namespace, world: Any) -> float:
     """Median seconds of hpcdl.train's step without data, slowest rank: train_step with the
     gradient reducer (--bucket-mb buckets on its thread, overlapping backward) and then the
     trainer's 8-byte loss check, back to back on every rank, as training runs them."""
-    from mpi4py import MPI  # noqa: PLC0415
 
     from hpcdl.comm.reducer import GradientReducer  # noqa: PLC0415
 
@@ -346,13 +344,13 @@ def measure_trainer_step(args: argparse.Namespace, world: Any) -> float:
                            device="cpu", precision="fp32", batch_size=args.batch_size)  # fmt: skip
     parts, x, y = hpcdl_setup(spec)
     if world.size == 1:
-        return statistics.median(_timed_steps(parts, x, y, world.comm, args.steps))
+        return slowest_rank_median(world.comm, _timed_steps(parts, x, y, world.comm, args.steps))
     reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
     try:
         times = _timed_steps(replace(parts, reducer=reducer), x, y, world.comm, args.steps)
     finally:
         reducer.close()
-    return world.comm.allreduce(statistics.median(times), op=MPI.MAX)
+    return slowest_rank_median(world.comm, times)
 
 
 def _timed_steps(parts: Any, x: Any, y: Any, comm: Any, steps: int) -> list[float]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench import synthetic
 from hpcdl.data import Loader, default_workers, open_dataset
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.helpformat import HelpFormatter
@@ -29,18 +30,10 @@ CROP = 224
 
 
 def make_jpegs(root: Path, n: int, size: int = 256, classes: int = 10) -> None:
-    """n smooth-plus-noise size x size JPEGs (quality 90) in root/<class>/."""
-    from PIL import Image  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    for i in range(n):
-        d = root / f"c{i % classes}"
-        d.mkdir(parents=True, exist_ok=True)
-        f = rng.uniform(0.01, 0.1, 3)
-        base = 127 + 100 * np.sin(xx[..., None] * f + yy[..., None] * f[::-1])
-        img = np.clip(base + rng.normal(0, 30, (size, size, 3)), 0, 255).astype(np.uint8)
-        Image.fromarray(img).save(d / f"{i:06d}.jpg", quality=90)
+    """n smooth-plus-noise size x size JPEGs (quality 90) in root/c<class>/."""
+    pixels = synthetic.smooth_noise(np.random.default_rng(0))
+    synthetic.image_folder(root, n, pixels, side=size, classes=classes, fmt="jpg",
+                           class_dir="c{label}")  # fmt: skip
 
 
 def _batches(n: int, batch: int, epoch: int = 0):

@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 from hpcdl.backend import cpu_threads_hint, gpu_available
+from hpcdl.bench.launch import child_env, mpirun_command
 from hpcdl.clustermodel import speed
 from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 MODELS = ("mlp", "cnn", "resnet20", "resnet18", "resnet50")  # hpcdl.nn.MODELS; checked in tests
 NO_GPU = (
     "hpcdl.bench: --device gpu needs CuPy and a visible NVIDIA GPU on this node; "
@@ -80,35 +77,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if min(args.rank_counts) < 1 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
         ap.error("--ranks, --steps and --rounds must be >= 1, --warmup >= 0")
     return args
-
-
-def mpirun_command(ranks: int) -> list[str]:
-    """mpirun beside this Python (the venv's Open MPI), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpirun"
-    mpirun = str(beside) if beside.exists() else shutil.which("mpirun")
-    if mpirun is None:
-        raise FileNotFoundError(
-            f"no mpirun next to {sys.executable} or on PATH; install the 'mpi' extra "
-            "(pip install 'hpcdl[mpi]') or load your site's MPI module"
-        )
-    cmd = [mpirun, "-np", str(ranks)]
-    if ranks > cpu_threads_hint():
-        cmd.append("--oversubscribe")
-    return cmd
-
-
-def child_env(ranks: int, device: str) -> dict[str, str]:
-    """Environment for the ranks: root allowed, and a fair share of cores per rank on CPU."""
-    env = dict(os.environ)
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    if device == "cpu":  # BLAS threads of all ranks together = the cores we have
-        share = str(max(1, cpu_threads_hint() // ranks))
-        for var in THREAD_VARS:
-            env.setdefault(var, share)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 def measure(args: argparse.Namespace, ranks: int) -> dict[str, Any]:

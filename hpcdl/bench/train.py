@@ -10,29 +10,15 @@ hidden. With two or more epochs, the steady state (epochs after the first) is us
 Without --data a synthetic image folder (one PNG, or JPEG with --format jpg, per sample: the
 case staging is for) is made once under the temp directory.
 
-`--slow-fs MS,MBPS` (e.g. 5,200) puts the training data behind the slow read-only FUSE file
-system of hpcdl.bench.slowfs (MS per open, MBPS shared), which every reader pays for, and adds
-the peers users run today, in the same run and on the same mount: `cp -r` of the data to local
-disk followed by training from the copy, and PyTorch's DataLoader reading the mount directly
-(hpcdl.bench.torch_folder: same workers, batch and per-sample work; skipped without torch). The
-index is built once, timed, and cached off the mount, so no run pays for it again; the
-load-alone measurement is skipped (it would read the slow file system once more).
-
-`--vs-torch` runs instead hpcdl.train (staging off) and PyTorch DDP (gloo) + DataLoader
-(hpcdl.bench.torch_ddp) on the same data, augmentation, model, per-rank batch, workers and
-ranks, alternated `--rounds` times, and prints the steady-state images/s of each (epochs after
-the first) and their ratio; its defaults are issue 12's setup (cnn, 2 ranks, batch 64, 1
-worker, synthetic HDF5 32x32, crop4+flip).
-
-`--torch-loader` runs instead one PyTorch DDP script (examples/torch_ddp.py) with torch's
-DataLoader and with hpcdl.torch, alternated, on local data and behind `--slow-fs`
-(hpcdl.bench.torch_loader).
+The harness modes, `--slow-fs MS,MBPS` (the data behind a slow FUSE file system, with the
+peers users run today), `--vs-torch` (PyTorch DDP on the same job) and `--torch-loader`, are
+`python -m tools.bench train` (tools/bench/train.py): it builds on this module, which imports
+nothing from tools/ (docs/internals.md, "Benchmarks and harnesses").
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -41,33 +27,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hpcdl import metrics_file, report
 from hpcdl.backend import gpu_available
-from hpcdl.bench import peers as peers_
-from hpcdl.bench import torch_loader, vs_torch
-from hpcdl.bench.scaling import NO_GPU, child_env, mpirun_command
-from hpcdl.bench.slowfs import SlowFSOptions
+from hpcdl.bench import synthetic
+from hpcdl.bench.launch import child_env, mpirun_command
+from hpcdl.bench.scaling import NO_GPU
 from hpcdl.data import open_dataset
-from hpcdl.data.augment import parse_augment
 from hpcdl.helpformat import HelpFormatter
 
 EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"  # unit tests only: runs here never inherit it
-# --vs-torch's defaults: the setup of issue 12 (2 ranks, cnn, batch 64, HDF5 32x32, crop4+flip)
-VS_TORCH_DEFAULTS = dict(
-    model="cnn", ranks=2, batch_size=64, workers=1, format="h5", augment="crop4+flip",
-    synthetic=8192, staging="off",
-)  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m hpcdl.bench train") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench train",
+        prog=prog,
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,
@@ -89,11 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--stage-dir", help="node-local directory (default: a fresh temp directory)")
     ap.add_argument(
-        "--slow-fs",
-        help="MS,MBPS: data behind the slow FUSE file system (milliseconds per open, shared "
-        "MB/s), and the peers measured too (default: none, the data as it is)",
-    )
-    ap.add_argument(
         "--format",
         default="png",
         choices=("png", "jpg", "h5"),
@@ -108,29 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--report", help="also draw hpcdl.report of the runs into this PNG (default: none)"
     )
-    ap.add_argument(
-        "--vs-torch",
-        action="store_true",
-        help="instead: hpcdl.train against PyTorch DDP (gloo) + DataLoader (hpcdl.bench."
-        "torch_ddp), same model, data, augmentation, batch, workers and ranks, CPU; steady-"
-        "state images/s and their ratio. Defaults then: cnn, 2 ranks, batch 64, 1 worker, "
-        "synthetic HDF5 32x32 (8192 images), crop4+flip. Needs torch",
-    )
-    ap.add_argument(
-        "--torch-loader",
-        action="store_true",
-        help="instead: one PyTorch DDP script (examples/torch_ddp.py) with torch's DataLoader "
-        "and with hpcdl.torch, alternated: images/s on local data, and the total time of "
-        "--epochs epochs behind --slow-fs (DataLoader reading it, hpcdl.torch staging from it; "
-        "goal <= 0.5x). Defaults then: 6000 synthetic 32x32 JPEGs, --slow-fs 5,200, 3 epochs, "
-        "2 workers, batch 32, 1 rank. Needs torch (hpcdl.bench.torch_loader)",
-    )
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="--vs-torch, --torch-loader: runs of each side, alternated",
-    )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     ap.add_argument(
@@ -141,71 +89,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = build_parser()
-    if "--vs-torch" in argv:
-        ap.set_defaults(**VS_TORCH_DEFAULTS)
-    if "--torch-loader" in argv:
-        ap.set_defaults(**torch_loader.DEFAULTS)
-    args = ap.parse_args(argv)
-    for name in ("ranks", "epochs", "batch_size", "synthetic", "rounds"):
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The checks every mode shares (ap.error, status 2, on the first that fails)."""
+    for name in ("ranks", "epochs", "batch_size", "synthetic"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 0:
         ap.error("--workers must be >= 0")
-    if args.slow_fs:
-        try:
-            latency_ms, mbps = (float(v) for v in args.slow_fs.split(","))
-        except ValueError:
-            ap.error(f"--slow-fs takes MS,MBPS (e.g. 5,200), got {args.slow_fs!r}")
-        args.slow_fs_options = SlowFSOptions(latency_ms, mbps)
-    if args.vs_torch and args.torch_loader:
-        ap.error("--vs-torch and --torch-loader are two benchmarks: give one")
-    if args.torch_loader and not args.slow_fs:
-        ap.error("--torch-loader measures behind the slow file system: give --slow-fs MS,MBPS")
-    if args.vs_torch:
-        try:
-            aug = parse_augment(args.augment)
-        except ValueError as exc:
-            ap.error(str(exc))
-        if aug.crop or aug.rrc or args.device != "cpu" or args.slow_fs:
-            ap.error("--vs-torch compares on CPU, without --slow-fs, with cropP and flip only")
     return args
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = build_parser()
+    return check_args(ap, ap.parse_args(argv))
+
+
 # --- data ------------------------------------------------------------------------------------
-
-
-def synthetic_image_folder(
-    root: Path, count: int, size: int = 32, classes: int = 10, fmt: str = "png"
-) -> None:
-    """root/<class>/<i>.<fmt>: noisy images whose mean colour depends on the class (learnable)."""
-    from PIL import Image  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    colours = rng.integers(40, 216, (classes, 3))
-    for i in range(count):
-        label = i % classes
-        pixels = colours[label] + rng.normal(0, 40, (size, size, 3))
-        folder = root / f"class{label}"
-        folder.mkdir(parents=True, exist_ok=True)
-        image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
-        image.save(folder / f"{i:06d}.{fmt}", quality=90)
-
-
-def synthetic_hdf5(root: Path, count: int, size: int = 32, classes: int = 10) -> None:
-    """root/{train,val}/part-*.h5 (hpcdl.data.convert's layout) of synthetic_image_folder's kind
-    of images: (N, S, S, 3) uint8 whose mean colour depends on the class."""
-    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    colours = rng.integers(40, 216, (classes, 3))
-    splits = {}
-    for split, n in (("train", count), ("val", max(10, count // 4))):
-        labels = np.arange(n) % classes
-        pixels = colours[labels][:, None, None, :] + rng.normal(0, 40, (n, size, size, 3))
-        splits[split] = (np.clip(pixels, 0, 255).astype(np.uint8), labels)
-    write_dataset(root, splits, [f"class{k}" for k in range(classes)])
 
 
 class CacheError(RuntimeError):
@@ -246,11 +145,11 @@ def ensure_data(args: argparse.Namespace) -> tuple[str, str | None]:
         print(f"making a synthetic {what} of {args.synthetic} images in {base}", flush=True)
         work = base.with_name(f"{base.name}.tmp-{os.getpid()}")
         if args.format == "h5":
-            synthetic_hdf5(work, args.synthetic, args.image_size)
+            synthetic.hdf5_dataset(work, args.synthetic, args.image_size)
         else:
-            made = dict(size=args.image_size, fmt=args.format)
-            synthetic_image_folder(work / "train", args.synthetic, **made)
-            synthetic_image_folder(work / "val", max(10, args.synthetic // 4), **made)
+            made = dict(side=args.image_size, fmt=args.format)
+            synthetic.class_colour_folder(work / "train", args.synthetic, **made)
+            synthetic.class_colour_folder(work / "val", max(10, args.synthetic // 4), **made)
         (work / ".complete").touch()
         shutil.rmtree(base, ignore_errors=True)
         work.rename(base)
@@ -390,15 +289,17 @@ def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, float]:
     return ratios
 
 
-def run_modes(args: argparse.Namespace, data: tuple[str, str | None], out: Path) -> tuple:
-    """hpcdl.train once per staging mode; (summaries by mode, metrics paths)."""
+def run_modes(
+    args: argparse.Namespace, data: tuple[str, str | None], out: Path, load_alone: bool = True
+) -> tuple:
+    """hpcdl.train once per staging mode; (summaries by mode, metrics paths). load_alone=False
+    skips the loader-alone measurement (on a slow file system it would read it once more)."""
     modes = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.staging]
     results: dict[str, dict[str, Any]] = {}
     paths = []
     for mode in modes:
         # Load alone, from what the run reads in steady state: staged runs read local copies.
-        # (Not on the slow file system: that would read it once more.)
-        load_s = None if args.slow_fs else measure_load(args, data[0])
+        load_s = measure_load(args, data[0]) if load_alone else None
         metrics = out / f"train-staging-{mode}.jsonl"
         metrics.parent.mkdir(parents=True, exist_ok=True)
         run, wall = run_training(args, data, mode == "on", metrics)
@@ -419,39 +320,19 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_GPU, file=sys.stderr)
         return 2
     try:
-        if args.vs_torch:
-            return vs_torch.compare(args, run_training, ensure_data)
-        if args.torch_loader:
-            return torch_loader.compare(args, ensure_data)
         data = ensure_data(args)
     except CacheError as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)
         return 2
-    if args.slow_fs:
-        data = (data[0], args.val_data)  # validation is not what this comparison is about
-    keep = Path(args.keep_metrics) if args.keep_metrics else None
     print(
         f"hpcdl.bench train: {args.model}, {args.ranks} rank(s) x batch {args.batch_size}, "
-        f"{args.epochs} epoch(s), {args.workers} worker(s)/rank, data {data[0]}, "
-        f"slow file system: {args.slow_fs or 'off'}",
+        f"{args.epochs} epoch(s), {args.workers} worker(s)/rank, data {data[0]}",
         flush=True,
     )
-    peers: dict[str, Any] = {}
     try:
-        with ExitStack() as stack:
-            scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-train-"))
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
-            if args.slow_fs:
-                pfs = peers_.mount_data(stack, args, data[0], scratch)
-                data = (str(pfs.mountpoint), data[1])
-                peers["index"] = peers_.index_cost(pfs)
-            results, _ = run_modes(args, data, keep or scratch)
-            if args.slow_fs:
-                train_local = functools.partial(_local_run, args, scratch=scratch)
-                peers["cp"] = peers_.copy_then_train(args, pfs, scratch, train_local)
-                peers["torch"] = peers_.torch_dataloader(
-                    args, pfs, peers["index"]["sample_shape"][1:]
-                )
+        with tempfile.TemporaryDirectory(prefix="hpcdl-bench-train-") as scratch:
+            keep = Path(args.keep_metrics) if args.keep_metrics else Path(scratch)
+            results, _ = run_modes(args, data, keep)
     except (
         RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, metrics_file.ReportError
     ) as exc:
@@ -459,22 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ratios = compare(results["off"], results["on"]) if len(results) == 2 else {}
     print_results(results, ratios)
-    if args.slow_fs:
-        peers["ratios"] = peers_.print_comparison(
-            peers["index"], results, peers, args.slow_fs_options
-        )
     if args.json:
-        skip = ("json", "measure_load", "slow_fs_options")
-        config = {k: v for k, v in vars(args).items() if k not in skip}
-        print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios,
-                          "slow_fs": peers}))  # fmt: skip
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "measure_load")}
+        print(json.dumps({"config": config, "data": data, "runs": results, "ratios": ratios}))
     return 0
-
-
-def _local_run(args: argparse.Namespace, root: str, scratch: Path) -> tuple[dict, float]:
-    """hpcdl.train without staging from a local copy (the `cp -r` peer); (summary, wall s)."""
-    run, wall = run_training(args, (root, None), False, scratch / "train-cp.jsonl")
-    return summarise(run, None, wall), wall
 
 
 if __name__ == "__main__":

@@ -110,22 +110,35 @@ class StagingRate:
     limit: str  # which term sets the rate
 
 
-def staging_rate(cal: Calibration, shape: JobShape, mean_bytes: float) -> StagingRate:
-    """Files/s one node stages while every node stages: the smallest of the limits."""
-    pfs: PfsFigures = cal.pfs
+def staging_rate(
+    pfs: PfsFigures, threads: int, nodes: int, mean_bytes: float, local_write_Bps: float = 0.0
+) -> StagingRate:
+    """Files/s one node stages while every node stages: the smallest of the limits.
+
+    The one staging-time formula: the cluster model (from a calibration) and `hpcdl.stage
+    --dry-run` (from --pfs-open-latency and --pfs-bandwidth, or --probe) both call it. The
+    copy threads overlap one file's open with another's read, so the slowest limit sets the
+    rate; latency and bandwidth do not add up (docs/staging.md, "Time estimate")."""
     per_file = pfs.open_latency_s + mean_bytes / max(pfs.thread_bandwidth_Bps, 1e-9)
-    limits = {"open latency x threads": shape.stage_threads / per_file}
+    limits = {"open latency x threads": threads / per_file}
     size = max(mean_bytes, 1.0)
     if pfs.node_bandwidth_Bps > 0:
         limits["node PFS bandwidth"] = pfs.node_bandwidth_Bps / size
     if pfs.total_bandwidth_Bps > 0:
-        limits["shared PFS bandwidth"] = pfs.total_bandwidth_Bps / size / shape.nodes
+        limits["shared PFS bandwidth"] = pfs.total_bandwidth_Bps / size / nodes
     if pfs.total_opens_per_s > 0:
-        limits["PFS metadata (opens/s)"] = pfs.total_opens_per_s / shape.nodes
-    if cal.local.write_bandwidth_Bps > 0:
-        limits["local disk write"] = cal.local.write_bandwidth_Bps / size
+        limits["PFS metadata (opens/s)"] = pfs.total_opens_per_s / nodes
+    if local_write_Bps > 0:
+        limits["local disk write"] = local_write_Bps / size
     limit = min(limits, key=limits.__getitem__)
     return StagingRate(limits[limit], per_file, limit)
+
+
+def staging_rate_for(cal: Calibration, shape: JobShape, mean_bytes: float) -> StagingRate:
+    """staging_rate with a calibration's figures for one job shape."""
+    return staging_rate(
+        cal.pfs, shape.stage_threads, shape.nodes, mean_bytes, cal.local.write_bandwidth_Bps
+    )
 
 
 def staged_at(rate: StagingRate, count: np.ndarray | int) -> np.ndarray | float:
@@ -280,7 +293,7 @@ def predict_shape(
 ) -> Prediction:
     """Every figure of the model for one job shape. reads: the busiest node's; every_node: all
     nodes' reads, for the PFS totals (None: N times the busiest node's, as for analytic reads)."""
-    rate = staging_rate(cal, shape, reads.mean_file_bytes)
+    rate = staging_rate_for(cal, shape, reads.mean_file_bytes)
     step = step_time(cal, shape)
     one = epoch_one(reads, rate, step.step_s, shape.lead_s)
     compute_epoch = reads.steps_per_epoch * step.step_s

@@ -6,7 +6,7 @@ in the stager's copies alike; reads of staged local copies are not slowed. This 
 of a slow PFS, not a model of one: the cap is per process (aggregate over its threads), only
 hpcdl's own code honours it, and the stager leaves its production copy path for it. Unit tests
 only: benchmarks and the read-only data set tests use a real slow file system that every reader
-pays for, `hpcdl.bench.slowfs` (FUSE).
+pays for, `tools.bench.slowfs` (FUSE).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """PyTorch state dicts in and out of a Model, over its name map (hpcdl.nn.weight_names).
 
-Files: `.pth`/`.pt` (torch.save of a state dict; read with `weights_only=True`, so a file can
-hold tensors but never run code when unpickled; needs PyTorch, the `torch` extra) and
-`.safetensors` (needs only the `safetensors` package, the `export` extra, not PyTorch).
+Files: `.pth`/`.pt` (torch.save's zip format of a state dict, read and written by
+hpcdl.nn.pth without PyTorch; reading is restricted as `weights_only=True` is, so a file can
+hold tensors but never run code when unpickled) and `.safetensors` (needs only the
+`safetensors` package, the `export` extra).
 
 Loading checks the whole file against the model before it writes anything, so a file that does
 not fit leaves the model as it was, and says why in one line: the key that is missing or
@@ -25,6 +26,7 @@ import numpy as np
 from hpcdl.atomic import write_atomically
 from hpcdl.backend import array_module, to_host
 from hpcdl.nn.model import Model, leaf_names
+from hpcdl.nn.pth import PthError, read_pth, write_pth
 from hpcdl.nn.weight_names import WeightName, from_torch, head_leaf, to_torch, weight_names
 
 TORCH_SUFFIXES = (".pth", ".pt")
@@ -112,9 +114,7 @@ def read_state(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def write_state(state: dict[str, np.ndarray], path: str | os.PathLike, to: str) -> None:
     """Write state as a PyTorch state dict (to='torch') or safetensors file (to='safetensors')."""
     if to == "torch":
-        torch = optional_import("torch", "torch", f"writing {path}")
-        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
-        write_new_file(path, lambda tmp: torch.save(tensors, tmp))
+        write_new_file(path, lambda tmp: write_pth(state, tmp))
     elif to == "safetensors":
         safetensors_numpy = optional_import("safetensors.numpy", "export", f"writing {path}")
         arrays = {k: np.ascontiguousarray(v) for k, v in state.items()}
@@ -138,20 +138,19 @@ def write_new_file(path: str | os.PathLike, write: Callable[[str], None]) -> Non
 
 
 def _read_torch(path: Path) -> dict[str, np.ndarray]:
-    torch = optional_import("torch", "torch", f"reading {path}")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle.UnpicklingError for anything but tensors, OSError, ...
+        obj = read_pth(path)
+    except (PthError, OSError) as exc:
         raise ValueError(
-            f"{path} cannot be read as a PyTorch state dict (weights_only=True): {_line(exc)}"
+            f"{path} cannot be read as a PyTorch state dict (weights_only=True): {exc}"
         ) from None
     for wrapper in ("state_dict", "model"):  # checkpoints that hold the state dict under a key
         if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
             obj = obj[wrapper]
-    if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
+    if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
         raise ValueError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
     return {
-        str(k): (v.detach().float() if v.is_floating_point() else v.detach()).numpy()
+        str(k): v.astype(np.float32) if np.issubdtype(v.dtype, np.floating) else v
         for k, v in obj.items()
     }
 

@@ -1,8 +1,8 @@
-"""`python -m hpcdl.bench train --vs-torch`: hpcdl.train against PyTorch DDP + DataLoader.
+"""`python -m tools.bench train --vs-torch`: hpcdl.train against PyTorch DDP + DataLoader.
 
 Both run on the same data, augmentation, model, per-rank batch, workers and ranks, alternated
 `--rounds` times; each reports steady-state images/s (the epochs after the first) and the run
-prints their ratio. The PyTorch side is hpcdl.bench.torch_ddp; torch is a benchmark-only
+prints their ratio. The PyTorch side is tools.bench.torch_ddp; torch is a benchmark-only
 dependency, and without it this says so in one line and exits 2.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcdl import metrics_file
-from hpcdl.bench import torch_ddp
 from hpcdl.data import open_dataset
+from tools.bench import torch_ddp
 
 
 def hpcdl_steady_images_per_s(run: metrics_file.Run) -> float:
@@ -38,16 +38,16 @@ def compare(args: argparse.Namespace, run_training: Callable, ensure_data: Calla
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError:
-        print("hpcdl.bench train: --vs-torch needs PyTorch, which is not installed "
+        print("tools.bench train: --vs-torch needs PyTorch, which is not installed "
               "(pip install torch)", file=sys.stderr)  # fmt: skip
         return 2
     data = ensure_data(args)[0]
     if open_dataset(data).kind != "hdf5":
-        print(f"hpcdl.bench train: --vs-torch reads HDF5 data and {data} is not; "
+        print(f"tools.bench train: --vs-torch reads HDF5 data and {data} is not; "
               "`python -m hpcdl.data convert` makes HDF5 from it", file=sys.stderr)  # fmt: skip
         return 2
     print(
-        f"hpcdl.bench train --vs-torch: {args.model}, {args.ranks} rank(s) x batch "
+        f"tools.bench train --vs-torch: {args.model}, {args.ranks} rank(s) x batch "
         f"{args.batch_size}, {args.epochs} epoch(s) (steady state: after the first), "
         f"{args.workers} worker(s)/rank, --augment {args.augment}, data {data}",
         flush=True,
@@ -69,7 +69,7 @@ def compare(args: argparse.Namespace, run_training: Callable, ensure_data: Calla
                       f"{peer['threads']} thread(s)/rank), ratio {ours[-1] / theirs[-1]:.2f}",
                       flush=True)  # fmt: skip
     except (RuntimeError, subprocess.TimeoutExpired, metrics_file.ReportError) as exc:
-        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
+        print(f"tools.bench train: {exc}", file=sys.stderr)
         return 1
     ratio = statistics.median(ours) / statistics.median(theirs)
     print(f"median: hpcdl {statistics.median(ours):.0f} images/s, torch "

@@ -1,6 +1,6 @@
-"""`python -m hpcdl.bench memory`: memory per process kind, hpcdl vs PyTorch's DataLoader.
+"""`python -m tools.bench memory`: memory per process kind, hpcdl vs PyTorch's DataLoader.
 
-    python -m hpcdl.bench memory [--files 1281000] [--ranks 2] [--workers 3] [--json]
+    python -m tools.bench memory [--files 1281000] [--ranks 2] [--workers 3] [--json]
 
 On a generated ImageNet-sized tree of image names (--classes directories; each class's names
 are hard links to one small JPEG, as ext4 allows 65,000 links per file), generated once into
@@ -9,7 +9,7 @@ are hard links to one small JPEG, as ext4 allows 65,000 links per file), generat
 - hpcdl: `mpirun -np R python -m hpcdl.train --model M --augment rrc64+flip --workers K
   --stage-dir S --max-steps N` (the issue's command, cut short);
 - PyTorch: `mpirun -np R` processes that each iterate a DataLoader with K forked workers over
-  an ImageFolder-style list of (path, label) pairs (hpcdl.bench.torch_folder) for --batches
+  an ImageFolder-style list of (path, label) pairs (tools.bench.torch_folder) for --batches
   batches, as a DDP job's loaders do;
 
 and both again on a --small-files tree, so that the difference is what the tree's size costs.
@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench import synthetic
+from hpcdl.bench.launch import mpirun_command
 from hpcdl.helpformat import HelpFormatter
 
 INDEX_SUFFIX = ".hpcdl-index"  # the image-folder index file (hpcdl.data.imagefolder)
@@ -45,8 +47,6 @@ def make_names_tree(root: Path, files: int, classes: int) -> None:
     """root/cNNNN/cNNNN_NNNNNNN.JPEG: `files` names in `classes` directories, each class's
     names hard links to the class's one JPEG. Built beside root and renamed into place, so a
     tree at root is always whole."""
-    from PIL import Image  # noqa: PLC0415
-
     if root.is_dir():
         return
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
@@ -58,7 +58,7 @@ def make_names_tree(root: Path, files: int, classes: int) -> None:
         d.mkdir(mode=0o755)
         first = d / f"c{c:04d}_{0:07d}.JPEG"
         pixels = rng.integers(0, 256, (_IMAGE_SIDE, _IMAGE_SIDE, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(first, "JPEG")
+        first.write_bytes(synthetic.encode(pixels, "jpg", quality=75))  # PIL's default
         os.chmod(first, 0o644)
         for i in range(1, count):
             os.link(first, d / f"c{c:04d}_{i:07d}.JPEG")
@@ -128,7 +128,7 @@ def kind_of(pid: int) -> str | None:
     if b"hpcdl.train" in text:
         return "rank"
     if b"--torch-child" in text:  # forked workers run the same command line as their main
-        forked = parent_cmd.split(b"\0")[1:3] == [b"-m", b"hpcdl.bench.memory"]
+        forked = parent_cmd.split(b"\0")[1:3] == [b"-m", b"tools.bench.memory"]
         return "dataloader worker" if forked else "dataloader main"
     return None
 
@@ -155,14 +155,9 @@ def watch(cmd: list[str], env: dict[str, str], log: Path) -> dict[str, list[tupl
     return by_kind
 
 
-def mpirun(ranks: int) -> list[str]:
-    here = Path(sys.executable).parent / "mpirun"
-    return [str(here if here.exists() else "mpirun"), "-np", str(ranks), "--oversubscribe"]
-
-
 def hpcdl_command(a: argparse.Namespace, tree: Path, stage: Path) -> list[str]:
     return [
-        *mpirun(a.ranks),
+        *mpirun_command(a.ranks, oversubscribe=True),
         sys.executable,
         "-m",
         "hpcdl.train",
@@ -187,8 +182,9 @@ def hpcdl_command(a: argparse.Namespace, tree: Path, stage: Path) -> list[str]:
 
 
 def torch_command(a: argparse.Namespace, tree: Path) -> list[str]:
-    child = [sys.executable, "-m", "hpcdl.bench.memory", "--torch-child", str(tree)]
-    return [*mpirun(a.ranks), *child, "--workers", str(a.workers), "--batches", str(a.batches)]
+    child = [sys.executable, "-m", "tools.bench.memory", "--torch-child", str(tree)]
+    mpirun = mpirun_command(a.ranks, oversubscribe=True)
+    return [*mpirun, *child, "--workers", str(a.workers), "--batches", str(a.batches)]
 
 
 def torch_child(tree: Path, workers: int, batches: int, batch_size: int = 32) -> int:
@@ -197,7 +193,7 @@ def torch_child(tree: Path, workers: int, batches: int, batch_size: int = 32) ->
     import torch  # noqa: PLC0415
     from torch.utils.data import DataLoader  # noqa: PLC0415
 
-    from hpcdl.bench.torch_folder import CentreCropFolder  # noqa: PLC0415
+    from tools.bench.torch_folder import CentreCropFolder  # noqa: PLC0415
 
     torch.set_num_threads(1)
     ds = CentreCropFolder(tree, (64, 64))
@@ -238,7 +234,7 @@ def summarize(by_kind: dict[str, list[tuple]]) -> dict[str, dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench memory",
+        prog="python -m tools.bench memory",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,

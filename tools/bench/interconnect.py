@@ -1,6 +1,6 @@
-"""`python -m hpcdl.bench interconnect`: allreduce across emulated nodes, per link limit and MPI.
+"""`python -m tools.bench interconnect`: allreduce across emulated nodes, per link limit and MPI.
 
-Needs root. It builds an emulated cluster (hpcdl.bench.cluster: network namespaces on a private
+Needs root. It builds an emulated cluster (tools.bench.cluster: network namespaces on a private
 bridge, nothing on the host's network), then runs `bench allreduce --json` with 2 nodes x
 `--ranks-per-node` ranks inside it, once for every combination of:
 
@@ -28,8 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hpcdl.bench.cluster import Cluster, unavailable
 from hpcdl.helpformat import HelpFormatter
+from tools.bench.cluster import Cluster, unavailable
 
 # The emulated nodes share the machine's cores, so the ranks outnumber them; ranks that
 # busy-poll then starve each other (2.6 MB/s across the link on 2 cores with 4 ranks).
@@ -81,7 +81,7 @@ def table(rows: list[dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench interconnect",
+        prog="python -m tools.bench interconnect",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     reason = unavailable()
     if reason:
-        print(f"python -m hpcdl.bench interconnect: {reason}", file=sys.stderr)
+        print(f"python -m tools.bench interconnect: {reason}", file=sys.stderr)
         return 2
     bench_args = ["--repeats", str(args.repeats), "--models", args.models]
     bench_args += ["--bucket-mb", str(args.bucket_mb)]

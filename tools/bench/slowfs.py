@@ -1,6 +1,6 @@
 """A slow, read-only FUSE file system that every reader pays for (benchmarks and tests).
 
-    python -m hpcdl.bench.slowfs SRC MOUNTPOINT --latency-ms 5 --mbps 200 [--stats FILE]
+    python -m tools.bench.slowfs SRC MOUNTPOINT --latency-ms 5 --mbps 200 [--stats FILE]
 
 NOTE [how the slow file system behaves]. A passthrough of SRC, mounted read-only (`-o ro`: the
 kernel answers every write, create, rename or unlink with EROFS before it reaches us), which
@@ -311,7 +311,7 @@ def mounted(
     mountpoint = Path(mountpoint)
     scratch = Path(tempfile.mkdtemp(prefix="hpcdl-slowfs-"))
     mount = SlowMount(Path(source), mountpoint, options, scratch / "stats.json")
-    cmd = [sys.executable, "-m", "hpcdl.bench.slowfs", str(source), str(mountpoint),
+    cmd = [sys.executable, "-m", "tools.bench.slowfs", str(source), str(mountpoint),
            "--latency-ms", str(options.latency_ms), "--mbps", str(options.mbps),
            "--threads", str(options.threads), "--stats", str(mount.stats_path),
            "--parent-pid", str(os.getpid())]  # fmt: skip
@@ -367,7 +367,7 @@ def _unmount(server: subprocess.Popen, mountpoint: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench.slowfs",
+        prog="python -m tools.bench.slowfs",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,

@@ -1,4 +1,4 @@
-"""`python -m hpcdl.bench cleanup`: how long the last job out waits for its staged copies to go.
+"""`python -m tools.bench cleanup`: how long the last job out waits for its staged copies to go.
 
 The same generated tree is staged by hpcdl-stage three times (local source, one session, as in
 training), and each copy is removed one way, in the same run:
@@ -22,16 +22,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcdl.bench.staging import make_tree, stager_command
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.layout import StageDir, remove_created
 from hpcdl.staging.manifest import read_manifest
 from hpcdl.staging.ownership import StageDirLease, data_key
+from tools.bench.staging import make_tree, stager_command
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench cleanup",
+        prog="python -m tools.bench cleanup",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,

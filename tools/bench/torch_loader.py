@@ -1,4 +1,4 @@
-"""`python -m hpcdl.bench train --torch-loader`: one PyTorch DDP script, two data paths.
+"""`python -m tools.bench train --torch-loader`: one PyTorch DDP script, two data paths.
 
 examples/torch_ddp.py (DDP; `--model linear`, one dense layer, so that the step costs next to
 nothing and the input pipeline is what is measured, as issue 14's mlp) runs under `mpirun -np
@@ -7,10 +7,10 @@ pipeline, reading the data in place) and with hpcdl.torch.Loader, alternated `--
 on the same data, workers, batch and ranks:
 - on local data (hpcdl.torch reading in place): steady-state images/s, the epochs after the
   first;
-- behind the slow FUSE file system (`--slow-fs MS,MBPS`, hpcdl.bench.slowfs): DataLoader reading
+- behind the slow FUSE file system (`--slow-fs MS,MBPS`, tools.bench.slowfs): DataLoader reading
   the mount on every epoch, hpcdl.torch staging from it (`--stage-dir`, a fresh directory each
   run); wall seconds of the whole command for `--epochs` epochs, start-up included. The image
-  folder's index is built once before (hpcdl.bench.peers.index_cost) and cached off the mount,
+  folder's index is built once before (tools.bench.peers.index_cost) and cached off the mount,
   so neither side pays for it.
 Defaults: issue 14's setup (6,000 synthetic 32x32 JPEGs, 5 ms per open, 200 MB/s, 3 epochs,
 2 workers, batch 32, 1 rank). Needs torch and the repository's examples/ directory.
@@ -32,8 +32,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from hpcdl.bench import peers
-from hpcdl.bench.scaling import child_env, mpirun_command
+from hpcdl.bench.launch import child_env, mpirun_command
+from tools.bench import peers
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp.py"
 MODEL = ["--model", "linear"]
@@ -88,15 +88,15 @@ def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError:
-        print("hpcdl.bench train: --torch-loader needs PyTorch (pip install 'hpcdl[torch]')",
+        print("tools.bench train: --torch-loader needs PyTorch (pip install 'hpcdl[torch]')",
               file=sys.stderr)  # fmt: skip
         return 2
     if not EXAMPLE.exists():
-        print(f"hpcdl.bench train: --torch-loader runs {EXAMPLE}, which is missing; run it "
+        print(f"tools.bench train: --torch-loader runs {EXAMPLE}, which is missing; run it "
               "from a checkout of the repository", file=sys.stderr)  # fmt: skip
         return 2
     data = ensure_data(args)[0]
-    print(f"hpcdl.bench train --torch-loader: examples/torch_ddp.py, {args.ranks} rank(s) x "
+    print(f"tools.bench train --torch-loader: examples/torch_ddp.py, {args.ranks} rank(s) x "
           f"batch {args.batch_size}, {args.epochs} epoch(s), {args.workers} worker(s)/rank, "
           f"data {data}", flush=True)  # fmt: skip
     try:
@@ -113,7 +113,7 @@ def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
                 args, str(pfs.mountpoint), lambda r: ["--stage-dir", str(scratch / f"stage-{r}")]
             )
     except (RuntimeError, FileNotFoundError, subprocess.TimeoutExpired) as exc:
-        print(f"hpcdl.bench train: {exc}", file=sys.stderr)
+        print(f"tools.bench train: {exc}", file=sys.stderr)
         return 1
     ratios = print_table(local, slow)
     if args.json:

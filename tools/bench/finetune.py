@@ -1,4 +1,4 @@
-"""`python -m hpcdl.bench finetune`: resnet18 fine-tuned from a state dict vs from scratch.
+"""`python -m tools.bench finetune`: resnet18 fine-tuned from a state dict vs from scratch.
 
 The fine-tuning example of docs/models.md, measured. No pretrained download is possible on a
 cluster's compute nodes (nor here), so the "pretrained" weights come from pretraining hpcdl's
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcdl.bench import synthetic
+from hpcdl.bench.launch import mpirun_command
 from hpcdl.helpformat import HelpFormatter
 
 PRETRAIN_ANGLES = tuple(np.pi * k / 8 for k in range(8))
@@ -41,8 +43,6 @@ def make_gratings(
 ) -> None:
     """root/c<k>/<i>.jpg: a sinusoidal grating at angles[k] with a random phase, a random
     colour tint and Gaussian noise (std 60 of 255), quality 90."""
-    from PIL import Image  # noqa: PLC0415
-
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
     for k, angle in enumerate(angles):
@@ -55,27 +55,25 @@ def make_gratings(
             )
             tint = rng.uniform(0.3, 1.0, 3)
             img = 127 + 100 * wave[..., None] * tint + rng.normal(0, 60, (size, size, 3))
-            Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(
-                d / f"{i:05d}.jpg", quality=90
-            )
+            synthetic.save(d / f"{i:05d}.jpg", np.clip(img, 0, 255).astype(np.uint8))
 
 
 def train(ranks: int, *args: object) -> float:
     """Run hpcdl.train; its final validation accuracy."""
     cmd = [sys.executable, "-m", "hpcdl.train", *map(str, args), "--progress", "none"]
     if ranks > 1:
-        cmd = [str(Path(sys.executable).parent / "mpirun"), "-np", str(ranks), *cmd]
+        cmd = [*mpirun_command(ranks), *cmd]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         output = (done.stdout + done.stderr)[-2000:]
-        raise SystemExit(f"hpcdl.bench finetune: {' '.join(cmd)} failed:\n{output}")
+        raise SystemExit(f"tools.bench finetune: {' '.join(cmd)} failed:\n{output}")
     found = re.search(r"final val_acc ([0-9.]+)", done.stdout)
     return float(found.group(1))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench finetune",
+        prog="python -m tools.bench finetune",
         description=__doc__,
         formatter_class=HelpFormatter,
         allow_abbrev=False,

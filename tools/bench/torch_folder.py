@@ -1,6 +1,6 @@
 """PyTorch's DataLoader reading an image folder directly: the peer users run today.
 
-    python -m hpcdl.bench.torch_folder --data DIR --workers K --batch-size B --epochs E \
+    python -m tools.bench.torch_folder --data DIR --workers K --batch-size B --epochs E \
         --crop H,W [--json]
 
 An ImageFolder-style data set (classes = sorted directory names, files listed with scandir,
@@ -103,7 +103,7 @@ def run(root: Path, workers: int, batch: int, epochs: int, crop: tuple[int, int]
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench.torch_folder",
+        prog="python -m tools.bench.torch_folder",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch  # noqa: F401, PLC0415
     except ImportError:
         print(
-            "hpcdl.bench.torch_folder: torch is not installed (pip install torch)", file=sys.stderr
+            "tools.bench.torch_folder: torch is not installed (pip install torch)", file=sys.stderr
         )
         return 2
     h, w = (int(v) for v in a.crop.split(","))

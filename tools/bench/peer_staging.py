@@ -1,6 +1,6 @@
-"""`python -m hpcdl.bench peer-staging`: the peer tier on emulated nodes (issue 35).
+"""`python -m tools.bench peer-staging`: the peer tier on emulated nodes (issue 35).
 
-One emulated cluster (hpcdl.bench.cluster, needs root) with the slow FUSE file system as the
+One emulated cluster (tools.bench.cluster, needs root) with the slow FUSE file system as the
 PFS (its index built before the jobs), and the same training job from empty stage dirs, in
 turn: `--shuffle node`, `--shuffle global --peer-staging off`, `--shuffle global` with peers.
 Per job: the slow FS's opens during the job, the stagers' own PFS opens and peer fetches (their
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.bench.cluster import Cluster
-from hpcdl.bench.cluster import unavailable as no_cluster
-from hpcdl.bench.slowfs import SlowFSOptions, mounted
-from hpcdl.bench.slowfs import unavailable as no_fuse
-from hpcdl.bench.validate import Setup, make_images, run_mpi
 from hpcdl.helpformat import HelpFormatter
+from tools.bench.cluster import Cluster
+from tools.bench.cluster import unavailable as no_cluster
+from tools.bench.slowfs import SlowFSOptions, mounted
+from tools.bench.slowfs import unavailable as no_fuse
+from tools.bench.validate import Setup, make_images, run_mpi
 
 JOBS = {  # name -> hpcdl.train flags
     "node": ("--shuffle", "node", "--peer-staging", "off"),
@@ -103,7 +103,7 @@ def table(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench peer-staging",
+        prog="python -m tools.bench peer-staging",
         description=__doc__.split("\n\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     reason = no_cluster() or no_fuse()
     if reason:
-        print(f"hpcdl.bench peer-staging: {reason}", file=sys.stderr)
+        print(f"tools.bench peer-staging: {reason}", file=sys.stderr)
         return 2
     setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
                   epochs=args.epochs, stage_threads=args.stage_threads, runs=1)  # fmt: skip

@@ -1,8 +1,8 @@
-"""The slow-file-system part of `hpcdl.bench train --slow-fs`: the mount, the index, the peers.
+"""The slow-file-system part of `tools.bench train --slow-fs`: the mount, the index, the peers.
 
 The peers are what users run today, measured on the same mount in the same run as hpcdl:
 `cp -r` of the data set to local disk followed by hpcdl training from the copy, and PyTorch's
-DataLoader reading the mount directly (hpcdl.bench.torch_folder). Totals are wall seconds of
+DataLoader reading the mount directly (tools.bench.torch_folder). Totals are wall seconds of
 the whole command, start-up included, as a user would time them.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.bench.scaling import child_env
-from hpcdl.bench.slowfs import SlowMount, mounted
+from tools.bench.slowfs import SlowMount, mounted
 
 
 def mount_data(stack: ExitStack, args: argparse.Namespace, root: str, scratch: Path) -> SlowMount:
@@ -71,7 +71,7 @@ def copy_then_train(args: argparse.Namespace, pfs: SlowMount, scratch: Path, tra
 
 def torch_dataloader(args: argparse.Namespace, pfs: SlowMount, crop: list[int]) -> dict | None:
     """PyTorch's DataLoader reading the mount directly; None (and a note) without torch."""
-    cmd = [sys.executable, "-m", "hpcdl.bench.torch_folder", "--data", str(pfs.mountpoint),
+    cmd = [sys.executable, "-m", "tools.bench.torch_folder", "--data", str(pfs.mountpoint),
            "--workers", str(args.workers), "--batch-size", str(args.batch_size),
            "--epochs", str(args.epochs), "--crop", f"{crop[0]},{crop[1]}", "--json"]  # fmt: skip
     t0 = time.perf_counter()
@@ -81,7 +81,7 @@ def torch_dataloader(args: argparse.Namespace, pfs: SlowMount, crop: list[int]) 
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         print(
-            f"hpcdl.bench train: torch DataLoader skipped: {done.stderr.strip()}", file=sys.stderr
+            f"tools.bench train: torch DataLoader skipped: {done.stderr.strip()}", file=sys.stderr
         )
         return None
     result = json.loads(done.stdout.splitlines()[-1])

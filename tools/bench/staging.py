@@ -1,7 +1,7 @@
-"""`python -m hpcdl.bench staging`: hpcdl-stage vs `cp -r` vs shutil.copytree, and threads sweep.
+"""`python -m tools.bench staging`: hpcdl-stage vs `cp -r` vs shutil.copytree, and threads sweep.
 
 All of them copy the same generated tree (JPEGs, so it is also an image folder), read through
-the slow read-only FUSE file system of hpcdl.bench.slowfs (--latency-ms per open, --mbps shared;
+the slow read-only FUSE file system of tools.bench.slowfs (--latency-ms per open, --mbps shared;
 NOTE [how the slow file system behaves]) in the same run: every reader pays the same costs, and
 the stager runs its production copy path with its thread count. `python -m hpcdl.stage --data D
 --stage-dir S` with default flags is timed too, as a new user runs it (listing, plan and copy).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.bench.slowfs import SlowFSOptions, mounted
+from hpcdl.bench import synthetic
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import find_stager_binary
@@ -35,6 +35,7 @@ from hpcdl.staging.layout import StageDir
 from hpcdl.staging.ownership import data_key
 from hpcdl.staging.plan import FileTreeDataset, plan_for_node, write_plan
 from hpcdl.staging.status import ProgressFile
+from tools.bench.slowfs import SlowFSOptions, mounted
 
 CLI_ROW = "python -m hpcdl.stage (defaults)"
 
@@ -42,14 +43,9 @@ CLI_ROW = "python -m hpcdl.stage (defaults)"
 def make_tree(root: Path, files: int, size: int, per_dir: int = 1000) -> None:
     """root/dirNNNN/imgNNNNNNN.jpg: `files` JPEGs of `size` bytes (a small image, padded after
     its end marker with different bytes per file), so that image-folder readers accept them."""
-    import io  # noqa: PLC0415
-
-    from PIL import Image  # noqa: PLC0415
-
     rng = np.random.default_rng(0)
-    jpeg = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(jpeg, "JPEG")
-    head = jpeg.getvalue()[: max(0, size)]
+    jpeg = synthetic.encode(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "jpg", quality=75)
+    head = jpeg[: max(0, size)]
     blob = head + rng.integers(0, 256, max(0, size - len(head)) + files, dtype=np.uint8).tobytes()
     for i in range(files):
         d = root / f"dir{i // per_dir:04d}"
@@ -107,7 +103,7 @@ def row(tool: str, files: int, nbytes: int, wall: float, cpu: float) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench staging",
+        prog="python -m tools.bench staging",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,

@@ -1,6 +1,6 @@
-"""PyTorch DDP (gloo) + DataLoader on an HDF5 data set: the peer of `bench train --vs-torch`.
+"""PyTorch DDP (gloo) + DataLoader on an HDF5 data set: the peer of `tools.bench train --vs-torch`.
 
-    mpirun -np R python -m hpcdl.bench.torch_ddp --data DIR --port P --model cnn \
+    mpirun -np R python -m tools.bench.torch_ddp --data DIR --port P --model cnn \
         --batch-size B --workers K --prefetch S --epochs E --augment crop4+flip
 
 What a PyTorch user writes for hpcdl's job, on the same terms: the ranks are started by the
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.bench.scaling import child_env, mpirun_command
+from hpcdl.bench.launch import child_env, mpirun_command
 from hpcdl.data.augment import parse_augment
 from hpcdl.helpformat import HelpFormatter
 
@@ -171,7 +171,7 @@ def free_port() -> int:
 def command_args(args: argparse.Namespace, data: str, port: int) -> list[str]:
     """The worker's command line (after `mpirun -np R python`) for `bench train` options."""
     return [
-        "-m", "hpcdl.bench.torch_ddp", "--data", data, "--port", str(port),
+        "-m", "tools.bench.torch_ddp", "--data", data, "--port", str(port),
         "--model", args.model, "--batch-size", str(args.batch_size),
         "--workers", str(args.workers), "--prefetch", str(args.prefetch),
         "--epochs", str(args.epochs), "--augment", args.augment,
@@ -185,7 +185,7 @@ def steady_images_per_s(seconds: list[float], images: list[float]) -> float:
 
 
 def run(args: argparse.Namespace, data: str) -> dict[str, Any]:
-    """`mpirun ... hpcdl.bench.torch_ddp` with `bench train` options: rank 0's record, with
+    """`mpirun ... tools.bench.torch_ddp` with `bench train` options: rank 0's record, with
     its steady-state images/s."""
     cmd = mpirun_command(args.ranks) + [sys.executable, *command_args(args, data, free_port())]
     env = child_env(args.ranks, "cpu")
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace, data: str) -> dict[str, Any]:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"hpcdl.bench.torch_ddp exited with {done.returncode}:\n{tail}")
+        raise RuntimeError(f"tools.bench.torch_ddp exited with {done.returncode}:\n{tail}")
     result = json.loads(lines[-1])
     result["images_per_s"] = steady_images_per_s(result["epoch_seconds"], result["epoch_images"])
     return result
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace, data: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench.torch_ddp",
+        prog="python -m tools.bench.torch_ddp",
         description=__doc__.split("\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,

@@ -209,7 +209,7 @@ class Cluster:
         )
         self.agent.write_text(
             "#!/bin/sh\n"
-            "# rsh agent of an emulated cluster (hpcdl/bench/cluster.py): AGENT HOST CMDSTRING\n"
+            "# rsh agent of an emulated cluster (tools/bench/cluster.py): AGENT HOST CMDSTRING\n"
             "host=$1; shift\n"
             'case "$host" in\n'
             f"{cases}\n"

@@ -1,7 +1,7 @@
-"""`python -m hpcdl.bench validate`: the cluster model against training runs on emulated nodes.
+"""`python -m tools.bench validate`: the cluster model against training runs on emulated nodes.
 
-Needs root and FUSE. For each --nodes count it builds an emulated cluster (hpcdl.bench.cluster,
-every link limited to --link with tc) and mounts the slow FUSE file system (hpcdl.bench.slowfs,
+Needs root and FUSE. For each --nodes count it builds an emulated cluster (tools.bench.cluster,
+every link limited to --link with tc) and mounts the slow FUSE file system (tools.bench.slowfs,
 --latency-ms per open) over a folder of small PNG images: that is the PFS. Then, in order:
 
 1. calibrate: `bench calibrate` under mpirun across the nodes, --ranks-per-node ranks each;
@@ -43,11 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.bench.cluster import Cluster
-from hpcdl.bench.cluster import unavailable as no_cluster
-from hpcdl.bench.slowfs import SlowFSOptions, mounted
-from hpcdl.bench.slowfs import unavailable as no_fuse
+from hpcdl.bench import synthetic
 from hpcdl.helpformat import HelpFormatter
+from tools.bench.cluster import Cluster
+from tools.bench.cluster import unavailable as no_cluster
+from tools.bench.slowfs import SlowFSOptions, mounted
+from tools.bench.slowfs import unavailable as no_fuse
 
 YIELD = ("--mca", "mpi_yield_when_idle", "1")  # emulated nodes share the cores (interconnect.py)
 # Open MPI's flat collectives: coll_han's figures swing by up to 8x from run to run on the shared
@@ -74,15 +75,9 @@ class Setup:
 
 def make_images(root: Path, files: int, classes: int = 4) -> Path:
     """files PNG images of 32x32 random pixels in `classes` directories."""
-    from PIL import Image  # noqa: PLC0415
-
-    rng = np.random.default_rng(0)
-    for i in range(files):
-        d = root / f"c{i % classes}"
-        d.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(d / f"{i:05d}.png")
-    return root
+    pixels = synthetic.noise(np.random.default_rng(0))
+    return synthetic.image_folder(root, files, pixels, classes=classes, class_dir="c{label}",
+                                  name="{i:05d}")  # fmt: skip
 
 
 def job_flags(setup: Setup) -> list[str]:
@@ -253,7 +248,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hpcdl.bench validate",
+        prog="python -m tools.bench validate",
         description=__doc__.split("\n\n")[0],
         allow_abbrev=False,
         formatter_class=HelpFormatter,
@@ -283,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     reason = no_cluster() or no_fuse()
     if reason:
-        print(f"hpcdl.bench validate: {reason}", file=sys.stderr)
+        print(f"tools.bench validate: {reason}", file=sys.stderr)
         return 2
 
     def setup(nodes: int) -> Setup:
