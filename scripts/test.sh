@@ -7,7 +7,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO"
 
 echo "== ruff"
-ruff check hpcdl tests
+ruff check hpcdl tests tools scripts
 
 echo "== pytest (single process)"
 status=0
