@@ -26,7 +26,6 @@ printing one cannot.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -180,12 +179,11 @@ class StallInspector:
         self._ending = True
         flight.dump(f"stall shutdown after {waited:.1f} s (--stall-shutdown)", self.recorder)
         if self._printed:
-            print(
-                f"hpcdl: rank {self.rank}: error: stalled {waited:.1f} s (--stall-warning "
-                f"{self.warn_s:g} + --stall-shutdown {self.shutdown_s:g}): the job ends with exit "
-                f"status {EXIT_STALLED}; resume with --resume auto from the last checkpoint",
-                file=sys.stderr,
-                flush=True,
+            messages.error(
+                f"stalled {waited:.1f} s (--stall-warning {self.warn_s:g} + --stall-shutdown "
+                f"{self.shutdown_s:g}): the job ends with exit status {EXIT_STALLED}; resume "
+                "with --resume auto from the last checkpoint",
+                rank=self.rank,
             )
         time.sleep(GRACE_S if self._printed else 3 * GRACE_S)
         self.abort(EXIT_STALLED)
