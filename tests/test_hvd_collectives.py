@@ -61,8 +61,12 @@ def test_allreduce_every_op_matches_mpi(dtype):
 
     comm = world()
     t = data(comm.rank, (5, 3), dtype)
-    for op, ref in ((hvd.Sum, MPI.SUM), (hvd.Min, MPI.MIN), (hvd.Max, MPI.MAX),
-                    (hvd.Product, MPI.PROD)):  # fmt: skip
+    for op, ref in (
+        (hvd.Sum, MPI.SUM),
+        (hvd.Min, MPI.MIN),
+        (hvd.Max, MPI.MAX),
+        (hvd.Product, MPI.PROD),
+    ):
         out = hvd.allreduce(t, op=op)
         assert out.dtype == dtype and out.shape == t.shape
         assert np.array_equal(out.double().numpy(), mpi_reduce(comm, t, ref)), op
@@ -209,7 +213,7 @@ def test_disagreements_fail_on_every_rank_and_the_next_collective_works():
             lambda: hvd.allreduce(torch.ones(3, dtype=torch.float32 if rank else torch.int32)),
             RuntimeError,
             "dtype",
-        ),  # fmt: skip
+        ),
         (lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if rank else hvd.Max), RuntimeError, "op"),
         (lambda: hvd.broadcast(torch.ones(3), rank), RuntimeError, "root rank"),
         (lambda: hvd.broadcast(torch.ones(3), comm.size), RuntimeError, "out of range"),
@@ -224,7 +228,7 @@ def test_disagreements_fail_on_every_rank_and_the_next_collective_works():
             ),
             RuntimeError,
             "collective",
-        ),  # fmt: skip
+        ),
     ]
     for call, error, words in cases:
         with pytest.raises(error, match=words):
@@ -286,9 +290,12 @@ def test_sparse_allreduce_equals_the_dense_one():
 
 def test_what_is_not_built_says_so():
     world()
-    for call in (lambda: hvd.add_process_set([0]), lambda: hvd.elastic.run,
-                 lambda: hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0])),
-                 lambda: hvd.start_timeline("t.json")):  # fmt: skip
+    for call in (
+        lambda: hvd.add_process_set([0]),
+        lambda: hvd.elastic.run,
+        lambda: hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0])),
+        lambda: hvd.start_timeline("t.json"),
+    ):
         with pytest.raises(hvd.NotBuilt, match="does not build"):
             call()
     with pytest.raises(hvd.NotBuilt, match="Adasum"):
