@@ -21,6 +21,7 @@ BENCHMARKS = {
     "calibrate": "hpcdl.bench.calibrate",
     "validate": "hpcdl.bench.validate",
     "memory": "hpcdl.bench.memory",
+    "torch-sync": "hpcdl.bench.torch_sync",
 }
 USAGE = "usage: python -m hpcdl.bench NAME [options]"
 
