@@ -83,6 +83,7 @@ from hpcdl.torch.state_sync import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from hpcdl.torch.stop import stop_requested
 from hpcdl.torch.sync_batch_norm import SyncBatchNorm
 from hpcdl.torch.unbuilt import (
     HorovodInternalError,
@@ -168,6 +169,7 @@ __all__ = [
     "size",
     "sparse_allreduce_async",
     "start_timeline",
+    "stop_requested",
     "stop_timeline",
     "synchronize",
 ]
