@@ -96,8 +96,13 @@ def _array(flat: Any) -> Any:
     """The reducer's view of a flat buffer: NumPy on the CPU, CuPy (DLPack, no copy) on a GPU."""
     if not flat.is_cuda:
         return flat.numpy()
-    import cupy  # noqa: PLC0415
-
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        raise RuntimeError(
+            "hvd.DistributedOptimizer on GPU parameters reduces them with hpcdl's reducer, "
+            "which needs CuPy: pip install 'hpcdl[gpu]'"
+        ) from None
     return cupy.from_dlpack(flat)
 
 
