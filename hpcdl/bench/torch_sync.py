@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp16", action="store_true", help="also hvd with Compression.fp16")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", action="store_true", help="run as one rank of the job (the driver starts these)"
+    )
     return ap
 
 
