@@ -66,6 +66,7 @@ TRAIN = """
 import os, pathlib, time
 import hpcdl.torch as hvd
 hvd.init()
+hvd.stop_requested()  # the first call installs the handler: before anything can signal
 out = pathlib.Path({out!r})
 (out / f"started.{{hvd.rank()}}").touch()
 for step in range(100000):

@@ -50,7 +50,12 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
     comm: None (every rank of MPI_COMM_WORLD), an mpi4py communicator (duplicated), or a list
     of MPI_COMM_WORLD ranks. process_sets: only None or "dynamic" with no sets added; process
-    sets are not built (hpcdl.torch.unbuilt)."""
+    sets are not built (hpcdl.torch.unbuilt).
+
+    Like hpcdl.train, it makes an uncaught exception on any rank end the whole job
+    (hpcdl.comm.failure.install_abort_on_exception: the failing rank prints its traceback once,
+    the others one line, then MPI_Abort), since Open MPI would otherwise keep the other ranks
+    waiting in a collective, and the failed one in MPI_Finalize, for ever (docs/horovod.md)."""
     global _state
     from hpcdl.torch import unbuilt  # noqa: PLC0415
 
@@ -64,6 +69,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     from hpcdl.torch.engine import Engine  # noqa: PLC0415
 
     aware, reason = _cuda_awareness(world.comm)
+    from hpcdl.comm.failure import install_abort_on_exception  # noqa: PLC0415
+
+    install_abort_on_exception(world.comm, world.rank)  # collective: every rank, once
     engine = Engine(world.comm)
     engine.aware = aware
     _state = _State(world, engine, aware, reason, world.thread_multiple)

@@ -8,7 +8,9 @@ limit, and forward SIGTERM as SIGUSR1, to every rank. A training script asks onc
         break                     # and exit 0: the next job of the chain resumes
 
 The first call installs the SIGUSR1 handler (the call is the script asking for it; a handler the
-script installed itself is kept, and this then reports nothing). The signal may reach only some
+script installed itself is kept, and this then reports nothing). Until then SIGUSR1 keeps its
+default action, which ends the process: a script that may be signalled early calls it once
+right after hvd.init(). The signal may reach only some
 ranks, or reach them between two steps, so after hvd.init() on more than one rank the answer is
 agreed: every rank calls it at the same point of each step, and it is True on every rank when
 any rank had the signal (one 4-byte MPI_Allreduce on a communicator of its own). Before
