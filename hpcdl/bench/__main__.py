@@ -19,6 +19,7 @@ BENCHMARKS = {
     "train": "hpcdl.bench.train",
     "calibrate": "hpcdl.bench.calibrate",
     "diag": "hpcdl.bench.diag",
+    "torch-sync": "hpcdl.bench.torch_sync",
 }
 PROG = "python -m hpcdl.bench"
 

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.jobs.render import DEVICES, KINDS, JobSpec, render
+from hpcdl.jobs import render
+from hpcdl.jobs.render import DEVICES, KINDS, JobSpec
 from hpcdl.jobs.site import JobSpecError, bundled_sites, load_site
 
 
@@ -16,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Render hpcdl sbatch scripts for a Slurm site.",
         formatter_class=HelpFormatter,
-        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged.",
+        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged; "
+        "for render script they are the command.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -26,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
-    r.add_argument("kind", choices=KINDS, help="train: a training job; stage: a stage-only job")
+    r.add_argument(
+        "kind",
+        choices=KINDS,
+        help="train: a training job; stage: a stage-only job; script: your own command after "
+        "a bare -- (e.g. -- python train.py ARGS; {stage_dir} in it is the node-local stage dir)",
+    )
     r.add_argument("--nodes", type=int, required=True, help="nodes to request (required)")
     r.add_argument(
         "--tasks-per-node",
@@ -43,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--time", required=True, help="time limit, HH:MM:SS or D-HH:MM:SS (required)")
     r.add_argument(
-        "--config", required=True, help="the training TOML (hpcdl.train --config) (required)"
+        "--config", default="", help="the training TOML (hpcdl.train --config) (train and stage)"
     )
     r.add_argument("--site", default="generic", help="bundled site name or a site .toml path")
     r.add_argument("--job-name", default="", help="default: hpcdl-train / hpcdl-stage")

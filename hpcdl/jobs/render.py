@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcdl.jobs.site import JobSpecError, Site
 
-KINDS = ("train", "stage")
+KINDS = ("train", "stage", "script")  # script: a user's command (hpcdl.jobs.script_job)
 DEVICES = ("cpu", "gpu")
 EXIT_STOPPED_BY_SIGNAL = 3  # hpcdl.train's exit status after a signal-triggered checkpoint
 EXIT_UNFINISHED = 5  # launcher said 0 but the run wrote no summary: a node stopped taking part
@@ -110,7 +110,7 @@ def time_seconds(value: str) -> int:
     return total
 
 
-def _positive(name: str, value: int) -> int:
+def positive(name: str, value: int) -> int:
     if value < 1:
         raise JobSpecError(f"{name} must be >= 1, got {value}")
     return value
@@ -135,7 +135,7 @@ def _read_config(path: Path) -> dict:
 
 
 @dataclass(frozen=True)
-class _Job:
+class Job:
     """A JobSpec's values after validation, before they are written into the script."""
 
     nodes: int
@@ -151,7 +151,7 @@ class _Job:
     output_dir: str
 
 
-def _validate_names(spec: JobSpec) -> tuple[str, str]:
+def validate_names(spec: JobSpec) -> tuple[str, str]:
     """(job name, stage key), checked for the characters sbatch and paths allow."""
     job_name = spec.job_name or f"hpcdl-{spec.kind}"
     if not _NAME.fullmatch(check_text("--job-name", job_name)):
@@ -172,13 +172,15 @@ def _validate_names(spec: JobSpec) -> tuple[str, str]:
     return job_name, stage_key
 
 
-def _validate(spec: JobSpec) -> _Job:
+def _validate(spec: JobSpec) -> Job:
     if spec.kind not in KINDS:
         raise JobSpecError(f"job kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
-    nodes = _positive("--nodes", spec.nodes)
-    ranks_per_node = _positive("--tasks-per-node", spec.tasks_per_node)
-    cpus = _positive("--cpus-per-task", spec.cpus_per_task or spec.site.cpus_per_task)
+    nodes = positive("--nodes", spec.nodes)
+    ranks_per_node = positive("--tasks-per-node", spec.tasks_per_node)
+    cpus = positive("--cpus-per-task", spec.cpus_per_task or spec.site.cpus_per_task)
     limit = time_seconds(spec.time)
+    if not spec.config:
+        raise JobSpecError(f"render {spec.kind} needs --config (the training TOML)")
     signal_s = spec.site.signal_seconds if spec.signal_seconds is None else spec.signal_seconds
     if signal_s < 0 or signal_s > 65535:
         raise JobSpecError(f"--signal-seconds must be 0-65535, got {signal_s}")
@@ -187,7 +189,7 @@ def _validate(spec: JobSpec) -> _Job:
             f"--signal-seconds {signal_s} must be shorter than --time {spec.time} ({limit} s); "
             "lower it or pass --signal-seconds 0 for no early checkpoint signal"
         )
-    job_name, stage_key = _validate_names(spec)
+    job_name, stage_key = validate_names(spec)
     config_path = Path(check_text("--config", spec.config)).expanduser().resolve()
     config = _read_config(config_path)
     device = spec.device or config.get("device") or "cpu"
@@ -197,7 +199,7 @@ def _validate(spec: JobSpec) -> _Job:
     if spec.kind == "stage" and not config.get("data"):
         raise JobSpecError(f"--config {spec.config}: render stage needs a data = ... key")
     output_dir = Path(check_text("--output", spec.output_dir)).expanduser().resolve()
-    return _Job(
+    return Job(
         nodes=nodes,
         ranks_per_node=ranks_per_node,
         cpus=cpus,
@@ -212,7 +214,7 @@ def _validate(spec: JobSpec) -> _Job:
     )
 
 
-def _sbatch_lines(spec: JobSpec, job: _Job) -> list[str]:
+def sbatch_lines(spec: JobSpec, job: Job) -> list[str]:
     site = spec.site
     train = spec.kind == "train"
     sbatch = [
@@ -249,7 +251,7 @@ def _sbatch_lines(spec: JobSpec, job: _Job) -> list[str]:
     return sbatch
 
 
-def _setup_lines(site: Site) -> list[str]:
+def setup_lines(site: Site) -> list[str]:
     setup = [f"module load {quote('site modules', m)}" for m in site.modules]
     setup += [check_text("site setup", line) for line in site.setup]
     for key, value in site.env.items():
@@ -264,29 +266,14 @@ def _setup_lines(site: Site) -> list[str]:
     return setup
 
 
-def _launch_lines(spec: JobSpec, job: _Job) -> list[str]:
+def _launch_lines(spec: JobSpec, job: Job) -> list[str]:
     """The launcher command, one list entry per line of the script: a flag stays with its value.
 
     The trainer gets --config, --metrics, --device (so the ranks use the GPUs the job asked
     for), --resume auto when there is a checkpoint directory, --stage-dir unless --no-stage,
     --checkpoint-dir when given, then the arguments after a bare --.
     """
-    site = spec.site
-    ranks = job.ranks_per_node if spec.kind == "train" else 1
-    if site.launcher.kind == "mpirun":
-        launch = [
-            '"$launcher"',
-            f"-np {job.nodes * ranks} --map-by ppr:{ranks}:node --bind-to none",
-        ]
-    else:
-        srun_mpi = directive("site launcher.srun_mpi", site.launcher.srun_mpi)
-        launch = [
-            '"$launcher"',
-            f"--mpi={srun_mpi} --ntasks-per-node={ranks} --cpus-per-task={job.cpus}",
-            "--kill-on-bad-exit=1",
-        ]
-    if site.launcher.args:
-        launch.append(" ".join(quote("site launcher.args", a) for a in site.launcher.args))
+    launch = launcher_words(spec.site, job, job.ranks_per_node if spec.kind == "train" else 1)
     if spec.kind == "train":
         launch.append('"$python" -u -m hpcdl.train --config "$config" --metrics "$metrics"')
         launch.append(f"--device {job.device}")
@@ -308,6 +295,25 @@ def _launch_lines(spec: JobSpec, job: _Job) -> list[str]:
     return launch
 
 
+def launcher_words(site: Site, job: Job, ranks: int) -> list[str]:
+    """The site's launcher starting `ranks` ranks per node, one script line per entry."""
+    if site.launcher.kind == "mpirun":
+        launch = [
+            '"$launcher"',
+            f"-np {job.nodes * ranks} --map-by ppr:{ranks}:node --bind-to none",
+        ]
+    else:
+        srun_mpi = directive("site launcher.srun_mpi", site.launcher.srun_mpi)
+        launch = [
+            '"$launcher"',
+            f"--mpi={srun_mpi} --ntasks-per-node={ranks} --cpus-per-task={job.cpus}",
+            "--kill-on-bad-exit=1",
+        ]
+    if site.launcher.args:
+        launch.append(" ".join(quote("site launcher.args", a) for a in site.launcher.args))
+    return launch
+
+
 def _resolve(spec: JobSpec) -> _Resolved:
     job = _validate(spec)
     site = spec.site
@@ -317,14 +323,14 @@ def _resolve(spec: JobSpec) -> _Resolved:
             "no checkpoint_dir in the config and no --checkpoint-dir: a job stopped by its "
             "time-limit signal cannot be resumed (the script omits --resume auto)"
         )
-    setup = _setup_lines(site)
+    setup = setup_lines(site)
     python = site.python or sys.executable
-    launcher = site.launcher.command or _default_launcher(site, python)
+    launcher = site.launcher.command or default_launcher(site, python)
     metrics = job.config.get("metrics")
     values = {
         "kind": spec.kind,
         "site": site.name,
-        "sbatch": "\n".join(f"#SBATCH {line}" for line in _sbatch_lines(spec, job)),
+        "sbatch": "\n".join(f"#SBATCH {line}" for line in sbatch_lines(spec, job)),
         "setup": "\n".join(setup) if setup else ":",
         "python": quote("site python", python),
         "launcher": quote("site launcher.command", launcher),
@@ -347,7 +353,7 @@ def _resolve(spec: JobSpec) -> _Resolved:
     return _Resolved(values, warnings)
 
 
-def _default_launcher(site: Site, python: str) -> str:
+def default_launcher(site: Site, python: str) -> str:
     name = site.launcher.kind
     if name == "mpirun" and "/" in python:
         beside = Path(python).parent / "mpirun"
@@ -363,9 +369,12 @@ def template_text(name: str) -> str:
 
 def render(spec: JobSpec) -> tuple[str, list[str]]:
     """The sbatch script for `spec` (with chain > 1: the script that submits the chain), and
-    warnings for the user (stderr)."""
+    warnings for the user (stderr). Kind "script" is hpcdl.jobs.script_job.render_script, which
+    builds on this module."""
+    if spec.kind == "script":
+        raise JobSpecError("render kind 'script' with hpcdl.jobs.script_job.render_script")
     resolved = _resolve(spec)
-    script = _fill(f"{spec.kind}.sbatch", resolved.values)
+    script = fill_template(f"{spec.kind}.sbatch", resolved.values)
     if spec.chain == 1:
         return script, resolved.warnings
     return _render_chain(spec, script, resolved.values), resolved.warnings
@@ -374,7 +383,7 @@ def render(spec: JobSpec) -> tuple[str, list[str]]:
 def _render_chain(spec: JobSpec, script: str, values: dict[str, str]) -> str:
     """A bash script that submits `script` spec.chain times, each job after the one before
     (--dependency=afterany): a training too long for one job's time limit (docs/slurm.md)."""
-    _positive("--chain", spec.chain)
+    positive("--chain", spec.chain)
     if spec.kind != "train":
         raise JobSpecError("--chain is for training jobs (render train)")
     if spec.requeue:
@@ -395,10 +404,10 @@ def _render_chain(spec: JobSpec, script: str, values: dict[str, str]) -> str:
         "checkpoint_dir": values["checkpoint_dir"],
         "job": script.rstrip("\n"),
     }
-    return _fill("chain.sh", chain_values)
+    return fill_template("chain.sh", chain_values)
 
 
-def _fill(template: str, values: dict[str, str]) -> str:
+def fill_template(template: str, values: dict[str, str]) -> str:
     """A template's text with every {{placeholder}} replaced by its value."""
 
     def fill(m: re.Match) -> str:

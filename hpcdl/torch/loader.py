@@ -19,11 +19,21 @@ Like a Run (NOTE [closing a run] in hpcdl/run.py), the loader owns its resources
 ExitStack: `close()` (or leaving a `with` block normally) closes them together with the other
 ranks (the staging session's node barriers); leaving with an exception closes them on this rank
 alone, with no collective (the workers stop, the stager stops and what it staged is removed
-unless keep_staged). A process that exits without either (an exception outside the `with`,
-SystemExit) does the same from atexit. SIGTERM (torchrun's and mpirun's way to stop a job,
-Slurm's time limit) ends the script through SystemExit(143) raised in the main thread, so that
-these clean-ups run; Ctrl-C's KeyboardInterrupt does the same. The workers ignore both signals
-and follow their trainer; the shared-memory file has no name to leak.
+unless keep_staged). The workers ignore SIGINT and SIGTERM and follow their trainer; the
+shared-memory file has no name to leak.
+
+NOTE [process-wide handlers]
+A library should not take over the process, so the Loader installs handlers only when the
+script asks (docs/torch.md, "Signals and exit"): inside `with Loader(...)`, or for the loader's
+whole life with `handle_signals=True` (`handle_signals=False`: never, not even in a `with`).
+While installed: an exit that skips close() (an exception outside the `with`, SystemExit)
+abandons the loader from atexit; SIGTERM (torchrun's and mpirun's way to stop a job, Slurm's
+time limit) raises SystemExit(143) in the main thread, so that the clean-ups run, unless the
+script has a SIGTERM handler of its own; and sys.excepthook prints hpcdl's own faults (a dead
+loader worker, an unreadable sample) as one line. close() puts back what was there before; the
+excepthook stays after a loader that ended with one of those faults, so that it prints as one
+line. A loader used without either gets none of them and says so once, on rank 0, when it is
+first iterated.
 """
 
 from __future__ import annotations
@@ -66,7 +76,9 @@ class Loader:
     node's cores), prefetch (batch slots), seed and shuffle (the sampler: a pure function of
     seed, epoch, world size and rank), augment, stage_dir (None: read in place), stage_threads,
     stage_capacity, keep_staged, stage_verify, loader_timeout, skip_bad_samples. pin_memory:
-    None pins when CUDA is available. Rank and world come from torch.distributed, else MPI,
+    None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
+    excepthook handlers inside a `with` block only, True for the loader's life, False never
+    (NOTE [process-wide handlers]). Rank and world come from torch.distributed, else MPI,
     else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime].
     """
 
@@ -89,6 +101,7 @@ class Loader:
         loader_timeout: float = LOADER_TIMEOUT_S,
         skip_bad_samples: bool = False,
         pin_memory: bool | None = None,
+        handle_signals: bool | None = None,
     ) -> None:
         import torch  # noqa: PLC0415
 
@@ -107,6 +120,9 @@ class Loader:
         self.closed = False
         self._iteration: Iterator | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self.handle_signals = handle_signals
+        self._handling = False  # NOTE [process-wide handlers]: installed now
+        self._told = False  # said once that none are installed
         self._leaving = False
         try:
             validate(cfg)
@@ -117,6 +133,14 @@ class Loader:
         # sampler, the node's staging session (None without stage_dir), the worker pool, and
         # the stack that owns the last two (NOTE [closing the loader])
         self.dataset, self.sampler, self.staging, self._loader, self._stack = self._start()
+        if handle_signals:
+            self._install_handlers()
+
+    def _install_handlers(self) -> None:
+        """atexit, SIGTERM and excepthook (NOTE [process-wide handlers]); once."""
+        if self._handling or self.closed:
+            return
+        self._handling = True
         atexit.register(self._abandon)
         self._catch_signals()
         if sys.excepthook is not _one_line_errors:  # torch.distributed's, a script's: kept
@@ -159,6 +183,15 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         if self.closed:
             raise RuntimeError("this hpcdl.torch.Loader was closed")
+        if not self._handling and not self._told and self.handle_signals is None:
+            self._told = True
+            if self.world.rank == 0:
+                messages.warn(
+                    "hpcdl.torch.Loader used outside a `with` block installs no SIGTERM, atexit "
+                    "or excepthook handlers: a SIGTERM or an uncaught exception skips its "
+                    "clean-up; use `with Loader(...)`, or Loader(..., handle_signals=True) "
+                    "(or False to silence this)"
+                )
         if self._iteration is not None:
             self._iteration.close()  # an epoch left early: its batches in flight are drained
         self._iteration = self._batches(self.epoch)
@@ -182,6 +215,8 @@ class Loader:
         self._leave(RuntimeError)
 
     def __enter__(self) -> Loader:
+        if self.handle_signals is not False:  # the script asked for a managed lifetime
+            self._install_handlers()
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -213,6 +248,7 @@ class Loader:
             return
         self.closed = True
         self._leaving = True
+        ended_cleanly = exc_type is None
         atexit.unregister(self._abandon)
         quiet = _ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut a clean-up short
         try:
@@ -224,6 +260,8 @@ class Loader:
         finally:
             _restore(quiet)
             _restore(self._previous_handlers)
+            if self._handling and ended_cleanly and sys.excepthook is _one_line_errors:
+                sys.excepthook = _one_line_errors.previous  # NOTE [process-wide handlers]
 
     def _abandon(self) -> None:
         self._leave(RuntimeError)
