@@ -41,15 +41,22 @@ def _batches(n: int, batch: int, epoch: int = 0):
 
 
 def hpcdl_rate(ds, workers: int, batch: int, augment: str, n: int, prefetch: int = 4) -> float:
+    images, seconds = timed_pass(ds, workers, batch, augment, n, prefetch)
+    return images / seconds
+
+
+def timed_pass(
+    ds, workers: int, batch: int, augment: str, n: int, prefetch: int = 4
+) -> tuple[int, float]:
+    """(images, seconds) of one pass over n samples, timed from the first batch's request to
+    the last batch, with the workers already started. Starting the clock after the first batch
+    would miss the work the other workers did meanwhile (up to `workers` batches)."""
     with Loader(
         ds, batch, workers=workers, prefetch=max(prefetch, 2 * workers), seed=0, augment=augment
     ) as loader:
-        batches = _batches(n, batch)
-        it = loader.iterate(batches, 0)
-        next(it)  # workers started and warm
         t0 = time.perf_counter()
-        count = sum(len(y) for _, y in it)
-        return count / (time.perf_counter() - t0)
+        count = sum(len(y) for _, y in loader.iterate(_batches(n, batch), 0))
+        return count, time.perf_counter() - t0
 
 
 class _Sample:
