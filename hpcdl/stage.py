@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="dry run: calibration file (python -m hpcdl.bench calibrate, or the site's); "
         "predicts PFS load, staging, allreduce and time to train per --nodes",
     )
+    a(
+        "--peer-staging",
+        choices=("auto", "on", "off"),
+        help="dry run with --calibration: the training job's peer tier (default auto: on with "
+        "2+ nodes and --shuffle global)",
+    )
     a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
     a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
     a("--json", action="store_true", default=None, help="last line: one JSON object")
@@ -124,6 +130,7 @@ DEFAULTS: dict[str, Any] = dict(
     json=False,
     quiet=False,
     stage_verify=False,
+    peer_staging="auto",
 )
 
 
@@ -245,6 +252,7 @@ def dry_run(args: argparse.Namespace) -> int:
             seed=int(args.seed),
             shuffle=args.shuffle,
             placement=args.placement,
+            peer_staging=args.peer_staging,
         )
         return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()
