@@ -22,7 +22,7 @@ from hpcdl.clustermodel.calibration import (
     PfsFigures,
 )
 from hpcdl.clustermodel.equations import JobShape
-from hpcdl.clustermodel.prediction import PredictionRequest, predict
+from hpcdl.clustermodel.prediction import DescribedDataset, PredictionRequest, predict
 from hpcdl.staging.plan import FileTreeDataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,3 +157,23 @@ def test_peer_calibration_fetches_between_two_real_stagers_and_leaves_nothing(tm
     assert 0 < peer.fetch_latency_s < 1.0 and peer.thread_bandwidth_Bps > 1e6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert (tmp_path / "mine").read_text() == "a user's file"
+
+
+def test_projection_with_peers_gives_a_global_shuffle_the_node_shuffles_later_epochs():
+    """docs/multinode.md's 128-node row: with peers a global shuffle's later epochs are the
+    node shuffle's (step-bound), without them the metadata servers' (9.2 s)."""
+    cal = calibration.load(REPO / "docs/calibrations/imagenet-lustre-a100.toml")
+    base = PredictionRequest(
+        calibration=cal, source="t", dataset=DescribedDataset(1281167, 140e9),
+        node_counts=(128,), ranks_per_node=8, batch_size=32, epochs=90, stage_threads=32,
+        seed=0, shuffle="global", placement="block",
+    )  # fmt: skip
+    off = peers_of(replace(base, peer_staging="off"))
+    on = peers_of(base)
+    node = peers_of(replace(base, shuffle="node"))
+    assert off.later_epoch_s == pytest.approx(9.2, abs=0.05)
+    assert on.later_epoch_s == pytest.approx(node.later_epoch_s, rel=0.01)
+    assert on.pfs_opens_total < 1.01 * node.pfs_opens_total
+    assert on.pfs_opens_total + sum(on.peer_files_per_epoch) == pytest.approx(
+        off.pfs_opens_total, abs=128 * 90
+    )
