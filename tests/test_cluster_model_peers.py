@@ -177,3 +177,17 @@ def test_projection_with_peers_gives_a_global_shuffle_the_node_shuffles_later_ep
     assert on.pfs_opens_total + sum(on.peer_files_per_epoch) == pytest.approx(
         off.pfs_opens_total, abs=128 * 90
     )
+
+
+def test_calibrate_on_two_nodes_picks_the_algorithm_its_timings_follow():
+    """bench calibrate's last network step on 2+ nodes (it failed with an ImportError once the
+    cluster model became a package, so every multi-node calibration failed)."""
+    from types import SimpleNamespace
+
+    from hpcdl.bench.calibrate import SIZES, closest_algorithm
+
+    net = CAL.network
+    world = SimpleNamespace(num_nodes=2, node_comm=SimpleNamespace(size=2))  # the two sizes
+    ring = [equations.allreduce_s(net, 2, 2, n)["ring"] for n in SIZES]
+    fitted = closest_algorithm(net, world, ring)
+    assert fitted.algorithm == "ring" and fitted.algorithm_factor == pytest.approx(1.0)

@@ -289,7 +289,7 @@ def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> 
     """net with the formula whose predictions of the whole world's allreduce lie closest (log
     error) at the sizes of gradient buckets (1 MiB and up: small messages take other
     algorithms), and the median ratio of measured to that formula as algorithm_factor."""
-    from hpcdl.clustermodel import allreduce_s  # noqa: PLC0415
+    from hpcdl.clustermodel.equations import allreduce_s  # noqa: PLC0415
 
     nodes, per_node = world.num_nodes, world.node_comm.size
 
