@@ -10,7 +10,7 @@ from pathlib import Path
 from helpers import make_tree, stage_cli
 
 from hpcdl.config import STAGE_THREADS
-from hpcdl.staging.fskind import copy_threads, path_kind
+from hpcdl.staging.fskind import copy_threads, path_kind, source_kind
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,6 +21,15 @@ def test_a_local_source_gets_threads_by_the_cores_a_network_one_the_default():
     assert copy_threads("local", 2) == 8  # 0.94x cp -r on 2 cores, where 32 took 1.2-1.9x
     assert copy_threads("memory", 1) == 4
     assert copy_threads("local", 64) == 32
+
+
+def test_a_fuse_source_counts_as_network_unless_it_is_a_local_block_device():
+    assert [source_kind(t) for t in ("lustre", "nfs4", "fuse", "fuse.sshfs", "fuse.slowfs")] == [
+        "network"
+    ] * 5
+    assert [source_kind(t) for t in ("ext4", "xfs", "fuseblk", "tmpfs")] == [
+        "local", "local", "local", "memory"
+    ]  # fmt: skip
 
 
 def test_the_kind_of_a_path_comes_from_the_mount_table(tmp_path):

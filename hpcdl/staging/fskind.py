@@ -80,16 +80,26 @@ def read_mounts() -> str:
         return ""
 
 
+def source_kind(fstype: str) -> str:
+    """A data source's kind: classify's, except that a FUSE file system it does not know
+    ("fuse", "fuse.<name>") counts as network: its opens cross a user-space server, often a
+    remote one (sshfs, s3fs, the benches' slow FS), and are latency-bound. fuseblk (a local
+    block device through FUSE, ntfs-3g) stays local."""
+    if fstype == "fuse" or fstype.startswith("fuse."):
+        return "network"
+    return classify(fstype)
+
+
 def path_kind(path: str | Path) -> tuple[str, str]:
-    """(kind, file system type) of the deepest existing directory on the way to path; kind as
-    classify gives it ("local" with type "unknown" when the mount table cannot be read)."""
+    """(kind, file system type) of the deepest existing directory on the way to path, kind as
+    source_kind gives it ("local" with type "unknown" when the mount table cannot be read)."""
     current = Path(path).absolute()
     while not current.exists() and current.parent != current:
         current = current.parent
     mount = mount_of(os.path.realpath(current), parse_mounts(read_mounts()))
     if mount is None:
         return "local", "unknown"
-    return classify(mount.fstype), mount.fstype
+    return source_kind(mount.fstype), mount.fstype
 
 
 LOCAL_THREADS_PER_CORE = 4  # 8 threads on 2 cores: 0.94x cp -r, where 32 took 1.2-1.9x
