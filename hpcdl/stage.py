@@ -35,6 +35,7 @@ from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.fskind import copy_threads, path_kind
 from hpcdl.staging.ownership import (
     StageDirError,
     StageDirFull,
@@ -97,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--shuffle", choices=("global", "node", "none"), help="sampler shuffle mode (default global)")
     a("--augment", help="dry run: the training --augment, for the samples' shape (default none)")
-    a("--stage-threads", type=int, help=f"copy threads (default {STAGE_THREADS})")
+    a(
+        "--stage-threads",
+        type=int,
+        help=f"copy threads (default: stage-only chooses by the source's file system and the "
+        f"cores, {STAGE_THREADS} for a network one; the dry run {STAGE_THREADS})",
+    )
     a("--stage-capacity", help="bytes (200G) or percent of free space (80%%) to use (default: all)")
     a("--stage-verify", action="store_true", default=None, help="verify copies by checksum")
     a("--pfs-bandwidth", type=float, help="dry run estimate: PFS MB/s per node (default 1000)")
@@ -109,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration",
         help="dry run: calibration file (python -m hpcdl.bench calibrate, or the site's); "
         "predicts PFS load, staging, allreduce and time to train per --nodes",
+    )
+    a(
+        "--peer-staging",
+        choices=("auto", "on", "off"),
+        help="dry run with --calibration: the training job's peer tier (default auto: on with "
+        "2+ nodes and --shuffle global)",
     )
     a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
     a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
@@ -131,6 +143,7 @@ DEFAULTS: dict[str, Any] = dict(
     json=False,
     quiet=False,
     stage_verify=False,
+    peer_staging="auto",
 )
 
 
@@ -139,6 +152,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     from hpcdl.config import resolve_paths  # noqa: PLC0415
 
     values = dict(DEFAULTS)
+    given = {k for k, v in vars(args).items() if v is not None and v is not False}
     if args.config:
         try:
             with open(args.config, "rb") as f:
@@ -147,11 +161,13 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(f"--config {args.config}: {exc}") from None
         known = set(vars(args))
         values.update({k: v for k, v in toml.items() if k in known})
+        given |= set(toml) & known
     values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
     out = argparse.Namespace(**{k: values.get(k) for k in set(values) | set(vars(args))})
     for name in ("batch_size", "epochs", "stage_threads"):
         if int(getattr(out, name)) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None
     if len(out.node_counts) > 1 and not (out.dry_run and out.calibration):
@@ -264,6 +280,7 @@ def dry_run(args: argparse.Namespace) -> int:
             seed=int(args.seed),
             shuffle=args.shuffle,
             placement=args.placement,
+            peer_staging=args.peer_staging,
         )
         return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()
@@ -409,12 +426,29 @@ def stage_only(args: argparse.Namespace) -> int:
         raise UsageError(f"--node {node} outside 0..{nodes - 1}")
     layout = gathered or rank_layout([per] * nodes, args.placement)
     ds = open_data(args, samples=False)  # the copy opens each file once; the index would too
+    args.threads_why = choose_threads(args, ds.root)
     check_no_overlap(args.stage_dir, {"--data": args.data})
     lease = StageDirLease.acquire(args.stage_dir)
     try:
         return _stage_with(lease, binary, ds, args, layout, node, comm)
     finally:
         lease.release(keep=True)  # the copies stay for the training job that follows
+
+
+def choose_threads(args: argparse.Namespace, root: Any) -> str:
+    """Without --stage-threads (flag or config), stage-only's copy threads follow the source:
+    a local file system is bound by the cores, a network or parallel one by each open's
+    latency (staging.fskind.copy_threads). Sets args.stage_threads; returns the start line's
+    account of the choice."""
+    kind, fstype = path_kind(root)
+    where = f"({fstype}, a {kind} file system)"
+    if args.stage_threads_given:
+        return f"{where} with {args.stage_threads} copy threads (--stage-threads)"
+    cores = len(os.sched_getaffinity(0))
+    args.stage_threads = copy_threads(kind, cores)
+    return (
+        f"{where} with {args.stage_threads} copy threads ({cores} cores; --stage-threads to choose)"
+    )
 
 
 def _stage_with(
@@ -428,6 +462,9 @@ def _stage_with(
 ) -> int:
     """Stage the first epoch of `node` into the leased stage dir and print the summary."""
     plan = node_plan(ds, args, layout, node, (0, 1))
+    if not args.quiet:
+        print(f"node {node}: staging {plan.files} files from {ds.root} {args.threads_why}",
+              file=sys.stderr)  # fmt: skip
     files = lease.files
     write_plan(files.plan, plan, ds, dest_prefix=data_key(ds.root))
     ProgressFile.create(files.progress, plan.local_ranks)

@@ -166,8 +166,9 @@ def test_dry_run_with_a_calibration_predicts_per_node_count(tree, tmp_path):
     assert [r["nodes"] for r in rows] == [1, 2, 4]
     assert [r["node_files_epoch1"] for r in rows] == [400, 200, 100]
     assert rows[0]["pfs_opens_total"] == 400  # one node reads every file once, then has it
+    # with the peer tier (auto: 2+ nodes, global shuffle) a new file comes from the PFS or a peer
     assert [sum(map(sum, r["every_node_new_files"])) for r in rows[1:]] == [
-        r["pfs_opens_total"] for r in rows[1:]
+        r["pfs_opens_total"] + sum(r["peer_files_per_epoch"]) for r in rows[1:]
     ]
     assert all(r["reads_source"] == "plan" for r in rows)
     assert "files/node e1" in proc.stdout and "images/s" in proc.stdout
@@ -215,6 +216,8 @@ def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
     cal = calibration.load(out)
     assert cal.pfs.open_latency_s > 0 and cal.pfs.thread_bandwidth_Bps > 0
     assert cal.local.write_bandwidth_Bps > 0 and cal.compute.v0 > 0
+    assert cal.peer is not None and cal.peer.fetch_latency_s > 0  # two stagers, one host
+    assert cal.peer.thread_bandwidth_Bps > 0
     assert cal.compute.gradient_bytes == 4 * (3 * 8 * 8 * 512 + 512 + 512 * 10 + 10)  # the mlp
     assert (
         json.loads(proc.stdout.splitlines()[-1])["compute"]

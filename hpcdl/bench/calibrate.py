@@ -14,6 +14,9 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   bytes/s for large files). A site that knows its Lustre better writes its own figures.
 - Node-local disk (world rank 0): --local-mb MB written to a temporary file in --stage-dir,
   fsync'ed and removed; nothing else there is touched.
+- Peer fetch (world rank 0): two hpcdl-stage processes in a temporary directory of
+  --stage-dir, one serving staged copies, one fetching them as the peer tier does; latency and
+  one thread's bandwidth (hpcdl.bench.calibrate_peer).
 - Interconnect: Allreduce of 4 KiB .. 8 MiB on the node communicator (intra) and on a
   communicator of one rank per node (inter); alpha and beta of the ring formula
   t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
@@ -46,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import nn
+from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
 from hpcdl.bench.timing import slowest_rank_median
 from hpcdl.clustermodel import calibration, speed
@@ -54,6 +58,7 @@ from hpcdl.clustermodel.calibration import (
     ComputeFigures,
     LocalFigures,
     NetworkFigures,
+    PeerFigures,
     PfsFigures,
 )
 from hpcdl.comm import blas_threads
@@ -178,8 +183,9 @@ def measure_pfs_together(
     return world.comm.bcast(result, root=0)
 
 
-def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
-    """Write megabytes to a temporary file in stage_dir, fsync, remove it.
+def measure_local(stage_dir: Path, megabytes: int) -> tuple[LocalFigures, PeerFigures]:
+    """Write megabytes to a temporary file in stage_dir, fsync, remove it; then the peer fetch
+    between two stagers in a temporary directory there (hpcdl.bench.calibrate_peer).
 
     A stage dir that does not exist yet is made as hpcdl.train makes it (mode 0700, with its
     missing parents) and removed again with them; one that cannot be used is a UserError of
@@ -187,7 +193,7 @@ def measure_local(stage_dir: Path, megabytes: int) -> LocalFigures:
     made: list[Path] = []
     try:
         made = _make_dirs(stage_dir)
-        return _timed_write(stage_dir, megabytes)
+        return _timed_write(stage_dir, megabytes), measure_peer(stage_dir)
     except OSError as exc:
         raise UserError(
             f"hpcdl.bench calibrate: cannot use --stage-dir {stage_dir}: {exc.strerror or exc}; "
@@ -284,7 +290,7 @@ def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> 
     """net with the formula whose predictions of the whole world's allreduce lie closest (log
     error) at the sizes of gradient buckets (1 MiB and up: small messages take other
     algorithms), and the median ratio of measured to that formula as algorithm_factor."""
-    from hpcdl.clustermodel import allreduce_s  # noqa: PLC0415
+    from hpcdl.clustermodel.equations import allreduce_s  # noqa: PLC0415
 
     nodes, per_node = world.num_nodes, world.node_comm.size
 
@@ -404,10 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     # line, instead of leaving the others in the next collective.
     install_abort_on_exception(world.comm, world.rank)
     blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
-    pfs = local = rows = None
+    pfs = local = rows = peer = None
     if world.rank == 0:
         pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
-        local = measure_local(Path(args.stage_dir), args.local_mb)
+        local, peer = measure_local(Path(args.stage_dir), args.local_mb)
     world.comm.Barrier()  # the PFS and the disk were measured alone
     if world.num_nodes > 1:
         pfs = world.comm.bcast(pfs, root=0)
@@ -419,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     where = f"{world.num_nodes} nodes x {world.node_comm.size} ranks"
     source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
-    cal = Calibration(pfs, local, network, compute, source=source)
+    cal = Calibration(pfs, local, network, compute, source=source, peer=peer)
     cal = fit_to_trainer_step(cal, world, args, trained)
     print(describe(cal, rows, where, trained))
     if args.out:
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(cal: Calibration, rows: list[dict], where: str, trained: float) -> str:
     """The measured figures, one line per part."""
-    p, n, c = cal.pfs, cal.network, cal.compute
+    p, n, c, peer = cal.pfs, cal.network, cal.compute, cal.peer or calibration.DEFAULT_PEER
     sweep = ", ".join(f"{r['threads']}t {r['opens_per_s']:.0f}/s" for r in rows)
     limit = (
         f"; limit {p.total_opens_per_s:.0f} opens/s" if p.total_opens_per_s
@@ -444,6 +450,8 @@ def describe(cal: Calibration, rows: list[dict], where: str, trained: float) -> 
         f"  PFS: {p.open_latency_s * 1e3:.2f} ms/open, {p.thread_bandwidth_Bps / 1e6:.0f} MB/s "
         f"per thread; opens/s by threads: {sweep}{limit}",
         f"  local disk: {cal.local.write_bandwidth_Bps / 1e6:.0f} MB/s written",
+        f"  peer fetch (two stagers, one host): {peer.fetch_latency_s * 1e3:.2f} ms, "
+        f"{peer.thread_bandwidth_Bps / 1e6:.0f} MB/s per thread",
         f"  allreduce: intra alpha {n.intra_alpha_s * 1e6:.1f} us, "
         f"{1e-6 / max(n.intra_beta_s_per_B, 1e-18):.0f} MB/s; inter alpha "
         f"{n.inter_alpha_s * 1e6:.1f} us, {1e-6 / max(n.inter_beta_s_per_B, 1e-18):.0f} MB/s; "

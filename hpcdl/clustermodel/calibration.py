@@ -2,8 +2,9 @@
 
 `python -m hpcdl.bench calibrate --out FILE` measures these figures on the machine it runs on; a
 site can also write them by hand (docs/cluster-model.md lists every field, its unit and where
-a figure usually comes from). The file is TOML with four tables; every figure is a plain
-number in SI units (seconds, bytes, bytes/s), so nothing needs a unit parser:
+a figure usually comes from). The file is TOML with four tables and an optional fifth;
+every figure is a plain number in SI units (seconds, bytes, bytes/s), so nothing needs a unit
+parser:
 
     version = 1
     [pfs]        open_latency_s, thread_bandwidth_Bps, node_bandwidth_Bps,
@@ -12,6 +13,11 @@ number in SI units (seconds, bytes, bytes/s), so nothing needs a unit parser:
     [network]    intra_alpha_s, intra_beta_s_per_B, inter_alpha_s, inter_beta_s_per_B, algorithm,
                  algorithm_factor
     [compute]    model, batch_size, v0, t, backward_fraction, gradient_bytes
+    [peer]       fetch_latency_s, thread_bandwidth_Bps, node_bandwidth_Bps   (optional)
+
+[peer] is the staging peer tier's fetch of a staged copy from another node's stager (issue 35).
+A file without it (written before the peer tier) still loads: the figures of DEFAULT_PEER,
+with the node's bandwidth capped by [network]'s link between nodes (peer_figures).
 
 Optional text fields (`source`, `notes` in any table) say where a figure came from.
 """
@@ -79,19 +85,36 @@ class ComputeFigures:
 
 
 @dataclass(frozen=True)
+class PeerFigures:
+    fetch_latency_s: float  # one fetch of a small file from a peer's stager, one thread
+    thread_bandwidth_Bps: float  # bytes/s of one fetching thread
+    node_bandwidth_Bps: float = 0.0  # one node's fetches together, 0 = the [network] link only
+
+
+# Without a [peer] table: what bench calibrate measured between two stagers on one host of the
+# loaded 2-core test VM (0.37-0.85 ms per fetch, 95-170 MB/s per thread; docs/cluster-model.md),
+# the latency rounded up and the bandwidth down; the link between nodes is then the [network]
+# table's (peer_figures).
+DEFAULT_PEER = PeerFigures(fetch_latency_s=1e-3, thread_bandwidth_Bps=100e6)
+
+
+@dataclass(frozen=True)
 class Calibration:
     pfs: PfsFigures
     local: LocalFigures
     network: NetworkFigures
     compute: ComputeFigures
     source: str = ""
+    peer: PeerFigures | None = None  # None: no [peer] table in the file (DEFAULT_PEER)
 
     def to_toml(self) -> str:
         """The file's text: four tables of numbers (see the module docstring)."""
         lines = [f"version = {VERSION}"]
         if self.source:
             lines.append(f"source = {_toml_value(self.source)}")
-        for name in ("pfs", "local", "network", "compute"):
+        for name in ("pfs", "local", "network", "compute", "peer"):
+            if getattr(self, name) is None:
+                continue
             lines += ["", f"[{name}]"]
             lines += [f"{k} = {_toml_value(v)}" for k, v in asdict(getattr(self, name)).items()]
         return "\n".join(lines) + "\n"
@@ -141,7 +164,24 @@ def from_dict(raw: dict[str, Any], where: str = "calibration") -> Calibration:
         raise CalibrationError(f"{where}: [compute] v0 and batch_size must be positive")
     if parts["pfs"].open_latency_s <= 0 and parts["pfs"].thread_bandwidth_Bps <= 0:
         raise CalibrationError(f"{where}: [pfs] needs open_latency_s or thread_bandwidth_Bps")
+    peer = raw.get("peer")
+    if peer is not None and not isinstance(peer, dict):
+        raise CalibrationError(f"{where}: [peer] must be a table (docs/cluster-model.md)")
+    if peer is not None:
+        parts["peer"] = _table(PeerFigures, peer, f"{where}: [peer]")
+        if parts["peer"].fetch_latency_s <= 0 and parts["peer"].thread_bandwidth_Bps <= 0:
+            raise CalibrationError(f"{where}: [peer] needs fetch_latency_s or thread_bandwidth_Bps")
     return Calibration(**parts, source=str(raw.get("source", "")))
+
+
+def peer_figures(cal: Calibration) -> PeerFigures:
+    """The peer fetch figures the model uses: the file's [peer] table, else DEFAULT_PEER; a
+    node's fetches never pass its link between nodes (1 / [network] inter_beta_s_per_B)."""
+    peer = cal.peer or DEFAULT_PEER
+    link = 1.0 / cal.network.inter_beta_s_per_B if cal.network.inter_beta_s_per_B > 0 else 0.0
+    node = min(b for b in (peer.node_bandwidth_Bps, link, math.inf) if b > 0)
+    return PeerFigures(peer.fetch_latency_s, peer.thread_bandwidth_Bps,
+                       0.0 if math.isinf(node) else node)  # fmt: skip
 
 
 def _table(cls: type, table: dict[str, Any], where: str) -> Any:

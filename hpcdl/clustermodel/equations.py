@@ -12,7 +12,9 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 3. allreduce per step (alpha-beta: ring, or hierarchical as Open MPI's coll_han does: trees
    inside and between nodes), bucket by bucket on one communication thread while backward
    runs (hpcdl.comm.reducer);
-4. images/s, scaling efficiency, epoch times and time to the last epoch.
+4. images/s, scaling efficiency, epoch times and time to the last epoch;
+5. with the peer tier, a later epoch's staging is its PFS files at the rate of 1. plus its
+   peer fetches (hpcdl.clustermodel.peers, a term of its own beside the staging formula).
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.clustermodel import peers
 from hpcdl.clustermodel.calibration import Calibration, NetworkFigures, PfsFigures
 from hpcdl.comm.reducer import plan_buckets
 
@@ -283,27 +286,64 @@ class Prediction:
     later_epoch_s: float
     index_s: float
     time_to_last_epoch_s: float
+    # The peer tier (issue 35): per epoch, all nodes' copies from peers (zeros without it;
+    # pfs_*_per_epoch above are then the PFS's share only) and every epoch's seconds.
+    peer_tier: bool = False
+    peer_files_per_epoch: list[int] | None = None
+    peer_bytes_per_epoch: list[int] | None = None
+    epoch_s: list[float] | None = None  # epoch 1 (from the first step) and every later one
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def later_epochs(
+    cal: Calibration,
+    shape: JobShape,
+    rate: StagingRate,
+    split: peers.PeerSplit,
+    compute_epoch: float,
+) -> list[float]:
+    """Seconds of every epoch after the first: the stager fetches each epoch's new files during
+    the epoch before, so an epoch lasts its steps or its staging, whichever is longer; staging
+    is the PFS files at the staging rate plus the peer fetches (equation 5)."""
+    out = []
+    for e in range(1, shape.epochs):
+        pfs_s = float(staged_at(rate, split.pfs_files[e]))
+        n_peer = split.peer_files[e]
+        mean = split.peer_bytes[e] / n_peer if n_peer else 0.0
+        out.append(
+            max(compute_epoch, pfs_s + peers.peer_fetch_s(cal, shape.stage_threads, n_peer, mean))
+        )
+    return out
+
+
 def predict_shape(
-    cal: Calibration, shape: JobShape, reads: NodeReads, every_node: list[NodeReads] | None = None
+    cal: Calibration,
+    shape: JobShape,
+    reads: NodeReads,
+    every_node: list[NodeReads] | None = None,
+    pfs_shares: list[float] | None = None,
 ) -> Prediction:
     """Every figure of the model for one job shape. reads: the busiest node's; every_node: all
-    nodes' reads, for the PFS totals (None: N times the busiest node's, as for analytic reads)."""
+    nodes' reads, for the PFS totals (None: N times the busiest node's, as for analytic reads);
+    pfs_shares: with the peer tier, per epoch the share of new files from the PFS (None: no
+    peer tier, all from the PFS)."""
     rate = staging_rate_for(cal, shape, reads.mean_file_bytes)
     step = step_time(cal, shape)
     one = epoch_one(reads, rate, step.step_s, shape.lead_s)
     compute_epoch = reads.steps_per_epoch * step.step_s
-    # Later epochs: the stager fetches each epoch's new files during the epoch before.
-    later = [max(compute_epoch, float(staged_at(rate, n))) for n in reads.new_files[1:]]
-    later = later or [compute_epoch]
-    nodes = every_node or [reads] * shape.nodes
-    opens = [sum(r.new_files[e] for r in nodes) for e in range(shape.epochs)]
+
+    def split(r: NodeReads) -> peers.PeerSplit:
+        if pfs_shares:
+            return peers.split_reads(r.new_files, r.new_bytes, pfs_shares)
+        return peers.no_peers(r.new_files, r.new_bytes)
+
+    later = later_epochs(cal, shape, rate, split(reads), compute_epoch) or [compute_epoch]
+    nodes = [split(r) for r in (every_node or [reads] * shape.nodes)]
+    opens = [sum(r.pfs_files[e] for r in nodes) for e in range(shape.epochs)]
     opens[0] += shape.index_files
-    nbytes = [sum(r.new_bytes[e] for r in nodes) for e in range(shape.epochs)]
+    nbytes = [sum(r.pfs_bytes[e] for r in nodes) for e in range(shape.epochs)]
     index_s = shape.index_files * cal.pfs.open_latency_s / max(shape.index_threads, 1)
     images = shape.ranks * shape.batch_size / step.step_s
     return Prediction(
@@ -337,4 +377,8 @@ def predict_shape(
         later_epoch_s=float(np.mean(later)),
         index_s=index_s,
         time_to_last_epoch_s=index_s + one.seconds + float(sum(later[: shape.epochs - 1])),
+        peer_tier=pfs_shares is not None,
+        peer_files_per_epoch=[sum(r.peer_files[e] for r in nodes) for e in range(shape.epochs)],
+        peer_bytes_per_epoch=[sum(r.peer_bytes[e] for r in nodes) for e in range(shape.epochs)],
+        epoch_s=[one.seconds, *later[: shape.epochs - 1]],
     )

@@ -16,10 +16,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from hpcdl.clustermodel import equations
+from hpcdl.clustermodel import equations, peers
 from hpcdl.clustermodel.calibration import Calibration
 from hpcdl.clustermodel.equations import JobShape, NodeReads, Prediction
 from hpcdl.data.sampler import SamplerSpec, rank_layout
+from hpcdl.staging.peer_tier import peer_tier_wanted
+from hpcdl.staging.peers import epoch_sources
 from hpcdl.staging.plan import plan_for_node
 
 PLAN_BUDGET = 200_000_000  # nodes x epochs x samples the exact plans may cost per row
@@ -61,6 +63,7 @@ class PredictionRequest:
     seed: int
     shuffle: str  # the sampler's: global | node | none
     placement: str  # how the job places its ranks: block | cyclic
+    peer_staging: str = "auto"  # --peer-staging: auto | on | off (staging.peer_tier)
 
 
 def dataset_figures(ds: Any) -> tuple[int, int]:
@@ -70,18 +73,46 @@ def dataset_figures(ds: Any) -> tuple[int, int]:
     return len(ds.files), int(ds.files.sizes.sum())
 
 
+def _is_analytic(request: PredictionRequest, shape: JobShape) -> bool:
+    ds = request.dataset
+    return isinstance(ds, DescribedDataset) or shape.nodes * shape.epochs * len(ds) > PLAN_BUDGET
+
+
+def _sampler(request: PredictionRequest, shape: JobShape) -> tuple[SamplerSpec, list]:
+    layout = rank_layout([shape.ranks_per_node] * shape.nodes, request.placement)
+    sampler = SamplerSpec(
+        num_samples=len(request.dataset), world_size=shape.ranks, seed=request.seed,
+        shuffle=request.shuffle, ranks_by_node=layout,
+    )  # fmt: skip
+    return sampler, layout
+
+
+def pfs_shares(request: PredictionRequest, shape: JobShape) -> list[float] | None:
+    """With the peer tier (as --peer-staging decides for this many nodes), per epoch the
+    share of new files a node reads from the PFS: exact from every node's reads when the plans
+    are within budget (staging.peers.epoch_sources), else expected (clustermodel.peers).
+    None: no peer tier."""
+    if not peer_tier_wanted(request.peer_staging, shape.nodes, request.shuffle):
+        return None
+    if _is_analytic(request, shape):
+        files = dataset_figures(request.dataset)[0]
+        return peers.pfs_shares(files, shape.nodes, shape.ranks_per_node, shape.batch_size,
+                                shape.epochs, request.shuffle)  # fmt: skip
+    sampler, layout = _sampler(request, shape)
+    fits = [True] * shape.nodes  # the model's reads assume the capacity holds the run
+    src = epoch_sources(request.dataset, sampler, shape.batch_size, (0, shape.epochs), layout,
+                        fits)  # fmt: skip
+    return peers.exact_shares(src.pfs_files, src.peer_files)
+
+
 def node_reads(request: PredictionRequest, shape: JobShape) -> list[NodeReads]:
     """Every node's reads of a job of this shape, busiest first (most files in epoch 1);
     analytic: one entry, the expected node."""
     ds = request.dataset
     files, nbytes = dataset_figures(ds)
-    if isinstance(ds, DescribedDataset) or shape.nodes * shape.epochs * len(ds) > PLAN_BUDGET:
+    if _is_analytic(request, shape):
         return [equations.analytic_reads(files, nbytes, shape, request.shuffle)]
-    layout = rank_layout([shape.ranks_per_node] * shape.nodes, request.placement)
-    sampler = SamplerSpec(
-        num_samples=len(ds), world_size=shape.ranks, seed=request.seed,
-        shuffle=request.shuffle, ranks_by_node=layout,
-    )  # fmt: skip
+    sampler, layout = _sampler(request, shape)
     reads = [
         equations.plan_reads(
             plan_for_node(ds, sampler, shape.batch_size, (0, shape.epochs), layout[n], n)
@@ -107,7 +138,10 @@ def predict(request: PredictionRequest) -> list[Prediction]:
         )
         reads = node_reads(request, shape)
         every_node = reads if len(reads) == nodes else None
-        out.append(equations.predict_shape(request.calibration, shape, reads[0], every_node))
+        shares = pfs_shares(request, shape)
+        out.append(
+            equations.predict_shape(request.calibration, shape, reads[0], every_node, shares)
+        )
     return out
 
 
@@ -125,10 +159,17 @@ COLUMNS = (  # header, width, how a Prediction shows in it
     ("images/s", 10, lambda p: f"{p.images_per_s:.0f}"),
     ("eff", 5, lambda p: f"{p.efficiency:.2f}"),
     ("epoch1 s", 9, lambda p: f"{p.epoch1_s:.1f}"),
+    ("PFS e2", 8, lambda p: _epoch2(p.pfs_opens_per_epoch)),
+    ("peer e2", 8, lambda p: _epoch2(p.peer_files_per_epoch)),
     ("later s", 8, lambda p: f"{p.later_epoch_s:.1f}"),
     ("total", 9, lambda p: _duration(p.time_to_last_epoch_s)),
     ("reads", 8, lambda p: p.reads_source),
 )
+
+
+def _epoch2(per_epoch: list[int] | None) -> str:
+    """Epoch 2's figure (all nodes), where later epochs differ with the peer tier."""
+    return f"{per_epoch[1]}" if per_epoch and len(per_epoch) > 1 else "-"
 
 
 def _duration(seconds: float) -> str:
@@ -137,6 +178,17 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def _peer_state(request: PredictionRequest, predictions: list[Prediction]) -> str:
+    """Which rows the peer tier is on in (--peer-staging, its default auto: 2+ nodes and a
+    global shuffle), and where its figures come from."""
+    on = [p.nodes for p in predictions if p.peer_tier]
+    if not on:
+        return f"off (--peer-staging {request.peer_staging}, shuffle {request.shuffle})"
+    where = "the [peer] table" if request.calibration.peer else "defaults, no [peer] table"
+    rows = "every row" if len(on) == len(predictions) else "rows of 2+ nodes"
+    return f"on in {rows} (--peer-staging {request.peer_staging}; fetches: {where})"
 
 
 def table(predictions: list[Prediction]) -> str:
@@ -153,7 +205,8 @@ def print_predictions(request: PredictionRequest, as_json: bool) -> int:
         f"cluster model ({request.source}): {cal.compute.model}, batch {request.batch_size} per "
         f"rank, {request.ranks_per_node} ranks/node, {request.epochs} epochs, "
         f"{dataset_figures(request.dataset)[0]} files; staging limited by "
-        f"{predictions[0].staging_limit}; allreduce {cal.network.algorithm}"
+        f"{predictions[0].staging_limit}; allreduce {cal.network.algorithm}; peer tier "
+        f"{_peer_state(request, predictions)}"
     )
     print(table(predictions))
     # waits under 1 % of the epoch (the first files of step 0) are not worth a line

@@ -2,8 +2,8 @@
 
 Staging only pays when the stage directory is on the node's own disk or memory; a stage
 directory on NFS, Lustre or GPFS copies from one shared file system to another. The file system
-comes from the mount table (/proc/self/mounts), the mount with the longest mount point that
-contains the directory's real path.
+and its kind come from hpcdl.staging.fskind (the mount table), which stage-only's choice of
+copy threads shares.
 """
 
 from __future__ import annotations
@@ -11,71 +11,21 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpcdl.doctor.findings import ERROR, WARNING, Problem
-
-# File system types that are shared between nodes (mount table names; fuse.* is by name).
-NETWORK_FS = frozenset(
-    "nfs nfs4 lustre gpfs beegfs fhgfs cifs smb3 smbfs ceph glusterfs panfs wekafs afs "
-    "orangefs pvfs2 9p fuse.sshfs fuse.glusterfs fuse.ceph-fuse fuse.beegfs fuse.s3fs "
-    "fuse.gcsfuse fuse.rclone fuse.juicefs".split()
+from hpcdl.staging.fskind import (  # noqa: F401 (the doctor's names since before the move)
+    NETWORK_FS,
+    Mount,
+    classify,
+    mount_of,
+    parse_mounts,
+    read_mounts,
 )
-MEMORY_FS = frozenset(("tmpfs", "ramfs"))
+
 LOW_FREE_BYTES = 1 << 30
 FIX_LOCAL = "fix: pass --stage-dir a node-local directory ($SLURM_TMPDIR, a local SSD, /tmp)"
-
-
-@dataclass(frozen=True)
-class Mount:
-    source: str
-    point: str
-    fstype: str
-    options: str
-
-
-def _unescape(field: str) -> str:
-    """Mount table fields escape space, tab, newline and backslash as octal (\\040)."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def parse_mounts(text: str) -> list[Mount]:
-    """Lines of /proc/mounts (fstab format: source point type options dump pass)."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 4:
-            mounts.append(Mount(_unescape(fields[0]), _unescape(fields[1]), fields[2], fields[3]))
-    return mounts
-
-
-def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
-    """The mount holding path (already absolute and resolved): the longest matching point;
-    the last one listed wins a tie, as a later mount hides an earlier one there."""
-    best: Mount | None = None
-    for m in mounts:
-        point = m.point.rstrip("/") or "/"
-        inside = path == point or path.startswith(point if point == "/" else point + "/")
-        if inside and (best is None or len(point) >= len(best.point.rstrip("/") or "/")):
-            best = m
-    return best
-
-
-def classify(fstype: str) -> str:
-    """'network' (shared between nodes), 'memory' (tmpfs: node-local RAM) or 'local'."""
-    if fstype in NETWORK_FS:
-        return "network"
-    return "memory" if fstype in MEMORY_FS else "local"
 
 
 def default_stage_dir(environ: dict[str, str] | None = None) -> tuple[str, str]:
@@ -166,10 +116,3 @@ def check_stage_dir(
             )
         )
     return facts, problems
-
-
-def read_mounts() -> str:
-    try:
-        return Path("/proc/self/mounts").read_text()
-    except OSError:
-        return ""

@@ -7,11 +7,17 @@ Per job: the slow FS's opens during the job, the stagers' own PFS opens and peer
 status maps, through the metrics' staging_nodes), the loaders' misses, each epoch's seconds;
 and whether the two global jobs' final parameters are bitwise equal. The jobs run one after
 another on the same machine, so their ratios are the figures to read (docs/PERFORMANCE.md).
+
+The cluster model beside them: `bench calibrate` on the same emulated nodes first (as `bench
+validate` does; or --calibration FILE), then the dry run's epoch times for each job (its
+--shuffle and --peer-staging), and measured / predicted - 1 per epoch figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import shutil
 import sys
@@ -26,7 +32,7 @@ from tools.bench.cluster import Cluster
 from tools.bench.cluster import unavailable as no_cluster
 from tools.bench.slowfs import SlowFSOptions, mounted
 from tools.bench.slowfs import unavailable as no_fuse
-from tools.bench.validate import Setup, make_images, run_mpi
+from tools.bench.validate import Setup, calibrate_args, make_images, run_mpi
 
 JOBS = {  # name -> hpcdl.train flags
     "node": ("--shuffle", "node", "--peer-staging", "off"),
@@ -68,7 +74,23 @@ def params_of(out: Path) -> np.ndarray:
     return checkpoint.load(checkpoint.latest(out / "ckpt")).params
 
 
-def measure(setup: Setup, workdir: Path) -> dict[str, Any]:
+def predicted_epochs(setup: Setup, mount: Path, calib: Path, flags: tuple[str, ...]) -> list:
+    """The dry run's seconds of every epoch of this job (hpcdl.clustermodel)."""
+    from hpcdl import stage  # noqa: PLC0415
+
+    argv = ["--dry-run", "--data", str(mount), "--calibration", str(calib), "--nodes",
+            str(setup.nodes), "--ranks-per-node", str(setup.ranks_per_node), "--seed", "0",
+            "--batch-size", str(setup.batch_size), "--epochs", str(setup.epochs),
+            "--stage-threads", str(setup.stage_threads), "--json", *flags]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if stage.main(argv) != 0:
+            raise RuntimeError("hpcdl.stage --dry-run failed")
+    (prediction,) = json.loads(out.getvalue().strip().splitlines()[-1])["predictions"]
+    return prediction["epoch_s"]
+
+
+def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str, Any]:
     data = make_images(workdir / "images", setup.files)
     mount = workdir / "pfs"
     mount.mkdir()
@@ -79,8 +101,13 @@ def measure(setup: Setup, workdir: Path) -> dict[str, Any]:
         from hpcdl.data import open_dataset  # noqa: PLC0415
 
         open_dataset(mount)  # the index, cached outside the read-only mount, before the jobs
+        calib = given or workdir / "calibration.toml"
+        if not given:
+            run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
         jobs = {name: run_job(cluster, pfs, setup, mount, workdir / f"job{k}", flags)
                 for k, (name, flags) in enumerate(JOBS.items())}  # fmt: skip
+        for name, flags in JOBS.items():
+            jobs[name]["model_epochs_s"] = predicted_epochs(setup, mount, calib, flags)
     same = params_of(workdir / "job1").tobytes() == params_of(workdir / "job2").tobytes()
     return dict(setup=setup.__dict__, jobs=jobs, global_params_bitwise_equal=same)
 
@@ -91,8 +118,12 @@ def table(result: dict[str, Any]) -> str:
              "misses | slow FS opens |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, j in result["jobs"].items():
         later = float(np.mean(j["epochs_s"][1:])) if len(j["epochs_s"]) > 1 else float("nan")
+        model = j["model_epochs_s"]
+        model_later = float(np.mean(model[1:])) if len(model) > 1 else float("nan")
         lines.append(
-            f"| {name} | {j['epochs_s'][0]:.2f} | {later:.2f} | {j['stager_pfs_opens']} "
+            f"| {name} | {j['epochs_s'][0]:.2f} (model {model[0]:.2f}, "
+            f"{j['epochs_s'][0] / model[0] - 1:+.0%}) | {later:.2f} (model {model_later:.2f}, "
+            f"{later / model_later - 1:+.0%}) | {j['stager_pfs_opens']} "
             f"({j['stager_pfs_opens'] / files:.2f}x files) | {j['peer_files']} | {j['misses']} "
             f"| {j['fs_opens']} |"
         )
@@ -115,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--latency-ms", type=float, default=20.0, help="slow FS: ms per open")
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
+    a("--calibration", help="the model's calibration file (default: bench calibrate here first)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
 
@@ -128,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
                   epochs=args.epochs, stage_threads=args.stage_threads, runs=1)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hpcdl-peer-staging-") as scratch:
-        result = measure(setup, Path(scratch))
+        given = Path(args.calibration).resolve() if args.calibration else None
+        result = measure(setup, Path(scratch), given)
     print(table(result), flush=True)
     if args.json:
         print(json.dumps(result))
