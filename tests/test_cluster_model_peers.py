@@ -115,7 +115,7 @@ def test_the_peer_term_shortens_input_bound_later_epochs():
     assert without.epoch_s[0] == with_peers.epoch_s[0] == without.epoch1_s
     assert with_peers.later_epoch_s < without.later_epoch_s / 5
     split = peers.split_reads(reads.new_files, reads.new_bytes, shares)
-    rate = equations.staging_rate(slow, shape, reads.mean_file_bytes)
+    rate = equations.staging_rate_for(slow, shape, reads.mean_file_bytes)
     step = equations.step_time(slow, shape).step_s * reads.steps_per_epoch
     expected = equations.staged_at(rate, split.pfs_files[1]) + peers.peer_fetch_s(
         slow, 4, split.peer_files[1], split.peer_bytes[1] / split.peer_files[1]

@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hpcdl.bench torch-sync",
         description=__doc__.split("\n")[0],
+        allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
     ap.add_argument("--ranks", type=int, default=2, help="ranks on this node")
