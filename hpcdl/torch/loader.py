@@ -283,9 +283,7 @@ class Loader:
         if self._leaving:
             return
         self._leaving = True
-        print(
-            f"hpcdl: rank {self.world.rank}: stopped by signal SIGTERM", file=sys.stderr, flush=True
-        )
+        messages.say("stopped by signal SIGTERM", rank=self.world.rank)
         raise SystemExit(EXIT_SIGTERM)
 
 
@@ -304,7 +302,7 @@ def _restore(handlers: dict[int, Any]) -> None:
 
 def _start_error(message: str | None, speak: bool) -> LoaderStartError:
     if speak and message:
-        print(f"hpcdl: rank 0: error: {message}", file=sys.stderr, flush=True)
+        messages.error(message, rank=0)
     return LoaderStartError(message)
 
 
@@ -314,7 +312,7 @@ def _one_line_errors(exc_type, exc, tb) -> None:
     error: ...`, as hpcdl.train's do; other exceptions go to the hook that was there before
     (Python's traceback, or torch.distributed's with its rank prefix). Status 1."""
     if issubclass(exc_type, (LoaderFault, DataError, StageDirError)):
-        print(f"hpcdl: rank {messages.launcher_rank()}: error: {exc}", file=sys.stderr, flush=True)
+        messages.error(str(exc))
     else:
         _one_line_errors.previous(exc_type, exc, tb)
 
