@@ -294,7 +294,6 @@ def test_what_is_not_built_says_so():
         lambda: hvd.add_process_set([0]),
         lambda: hvd.elastic.run,
         lambda: hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0])),
-        lambda: hvd.start_timeline("t.json"),
     ):
         with pytest.raises(hvd.NotBuilt, match="does not build"):
             call()

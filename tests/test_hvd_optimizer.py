@@ -281,3 +281,35 @@ def test_wrong_arguments_and_layouts_fail_on_every_rank():
     uneven = torch.nn.Linear(2, 2 + comm.rank)
     with pytest.raises(ValueError, match="every rank must build the same model"):
         hvd.DistributedOptimizer(torch.optim.SGD(uneven.parameters(), lr=0.1))
+
+
+def test_start_timeline_records_every_ranks_bucket_allreduces(tmp_path_factory):
+    """hvd.start_timeline / stop_timeline (Horovod's names) write hpcdl's timeline: a Chrome trace
+    with one track per rank and each DistributedOptimizer bucket's allreduce, merged by rank 0."""
+    import json
+
+    from mpi4py import MPI
+
+    comm = world()
+    folder = comm.bcast(str(tmp_path_factory.mktemp("timeline")) if comm.rank == 0 else None)
+    trace = f"{folder}/hvd.json"
+    model = net()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    hvd.start_timeline(trace)
+    with pytest.raises(ValueError, match="already"):
+        hvd.start_timeline(trace)
+    for step in range(3):
+        x, y = batch(step, comm.rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    hvd.stop_timeline()
+    hvd.stop_timeline()  # a second stop does nothing, as in Horovod
+    comm.Barrier()
+    events = json.loads(open(trace).read())["traceEvents"]
+    for rank in range(comm.size):
+        reduced = [e for e in events if e.get("pid") == rank and e["name"] == "allreduce"]
+        assert len(reduced) >= 3 and all(e["args"]["bytes"] > 0 for e in reduced), (rank, events)
+    assert MPI.COMM_WORLD.allreduce(1) == comm.size  # the ranks still agree afterwards

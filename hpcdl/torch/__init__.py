@@ -91,13 +91,8 @@ from hpcdl.torch.state_sync import (
 )
 from hpcdl.torch.stop import stop_requested
 from hpcdl.torch.sync_batch_norm import SyncBatchNorm
-from hpcdl.torch.unbuilt import (
-    HorovodInternalError,
-    NotBuilt,
-    elastic,
-    start_timeline,
-    stop_timeline,
-)
+from hpcdl.torch.timeline import start_timeline, stop_timeline
+from hpcdl.torch.unbuilt import HorovodInternalError, NotBuilt, elastic
 
 __all__ = [
     "Adasum",

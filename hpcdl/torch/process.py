@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,10 +72,16 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     atexit.register(shutdown)  # before MPI_Finalize (registered earlier, so run later)
 
 
+# Called by shutdown() before the engine goes (collective ends, such as a timeline's merge).
+AT_SHUTDOWN: list[Callable[[], None]] = []
+
+
 def shutdown() -> None:
     """Free the engine's communicator; hvd.init() may be called again afterwards."""
     global _state
     if _state is not None:
+        while AT_SHUTDOWN:
+            AT_SHUTDOWN.pop()()
         engine, _state = _state.engine, None
         engine.close()
 

@@ -1,6 +1,7 @@
 """What hpcdl.torch does not build of Horovod's API, and the one error each raises.
 
-Process sets, Adasum, `horovod.torch.elastic` and the timeline are not built. Each name exists,
+Process sets, Adasum and `horovod.torch.elastic` are not built (the timeline is hpcdl's,
+hpcdl.torch.timeline). Each name exists,
 so that a Horovod script imports, and using it raises NotBuilt (a NotImplementedError) with
 one line naming the feature and what to do instead (docs/horovod.md, "Not built").
 HorovodInternalError is Horovod's error for a collective that failed (ranks that disagree on a
@@ -15,7 +16,6 @@ _INSTEAD = {
     "process sets": "run the collectives over every rank (the global process set)",
     "Adasum": "use op=hvd.Average or op=hvd.Sum",
     "elastic": "restart the job from a checkpoint (docs/slurm.md, job chains)",
-    "timeline": "time the steps with hpcdl's own metrics",
 }
 
 
@@ -31,14 +31,6 @@ def not_built(feature: str) -> NotBuilt:
     key = next((k for k in _INSTEAD if k.lower() in feature.lower()), feature)
     instead = _INSTEAD.get(key, "see docs/horovod.md")
     return NotBuilt(f"hpcdl.torch does not build Horovod's {feature}: {instead} (docs/horovod.md)")
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    raise not_built("timeline (hvd.start_timeline)")
-
-
-def stop_timeline() -> None:
-    raise not_built("timeline (hvd.stop_timeline)")
 
 
 class _Elastic:
