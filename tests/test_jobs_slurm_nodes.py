@@ -142,3 +142,44 @@ def test_signal_stop_on_two_nodes_checkpoints_and_resubmission_resumes(slurm, di
     assert "hpcdl: resumed at epoch" in log_of(info)
     done = summary(tmp_path / f"resumable-{second}.metrics.jsonl")
     assert stopped["steps"] < done["steps"] == 40 and done["world_size"] == 4, done
+
+
+# A Horovod-style script (issue 34): every rank reports its node, the world, its node's ranks
+# and an allreduce of the ranks' numbers.
+HVD_SCRIPT = """
+import socket, sys
+import torch
+import hpcdl.torch as hvd
+hvd.init()
+total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
+with open(f"{sys.argv[1]}/rank-{hvd.rank()}.txt", "w") as out:
+    out.write(f"{socket.gethostname()} {hvd.size()} {hvd.local_size()} {int(total.item())}\\n")
+hvd.shutdown()
+"""
+
+
+def test_a_rendered_script_job_runs_a_horovod_style_script_on_both_nodes(slurm, tmp_path):
+    """`hpcdl.jobs render script --nodes 2 ... -- python SCRIPT`: the user's script, unchanged,
+    runs as 2 x 2 ranks over the site's MPI, as a Slurm job across both nodes."""
+    import subprocess
+    import sys
+
+    (tmp_path / "hvd_job.py").write_text(HVD_SCRIPT)
+    rendered = subprocess.run(
+        [sys.executable, "-m", "hpcdl.jobs", "render", "script", *TWO_NODES, "--device", "cpu"]
+        + ["--time", "00:10:00", "--output", str(tmp_path), "--job-name", "hvdjob", "--"]
+        + [sys.executable, str(tmp_path / "hvd_job.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    script = tmp_path / "hvdjob.sbatch"
+    script.write_text(rendered.stdout)
+    job = slurm.sbatch(script, env={"HPCDL_STAGE_DIR": str(LOCAL)}, cwd=tmp_path)
+    info = slurm.wait_done(job, JOB_TIMEOUT)
+    assert_state(info, "COMPLETED", "0:0")
+    assert info["NodeList"] == "vnode[1-2]", info
+    reports = [(tmp_path / f"rank-{r}.txt").read_text().split() for r in range(4)]
+    assert sorted(host for host, *_ in reports) == ["vnode1", "vnode1", "vnode2", "vnode2"]
+    assert all(rest == ["4", "2", "6"] for _, *rest in reports), reports
