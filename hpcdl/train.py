@@ -29,7 +29,7 @@ from hpcdl.data.dataset import DataError
 from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
-from hpcdl.metrics import RunningMean
+from hpcdl.metrics import MetricsWriter, RunningMean
 from hpcdl.nn.step import StepResult, train_step
 from hpcdl.run import Position, Run
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
         if world.is_root:
             print(exc.message, flush=True)
+            record_finished(cfg, exc.message)
         world.comm.Barrier()  # the line is out before any rank exits
         return 0
     except SystemExitWithMessage as exc:
@@ -59,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         status = EXIT_DATA_ERROR if isinstance(exc, DataError) else EXIT_LOADER_FAULT
         status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else status
         raise UserError(str(exc), status) from None
+
+
+def record_finished(cfg: TrainConfig, line: str) -> None:
+    """A `finished` record in --metrics: the run's own word that it had nothing left to train
+    (the last job of a chain), which the job template reads as completion (docs/slurm.md)."""
+    writer = MetricsWriter(cfg.metrics)
+    try:
+        writer.write("finished", reason=line)
+    finally:
+        writer.close()
 
 
 def train(cfg: TrainConfig, world: World) -> int:

@@ -351,7 +351,7 @@ def test_bench_interconnect_measures_with_and_without_a_link_limit_and_cleans_up
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    cmd = [sys.executable, "-m", "hpcdl.bench", "interconnect", "--models", "resnet20"]
+    cmd = [sys.executable, "-m", "tools.bench", "interconnect", "--models", "resnet20"]
     cmd += ["--repeats", "1", "--colls", "tuned", "--json"]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=mpi_env()) as bench:  # fmt: skip
