@@ -102,3 +102,56 @@ def test_keep_staged_moves_nothing(tmp_path):
     StageDirLease.acquire(stage).release(keep=True)
     assert count_files(stage / data_key(data)) == 20
     assert not (stage / ".hpcdl" / "trash").exists()
+
+
+def _waiting_on_flock(timeout: float = 10.0) -> bool:
+    """True once some process waits for an flock (a '->' line in /proc/locks)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any("->" in line and "FLOCK" in line for line in Path("/proc/locks").read_text().splitlines()):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_tidy_that_waited_on_the_lock_while_another_tidied_leaves_no_stage_dir(tmp_path):
+    """The CI flake of 2026-11-26: a remover's last tidy waited on the lock while the releasing
+    job's tidy removed the lock, hpcdl's metadata and the stage dir; on waking it recreated
+    .hpcdl and its lock, so the job's rmdir of the stage dir failed and an empty stage dir
+    that hpcdl created stayed behind; woken after the stage dir was gone, it raised (in a
+    releasing job: at its exit)."""
+    import threading
+
+    from hpcdl.staging.layout import StageDir, locked, tidy_if_unused
+
+    stage = tmp_path / "stage"
+    StageDirLease.acquire(stage).release(keep=True)  # hpcdl's metadata, no live session
+    layout = StageDir(stage)
+    raised = []
+
+    def tidy() -> None:
+        try:
+            tidy_if_unused(stage)
+        except OSError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=tidy)
+    with locked(stage):
+        waiter.start()
+        assert _waiting_on_flock()
+        # What the winning tidy does while it holds the lock and right after it:
+        # everything of hpcdl's goes, the stage dir too.
+        tidy_under_lock = [layout.sessions / s for s in os.listdir(layout.sessions)]
+        for session in tidy_under_lock:
+            for f in os.listdir(session):
+                os.unlink(session / f)
+            os.rmdir(session)
+        os.rmdir(layout.sessions)
+        os.unlink(layout.created)
+        os.unlink(layout.lock)
+        os.rmdir(layout.meta)
+        os.rmdir(stage)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    assert raised == []
+    assert not stage.exists()  # the waiter found the lock gone: nothing left for it to tidy

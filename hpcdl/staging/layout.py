@@ -92,9 +92,9 @@ def tidy_if_unused(stage: Path) -> None:
     """Remove hpcdl's metadata, and the stage dir if hpcdl created it, when no live session,
     manifest or trash entry is left (the last job or remover out)."""
     layout = StageDir(stage)
-    if not layout.meta.is_dir():
-        return
-    with locked(stage):
+    with locked_unless_tidied(stage) as held:
+        if not held:
+            return
         sessions = layout.sessions
         if any(session_alive(sessions / s) for s in list_dir(sessions)):
             return
@@ -189,19 +189,46 @@ def locked(stage: Path) -> Iterator[None]:
     layout = StageDir(stage)
     while True:
         make_dir(layout.meta)
-        fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            same = os.stat(layout.lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        fd = _lock_if_current(layout, os.O_CREAT)
+        if fd is not None:
             break
-        os.close(fd)
     try:
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def locked_unless_tidied(stage: Path) -> Iterator[bool]:
+    """Hold <stage>/.hpcdl/lock and yield True; yield False without creating anything when the
+    lock file is gone, or goes while this waits for it: another tidy removed hpcdl's metadata
+    (and maybe the stage dir) and finishes the job itself (tidy_if_unused)."""
+    fd = _lock_if_current(StageDir(stage), 0)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _lock_if_current(layout: StageDir, create: int) -> int | None:
+    """flock the lock file; its descriptor while that file is still the one at the lock's path,
+    else None (a tidy unlinked it while this waited)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | create
+    try:
+        fd = os.open(layout.lock, flags, 0o600)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        if os.stat(layout.lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return None
 
 
 def process_start(pid: int) -> str | None:
