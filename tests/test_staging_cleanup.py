@@ -108,7 +108,8 @@ def _waiting_on_flock(timeout: float = 10.0) -> bool:
     """True once some process waits for an flock (a '->' line in /proc/locks)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any("->" in line and "FLOCK" in line for line in Path("/proc/locks").read_text().splitlines()):
+        lines = Path("/proc/locks").read_text().splitlines()
+        if any("->" in line and "FLOCK" in line for line in lines):
             return True
         time.sleep(0.01)
     return False
