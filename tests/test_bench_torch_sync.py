@@ -47,3 +47,19 @@ def test_an_unknown_model_is_one_line():
     done = bench("--models", "vgg")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().count("\n") == 0 and "--models vgg" in done.stderr
+
+
+def test_the_same_modes_across_two_emulated_nodes_behind_a_1gbit_link():
+    from tools.bench.cluster import unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cmd = [sys.executable, "-m", "tools.bench", "torch-sync-nodes", "--models", "resnet20"]
+    cmd += ["--batch-size", "2", "--steps", "2", "--warmup", "1", "--rounds", "1", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "2 emulated nodes x 1 ranks, links 1gbit" in done.stdout
+    rows = json.loads(done.stdout.strip().splitlines()[-2])
+    assert [r["mode"] for r in rows] == ["local", "ddp", "hvd"]
+    assert all(r["images_per_s"] > 0 for r in rows)

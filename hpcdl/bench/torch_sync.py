@@ -130,9 +130,12 @@ def worker(args: argparse.Namespace) -> None:
 
     hvd.init()
     comm = hvd.process.state().world.comm
-    port = comm.bcast(_free_port() if comm.rank == 0 else None)
+    port = comm.bcast(_free_port(args.rendezvous) if comm.rank == 0 else None)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank, world_size=comm.size
+        "gloo",
+        init_method=f"tcp://{args.rendezvous}:{port}",
+        rank=comm.rank,
+        world_size=comm.size,
     )
     modes = ["local", "ddp", "hvd"] + (["hvd-fp16"] if args.fp16 else [])
     records = []
@@ -151,9 +154,9 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps({"ranks": comm.size, "records": records}), flush=True)
 
 
-def _free_port() -> int:
+def _free_port(address: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return int(s.getsockname()[1])
 
 
@@ -189,27 +192,7 @@ def drive(args: argparse.Namespace) -> int:
 
     # Open MPI's waits busy-poll a core; the reducer's thread waits in them beside the ranks'
     # compute, so on a node with no spare core they yield it (both modes run in this one job).
-    cmd = (
-        mpirun_command(args.ranks)
-        + ["--mca", "mpi_yield_when_idle", "1"]
-        + [
-            sys.executable,
-            "-m",
-            "hpcdl.bench.torch_sync",
-            "--worker",
-            "--models",
-            args.models,
-            "--batch-size",
-            str(args.batch_size),
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--rounds",
-            str(args.rounds),
-        ]
-        + (["--fp16"] if args.fp16 else [])
-    )
+    cmd = mpirun_command(args.ranks) + ["--mca", "mpi_yield_when_idle", "1"] + worker_argv(args)
     done = subprocess.run(
         cmd, env=child_env(args.ranks, "cpu"), capture_output=True, text=True, timeout=args.timeout
     )
@@ -221,8 +204,35 @@ def drive(args: argparse.Namespace) -> int:
         return 1
     out = json.loads(done.stdout.strip().splitlines()[-1])
     rows = summarise(out, args)
+    print_rows(rows, args, f"{args.ranks} ranks")
+    return 0
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The ranks' program: this module as `--worker`, with the driver's settings."""
+    return [
+        sys.executable,
+        "-m",
+        "hpcdl.bench.torch_sync",
+        "--worker",
+        "--models",
+        args.models,
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--rounds",
+        str(args.rounds),
+        "--rendezvous",
+        args.rendezvous,
+    ] + (["--fp16"] if args.fp16 else [])
+
+
+def print_rows(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> None:
     print(
-        f"torch-sync: {args.ranks} ranks, batch {args.batch_size}/rank, {args.steps} steps, "
+        f"torch-sync: {where}, batch {args.batch_size}/rank, {args.steps} steps, "
         f"median of {args.rounds} alternated rounds"
     )
     print(
@@ -236,7 +246,6 @@ def drive(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(json.dumps(rows))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp16", action="store_true", help="also hvd with Compression.fp16")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole job")
     ap.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    ap.add_argument(
+        "--rendezvous",
+        default="127.0.0.1",
+        help="rank 0's address for gloo's rendezvous (the first node's, across nodes)",
+    )
     ap.add_argument(
         "--worker", action="store_true", help="run as one rank of the job (the driver starts these)"
     )
