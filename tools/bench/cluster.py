@@ -34,6 +34,18 @@ NETNS_DIR = Path("/run/netns")
 VENV_BIN = Path(sys.executable).parent
 
 
+def harness_can_start(prog: str) -> bool:
+    """For a harness's main: a cluster built from here is torn down on Ctrl-C and on kill as
+    well (also when started in the background); False, with the reason printed, when this
+    machine cannot build one."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    reason = unavailable()
+    if reason:
+        print(f"{prog}: {reason}", file=sys.stderr)
+    return reason is None
+
+
 def unavailable() -> str | None:
     """Why this machine cannot host an emulated cluster, or None when it can."""
     if os.geteuid() != 0:

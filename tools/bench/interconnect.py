@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from hpcdl.helpformat import HelpFormatter
-from tools.bench.cluster import Cluster, unavailable
+from tools.bench.cluster import Cluster, harness_can_start
 
 # The emulated nodes share the machine's cores, so the ranks outnumber them; ranks that
 # busy-poll then starve each other (2.6 MB/s across the link on 2 cores with 4 ranks).
@@ -110,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     colls = args.colls.split(",")
     if any(c not in COLLECTIVES for c in colls):
         parser.error(f"--colls: choose from {', '.join(COLLECTIVES)}, got {args.colls!r}")
-    # tear the cluster down on Ctrl-C and kill as well, also when started in the background
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    reason = unavailable()
-    if reason:
-        print(f"python -m tools.bench interconnect: {reason}", file=sys.stderr)
+    if not harness_can_start("python -m tools.bench interconnect"):
         return 2
     bench_args = ["--repeats", str(args.repeats), "--models", args.models]
     bench_args += ["--bucket-mb", str(args.bucket_mb)]

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
 from hpcdl.bench import torch_sync
 from hpcdl.bench.launch import child_env
-from tools.bench.cluster import Cluster, unavailable
+from tools.bench.cluster import Cluster, harness_can_start
 
 PROG = "python -m tools.bench torch-sync-nodes"
 
@@ -48,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{PROG}: --models {','.join(unknown)}: choose from resnet20, resnet50", file=sys.stderr
         )
         return 2
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    reason = unavailable()
-    if reason:
-        print(f"{PROG}: {reason}", file=sys.stderr)
+    if not harness_can_start(PROG):
         return 2
     nodes = 2
     env = child_env(nodes * args.ranks, "cpu")
