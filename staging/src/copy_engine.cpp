@@ -262,20 +262,33 @@ CopyEngine::CopyEngine(StageTree& tree, Manifest& manifest, const std::string& t
   }
 }
 
-CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
-                            std::vector<char>& buffer, unsigned tag) {
-  const auto [dir, base] = split_dest(dest);
-  const std::string dest_path = tree_.root() + "/" + dest;
-  int dirfd = -1;
+std::optional<CopyResult> CopyEngine::dest_dir(const std::string& dest, int& dirfd) {
   try {
-    dirfd = tree_.dir_for(dir, true);
+    dirfd = tree_.dir_for(split_dest(dest).first, true);
+    return std::nullopt;
   } catch (const StageError& e) {
     CopyResult r = error_result(e.err() ? e.err() : ENOTDIR, "cannot create directory for",
-                                dest_path);
+                                tree_.root() + "/" + dest);
     if (r.outcome != CopyOutcome::NoSpace) r.outcome = CopyOutcome::Failed;
     r.message = e.what();
     return r;
   }
+}
+
+std::optional<CopyResult> CopyEngine::open_temp(const std::string& tmp,
+                                                const std::string& dest_path, UniqueFd& out) {
+  ::unlinkat(tmp_dir_.get(), tmp.c_str(), 0);
+  out = UniqueFd(::openat(tmp_dir_.get(), tmp.c_str(),
+                          O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!out.valid()) return error_result(errno, "cannot create a temporary file for", dest_path);
+  return std::nullopt;
+}
+
+CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
+                            std::vector<char>& buffer, unsigned tag) {
+  const std::string dest_path = tree_.root() + "/" + dest;
+  int dirfd = -1;
+  if (auto failed = dest_dir(dest, dirfd)) return *failed;
 
   pfs_.on_open();
   UniqueFd src(::open(source.c_str(), O_RDONLY | O_CLOEXEC));
@@ -289,10 +302,8 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   // never holds a partial file, and a dead stager's temporaries go with its session.
   const std::string tmp = kTempPrefix + std::to_string(tag);
   const int tmp_dir = tmp_dir_.get();
-  ::unlinkat(tmp_dir, tmp.c_str(), 0);
-  UniqueFd out(::openat(tmp_dir, tmp.c_str(),
-                        O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-  if (!out.valid()) return error_result(errno, "cannot create a temporary file for", dest_path);
+  UniqueFd out;
+  if (auto failed = open_temp(tmp, dest_path, out)) return *failed;
 
   // Every return below removes the temporary name (a published copy keeps its other link).
   struct TempGuard {
@@ -392,24 +403,13 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
 
 CopyResult CopyEngine::receive(const std::string& source, const std::string& dest, uint64_t size,
                                const std::function<Received(int fd)>& fill, unsigned tag) {
-  const auto [dir, base] = split_dest(dest);
   const std::string dest_path = tree_.root() + "/" + dest;
   int dirfd = -1;
-  try {
-    dirfd = tree_.dir_for(dir, true);
-  } catch (const StageError& e) {
-    CopyResult r = error_result(e.err() ? e.err() : ENOTDIR, "cannot create directory for",
-                                dest_path);
-    if (r.outcome != CopyOutcome::NoSpace) r.outcome = CopyOutcome::Failed;
-    r.message = e.what();
-    return r;
-  }
+  if (auto failed = dest_dir(dest, dirfd)) return *failed;
   const std::string tmp = kTempPrefix + std::to_string(tag);
   const int tmp_dir = tmp_dir_.get();
-  ::unlinkat(tmp_dir, tmp.c_str(), 0);
-  UniqueFd out(::openat(tmp_dir, tmp.c_str(),
-                        O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-  if (!out.valid()) return error_result(errno, "cannot create a temporary file for", dest_path);
+  UniqueFd out;
+  if (auto failed = open_temp(tmp, dest_path, out)) return *failed;
   struct TempGuard {
     int dirfd;
     const std::string& name;

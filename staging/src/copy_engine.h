@@ -128,6 +128,15 @@ class CopyEngine {
   int remove(const std::string& dest, CopyId id);
 
  private:
+  // The directory of `dest`, created as needed: its descriptor in `dirfd`, or the result to
+  // return when it cannot be made.
+  std::optional<CopyResult> dest_dir(const std::string& dest, int& dirfd);
+
+  // This thread's temporary file `tmp` in the session dir, created new (a leftover of a dead
+  // copy of the same thread is removed first), in `out`; or the result to return.
+  std::optional<CopyResult> open_temp(const std::string& tmp, const std::string& dest_path,
+                                      UniqueFd& out);
+
   // Links the finished temporary file to `dest`; see copy().
   CopyResult publish(const std::string& tmp, int dirfd, const std::string& dest,
                      const std::string& source, const FileIdentity& source_id, CopyId id);
