@@ -9,12 +9,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from hpcdl.data.dataset import FileTable
+from hpcdl.staging.status import RUN_RUNNING, StatusView
 
 
 class ShardDataset:
@@ -197,3 +199,17 @@ def write_peer_plan(ds, stage: Path, session: str, node: int, peer: str | None) 
     meta.mkdir(parents=True, mode=0o700)
     (meta / "plan").write_text(render_plan(plan, ds, dest_prefix="k", peer_lines=lines))
     return meta
+
+
+def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:
+    """The status map of the job's session in one node's stage dir, once its stager runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.poll() is None:
+        for path in stage.glob(".hpcdl/sessions/*/status"):
+            view = StatusView(path)
+            running = view.open() and view.field("run_state") >= RUN_RUNNING
+            view.close()
+            if running:
+                return path
+        time.sleep(0.005)
+    raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")

@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env, read_events, run_train
+from helpers import wait_for_status
 from PIL import Image
 
 from hpcdl import checkpoint
 from hpcdl.data import open_dataset
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.staging.ownership import data_key
-from hpcdl.staging.status import RUN_RUNNING, StatusView
+from hpcdl.staging.status import StatusView
 from tools.bench.cluster import LOCAL, Cluster, leftovers, unavailable
 
 pytestmark = pytest.mark.multinode
@@ -216,20 +217,6 @@ def test_a_stager_killed_on_one_node_leaves_that_node_on_the_pfs_with_the_same_r
     assert second["node"] == "vnode2" and second["misses"] > 0, second
     assert second["files_staged"] == ready_at_kill, (ready_at_kill, second)  # no more copies
     assert first["node"] == "vnode1" and first["hits"] > 0, first  # node 1 staged on
-
-
-def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:
-    """The status map of the job session in one node's stage dir, once its stager runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and job.poll() is None:
-        for path in stage.glob(".hpcdl/sessions/*/status"):
-            view = StatusView(path)
-            running = view.open() and view.field("run_state") >= RUN_RUNNING
-            view.close()
-            if running:
-                return path
-        time.sleep(0.005)
-    raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
 
 
 def rank_pid_on_node(cluster: Cluster, index: int, rank: int, marker: str) -> int:

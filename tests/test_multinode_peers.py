@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mpi_env
-from helpers import make_tree, write_peer_plan
+from helpers import make_tree, wait_for_status, write_peer_plan
 from PIL import Image
 
 from hpcdl import checkpoint
 from hpcdl.data import open_dataset
 from hpcdl.staging.binary import find_stager_binary
-from hpcdl.staging.status import RUN_RUNNING, StatusView
+from hpcdl.staging.status import StatusView
 from tools.bench.cluster import LOCAL, Cluster
 
 pytestmark = pytest.mark.multinode
@@ -117,20 +117,6 @@ def test_a_peer_stager_killed_mid_epoch_sends_its_clients_to_the_pfs(cluster, fo
     on = checkpoint.load(checkpoint.latest(tmp_path / "on" / "ckpt")).params
     off = checkpoint.load(checkpoint.latest(tmp_path / "off" / "ckpt")).params
     assert on.tobytes() == off.tobytes()
-
-
-def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:
-    """The status map of the job's session in one node's stage dir, once its stager runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and job.poll() is None:
-        for path in stage.glob(".hpcdl/sessions/*/status"):
-            view = StatusView(path)
-            running = view.open() and view.field("run_state") >= RUN_RUNNING
-            view.close()
-            if running:
-                return path
-        time.sleep(0.005)
-    raise AssertionError(f"no running stager appeared in {stage} (job exit {job.poll()})")
 
 
 # In a node: a listening socket on the node's address, handed to hpcdl-stage as a node leader
