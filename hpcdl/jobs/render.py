@@ -363,7 +363,7 @@ def default_launcher(site: Site, python: str) -> str:
 
 
 def template_text(name: str) -> str:
-    """A bundled template by file name (train.sbatch, stage.sbatch, chain.sh)."""
+    """A bundled template by file name (train.sbatch, stage.sbatch, chain.sh, ...)."""
     return resources.files("hpcdl.jobs").joinpath("templates", name).read_text()
 
 
@@ -396,15 +396,18 @@ def _render_chain(spec: JobSpec, script: str, values: dict[str, str]) -> str:
             "--chain needs a checkpoint directory (the config's checkpoint_dir or "
             "--checkpoint-dir): every job of the chain resumes from the last one's checkpoint"
         )
-    if "\nHPCDL_CHAIN_JOB\n" in script:  # the here-document's end marker
+    about = {"count": str(spec.chain), "site": values["site"]}
+    about["checkpoint_dir"] = values["checkpoint_dir"]
+    return chain_script(script, spec.chain, fill_template("chain_about_train.txt", about))
+
+
+def chain_script(job: str, count: int, about: str) -> str:
+    """chain.sh: submits the sbatch script `job` `count` times, each after the one before;
+    `about` is its header comment (what the jobs are and how they resume)."""
+    if "\nHPCDL_CHAIN_JOB\n" in job:  # the here-document's end marker
         raise JobSpecError("the job script must not contain a line HPCDL_CHAIN_JOB")
-    chain_values = {
-        "count": str(spec.chain),
-        "site": values["site"],
-        "checkpoint_dir": values["checkpoint_dir"],
-        "job": script.rstrip("\n"),
-    }
-    return fill_template("chain.sh", chain_values)
+    values = {"about": about.rstrip("\n"), "count": str(count), "job": job.rstrip("\n")}
+    return fill_template("chain.sh", values)
 
 
 def fill_template(template: str, values: dict[str, str]) -> str:

@@ -21,6 +21,7 @@ from hpcdl.jobs.render import (
     DEVICES,
     Job,
     JobSpec,
+    chain_script,
     check_text,
     default_launcher,
     directive,
@@ -116,7 +117,5 @@ def render_script(spec: JobSpec) -> tuple[str, list[str]]:
     if spec.chain == 1:
         return script, warnings
     positive("--chain", spec.chain)
-    if "\nHPCDL_CHAIN_JOB\n" in script:
-        raise JobSpecError("the job script must not contain a line HPCDL_CHAIN_JOB")
-    chain = {"count": str(spec.chain), "site": site.name, "job": script.rstrip("\n")}
-    return fill_template("script_chain.sh", chain), warnings
+    about = fill_template("chain_about_script.txt", {"count": str(spec.chain), "site": site.name})
+    return chain_script(script, spec.chain, about), warnings
