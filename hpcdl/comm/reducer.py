@@ -83,6 +83,7 @@ class GradientReducer:
         bucket_mb: float = 25.0,
         host_staged: bool = False,
         prescaled: bool = False,
+        host_sum: Any = None,
     ) -> None:
         if grads.ndim != 1:
             raise ValueError("GradientReducer needs a flat 1-D gradient buffer")
@@ -96,6 +97,9 @@ class GradientReducer:
         # in the loss gradient), so the sum is already the average and no pass over the
         # buffer is needed; that pass costs as much as a third of a small model's allreduce.
         self.scale = None if prescaled else 1.0 / self.world_size
+        # host_sum: an MPI op that sums host buffers of this dtype faster than MPI.SUM (hpcdl.torch
+        # gives one for float16); device buffers always use MPI.SUM.
+        self.host_sum = host_sum
         self.buckets = plan_buckets(grads.size, grads.dtype.itemsize, bucket_mb)
         self._host = pinned_empty(grads.size, grads.dtype) if host_staged else None
         self._device_id = self.xp.cuda.Device().id if self.on_device else None
@@ -188,9 +192,10 @@ class GradientReducer:
         view = self.grads[bucket.lo : bucket.hi]
         if event is not None:
             event.synchronize()
+        host_sum = self.host_sum or MPI.SUM
         if not self.host_staged:
             # Blocking: when it returns, the bucket holds the sum (CUDA-aware MPI included).
-            self.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
+            self.comm.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM if self.on_device else host_sum)
             if self.scale is not None and self.on_device:
                 with self._copy_stream:  # the reducer's own stream; wait() synchronizes it
                     view *= self.scale
@@ -204,7 +209,7 @@ class GradientReducer:
                 self._copy_stream.synchronize()
         else:
             np.copyto(host, view)
-        self.comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
+        self.comm.Allreduce(MPI.IN_PLACE, host, op=host_sum)
         if self.scale is not None:
             host *= self.scale
         if self.on_device:
