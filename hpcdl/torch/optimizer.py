@@ -10,11 +10,14 @@ slot (cast to float16 under Compression.fp16, divided by gradient_predivide_fact
 the longest ready prefix of the layout; the reducer's thread reduces every bucket inside it while
 backward goes on. synchronize() puts in the gradients whose hook did not fire (a zero gradient
 where there is none, as Horovod submits one), waits for the reducer, and copies the averages back
-into `p.grad`. Every rank reduces the same buckets in the same order, so the ranks agree on the
-layout once, when the optimizer is made (names, shapes, dtypes: one line on every rank if they
-differ), and never per step.
+into `p.grad`, scaled there by Average's 1/size (and the predivide factor) in the parameter's
+dtype: one torch pass, where a NumPy pass over a float16 buffer cost 150 ms per 25 M gradients.
+Float16 buckets are summed by a torch MPI op (hpcdl.torch.transfer.torch_op), 13x faster than
+Open MPI's own float16 sum. Every rank reduces the same buckets in the same order, so the
+ranks agree on the layout once, when the optimizer is made (names, shapes, dtypes: one line on
+every rank if they differ), and never per step.
 
-op=Sum reduces without the 1/size pass; Min, Max and Product, which a sum reducer cannot do,
+op=Sum is not scaled; Min, Max and Product, which a sum reducer cannot do,
 go through the named collectives at synchronize() (no overlap). Sparse gradients go through the
 sparse allreduce (two allgathers) unless sparse_as_dense. `groups` is accepted and checked, but
 the buckets already group the gradients. join() does not stand in for a DistributedOptimizer's
