@@ -183,3 +183,41 @@ def test_a_rendered_script_job_runs_a_horovod_style_script_on_both_nodes(slurm, 
     reports = [(tmp_path / f"rank-{r}.txt").read_text().split() for r in range(4)]
     assert sorted(host for host, *_ in reports) == ["vnode1", "vnode1", "vnode2", "vnode2"]
     assert all(rest == ["4", "2", "6"] for _, *rest in reports), reports
+
+
+def test_the_horovod_example_runs_under_srun_on_both_nodes(slurm, digits_dir, tmp_path):
+    """examples/horovod_resnet.py, unchanged, in a job rendered by `hpcdl.jobs render script`
+    for a site whose launcher is Slurm's own (`srun --mpi=pmix`): 2 x 2 ranks across both
+    nodes, hpcdl.torch.Loader staging into each node's stage dir, every rank agreeing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    example = Path(__file__).resolve().parents[1] / "examples" / "horovod_resnet.py"
+    (tmp_path / "site.toml").write_text(SRUN_SITE)
+    command = [sys.executable, str(example), "--data", str(digits_dir / "train"), "--epochs", "1"]
+    command += ["--blocks", "1", "--width", "4", "--batch-size", "16", "--workers", "1"]
+    command += ["--stage-dir", "{stage_dir}"]
+    rendered = subprocess.run(
+        [sys.executable, "-m", "hpcdl.jobs", "render", "script", *TWO_NODES, "--device", "cpu"]
+        + ["--site", str(tmp_path / "site.toml"), "--time", "00:10:00"]
+        + ["--output", str(tmp_path), "--job-name", "hvdres", "--", *command],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert "launcher=srun" in rendered.stdout and "--mpi=pmix" in rendered.stdout
+    script = tmp_path / "hvdres.sbatch"
+    script.write_text(rendered.stdout)
+    job = slurm.sbatch(script, env={"HPCDL_STAGE_DIR": str(LOCAL)}, cwd=tmp_path)
+    info = slurm.wait_done(job, JOB_TIMEOUT)
+    log = log_of(info)
+    assert "can not load PMIx library" not in log, INSTALL_HINT
+    assert_state(info, "COMPLETED", "0:0")
+    assert info["NodeList"] == "vnode[1-2]", info
+    out = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
+    assert out["ranks"] == 4 and out["ranks_agree"], out
+    assert out["stats"]["staging"] and out["stats"]["files_staged"] > 0, out
