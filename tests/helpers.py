@@ -181,24 +181,11 @@ def stage_cli(*args, env=None, cwd=None, timeout: float = 120) -> subprocess.Com
 
 
 def write_peer_plan(ds, stage: Path, session: str, node: int, peer: str | None) -> Path:
-    """A one-rank, one-epoch plan of every file of ds into stage's session dir (copies under
-    `k/`); with peer ("ip:port"), every file is planned from node 0 at that address, from step
-    0 (the peer tier's plan section). Returns the session dir."""
-    from hpcdl.data.sampler import SamplerSpec
-    from hpcdl.staging import plan_for_node
-    from hpcdl.staging.peers import PeerSources, render_peer_section
-    from hpcdl.staging.plan import render_plan
+    """hpcdl.bench.calibrate_peer.write_plan's plan (every file, one epoch; with peer, from
+    node 0 at "ip:port") with 4 samples a step, in stage's session dir; returns that dir."""
+    from hpcdl.bench.calibrate_peer import write_plan
 
-    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    plan = plan_for_node(ds, spec, 4, (0, 1), (0,), node)
-    lines: list[str] = []
-    if peer:
-        zeros = np.zeros(plan.files, np.int64)
-        lines = render_peer_section(plan, PeerSources(zeros.astype(np.int32), zeros), [peer])
-    meta = stage / ".hpcdl" / "sessions" / session
-    meta.mkdir(parents=True, mode=0o700)
-    (meta / "plan").write_text(render_plan(plan, ds, dest_prefix="k", peer_lines=lines))
-    return meta
+    return write_plan(ds, stage, node, peer, session=session, batch_size=4)
 
 
 def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:

@@ -107,17 +107,27 @@ def status_path(stage: Path) -> Path:
     return stage / ".hpcdl" / "sessions" / SESSION / "status"
 
 
-def write_plan(ds: FileTreeDataset, stage: Path, node: int, peer: str | None) -> None:
-    """One node's one-epoch plan of every file; with peer, every file from node 0 there."""
+def write_plan(
+    ds: FileTreeDataset,
+    stage: Path,
+    node: int,
+    peer: str | None,
+    session: str = SESSION,
+    batch_size: int = 1,
+) -> Path:
+    """One node's one-rank, one-epoch plan of every file of ds into stage's session dir (copies
+    under `k/`); with peer ("ip:port"), every file is planned from node 0 at that address, from
+    step 0 (the peer tier's plan section). Returns the session dir."""
     spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    plan = plan_for_node(ds, spec, 1, (0, 1), (0,), node)
+    plan = plan_for_node(ds, spec, batch_size, (0, 1), (0,), node)
     lines: list[str] = []
     if peer:
         zeros = np.zeros(plan.files, np.int64)
         lines = render_peer_section(plan, PeerSources(zeros.astype(np.int32), zeros), [peer])
-    meta = stage / ".hpcdl" / "sessions" / SESSION
+    meta = stage / ".hpcdl" / "sessions" / session
     meta.mkdir(parents=True, mode=0o700)
     (meta / "plan").write_text(render_plan(plan, ds, dest_prefix="k", peer_lines=lines))
+    return meta
 
 
 def start_stager(

@@ -70,6 +70,13 @@ uint64_t hash_fd(int fd, std::vector<char>& buffer, int* err) {
   return h.digest();
 }
 
+// Unlinks a copy thread's temporary name in the session dir when it goes out of scope.
+struct TempGuard {
+  int dirfd;
+  const std::string& name;
+  ~TempGuard() { ::unlinkat(dirfd, name.c_str(), 0); }
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------- emulated PFS
@@ -306,11 +313,7 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   if (auto failed = open_temp(tmp, dest_path, out)) return *failed;
 
   // Every return below removes the temporary name (a published copy keeps its other link).
-  struct TempGuard {
-    int dirfd;
-    const std::string& name;
-    ~TempGuard() { ::unlinkat(dirfd, name.c_str(), 0); }
-  } guard{tmp_dir, tmp};
+  const TempGuard guard{tmp_dir, tmp};
 
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   uint64_t copied = 0;
@@ -410,11 +413,7 @@ CopyResult CopyEngine::receive(const std::string& source, const std::string& des
   const int tmp_dir = tmp_dir_.get();
   UniqueFd out;
   if (auto failed = open_temp(tmp, dest_path, out)) return *failed;
-  struct TempGuard {
-    int dirfd;
-    const std::string& name;
-    ~TempGuard() { ::unlinkat(dirfd, name.c_str(), 0); }
-  } guard{tmp_dir, tmp};
+  const TempGuard guard{tmp_dir, tmp};
 
   const Received got = fill(out.get());
   if (!got.ok && got.err != 0) return error_result(got.err, "cannot write", dest_path);

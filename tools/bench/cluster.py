@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,13 +35,13 @@ NETNS_DIR = Path("/run/netns")
 VENV_BIN = Path(sys.executable).parent
 
 
-def harness_can_start(prog: str) -> bool:
+def harness_can_start(prog: str, *also: Callable[[], str | None]) -> bool:
     """For a harness's main: a cluster built from here is torn down on Ctrl-C and on kill as
     well (also when started in the background); False, with the reason printed, when this
-    machine cannot build one."""
+    machine cannot build one or one of `also` (more checks, e.g. the slow FS's) says why not."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    reason = unavailable()
+    reason = unavailable() or next((r for r in (check() for check in also) if r), None)
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
     return reason is None

@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.helpformat import HelpFormatter
-from tools.bench.cluster import Cluster
-from tools.bench.cluster import unavailable as no_cluster
+from tools.bench.cluster import Cluster, harness_can_start
 from tools.bench.slowfs import SlowFSOptions, mounted
 from tools.bench.slowfs import unavailable as no_fuse
 from tools.bench.validate import Setup, calibrate_args, make_images, run_mpi
@@ -153,9 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    reason = no_cluster() or no_fuse()
-    if reason:
-        print(f"tools.bench peer-staging: {reason}", file=sys.stderr)
+    if not harness_can_start("tools.bench peer-staging", no_fuse):
         return 2
     setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
                   epochs=args.epochs, stage_threads=args.stage_threads, runs=1)  # fmt: skip

@@ -45,8 +45,7 @@ import numpy as np
 
 from hpcdl.bench import synthetic
 from hpcdl.helpformat import HelpFormatter
-from tools.bench.cluster import Cluster
-from tools.bench.cluster import unavailable as no_cluster
+from tools.bench.cluster import Cluster, harness_can_start
 from tools.bench.slowfs import SlowFSOptions, mounted
 from tools.bench.slowfs import unavailable as no_fuse
 
@@ -276,9 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    reason = no_cluster() or no_fuse()
-    if reason:
-        print(f"tools.bench validate: {reason}", file=sys.stderr)
+    if not harness_can_start("tools.bench validate", no_fuse):
         return 2
 
     def setup(nodes: int) -> Setup:
