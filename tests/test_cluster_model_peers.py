@@ -159,6 +159,20 @@ def test_peer_calibration_fetches_between_two_real_stagers_and_leaves_nothing(tm
     assert (tmp_path / "mine").read_text() == "a user's file"
 
 
+def test_peer_calibration_bounds_a_bandwidth_lost_in_the_start_up_spread(tmp_path, monkeypatch):
+    """Bug: when the large files' fetches hid in the stagers' start-up spread, the fit's per-byte
+    slope came out negative and the table said 0 B/s, so the model put ~1e13 s on a peer epoch.
+    The bandwidth is then bounded by the fastest group's bytes per second instead."""
+    from hpcdl.bench import calibrate_peer
+
+    seconds = iter([0.056, 0.133, 0.088, 0.0254, 0.0262, 0.0255])  # as measured on a quiet VM
+    monkeypatch.setattr(calibrate_peer, "fetch_seconds", lambda *_: next(seconds))
+    peer = calibrate_peer.measure_peer(tmp_path)
+    largest = max(size * count for size, count in calibrate_peer.GROUPS)
+    assert peer.thread_bandwidth_Bps == pytest.approx(largest / 0.0255)
+    assert 0 < peer.fetch_latency_s < 0.01
+
+
 def test_projection_with_peers_gives_a_global_shuffle_the_node_shuffles_later_epochs():
     """docs/multinode.md's 128-node row: with peers a global shuffle's later epochs are the
     node shuffle's (step-bound), without them the metadata servers' (9.2 s)."""

@@ -14,6 +14,7 @@ import secrets
 import shlex
 import signal
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -119,6 +120,36 @@ def test_home_serves_and_peer_copies_obey_every_rule(home, tmp_path):
         time.sleep(0.05)  # the home publishes its counters with its heartbeat
     assert served.field("files_served") == FILES
     assert served.field("pfs_opens") == FILES  # the home read each file once
+
+
+def test_fetches_reuse_one_connection_per_copy_thread(home, tmp_path):
+    """A connection carries one request after another: the fetcher's 4 copy threads open at most
+    4 connections for FILES files (not one per file), and every byte is still right."""
+    ds, address, secret, _ = home
+    view, _ = fetch(ds, tmp_path, address, secret)
+    assert view.field("peer_files") == FILES
+    assert 1 <= view.field("peer_connections") <= 4
+    assert_copies_are_the_sources(ds, tmp_path / "b")
+
+
+def test_a_connection_carries_one_request_after_another(home):
+    """The wire format (docs/staging.md, "Peer tier"): a 56-byte request, a 64-byte reply; a
+    "not here" leaves the connection open for the next request, a refusal closes it."""
+    _, address, secret, _ = home
+    port = int(address.split(":")[1])
+
+    def request(secret_hex: str, file_id: int) -> bytes:  # a size no file has: "not here"
+        return b"HPCDLPQ1" + bytes.fromhex(secret_hex) + struct.pack("<IIQ", file_id, 0, 1)
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        for file_id in range(3):
+            conn.sendall(request(secret, file_id))
+            reply = conn.recv(64, socket.MSG_WAITALL)
+            assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (1,)
+        conn.sendall(request(secrets.token_hex(32), 0))
+        reply = conn.recv(64, socket.MSG_WAITALL)
+        assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (2,)
+        assert conn.recv(1) == b""  # refused, and closed
 
 
 def test_a_connection_without_the_secret_is_refused_with_one_line(home, tmp_path):

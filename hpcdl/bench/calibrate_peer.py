@@ -7,7 +7,9 @@ dir: another "node") fetches the whole group through its plan's peer section, wi
 thread and --once, twice (the fastest counts). Its wall time holds its start-up, so groups
 of 4 KiB and 4 MiB files of several counts are fetched and a least-squares line through them
 gives the fixed cost per fetch (latency) and one thread's bandwidth, as the PFS part fits its
-open latency and bandwidth.
+open latency and bandwidth. Where the large files' time hides in the start-up's spread (a fast
+loopback), the bandwidth is bounded instead by the fastest group's bytes per second, start-up
+included: a lower bound, never the 0 B/s a negative slope would give.
 
 Both stagers run on this host (world rank 0's): the fetch crosses the loopback or the host's
 own address, not the link between nodes, which the cluster model takes from [network]
@@ -51,7 +53,9 @@ def measure_peer(stage_dir: Path) -> PeerFigures:
                    for k, (size, count) in enumerate(GROUPS)]  # fmt: skip
     design = np.array([[1.0, count, size * count] for size, count in GROUPS])
     (_, latency, per_byte), *_ = np.linalg.lstsq(design, np.array(seconds), rcond=None)
-    bandwidth = 1.0 / per_byte if per_byte > 0 else 0.0
+    if per_byte <= 0:  # the bytes' time is lost in the start-up's spread: bound it from above
+        per_byte = min(s / (size * count) for (size, count), s in zip(GROUPS, seconds))
+    bandwidth = 1.0 / per_byte
     return PeerFigures(fetch_latency_s=max(float(latency), 1e-6),
                        thread_bandwidth_Bps=float(bandwidth))  # fmt: skip
 

@@ -3,16 +3,19 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace hpcdl {
 namespace {
 
-// Wire format, little-endian (docs/staging.md, "Peer tier"). One request per connection.
+// Wire format, little-endian (docs/staging.md, "Peer tier"). A connection carries one request
+// after another, each answered whole before the next is read.
 constexpr char kRequestMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'Q', '1'};
 constexpr char kReplyMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'A', '1'};
 constexpr uint32_t kAskChecksum = 1;
@@ -36,10 +39,12 @@ struct Reply {
 static_assert(sizeof(Request) == 56 && sizeof(Reply) == 64, "wire structs must not pad");
 
 // 0, or the errno (ETIMEDOUT for a receive timeout, ECONNRESET for a peer that closed early).
-int send_all(int fd, const void* data, size_t len) {
+// more: more of this reply follows at once (MSG_MORE: one segment for a small file's header,
+// bytes and trailer, which TCP_NODELAY would otherwise send as three).
+int send_all(int fd, const void* data, size_t len, bool more = false) {
   const char* p = static_cast<const char*>(data);
   while (len > 0) {
-    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
     if (n < 0) {
       if (errno == EINTR) continue;
       return errno == EAGAIN ? ETIMEDOUT : errno;
@@ -78,7 +83,11 @@ int write_fd(int fd, const char* p, size_t len) {
   return 0;
 }
 
+// Bounded waits, and no Nagle delay: a connection carries one small request after another, and
+// a request or the last segment of a reply held back for a delayed ACK would cost 40 ms.
 void set_io_timeouts(int fd) {
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   struct timeval tv {};
   tv.tv_sec = kPeerIoTimeoutMs / 1000;
   tv.tv_usec = (kPeerIoTimeoutMs % 1000) * 1000;
@@ -192,37 +201,87 @@ bool PeerServer::lookup(uint32_t file_id, ServedCopy* out) {
   return true;
 }
 
-void PeerServer::serve() {
-  std::vector<char> buffer(1u << 20);  // once per thread, not per request
-  while (!stop_.load()) {
-    struct pollfd p {listen_.get(), POLLIN, 0};
-    if (::poll(&p, 1, 100) <= 0) continue;
+void PeerServer::accept_new() {
+  for (;;) {
     struct sockaddr_in from {};
     socklen_t len = sizeof from;
     UniqueFd conn(::accept4(listen_.get(), reinterpret_cast<struct sockaddr*>(&from), &len,
                             SOCK_CLOEXEC));
-    if (!conn.valid()) continue;  // another thread took it, or the client gave up
+    if (!conn.valid()) return;  // none left (another thread took it, or the client gave up)
     set_io_timeouts(conn.get());
     char host[INET_ADDRSTRLEN] = "?";
     ::inet_ntop(AF_INET, &from.sin_addr, host, sizeof host);
-    answer(conn.get(), host, buffer);
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(Conn{std::move(conn), host, ++next_serial_, false,
+                         std::chrono::steady_clock::now()});
   }
 }
 
-void PeerServer::answer(int fd, const std::string& client, std::vector<char>& buffer) {
+bool PeerServer::claim(int fd, uint64_t serial, Conn* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = std::find_if(idle_.begin(), idle_.end(), [&](const Conn& c) {
+    return c.fd.get() == fd && c.serial == serial;
+  });
+  if (it == idle_.end()) return false;  // another thread answers it
+  *out = std::move(*it);
+  idle_.erase(it);
+  return true;
+}
+
+// Every thread polls the listening socket and every idle connection; the one that claims a
+// readable connection answers its request and puts it back.
+void PeerServer::serve() {
+  std::vector<char> buffer(1u << 20);  // once per thread, not per request
+  std::vector<struct pollfd> fds;
+  std::vector<uint64_t> serials;
+  while (!stop_.load()) {
+    fds.assign(1, pollfd{listen_.get(), POLLIN, 0});
+    serials.assign(1, 0);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const auto too_old = std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleCloseMs);
+      idle_.erase(std::remove_if(idle_.begin(), idle_.end(),
+                                 [&](const Conn& c) { return c.idle_since < too_old; }),
+                  idle_.end());
+      for (const Conn& c : idle_) {
+        fds.push_back(pollfd{c.fd.get(), POLLIN, 0});
+        serials.push_back(c.serial);
+      }
+    }
+    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    if (fds[0].revents & POLLIN) accept_new();
+    for (size_t i = 1; i < fds.size() && !stop_.load(); ++i) {
+      Conn conn;
+      if (fds[i].revents == 0 || !claim(fds[i].fd, serials[i], &conn)) continue;
+      if (!answer(conn, buffer)) continue;  // closed here
+      conn.answered = true;
+      conn.idle_since = std::chrono::steady_clock::now();
+      std::lock_guard<std::mutex> lock(mu_);
+      idle_.push_back(std::move(conn));
+    }
+  }
+}
+
+bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
+  const int fd = conn.fd.get();
+  char first = 0;
+  // A client that closes a connection it has used is done with it, not refused.
+  if (conn.answered && ::recv(fd, &first, 1, MSG_PEEK) <= 0) return false;
   Request req{};
   const int err = recv_all(fd, &req, sizeof req);
   if (err != 0 || std::memcmp(req.magic, kRequestMagic, sizeof req.magic) != 0 ||
       !same_secret(req.secret, secret_)) {
-    bool first = false;
+    bool first_time = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      first = refused_.insert(client).second;
+      first_time = refused_.insert(conn.client).second;
     }
-    if (first) log_("refused a peer connection from " + client + ": wrong or missing job secret");
+    if (first_time) {
+      log_("refused a peer connection from " + conn.client + ": wrong or missing job secret");
+    }
     const Reply no = reply_of(kRefused);
     send_all(fd, &no, sizeof no);
-    return;
+    return false;
   }
   ServedCopy copy;
   const bool want_checksum = (req.flags & kAskChecksum) != 0;
@@ -248,8 +307,7 @@ void PeerServer::answer(int fd, const std::string& client, std::vector<char>& bu
   }
   if (!file.valid()) {
     const Reply no = reply_of(kNotHere);
-    send_all(fd, &no, sizeof no);
-    return;
+    return send_all(fd, &no, sizeof no) == 0;
   }
   Reply r = reply_of(kServed);
   r.size = copy.size;
@@ -259,35 +317,37 @@ void PeerServer::answer(int fd, const std::string& client, std::vector<char>& bu
   r.dev = copy.source_id.dev;
   r.has_checksum = copy.has_checksum ? 1 : 0;
   r.checksum = copy.checksum;
-  if (send_all(fd, &r, sizeof r) != 0) return;
+  if (send_all(fd, &r, sizeof r, true) != 0) return false;
   Fnv1a64 sent;
   uint64_t left = copy.size;
   while (left > 0) {
     const ssize_t n = ::read(file.get(), buffer.data(), std::min<uint64_t>(left, buffer.size()));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // truncated meanwhile: the client sees a short reply
+    if (n <= 0) return false;  // truncated meanwhile: the client sees a short reply
     sent.update(buffer.data(), static_cast<size_t>(n));
-    if (send_all(fd, buffer.data(), static_cast<size_t>(n)) != 0) return;
+    if (send_all(fd, buffer.data(), static_cast<size_t>(n), true) != 0) return false;
     left -= static_cast<uint64_t>(n);
   }
   const uint64_t digest = sent.digest();
-  if (send_all(fd, &digest, sizeof digest) != 0) return;
+  if (send_all(fd, &digest, sizeof digest) != 0) return false;
   files_served_.fetch_add(1);
   bytes_served_.fetch_add(copy.size);
+  return true;
 }
 
-PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::string& secret,
-                          uint32_t file_id, uint64_t size, bool verify, int out_fd,
-                          std::vector<char>& buffer, const std::atomic<bool>& cancel) {
+namespace {
+
+// One request and its reply on connection `fd` to `peer`. *stale: it failed before any byte of
+// a reply came (a pooled connection that the peer closed while it was idle).
+PeerFetch exchange(int fd, const std::string& peer, const std::string& secret, uint32_t file_id,
+                   uint64_t size, bool verify, int out_fd, std::vector<char>& buffer,
+                   const std::atomic<bool>& cancel, bool* stale) {
   PeerFetch result;
-  const std::string peer = host + ":" + std::to_string(port);
   auto fail = [&](PeerOutcome outcome, const std::string& why) {
     result.outcome = outcome;
     result.message = why;
     return result;
   };
-  UniqueFd conn(connect_bounded(host, port));
-  if (!conn.valid()) return fail(PeerOutcome::Unreachable, "cannot reach peer " + peer + ": " + errno_text(errno));
   Request req{};
   std::memcpy(req.magic, kRequestMagic, sizeof req.magic);
   std::memcpy(req.secret, secret.data(), std::min(secret.size(), kPeerSecretBytes));
@@ -295,10 +355,13 @@ PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::str
   req.flags = verify ? kAskChecksum : 0;
   req.size = size;
   Reply r{};
-  if (int err = send_all(conn.get(), &req, sizeof req)) {
+  if (int err = send_all(fd, &req, sizeof req)) {
+    *stale = err == EPIPE || err == ECONNRESET;
     return fail(PeerOutcome::Unreachable, "peer " + peer + ": " + errno_text(err));
   }
-  if (int err = recv_all(conn.get(), &r, sizeof r)) {
+  const ssize_t peeked = ::recv(fd, &r, 1, MSG_PEEK);
+  *stale = peeked == 0 || (peeked < 0 && errno == ECONNRESET);
+  if (int err = recv_all(fd, &r, sizeof r)) {
     return fail(PeerOutcome::Unreachable, "peer " + peer + " did not answer: " + errno_text(err));
   }
   if (std::memcmp(r.magic, kReplyMagic, sizeof r.magic) != 0) {
@@ -313,7 +376,7 @@ PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::str
   while (left > 0) {
     if (cancel.load(std::memory_order_relaxed)) return fail(PeerOutcome::Cancelled, "cancelled");
     const size_t want = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
-    const ssize_t n = ::recv(conn.get(), buffer.data(), want, 0);
+    const ssize_t n = ::recv(fd, buffer.data(), want, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const std::string why = n == 0 ? "closed the connection" : errno_text(errno == EAGAIN ? ETIMEDOUT : errno);
@@ -328,7 +391,7 @@ PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::str
     left -= static_cast<uint64_t>(n);
   }
   uint64_t trailer = 0;
-  if (int err = recv_all(conn.get(), &trailer, sizeof trailer)) {
+  if (int err = recv_all(fd, &trailer, sizeof trailer)) {
     return fail(PeerOutcome::Unreachable, "peer " + peer + " ended early: " + errno_text(err));
   }
   if (trailer != got.digest()) return fail(PeerOutcome::Bad, "bytes from peer " + peer + " were damaged in transit");
@@ -341,14 +404,60 @@ PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::str
   return result;
 }
 
-CopyResult copy_from_peer(CopyEngine& engine, const PeerAddress& peer, const std::string& secret,
+}  // namespace
+
+UniqueFd PeerClient::take(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& idle = idle_[key];
+  const auto too_old = std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleReuseMs);
+  while (!idle.empty()) {
+    Idle last = std::move(idle.back());
+    idle.pop_back();
+    if (last.since >= too_old) return std::move(last.fd);
+  }
+  return UniqueFd();
+}
+
+void PeerClient::give_back(const std::string& key, UniqueFd fd) {
+  std::lock_guard<std::mutex> lock(mu_);
+  idle_[key].push_back(Idle{std::move(fd), std::chrono::steady_clock::now()});
+}
+
+PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
+                            int out_fd, std::vector<char>& buffer,
+                            const std::atomic<bool>& cancel) {
+  const std::string key = peer.host + ":" + std::to_string(peer.port);
+  for (;;) {
+    UniqueFd conn = take(key);
+    const bool reused = conn.valid();
+    if (!reused) {
+      conn = UniqueFd(connect_bounded(peer.host, peer.port));
+      if (!conn.valid()) {
+        PeerFetch failed;
+        failed.outcome = PeerOutcome::Unreachable;
+        failed.message = "cannot reach peer " + key + ": " + errno_text(errno);
+        return failed;
+      }
+      opened_.fetch_add(1);
+    }
+    bool stale = false;
+    PeerFetch got =
+        exchange(conn.get(), key, secret_, file_id, size, verify, out_fd, buffer, cancel, &stale);
+    if (reused && stale) continue;  // closed by the peer while idle: again on a new connection
+    if (got.outcome == PeerOutcome::Ok || got.outcome == PeerOutcome::NotHere) {
+      give_back(key, std::move(conn));  // the reply was read whole: the next request may follow
+    }
+    return got;
+  }
+}
+
+CopyResult copy_from_peer(CopyEngine& engine, PeerClient& client, const PeerAddress& peer,
                           uint32_t file_id, uint64_t size, const std::string& source,
                           const std::string& dest, bool verify, std::vector<char>& buffer,
                           unsigned tag, const std::atomic<bool>& cancel, PeerOutcome* outcome) {
   *outcome = PeerOutcome::Ok;
   auto fill = [&](int fd) {
-    const PeerFetch got =
-        fetch_from_peer(peer.host, peer.port, secret, file_id, size, verify, fd, buffer, cancel);
+    const PeerFetch got = client.fetch(peer, file_id, size, verify, fd, buffer, cancel);
     *outcome = got.outcome;
     Received r;
     r.ok = got.outcome == PeerOutcome::Ok;

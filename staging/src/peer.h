@@ -1,5 +1,5 @@
 // The peer tier: stagers of one job serve each other's staged copies over TCP (docs/staging.md,
-// "Peer tier"). The server answers only requests that carry the job's secret, and only with a
+// "Peer tier"); a connection carries one request after another. The server answers only requests that carry the job's secret, and only with a
 // READY copy of its plan that this stager published or adopted, opened inside the stage dir
 // without following symlinks, whose size and mtime are still the source's. The client writes
 // what it receives to a file descriptor and checks it; the copy engine publishes it by the rules
@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -26,6 +27,8 @@ namespace hpcdl {
 constexpr size_t kPeerSecretBytes = 32;
 constexpr int kPeerConnectTimeoutMs = 2000;  // a dead node: then the PFS
 constexpr int kPeerIoTimeoutMs = 5000;       // a silent peer: then the PFS
+constexpr int kPeerIdleCloseMs = 60000;      // the server closes a connection idle this long
+constexpr int kPeerIdleReuseMs = 30000;      // the client reuses one idle at most this long
 
 // Reads the job's secret: one line of 2 * kPeerSecretBytes hex digits on `fd` (the stager's
 // stdin, a pipe from the node leader). Throws StageError when it is not that.
@@ -57,8 +60,19 @@ class PeerServer {
   uint64_t bytes_served() const { return bytes_served_.load(); }
 
  private:
+  // An accepted connection: idle (in idle_) between requests, owned by one thread while it
+  // answers one. `serial` tells a connection from a later one that reuses its descriptor.
+  struct Conn {
+    UniqueFd fd;
+    std::string client;
+    uint64_t serial = 0;
+    bool answered = false;  // has carried a request (its close is then no refusal)
+    std::chrono::steady_clock::time_point idle_since;
+  };
   void serve();
-  void answer(int fd, const std::string& client, std::vector<char>& buffer);
+  void accept_new();
+  bool claim(int fd, uint64_t serial, Conn* out);
+  bool answer(Conn& conn, std::vector<char>& buffer);  // false: close the connection
   bool lookup(uint32_t file_id, ServedCopy* out);
 
   UniqueFd listen_;
@@ -70,6 +84,8 @@ class PeerServer {
   std::mutex mu_;
   std::unordered_map<uint32_t, ServedCopy> served_;
   std::unordered_set<std::string> refused_;  // client addresses already logged
+  std::vector<Conn> idle_;                   // connections waiting for their next request
+  uint64_t next_serial_ = 0;
   std::vector<std::thread> threads_;
 };
 
@@ -84,16 +100,39 @@ struct PeerFetch {
   std::string message;       // why, when not Ok
 };
 
-// Fetches file `file_id` of `size` bytes from host:port into `out_fd` (at its current offset).
-// verify: ask for the source checksum and compare the received bytes with it. Never waits more
-// than the connect and I/O timeouts above.
-PeerFetch fetch_from_peer(const std::string& host, uint16_t port, const std::string& secret,
-                          uint32_t file_id, uint64_t size, bool verify, int out_fd,
-                          std::vector<char>& buffer, const std::atomic<bool>& cancel);
+// The fetching side: connections to peers kept open between fetches, one idle pool per peer
+// address, so that a later epoch's fetches cost a request each and not a TCP handshake and
+// teardown each. A connection goes back to the pool only after a whole, checked reply (or a
+// "not here"); any fault closes it. Thread-safe.
+class PeerClient {
+ public:
+  explicit PeerClient(std::string secret) : secret_(std::move(secret)) {}
 
-// fetch_from_peer through `engine`: the copy is published at `dest` by the rules of any staged
+  // Fetches file `file_id` of `size` bytes from `peer` into `out_fd` (at its current offset).
+  // verify: ask for the source checksum and compare the received bytes with it. Never waits
+  // more than the connect and I/O timeouts above (a pooled connection the peer has closed is
+  // replaced once, before any byte is written).
+  PeerFetch fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
+                  int out_fd, std::vector<char>& buffer, const std::atomic<bool>& cancel);
+  uint64_t connections_opened() const { return opened_.load(); }
+
+ private:
+  struct Idle {
+    UniqueFd fd;
+    std::chrono::steady_clock::time_point since;
+  };
+  UniqueFd take(const std::string& key);  // an idle connection to key, or an invalid one
+  void give_back(const std::string& key, UniqueFd fd);
+
+  std::string secret_;
+  std::mutex mu_;
+  std::unordered_map<std::string, std::vector<Idle>> idle_;
+  std::atomic<uint64_t> opened_{0};
+};
+
+// PeerClient::fetch through `engine`: the copy is published at `dest` by the rules of any staged
 // copy (CopyEngine::receive). `outcome` receives how the peer answered (Ok when published).
-CopyResult copy_from_peer(CopyEngine& engine, const PeerAddress& peer, const std::string& secret,
+CopyResult copy_from_peer(CopyEngine& engine, PeerClient& client, const PeerAddress& peer,
                           uint32_t file_id, uint64_t size, const std::string& source,
                           const std::string& dest, bool verify, std::vector<char>& buffer,
                           unsigned tag, const std::atomic<bool>& cancel, PeerOutcome* outcome);

@@ -98,7 +98,10 @@ class Stager {
         engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
     plan_id_ = plan_file_id(meta_ + "/plan");
     capacity_ = opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir);
-    if (opt.peer) secret_ = read_peer_secret(STDIN_FILENO);
+    if (opt.peer) {
+      secret_ = read_peer_secret(STDIN_FILENO);
+      client_ = std::make_unique<PeerClient>(secret_);
+    }
     if (opt.peer && opt.peer_listen_fd >= 0) {
       server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, 4, log_line);
     }
@@ -522,7 +525,7 @@ class Stager {
   CopyResult fetch_from(const PeerAddress& peer, const Job& job, std::vector<char>& buffer,
                         unsigned tag) {
     PeerOutcome how = PeerOutcome::Ok;
-    CopyResult r = copy_from_peer(engine_, peer, secret_, job.file_id, job.size, job.source,
+    CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.size, job.source,
                                   job.dest, opt_.verify, buffer, tag, cancel_, &how);
     if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
     if (how == PeerOutcome::Unreachable || how == PeerOutcome::Refused) {
@@ -550,6 +553,7 @@ class Stager {
   // Counters the copy threads and the peer server keep, into the status map.
   void publish_served() {
     status_.store(so::kPfsOpens, pfs_opens_.load());
+    if (client_) status_.store(so::kPeerConnections, client_->connections_opened());
     if (!server_) return;
     status_.store(so::kFilesServed, server_->files_served());
     status_.store(so::kBytesServed, server_->bytes_served());
@@ -568,6 +572,7 @@ class Stager {
   PlanFileId plan_id_;
   uint64_t capacity_ = 0;
   std::string secret_;                  // the job's secret (peer tier), never written anywhere
+  std::unique_ptr<PeerClient> client_;  // with --peer: connections to peers, kept between fetches
   std::unique_ptr<PeerServer> server_;  // after tree_: stops before the tree closes
   std::mutex peer_mu_;
   std::unordered_set<uint32_t> down_;   // peers not asked again (by node), under peer_mu_

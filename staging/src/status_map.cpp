@@ -106,6 +106,7 @@ std::string layout_json() {
       {"peer_files", so::kPeerFiles, "u64"}, {"peer_bytes", so::kPeerBytes, "u64"},
       {"peer_fallbacks", so::kPeerFallbacks, "u64"}, {"files_served", so::kFilesServed, "u64"},
       {"bytes_served", so::kBytesServed, "u64"}, {"pfs_opens", so::kPfsOpens, "u64"},
+      {"peer_connections", so::kPeerConnections, "u64"},
   };
   std::string out = "{\"status\": {\"magic\": \"" + std::string(kStatusMagic, 8) +
                     "\", \"version\": " + std::to_string(kStatusVersion) +

@@ -26,7 +26,8 @@ constexpr size_t kVersion = 8, kHeaderSize = 12, kFiles = 16, kPlanHash = 24, kF
                  kFailures = 72, kEvictions = 80, kFilesReused = 88, kBytesResident = 96,
                  kCapacity = 104, kRunState = 112, kFlags = 116, kPlanEntries = 120,
                  kPlanReady = 128, kBytesReused = 136, kPeerFiles = 144, kPeerBytes = 152,
-                 kPeerFallbacks = 160, kFilesServed = 168, kBytesServed = 176, kPfsOpens = 184;
+                 kPeerFallbacks = 160, kFilesServed = 168, kBytesServed = 176, kPfsOpens = 184,
+                 kPeerConnections = 192;
 }  // namespace status_offset
 
 // The layouts of the status map and the progress file as one JSON object (offsets, types, state

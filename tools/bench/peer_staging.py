@@ -5,8 +5,9 @@ PFS (its index built before the jobs), and the same training job from empty stag
 turn: `--shuffle node`, `--shuffle global --peer-staging off`, `--shuffle global` with peers.
 Per job: the slow FS's opens during the job, the stagers' own PFS opens and peer fetches (their
 status maps, through the metrics' staging_nodes), the loaders' misses, each epoch's seconds;
-and whether the two global jobs' final parameters are bitwise equal. The jobs run one after
-another on the same machine, so their ratios are the figures to read (docs/PERFORMANCE.md).
+and whether the two global jobs' final parameters are bitwise equal. The three jobs run in turn,
+--rounds times, on the same machine; the table shows each figure's median over the rounds and
+the peers / node ratio of later epochs per round, the figures to read (docs/PERFORMANCE.md).
 
 The cluster model beside them: `bench calibrate` on the same emulated nodes first (as `bench
 validate` does; or --calibration FILE), then the dry run's epoch times for each job (its
@@ -45,7 +46,8 @@ def train_args(setup: Setup, mount: Path, out: Path, flags: tuple[str, ...]) -> 
             "--seed", "0", "--quiet", "--metrics", str(out / "metrics.jsonl"),
             "--checkpoint-dir", str(out / "ckpt"), "--batch-size", str(setup.batch_size),
             "--epochs", str(setup.epochs), "--stage-threads", str(setup.stage_threads),
-            "--stage-dir", "/local/stage", "--keep-staged", *flags]  # fmt: skip
+            "--stage-dir", "/local/stage", "--keep-staged", "--metrics-every", "1",
+            *flags]  # fmt: skip
 
 
 def run_job(cluster: Cluster, pfs: Any, setup: Setup, mount: Path, out: Path, flags) -> dict:
@@ -58,8 +60,14 @@ def run_job(cluster: Cluster, pfs: Any, setup: Setup, mount: Path, out: Path, fl
     opens = pfs.stats(settle=True)["opens"] - before
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     nodes = next(r for r in records if r["event"] == "summary")["staging_nodes"]
+    epochs = [r["seconds"] for r in records if r["event"] == "epoch"]
+    wait = [0.0] * len(epochs)  # rank 0's data wait, every step recorded (--metrics-every 1)
+    for r in records:
+        if r["event"] == "step":
+            wait[r["epoch"]] += r["t_data"]
     return dict(
-        epochs_s=[r["seconds"] for r in records if r["event"] == "epoch"],
+        epochs_s=epochs,
+        data_wait_s=wait,
         fs_opens=opens,
         stager_pfs_opens=sum(n["pfs_opens"] for n in nodes),
         peer_files=sum(n["peer_files"] for n in nodes),
@@ -103,30 +111,55 @@ def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str,
         calib = given or workdir / "calibration.toml"
         if not given:
             run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
-        jobs = {name: run_job(cluster, pfs, setup, mount, workdir / f"job{k}", flags)
-                for k, (name, flags) in enumerate(JOBS.items())}  # fmt: skip
-        for name, flags in JOBS.items():
-            jobs[name]["model_epochs_s"] = predicted_epochs(setup, mount, calib, flags)
-    same = params_of(workdir / "job1").tobytes() == params_of(workdir / "job2").tobytes()
+        rounds: dict[str, list[dict]] = {name: [] for name in JOBS}
+        for r in range(setup.runs):  # the three jobs in turn, so that drift hits each alike
+            for k, (name, flags) in enumerate(JOBS.items()):
+                out = workdir / f"job{r}-{k}"
+                rounds[name].append(run_job(cluster, pfs, setup, mount, out, flags))
+        model = {name: predicted_epochs(setup, mount, calib, flags) for name, flags in JOBS.items()}
+    same = all(
+        params_of(workdir / f"job{r}-1").tobytes() == params_of(workdir / f"job{r}-2").tobytes()
+        for r in range(setup.runs)
+    )
+    jobs = {name: dict(rounds=runs, model_epochs_s=model[name]) for name, runs in rounds.items()}
     return dict(setup=setup.__dict__, jobs=jobs, global_params_bitwise_equal=same)
 
 
+def later(epochs: list[float]) -> float:
+    """The mean of every epoch after the first."""
+    return float(np.mean(epochs[1:])) if len(epochs) > 1 else float("nan")
+
+
+def median_of(runs: list[dict], figure) -> float:
+    return float(np.median([figure(run) for run in runs]))
+
+
 def table(result: dict[str, Any]) -> str:
+    """Each job's figures, the median over its rounds; then the peers / node ratio per round."""
     files = result["setup"]["files"]
-    lines = ["| job | epoch 1 s | later epochs s | stagers' PFS opens | peer fetches | loader "
-             "misses | slow FS opens |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| job | epoch 1 s | later epochs s | rank 0's data wait, later epochs s | stagers' "
+             "PFS opens | peer fetches | loader misses | slow FS opens |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, j in result["jobs"].items():
-        later = float(np.mean(j["epochs_s"][1:])) if len(j["epochs_s"]) > 1 else float("nan")
-        model = j["model_epochs_s"]
-        model_later = float(np.mean(model[1:])) if len(model) > 1 else float("nan")
+        runs, model = j["rounds"], j["model_epochs_s"]
+        first = median_of(runs, lambda r: r["epochs_s"][0])
+        rest = median_of(runs, lambda r: later(r["epochs_s"]))
+        opens = median_of(runs, lambda r: r["stager_pfs_opens"])
         lines.append(
-            f"| {name} | {j['epochs_s'][0]:.2f} (model {model[0]:.2f}, "
-            f"{j['epochs_s'][0] / model[0] - 1:+.0%}) | {later:.2f} (model {model_later:.2f}, "
-            f"{later / model_later - 1:+.0%}) | {j['stager_pfs_opens']} "
-            f"({j['stager_pfs_opens'] / files:.2f}x files) | {j['peer_files']} | {j['misses']} "
-            f"| {j['fs_opens']} |"
+            f"| {name} | {first:.2f} (model {model[0]:.2f}, {first / model[0] - 1:+.0%}) "
+            f"| {rest:.2f} (model {later(model):.2f}, {rest / later(model) - 1:+.0%}) "
+            f"| {median_of(runs, lambda r: later(r['data_wait_s'])):.2f} "
+            f"| {opens:.0f} ({opens / files:.2f}x files) "
+            f"| {median_of(runs, lambda r: r['peer_files']):.0f} "
+            f"| {sum(r['misses'] for r in runs)} "
+            f"| {median_of(runs, lambda r: r['fs_opens']):.0f} |"
         )
-    lines.append(f"final parameters of the two global jobs bitwise equal: "
+    pairs = zip(result["jobs"]["global, peers"]["rounds"], result["jobs"]["node"]["rounds"])
+    ratios = [later(peers["epochs_s"]) / later(node["epochs_s"]) for peers, node in pairs]
+    each = ", ".join(f"{r:.2f}" for r in ratios)
+    lines.append(f"later epochs, global with peers / node, per round: {each} "
+                 f"(median {np.median(ratios):.2f})")  # fmt: skip
+    lines.append(f"final parameters of the two global jobs bitwise equal in every round: "
                  f"{result['global_params_bitwise_equal']}")  # fmt: skip
     return "\n".join(lines)
 
@@ -145,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--latency-ms", type=float, default=20.0, help="slow FS: ms per open")
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
+    a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
     a("--calibration", help="the model's calibration file (default: bench calibrate here first)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -155,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if not harness_can_start("tools.bench peer-staging", no_fuse):
         return 2
     setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
-                  epochs=args.epochs, stage_threads=args.stage_threads, runs=1)  # fmt: skip
+                  epochs=args.epochs, stage_threads=args.stage_threads,
+                  runs=args.rounds)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hpcdl-peer-staging-") as scratch:
         given = Path(args.calibration).resolve() if args.calibration else None
         result = measure(setup, Path(scratch), given)
