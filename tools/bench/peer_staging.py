@@ -61,13 +61,13 @@ def run_job(cluster: Cluster, pfs: Any, setup: Setup, mount: Path, out: Path, fl
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     nodes = next(r for r in records if r["event"] == "summary")["staging_nodes"]
     epochs = [r["seconds"] for r in records if r["event"] == "epoch"]
-    wait = [0.0] * len(epochs)  # rank 0's data wait, every step recorded (--metrics-every 1)
-    for r in records:
-        if r["event"] == "step":
-            wait[r["epoch"]] += r["t_data"]
+    steps = [[r for r in records if r["event"] == "step" and r["epoch"] == e]  # every step
+             for e in range(len(epochs))]  # fmt: skip
     return dict(
         epochs_s=epochs,
-        data_wait_s=wait,
+        data_wait_s=[sum(r["t_data"] for r in epoch) for epoch in steps],  # rank 0's
+        step_median_s=[float(np.median([r["t_step"] for r in epoch])) for epoch in steps],
+        step_mean_s=[float(np.mean([r["t_step"] for r in epoch])) for epoch in steps],
         fs_opens=opens,
         stager_pfs_opens=sum(n["pfs_opens"] for n in nodes),
         peer_files=sum(n["peer_files"] for n in nodes),
