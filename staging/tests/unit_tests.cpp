@@ -1,12 +1,18 @@
 // Unit tests of hpcdl-stage's pure parts: destination validation, plan parsing, next-use
-// eviction order, symlink refusal in the stage tree. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
+// eviction order, symlink refusal in the stage tree, kept peer connections. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
 // tests/test_staging_sanitizers.py under ASan/UBSan.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -196,6 +202,54 @@ int main(int argc, char** argv) {
   check(eight && eight->source_hash == hpcdl::Manifest::path_hash("/pfs/other"),
         "each copy of a name has its own record");
   check(!index.find("k/b", 6, 7) && !index.find("k/a", 6, 8), "unknown name or copy not found");
+
+  // Kept peer connections: two fetches share one connection; one the peer closed while it sat
+  // in the pool is replaced (not taken for a dead peer), and the bytes arrive whole.
+  {
+    const std::string rel = "real/sub/served";
+    write_file(tree_root + "/" + rel, "peer bytes");
+    struct stat st {};
+    ::stat((tree_root + "/" + rel).c_str(), &st);
+    hpcdl::ServedCopy copy;
+    copy.dest = rel;
+    copy.size = static_cast<uint64_t>(st.st_size);
+    copy.source_id = hpcdl::identity_of(st);
+    copy.id = hpcdl::CopyId{static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_dev)};
+    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in addr {};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    check(::bind(listener, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0 &&
+              ::listen(listener, 16) == 0 &&
+              ::getsockname(listener, reinterpret_cast<struct sockaddr*>(&addr), &len) == 0,
+          "loopback listener");
+    const std::string secret(hpcdl::kPeerSecretBytes, 's');
+    const hpcdl::PeerAddress peer{0, "127.0.0.1", ntohs(addr.sin_port)};
+    hpcdl::PeerClient client(secret);
+    std::vector<char> buffer(1 << 16);
+    const std::atomic<bool> cancel{false};
+    auto fetched_whole = [&](hpcdl::PeerServer& server) {
+      server.offer(7, copy);
+      const std::string out = scratch + "/fetched";
+      hpcdl::UniqueFd fd(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+      const hpcdl::PeerFetch got = client.fetch(peer, 7, copy.size, false, fd.get(), buffer, cancel);
+      std::ifstream in(out, std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (got.outcome != hpcdl::PeerOutcome::Ok) std::cerr << "  peer fetch: " << got.message << "\n";
+      return got.outcome == hpcdl::PeerOutcome::Ok && bytes == "peer bytes";
+    };
+    auto quiet = [](const std::string&) {};
+    {
+      hpcdl::PeerServer first(::dup(listener), secret, tree, 2, quiet);
+      check(fetched_whole(first) && fetched_whole(first), "two fetches from a peer");
+      check(client.connections_opened() == 1, "two fetches share one connection");
+    }  // this server's end of the pooled connection closes
+    hpcdl::PeerServer second(::dup(listener), secret, tree, 2, quiet);
+    check(fetched_whole(second), "a pooled connection the peer closed is replaced");
+    check(client.connections_opened() == 2, "one new connection for it");
+    ::close(listener);
+  }
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
   return failures ? 1 : 0;
