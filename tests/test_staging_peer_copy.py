@@ -19,15 +19,20 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import make_tree, write_peer_plan
 
+from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.manifest import read_manifest
-from hpcdl.staging.status import StatusView
+from hpcdl.staging.peers import PeerSources, render_peer_section
+from hpcdl.staging.plan import plan_for_node, render_plan
+from hpcdl.staging.status import ProgressFile, StatusView
 
 FILES = 24
 SESSION = "job"
+PENDING, READY = 0, 2  # a file's states in the status map (docs/staging.md)
 REFUSED = "refused a peer connection from 127.0.0.1: wrong or missing job secret"
 
 
@@ -150,6 +155,87 @@ def test_a_connection_carries_one_request_after_another(home):
         reply = conn.recv(64, socket.MSG_WAITALL)
         assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (2,)
         assert conn.recv(1) == b""  # refused, and closed
+
+
+def fetcher_at(ds, stage: Path, address: str, batch: int, at: int, ready: dict[int, int]):
+    """A fetching node's plan (every file from the home at address; `ready`: entry -> the
+    home's read tick, else 0) and its progress file at step `at`: (plan, ProgressFile)."""
+    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
+    plan = plan_for_node(ds, spec, batch, (0, 1), (0,), 1)
+    ticks = np.zeros(plan.files, np.int64)
+    for entry, tick in ready.items():
+        ticks[entry] = tick
+    peers = render_peer_section(plan, PeerSources(np.zeros(plan.files, np.int32), ticks), [address])
+    meta = stage / ".hpcdl" / "sessions" / SESSION
+    meta.mkdir(parents=True, mode=0o700)
+    (meta / "plan").write_text(render_plan(plan, ds, dest_prefix="k", peer_lines=peers))
+    progress = ProgressFile.create(meta / "progress", 1)
+    progress.set(0, at)
+    return plan, progress
+
+
+def wait_for_field(view: StatusView, name: str, value: int) -> None:
+    deadline = time.monotonic() + 20
+    while view.field(name) < value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # and no more than that
+    assert view.field(name) == value, name
+
+
+def test_a_file_its_home_has_not_read_yet_holds_back_no_other_fetch(home, tmp_path):
+    """Each fetch waits for its own home's read (the plan's ready tick): the first file needed
+    after the ranks' position, planned from a read the home makes far later, waits, and every
+    file behind it is fetched meanwhile. (Before, that one file held back every copy behind it
+    until the ranks passed its tick, so later epochs' fetches bunched at each epoch's start.)"""
+    ds, address, secret, _ = home
+    at = 1  # the ranks' position: the homes have read every file of step 0 (ready tick 0)
+    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
+    first_use = [t[0] for t in plan_for_node(ds, spec, 4, (0, 1), (0,), 1).ticks]
+    ahead = [i for i, tick in enumerate(first_use) if tick >= at]  # first-use order
+    late = ahead[0]
+    plan, progress = fetcher_at(ds, tmp_path / "b", address, 4, at, {late: 10**6})
+    fetcher = start(tmp_path / "b", secret)  # not --once: the cursor is the progress file's
+    try:
+        view = status(tmp_path / "b")
+        wait_for_field(view, "peer_files", len(ahead) - 1)
+        assert view.field("pfs_opens") == 0
+        assert view.state(int(plan.file_ids[late])) == PENDING
+    finally:
+        progress.close()
+        fetcher.send_signal(signal.SIGUSR1)
+        _, err = fetcher.communicate(timeout=15)
+    assert fetcher.returncode == 0, err
+
+
+def test_not_here_is_asked_again_while_the_use_is_ahead_then_the_pfs(home, tmp_path):
+    """A peer that does not hold a file yet (its stager behind its ranks; here: its copy
+    written since it was published, which it never serves) is asked again once the ranks move,
+    not left for the PFS, while the use is more than --protect-steps (4) ahead; then the PFS
+    copy, counted as one fallback."""
+    ds, address, secret, _ = home
+    at, batch = 1, 1
+    plan, progress = fetcher_at(ds, tmp_path / "b", address, batch, at, {})
+    target = next(i for i in range(plan.files) if plan.ticks[i][0] > at + 4 + 2)
+    home_copy = tmp_path / "a" / "k" / ds.files[int(plan.file_ids[target])].relpath
+    os.utime(home_copy, ns=(home_copy.stat().st_atime_ns, home_copy.stat().st_mtime_ns + 10**9))
+    ahead = sum(1 for t in plan.ticks if t[0] >= at)
+    fetcher = start(tmp_path / "b", secret)
+    try:
+        view = status(tmp_path / "b")
+        wait_for_field(view, "peer_files", ahead - 1)
+        assert view.field("pfs_opens") == 0 and view.field("peer_fallbacks") == 0
+        assert view.state(int(plan.file_ids[target])) == PENDING
+        progress.set(0, int(plan.ticks[target][0]) - 4)  # the use is near: the PFS now
+        wait_for_field(view, "pfs_opens", 1)
+        assert view.field("peer_fallbacks") == 1 and view.field("peer_files") == ahead - 1
+        assert view.state(int(plan.file_ids[target])) == READY
+    finally:
+        progress.close()
+        fetcher.send_signal(signal.SIGUSR1)
+        _, err = fetcher.communicate(timeout=15)
+    assert fetcher.returncode == 0, err
+    copy = tmp_path / "b" / "k" / ds.files[int(plan.file_ids[target])].relpath
+    assert copy.read_bytes() == (ds.root / copy.relative_to(tmp_path / "b" / "k")).read_bytes()
 
 
 def test_a_connection_without_the_secret_is_refused_with_one_line(home, tmp_path):

@@ -44,6 +44,7 @@ struct Job {
   uint32_t file_id = 0;
   uint64_t size = 0;
   std::optional<PeerAddress> peer;  // fetch from this peer first (the plan's peer section)
+  bool may_wait = false;  // its use is far enough ahead to ask the peer again on "not here"
 };
 
 struct Done {
@@ -51,6 +52,7 @@ struct Done {
   CopyResult result;
   bool from_peer = false;     // the copy came from a peer
   bool peer_fallback = false; // a peer was planned, the PFS gave the copy
+  bool ask_again = false;     // the peer does not hold it yet: asked again a step later
 };
 
 // Every line names the node: a multi-node job log holds one start and one stop line per node.
@@ -175,6 +177,9 @@ class Stager {
   void adopt_plan() {
     inflight_.assign(plan_.entries.size(), 0);
     too_big_.assign(plan_.entries.size(), 0);
+    deferred_flag_.assign(plan_.entries.size(), 0);
+    deferred_.clear();
+    ready_.clear();
     schedule_ = std::make_unique<NextUseSchedule>(plan_);
     uint64_t resident = 0, ready = 0;
     std::vector<char> buffer(kCopyBuffer);
@@ -341,25 +346,45 @@ class Stager {
     schedule_->seek(cur);
     const uint32_t limit = opt_.window_steps ? cur + opt_.window_steps : NextUseSchedule::kNever;
     const size_t max_inflight = static_cast<size_t>(opt_.threads) * 4;
+    auto needs = [this](size_t i) {
+      if (inflight_[i] || too_big_[i]) return false;
+      const FileState s = status_.state(plan_.entries[i].file_id);
+      return s == FileState::Pending || s == FileState::Evicted;
+    };
+    release_deferred(cur);
     std::vector<Job> batch;
     bool blocked = false;
     while (inflight_count_ + batch.size() < max_inflight) {
-      auto needs = [this](size_t i) {
-        if (inflight_[i] || too_big_[i]) return false;
-        const FileState s = status_.state(plan_.entries[i].file_id);
-        return s == FileState::Pending || s == FileState::Evicted;
-      };
-      const auto candidate = schedule_->peek(limit, needs);
-      if (!candidate) break;
-      const auto [i, tick] = *candidate;
+      while (!ready_.empty()) {  // drop what needs no copy any more
+        Deferred& d = ready_.front();
+        if (d.tick < cur) d.tick = schedule_->next_use(d.entry, cur);
+        if (needs(d.entry) && d.tick != NextUseSchedule::kNever) break;
+        deferred_flag_[d.entry] = 0;
+        ready_.pop_front();
+      }
+      // The earlier use of two: the next one in the scan, and the first deferred peer fetch
+      // whose home holds the file by now.
+      const auto scanned = schedule_->peek(limit, needs);
+      const bool from_ready = !ready_.empty() && ready_.front().tick < limit &&
+                              (!scanned || ready_.front().tick <= scanned->second);
+      if (!from_ready && !scanned) break;
+      const auto [i, tick] =
+          from_ready ? std::make_pair(ready_.front().entry, ready_.front().tick) : *scanned;
       const auto& e = plan_.entries[i];
       // Without --peer (no secret) a plan's peer section is not used.
       const PeerSource from = opt_.peer ? plan_.peer_source(i) : PeerSource{};
-      // The home reads it at ready_tick: fetch it then, and what follows after it. A --once run
-      // has no cursor that moves, so it never waits.
-      if (from.peer >= 0 && !opt_.once && from.ready_tick > cur &&
+      // The home reads it at ready_tick: set it aside until the ranks have passed that step
+      // (the home's stager has had it READY by then, unless the home's loader missed it), and
+      // go on with the copies behind it (one late home must not hold back the rest). A --once
+      // run has no cursor that moves, so it never waits.
+      if (!from_ready && from.peer >= 0 && !opt_.once && from.ready_tick >= cur &&
           !peer_down(plan_.peers[from.peer].node)) {
-        break;
+        schedule_->consume();
+        if (!deferred_flag_[i]) {
+          deferred_flag_[i] = 1;
+          deferred_.push_back(Deferred{i, tick, from.ready_tick});
+        }
+        continue;
       }
       if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
         too_big_[i] = 1;
@@ -375,12 +400,20 @@ class Stager {
         blocked = true;
         break;
       }
-      schedule_->consume();
+      if (from_ready) {
+        ready_.pop_front();
+        deferred_flag_[i] = 0;
+      } else {
+        schedule_->consume();
+      }
       inflight_[i] = 1;
       inflight_bytes_ += e.size;
       status_.set_state(e.file_id, FileState::Copying);
       Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
-      if (from.peer >= 0) job.peer = plan_.peers[from.peer];
+      if (from.peer >= 0) {
+        job.peer = plan_.peers[from.peer];
+        job.may_wait = !opt_.once && tick > cur + opt_.protect_steps;
+      }
       batch.push_back(std::move(job));
     }
     if (!batch.empty()) {
@@ -392,6 +425,33 @@ class Stager {
       cv_work_.notify_all();
     }
     return blocked;
+  }
+
+  // Deferred peer fetches whose home has read the file before step `cur` (or whose peer is
+  // down: then the PFS) move to ready_, in next-use order. One whose use the ranks have passed waits for
+  // its next use, or is dropped when it has none.
+  void release_deferred(uint32_t cur) {
+    size_t kept = 0;
+    bool moved = false;
+    for (Deferred d : deferred_) {
+      if (d.tick < cur) d.tick = schedule_->next_use(d.entry, cur);
+      if (d.tick == NextUseSchedule::kNever) {
+        deferred_flag_[d.entry] = 0;
+        continue;
+      }
+      const PeerSource from = plan_.peer_source(d.entry);
+      if (d.ready_tick < cur || peer_down(plan_.peers[from.peer].node)) {
+        ready_.push_back(d);
+        moved = true;
+      } else {
+        deferred_[kept++] = d;
+      }
+    }
+    deferred_.resize(kept);
+    if (moved) {
+      std::stable_sort(ready_.begin(), ready_.end(),
+                       [](const Deferred& a, const Deferred& b) { return a.tick < b.tick; });
+    }
   }
 
   void evict(size_t i) {
@@ -465,6 +525,11 @@ class Stager {
           break;
         case CopyOutcome::Cancelled:
           status_.set_state(e.file_id, FileState::Pending);
+          if (d.ask_again && !deferred_flag_[d.entry]) {  // once the ranks pass this step
+            const uint32_t cur = cursor();
+            deferred_flag_[d.entry] = 1;
+            deferred_.push_back(Deferred{d.entry, schedule_->next_use(d.entry, cur), cur});
+          }
           break;
         case CopyOutcome::Transient:
         case CopyOutcome::Failed:
@@ -487,10 +552,17 @@ class Stager {
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
-      Done done{job.entry, {}, false, false};
+      Done done{job.entry, {}, false, false, false};
       CopyResult& result = done.result;
       if (job.peer && !peer_down(job.peer->node)) {
-        result = fetch_from(*job.peer, job, buffer, tag);
+        PeerOutcome how = PeerOutcome::Ok;
+        result = fetch_from(*job.peer, job, buffer, tag, &how);
+        if (how == PeerOutcome::NotHere && job.may_wait) {
+          // The home's stager is behind its ranks: not a fault, and no reason to read the PFS
+          // while the use is still ahead.
+          done.ask_again = true;
+          result.outcome = CopyOutcome::Cancelled;
+        }
         done.from_peer = result.outcome == CopyOutcome::Ok;
         done.peer_fallback = !done.from_peer && result.outcome != CopyOutcome::NoSpace &&
                              result.outcome != CopyOutcome::Cancelled;
@@ -523,8 +595,8 @@ class Stager {
   // One peer fetch; a peer that cannot be reached or stays silent is down for the rest of the
   // run (one line), so a lost node costs each copy thread one bounded wait, then the PFS.
   CopyResult fetch_from(const PeerAddress& peer, const Job& job, std::vector<char>& buffer,
-                        unsigned tag) {
-    PeerOutcome how = PeerOutcome::Ok;
+                        unsigned tag, PeerOutcome* outcome) {
+    PeerOutcome& how = *outcome;
     CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.size, job.source,
                                   job.dest, opt_.verify, buffer, tag, cancel_, &how);
     if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
@@ -539,6 +611,7 @@ class Stager {
                  " is not asked again, its files are read from the PFS");
       }
     } else if (how != PeerOutcome::Ok && how != PeerOutcome::Cancelled &&
+               !(how == PeerOutcome::NotHere && job.may_wait) &&
                logged_peer_failures_.fetch_add(1) < kMaxLoggedFailures) {
       log_line(r.message + "; " + opt_.stage_dir + "/" + job.dest + " is read from the PFS instead");
     }
@@ -581,6 +654,16 @@ class Stager {
   // Coordinator-only state.
   std::unique_ptr<NextUseSchedule> schedule_;
   std::vector<uint8_t> inflight_, too_big_;
+  // Peer fetches set aside until their home has read the file (deferred_, in scan order), and
+  // those whose home has (ready_, in next-use order); deferred_flag_: the entry is in one.
+  struct Deferred {
+    size_t entry;
+    uint32_t tick;        // the use it is copied for
+    uint32_t ready_tick;  // the home's first read
+  };
+  std::vector<Deferred> deferred_;
+  std::deque<Deferred> ready_;
+  std::vector<uint8_t> deferred_flag_;
   std::unordered_map<uint64_t, CopyId> copies_;  // file id -> the copy this stager may evict
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
