@@ -8,6 +8,7 @@ every byte right and the PFS read instead (docs/staging.md, "Peer tier").
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -174,6 +175,20 @@ def fetcher_at(ds, stage: Path, address: str, batch: int, at: int, ready: dict[i
     return plan, progress
 
 
+@contextlib.contextmanager
+def running_fetcher(stage: Path, secret: str, progress: ProgressFile):
+    """A fetching stager that follows the progress file (not --once): its status view; it must
+    end cleanly on SIGUSR1."""
+    fetcher = start(stage, secret)
+    try:
+        yield status(stage)
+    finally:
+        progress.close()
+        fetcher.send_signal(signal.SIGUSR1)
+        _, err = fetcher.communicate(timeout=15)
+    assert fetcher.returncode == 0, err
+
+
 def wait_for_field(view: StatusView, name: str, value: int) -> None:
     deadline = time.monotonic() + 20
     while view.field(name) < value and time.monotonic() < deadline:
@@ -194,17 +209,10 @@ def test_a_file_its_home_has_not_read_yet_holds_back_no_other_fetch(home, tmp_pa
     ahead = [i for i, tick in enumerate(first_use) if tick >= at]  # first-use order
     late = ahead[0]
     plan, progress = fetcher_at(ds, tmp_path / "b", address, 4, at, {late: 10**6})
-    fetcher = start(tmp_path / "b", secret)  # not --once: the cursor is the progress file's
-    try:
-        view = status(tmp_path / "b")
+    with running_fetcher(tmp_path / "b", secret, progress) as view:
         wait_for_field(view, "peer_files", len(ahead) - 1)
         assert view.field("pfs_opens") == 0
         assert view.state(int(plan.file_ids[late])) == PENDING
-    finally:
-        progress.close()
-        fetcher.send_signal(signal.SIGUSR1)
-        _, err = fetcher.communicate(timeout=15)
-    assert fetcher.returncode == 0, err
 
 
 def test_not_here_is_asked_again_while_the_use_is_ahead_then_the_pfs(home, tmp_path):
@@ -219,9 +227,7 @@ def test_not_here_is_asked_again_while_the_use_is_ahead_then_the_pfs(home, tmp_p
     home_copy = tmp_path / "a" / "k" / ds.files[int(plan.file_ids[target])].relpath
     os.utime(home_copy, ns=(home_copy.stat().st_atime_ns, home_copy.stat().st_mtime_ns + 10**9))
     ahead = sum(1 for t in plan.ticks if t[0] >= at)
-    fetcher = start(tmp_path / "b", secret)
-    try:
-        view = status(tmp_path / "b")
+    with running_fetcher(tmp_path / "b", secret, progress) as view:
         wait_for_field(view, "peer_files", ahead - 1)
         assert view.field("pfs_opens") == 0 and view.field("peer_fallbacks") == 0
         assert view.state(int(plan.file_ids[target])) == PENDING
@@ -229,11 +235,6 @@ def test_not_here_is_asked_again_while_the_use_is_ahead_then_the_pfs(home, tmp_p
         wait_for_field(view, "pfs_opens", 1)
         assert view.field("peer_fallbacks") == 1 and view.field("peer_files") == ahead - 1
         assert view.state(int(plan.file_ids[target])) == READY
-    finally:
-        progress.close()
-        fetcher.send_signal(signal.SIGUSR1)
-        _, err = fetcher.communicate(timeout=15)
-    assert fetcher.returncode == 0, err
     copy = tmp_path / "b" / "k" / ds.files[int(plan.file_ids[target])].relpath
     assert copy.read_bytes() == (ds.root / copy.relative_to(tmp_path / "b" / "k")).read_bytes()
 
