@@ -239,7 +239,8 @@ void PeerServer::serve() {
     serials.assign(1, 0);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const auto too_old = std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleCloseMs);
+      const auto too_old =
+          std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleCloseMs);
       idle_.erase(std::remove_if(idle_.begin(), idle_.end(),
                                  [&](const Conn& c) { return c.idle_since < too_old; }),
                   idle_.end());
@@ -359,8 +360,15 @@ PeerFetch exchange(int fd, const std::string& peer, const std::string& secret, u
     *stale = err == EPIPE || err == ECONNRESET;
     return fail(PeerOutcome::Unreachable, "peer " + peer + ": " + errno_text(err));
   }
-  const ssize_t peeked = ::recv(fd, &r, 1, MSG_PEEK);
-  *stale = peeked == 0 || (peeked < 0 && errno == ECONNRESET);
+  ssize_t peeked = 0;  // the reply's first byte, within the I/O timeout (not twice it)
+  do {
+    peeked = ::recv(fd, &r, 1, MSG_PEEK);
+  } while (peeked < 0 && errno == EINTR);
+  if (peeked <= 0) {
+    const int err = peeked == 0 ? ECONNRESET : errno == EAGAIN ? ETIMEDOUT : errno;
+    *stale = err == ECONNRESET;
+    return fail(PeerOutcome::Unreachable, "peer " + peer + " did not answer: " + errno_text(err));
+  }
   if (int err = recv_all(fd, &r, sizeof r)) {
     return fail(PeerOutcome::Unreachable, "peer " + peer + " did not answer: " + errno_text(err));
   }
@@ -409,7 +417,8 @@ PeerFetch exchange(int fd, const std::string& peer, const std::string& secret, u
 UniqueFd PeerClient::take(const std::string& key) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& idle = idle_[key];
-  const auto too_old = std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleReuseMs);
+  const auto too_old =
+      std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleReuseMs);
   while (!idle.empty()) {
     Idle last = std::move(idle.back());
     idle.pop_back();

@@ -428,8 +428,8 @@ class Stager {
   }
 
   // Deferred peer fetches whose home has read the file before step `cur` (or whose peer is
-  // down: then the PFS) move to ready_, in next-use order. One whose use the ranks have passed waits for
-  // its next use, or is dropped when it has none.
+  // down: then the PFS) move to ready_, in next-use order. One whose use the ranks have passed
+  // waits for its next use, or is dropped when it has none.
   void release_deferred(uint32_t cur) {
     size_t kept = 0;
     bool moved = false;
