@@ -180,12 +180,14 @@ def stage_cli(*args, env=None, cwd=None, timeout: float = 120) -> subprocess.Com
     )
 
 
-def write_peer_plan(ds, stage: Path, session: str, node: int, peer: str | None) -> Path:
+def write_peer_plan(
+    ds, stage: Path, session: str, node: int, peer: str | None, batch_size: int = 4, ready=None
+):
     """hpcdl.bench.calibrate_peer.write_plan's plan (every file, one epoch; with peer, from
-    node 0 at "ip:port") with 4 samples a step, in stage's session dir; returns that dir."""
+    node 0 at "ip:port", from step 0 or ready[entry]), in stage's session dir; returns it."""
     from hpcdl.bench.calibrate_peer import write_plan
 
-    return write_plan(ds, stage, node, peer, session=session, batch_size=4)
+    return write_plan(ds, stage, node, peer, session, batch_size, ready)
 
 
 def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) -> Path:

@@ -20,15 +20,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from helpers import make_tree, write_peer_plan
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.manifest import read_manifest
-from hpcdl.staging.peers import PeerSources, render_peer_section
-from hpcdl.staging.plan import plan_for_node, render_plan
+from hpcdl.staging.plan import plan_for_node
 from hpcdl.staging.status import ProgressFile, StatusView
 
 FILES = 24
@@ -161,16 +159,8 @@ def test_a_connection_carries_one_request_after_another(home):
 def fetcher_at(ds, stage: Path, address: str, batch: int, at: int, ready: dict[int, int]):
     """A fetching node's plan (every file from the home at address; `ready`: entry -> the
     home's read tick, else 0) and its progress file at step `at`: (plan, ProgressFile)."""
-    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    plan = plan_for_node(ds, spec, batch, (0, 1), (0,), 1)
-    ticks = np.zeros(plan.files, np.int64)
-    for entry, tick in ready.items():
-        ticks[entry] = tick
-    peers = render_peer_section(plan, PeerSources(np.zeros(plan.files, np.int32), ticks), [address])
-    meta = stage / ".hpcdl" / "sessions" / SESSION
-    meta.mkdir(parents=True, mode=0o700)
-    (meta / "plan").write_text(render_plan(plan, ds, dest_prefix="k", peer_lines=peers))
-    progress = ProgressFile.create(meta / "progress", 1)
+    plan = write_peer_plan(ds, stage, SESSION, 1, address, batch, ready)
+    progress = ProgressFile.create(stage / ".hpcdl" / "sessions" / SESSION / "progress", 1)
     progress.set(0, at)
     return plan, progress
 

@@ -34,7 +34,7 @@ from hpcdl.comm.failure import UserError
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.peers import PeerSources, render_peer_section
-from hpcdl.staging.plan import FileTreeDataset, plan_for_node, render_plan
+from hpcdl.staging.plan import FileTreeDataset, NodePlan, plan_for_node, render_plan
 from hpcdl.staging.status import StatusView
 
 SESSION = "calibrate"
@@ -118,20 +118,25 @@ def write_plan(
     peer: str | None,
     session: str = SESSION,
     batch_size: int = 1,
-) -> Path:
+    ready: dict[int, int] | None = None,
+) -> NodePlan:
     """One node's one-rank, one-epoch plan of every file of ds into stage's session dir (copies
     under `k/`); with peer ("ip:port"), every file is planned from node 0 at that address, from
-    step 0 (the peer tier's plan section). Returns the session dir."""
+    step 0, or from `ready[entry]` (the home's read tick; the peer tier's plan section).
+    Returns the plan."""
     spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
     plan = plan_for_node(ds, spec, batch_size, (0, 1), (0,), node)
     lines: list[str] = []
     if peer:
-        zeros = np.zeros(plan.files, np.int64)
-        lines = render_peer_section(plan, PeerSources(zeros.astype(np.int32), zeros), [peer])
+        ticks = np.zeros(plan.files, np.int64)
+        for entry, tick in (ready or {}).items():
+            ticks[entry] = tick
+        homes = np.zeros(plan.files, np.int32)
+        lines = render_peer_section(plan, PeerSources(homes, ticks), [peer])
     meta = stage / ".hpcdl" / "sessions" / session
     meta.mkdir(parents=True, mode=0o700)
     (meta / "plan").write_text(render_plan(plan, ds, dest_prefix="k", peer_lines=lines))
-    return meta
+    return plan
 
 
 def start_stager(

@@ -212,6 +212,11 @@ void PeerServer::accept_new() {
     char host[INET_ADDRSTRLEN] = "?";
     ::inet_ntop(AF_INET, &from.sin_addr, host, sizeof host);
     std::lock_guard<std::mutex> lock(mu_);
+    if (idle_.size() >= 4 * kPeerMaxIdle) {  // its client replaces it if it comes back
+      idle_.erase(std::min_element(idle_.begin(), idle_.end(), [](const Conn& a, const Conn& b) {
+        return a.idle_since < b.idle_since;
+      }));
+    }
     idle_.push_back(Conn{std::move(conn), host, ++next_serial_, false,
                          std::chrono::steady_clock::now()});
   }
@@ -422,6 +427,7 @@ UniqueFd PeerClient::take(const std::string& key) {
   while (!idle.empty()) {
     Idle last = std::move(idle.back());
     idle.pop_back();
+    --idle_count_;
     if (last.since >= too_old) return std::move(last.fd);
   }
   return UniqueFd();
@@ -429,7 +435,9 @@ UniqueFd PeerClient::take(const std::string& key) {
 
 void PeerClient::give_back(const std::string& key, UniqueFd fd) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (idle_count_ >= kPeerMaxIdle) return;  // closed: enough descriptors are kept already
   idle_[key].push_back(Idle{std::move(fd), std::chrono::steady_clock::now()});
+  ++idle_count_;
 }
 
 PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,

@@ -1,7 +1,8 @@
 // The peer tier: stagers of one job serve each other's staged copies over TCP (docs/staging.md,
-// "Peer tier"); a connection carries one request after another. The server answers only requests that carry the job's secret, and only with a
-// READY copy of its plan that this stager published or adopted, opened inside the stage dir
-// without following symlinks, whose size and mtime are still the source's. The client writes
+// "Peer tier"); a connection carries one request after another. The server answers only requests
+// that carry the job's secret, and only with a READY copy of its plan that this stager published
+// or adopted, opened inside the stage dir without following symlinks, whose size and mtime are
+// still the source's. The client writes
 // what it receives to a file descriptor and checks it; the copy engine publishes it by the rules
 // of any staged copy. Any failure is the caller's cue to read the PFS.
 #pragma once
@@ -29,6 +30,10 @@ constexpr int kPeerConnectTimeoutMs = 2000;  // a dead node: then the PFS
 constexpr int kPeerIoTimeoutMs = 5000;       // a silent peer: then the PFS
 constexpr int kPeerIdleCloseMs = 60000;      // the server closes a connection idle this long
 constexpr int kPeerIdleReuseMs = 30000;      // the client reuses one idle at most this long
+// Idle connections kept, so that descriptors stay bounded at 1,024 nodes (a node fetches from
+// every other one): the client pools at most this many over all its peers, and the server
+// closes its oldest idle connection to accept one beyond four times that.
+constexpr size_t kPeerMaxIdle = 64;
 
 // Reads the job's secret: one line of 2 * kPeerSecretBytes hex digits on `fd` (the stager's
 // stdin, a pipe from the node leader). Throws StageError when it is not that.
@@ -111,7 +116,7 @@ class PeerClient {
   // Fetches file `file_id` of `size` bytes from `peer` into `out_fd` (at its current offset).
   // verify: ask for the source checksum and compare the received bytes with it. Never waits
   // more than the connect and I/O timeouts above (a pooled connection the peer has closed is
-  // replaced once, before any byte is written).
+  // replaced by a new one, before any byte is written).
   PeerFetch fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
                   int out_fd, std::vector<char>& buffer, const std::atomic<bool>& cancel);
   uint64_t connections_opened() const { return opened_.load(); }
@@ -127,6 +132,7 @@ class PeerClient {
   std::string secret_;
   std::mutex mu_;
   std::unordered_map<std::string, std::vector<Idle>> idle_;
+  size_t idle_count_ = 0;  // over all peers, under mu_
   std::atomic<uint64_t> opened_{0};
 };
 

@@ -596,7 +596,7 @@ class Stager {
   // run (one line), so a lost node costs each copy thread one bounded wait, then the PFS.
   CopyResult fetch_from(const PeerAddress& peer, const Job& job, std::vector<char>& buffer,
                         unsigned tag, PeerOutcome* outcome) {
-    PeerOutcome& how = *outcome;
+    PeerOutcome& how = *outcome;  // the caller decides on "not here" too
     CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.size, job.source,
                                   job.dest, opt_.verify, buffer, tag, cancel_, &how);
     if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
