@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="dry run with --calibration: the training job's peer tier (default auto: on with "
         "2+ nodes and --shuffle global)",
     )
+    a(
+        "--workers",
+        type=int,
+        help="dry run with --calibration: the training job's --workers, for the time a step "
+        "waits for its batch (default: as hpcdl.train, a fair share of this machine's cores)",
+    )
     a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
     a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
     a("--json", action="store_true", default=None, help="last line: one JSON object")
@@ -167,6 +173,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("batch_size", "epochs", "stage_threads"):
         if int(getattr(out, name)) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if out.workers is not None and int(out.workers) < 0:
+        raise UsageError("--workers must be 0 or more")
     out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None
@@ -260,6 +268,15 @@ def job_sampler(ds: Any, args: argparse.Namespace, layout: NodeLayout) -> Sample
     )
 
 
+def loader_workers(args: argparse.Namespace) -> int:
+    """The training job's loader workers per rank: --workers, else hpcdl.train's default."""
+    if args.workers is not None:
+        return int(args.workers)
+    from hpcdl.data.loader import default_workers  # noqa: PLC0415
+
+    return default_workers(ranks_per_node=int(args.ranks_per_node or env_layout()[1] or 1))
+
+
 def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
         from hpcdl.clustermodel import calibration, prediction  # noqa: PLC0415
@@ -281,6 +298,7 @@ def dry_run(args: argparse.Namespace) -> int:
             shuffle=args.shuffle,
             placement=args.placement,
             peer_staging=args.peer_staging,
+            workers=loader_workers(args),
         )
         return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()

@@ -24,9 +24,12 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 - Compute: every rank times hpcdl.nn.step.train_step (the `bench compute` step) at batch b/2 and b,
   all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
   (hpcdl.clustermodel.speed.fit).
-- The trainer's step: train_step with the gradient reducer, then the trainer's 8-byte loss
-  check, back to back on every rank; the factor on the allreduce formula is set so that the
-  model's step (hpcdl.clustermodel.step_time) equals it (fit_to_trainer_step).
+- Input (hpcdl.bench.calibrate_input): each rank builds batches of node-local copies of a few
+  samples of --data, as the loader does in the rank with --workers 0.
+- The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
+  8-byte loss check, back to back on every rank (the mean step, the slowest rank); the factor on
+  the allreduce formula is set so that the model's step (hpcdl.clustermodel.step_time, with
+  --workers 0) equals it (fit_to_trainer_step).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,9 +52,11 @@ from typing import Any
 import numpy as np
 
 from hpcdl import nn
+from hpcdl.bench.calibrate_contention import Window, contention_per_file
+from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
-from hpcdl.bench.timing import slowest_rank_median
+from hpcdl.bench.timing import slowest_rank_mean, slowest_rank_median
 from hpcdl.clustermodel import calibration, speed
 from hpcdl.clustermodel.calibration import (
     Calibration,
@@ -90,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", default="mlp", help="network whose step is timed (hpcdl.nn.MODELS)")
     a("--batch-size", type=int, default=32, help="per-rank batch of the job")
     a("--input-shape", default="3,32,32", help="C,H,W of one sample")
+    a("--augment", default="none", help="the job's --augment, for the input figure")
     a("--classes", type=int, default=10, help="output classes")
     a("--steps", type=int, default=10, help="timed steps per batch size")
     a("--bucket-mb", type=float, default=25.0, help="the job's gradient bucket size (MiB)")
@@ -339,36 +345,77 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
     )
 
 
-def measure_trainer_step(args: argparse.Namespace, world: Any) -> float:
-    """Median seconds of hpcdl.train's step without data, slowest rank: train_step with the
-    gradient reducer (--bucket-mb buckets on its thread, overlapping backward) and then the
-    trainer's 8-byte loss check, back to back on every rank, as training runs them."""
+@dataclass(frozen=True)
+class TrainerStep:
+    step_s: float  # the mean step, slowest rank, batch building included where timed
+    input_s_per_sample: float  # of it, building the batch, per sample (0: not timed)
+    contention_s_per_file: float = 0.0  # added while the stagers copy (calibrate_contention)
+    contention_note: str = ""
+
+
+def measure_trainer_step(
+    args: argparse.Namespace, world: Any, samples: Any, contention: Any = None
+) -> TrainerStep:
+    """hpcdl.train's step as --workers 0 runs it, slowest rank: the batch built from node-local
+    copies of --data (samples: hpcdl.bench.calibrate_input; None: no data, no building), then
+    train_step with the gradient reducer (--bucket-mb buckets on its thread, overlapping
+    backward) and the trainer's 8-byte loss check, back to back on every rank. The mean over
+    the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing).
+
+    contention(quiet step s, timed) -> (seconds per file, note): then the same steps again
+    while the stagers copy (hpcdl.bench.calibrate_contention)."""
 
     from hpcdl.comm.reducer import GradientReducer  # noqa: PLC0415
 
     spec = SimpleNamespace(model=args.model, shape=args.shape, classes=args.classes,
                            device="cpu", precision="fp32", batch_size=args.batch_size)  # fmt: skip
     parts, x, y = hpcdl_setup(spec)
-    if world.size == 1:
-        return slowest_rank_median(world.comm, _timed_steps(parts, x, y, world.comm, args.steps))
-    reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
+    build = samples.build if samples is not None else None
+    reducer = None
+    if world.size > 1:
+        reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
+        parts = replace(parts, reducer=reducer)
     try:
-        times = _timed_steps(replace(parts, reducer=reducer), x, y, world.comm, args.steps)
+        quiet, _, _ = _timed_steps(parts, x, y, world.comm, args.steps, build)
+        step_s = slowest_rank_mean(world.comm, [whole for _, whole in quiet])
+        building = slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build else 0.0
+        per_file, note = 0.0, ""
+        if contention is not None:
+            def timed(at_start) -> Window:
+                loaded, began, ended = _timed_steps(parts, x, y, world.comm, args.steps, build,
+                                                    at_start)  # fmt: skip
+                return Window([whole for _, whole in loaded], began, ended)
+
+            per_file, note = contention(step_s, timed)
     finally:
-        reducer.close()
-    return slowest_rank_median(world.comm, times)
+        if reducer is not None:
+            reducer.close()
+    return TrainerStep(step_s, building / args.batch_size, per_file, note)
 
 
-def _timed_steps(parts: Any, x: Any, y: Any, comm: Any, steps: int) -> list[float]:
+def _timed_steps(
+    parts: Any, x: Any, y: Any, comm: Any, steps: int, build, at_start=None
+) -> tuple[list[tuple[float, float]], float, float]:
+    """(seconds building the batch, seconds of the whole step) of each step after 3 warm-up
+    ones, and when the timed steps began and ended (at_start() is called just before). The
+    step trains on the fixed batch x, y: what was built only costs its time."""
     flag = np.zeros(1)
     times = []
-    for _ in range(steps + 3):  # 3 warm-up steps
+    began = time.time()
+    for k in range(steps + 3):  # 3 warm-up steps
+        if k == 3:
+            if at_start:
+                at_start()
+            began = time.time()
         t0 = time.perf_counter()
+        if build:
+            build()
+        t1 = time.perf_counter()
         train_step(parts, x, y, 0.01)
         if parts.reducer:
             allreduce_sum(comm, flag)
-        times.append(time.perf_counter() - t0)
-    return times[3:]
+        times.append((t1 - t0, time.perf_counter() - t0))
+    return times[3:], began, time.time()
 
 
 def fit_to_trainer_step(
@@ -385,7 +432,7 @@ def fit_to_trainer_step(
     if world.num_nodes == 1:
         return cal
     shape = JobShape(world.num_nodes, world.node_comm.size, args.batch_size, 1,
-                     bucket_mb=args.bucket_mb)  # fmt: skip
+                     bucket_mb=args.bucket_mb, workers=0)  # fmt: skip
 
     def step_s(factor: float) -> float:
         network = replace(cal.network, algorithm_factor=factor)
@@ -420,23 +467,36 @@ def main(argv: list[str] | None = None) -> int:
         pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
     network = measure_network(world, args.repeats)
     compute = measure_compute(args, world.comm)
-    trained = measure_trainer_step(args, world)
+    latency = world.comm.bcast(pfs.open_latency_s if world.rank == 0 else None, root=0)
+
+    def contention(quiet_s: float, timed_steps) -> tuple[float, str]:
+        return contention_per_file(world, Path(args.data), Path(args.stage_dir), args.threads,
+                                   args.local_mb, quiet_s, args.threads / max(latency, 1e-4),
+                                   timed_steps, _make_dirs)  # fmt: skip
+
+    with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
+                       args.augment, args.local_mb, _make_dirs) as (samples, timed):  # fmt: skip
+        trained = measure_trainer_step(args, world, samples, contention)
     if world.rank != 0:
         return 0
     where = f"{world.num_nodes} nodes x {world.node_comm.size} ranks"
     source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
+    compute = replace(compute, input_s_per_sample=trained.input_s_per_sample,
+                      contention_s_per_file=trained.contention_s_per_file)  # fmt: skip
     cal = Calibration(pfs, local, network, compute, source=source, peer=peer)
-    cal = fit_to_trainer_step(cal, world, args, trained)
-    print(describe(cal, rows, where, trained))
+    cal = fit_to_trainer_step(cal, world, args, trained.step_s)
+    print(describe(cal, rows, where, trained, timed))
     if args.out:
         calibration.save(args.out, cal)
         print(f"wrote {args.out}")
     if args.json:
-        print(json.dumps({**cal.to_json(), "pfs_sweep": rows, "trainer_step_s": trained}))
+        print(json.dumps({**cal.to_json(), "pfs_sweep": rows, "trainer_step_s": trained.step_s}))
     return 0
 
 
-def describe(cal: Calibration, rows: list[dict], where: str, trained: float) -> str:
+def describe(
+    cal: Calibration, rows: list[dict], where: str, trained: TrainerStep, timed: str
+) -> str:
     """The measured figures, one line per part."""
     p, n, c, peer = cal.pfs, cal.network, cal.compute, cal.peer or calibration.DEFAULT_PEER
     sweep = ", ".join(f"{r['threads']}t {r['opens_per_s']:.0f}/s" for r in rows)
@@ -459,7 +519,13 @@ def describe(cal: Calibration, rows: list[dict], where: str, trained: float) -> 
         f"  compute: {c.model} step = b / {c.v0:.0f} + {c.t * 1e3:.2f} ms "
         f"({c.step_s(c.batch_size) * 1e3:.1f} ms at batch {c.batch_size}); "
         f"{c.gradient_bytes / 1e6:.1f} MB of gradients",
-        f"  trainer step (compute, reducer, loss check, all ranks): {trained * 1e3:.1f} ms",
+        "  input (the rank builds its batch, --workers 0): "
+        + (f"{c.input_s_per_sample * 1e3:.3f} ms per sample ({timed})" if c.input_s_per_sample
+           else timed),
+        f"  trainer step (input, compute, reducer, loss check, all ranks; mean): "
+        f"{trained.step_s * 1e3:.1f} ms",
+        f"  contention: {c.contention_s_per_file * 1e3:.2f} ms of training lost per file a "
+        f"node stages ({trained.contention_note})",
     ])  # fmt: skip
 
 

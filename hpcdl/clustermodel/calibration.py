@@ -12,7 +12,8 @@ parser:
     [local]      write_bandwidth_Bps
     [network]    intra_alpha_s, intra_beta_s_per_B, inter_alpha_s, inter_beta_s_per_B, algorithm,
                  algorithm_factor
-    [compute]    model, batch_size, v0, t, backward_fraction, gradient_bytes
+    [compute]    model, batch_size, v0, t, backward_fraction, gradient_bytes,
+                 input_s_per_sample, contention_s_per_file   (optional, 0 = not charged)
     [peer]       fetch_latency_s, thread_bandwidth_Bps, node_bandwidth_Bps   (optional)
 
 [peer] is the staging peer tier's fetch of a staged copy from another node's stager (issue 35).
@@ -78,6 +79,13 @@ class ComputeFigures:
     t: float  # seconds of fixed cost per step (launches, update); step = b / v0 + t
     backward_fraction: float  # share of a step spent in backward, where the allreduce overlaps
     gradient_bytes: int  # bytes allreduced per step (parameters x bytes per gradient)
+    # One sample's read of its staged copy, decode and augmentation where the rank builds its
+    # batch itself (--workers 0); loader workers take it off the step (equations.step_time).
+    # 0: not measured (a file written before this field), the loaders keep up.
+    input_s_per_sample: float = 0.0
+    # Training seconds a node loses per file its stager copies while the ranks train (shared
+    # cores; hpcdl.bench.calibrate_contention). 0: not measured, or cores to spare.
+    contention_s_per_file: float = 0.0
 
     def step_s(self, batch: int) -> float:
         """Seconds of forward + backward + update of one rank at this batch (no allreduce)."""

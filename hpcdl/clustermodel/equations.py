@@ -14,7 +14,9 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
    runs (hpcdl.comm.reducer);
 4. images/s, scaling efficiency, epoch times and time to the last epoch;
 5. with the peer tier, a later epoch's staging is its PFS files at the rate of 1. plus its
-   peer fetches (hpcdl.clustermodel.peers, a term of its own beside the staging formula).
+   peer fetches (hpcdl.clustermodel.peers, a term of its own beside the staging formula);
+6. the steps an epoch's copies slow down (contention_s_per_file per copy, measured), and the
+   wait for the batch where the loaders fall behind or the rank builds it (input_time).
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
@@ -47,6 +49,7 @@ class JobShape:
     index_files: int = 0  # files the job's index opens (0: a cached index is found)
     index_threads: int = 32  # hpcdl.data.imagefolder.INDEX_THREADS
     lead_s: float = 0.0  # how long staging runs before the first step
+    workers: int = 1  # loader worker processes per rank (--workers; 0: the rank builds batches)
 
     @property
     def ranks(self) -> int:
@@ -224,12 +227,24 @@ class StepTime:
     exposed_s: float  # communication left after backward, with the calibrated algorithm
     check_s: float  # the 8-byte loss check every step
     step_s: float
+    input_s: float = 0.0  # of step_s, waiting for the batch (input_time)
+
+
+def input_time(cal: Calibration, shape: JobShape, busy_s: float) -> float:
+    """Seconds a step waits for its batch: all of the batch's loading where the rank builds it
+    (--workers 0); with K workers, each builds every K-th batch while the rank computes, so
+    the rank waits only where one batch takes longer than K steps (the workers' cores are
+    their own, as hpcdl.data.loader.default_workers leaves them)."""
+    load = shape.batch_size * cal.compute.input_s_per_sample
+    if shape.workers <= 0:
+        return load
+    return max(0.0, load / shape.workers - busy_s)
 
 
 def step_time(cal: Calibration, shape: JobShape) -> StepTime:
-    """One step: buckets become ready as backward proceeds (uniformly over its share of the
-    step) and one thread reduces them in order; the step waits for the last one, then for the
-    trainer's 8-byte loss check."""
+    """One step: the batch (input_time), then buckets become ready as backward proceeds
+    (uniformly over its share of the step) and one thread reduces them in order; the step
+    waits for the last one, then for the trainer's 8-byte loss check."""
     compute = cal.compute.step_s(shape.batch_size)
     elements = max(1, cal.compute.gradient_bytes // GRADIENT_ITEMSIZE)
     buckets = plan_buckets(elements, GRADIENT_ITEMSIZE, shape.bucket_mb)
@@ -244,11 +259,14 @@ def step_time(cal: Calibration, shape: JobShape) -> StepTime:
         ready = backward_start + compute * cal.compute.backward_fraction * bucket.hi / elements
         done = max(done, ready) + times[cal.network.algorithm]
     if shape.ranks == 1:
-        return StepTime(compute, per_algo, 0.0, 0.0, compute)
+        wait = input_time(cal, shape, compute)
+        return StepTime(compute, per_algo, 0.0, 0.0, compute + wait, wait)
     exposed = max(0.0, done - compute)
     check = allreduce_s(cal.network, shape.nodes, shape.ranks_per_node, CHECK_BYTES)
     check_s = check[cal.network.algorithm]
-    return StepTime(compute, per_algo, exposed, check_s, compute + exposed + check_s)
+    busy = compute + exposed + check_s
+    wait = input_time(cal, shape, busy)
+    return StepTime(compute, per_algo, exposed, check_s, busy + wait, wait)
 
 
 # ---------------------------------------------------------------------- 4. the job
@@ -292,9 +310,18 @@ class Prediction:
     peer_files_per_epoch: list[int] | None = None
     peer_bytes_per_epoch: list[int] | None = None
     epoch_s: list[float] | None = None  # epoch 1 (from the first step) and every later one
+    input_wait_s: float = 0.0  # of step_s, waiting for the batch (--workers, [compute] input)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def copied_during(split: peers.PeerSplit) -> list[int]:
+    """Files a node's stager copies while each epoch's steps run: epoch 1 its own new files and
+    the next epoch's, every later epoch the next epoch's (PFS and peers), the last none."""
+    new = [p + q for p, q in zip(split.pfs_files, split.peer_files)]
+    ahead = [*new[1:], 0]
+    return [new[0] + ahead[0], *ahead[1:]]
 
 
 def later_epochs(
@@ -306,15 +333,16 @@ def later_epochs(
 ) -> list[float]:
     """Seconds of every epoch after the first: the stager fetches each epoch's new files during
     the epoch before, so an epoch lasts its steps or its staging, whichever is longer; staging
-    is the PFS files at the staging rate plus the peer fetches (equation 5)."""
+    is the PFS files at the staging rate plus the peer fetches (equation 5). The steps are
+    slowed by the copies made meanwhile (contention_s_per_file each, equation 6)."""
+    copied = copied_during(split)
     out = []
     for e in range(1, shape.epochs):
         pfs_s = float(staged_at(rate, split.pfs_files[e]))
         n_peer = split.peer_files[e]
         mean = split.peer_bytes[e] / n_peer if n_peer else 0.0
-        out.append(
-            max(compute_epoch, pfs_s + peers.peer_fetch_s(cal, shape.stage_threads, n_peer, mean))
-        )
+        steps = compute_epoch + cal.compute.contention_s_per_file * copied[e]
+        out.append(max(steps, pfs_s + peers.peer_fetch_s(cal, shape.stage_threads, n_peer, mean)))
     return out
 
 
@@ -331,7 +359,6 @@ def predict_shape(
     peer tier, all from the PFS)."""
     rate = staging_rate_for(cal, shape, reads.mean_file_bytes)
     step = step_time(cal, shape)
-    one = epoch_one(reads, rate, step.step_s, shape.lead_s)
     compute_epoch = reads.steps_per_epoch * step.step_s
 
     def split(r: NodeReads) -> peers.PeerSplit:
@@ -339,6 +366,8 @@ def predict_shape(
             return peers.split_reads(r.new_files, r.new_bytes, pfs_shares)
         return peers.no_peers(r.new_files, r.new_bytes)
 
+    slowed = cal.compute.contention_s_per_file * copied_during(split(reads))[0]
+    one = epoch_one(reads, rate, step.step_s + slowed / max(reads.steps_per_epoch, 1), shape.lead_s)
     later = later_epochs(cal, shape, rate, split(reads), compute_epoch) or [compute_epoch]
     nodes = [split(r) for r in (every_node or [reads] * shape.nodes)]
     opens = [sum(r.pfs_files[e] for r in nodes) for e in range(shape.epochs)]
@@ -381,4 +410,5 @@ def predict_shape(
         peer_files_per_epoch=[sum(r.peer_files[e] for r in nodes) for e in range(shape.epochs)],
         peer_bytes_per_epoch=[sum(r.peer_bytes[e] for r in nodes) for e in range(shape.epochs)],
         epoch_s=[one.seconds, *later[: shape.epochs - 1]],
+        input_wait_s=step.input_s,
     )

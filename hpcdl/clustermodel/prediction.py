@@ -64,6 +64,7 @@ class PredictionRequest:
     shuffle: str  # the sampler's: global | node | none
     placement: str  # how the job places its ranks: block | cyclic
     peer_staging: str = "auto"  # --peer-staging: auto | on | off (staging.peer_tier)
+    workers: int = 1  # the job's loader workers per rank (--workers; 0: the rank loads)
 
 
 def dataset_figures(ds: Any) -> tuple[int, int]:
@@ -135,6 +136,7 @@ def predict(request: PredictionRequest) -> list[Prediction]:
             epochs=request.epochs,
             stage_threads=request.stage_threads,
             index_files=index_files,
+            workers=request.workers,
         )
         reads = node_reads(request, shape)
         every_node = reads if len(reads) == nodes else None

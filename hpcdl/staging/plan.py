@@ -300,6 +300,13 @@ class FileTreeDataset:
             raise ValueError(f"data directory {self.root} holds no files")
         self.files = FileTable.from_entries(relpaths, sizes)  # as every data set's
 
+    @classmethod
+    def of_files(cls, root: str | Path, relpaths: list[str], sizes: list[int]) -> FileTreeDataset:
+        """Some of root's files only (given, not walked): a stager's plan of a sample."""
+        ds = cls.__new__(cls)
+        ds.root, ds.files = Path(root), FileTable.from_entries(relpaths, sizes)
+        return ds
+
     def __len__(self) -> int:
         return len(self.files)
 

@@ -9,9 +9,11 @@ and whether the two global jobs' final parameters are bitwise equal. The three j
 --rounds times, on the same machine; the table shows each figure's median over the rounds and
 the peers / node ratio of later epochs per round, the figures to read (docs/PERFORMANCE.md).
 
-The cluster model beside them: `bench calibrate` on the same emulated nodes first (as `bench
-validate` does; or --calibration FILE), then the dry run's epoch times for each job (its
---shuffle and --peer-staging), and measured / predicted - 1 per epoch figure.
+The cluster model beside them: `bench calibrate` on the same emulated nodes before each round
+(as `bench validate` does; or one --calibration FILE for all), then the dry run's epoch times
+for each job (its --shuffle and --peer-staging, --workers 0 as the jobs run), and the median
+over the rounds of measured / predicted - 1 per epoch figure: each round against the model of
+its own calibration, since this machine's speed drifts over the minutes a round takes.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def predicted_epochs(setup: Setup, mount: Path, calib: Path, flags: tuple[str, .
     argv = ["--dry-run", "--data", str(mount), "--calibration", str(calib), "--nodes",
             str(setup.nodes), "--ranks-per-node", str(setup.ranks_per_node), "--seed", "0",
             "--batch-size", str(setup.batch_size), "--epochs", str(setup.epochs),
-            "--stage-threads", str(setup.stage_threads), "--json", *flags]  # fmt: skip
+            "--stage-threads", str(setup.stage_threads), "--workers", "0", "--json",
+            *flags]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         if stage.main(argv) != 0:
@@ -108,20 +111,21 @@ def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str,
         from hpcdl.data import open_dataset  # noqa: PLC0415
 
         open_dataset(mount)  # the index, cached outside the read-only mount, before the jobs
-        calib = given or workdir / "calibration.toml"
-        if not given:
-            run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
         rounds: dict[str, list[dict]] = {name: [] for name in JOBS}
         for r in range(setup.runs):  # the three jobs in turn, so that drift hits each alike
+            calib = given or workdir / f"calibration-{r}.toml"
+            if not given:  # each round's own: the model sees the machine as its jobs do
+                run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
             for k, (name, flags) in enumerate(JOBS.items()):
                 out = workdir / f"job{r}-{k}"
-                rounds[name].append(run_job(cluster, pfs, setup, mount, out, flags))
-        model = {name: predicted_epochs(setup, mount, calib, flags) for name, flags in JOBS.items()}
+                job = run_job(cluster, pfs, setup, mount, out, flags)
+                job["model_epochs_s"] = predicted_epochs(setup, mount, calib, flags)
+                rounds[name].append(job)
     same = all(
         params_of(workdir / f"job{r}-1").tobytes() == params_of(workdir / f"job{r}-2").tobytes()
         for r in range(setup.runs)
     )
-    jobs = {name: dict(rounds=runs, model_epochs_s=model[name]) for name, runs in rounds.items()}
+    jobs = {name: dict(rounds=runs) for name, runs in rounds.items()}
     return dict(setup=setup.__dict__, jobs=jobs, global_params_bitwise_equal=same)
 
 
@@ -134,6 +138,15 @@ def median_of(runs: list[dict], figure) -> float:
     return float(np.median([figure(run) for run in runs]))
 
 
+def with_model(runs: list[dict], figure) -> str:
+    """The figure's median over the rounds, the model's, and the median of each round's
+    measured / model - 1 (a round's model is from that round's calibration)."""
+    measured = median_of(runs, lambda r: figure(r["epochs_s"]))
+    model = median_of(runs, lambda r: figure(r["model_epochs_s"]))
+    error = median_of(runs, lambda r: figure(r["epochs_s"]) / figure(r["model_epochs_s"]) - 1)
+    return f"{measured:.2f} (model {model:.2f}, {error:+.0%})"
+
+
 def table(result: dict[str, Any]) -> str:
     """Each job's figures, the median over its rounds; then the peers / node ratio per round."""
     files = result["setup"]["files"]
@@ -141,13 +154,10 @@ def table(result: dict[str, Any]) -> str:
              "PFS opens | peer fetches | loader misses | slow FS opens |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, j in result["jobs"].items():
-        runs, model = j["rounds"], j["model_epochs_s"]
-        first = median_of(runs, lambda r: r["epochs_s"][0])
-        rest = median_of(runs, lambda r: later(r["epochs_s"]))
+        runs = j["rounds"]
         opens = median_of(runs, lambda r: r["stager_pfs_opens"])
         lines.append(
-            f"| {name} | {first:.2f} (model {model[0]:.2f}, {first / model[0] - 1:+.0%}) "
-            f"| {rest:.2f} (model {later(model):.2f}, {rest / later(model) - 1:+.0%}) "
+            f"| {name} | {with_model(runs, lambda e: e[0])} | {with_model(runs, later)} "
             f"| {median_of(runs, lambda r: later(r['data_wait_s'])):.2f} "
             f"| {opens:.0f} ({opens / files:.2f}x files) "
             f"| {median_of(runs, lambda r: r['peer_files']):.0f} "
@@ -179,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
     a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
-    a("--calibration", help="the model's calibration file (default: bench calibrate here first)")
+    a("--calibration", help="calibration file for all rounds (default: calibrate each round)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
 

@@ -183,7 +183,7 @@ def dry_run_prediction(setup: Setup, mount: Path, calib: Path) -> dict[str, Any]
 
     argv = ["--dry-run", "--data", str(mount), "--calibration", str(calib), "--nodes",
             str(setup.nodes), "--ranks-per-node", str(setup.ranks_per_node), "--seed", "0",
-            "--json", *job_flags(setup)]  # fmt: skip
+            "--workers", "0", "--json", *job_flags(setup)]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = stage.main(argv)

@@ -1,0 +1,151 @@
+"""`bench calibrate`'s contention figure: the training time a node loses per file its stager copies.
+
+A stager copies while the ranks train: epoch 1's files, and in every later epoch of a global
+shuffle the next epoch's new files, from the PFS or from peers. Where the ranks and loaders keep
+the node's cores busy (and on emulated nodes that share one host's cores), the copies take CPU
+time, memory bandwidth and the file system client's attention from the steps. On a node with
+cores to spare the figure is about 0, which is what it then measures.
+
+It is measured, not derived: the trainer's step (bench calibrate's loop, batch building
+included) is timed once quiet and once while every node's leader runs a real hpcdl-stage that
+copies files of --data into a temporary directory of --stage-dir with --threads copy threads.
+The steps' added seconds, over the copies published during the timed steps (their ctime, as
+the stager renames each finished copy into place), give seconds per file and node. At most
+--local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcdl.bench.calibrate_peer import SESSION, WAIT_S, status_path, write_plan
+from hpcdl.staging.binary import find_stager_binary
+from hpcdl.staging.plan import FileTreeDataset
+from hpcdl.staging.status import StatusView
+
+MIN_FILES = 64  # copied per node at least: a window of a few steps must see some land
+
+
+@dataclass(frozen=True)
+class Window:
+    """Step times of a timed run and when (time.time()) its timed steps began and ended."""
+
+    seconds: list[float]
+    began: float
+    ended: float
+
+
+def spread_files(root: Path, count: int, budget_bytes: int) -> tuple[list[str], list[int]]:
+    """Up to `count` regular files of root (relative paths, sizes), spread over the tree and
+    between the ones the PFS sweep read, within budget_bytes."""
+    found = sorted(
+        os.path.relpath(Path(d) / n, root)
+        for d, dirs, names in os.walk(root)
+        for n in names
+        if not n.startswith(".")
+    )
+    step = max(1, len(found) // max(count, 1))
+    relpaths, sizes, total = [], [], 0
+    for rel in found[step // 2 :: step][:count]:
+        size = (root / rel).stat().st_size
+        if total + size > budget_bytes:
+            break
+        relpaths.append(rel)
+        sizes.append(size)
+        total += size
+    return relpaths, sizes
+
+
+def start_copier(data: Path, stage: Path, relpaths: list[str], sizes: list[int], threads: int):
+    """hpcdl-stage copying these files of data into stage (one epoch, --once)."""
+    write_plan(FileTreeDataset.of_files(data, relpaths, sizes), stage, 0, None)
+    cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", SESSION,
+           "--threads", str(threads), "--once", "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    view = StatusView(status_path(stage))
+    deadline = time.monotonic() + WAIT_S
+    while not view.open() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # running: its status map is published
+    return proc
+
+
+def landed_between(stage: Path, began: float, ended: float) -> int:
+    """Copies published into stage (under k/, write_plan's prefix) within [began, ended]."""
+    count = 0
+    for d, _dirs, names in os.walk(stage / "k"):
+        for n in names:
+            with contextlib.suppress(OSError):
+                count += began <= (Path(d) / n).stat().st_ctime <= ended
+    return count
+
+
+def contention_per_file(
+    world: Any,
+    data: Path,
+    stage_dir: Path,
+    threads: int,
+    budget_mb: int,
+    quiet_step_s: float,
+    files_per_s: float,
+    timed: Callable[[Callable[[], None]], Window],
+    make_dirs: Callable[[Path], list[Path]],
+) -> tuple[float, str]:
+    """(seconds lost per file copied on a node, a note) on every rank; collective.
+
+    quiet_step_s: the trainer's mean step without copies; files_per_s: the staging rate the
+    PFS figures give one node (how many files the timed steps need); timed(at_start): runs the
+    trainer's steps, calls at_start() as the timed ones begin (the copies start then, after the
+    warm-up), and returns their Window."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    made: list[Path] = []
+    where, procs, landed = None, [], 0
+    relpaths: list[str] = []
+    sizes: list[int] = []
+
+    def start() -> None:
+        if where is not None and relpaths:
+            procs.append(start_copier(data, where, relpaths, sizes, threads))
+
+    try:
+        if world.local_rank == 0:
+            made = make_dirs(stage_dir)
+            where = Path(tempfile.mkdtemp(prefix=".hpcdl-calibrate-contention.", dir=stage_dir))
+            window_s = quiet_step_s * 12  # the timed steps, with room
+            want = max(MIN_FILES, math.ceil(2 * files_per_s * window_s))
+            relpaths, sizes = spread_files(data, want, budget_mb * 1_000_000)
+        window = timed(start)
+        if where is not None:
+            landed = landed_between(where, window.began, window.ended)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=WAIT_S)
+        if where is not None:
+            import shutil  # noqa: PLC0415
+
+            shutil.rmtree(where, ignore_errors=True)
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    from hpcdl.bench.timing import slowest_rank_mean  # noqa: PLC0415
+
+    loaded = slowest_rank_mean(world.comm, window.seconds)
+    per_node = world.comm.allreduce(landed, op=MPI.SUM) / world.num_nodes
+    if per_node < 1:
+        return 0.0, "not measured: no copy landed during the timed steps"
+    lost = max(0.0, (loaded - quiet_step_s) * len(window.seconds))
+    note = (f"step {loaded * 1e3:.1f} ms while {per_node:.0f} files per node landed in "
+            f"{window.ended - window.began:.2f} s, {quiet_step_s * 1e3:.1f} ms quiet")  # fmt: skip
+    return lost / per_node, note

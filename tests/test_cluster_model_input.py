@@ -1,0 +1,153 @@
+"""The cluster model's input term: what a step waits for its batch (--workers), as `bench
+calibrate` measures it on node-local copies of the job's data and the dry run predicts it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import stage_cli
+
+from hpcdl.bench import synthetic
+from hpcdl.clustermodel import calibration, equations
+from hpcdl.clustermodel.calibration import (
+    Calibration,
+    ComputeFigures,
+    LocalFigures,
+    NetworkFigures,
+    PfsFigures,
+)
+from hpcdl.clustermodel.equations import JobShape
+
+REPO = Path(__file__).resolve().parents[1]
+CAL = Calibration(  # a step of about 20 ms at batch 8, no input figure
+    pfs=PfsFigures(open_latency_s=0.01, thread_bandwidth_Bps=1e8),
+    local=LocalFigures(write_bandwidth_Bps=1e9),
+    network=NetworkFigures(1e-5, 1e-9, 1e-4, 1e-8, "hierarchical"),
+    compute=ComputeFigures("mlp", 8, v0=800.0, t=0.01, backward_fraction=0.5,
+                           gradient_bytes=4_000_000),  # fmt: skip
+)
+PER_SAMPLE = 2e-3  # seconds: a slow decode, so that workers can fall behind a short step
+WITH_INPUT = replace(CAL, compute=replace(CAL.compute, input_s_per_sample=PER_SAMPLE))
+
+
+def test_a_rank_that_builds_its_batch_waits_for_all_of_it_and_workers_hide_it():
+    shape = JobShape(nodes=2, ranks_per_node=2, batch_size=8, epochs=1)
+    without = equations.step_time(CAL, replace(shape, workers=0))
+    assert without.input_s == 0.0  # no input figure (an older file): nothing charged
+    alone = equations.step_time(WITH_INPUT, replace(shape, workers=0))
+    assert alone.input_s == pytest.approx(8 * PER_SAMPLE)
+    assert alone.step_s == pytest.approx(without.step_s + 8 * PER_SAMPLE)
+    # one worker builds a batch (16 ms) while the rank computes (over 20 ms): no wait
+    assert without.step_s > 8 * PER_SAMPLE
+    assert equations.step_time(WITH_INPUT, replace(shape, workers=1)).step_s == without.step_s
+    # a decode slower than the step: one worker sets the pace, and more workers share it
+    slow = replace(CAL, compute=replace(CAL.compute, input_s_per_sample=0.02))
+    one = equations.step_time(slow, replace(shape, workers=1))
+    assert one.step_s == pytest.approx(8 * 0.02)
+    four = equations.step_time(slow, replace(shape, workers=4))
+    assert four.step_s == pytest.approx(max(without.step_s, 8 * 0.02 / 4))
+
+
+def test_a_calibration_file_without_the_input_figure_loads_with_none(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text(CAL.to_toml().replace("input_s_per_sample = 0.0\n", ""))
+    assert "input_s_per_sample" not in path.read_text()
+    assert calibration.load(path).compute.input_s_per_sample == 0.0
+    calibration.save(path, WITH_INPUT)
+    assert calibration.load(path) == WITH_INPUT
+
+
+def dry_run(cal_path: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
+    return stage_cli("--dry-run", "--data", str(data), "--files-only", "--calibration",
+                     str(cal_path), "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "8",
+                     "--epochs", "2", "--json", *extra, cwd=REPO)  # fmt: skip
+
+
+def test_the_dry_run_charges_the_input_to_the_jobs_workers(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(64):
+        (data / f"f{i:02d}").write_bytes(b"x" * 100)
+    path = tmp_path / "c.toml"
+    calibration.save(path, WITH_INPUT)
+
+    def row(*extra: str) -> dict:
+        proc = dry_run(path, data, *extra)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])["predictions"][0]
+
+    inline, workers = row("--workers", "0"), row("--workers", "2")
+    assert inline["input_wait_s"] == pytest.approx(8 * PER_SAMPLE)
+    assert workers["input_wait_s"] == 0.0
+    assert inline["step_s"] == pytest.approx(workers["step_s"] + 8 * PER_SAMPLE)
+    later = inline["epoch_s"][1] - workers["epoch_s"][1]
+    assert later == pytest.approx(inline["steps_per_epoch"] * 8 * PER_SAMPLE)
+    proc = dry_run(path, data, "--workers", "-1")
+    assert proc.returncode == 2 and "--workers must be 0 or more" in proc.stderr
+
+
+def calibrate(data: Path, stage_dir: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(data), "--stage-dir",
+           str(stage_dir), "--threads", "1", "--files", "4", "--local-mb", "1", "--steps", "3",
+           "--batch-size", "4", "--input-shape", "3,16,16", "--classes", "4", "--repeats", "1",
+           "--out", str(out)]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def listing(root: Path) -> list[tuple[str, int, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in root.rglob("*"))  # fmt: skip
+
+
+def test_bench_calibrate_times_batches_of_node_local_copies_of_the_data(tmp_path):
+    data = synthetic.class_colour_folder(tmp_path / "images", 24, side=16, classes=4)
+    before = listing(data)
+    stage_dir = tmp_path / "local" / "stage"  # missing: made as training makes it, removed
+    proc = calibrate(data, stage_dir, tmp_path / "c.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figure = calibration.load(tmp_path / "c.toml").compute.input_s_per_sample
+    assert 0 < figure < 1.0, proc.stdout
+    line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("input"))
+    assert f"{figure * 1e3:.3f} ms per sample (16 samples of --data" in line, line
+    assert not (tmp_path / "local").exists()  # the copies and the dirs made for them are gone
+    assert listing(data) == before  # the data set is only read
+
+
+def test_bench_calibrate_says_why_the_input_was_not_timed(tmp_path):
+    flat = tmp_path / "flat"  # files without class folders: not a data set hpcdl.train reads
+    flat.mkdir()
+    for i in range(8):
+        (flat / f"f{i}").write_bytes(np.arange(64, dtype=np.uint8).tobytes())
+    stage_dir = tmp_path / "stage"
+    stage_dir.mkdir()
+    proc = calibrate(flat, stage_dir, tmp_path / "c.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert calibration.load(tmp_path / "c.toml").compute.input_s_per_sample == 0.0
+    assert f"input (the rank builds its batch, --workers 0): not measured: --data {flat}" in (
+        proc.stdout
+    )
+    assert list(stage_dir.iterdir()) == []
+
+
+def test_the_peer_staging_table_sets_each_round_against_its_own_calibration():
+    from tools.bench.peer_staging import table  # noqa: PLC0415
+
+    def job(measured: list[float], model: list[float]) -> dict:
+        return dict(epochs_s=measured, model_epochs_s=model, data_wait_s=[0.1, 0.1],
+                    stager_pfs_opens=8, peer_files=0, misses=0, fs_opens=8)  # fmt: skip
+
+    # round 0 measured 2 s against a model of 1 s (+100 %), round 1 3 s against 3 s (0 %)
+    rounds = [job([2.0, 2.0], [1.0, 1.0]), job([3.0, 3.0], [3.0, 3.0])]
+    result = dict(setup=dict(files=8), global_params_bitwise_equal=True,
+                  jobs={name: dict(rounds=rounds) for name in
+                        ("node", "global, no peers", "global, peers")})  # fmt: skip
+    rows = table(result).splitlines()
+    node = next(r for r in rows if r.startswith("| node |"))
+    # medians: measured 2.5, model 2.0, and the rounds' own errors +100 % and 0 %: +50 %
+    assert "| 2.50 (model 2.00, +50%) | 2.50 (model 2.00, +50%) |" in node, node
