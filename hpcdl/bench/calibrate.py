@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def contention(quiet_s: float, timed_steps) -> tuple[float, str]:
         return contention_per_file(world, Path(args.data), Path(args.stage_dir), args.threads,
-                                   args.local_mb, quiet_s, args.threads / max(latency, 1e-4),
+                                   args.local_mb, quiet_s, args.steps,
+                                   args.threads / max(latency, 1e-4),
                                    timed_steps, _make_dirs)  # fmt: skip
 
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,

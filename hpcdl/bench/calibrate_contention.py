@@ -95,16 +95,17 @@ def contention_per_file(
     threads: int,
     budget_mb: int,
     quiet_step_s: float,
+    steps: int,
     files_per_s: float,
     timed: Callable[[Callable[[], None]], Window],
     make_dirs: Callable[[Path], list[Path]],
 ) -> tuple[float, str]:
     """(seconds lost per file copied on a node, a note) on every rank; collective.
 
-    quiet_step_s: the trainer's mean step without copies; files_per_s: the staging rate the
-    PFS figures give one node (how many files the timed steps need); timed(at_start): runs the
-    trainer's steps, calls at_start() as the timed ones begin (the copies start then, after the
-    warm-up), and returns their Window."""
+    quiet_step_s: the trainer's mean step without copies, over `steps` timed ones; files_per_s:
+    the staging rate the PFS figures give one node (how many files the timed steps need);
+    timed(at_start): runs the trainer's steps, calls at_start() as the timed ones begin (the
+    copies start then, after the warm-up), and returns their Window."""
     from mpi4py import MPI  # noqa: PLC0415
 
     made: list[Path] = []
@@ -120,7 +121,7 @@ def contention_per_file(
         if world.local_rank == 0:
             made = make_dirs(stage_dir)
             where = Path(tempfile.mkdtemp(prefix=".hpcdl-calibrate-contention.", dir=stage_dir))
-            window_s = quiet_step_s * 12  # the timed steps, with room
+            window_s = quiet_step_s * (steps + 2)  # the timed steps, with room
             want = max(MIN_FILES, math.ceil(2 * files_per_s * window_s))
             relpaths, sizes = spread_files(data, want, budget_mb * 1_000_000)
         window = timed(start)

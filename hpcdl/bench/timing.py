@@ -8,8 +8,10 @@ taken this way (calibrate once took each rank's median first and then the slowes
 lets one rank's typical round stand for rounds in which another rank was the slow one).
 
 One figure is summed rather than typical: the trainer's step that `bench calibrate` gives the
-cluster model, whose epochs are the sum of their steps, rare slow ones included. It takes the
-mean over the rounds of the same slowest-rank times (slowest_rank_mean).
+cluster model, whose epochs are the sum of their steps, rare slow ones included. It takes each
+rank's mean over the rounds, then the slowest rank (slowest_rank_mean): the ranks' rounds end
+at different moments, so a round's maximum over ranks counts one rank's wait in one round and
+another's in the next, which the wall clock of the whole run does not.
 """
 
 from __future__ import annotations
@@ -36,5 +38,10 @@ def slowest_rank_median(comm: Any, seconds: Sequence[float] | np.ndarray) -> flo
 
 
 def slowest_rank_mean(comm: Any, seconds: Sequence[float] | np.ndarray) -> float:
-    """Mean over rounds of slowest_per_round: for a figure that is summed (see the module)."""
-    return float(np.mean(slowest_per_round(comm, seconds)))
+    """The largest of the ranks' mean round: for a figure that is summed (see the module)."""
+    mean = float(np.mean(np.asarray(seconds, dtype=np.float64)))
+    if comm.Get_size() > 1:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        mean = comm.allreduce(mean, op=MPI.MAX)
+    return mean

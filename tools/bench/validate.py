@@ -87,7 +87,8 @@ def job_flags(setup: Setup) -> list[str]:
 def calibrate_args(setup: Setup, mount: Path, out: Path) -> list[str]:
     return ["-m", "hpcdl.bench", "calibrate", "--data", str(mount), "--stage-dir", "/local",
             "--batch-size", str(setup.batch_size), "--classes", "4", "--files", "24",
-            "--threads", str(setup.stage_threads), "--repeats", "5", "--out", str(out)]  # fmt: skip
+            "--threads", str(setup.stage_threads), "--repeats", "5", "--steps", "30",
+            "--out", str(out)]  # fmt: skip
 
 
 def train_args(setup: Setup, mount: Path, metrics: Path) -> list[str]:

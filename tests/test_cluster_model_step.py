@@ -1,9 +1,11 @@
-"""The cluster model's input term: what a step waits for its batch (--workers), as `bench
-calibrate` measures it on node-local copies of the job's data and the dry run predicts it."""
+"""The cluster model's step beyond compute and allreduce: what a step waits for its batch
+(--workers) and what the stager's copies cost the steps meanwhile, as `bench calibrate`
+measures them on the job's data and the dry run predicts them."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -54,13 +56,47 @@ def test_a_rank_that_builds_its_batch_waits_for_all_of_it_and_workers_hide_it():
     assert four.step_s == pytest.approx(max(without.step_s, 8 * 0.02 / 4))
 
 
-def test_a_calibration_file_without_the_input_figure_loads_with_none(tmp_path):
+def test_a_calibration_file_without_the_step_figures_loads_with_none(tmp_path):
     path = tmp_path / "old.toml"
-    path.write_text(CAL.to_toml().replace("input_s_per_sample = 0.0\n", ""))
-    assert "input_s_per_sample" not in path.read_text()
-    assert calibration.load(path).compute.input_s_per_sample == 0.0
-    calibration.save(path, WITH_INPUT)
-    assert calibration.load(path) == WITH_INPUT
+    text = CAL.to_toml()
+    for line in ("input_s_per_sample = 0.0\n", "contention_s_per_file = 0.0\n"):
+        assert line in text
+        text = text.replace(line, "")
+    path.write_text(text)
+    old = calibration.load(path).compute
+    assert old.input_s_per_sample == 0.0 and old.contention_s_per_file == 0.0
+    both = replace(WITH_INPUT, compute=replace(WITH_INPUT.compute, contention_s_per_file=1e-3))
+    calibration.save(path, both)
+    assert calibration.load(path) == both
+
+
+def reads(new: tuple[int, ...], steps: int = 30) -> equations.NodeReads:
+    """A node that first reads `new` files in each epoch, epoch 1's spread over its steps."""
+    first = np.linspace(new[0] / steps, new[0], steps).astype(np.int64)
+    return equations.NodeReads(new, tuple(1000 * n for n in new), first, steps, "plan")
+
+
+def test_the_copies_of_each_epoch_slow_the_steps_that_run_beside_them():
+    c = 2e-3
+    cal = replace(CAL, compute=replace(CAL.compute, contention_s_per_file=c))
+    shape = JobShape(nodes=4, ranks_per_node=1, batch_size=8, epochs=4)
+    step = equations.step_time(CAL, shape).step_s
+    # a global shuffle: every epoch the stager copies the next epoch's new files
+    quiet = equations.predict_shape(CAL, shape, reads((240, 180, 135, 101))).epoch_s
+    slowed = equations.predict_shape(cal, shape, reads((240, 180, 135, 101))).epoch_s
+    assert [round(b - a, 9) for a, b in zip(quiet[1:], slowed[1:])] == [
+        round(c * 135, 9), round(c * 101, 9), 0.0  # the last epoch copies nothing
+    ]
+    assert slowed[0] == pytest.approx(quiet[0] + c * (240 + 180), rel=1e-6)  # its own and next
+    assert quiet[1] == pytest.approx(30 * step)  # fast staging: the steps set the epoch
+    # a node shuffle copies in epoch 1 only
+    node = equations.predict_shape(cal, shape, reads((240, 0, 0, 0))).epoch_s
+    assert node[1:] == [pytest.approx(30 * step)] * 3
+    # an epoch that waits for slow staging anyway is not made longer by it
+    slow_pfs = replace(cal, pfs=replace(cal.pfs, open_latency_s=5.0))
+    staging_bound = equations.predict_shape(slow_pfs, shape, reads((240, 180, 135, 101)))
+    rate = equations.staging_rate_for(slow_pfs, shape, 1000)
+    assert staging_bound.epoch_s[1] == pytest.approx(float(equations.staged_at(rate, 180)))
 
 
 def dry_run(cal_path: Path, data: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -117,6 +153,26 @@ def test_bench_calibrate_times_batches_of_node_local_copies_of_the_data(tmp_path
     assert f"{figure * 1e3:.3f} ms per sample (16 samples of --data" in line, line
     assert not (tmp_path / "local").exists()  # the copies and the dirs made for them are gone
     assert listing(data) == before  # the data set is only read
+
+
+def test_bench_calibrate_times_the_steps_while_a_stager_copies_the_data(tmp_path):
+    data = synthetic.class_colour_folder(tmp_path / "images", 200, side=16, classes=4)
+    before = listing(data)
+    stage_dir = tmp_path / "stage"
+    stage_dir.mkdir()
+    proc = calibrate(data, stage_dir, tmp_path / "c.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figure = calibration.load(tmp_path / "c.toml").compute.contention_s_per_file
+    line = next(line for line in proc.stdout.splitlines() if "contention:" in line)
+    found = re.search(r"\(step ([\d.]+) ms while (\d+) files per node landed in [\d.]+ s, "
+                      r"([\d.]+) ms quiet\)", line)  # fmt: skip
+    assert found, line  # one stager (one node) copied files of --data while the steps ran
+    loaded, landed, quiet = float(found[1]), int(found[2]), float(found[3])
+    assert 1 <= landed <= 200
+    lost = max(0.0, loaded - quiet) * 1e-3 * 3  # --steps 3: seconds the copies cost the steps
+    assert figure == pytest.approx(lost / landed, rel=0.05, abs=2e-5), line
+    assert list(stage_dir.iterdir()) == []  # the copier's directory and manifest are gone
+    assert listing(data) == before
 
 
 def test_bench_calibrate_says_why_the_input_was_not_timed(tmp_path):
