@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import nn
-from hpcdl.bench.calibrate_contention import Window, contention_per_file
+from hpcdl.bench.calibrate_contention import CopyLoad, Window, measure_contention
 from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
@@ -349,8 +349,8 @@ def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
 class TrainerStep:
     step_s: float  # the mean step, slowest rank, batch building included where timed
     input_s_per_sample: float  # of it, building the batch, per sample (0: not timed)
-    contention_s_per_file: float = 0.0  # added while the stagers copy (calibrate_contention)
-    contention_note: str = ""
+    contention_s_per_file: float = 0.0  # while the stagers copy (calibrate_contention)
+    contention_note: str = "not measured"
 
 
 def measure_trainer_step(
@@ -379,18 +379,18 @@ def measure_trainer_step(
         quiet, _, _ = _timed_steps(parts, x, y, world.comm, args.steps, build)
         step_s = slowest_rank_mean(world.comm, [whole for _, whole in quiet])
         building = slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build else 0.0
-        per_file, note = 0.0, ""
+        copies = (0.0, "not measured")
         if contention is not None:
             def timed(at_start) -> Window:
                 loaded, began, ended = _timed_steps(parts, x, y, world.comm, args.steps, build,
                                                     at_start)  # fmt: skip
                 return Window([whole for _, whole in loaded], began, ended)
 
-            per_file, note = contention(step_s, timed)
+            copies = contention(step_s, timed)
     finally:
         if reducer is not None:
             reducer.close()
-    return TrainerStep(step_s, building / args.batch_size, per_file, note)
+    return TrainerStep(step_s, building / args.batch_size, *copies)
 
 
 def _timed_steps(
@@ -467,13 +467,16 @@ def main(argv: list[str] | None = None) -> int:
         pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
     network = measure_network(world, args.repeats)
     compute = measure_compute(args, world.comm)
-    latency = world.comm.bcast(pfs.open_latency_s if world.rank == 0 else None, root=0)
+    # how many files the copies need: about twice what one node copies in the timed steps at
+    # the rate of the PFS figures just measured (rank 0's), within --local-mb
+    rate = world.comm.bcast(args.threads / max(pfs.open_latency_s, 1e-4) if world.rank == 0
+                            else None, root=0)  # fmt: skip
 
     def contention(quiet_s: float, timed_steps) -> tuple[float, str]:
-        return contention_per_file(world, Path(args.data), Path(args.stage_dir), args.threads,
-                                   args.local_mb, quiet_s, args.steps,
-                                   args.threads / max(latency, 1e-4),
-                                   timed_steps, _make_dirs)  # fmt: skip
+        want = max(64, math.ceil(rate * 2 * quiet_s * (args.steps + 2)))
+        load = CopyLoad(Path(args.data), args.threads, args.local_mb * 1_000_000, want)
+        return measure_contention(world, load, Path(args.stage_dir), quiet_s, timed_steps,
+                                  _make_dirs)  # fmt: skip
 
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
                        args.augment, args.local_mb, _make_dirs) as (samples, timed):  # fmt: skip
@@ -525,8 +528,8 @@ def describe(
            else timed),
         f"  trainer step (input, compute, reducer, loss check, all ranks; mean): "
         f"{trained.step_s * 1e3:.1f} ms",
-        f"  contention: {c.contention_s_per_file * 1e3:.2f} ms of training lost per file a "
-        f"node stages ({trained.contention_note})",
+        f"  contention: training loses {c.contention_s_per_file * 1e3:.2f} ms per file a node "
+        f"copies ({trained.contention_note})",
     ])  # fmt: skip
 
 

@@ -17,8 +17,8 @@ the stager renames each finished copy into place), give seconds per file and nod
 from __future__ import annotations
 
 import contextlib
-import math
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -88,60 +88,80 @@ def landed_between(stage: Path, began: float, ended: float) -> int:
     return count
 
 
-def contention_per_file(
+@dataclass(frozen=True)
+class CopyLoad:
+    """How the copies run: --data, copy threads, at most budget_bytes, and how many files the
+    timed steps need (about twice what one node copies meanwhile)."""
+
+    data: Path
+    threads: int
+    budget_bytes: int
+    want: int
+
+
+def measure_contention(
     world: Any,
-    data: Path,
+    load: CopyLoad,
     stage_dir: Path,
-    threads: int,
-    budget_mb: int,
     quiet_step_s: float,
-    steps: int,
-    files_per_s: float,
     timed: Callable[[Callable[[], None]], Window],
     make_dirs: Callable[[Path], list[Path]],
 ) -> tuple[float, str]:
-    """(seconds lost per file copied on a node, a note) on every rank; collective.
+    """(seconds lost per file a node copies, a note) on every rank; collective.
 
-    quiet_step_s: the trainer's mean step without copies, over `steps` timed ones; files_per_s:
-    the staging rate the PFS figures give one node (how many files the timed steps need);
-    timed(at_start): runs the trainer's steps, calls at_start() as the timed ones begin (the
-    copies start then, after the warm-up), and returns their Window."""
-    from mpi4py import MPI  # noqa: PLC0415
-
+    quiet_step_s: the trainer's mean step without copies; timed(at_start): runs the trainer's
+    steps, calls at_start() as the timed ones begin (the copies start then, after the
+    warm-up), and returns their Window."""
     made: list[Path] = []
-    where, procs, landed = None, [], 0
-    relpaths: list[str] = []
-    sizes: list[int] = []
-
-    def start() -> None:
-        if where is not None and relpaths:
-            procs.append(start_copier(data, where, relpaths, sizes, threads))
-
+    copies = None
     try:
         if world.local_rank == 0:
             made = make_dirs(stage_dir)
             where = Path(tempfile.mkdtemp(prefix=".hpcdl-calibrate-contention.", dir=stage_dir))
-            window_s = quiet_step_s * (steps + 2)  # the timed steps, with room
-            want = max(MIN_FILES, math.ceil(2 * files_per_s * window_s))
-            relpaths, sizes = spread_files(data, want, budget_mb * 1_000_000)
-        window = timed(start)
-        if where is not None:
-            landed = landed_between(where, window.began, window.ended)
+            copies = Copies(load, where, *spread_files(load.data, load.want, load.budget_bytes))
+        return _timed_copies(world, quiet_step_s, timed, copies)
     finally:
-        for proc in procs:
+        if copies is not None:
+            shutil.rmtree(copies.stage, ignore_errors=True)
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+class Copies:
+    """hpcdl-stage copying these files of --data into a node-local directory."""
+
+    def __init__(self, load: CopyLoad, stage: Path, relpaths: list[str], sizes: list[int]):
+        self.stage, self.load, self.procs = stage, load, []
+        self.relpaths, self.sizes = relpaths, sizes
+
+    def start(self) -> None:
+        if self.relpaths:
+            self.procs.append(start_copier(self.load.data, self.stage, self.relpaths, self.sizes,
+                                           self.load.threads))  # fmt: skip
+
+    def close(self) -> None:
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=WAIT_S)
-        if where is not None:
-            import shutil  # noqa: PLC0415
 
-            shutil.rmtree(where, ignore_errors=True)
-        for path in reversed(made):
-            with contextlib.suppress(OSError):
-                path.rmdir()
+
+def _timed_copies(world: Any, quiet_step_s: float, timed, copies: Copies | None):
+    """(seconds per file, a note) of the copies started with the timed steps."""
+    from mpi4py import MPI  # noqa: PLC0415
+
     from hpcdl.bench.timing import slowest_rank_mean  # noqa: PLC0415
 
+    landed = 0
+    try:
+        window = timed(copies.start if copies else lambda: None)
+        if copies is not None:
+            landed = landed_between(copies.stage, window.began, window.ended)
+    finally:
+        if copies is not None:
+            copies.close()
     loaded = slowest_rank_mean(world.comm, window.seconds)
     per_node = world.comm.allreduce(landed, op=MPI.SUM) / world.num_nodes
     if per_node < 1:

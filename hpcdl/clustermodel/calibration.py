@@ -83,8 +83,9 @@ class ComputeFigures:
     # batch itself (--workers 0); loader workers take it off the step (equations.step_time).
     # 0: not measured (a file written before this field), the loaders keep up.
     input_s_per_sample: float = 0.0
-    # Training seconds a node loses per file its stager copies while the ranks train (shared
-    # cores; hpcdl.bench.calibrate_contention). 0: not measured, or cores to spare.
+    # Training seconds a node loses per file its stager copies (from the PFS or a peer) while
+    # the ranks train: shared cores, the file system client (hpcdl.bench.calibrate_contention).
+    # 0: not measured, or cores to spare.
     contention_s_per_file: float = 0.0
 
     def step_s(self, batch: int) -> float:

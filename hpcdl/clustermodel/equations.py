@@ -15,7 +15,7 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 4. images/s, scaling efficiency, epoch times and time to the last epoch;
 5. with the peer tier, a later epoch's staging is its PFS files at the rate of 1. plus its
    peer fetches (hpcdl.clustermodel.peers, a term of its own beside the staging formula);
-6. the steps an epoch's copies slow down (contention_s_per_file per copy, measured), and the
+6. the steps an epoch's copies slow down (contention_s: a measured cost per copy), and the
    wait for the batch where the loaders fall behind or the rank builds it (input_time).
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
@@ -316,12 +316,14 @@ class Prediction:
         return asdict(self)
 
 
-def copied_during(split: peers.PeerSplit) -> list[int]:
-    """Files a node's stager copies while each epoch's steps run: epoch 1 its own new files and
-    the next epoch's, every later epoch the next epoch's (PFS and peers), the last none."""
-    new = [p + q for p, q in zip(split.pfs_files, split.peer_files)]
-    ahead = [*new[1:], 0]
-    return [new[0] + ahead[0], *ahead[1:]]
+def contention_s(cal: Calibration, split: peers.PeerSplit) -> list[float]:
+    """Seconds the stager's copies take from each epoch's steps (equation 6): it copies epoch
+    1's files and the next epoch's during epoch 1, the next epoch's during every later one
+    (PFS copies and peer fetches alike), nothing during the last."""
+    cost = [cal.compute.contention_s_per_file * (p + q)
+            for p, q in zip(split.pfs_files, split.peer_files)]  # fmt: skip
+    ahead = [*cost[1:], 0.0]
+    return [cost[0] + ahead[0], *ahead[1:]]
 
 
 def later_epochs(
@@ -334,14 +336,14 @@ def later_epochs(
     """Seconds of every epoch after the first: the stager fetches each epoch's new files during
     the epoch before, so an epoch lasts its steps or its staging, whichever is longer; staging
     is the PFS files at the staging rate plus the peer fetches (equation 5). The steps are
-    slowed by the copies made meanwhile (contention_s_per_file each, equation 6)."""
-    copied = copied_during(split)
+    slowed by the copies made meanwhile (contention_s, equation 6)."""
+    slowed = contention_s(cal, split)
     out = []
     for e in range(1, shape.epochs):
         pfs_s = float(staged_at(rate, split.pfs_files[e]))
         n_peer = split.peer_files[e]
         mean = split.peer_bytes[e] / n_peer if n_peer else 0.0
-        steps = compute_epoch + cal.compute.contention_s_per_file * copied[e]
+        steps = compute_epoch + slowed[e]
         out.append(max(steps, pfs_s + peers.peer_fetch_s(cal, shape.stage_threads, n_peer, mean)))
     return out
 
@@ -366,8 +368,9 @@ def predict_shape(
             return peers.split_reads(r.new_files, r.new_bytes, pfs_shares)
         return peers.no_peers(r.new_files, r.new_bytes)
 
-    slowed = cal.compute.contention_s_per_file * copied_during(split(reads))[0]
-    one = epoch_one(reads, rate, step.step_s + slowed / max(reads.steps_per_epoch, 1), shape.lead_s)
+    one = epoch_one(reads, rate, step.step_s, shape.lead_s)
+    # the copies slow the steps; an epoch 1 that waits for staging anyway is not made longer
+    epoch1_s = max(one.seconds, compute_epoch + contention_s(cal, split(reads))[0])
     later = later_epochs(cal, shape, rate, split(reads), compute_epoch) or [compute_epoch]
     nodes = [split(r) for r in (every_node or [reads] * shape.nodes)]
     opens = [sum(r.pfs_files[e] for r in nodes) for e in range(shape.epochs)]
@@ -393,7 +396,7 @@ def predict_shape(
         staging_limit=rate.limit,
         staging_finish_s=one.staging_finish_s,
         staging_needed_by_s=one.needed_by_s,
-        epoch1_s=one.seconds,
+        epoch1_s=epoch1_s,
         epoch1_input_bound_s=one.input_bound_s,
         first_late_step=one.first_late_step,
         compute_s=step.compute_s,
@@ -405,10 +408,10 @@ def predict_shape(
         efficiency=step.compute_s / step.step_s,
         later_epoch_s=float(np.mean(later)),
         index_s=index_s,
-        time_to_last_epoch_s=index_s + one.seconds + float(sum(later[: shape.epochs - 1])),
+        time_to_last_epoch_s=index_s + epoch1_s + float(sum(later[: shape.epochs - 1])),
         peer_tier=pfs_shares is not None,
         peer_files_per_epoch=[sum(r.peer_files[e] for r in nodes) for e in range(shape.epochs)],
         peer_bytes_per_epoch=[sum(r.peer_bytes[e] for r in nodes) for e in range(shape.epochs)],
-        epoch_s=[one.seconds, *later[: shape.epochs - 1]],
+        epoch_s=[epoch1_s, *later[: shape.epochs - 1]],
         input_wait_s=step.input_s,
     )

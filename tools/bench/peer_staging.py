@@ -83,8 +83,11 @@ def params_of(out: Path) -> np.ndarray:
     return checkpoint.load(checkpoint.latest(out / "ckpt")).params
 
 
-def predicted_epochs(setup: Setup, mount: Path, calib: Path, flags: tuple[str, ...]) -> list:
-    """The dry run's seconds of every epoch of this job (hpcdl.clustermodel)."""
+def predicted_epochs(
+    setup: Setup, mount: Path, calib: Path, flags: tuple[str, ...]
+) -> tuple[list, dict]:
+    """The dry run's seconds of every epoch of this job (hpcdl.clustermodel), and its step's
+    figures: the calibration's input and contention terms, the model's step."""
     from hpcdl import stage  # noqa: PLC0415
 
     argv = ["--dry-run", "--data", str(mount), "--calibration", str(calib), "--nodes",
@@ -96,8 +99,14 @@ def predicted_epochs(setup: Setup, mount: Path, calib: Path, flags: tuple[str, .
     with contextlib.redirect_stdout(out):
         if stage.main(argv) != 0:
             raise RuntimeError("hpcdl.stage --dry-run failed")
-    (prediction,) = json.loads(out.getvalue().strip().splitlines()[-1])["predictions"]
-    return prediction["epoch_s"]
+    answer = json.loads(out.getvalue().strip().splitlines()[-1])
+    (prediction,) = answer["predictions"]
+    compute = answer["calibration"]["compute"]
+    return prediction["epoch_s"], dict(
+        step_s=prediction["step_s"],
+        input_s_per_sample=compute["input_s_per_sample"],
+        contention_s_per_file=compute["contention_s_per_file"],
+    )
 
 
 def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str, Any]:
@@ -119,7 +128,8 @@ def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str,
             for k, (name, flags) in enumerate(JOBS.items()):
                 out = workdir / f"job{r}-{k}"
                 job = run_job(cluster, pfs, setup, mount, out, flags)
-                job["model_epochs_s"] = predicted_epochs(setup, mount, calib, flags)
+                job["model_epochs_s"], job["model_step"] = predicted_epochs(setup, mount, calib,
+                                                                            flags)  # fmt: skip
                 rounds[name].append(job)
     same = all(
         params_of(workdir / f"job{r}-1").tobytes() == params_of(workdir / f"job{r}-2").tobytes()
@@ -169,6 +179,13 @@ def table(result: dict[str, Any]) -> str:
     each = ", ".join(f"{r:.2f}" for r in ratios)
     lines.append(f"later epochs, global with peers / node, per round: {each} "
                  f"(median {np.median(ratios):.2f})")  # fmt: skip
+    steps = [r["model_step"] for r in result["jobs"]["node"]["rounds"]]
+    lines.append("model per round (its calibration): step ms "
+                 + ", ".join(f"{m['step_s'] * 1e3:.1f}" for m in steps)
+                 + "; input ms/sample " + ", ".join(f"{m['input_s_per_sample'] * 1e3:.2f}"
+                                                   for m in steps)
+                 + "; contention ms per copy " + ", ".join(
+                     f"{m['contention_s_per_file'] * 1e3:.2f}" for m in steps))  # fmt: skip
     lines.append(f"final parameters of the two global jobs bitwise equal in every round: "
                  f"{result['global_params_bitwise_equal']}")  # fmt: skip
     return "\n".join(lines)
