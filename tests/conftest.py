@@ -55,6 +55,18 @@ def read_events(path, event: str) -> list[dict]:
     return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
 
 
+@pytest.fixture(autouse=True)
+def no_stale_open_mpi_session_dirs() -> None:
+    """Before every test: the session dirs of Open MPI launchers that a test killed are
+    removed, so that no later mpirun that draws the same pid fails to start
+    (helpers.remove_stale_session_dirs; test_openmpi_leftovers.py)."""
+    import tempfile
+
+    from helpers import remove_stale_session_dirs
+
+    remove_stale_session_dirs(Path(tempfile.gettempdir()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def index_cache(tmp_path_factory) -> Path:
     """The image-folder index cache of this test session ($XDG_CACHE_HOME, inherited by the

@@ -26,6 +26,8 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   (hpcdl.clustermodel.speed.fit).
 - Input (hpcdl.bench.calibrate_input): each rank builds batches of node-local copies of a few
   samples of --data, as the loader does in the rank with --workers 0.
+- Contention (hpcdl.bench.calibrate_contention): the trainer's steps again while every node's
+  leader runs an hpcdl-stage copying files of --data; the steps' added seconds per copy.
 - The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
   8-byte loss check, back to back on every rank (the mean step, the slowest rank); the factor on
   the allreduce formula is set so that the model's step (hpcdl.clustermodel.step_time, with
@@ -52,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import nn
-from hpcdl.bench.calibrate_contention import CopyLoad, Window, measure_contention
+from hpcdl.bench.calibrate_contention import MIN_FILES, CopyLoad, Window, measure_contention
 from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
@@ -473,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                             else None, root=0)  # fmt: skip
 
     def contention(quiet_s: float, timed_steps) -> tuple[float, str]:
-        want = max(64, math.ceil(rate * 2 * quiet_s * (args.steps + 2)))
+        want = max(MIN_FILES, math.ceil(rate * 2 * quiet_s * (args.steps + 2)))
         load = CopyLoad(Path(args.data), args.threads, args.local_mb * 1_000_000, want)
         return measure_contention(world, load, Path(args.stage_dir), quiet_s, timed_steps,
                                   _make_dirs)  # fmt: skip

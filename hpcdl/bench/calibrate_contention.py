@@ -45,8 +45,9 @@ class Window:
 
 
 def spread_files(root: Path, count: int, budget_bytes: int) -> tuple[list[str], list[int]]:
-    """Up to `count` regular files of root (relative paths, sizes), spread over the tree and
-    between the ones the PFS sweep read, within budget_bytes."""
+    """Up to `count` regular files of root (relative paths, sizes), every k-th from the middle
+    of the first k (spread over the tree, and mostly not the PFS sweep's, which start at the
+    first), within budget_bytes."""
     found = sorted(
         os.path.relpath(Path(d) / n, root)
         for d, dirs, names in os.walk(root)
@@ -113,7 +114,7 @@ def measure_contention(
     steps, calls at_start() as the timed ones begin (the copies start then, after the
     warm-up), and returns their Window."""
     made: list[Path] = []
-    copies = None
+    where = copies = None
     try:
         if world.local_rank == 0:
             made = make_dirs(stage_dir)
@@ -121,8 +122,8 @@ def measure_contention(
             copies = Copies(load, where, *spread_files(load.data, load.want, load.budget_bytes))
         return _timed_copies(world, quiet_step_s, timed, copies)
     finally:
-        if copies is not None:
-            shutil.rmtree(copies.stage, ignore_errors=True)
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
         for path in reversed(made):
             with contextlib.suppress(OSError):
                 path.rmdir()
