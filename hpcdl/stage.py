@@ -268,13 +268,13 @@ def job_sampler(ds: Any, args: argparse.Namespace, layout: NodeLayout) -> Sample
     )
 
 
-def loader_workers(args: argparse.Namespace) -> int:
+def loader_workers(args: argparse.Namespace, ranks_per_node: int) -> int:
     """The training job's loader workers per rank: --workers, else hpcdl.train's default."""
     if args.workers is not None:
         return int(args.workers)
     from hpcdl.data.loader import default_workers  # noqa: PLC0415
 
-    return default_workers(ranks_per_node=int(args.ranks_per_node or env_layout()[1] or 1))
+    return default_workers(ranks_per_node=ranks_per_node)
 
 
 def dry_run(args: argparse.Namespace) -> int:
@@ -285,12 +285,13 @@ def dry_run(args: argparse.Namespace) -> int:
             ds = prediction.described_dataset(args.dataset_files, args.dataset_bytes)
         else:
             ds = open_data(args)
+        per_node = int(args.ranks_per_node or 1)
         request = prediction.PredictionRequest(
             calibration=calibration.load(args.calibration),
             source=args.calibration,
             dataset=ds,
             node_counts=tuple(args.node_counts or [env_layout()[0] or 1]),
-            ranks_per_node=int(args.ranks_per_node or 1),
+            ranks_per_node=per_node,
             batch_size=int(args.batch_size),
             epochs=int(args.epochs),
             stage_threads=int(args.stage_threads),
@@ -298,7 +299,7 @@ def dry_run(args: argparse.Namespace) -> int:
             shuffle=args.shuffle,
             placement=args.placement,
             peer_staging=args.peer_staging,
-            workers=loader_workers(args),
+            workers=loader_workers(args, per_node),
         )
         return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()

@@ -37,7 +37,6 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -58,6 +57,7 @@ from hpcdl.bench.calibrate_contention import MIN_FILES, CopyLoad, Window, measur
 from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
+from hpcdl.bench.stage_scratch import stage_dir_made
 from hpcdl.bench.timing import slowest_rank_mean, slowest_rank_median
 from hpcdl.clustermodel import calibration, speed
 from hpcdl.clustermodel.calibration import (
@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def sample_files(root: Path, count: int) -> list[Path]:
-    """Up to `count` regular files under root, spread over the tree (sorted, every k-th)."""
+def sample_files(root: Path, count: int, middle: bool = False) -> list[Path]:
+    """Up to `count` regular files under root, spread over the tree (sorted, every k-th; middle:
+    from the middle of the first k, so mostly not the files of a sample without it)."""
     files = [
         Path(d) / n
         for d, dirs, names in os.walk(root)
@@ -119,7 +120,21 @@ def sample_files(root: Path, count: int) -> list[Path]:
     if not files:
         raise UserError(f"hpcdl.bench calibrate: --data {root} holds no files to read")
     step = max(1, len(files) // count)
-    return files[::step][:count]
+    return files[step // 2 if middle else 0 :: step][:count]
+
+
+def copy_sample(root: Path, count: int, budget_bytes: int) -> tuple[list[str], list[int]]:
+    """The files the contention measure copies (relative paths, sizes): up to `count`, spread
+    over the tree between the PFS sweep's, within budget_bytes."""
+    relpaths, sizes, total = [], [], 0
+    for path in sample_files(root, count, middle=True):
+        size = path.stat().st_size
+        if total + size > budget_bytes:
+            break
+        relpaths.append(str(path.relative_to(root)))
+        sizes.append(size)
+        total += size
+    return relpaths, sizes
 
 
 def _read(path: Path) -> tuple[float, float, int]:
@@ -198,30 +213,14 @@ def measure_local(stage_dir: Path, megabytes: int) -> tuple[LocalFigures, PeerFi
     A stage dir that does not exist yet is made as hpcdl.train makes it (mode 0700, with its
     missing parents) and removed again with them; one that cannot be used is a UserError of
     one line."""
-    made: list[Path] = []
     try:
-        made = _make_dirs(stage_dir)
-        return _timed_write(stage_dir, megabytes), measure_peer(stage_dir)
+        with stage_dir_made(stage_dir):
+            return _timed_write(stage_dir, megabytes), measure_peer(stage_dir)
     except OSError as exc:
         raise UserError(
             f"hpcdl.bench calibrate: cannot use --stage-dir {stage_dir}: {exc.strerror or exc}; "
             "choose a writable directory on node-local storage"
         ) from None
-    finally:
-        for path in reversed(made):
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-
-def _make_dirs(path: Path) -> list[Path]:
-    """Create path and its missing parents (mode 0700); the ones created, outermost first."""
-    missing = []
-    while not path.exists() and not path.is_symlink():
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        directory.mkdir(mode=0o700)
-    return list(reversed(missing))
 
 
 def _timed_write(stage_dir: Path, megabytes: int) -> LocalFigures:
@@ -476,12 +475,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def contention(quiet_s: float, timed_steps) -> tuple[float, str]:
         want = max(MIN_FILES, math.ceil(rate * 2 * quiet_s * (args.steps + 2)))
-        load = CopyLoad(Path(args.data), args.threads, args.local_mb * 1_000_000, want)
-        return measure_contention(world, load, Path(args.stage_dir), quiet_s, timed_steps,
-                                  _make_dirs)  # fmt: skip
+        chosen = ([], [])  # the node leaders copy
+        if world.local_rank == 0:
+            chosen = copy_sample(Path(args.data), want, args.local_mb * 1_000_000)
+        load = CopyLoad(Path(args.data), args.threads, *chosen)
+        return measure_contention(world, load, Path(args.stage_dir), quiet_s, timed_steps)
 
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
-                       args.augment, args.local_mb, _make_dirs) as (samples, timed):  # fmt: skip
+                       args.augment, args.local_mb) as (samples, timed):  # fmt: skip
         trained = measure_trainer_step(args, world, samples, contention)
     if world.rank != 0:
         return 0

@@ -11,16 +11,17 @@ included) is timed once quiet and once while every node's leader runs a real hpc
 copies files of --data into a temporary directory of --stage-dir with --threads copy threads.
 The steps' added seconds, over the copies published during the timed steps (their ctime, as
 the stager renames each finished copy into place), give seconds per file and node. At most
---local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it.
+--local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it
+(hpcdl.bench.stage_scratch). A copier that fails leaves the figure at 0, its last line in the
+calibration's note.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.bench.calibrate_peer import SESSION, WAIT_S, status_path, write_plan
+from hpcdl.bench.stage_scratch import scratch_dir
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.plan import FileTreeDataset
 from hpcdl.staging.status import StatusView
@@ -42,28 +44,6 @@ class Window:
     seconds: list[float]
     began: float
     ended: float
-
-
-def spread_files(root: Path, count: int, budget_bytes: int) -> tuple[list[str], list[int]]:
-    """Up to `count` regular files of root (relative paths, sizes), every k-th from the middle
-    of the first k (spread over the tree, and mostly not the PFS sweep's, which start at the
-    first), within budget_bytes."""
-    found = sorted(
-        os.path.relpath(Path(d) / n, root)
-        for d, dirs, names in os.walk(root)
-        for n in names
-        if not n.startswith(".")
-    )
-    step = max(1, len(found) // max(count, 1))
-    relpaths, sizes, total = [], [], 0
-    for rel in found[step // 2 :: step][:count]:
-        size = (root / rel).stat().st_size
-        if total + size > budget_bytes:
-            break
-        relpaths.append(rel)
-        sizes.append(size)
-        total += size
-    return relpaths, sizes
 
 
 def start_copier(data: Path, stage: Path, relpaths: list[str], sizes: list[int], threads: int):
@@ -91,13 +71,13 @@ def landed_between(stage: Path, began: float, ended: float) -> int:
 
 @dataclass(frozen=True)
 class CopyLoad:
-    """How the copies run: --data, copy threads, at most budget_bytes, and how many files the
-    timed steps need (about twice what one node copies meanwhile)."""
+    """What the copies are: these files of --data (relative paths, sizes; chosen by bench
+    calibrate, empty on ranks that copy nothing), with `threads` copy threads."""
 
     data: Path
     threads: int
-    budget_bytes: int
-    want: int
+    relpaths: list[str]
+    sizes: list[int]
 
 
 def measure_contention(
@@ -106,47 +86,44 @@ def measure_contention(
     stage_dir: Path,
     quiet_step_s: float,
     timed: Callable[[Callable[[], None]], Window],
-    make_dirs: Callable[[Path], list[Path]],
 ) -> tuple[float, str]:
     """(seconds lost per file a node copies, a note) on every rank; collective.
 
     quiet_step_s: the trainer's mean step without copies; timed(at_start): runs the trainer's
     steps, calls at_start() as the timed ones begin (the copies start then, after the
     warm-up), and returns their Window."""
-    made: list[Path] = []
-    where = copies = None
-    try:
+    with contextlib.ExitStack() as scratch:
+        copies = None
         if world.local_rank == 0:
-            made = make_dirs(stage_dir)
-            where = Path(tempfile.mkdtemp(prefix=".hpcdl-calibrate-contention.", dir=stage_dir))
-            copies = Copies(load, where, *spread_files(load.data, load.want, load.budget_bytes))
+            where = scratch.enter_context(scratch_dir(stage_dir, ".hpcdl-calibrate-contention."))
+            copies = Copies(load, where)
         return _timed_copies(world, quiet_step_s, timed, copies)
-    finally:
-        if where is not None:
-            shutil.rmtree(where, ignore_errors=True)
-        for path in reversed(made):
-            with contextlib.suppress(OSError):
-                path.rmdir()
 
 
 class Copies:
-    """hpcdl-stage copying these files of --data into a node-local directory."""
+    """hpcdl-stage copying the load's files of --data into a node-local directory."""
 
-    def __init__(self, load: CopyLoad, stage: Path, relpaths: list[str], sizes: list[int]):
+    def __init__(self, load: CopyLoad, stage: Path) -> None:
         self.stage, self.load, self.procs = stage, load, []
-        self.relpaths, self.sizes = relpaths, sizes
+        self.failed = ""  # the copier's last line, where it ended with an error
 
     def start(self) -> None:
-        if self.relpaths:
-            self.procs.append(start_copier(self.load.data, self.stage, self.relpaths, self.sizes,
-                                           self.load.threads))  # fmt: skip
+        if self.load.relpaths:
+            self.procs.append(start_copier(self.load.data, self.stage, self.load.relpaths,
+                                           self.load.sizes, self.load.threads))  # fmt: skip
 
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=WAIT_S)
+            try:
+                _, err = proc.communicate(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode not in (0, -signal.SIGTERM):
+                lines = (err or "").strip().splitlines()
+                self.failed = f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
 
 
 def _timed_copies(world: Any, quiet_step_s: float, timed, copies: Copies | None):
@@ -155,7 +132,7 @@ def _timed_copies(world: Any, quiet_step_s: float, timed, copies: Copies | None)
 
     from hpcdl.bench.timing import slowest_rank_mean  # noqa: PLC0415
 
-    landed = 0
+    landed, failed = 0, ""
     try:
         window = timed(copies.start if copies else lambda: None)
         if copies is not None:
@@ -163,8 +140,12 @@ def _timed_copies(world: Any, quiet_step_s: float, timed, copies: Copies | None)
     finally:
         if copies is not None:
             copies.close()
+            failed = copies.failed
     loaded = slowest_rank_mean(world.comm, window.seconds)
     per_node = world.comm.allreduce(landed, op=MPI.SUM) / world.num_nodes
+    failed = next((f for f in world.comm.allgather(failed) if f), "")
+    if failed:
+        return 0.0, f"not measured: a node's hpcdl-stage copying --data failed ({failed})"
     if per_node < 1:
         return 0.0, "not measured: no copy landed during the timed steps"
     lost = max(0.0, (loaded - quiet_step_s) * len(window.seconds))

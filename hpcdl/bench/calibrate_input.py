@@ -11,19 +11,21 @@ trainer-step loop of `bench calibrate` (so the ranks build at once, as they do i
 At most --local-mb MB is copied: samples spread over the data set, else (files larger than
 that in all, such as HDF5 shards) the first ones; where even that does not fit, or --data is not
 a data set hpcdl.train reads, the figure is not measured (0: the model charges no loading), and
-the calibration says why. The directory is removed afterwards, with any stage dir it made.
+the calibration says why. The directory is removed afterwards, with any stage dir made for it
+(hpcdl.bench.stage_scratch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hpcdl.bench.stage_scratch import scratch_dir
 
 BATCHES = 4  # distinct batches cycled through: the reads are of node-local copies either way
 
@@ -77,13 +79,10 @@ def copy_files(ds: Any, data: Path, indices: np.ndarray, into: Path) -> None:
 
 @contextlib.contextmanager
 def input_samples(
-    world: Any, data: Path, stage_dir: Path, batch: int, augment: str, budget_mb: int,
-    make_dirs: Callable[[Path], list[Path]],
-) -> Iterator[tuple[InputSamples | None, str]]:  # fmt: skip
-    """(samples or None, a note of what was timed, or why not) on every rank; collective.
-
-    make_dirs: how the stage dir is made when missing (bench calibrate's, mode 0700); what it
-    made is removed afterwards."""
+    world: Any, data: Path, stage_dir: Path, batch: int, augment: str, budget_mb: int
+) -> Iterator[tuple[InputSamples | None, str]]:
+    """(samples or None, a note of what was timed, or why not) on every rank; collective. The
+    copies live in a scratch directory of stage_dir (hpcdl.bench.stage_scratch)."""
     from hpcdl.data import DataError, open_dataset  # noqa: PLC0415
 
     try:
@@ -96,25 +95,16 @@ def input_samples(
     if indices is None:
         yield None, f"not measured: {wanted} samples' files of --data are over --local-mb MB"
         return
-    made: list[Path] = []
-    where = None
-    try:
+    with contextlib.ExitStack() as scratch:
+        where = None
         if world.local_rank == 0:
-            made = make_dirs(stage_dir)
-            where = tempfile.mkdtemp(prefix=".hpcdl-calibrate-input.", dir=stage_dir)
-            copy_files(ds, data, indices, Path(where))
+            where = scratch.enter_context(scratch_dir(stage_dir, ".hpcdl-calibrate-input."))
+            copy_files(ds, data, indices, where)
         where = world.node_comm.bcast(where, root=0)
-        samples = InputSamples(ds, Path(where), indices, batch, augment)
+        samples = InputSamples(ds, where, indices, batch, augment)
         try:
             yield samples, (f"{len(indices)} samples of --data, node-local copies, --augment "
                             f"{augment}")  # fmt: skip
         finally:
             samples.close()
             world.node_comm.Barrier()  # every rank on the node is done with the copies
-    finally:
-        if world.local_rank == 0:
-            if where:
-                shutil.rmtree(where, ignore_errors=True)
-            for path in reversed(made):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
