@@ -111,9 +111,10 @@ def own_lines(output: str) -> list[str]:
     mpirun adds one when a rank exits non-zero ("prterun detected that one or more processes
     exited with non-zero status"); it is the launcher's, not hpcdl's, and cannot be turned off
     without also losing the exit status. Under load Open MPI's PMIx also adds, at times,
-    "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH ..." as a rank exits: launcher noise too."""
+    "[host:pid] PMIX ERROR: PMIX_ERR_UNREACH ..." as a rank exits: launcher noise too, as is
+    the NUL byte its framed report can leave at the start of the next line."""
     lines, framed = [], False
-    for line in output.splitlines():
+    for line in output.replace("\0", "").splitlines():
         if line.startswith("-" * 40):
             framed = not framed
         elif line.strip() and not framed and not re.match(r"\[[^\]]*\] PMIX ERROR: ", line):
