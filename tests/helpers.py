@@ -207,10 +207,11 @@ def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) ->
 
 
 def remove_stale_session_dirs(tmp: Path) -> list[Path]:
-    """Remove Open MPI's session dirs (`ompi.<launcher pid>`, this user's) in tmp whose launcher
-    is gone: its pid runs no process, or a process started after the dir last changed (the pid
-    was reused). A launcher killed with SIGKILL leaves its dir, and the next launcher that draws
-    the same pid cannot start: "The PMIx server's listener thread failed to start", exit 213
+    """Remove Open MPI's session dirs (`ompi.<launcher pid>`, and `prted.<daemon pid>` of the
+    daemon on every other node; this user's) in tmp whose process is gone: its pid runs no
+    process, or a process started after the dir last changed (the pid was reused). A launcher
+    or daemon killed with SIGKILL leaves its dir, and the next one that draws the same pid
+    cannot start: "The PMIx server's listener thread failed to start", exit 213
     (openpmix/openpmix#4022, fixed in PMIx after the one Open MPI 5.0 bundles). Returns them."""
     import shutil
 
@@ -218,8 +219,8 @@ def remove_stale_session_dirs(tmp: Path) -> list[Path]:
     ticks = os.sysconf("SC_CLK_TCK")
     removed = []
     for entry in tmp.iterdir():
-        name = entry.name
-        if not (name.startswith("ompi.") and name[5:].isdigit()):
+        kind, _, pid = entry.name.partition(".")
+        if kind not in ("ompi", "prted") or not pid.isdigit():
             continue
         try:
             info = entry.lstat()
@@ -228,7 +229,7 @@ def remove_stale_session_dirs(tmp: Path) -> list[Path]:
         if not entry.is_dir() or entry.is_symlink() or info.st_uid != os.getuid():
             continue
         try:
-            stat = Path(f"/proc/{name[5:]}/stat").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
             started = boot + int(stat.rsplit(")", 1)[1].split()[19]) / ticks
             if started <= info.st_mtime + 1.0:
                 continue  # its launcher, or a process as old as the dir: leave it

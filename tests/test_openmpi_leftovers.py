@@ -70,3 +70,25 @@ def test_a_killed_launchers_session_dir_goes_and_a_live_ones_stays(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
     assert not mine.exists()  # the live launcher, ended normally, removed its own
+
+
+def test_a_remote_daemons_stale_session_dir_goes_too(tmp_path):
+    """prted, the daemon mpirun starts on every other node (an emulated node here), keeps its
+    session dir in `prted.<pid>`, left behind when the daemon is killed with its node; a later
+    daemon that draws the pid exits 213 in the same way ("daemon failed to report back")."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid runs nothing now
+    newer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        hour_ago = time.time() - 3600
+        dead, reused = tmp_path / f"prted.{gone.pid}", tmp_path / f"prted.{newer.pid}"
+        live = tmp_path / f"prted.{os.getpid()}"  # a daemon that still runs: this process
+        for d in (dead, reused, live):
+            (d / "jf.0").mkdir(parents=True)
+        os.utime(reused, (hour_ago, hour_ago))  # made before its pid's process started
+        removed = remove_stale_session_dirs(tmp_path)
+        assert sorted(removed) == sorted([dead, reused]), removed
+        assert not dead.exists() and not reused.exists() and live.is_dir()
+    finally:
+        newer.kill()
+        newer.wait()
