@@ -63,11 +63,22 @@ def test_a_calibration_file_without_the_step_figures_loads_with_none(tmp_path):
         assert line in text
         text = text.replace(line, "")
     path.write_text(text)
+    assert "contention_s_per_fetch" not in text  # None: not written
     old = calibration.load(path).compute
     assert old.input_s_per_sample == 0.0 and old.contention_s_per_file == 0.0
     both = replace(WITH_INPUT, compute=replace(WITH_INPUT.compute, contention_s_per_file=1e-3))
     calibration.save(path, both)
     assert calibration.load(path) == both
+    assert both.compute.contention_s_per_fetch is None
+    assert both.compute.fetch_contention_s() == 1e-3  # a fetch not measured costs a copy's
+    fetched = replace(both, compute=replace(both.compute, contention_s_per_fetch=0.0))
+    calibration.save(path, fetched)
+    assert "contention_s_per_fetch = 0.0" in path.read_text()
+    assert calibration.load(path).compute.fetch_contention_s() == 0.0  # measured as free
+    path.write_text(path.read_text().replace("contention_s_per_fetch = 0.0",
+                                             "contention_s_per_fetch = -1.0"))
+    with pytest.raises(calibration.CalibrationError, match="contention_s_per_fetch must be >= 0"):
+        calibration.load(path)
 
 
 def reads(new: tuple[int, ...], steps: int = 30) -> equations.NodeReads:
@@ -91,9 +102,17 @@ def test_the_copies_of_each_epoch_slow_the_steps_that_run_beside_them():
         pytest.approx(30 * step + c * (240 + 180)), pytest.approx(30 * step + c * 135),
         pytest.approx(30 * step + c * 101), pytest.approx(30 * step)  # the last: no copies
     ]  # fmt: skip
-    # with peers, later epochs' files are fetches, charged as copies
+    # with peers, later epochs' files are fetches: charged as copies where no fetch figure
+    # was measured, else at theirs (f); epoch 1 copies its own files from the PFS
     peered = equations.predict_shape(cal, shape, node, pfs_shares=[1.0, 0.0, 0.0, 0.0]).epoch_s
     assert peered == slowed
+    f = 5e-4
+    fetching = replace(cal, compute=replace(cal.compute, contention_s_per_fetch=f))
+    fetched = equations.predict_shape(fetching, shape, node, pfs_shares=[1.0, 0.0, 0.0, 0.0])
+    assert fetched.epoch_s == [
+        pytest.approx(30 * step + c * 240 + f * 180), pytest.approx(30 * step + f * 135),
+        pytest.approx(30 * step + f * 101), pytest.approx(30 * step)
+    ]  # fmt: skip
     # a node shuffle copies in epoch 1 only
     alone = equations.predict_shape(cal, shape, reads((240, 0, 0, 0))).epoch_s
     assert alone == [pytest.approx(30 * step + c * 240), *[pytest.approx(30 * step)] * 3]
@@ -170,7 +189,7 @@ def test_bench_calibrate_times_the_steps_while_a_stager_copies_the_data(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     figure = calibration.load(tmp_path / "c.toml").compute.contention_s_per_file
     line = next(line for line in proc.stdout.splitlines() if "contention:" in line)
-    found = re.search(r"\(step ([\d.]+) ms while (\d+) files per node landed in [\d.]+ s, "
+    found = re.search(r"\(step ([\d.]+) ms while (\d+) copies per node landed in [\d.]+ s, "
                       r"([\d.]+) ms quiet\)", line)  # fmt: skip
     assert found, line  # one stager (one node) copied files of --data while the steps ran
     loaded, landed, quiet = float(found[1]), int(found[2]), float(found[3])
@@ -180,6 +199,10 @@ def test_bench_calibrate_times_the_steps_while_a_stager_copies_the_data(tmp_path
     assert figure == pytest.approx(lost / landed, abs=shown + 1e-6), line
     assert list(stage_dir.iterdir()) == []  # the copier's directory and manifest are gone
     assert listing(data) == before
+    # one node: no peer to fetch from, so a fetch is charged a copy's figure
+    assert calibration.load(tmp_path / "c.toml").compute.contention_s_per_fetch is None
+    assert ("contention: training loses per peer fetch what a copy costs (per fetch not "
+            "measured: one node has no peer)") in proc.stdout, proc.stdout  # fmt: skip
 
 
 def test_bench_calibrate_says_why_the_input_was_not_timed(tmp_path):
@@ -201,14 +224,15 @@ def test_bench_calibrate_says_why_the_input_was_not_timed(tmp_path):
 def test_the_peer_staging_table_sets_each_round_against_its_own_calibration():
     from tools.bench.peer_staging import table  # noqa: PLC0415
 
-    def job(measured: list[float], model: list[float]) -> dict:
-        step = dict(step_s=model[1] / 30, input_s_per_sample=1e-4, contention_s_per_file=2e-3)
+    def job(measured: list[float], model: list[float], fetch: float | None = None) -> dict:
+        step = dict(step_s=model[1] / 30, input_s_per_sample=1e-4, contention_s_per_file=2e-3,
+                    contention_s_per_fetch=fetch)  # fmt: skip
         return dict(epochs_s=measured, model_epochs_s=model, model_step=step,
                     data_wait_s=[0.1, 0.1], stager_pfs_opens=8, peer_files=0, misses=0,
                     fs_opens=8)  # fmt: skip
 
     # round 0 measured 2 s against a model of 1 s (+100 %), round 1 3 s against 3 s (0 %)
-    rounds = [job([2.0, 2.0], [1.0, 1.0]), job([3.0, 3.0], [3.0, 3.0])]
+    rounds = [job([2.0, 2.0], [1.0, 1.0]), job([3.0, 3.0], [3.0, 3.0], fetch=1e-3)]
     result = dict(setup=dict(files=8), global_params_bitwise_equal=True,
                   jobs={name: dict(rounds=rounds) for name in
                         ("node", "global, no peers", "global, peers")})  # fmt: skip
@@ -217,4 +241,4 @@ def test_the_peer_staging_table_sets_each_round_against_its_own_calibration():
     # medians: measured 2.5, model 2.0, and the rounds' own errors +100 % and 0 %: +50 %
     assert "| 2.50 (model 2.00, +50%) | 2.50 (model 2.00, +50%) |" in node, node
     assert ("model per round (its calibration): step ms 33.3, 100.0; input ms/sample 0.10, "
-            "0.10; contention ms per copy 2.00, 2.00") in rows, rows  # fmt: skip
+            "0.10; contention ms per copy 2.00, 2.00; per fetch -, 1.00") in rows, rows  # fmt: skip

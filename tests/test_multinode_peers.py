@@ -1,10 +1,12 @@
 """The peer tier across emulated nodes (tools/bench/cluster.py): with --shuffle global each file
 is opened on the PFS by one stager per job, not one per node, and training's result does not
-depend on where the bytes came from (docs/staging.md, "Peer tier")."""
+depend on where the bytes came from (docs/staging.md, "Peer tier"); and `bench calibrate` times
+the steps beside real fetches between the nodes (docs/cluster-model.md, section 3b)."""
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -21,6 +23,7 @@ from helpers import make_tree, wait_for_status, write_peer_plan
 from PIL import Image
 
 from hpcdl import checkpoint
+from hpcdl.clustermodel import calibration
 from hpcdl.data import open_dataset
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.status import StatusView
@@ -174,3 +177,29 @@ def test_a_lost_peer_node_costs_its_clients_a_bounded_wait_then_the_pfs(cluster,
     for f in ds.files:
         copy = client.local / "stage" / "k" / f.relpath
         assert copy.read_bytes() == (ds.root / f.relpath).read_bytes(), f.relpath
+
+
+def test_bench_calibrate_times_the_steps_while_every_node_fetches_from_its_peer(
+    cluster, folder, tmp_path
+):
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in folder.rglob("*"))
+    out = tmp_path / "c.toml"
+    program = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(folder),
+               "--stage-dir", str(STAGE), "--threads", "2", "--files", "4", "--local-mb", "1",
+               "--steps", "30", "--batch-size", "8", "--input-shape", "3,32,32", "--classes", "4",
+               "--repeats", "1", "--out", str(out)]  # fmt: skip
+    proc = cluster.run(1, cluster.mpirun([1, 1], *program), env=mpi_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    figure = calibration.load(out).compute.contention_s_per_fetch
+    line = next(line for line in proc.stdout.splitlines() if "from a peer" in line)
+    found = re.search(r"loses ([\d.]+) ms per file a node fetches from a peer \(step ([\d.]+) "
+                      r"ms while (\d+) fetches per node landed in [\d.]+ s, ([\d.]+) ms quiet\)",
+                      line)  # fmt: skip
+    assert found and figure is not None, line  # each node fetched the other's copies
+    loaded, landed, quiet = float(found[2]), int(found[3]), float(found[4])
+    assert 1 <= landed <= FILES, line
+    lost = max(0.0, loaded - quiet) * 1e-3 * 30  # --steps 30: seconds the fetches cost the steps
+    assert figure == pytest.approx(lost / landed, abs=0.1e-3 * 30 / landed + 1e-6), line
+    for node in cluster.nodes:  # the homes' and the clients' stage dirs are gone, and STAGE
+        assert not (node.local / STAGE.relative_to(LOCAL)).exists()
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in folder.rglob("*")) == before

@@ -27,7 +27,10 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 - Input (hpcdl.bench.calibrate_input): each rank builds batches of node-local copies of a few
   samples of --data, as the loader does in the rank with --workers 0.
 - Contention (hpcdl.bench.calibrate_contention): the trainer's steps again while every node's
-  leader runs an hpcdl-stage copying files of --data; the steps' added seconds per copy.
+  leader runs an hpcdl-stage copying files of --data; the steps' added seconds per copy. Then
+  (two nodes or more) again while every node fetches the previous node's copies of those files
+  from its stager, all released at once as a job's later epochs are; the added seconds per
+  fetch.
 - The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
   8-byte loss check, back to back on every rank (the mean step, the slowest rank); the factor on
   the allreduce formula is set so that the model's step (hpcdl.clustermodel.step_time, with
@@ -53,7 +56,13 @@ from typing import Any
 import numpy as np
 
 from hpcdl import nn
-from hpcdl.bench.calibrate_contention import MIN_FILES, CopyLoad, Window, measure_contention
+from hpcdl.bench.calibrate_contention import (
+    MIN_FILES,
+    CopyLoad,
+    Window,
+    measure_contention,
+    measure_fetch_contention,
+)
 from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
@@ -352,6 +361,8 @@ class TrainerStep:
     input_s_per_sample: float  # of it, building the batch, per sample (0: not timed)
     contention_s_per_file: float = 0.0  # while the stagers copy (calibrate_contention)
     contention_note: str = "not measured"
+    contention_s_per_fetch: float | None = None  # while they fetch from peers (None: not measured)
+    fetch_note: str = "not measured"
 
 
 def measure_trainer_step(
@@ -363,8 +374,9 @@ def measure_trainer_step(
     backward) and the trainer's 8-byte loss check, back to back on every rank. The mean over
     the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing).
 
-    contention(quiet step s, timed) -> (seconds per file, note): then the same steps again
-    while the stagers copy (hpcdl.bench.calibrate_contention)."""
+    contention(quiet step s, timed) -> (seconds per copy, note, seconds per fetch, note): then
+    the same steps again while the stagers copy, and while they fetch from peers
+    (hpcdl.bench.calibrate_contention)."""
 
     from hpcdl.comm.reducer import GradientReducer  # noqa: PLC0415
 
@@ -380,11 +392,11 @@ def measure_trainer_step(
         quiet, _, _ = _timed_steps(parts, x, y, world.comm, args.steps, build)
         step_s = slowest_rank_mean(world.comm, [whole for _, whole in quiet])
         building = slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build else 0.0
-        copies = (0.0, "not measured")
+        copies: tuple = ()
         if contention is not None:
-            def timed(at_start) -> Window:
+            def timed(beside) -> Window:
                 loaded, began, ended = _timed_steps(parts, x, y, world.comm, args.steps, build,
-                                                    at_start)  # fmt: skip
+                                                    beside)  # fmt: skip
                 return Window([whole for _, whole in loaded], began, ended)
 
             copies = contention(step_s, timed)
@@ -395,18 +407,18 @@ def measure_trainer_step(
 
 
 def _timed_steps(
-    parts: Any, x: Any, y: Any, comm: Any, steps: int, build, at_start=None
+    parts: Any, x: Any, y: Any, comm: Any, steps: int, build, beside=None
 ) -> tuple[list[tuple[float, float]], float, float]:
     """(seconds building the batch, seconds of the whole step) of each step after 3 warm-up
-    ones, and when the timed steps began and ended (at_start() is called just before). The
-    step trains on the fixed batch x, y: what was built only costs its time."""
+    ones, and when the timed steps began and ended (beside.start() is called just before
+    them). The step trains on the fixed batch x, y: what was built only costs its time."""
     flag = np.zeros(1)
     times = []
     began = time.time()
     for k in range(steps + 3):  # 3 warm-up steps
         if k == 3:
-            if at_start:
-                at_start()
+            if beside:
+                beside.start()
             began = time.time()
         t0 = time.perf_counter()
         if build:
@@ -473,13 +485,15 @@ def main(argv: list[str] | None = None) -> int:
     rate = world.comm.bcast(args.threads / max(pfs.open_latency_s, 1e-4) if world.rank == 0
                             else None, root=0)  # fmt: skip
 
-    def contention(quiet_s: float, timed_steps) -> tuple[float, str]:
+    def contention(quiet_s: float, timed_steps) -> tuple[float, str, float | None, str]:
         want = max(MIN_FILES, math.ceil(rate * 2 * quiet_s * (args.steps + 2)))
         chosen = ([], [])  # the node leaders copy
         if world.local_rank == 0:
             chosen = copy_sample(Path(args.data), want, args.local_mb * 1_000_000)
         load = CopyLoad(Path(args.data), args.threads, *chosen)
-        return measure_contention(world, load, Path(args.stage_dir), quiet_s, timed_steps)
+        stage = Path(args.stage_dir)
+        return (*measure_contention(world, load, stage, quiet_s, timed_steps),
+                *measure_fetch_contention(world, load, stage, quiet_s, timed_steps))
 
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
                        args.augment, args.local_mb) as (samples, timed):  # fmt: skip
@@ -489,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{world.num_nodes} nodes x {world.node_comm.size} ranks"
     source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
     compute = replace(compute, input_s_per_sample=trained.input_s_per_sample,
-                      contention_s_per_file=trained.contention_s_per_file)  # fmt: skip
+                      contention_s_per_file=trained.contention_s_per_file,
+                      contention_s_per_fetch=trained.contention_s_per_fetch)  # fmt: skip
     cal = Calibration(pfs, local, network, compute, source=source, peer=peer)
     cal = fit_to_trainer_step(cal, world, args, trained.step_s)
     print(describe(cal, rows, where, trained, timed))
@@ -533,6 +548,10 @@ def describe(
         f"{trained.step_s * 1e3:.1f} ms",
         f"  contention: training loses {c.contention_s_per_file * 1e3:.2f} ms per file a node "
         f"copies ({trained.contention_note})",
+        "  contention: training loses "
+        + (f"{c.contention_s_per_fetch * 1e3:.2f} ms per file a node fetches from a peer "
+           f"({trained.fetch_note})" if c.contention_s_per_fetch is not None
+           else f"per peer fetch what a copy costs (per fetch {trained.fetch_note})"),
     ])  # fmt: skip
 
 

@@ -14,12 +14,30 @@ the stager renames each finished copy into place), give seconds per file and nod
 --local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it
 (hpcdl.bench.stage_scratch). A copier that fails leaves the figure at 0, its last line in the
 calibration's note.
+
+A peer fetch is timed apart (measure_fetch_contention): every node leader's hpcdl-stage first
+stages the same files as its node's home and serves them on its node's address (as the job's
+stager does), and as the timed steps begin a second hpcdl-stage on every node fetches the
+previous node's (node k from node k-1) with --threads copy threads, all of them released at
+once. That is how a job's stager fetches: its plan, rewritten as every epoch starts, releases
+the next epoch's fetches together (their homes have read the files by then), and it fetches
+them as fast as its threads go. Every node serves as many files as it fetches, as in a job.
+With one node, or a node whose address cannot be bound, there is no peer and the figure is not
+measured (None: the model charges a fetch what a PFS copy costs).
+
+Both are measured, not derived: on a busy node the steps lose far more than the copies' CPU
+time (a copy wakes threads that take a core from a rank, and the other ranks wait for it in
+the allreduce), and how much depends on how the copies come. On the 2-core test VM a fetch
+costs the two stagers about 0.2 ms of CPU; in the 4-node peer-staging bench's setup the steps
+lost 0.1-4.4 ms per fetch when the fetches came all at once, and 5-14 ms when they came a few
+per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -28,9 +46,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdl.bench.calibrate_peer import SESSION, WAIT_S, status_path, write_plan
+from hpcdl.bench.calibrate_peer import (
+    SESSION,
+    WAIT_S,
+    start_stager,
+    status_path,
+    wait_ready,
+    write_plan,
+)
 from hpcdl.bench.stage_scratch import scratch_dir
+from hpcdl.comm.failure import UserError
 from hpcdl.staging.binary import find_stager_binary
+from hpcdl.staging.peer_tier import open_listener
 from hpcdl.staging.plan import FileTreeDataset
 from hpcdl.staging.status import StatusView
 
@@ -85,23 +112,61 @@ def measure_contention(
     load: CopyLoad,
     stage_dir: Path,
     quiet_step_s: float,
-    timed: Callable[[Callable[[], None]], Window],
+    timed: Callable[[Any], Window],
 ) -> tuple[float, str]:
     """(seconds lost per file a node copies, a note) on every rank; collective.
 
-    quiet_step_s: the trainer's mean step without copies; timed(at_start): runs the trainer's
-    steps, calls at_start() as the timed ones begin (the copies start then, after the
+    quiet_step_s: the trainer's mean step without copies; timed(beside): runs the trainer's
+    steps, calls beside.start() as the timed ones begin (the copies start then, after the
     warm-up), and returns their Window."""
     with contextlib.ExitStack() as scratch:
         copies = None
         if world.local_rank == 0:
             where = scratch.enter_context(scratch_dir(stage_dir, ".hpcdl-calibrate-contention."))
             copies = Copies(load, where)
-        return _timed_copies(world, quiet_step_s, timed, copies)
+        return _timed_copies(world, quiet_step_s, timed, copies, "copies")
 
 
-class Copies:
-    """hpcdl-stage copying the load's files of --data into a node-local directory."""
+def measure_fetch_contention(
+    world: Any,
+    load: CopyLoad,
+    stage_dir: Path,
+    quiet_step_s: float,
+    timed: Callable[[Any], Window],
+) -> tuple[float | None, str]:
+    """(seconds lost per file a node fetches from a peer, and serves to one; None where not
+    measured, a note) on every rank; collective. The arguments are measure_contention's; the
+    load's files are each node's home copies, fetched by the next node."""
+    if world.num_nodes < 2:
+        return None, "not measured: one node has no peer"
+    secret = world.comm.bcast(secrets.token_hex(32) if world.rank == 0 else None, root=0)
+    with contextlib.ExitStack() as scratch:
+        fetches, address, error = None, None, ""
+        if world.local_rank == 0:
+            where = scratch.enter_context(scratch_dir(stage_dir, ".hpcdl-calibrate-fetch."))
+            fetches = scratch.enter_context(contextlib.closing(Fetches(load, where, secret)))
+            address, error = fetches.serve()
+        gathered = world.comm.allgather((world.local_rank, address, error))
+        leaders = [(a, e) for local, a, e in gathered if local == 0]
+        error = next((e for _, e in leaders if e), "")
+        if error:
+            return None, f"not measured: {error}"
+        if fetches is not None:
+            fetches.aim(leaders[(world.node_index - 1) % world.num_nodes][0])
+        per_fetch, note = _timed_copies(world, quiet_step_s, timed, fetches, "fetches")
+    return (None if note.startswith("not measured") else per_fetch), note
+
+
+class Idle:
+    """Nothing beside the timed steps (a rank that is not its node's leader)."""
+
+    def start(self) -> None:
+        """Called as the timed steps begin."""
+
+
+class Copies(Idle):
+    """hpcdl-stage copying the load's files of --data into a node-local directory, as fast as
+    it goes from the start of the timed steps."""
 
     def __init__(self, load: CopyLoad, stage: Path) -> None:
         self.stage, self.load, self.procs = stage, load, []
@@ -114,27 +179,88 @@ class Copies:
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                _, err = proc.communicate(timeout=WAIT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            if proc.returncode not in (0, -signal.SIGTERM):
-                lines = (err or "").strip().splitlines()
-                self.failed = f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
+            self.failed = self.failed or stop(proc, signal.SIGTERM)
 
 
-def _timed_copies(world: Any, quiet_step_s: float, timed, copies: Copies | None):
-    """(seconds per file, a note) of the copies started with the timed steps."""
+class Fetches(Idle):
+    """A node's two stagers for the peer fetch: its home, which stages the load's files from
+    --data and serves them, and a client (another stage dir) that fetches the previous node's
+    (--once: all at once); `stage` is the client's, where the fetched copies land."""
+
+    def __init__(self, load: CopyLoad, where: Path, secret: str) -> None:
+        self.load, self.where, self.secret = load, where, secret
+        self.stage = where / "client"
+        self.home: subprocess.Popen | None = None
+        self.client: subprocess.Popen | None = None
+        self.failed = ""
+
+    def dataset(self) -> FileTreeDataset:
+        return FileTreeDataset.of_files(self.load.data, self.load.relpaths, self.load.sizes)
+
+    def serve(self) -> tuple[str | None, str]:
+        """Stage the load's files as this node's home and serve them on the address the peer
+        tier binds (hpcdl.staging.peer_tier): ("ip:port", "") or (None, why not)."""
+        listener, why = open_listener()
+        if listener is None:
+            return None, why
+        try:
+            write_plan(self.dataset(), self.where / "home", 0, None)
+            self.home = start_stager(self.where / "home", self.secret, [], listener,
+                                     self.load.threads)  # fmt: skip
+            address = "{}:{}".format(*listener.getsockname()[:2])
+        finally:
+            listener.close()  # the home holds its own descriptor
+        try:
+            wait_ready(self.where / "home", self.home, len(self.load.relpaths))
+        except UserError as exc:
+            return None, str(exc)
+        return address, ""
+
+    def aim(self, home: str) -> None:
+        """The client's plan: every file of the load from the home at "ip:port"."""
+        write_plan(self.dataset(), self.stage, 1, home)
+
+    def start(self) -> None:
+        self.client = start_stager(self.stage, self.secret, ["--once"], None, self.load.threads)
+
+    def close(self) -> None:
+        if self.client is not None:
+            fell_back = StatusView(status_path(self.stage))
+            if fell_back.open() and fell_back.field("peer_fallbacks"):
+                self.failed = f"{fell_back.field('peer_fallbacks')} fetches fell back to the PFS"
+            fell_back.close()
+            self.failed = self.failed or stop(self.client, signal.SIGTERM)
+        if self.home is not None:
+            self.failed = self.failed or stop(self.home, signal.SIGUSR1)
+
+
+def stop(proc: subprocess.Popen, sig: int) -> str:
+    """Send sig to a stager still running and wait for it: "" where it ended with 0 or by
+    sig, else how it failed (its exit status and last line)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    if proc.returncode in (0, -sig):
+        return ""
+    lines = (err or "").strip().splitlines()
+    return f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
+
+
+def _timed_copies(
+    world: Any, quiet_step_s: float, timed, copies: Copies | Fetches | None, what: str
+) -> tuple[float, str]:
+    """(seconds per copy, a note) of the copies (or fetches: `what`) beside the timed steps."""
     from mpi4py import MPI  # noqa: PLC0415
 
     from hpcdl.bench.timing import slowest_rank_mean  # noqa: PLC0415
 
     landed, failed = 0, ""
     try:
-        window = timed(copies.start if copies else lambda: None)
+        window = timed(copies if copies is not None else Idle())
         if copies is not None:
             landed = landed_between(copies.stage, window.began, window.ended)
     finally:
@@ -145,10 +271,10 @@ def _timed_copies(world: Any, quiet_step_s: float, timed, copies: Copies | None)
     per_node = world.comm.allreduce(landed, op=MPI.SUM) / world.num_nodes
     failed = next((f for f in world.comm.allgather(failed) if f), "")
     if failed:
-        return 0.0, f"not measured: a node's hpcdl-stage copying --data failed ({failed})"
+        return 0.0, f"not measured: a node's hpcdl-stage failed ({failed})"
     if per_node < 1:
-        return 0.0, "not measured: no copy landed during the timed steps"
+        return 0.0, f"not measured: none of the {what} landed during the timed steps"
     lost = max(0.0, (loaded - quiet_step_s) * len(window.seconds))
-    note = (f"step {loaded * 1e3:.1f} ms while {per_node:.0f} files per node landed in "
+    note = (f"step {loaded * 1e3:.1f} ms while {per_node:.0f} {what} per node landed in "
             f"{window.ended - window.began:.2f} s, {quiet_step_s * 1e3:.1f} ms quiet")  # fmt: skip
     return lost / per_node, note

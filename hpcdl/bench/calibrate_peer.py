@@ -140,10 +140,10 @@ def write_plan(
 
 
 def start_stager(
-    stage: Path, secret: str, flags: list[str], listener: socket.socket | None
+    stage: Path, secret: str, flags: list[str], listener: socket.socket | None, threads: int = 1
 ) -> subprocess.Popen:
     cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", SESSION,
-           "--threads", "1", "--peer", *flags]  # fmt: skip
+           "--threads", str(threads), "--peer", *flags]  # fmt: skip
     fds: tuple[int, ...] = ()
     if listener is not None:
         cmd += ["--peer-listen-fd", str(listener.fileno())]

@@ -13,7 +13,8 @@ parser:
     [network]    intra_alpha_s, intra_beta_s_per_B, inter_alpha_s, inter_beta_s_per_B, algorithm,
                  algorithm_factor
     [compute]    model, batch_size, v0, t, backward_fraction, gradient_bytes,
-                 input_s_per_sample, contention_s_per_file   (optional, 0 = not charged)
+                 input_s_per_sample, contention_s_per_file   (optional, 0 = not charged),
+                 contention_s_per_fetch   (optional; absent = contention_s_per_file)
     [peer]       fetch_latency_s, thread_bandwidth_Bps, node_bandwidth_Bps   (optional)
 
 [peer] is the staging peer tier's fetch of a staged copy from another node's stager (issue 35).
@@ -83,10 +84,20 @@ class ComputeFigures:
     # batch itself (--workers 0); loader workers take it off the step (equations.step_time).
     # 0: not measured (a file written before this field), the loaders keep up.
     input_s_per_sample: float = 0.0
-    # Training seconds a node loses per file its stager copies (from the PFS or a peer) while
-    # the ranks train: shared cores, the file system client (hpcdl.bench.calibrate_contention).
+    # Training seconds a node loses per file its stager copies from the PFS while the ranks
+    # train: shared cores, the file system client (hpcdl.bench.calibrate_contention).
     # 0: not measured, or cores to spare.
     contention_s_per_file: float = 0.0
+    # The same per file a node fetches from a peer (and, at the same rate, serves to one),
+    # the fetches released at once as a job's next epoch's are. None (absent from the file,
+    # written before this field, or one node): a fetch costs what a PFS copy costs.
+    contention_s_per_fetch: float | None = None
+
+    def fetch_contention_s(self) -> float:
+        """Training seconds a node loses per file it fetches from a peer."""
+        if self.contention_s_per_fetch is None:
+            return self.contention_s_per_file
+        return self.contention_s_per_fetch
 
     def step_s(self, batch: int) -> float:
         """Seconds of forward + backward + update of one rank at this batch (no allreduce)."""
@@ -125,7 +136,8 @@ class Calibration:
             if getattr(self, name) is None:
                 continue
             lines += ["", f"[{name}]"]
-            lines += [f"{k} = {_toml_value(v)}" for k, v in asdict(getattr(self, name)).items()]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in asdict(getattr(self, name)).items()
+                      if v is not None]  # fmt: skip
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:
@@ -207,7 +219,7 @@ def _table(cls: type, table: dict[str, Any], where: str) -> Any:
                 continue
             raise CalibrationError(f"{where}: missing field {f.name}")
         value = table[f.name]
-        if f.type in ("float", "int"):
+        if f.type in ("float", "int", "float | None"):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise CalibrationError(f"{where}: {f.name} must be a number, got {value!r}")
             if not math.isfinite(value) or value < 0:

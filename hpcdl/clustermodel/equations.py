@@ -318,10 +318,11 @@ class Prediction:
 
 def contention_s(cal: Calibration, split: peers.PeerSplit) -> list[float]:
     """Seconds the stager's copies take from each epoch's steps (equation 6): it copies epoch
-    1's files and the next epoch's during epoch 1, the next epoch's during every later one
-    (PFS copies and peer fetches alike), nothing during the last."""
-    cost = [cal.compute.contention_s_per_file * (p + q)
-            for p, q in zip(split.pfs_files, split.peer_files)]  # fmt: skip
+    1's files and the next epoch's during epoch 1, the next epoch's during every later one,
+    nothing during the last; a PFS copy costs contention_s_per_file, a peer fetch
+    contention_s_per_fetch."""
+    per_copy, per_fetch = cal.compute.contention_s_per_file, cal.compute.fetch_contention_s()
+    cost = [per_copy * p + per_fetch * q for p, q in zip(split.pfs_files, split.peer_files)]
     ahead = [*cost[1:], 0.0]
     return [cost[0] + ahead[0], *ahead[1:]]
 

@@ -106,6 +106,7 @@ def predicted_epochs(
         step_s=prediction["step_s"],
         input_s_per_sample=compute["input_s_per_sample"],
         contention_s_per_file=compute["contention_s_per_file"],
+        contention_s_per_fetch=compute.get("contention_s_per_fetch"),
     )
 
 
@@ -185,7 +186,10 @@ def table(result: dict[str, Any]) -> str:
                  + "; input ms/sample " + ", ".join(f"{m['input_s_per_sample'] * 1e3:.2f}"
                                                    for m in steps)
                  + "; contention ms per copy " + ", ".join(
-                     f"{m['contention_s_per_file'] * 1e3:.2f}" for m in steps))  # fmt: skip
+                     f"{m['contention_s_per_file'] * 1e3:.2f}" for m in steps)
+                 + "; per fetch " + ", ".join(
+                     "-" if m.get("contention_s_per_fetch") is None
+                     else f"{m['contention_s_per_fetch'] * 1e3:.2f}" for m in steps))  # fmt: skip
     lines.append(f"final parameters of the two global jobs bitwise equal in every round: "
                  f"{result['global_params_bitwise_equal']}")  # fmt: skip
     return "\n".join(lines)
