@@ -57,9 +57,9 @@ def read_events(path, event: str) -> list[dict]:
 
 @pytest.fixture(autouse=True)
 def no_stale_open_mpi_session_dirs() -> None:
-    """Before every test: the session dirs of Open MPI launchers that a test killed are
-    removed, so that no later mpirun that draws the same pid fails to start
-    (helpers.remove_stale_session_dirs; test_openmpi_leftovers.py)."""
+    """Before every test: the session dirs of Open MPI launchers and remote daemons that a
+    test killed are removed, so that no later mpirun or daemon that draws the same pid fails to
+    start (helpers.remove_stale_session_dirs; test_openmpi_leftovers.py)."""
     import tempfile
 
     from helpers import remove_stale_session_dirs

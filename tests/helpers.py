@@ -1,7 +1,7 @@
 """What several test modules share (no test module imports another): small real data sets on
 disk (file trees, image folders), the processes a test started, hpcdl's own output lines,
 `python -m hpcdl.stage` run as a user would, and the session dirs killed Open MPI launchers
-leave behind."""
+and daemons leave behind."""
 
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def measure_contention(
     quiet_step_s: float,
     timed: Callable[[Any], Window],
 ) -> tuple[float, str]:
-    """(seconds lost per file a node copies, a note) on every rank; collective.
+    """(seconds lost per file a node copies, 0 where not measured; a note) on every rank;
+    collective.
 
     quiet_step_s: the trainer's mean step without copies; timed(beside): runs the trainer's
     steps, calls beside.start() as the timed ones begin (the copies start then, after the
@@ -124,7 +125,8 @@ def measure_contention(
         if world.local_rank == 0:
             where = scratch.enter_context(scratch_dir(stage_dir, ".hpcdl-calibrate-contention."))
             copies = Copies(load, where)
-        return _timed_copies(world, quiet_step_s, timed, copies, "copies")
+        per_copy, note = _timed_copies(world, quiet_step_s, timed, copies, "copies")
+    return (0.0 if per_copy is None else per_copy), note
 
 
 def measure_fetch_contention(
@@ -153,8 +155,7 @@ def measure_fetch_contention(
             return None, f"not measured: {error}"
         if fetches is not None:
             fetches.aim(leaders[(world.node_index - 1) % world.num_nodes][0])
-        per_fetch, note = _timed_copies(world, quiet_step_s, timed, fetches, "fetches")
-    return (None if note.startswith("not measured") else per_fetch), note
+        return _timed_copies(world, quiet_step_s, timed, fetches, "fetches")
 
 
 class Idle:
@@ -252,8 +253,9 @@ def stop(proc: subprocess.Popen, sig: int) -> str:
 
 def _timed_copies(
     world: Any, quiet_step_s: float, timed, copies: Copies | Fetches | None, what: str
-) -> tuple[float, str]:
-    """(seconds per copy, a note) of the copies (or fetches: `what`) beside the timed steps."""
+) -> tuple[float | None, str]:
+    """(seconds per copy, None where not measured; a note) of the copies (or fetches: `what`)
+    beside the timed steps."""
     from mpi4py import MPI  # noqa: PLC0415
 
     from hpcdl.bench.timing import slowest_rank_mean  # noqa: PLC0415
@@ -271,9 +273,9 @@ def _timed_copies(
     per_node = world.comm.allreduce(landed, op=MPI.SUM) / world.num_nodes
     failed = next((f for f in world.comm.allgather(failed) if f), "")
     if failed:
-        return 0.0, f"not measured: a node's hpcdl-stage failed ({failed})"
+        return None, f"not measured: a node's hpcdl-stage failed ({failed})"
     if per_node < 1:
-        return 0.0, f"not measured: none of the {what} landed during the timed steps"
+        return None, f"not measured: none of the {what} landed during the timed steps"
     lost = max(0.0, (loaded - quiet_step_s) * len(window.seconds))
     note = (f"step {loaded * 1e3:.1f} ms while {per_node:.0f} {what} per node landed in "
             f"{window.ended - window.began:.2f} s, {quiet_step_s * 1e3:.1f} ms quiet")  # fmt: skip
