@@ -176,6 +176,11 @@ def test_bench_calibrate_times_batches_of_node_local_copies_of_the_data(tmp_path
     assert 0 < figure < 1.0, proc.stdout
     line = next(line for line in proc.stdout.splitlines() if line.strip().startswith("input"))
     assert f"{figure * 1e3:.3f} ms per sample (16 samples of --data" in line, line
+    line = next(line for line in proc.stdout.splitlines() if "trainer step" in line)
+    found = re.search(r": ([\d.]+) ms \(the median of quiet windows of ([\d.]+), ([\d.]+), "
+                      r"([\d.]+) ms\)", line)  # fmt: skip
+    assert found, line  # three windows, one after the other: the middle one is the step
+    assert float(found[1]) == sorted(float(found[k]) for k in (2, 3, 4))[1], line
     assert not (tmp_path / "local").exists()  # the copies and the dirs made for them are gone
     assert listing(data) == before  # the data set is only read
 

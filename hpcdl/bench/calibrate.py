@@ -32,9 +32,9 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   from its stager, all released at once as a job's later epochs are; the added seconds per
   fetch.
 - The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
-  8-byte loss check, back to back on every rank (the mean step, the slowest rank); the factor on
-  the allreduce formula is set so that the model's step (hpcdl.clustermodel.step_time, with
-  --workers 0) equals it (fit_to_trainer_step).
+  8-byte loss check, back to back on every rank (the mean step, the slowest rank; the median of
+  three windows of --steps steps); the factor on the allreduce formula is set so that the
+  model's step (hpcdl.clustermodel.step_time, with --workers 0) equals it (fit_to_trainer_step).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a li
 # default; the model extrapolates beyond 8 MiB linearly, as the alpha-beta form does).
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 BACKWARD_SHARE = 2 / 3  # of forward + backward: backward does about twice forward's work
+QUIET_WINDOWS = 3  # the trainer's quiet step: the median of this many windows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -363,6 +364,7 @@ class TrainerStep:
     contention_note: str = "not measured"
     contention_s_per_fetch: float | None = None  # while they fetch from peers (None: not measured)
     fetch_note: str = "not measured"
+    quiet_note: str = ""  # each quiet window's step, ms
 
 
 def measure_trainer_step(
@@ -372,7 +374,10 @@ def measure_trainer_step(
     copies of --data (samples: hpcdl.bench.calibrate_input; None: no data, no building), then
     train_step with the gradient reducer (--bucket-mb buckets on its thread, overlapping
     backward) and the trainer's 8-byte loss check, back to back on every rank. The mean over
-    the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing).
+    the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing). Timed
+    in QUIET_WINDOWS windows of --steps steps one after the other, and the median window's mean
+    taken: on a shared machine one window can be a quarter off the next (docs/cluster-model.md,
+    section 3b).
 
     contention(quiet step s, timed) -> (seconds per copy, note, seconds per fetch, note): then
     the same steps again while the stagers copy, and while they fetch from peers
@@ -389,9 +394,13 @@ def measure_trainer_step(
         reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
         parts = replace(parts, reducer=reducer)
     try:
-        quiet, _, _ = _timed_steps(parts, x, y, world.comm, args.steps, build)
-        step_s = slowest_rank_mean(world.comm, [whole for _, whole in quiet])
-        building = slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build else 0.0
+        windows = []  # (step, building) of each quiet window, slowest rank
+        for _ in range(QUIET_WINDOWS):
+            quiet, _, _ = _timed_steps(parts, x, y, world.comm, args.steps, build)
+            windows.append((slowest_rank_mean(world.comm, [whole for _, whole in quiet]),
+                            slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build
+                            else 0.0))  # fmt: skip
+        step_s, building = sorted(windows)[len(windows) // 2]
         copies: tuple = ()
         if contention is not None:
             def timed(beside) -> Window:
@@ -403,7 +412,8 @@ def measure_trainer_step(
     finally:
         if reducer is not None:
             reducer.close()
-    return TrainerStep(step_s, building / args.batch_size, *copies)
+    quiet_ms = ", ".join(f"{w * 1e3:.1f}" for w, _ in windows)
+    return TrainerStep(step_s, building / args.batch_size, *copies, quiet_note=quiet_ms)
 
 
 def _timed_steps(
@@ -545,7 +555,7 @@ def describe(
         + (f"{c.input_s_per_sample * 1e3:.3f} ms per sample ({timed})" if c.input_s_per_sample
            else timed),
         f"  trainer step (input, compute, reducer, loss check, all ranks; mean): "
-        f"{trained.step_s * 1e3:.1f} ms",
+        f"{trained.step_s * 1e3:.1f} ms (the median of quiet windows of {trained.quiet_note} ms)",
         f"  contention: training loses {c.contention_s_per_file * 1e3:.2f} ms per file a node "
         f"copies ({trained.contention_note})",
         "  contention: training loses "
