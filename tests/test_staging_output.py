@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
 import time
 
-from helpers import make_tree
+from helpers import make_tree, wait_for_status, write_peer_plan
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
+from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.status import StatusView
 
 
@@ -89,3 +91,38 @@ def modes_below(root) -> dict[str, int]:
             path = os.path.join(dirpath, name)
             out[path] = stat.S_IMODE(os.lstat(path).st_mode)
     return out
+
+
+def niceness(pid: int) -> set[int]:
+    """The niceness of each thread of a process (/proc/PID/task/*/stat, field 19)."""
+    values = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            values.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return values
+
+
+def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd):
+    """Every thread of the stager (copy threads included) at the niceness it started with plus
+    10: a core goes to a rank before a copy that is ahead of need (docs/staging.md)."""
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage")
+    wait_staged(session, 12)
+    threads = niceness(session.proc.pid)
+    session.close()
+    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)}, threads
+    assert "at nice +10" in stager_lines(capfd.readouterr().err)[0]
+
+
+def test_nice_0_keeps_the_priority_it_started_with(tmp_path):
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    stage = tmp_path / "stage"
+    write_peer_plan(ds, stage, "job", 0, None)
+    cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", "job", "--nice", "0"]
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as p:
+        StatusView(wait_for_status(stage, p)).close()
+        threads = niceness(p.pid)
+        p.terminate()
+        _, err = p.communicate(timeout=20)
+    assert threads == {os.getpriority(os.PRIO_PROCESS, 0)}, threads
+    assert "at nice" not in stager_lines(err)[0], err

@@ -22,6 +22,7 @@ const char* kUsage =
     "usage: hpcdl-stage --stage-dir DIR --session NAME [--threads T] [--capacity BYTES]\n"
     "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
     "                   [--parent-pid PID] [--quiet] [--peer [--peer-listen-fd FD]]\n"
+    "                   [--nice N]\n"
     "       hpcdl-stage --stage-dir DIR --session NAME --remove-temporaries\n"
     "       hpcdl-stage --check-plan FILE...\n"
     "       hpcdl-stage --print-layout          (status map and progress file layout, JSON)\n"
@@ -131,6 +132,9 @@ int main(int argc, char** argv) {
       opt.peer = true;  // the job's secret follows on stdin
     } else if (arg == "--peer-listen-fd") {
       opt.peer_listen_fd = static_cast<int>(numeric("--peer-listen-fd"));
+    } else if (arg == "--nice") {
+      opt.nice = static_cast<unsigned>(numeric("--nice"));
+      if (opt.nice > 19) return usage_error("--nice must be 0..19");
     } else if (arg == "--remove-temporaries") {
       remove_temporaries = true;
     } else {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -128,6 +129,7 @@ class Stager {
                (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : "") +
+               (opt_.nice ? ", at nice +" + std::to_string(opt_.nice) : std::string()) +
                (opt_.peer ? std::string(", peers: ") + (server_ ? "serving, " : "not serving, ") +
                                 std::to_string(plan_.peers.size()) + " to fetch from"
                           : ""));
@@ -701,6 +703,16 @@ int run_stager(const StagerOptions& options) {
   sigaddset(&set, SIGHUP);
   sigaddset(&set, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  // Below the ranks: the stager works ahead of need, so a copy that waits a few ms for a core
+  // costs nothing, while a rank that waits for one holds back every rank at the next
+  // allreduce. Threads inherit their creator's niceness (Linux), so it is set before any starts.
+  if (options.nice > 0) {
+    errno = 0;
+    if (::nice(static_cast<int>(options.nice)) == -1 && errno != 0) {
+      log_line("cannot lower its priority (nice): " + errno_text(errno) +
+               "; it runs at the priority it was started with");
+    }
+  }
   try {
     Stager stager(options);
     return stager.run();
