@@ -35,6 +35,7 @@ PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 PEER_MODES = ("auto", "on", "off")  # --peer-staging (hpcdl.staging.peer_tier)
 STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_threads)
+STAGE_NICE = 10  # added to the stager's niceness by default (TrainConfig.stage_nice)
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,9 @@ class TrainConfig:
     # half of what the emulated PFS serves: docs/PERFORMANCE.md, issue 29). Mostly blocked in
     # open and read, so threads beyond the cores cost little CPU.
     stage_threads: int = STAGE_THREADS
+    # The stager's niceness above the ranks': it works ahead of need, so it can wait for a core
+    # (later epochs with peers: 1.13x --shuffle node's time, 1.26x at nice 0; docs/staging.md).
+    stage_nice: int = STAGE_NICE
     stage_capacity: str | None = None
     keep_staged: bool = False
     stage_verify: bool = False
@@ -199,6 +203,7 @@ _HELP = {
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
     "stage_threads": "copy threads of the node's stager",
+    "stage_nice": "niceness the node's stager adds to the ranks' (0-19; 0: the ranks' priority)",
     "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use "
     "(default: all free space)",
     "keep_staged": "leave staged files in --stage-dir at the end for a later job (default: off)",
@@ -402,6 +407,8 @@ def validate(cfg: TrainConfig) -> None:
             f"--timeline {cfg.timeline} is a directory; give a file name such as "
             f"{Path(cfg.timeline) / 'trace.json'}"
         )
+    if not 0 <= cfg.stage_nice <= 19:
+        raise ConfigError(f"--stage-nice must be 0..19, got {cfg.stage_nice}")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
     try:

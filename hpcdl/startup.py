@@ -487,6 +487,7 @@ def start_staging(
     options = StageOptions(
         cfg.stage_dir,
         threads=cfg.stage_threads,
+        nice=cfg.stage_nice,
         capacity=cfg.stage_capacity,
         keep=cfg.keep_staged,
         verify=cfg.stage_verify,

@@ -40,6 +40,7 @@ def test_sync_params_k():
         (["--data", "x", "--resume", "auto"], "needs --checkpoint-dir"),
         (["--data", "x", "--stage-capacity", "lots"], "--stage-capacity"),
         (["--data", "x", "--peer-staging", "yes"], "--peer-staging must be one of auto, on, off"),
+        (["--data", "x", "--stage-nice", "20"], "--stage-nice must be 0..19, got 20"),
         (["--batch-size", "4"], "--data is required"),
         (["--data", "x", "--no-such-flag"], "unrecognized arguments"),
         (["--data", "x", "--stall-warning", "0"], "--stall-warning must be > 0 seconds"),

@@ -114,6 +114,16 @@ def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd):
     assert "at nice +10" in stager_lines(capfd.readouterr().err)[0]
 
 
+def test_the_training_flag_sets_the_stagers_niceness(tmp_path):
+    """--stage-nice reaches the stager (StageOptions.nice, as hpcdl.train passes it)."""
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage", nice=3)
+    wait_staged(session, 12)
+    threads = niceness(session.proc.pid)
+    session.close()
+    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)}, threads
+
+
 def test_nice_0_keeps_the_priority_it_started_with(tmp_path):
     ds = make_tree(tmp_path / "pfs", 12, 100)
     stage = tmp_path / "stage"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
-from hpcdl.config import STAGE_THREADS
+from hpcdl.config import STAGE_NICE, STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
@@ -106,6 +106,7 @@ class StageOptions:
 
     stage_dir: str | Path
     threads: int = STAGE_THREADS
+    nice: int = STAGE_NICE  # hpcdl-stage --nice
     capacity: str | int | None = None
     keep: bool = False
     verify: bool = False
@@ -425,7 +426,8 @@ class StagingSession:
             return info
         lease, threads, verify = self.lease, options.threads, options.verify
         tier = self.peer_tier if peer_lines or self._serves() else None
-        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify, tier)
+        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify, tier,
+                            nice=options.nice)  # fmt: skip
         info["ok"], info["why"] = _wait_running(self.proc, files.status)
         info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
         return info
@@ -544,6 +546,7 @@ def _launch(
     peer: PeerTier | None = None,
     once: bool = False,
     quiet: bool = False,
+    nice: int = STAGE_NICE,
 ) -> subprocess.Popen:
     """Start hpcdl-stage; with `peer`, the job's secret goes to its stdin (a pipe) and its
     listening socket is inherited (docs/staging.md, "Peer tier")."""
@@ -557,6 +560,8 @@ def _launch(
         str(int(threads)),
         "--parent-pid",
         str(os.getpid()),
+        "--nice",
+        str(int(nice)),
     ]
     if capacity is not None:  # else the stager's default
         cmd += ["--capacity", str(int(capacity))]
