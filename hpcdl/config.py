@@ -85,7 +85,8 @@ class TrainConfig:
     # open and read, so threads beyond the cores cost little CPU.
     stage_threads: int = STAGE_THREADS
     # The stager's niceness above the ranks': it works ahead of need, so it can wait for a core
-    # (later epochs with peers: 1.13x --shuffle node's time, 1.26x at nice 0; docs/staging.md).
+    # (later epochs with peers: 1.11-1.18x --shuffle node's time, 1.22-1.44x at nice 0, on 4
+    # emulated nodes; docs/staging.md, "Below the ranks").
     stage_nice: int = STAGE_NICE
     stage_capacity: str | None = None
     keep_staged: bool = False
