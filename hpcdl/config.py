@@ -35,7 +35,7 @@ PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 PEER_MODES = ("auto", "on", "off")  # --peer-staging (hpcdl.staging.peer_tier)
 STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_threads)
-STAGE_NICE = 10  # added to the stager's niceness by default (TrainConfig.stage_nice)
+STAGE_NICE = 0  # added to the stager's niceness by default (TrainConfig.stage_nice)
 
 
 class ConfigError(ValueError):
@@ -84,9 +84,8 @@ class TrainConfig:
     # half of what the emulated PFS serves: docs/PERFORMANCE.md, issue 29). Mostly blocked in
     # open and read, so threads beyond the cores cost little CPU.
     stage_threads: int = STAGE_THREADS
-    # The stager's niceness above the ranks': it works ahead of need, so it can wait for a core
-    # (later epochs with peers: 1.11-1.18x --shuffle node's time, 1.22-1.44x at nice 0, on 4
-    # emulated nodes; docs/staging.md, "Below the ranks").
+    # The stager's niceness above the ranks' (docs/staging.md, "Below the ranks"): 10 sped up
+    # later epochs with peers on busy cores, but staged epoch 1 later than the model says.
     stage_nice: int = STAGE_NICE
     stage_capacity: str | None = None
     keep_staged: bool = False
@@ -204,7 +203,8 @@ _HELP = {
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
     "stage_threads": "copy threads of the node's stager",
-    "stage_nice": "niceness the node's stager adds to the ranks' (0-19; 0: the ranks' priority)",
+    "stage_nice": "niceness the node's stager adds to the ranks' (0-19; 10 lets the ranks' steps "
+    "go first on busy cores; 0: the ranks' priority)",
     "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use "
     "(default: all free space)",
     "keep_staged": "leave staged files in --stage-dir at the end for a later job (default: off)",

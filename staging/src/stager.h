@@ -21,7 +21,7 @@ struct StagerOptions {
   bool quiet = false;
   bool peer = false;            // peer tier: the job's secret on stdin (docs/staging.md)
   int peer_listen_fd = -1;      // serve peers on this inherited listening socket (-1: do not)
-  unsigned nice = 10;           // added to the niceness it started with (docs/staging.md)
+  unsigned nice = 0;            // added to the niceness it started with (docs/staging.md)
 };
 
 // The capacity used without --capacity: free space of `dir`'s file system minus
