@@ -9,6 +9,7 @@ import stat
 import subprocess
 import time
 
+import pytest
 from helpers import make_tree, wait_for_status, write_peer_plan
 
 from hpcdl.data.sampler import SamplerSpec
@@ -102,26 +103,18 @@ def niceness(pid: int) -> set[int]:
     return values
 
 
-def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd):
-    """--stage-nice 10: every thread of the stager (copy threads included) at the niceness it
-    started with plus 10; a core goes to a rank before a copy that is ahead of need."""
+@pytest.mark.parametrize("nice", [10, 3])
+def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd, nice):
+    """--stage-nice N (StageOptions.nice, as hpcdl.train passes it): every thread of the stager
+    (copy threads included) at the niceness it started with plus N; a core goes to a rank
+    before a copy that is ahead of need."""
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage", nice=10)
+    session = start(ds, tmp_path / "stage", nice=nice)
     wait_staged(session, 12)
     threads = niceness(session.proc.pid)
     session.close()
-    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)}, threads
-    assert "at nice +10" in stager_lines(capfd.readouterr().err)[0]
-
-
-def test_the_training_flag_sets_the_stagers_niceness(tmp_path):
-    """--stage-nice reaches the stager (StageOptions.nice, as hpcdl.train passes it)."""
-    ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage", nice=3)
-    wait_staged(session, 12)
-    threads = niceness(session.proc.pid)
-    session.close()
-    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)}, threads
+    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)}, threads
+    assert f"at nice +{nice}" in stager_lines(capfd.readouterr().err)[0]
 
 
 def test_by_default_the_stager_keeps_the_priority_it_started_with(tmp_path):
