@@ -1,5 +1,6 @@
 """What the stager says and what it leaves (issue 29): its last line at a normal end, its start
-line's capacity, and the modes of every file and directory staging creates, whatever the umask."""
+line's capacity, and the modes of every file and directory staging creates, whatever the umask.
+Its niceness (issue 35): --stage-nice N, else the priority it was started with."""
 
 from __future__ import annotations
 
