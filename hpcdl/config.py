@@ -35,7 +35,10 @@ PROGRESS_MODES = ("auto", "bar", "epoch", "none")
 
 PEER_MODES = ("auto", "on", "off")  # --peer-staging (hpcdl.staging.peer_tier)
 STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_threads)
-STAGE_NICE = 0  # added to the stager's niceness by default (TrainConfig.stage_nice)
+# The stager's niceness above the ranks' (TrainConfig.stage_nice): "auto" adds STAGE_NICE_LATER
+# once the ranks pass the run's first epoch (docs/staging.md, "Below the ranks").
+STAGE_NICE = "auto"
+STAGE_NICE_LATER = 10
 
 
 class ConfigError(ValueError):
@@ -84,9 +87,10 @@ class TrainConfig:
     # half of what the emulated PFS serves: docs/PERFORMANCE.md, issue 29). Mostly blocked in
     # open and read, so threads beyond the cores cost little CPU.
     stage_threads: int = STAGE_THREADS
-    # The stager's niceness above the ranks' (docs/staging.md, "Below the ranks"): 10 sped up
-    # later epochs with peers on busy cores, but staged epoch 1 later than the model says.
-    stage_nice: int = STAGE_NICE
+    # The stager's niceness above the ranks' (docs/staging.md, "Below the ranks"): "auto", or
+    # 0..19 from the start. At 10 from the start it sped up later epochs with peers on busy
+    # cores, but staged epoch 1 later than the model says; auto keeps epoch 1 at 0.
+    stage_nice: str = STAGE_NICE
     stage_capacity: str | None = None
     keep_staged: bool = False
     stage_verify: bool = False
@@ -137,6 +141,7 @@ PATH_KEYS = (
     "timeline",
 )
 _NOT_PATHS = {"resume": ("none", "auto")}
+_WORD_OR_INT = ("stage_nice",)  # a word or a number: TOML may give either
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
 # Help per flag, with units. build_parser appends "(default: X)" from TrainConfig unless the
@@ -203,8 +208,9 @@ _HELP = {
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
     "stage_threads": "copy threads of the node's stager",
-    "stage_nice": "niceness the node's stager adds to the ranks' (0-19; 10 lets the ranks' steps "
-    "go first on busy cores; 0: the ranks' priority)",
+    "stage_nice": "niceness the node's stager adds to the ranks': auto (0 while the ranks wait "
+    f"for the run's first epoch, +{STAGE_NICE_LATER} once they pass it), or 0-19 from the start "
+    "(10 lets the ranks' steps go first on busy cores; 0: the ranks' priority)",
     "stage_capacity": "bytes (e.g. 200G) or percent of free space (e.g. 80%%) staging may use "
     "(default: all free space)",
     "keep_staged": "leave staged files in --stage-dir at the end for a later job (default: off)",
@@ -313,6 +319,8 @@ def _convert(name: str, value: Any, typ: type, source: str) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if name in _WORD_OR_INT and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # stage_nice = 10 in TOML means "10"
     if not isinstance(value, str):
         raise ConfigError(f"{where} must be a string, got {value!r}")
     return value
@@ -408,8 +416,10 @@ def validate(cfg: TrainConfig) -> None:
             f"--timeline {cfg.timeline} is a directory; give a file name such as "
             f"{Path(cfg.timeline) / 'trace.json'}"
         )
-    if not 0 <= cfg.stage_nice <= 19:
-        raise ConfigError(f"--stage-nice must be 0..19, got {cfg.stage_nice}")
+    if cfg.stage_nice != "auto" and not (
+        cfg.stage_nice.isdigit() and 0 <= int(cfg.stage_nice) <= 19
+    ):
+        raise ConfigError(f"--stage-nice must be auto or 0..19, got {cfg.stage_nice!r}")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
     try:

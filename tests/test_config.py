@@ -19,6 +19,19 @@ def test_flags_override_toml(tmp_path):
     assert cfg.epochs == 10  # default kept
 
 
+def test_stage_nice_is_auto_by_default_and_a_number_from_toml_or_a_flag(tmp_path):
+    """--stage-nice takes a word (auto) or a number: TOML may write either as it reads best."""
+    assert parse_args(["--data", "x"]).stage_nice == "auto"
+    assert parse_args(["--data", "x", "--stage-nice", "7"]).stage_nice == "7"
+    for text, want in (("stage_nice = 10", "10"), ('stage_nice = "auto"', "auto")):
+        cfg_file = tmp_path / "job.toml"
+        cfg_file.write_text(f'data = "/d"\n{text}\n')
+        assert parse_args(["--config", str(cfg_file)]).stage_nice == want
+    cfg_file.write_text('data = "/d"\nstage_nice = true\n')
+    with pytest.raises(ConfigError, match="--stage-nice .* must be a string, got True"):
+        parse_args(["--config", str(cfg_file)])
+
+
 def test_lr_zero_is_accepted_to_freeze_a_model():
     """PyTorch's optimizers and Keras take lr=0 (freeze, or check that weights round-trip)."""
     assert parse_args(["--data", "x", "--lr", "0"]).lr == 0.0
@@ -40,7 +53,9 @@ def test_sync_params_k():
         (["--data", "x", "--resume", "auto"], "needs --checkpoint-dir"),
         (["--data", "x", "--stage-capacity", "lots"], "--stage-capacity"),
         (["--data", "x", "--peer-staging", "yes"], "--peer-staging must be one of auto, on, off"),
-        (["--data", "x", "--stage-nice", "20"], "--stage-nice must be 0..19, got 20"),
+        (["--data", "x", "--stage-nice", "20"], "--stage-nice must be auto or 0..19, got '20'"),
+        (["--data", "x", "--stage-nice", "-1"], "--stage-nice must be auto or 0..19, got '-1'"),
+        (["--data", "x", "--stage-nice", "low"], "--stage-nice must be auto or 0..19, got 'low'"),
         (["--batch-size", "4"], "--data is required"),
         (["--data", "x", "--no-such-flag"], "unrecognized arguments"),
         (["--data", "x", "--stall-warning", "0"], "--stall-warning must be > 0 seconds"),

@@ -1,6 +1,7 @@
 """What the stager says and what it leaves (issue 29): its last line at a normal end, its start
 line's capacity, and the modes of every file and directory staging creates, whatever the umask.
-Its niceness (issue 35): --stage-nice N, else the priority it was started with."""
+Its niceness (issue 35): --stage-nice N from the start; by default (auto) +10 once the ranks pass
+the first epoch."""
 
 from __future__ import annotations
 
@@ -104,23 +105,64 @@ def niceness(pid: int) -> set[int]:
     return values
 
 
-@pytest.mark.parametrize("nice", [10, 3])
+@pytest.mark.parametrize("nice", ["10", "3"])
 def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd, nice):
     """--stage-nice N (StageOptions.nice, as hpcdl.train passes it): every thread of the stager
-    (copy threads included) at the niceness it started with plus N; a core goes to a rank
-    before a copy that is ahead of need."""
+    (copy threads included) at the niceness it started with plus N, from the start; a core
+    goes to a rank before a copy that is ahead of need."""
     ds = make_tree(tmp_path / "pfs", 12, 100)
     session = start(ds, tmp_path / "stage", nice=nice)
     wait_staged(session, 12)
     threads = niceness(session.proc.pid)
     session.close()
-    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)}, threads
-    assert f"at nice +{nice}" in stager_lines(capfd.readouterr().err)[0]
+    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + int(nice))}, threads
+    first = stager_lines(capfd.readouterr().err)[0]
+    assert f"at nice +{nice}" in first and "after epoch" not in first, first
 
 
-def test_by_default_the_stager_keeps_the_priority_it_started_with(tmp_path):
-    """Not niced unless asked: at nice +10 it staged epoch 1 later than the cluster model says
-    (docs/staging.md, "Below the ranks")."""
+def test_by_default_the_stager_goes_below_the_ranks_once_they_pass_the_first_epoch(
+    tmp_path, capfd
+):
+    """--stage-nice auto, the default: the ranks' priority while they wait for epoch 1's
+    copies from the PFS (at +10 from the start, epoch 1 staged later than the cluster model
+    says), then every thread at +10 once the slowest rank has passed that epoch: from then on
+    the stager works an epoch ahead (docs/staging.md, "Below the ranks")."""
+    assert StageOptions("x").nice == "auto"
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage")  # 2 epochs of 3 steps
+    wait_staged(session, 12)
+    session.consumed(0, 2)
+    time.sleep(0.6)  # the stager looks every 0.2 s
+    during = niceness(session.proc.pid)
+    session.consumed(0, 3)  # the end of epoch 1
+    deadline = time.monotonic() + 10
+    while niceness(session.proc.pid) != {base + 10} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = niceness(session.proc.pid)
+    session.close()
+    lines = stager_lines(capfd.readouterr().err)
+    assert during == {base}, during
+    assert after == {min(19, base + 10)}, after
+    assert "nice +10 after epoch 1" in lines[0], lines
+    assert any("the ranks passed epoch 1: staging on at nice +10" in line for line in lines), lines
+
+
+def test_stage_nice_0_keeps_the_priority_it_started_with_after_epoch_1(tmp_path, capfd):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    ds = make_tree(tmp_path / "pfs", 12, 100)
+    session = start(ds, tmp_path / "stage", nice="0")
+    wait_staged(session, 12)
+    session.consumed(1, 1)
+    time.sleep(0.6)
+    threads = niceness(session.proc.pid)
+    session.close()
+    assert threads == {base}, threads
+    assert "nice +" not in stager_lines(capfd.readouterr().err)[0]
+
+
+def test_a_plain_hpcdl_stage_keeps_the_priority_it_was_started_with(tmp_path):
+    """Without --nice or --nice-later the binary changes no thread's priority."""
     ds = make_tree(tmp_path / "pfs", 12, 100)
     stage = tmp_path / "stage"
     write_peer_plan(ds, stage, "job", 0, None)
@@ -131,5 +173,4 @@ def test_by_default_the_stager_keeps_the_priority_it_started_with(tmp_path):
         p.terminate()
         _, err = p.communicate(timeout=20)
     assert threads == {os.getpriority(os.PRIO_PROCESS, 0)}, threads
-    assert "at nice" not in stager_lines(err)[0], err
-    assert StageOptions("x").nice == 0  # hpcdl.train's default, passed as --nice 0
+    assert "nice +" not in stager_lines(err)[0], err

@@ -23,7 +23,9 @@ once. That is how a job's stager fetches: its plan, rewritten as every epoch sta
 the next epoch's fetches together (their homes have read the files by then), and it fetches
 them as fast as its threads go. Every node serves as many files as it fetches, as in a job.
 With one node, or a node whose address cannot be bound, there is no peer and the figure is not
-measured (None: the model charges a fetch what a PFS copy costs).
+measured (None: the model charges a fetch what a PFS copy costs). Both stagers of the fetch run
+STAGE_NICE_LATER steps nicer than the ranks, as a job's stager does by default once its ranks
+pass the first epoch (--stage-nice auto): a job fetches from peers only from epoch 2 on.
 
 Both are measured, not derived: on a busy node the steps lose far more than the copies' CPU
 time (a copy wakes threads that take a core from a rank, and the other ranks wait for it in
@@ -56,6 +58,7 @@ from hpcdl.bench.calibrate_peer import (
 )
 from hpcdl.bench.stage_scratch import scratch_dir
 from hpcdl.comm.failure import UserError
+from hpcdl.config import STAGE_NICE_LATER
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.peer_tier import open_listener
 from hpcdl.staging.plan import FileTreeDataset
@@ -215,6 +218,7 @@ class Fetches(Idle):
             wait_ready(self.where / "home", self.home, len(self.load.relpaths))
         except UserError as exc:
             return None, str(exc)
+        renice(self.home.pid, STAGE_NICE_LATER)  # staged at the ranks' priority, serves below
         return address, ""
 
     def aim(self, home: str) -> None:
@@ -222,7 +226,9 @@ class Fetches(Idle):
         write_plan(self.dataset(), self.stage, 1, home)
 
     def start(self) -> None:
-        self.client = start_stager(self.stage, self.secret, ["--once"], None, self.load.threads)
+        self.client = start_stager(self.stage, self.secret,
+                                   ["--once", "--nice", str(STAGE_NICE_LATER)], None,
+                                   self.load.threads)  # fmt: skip
 
     def close(self) -> None:
         if self.client is not None:
@@ -233,6 +239,14 @@ class Fetches(Idle):
             self.failed = self.failed or stop(self.client, signal.SIGTERM)
         if self.home is not None:
             self.failed = self.failed or stop(self.home, signal.SIGUSR1)
+
+
+def renice(pid: int, more: int) -> None:
+    """Every thread of process pid `more` steps nicer (niceness is per thread on Linux)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that has ended since
+            now = os.getpriority(os.PRIO_PROCESS, int(task))
+            os.setpriority(os.PRIO_PROCESS, int(task), min(19, now + more))
 
 
 def stop(proc: subprocess.Popen, sig: int) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
-from hpcdl.config import STAGE_NICE, STAGE_THREADS
+from hpcdl.config import STAGE_NICE, STAGE_NICE_LATER, STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
@@ -106,7 +106,7 @@ class StageOptions:
 
     stage_dir: str | Path
     threads: int = STAGE_THREADS
-    nice: int = STAGE_NICE  # hpcdl-stage --nice
+    nice: str = STAGE_NICE  # "auto" or "0".."19" (nice_flags)
     capacity: str | int | None = None
     keep: bool = False
     verify: bool = False
@@ -536,6 +536,14 @@ def _agree(world: Any, error: str | None) -> None:
     agree_on_errors(world.comm, world.rank, error)
 
 
+def nice_flags(nice: str) -> list[str]:
+    """hpcdl-stage's flags for --stage-nice: auto is --nice-later STAGE_NICE_LATER (below the
+    ranks once they pass the run's first epoch), N is --nice N (from the start)."""
+    if str(nice) == "auto":
+        return ["--nice-later", str(STAGE_NICE_LATER)]
+    return ["--nice", str(int(nice))]
+
+
 def _launch(
     binary: Path,
     stage_dir: Path,
@@ -546,7 +554,7 @@ def _launch(
     peer: PeerTier | None = None,
     once: bool = False,
     quiet: bool = False,
-    nice: int = STAGE_NICE,
+    nice: str = STAGE_NICE,
 ) -> subprocess.Popen:
     """Start hpcdl-stage; with `peer`, the job's secret goes to its stdin (a pipe) and its
     listening socket is inherited (docs/staging.md, "Peer tier")."""
@@ -560,8 +568,7 @@ def _launch(
         str(int(threads)),
         "--parent-pid",
         str(os.getpid()),
-        "--nice",
-        str(int(nice)),
+        *nice_flags(nice),
     ]
     if capacity is not None:  # else the stager's default
         cmd += ["--capacity", str(int(capacity))]

@@ -22,7 +22,7 @@ const char* kUsage =
     "usage: hpcdl-stage --stage-dir DIR --session NAME [--threads T] [--capacity BYTES]\n"
     "                   [--window-steps N] [--protect-steps N] [--verify] [--once]\n"
     "                   [--parent-pid PID] [--quiet] [--peer [--peer-listen-fd FD]]\n"
-    "                   [--nice N]\n"
+    "                   [--nice N] [--nice-later N]\n"
     "       hpcdl-stage --stage-dir DIR --session NAME --remove-temporaries\n"
     "       hpcdl-stage --check-plan FILE...\n"
     "       hpcdl-stage --print-layout          (status map and progress file layout, JSON)\n"
@@ -135,6 +135,9 @@ int main(int argc, char** argv) {
     } else if (arg == "--nice") {
       opt.nice = static_cast<unsigned>(numeric("--nice"));
       if (opt.nice > 19) return usage_error("--nice must be 0..19");
+    } else if (arg == "--nice-later") {
+      opt.nice_later = static_cast<unsigned>(numeric("--nice-later"));
+      if (opt.nice_later > 19) return usage_error("--nice-later must be 0..19");
     } else if (arg == "--remove-temporaries") {
       remove_temporaries = true;
     } else {

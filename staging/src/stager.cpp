@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -100,6 +102,7 @@ class Stager {
         pfs_(PfsEmulation::from_env()),
         engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
     plan_id_ = plan_file_id(meta_ + "/plan");
+    first_epoch_ = plan_.epoch_begin;
     capacity_ = opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir);
     if (opt.peer) {
       secret_ = read_peer_secret(STDIN_FILENO);
@@ -130,6 +133,10 @@ class Stager {
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : "") +
                (opt_.nice ? ", at nice +" + std::to_string(opt_.nice) : std::string()) +
+               (opt_.nice_later && !opt_.once
+                    ? ", nice +" + std::to_string(opt_.nice_later) + " after epoch " +
+                          std::to_string(first_epoch_ + 1)
+                    : std::string()) +
                (opt_.peer ? std::string(", peers: ") + (server_ ? "serving, " : "not serving, ") +
                                 std::to_string(plan_.peers.size()) + " to fetch from"
                           : ""));
@@ -243,18 +250,53 @@ class Stager {
              " bytes (the largest of them) to stage them");
   }
 
-  uint32_t cursor() const {
-    const auto cursors = progress_.read();
+  // The slowest local rank's position (epoch * steps_per_epoch + steps done); -1: no rank yet.
+  int64_t slowest_position() const {
     int64_t slowest = -1;
     bool any = false;
-    for (const auto& c : cursors) {
+    for (const auto& c : progress_.read()) {
       const int64_t pos = c.position < 0 ? 0 : c.position;
       slowest = any ? std::min(slowest, pos) : pos;
       any = true;
     }
+    return slowest;
+  }
+
+  uint32_t cursor() const {
+    const int64_t slowest = slowest_position();
     const int64_t base = plan_.epoch_begin * static_cast<int64_t>(plan_.steps_per_epoch);
-    const int64_t rel = any ? slowest - base : 0;
+    const int64_t rel = slowest >= 0 ? slowest - base : 0;
     return rel <= 0 ? 0 : static_cast<uint32_t>(std::min<int64_t>(rel, UINT32_MAX - 1));
+  }
+
+  // --nice-later: once the slowest rank has passed the first epoch of the first plan, every
+  // thread goes below the ranks. Epoch 1 copies from the PFS what the ranks are about to read
+  // (they wait for it); later the stager works an epoch ahead (docs/staging.md, "Below the
+  // ranks"). Niceness is per thread on Linux, so each one of /proc/self/task is set.
+  void nice_when_ahead() {
+    if (!opt_.nice_later || niced_later_ || opt_.once || !plan_.steps_per_epoch) return;
+    const int64_t end = (first_epoch_ + 1) * static_cast<int64_t>(plan_.steps_per_epoch);
+    if (slowest_position() < end) return;
+    niced_later_ = true;
+    std::string failed;
+    std::error_code ec;
+    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", ec)) {
+      const auto tid = static_cast<id_t>(std::stoul(task.path().filename().string()));
+      errno = 0;
+      const int now = ::getpriority(PRIO_PROCESS, tid);
+      if (errno == 0 && ::setpriority(PRIO_PROCESS, tid, std::min(19, now + static_cast<int>(
+                                                                     opt_.nice_later))) != 0) {
+        failed = errno_text(errno);
+      }
+    }
+    if (ec) failed = ec.message();
+    if (!failed.empty()) {
+      log_line("cannot lower its priority after epoch " + std::to_string(first_epoch_ + 1) +
+               " (setpriority): " + failed + "; it goes on at the priority it had");
+    } else if (!opt_.quiet) {
+      log_line("the ranks passed epoch " + std::to_string(first_epoch_ + 1) +
+               ": staging on at nice +" + std::to_string(opt_.nice_later) + " below them");
+    }
   }
 
   bool pending_signal() {
@@ -298,6 +340,7 @@ class Stager {
       if (!opt_.once && now - last_plan_check > std::chrono::milliseconds(200)) {
         last_plan_check = now;
         if (plan_file_id(meta_ + "/plan") != plan_id_) reload_requested_ = true;
+        nice_when_ahead();
       }
       if (reload_requested_ && inflight_count_ == 0) reload_plan();
       const bool blocked = reload_requested_ ? true : dispatch();
@@ -670,6 +713,8 @@ class Stager {
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
   bool nospace_ = false, reload_requested_ = false, reported_too_big_ = false;
+  bool niced_later_ = false;
+  int64_t first_epoch_ = 0;  // the first plan's epoch_begin (--nice-later)
   // The one last line's first words: why the stager ends. SIGUSR1 is the trainer's "the job
   // ended" (StagingSession.close); SIGTERM/SIGINT/SIGHUP come from someone else.
   std::string ending_ = "stopped";

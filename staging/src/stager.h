@@ -22,6 +22,7 @@ struct StagerOptions {
   bool peer = false;            // peer tier: the job's secret on stdin (docs/staging.md)
   int peer_listen_fd = -1;      // serve peers on this inherited listening socket (-1: do not)
   unsigned nice = 0;            // added to the niceness it started with (docs/staging.md)
+  unsigned nice_later = 0;      // added once the ranks pass the first epoch of its plan
 };
 
 // The capacity used without --capacity: free space of `dir`'s file system minus
