@@ -240,3 +240,12 @@ def remove_stale_session_dirs(tmp: Path) -> list[Path]:
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
+
+
+def niceness(pid: int) -> set[int]:
+    """The niceness of each thread of a process (/proc/PID/task/*/stat, field 19)."""
+    values = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            values.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return values

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 import pytest
-from helpers import make_tree, wait_for_status, write_peer_plan
+from helpers import make_tree, niceness, wait_for_status, write_peer_plan
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
@@ -94,15 +94,6 @@ def modes_below(root) -> dict[str, int]:
             path = os.path.join(dirpath, name)
             out[path] = stat.S_IMODE(os.lstat(path).st_mode)
     return out
-
-
-def niceness(pid: int) -> set[int]:
-    """The niceness of each thread of a process (/proc/PID/task/*/stat, field 19)."""
-    values = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            values.add(int(f.read().rsplit(")", 1)[1].split()[16]))
-    return values
 
 
 @pytest.mark.parametrize("nice", ["10", "3"])

@@ -5,6 +5,7 @@ line, staging is started and cleaned up. Jobs of several ranks: tests/test_torch
 from __future__ import annotations
 
 import gc
+import os
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import children
+from helpers import children, niceness
 from torch.utils.data import DataLoader
 
 from hpcdl.data import Loader as NumpyLoader
@@ -99,6 +100,7 @@ def test_a_bad_option_ends_with_one_line_and_starts_nothing(shards, capfd):
         (dict(stage_dir=shards / "stage"), "--stage-dir .* overlaps --data .* inside the data"),
         (dict(batch_size=401), "--batch-size 401 is larger than each rank's shard"),
         (dict(augment="spin"), "augment"),
+        (dict(stage_nice=25), "--stage-nice must be auto or 0..19, got '25'"),
         (dict(data=shards / "missing"), "missing"),
     ]
     for options, message in cases:
@@ -147,6 +149,14 @@ def test_staging_figures_and_clean_up(shards, tmp_path, keep):
     assert children() == before
     staged = sorted(p.name for p in stage.rglob("*.h5")) if stage.exists() else []
     assert staged == (["part-0.h5", "part-1.h5"] if keep else [])
+
+
+def test_stage_nice_reaches_every_thread_of_the_stager(shards, tmp_path):
+    """stage_nice is hpcdl.train's --stage-nice: N is every stager thread N steps nicer."""
+    with Loader(shards, BATCH, epochs=1, workers=1, stage_dir=tmp_path / "stage",
+                stage_nice=4) as loader:  # fmt: skip
+        threads = niceness(loader.staging.proc.pid)
+    assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 4)}, threads
 
 
 @pytest.mark.gpu

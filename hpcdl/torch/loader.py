@@ -48,7 +48,7 @@ from typing import Any
 
 from hpcdl import messages, startup
 from hpcdl.comm.failure import SystemExitWithMessage
-from hpcdl.config import STAGE_THREADS, ConfigError, TrainConfig, validate
+from hpcdl.config import STAGE_NICE, STAGE_THREADS, ConfigError, TrainConfig, validate
 from hpcdl.data.dataset import DataError
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.data.pool import LoaderFault
@@ -75,8 +75,8 @@ class Loader:
     (docs/training.md; error messages name those flags): workers (None: a fair share of the
     node's cores), prefetch (batch slots), seed and shuffle (the sampler: a pure function of
     seed, epoch, world size and rank), augment, stage_dir (None: read in place), stage_threads,
-    stage_capacity, keep_staged, stage_verify, loader_timeout, skip_bad_samples. pin_memory:
-    None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
+    stage_nice, stage_capacity, keep_staged, stage_verify, loader_timeout, skip_bad_samples.
+    pin_memory: None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
     excepthook handlers inside a `with` block only, True for the loader's life, False never
     (NOTE [process-wide handlers]). Rank and world come from torch.distributed, else MPI,
     else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime].
@@ -95,6 +95,7 @@ class Loader:
         augment: str = "none",
         stage_dir: str | None = None,
         stage_threads: int = STAGE_THREADS,
+        stage_nice: str | int = STAGE_NICE,
         stage_capacity: str | None = None,
         keep_staged: bool = False,
         stage_verify: bool = False,
@@ -110,7 +111,7 @@ class Loader:
             data=str(data), batch_size=batch_size, epochs=epochs, workers=workers,
             prefetch=prefetch, seed=seed, shuffle=shuffle, augment=augment,
             stage_dir=None if stage_dir is None else str(stage_dir),
-            stage_threads=stage_threads, stage_capacity=stage_capacity,
+            stage_threads=stage_threads, stage_nice=str(stage_nice), stage_capacity=stage_capacity,
             keep_staged=keep_staged, stage_verify=stage_verify,
             loader_timeout=loader_timeout, skip_bad_samples=skip_bad_samples,
         )  # fmt: skip
