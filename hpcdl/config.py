@@ -417,7 +417,7 @@ def validate(cfg: TrainConfig) -> None:
             f"{Path(cfg.timeline) / 'trace.json'}"
         )
     if cfg.stage_nice != "auto" and not (
-        cfg.stage_nice.isdigit() and 0 <= int(cfg.stage_nice) <= 19
+        cfg.stage_nice.isascii() and cfg.stage_nice.isdigit() and int(cfg.stage_nice) <= 19
     ):
         raise ConfigError(f"--stage-nice must be auto or 0..19, got {cfg.stage_nice!r}")
     if cfg.max_steps is not None and cfg.max_steps < 1:

@@ -56,6 +56,7 @@ def test_sync_params_k():
         (["--data", "x", "--stage-nice", "20"], "--stage-nice must be auto or 0..19, got '20'"),
         (["--data", "x", "--stage-nice", "-1"], "--stage-nice must be auto or 0..19, got '-1'"),
         (["--data", "x", "--stage-nice", "low"], "--stage-nice must be auto or 0..19, got 'low'"),
+        (["--data", "x", "--stage-nice", "\u00b2"], "--stage-nice must be auto or 0..19, got '."),
         (["--batch-size", "4"], "--data is required"),
         (["--data", "x", "--no-such-flag"], "unrecognized arguments"),
         (["--data", "x", "--stall-warning", "0"], "--stall-warning must be > 0 seconds"),

@@ -284,18 +284,15 @@ class Stager {
       const auto tid = static_cast<id_t>(std::stoul(task.path().filename().string()));
       errno = 0;
       const int now = ::getpriority(PRIO_PROCESS, tid);
-      if (errno == 0 && ::setpriority(PRIO_PROCESS, tid, std::min(19, now + static_cast<int>(
-                                                                     opt_.nice_later))) != 0) {
-        failed = errno_text(errno);
-      }
+      if (errno != 0) continue;  // a thread that has ended since (ESRCH)
+      const int want = std::min(19, now + static_cast<int>(opt_.nice_later));
+      if (::setpriority(PRIO_PROCESS, tid, want) != 0 && errno != ESRCH) failed = errno_text(errno);
     }
     if (ec) failed = ec.message();
+    // Done quietly: the start line announced it, and a stager says one start and one stop line.
     if (!failed.empty()) {
       log_line("cannot lower its priority after epoch " + std::to_string(first_epoch_ + 1) +
                " (setpriority): " + failed + "; it goes on at the priority it had");
-    } else if (!opt_.quiet) {
-      log_line("the ranks passed epoch " + std::to_string(first_epoch_ + 1) +
-               ": staging on at nice +" + std::to_string(opt_.nice_later) + " below them");
     }
   }
 
