@@ -128,3 +128,19 @@ def test_sampler_spec_views_are_the_ranks_samplers_and_the_spec_is_frozen():
         spec.seed = 1  # type: ignore[misc]
     with pytest.raises(ValueError, match="rank 4 outside world of size 4"):
         spec.for_rank(4)
+
+
+@pytest.mark.parametrize("shuffle", ["global", "node"])
+def test_a_rank_cannot_change_the_order_the_other_views_share(shuffle):
+    """The epoch's permutation and the node split are drawn once per process and shared by
+    every sampler and planner there: what a caller gets is its own copy."""
+    layout = ((0, 1), (2, 3))
+    spec = SamplerSpec(100, 4, 7, shuffle, layout)
+    mine = spec.for_rank(1).indices(3)
+    expected = mine.copy()
+    mine[:] = -1
+    spec.rank_indices(3, [0, 1, 2, 3])[:] = -1
+    assert spec.for_rank(1).indices(3).tolist() == expected.tolist()
+    assert spec.rank_indices(3, [1])[0].tolist() == expected.tolist()
+    fresh = DistributedSampler(100, 4, 1, 7, shuffle, layout)  # same as a new process draws
+    assert fresh.indices(3).tolist() == expected.tolist()

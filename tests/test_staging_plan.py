@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import numpy as np
@@ -122,3 +123,48 @@ def test_planner_refuses_dataset_with_escaping_path(tmp_path):
     with pytest.raises(PlanError, match="outside.bin"):
         write_plan(tmp_path / "plan", plan, ds)
     assert np.all(plan.sizes > 0)
+
+
+def reference_render(plan, ds, dest_prefix: str = "") -> list[str]:
+    """The entry lines as the planner wrote them before issue 35's replan work: one file entry
+    and one check per line (format: docs/staging.md)."""
+    lines = []
+    for fid, ticks in zip(plan.file_ids.tolist(), plan.ticks):
+        rel = ds.files[fid].relpath
+        check_relpath(rel)
+        dest = f"{dest_prefix}/{rel}" if dest_prefix else rel
+        steps = ",".join(map(str, ticks.tolist()))
+        lines.append(f"{fid}\t{ds.files[fid].size}\t{steps}\t{dest}\t{ds.root}/{rel}")
+    return lines
+
+
+@pytest.mark.parametrize("shuffle", ["global", "node"])
+@pytest.mark.parametrize("prefix", ["", "key"])
+def test_the_plan_names_each_entry_as_one_line_per_file_would(tmp_path, shuffle, prefix):
+    ds = make_tree(tmp_path / "data", 40, 30)
+    names = [f.relpath for f in ds.files]
+    names[3], names[7] = "dir/.hidden/é ü.bin", "x/.hpcdl/y.bin"  # legal: not first components
+    ds.files = FileTable.from_entries(names, [f.size + k for k, f in enumerate(ds.files)])
+    spec = SamplerSpec(40, 4, 3, shuffle, ((0, 1), (2, 3)))
+    plan = plan_for_node(ds, spec, batch_size=3, epochs=(2, 5), ranks=(2, 3), node=1)
+    write_plan(tmp_path / "plan", plan, ds, "f" * 16, prefix)
+    text = (tmp_path / "plan").read_text().splitlines()
+    entries = text[text.index(f"entries {plan.files}") + 1 : -1]
+    assert entries == reference_render(plan, ds, prefix)
+    assert plan.first_use().tolist() == [int(t[0]) for t in plan.ticks]
+    by_hand = dataclasses.replace(plan, flat_ticks=None)  # a NodePlan made without the planner
+    assert [a.tolist() for a in by_hand.tick_table()] == [a.tolist() for a in plan.tick_table()]
+    assert by_hand.first_use().tolist() == plan.first_use().tolist()
+
+
+@pytest.mark.parametrize("where", [0, 1, 5])
+@pytest.mark.parametrize("name", [".hpcdl", ".hpcdl/status"])
+def test_the_reserved_first_component_is_refused_wherever_it_stands(tmp_path, where, name):
+    ds = make_tree(tmp_path / "data", 6, 10)
+    names = [f.relpath for f in ds.files]
+    names[where] = name
+    ds.files = FileTable.from_entries(names, ds.files.sizes)
+    plan = plan_for_node(ds, SamplerSpec(6, 1, 0, "none"), batch_size=1, epochs=(0, 1))
+    with pytest.raises(PlanError, match=f"'{name}'.*reserved"):
+        write_plan(tmp_path / "plan", plan, ds)
+    assert not (tmp_path / "plan").exists()

@@ -77,7 +77,7 @@ def plan_reads(plan: Any) -> NodeReads:
     capacity holds the run; eviction and re-reads are not modelled)."""
     steps = plan.steps_per_epoch
     epochs = plan.epoch_end - plan.epoch_begin
-    first = np.fromiter((int(t[0]) for t in plan.ticks), dtype=np.int64, count=plan.files)
+    first = plan.first_use()
     epoch_of = first // steps
     sizes = np.asarray(plan.sizes, dtype=np.int64)
     new = np.bincount(epoch_of, minlength=epochs)[:epochs]

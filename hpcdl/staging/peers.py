@@ -101,7 +101,7 @@ def peer_sources(plan: NodePlan, homes: FileHomes, up: Sequence[bool] | None = N
     home = homes.node[plan.file_ids]
     home_tick = homes.tick[plan.file_ids]
     offset = plan.epoch_begin * plan.steps_per_epoch
-    first_use = np.array([int(t[0]) if len(t) else 0 for t in plan.ticks], dtype=np.int64)
+    first_use = plan.first_use()
     usable = (home != NO_HOME) & (home != plan.node) & (home_tick < first_use + offset)
     if up is not None:
         serving = np.asarray(list(up) + [False], dtype=bool)  # index -1 (NO_HOME) -> False

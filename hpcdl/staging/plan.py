@@ -12,15 +12,24 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcdl.atomic import write_bytes_atomically
-from hpcdl.data.dataset import FileTable, has_control_character, is_plain_relpath
+from hpcdl.data.dataset import (
+    DataError,
+    FileTable,
+    check_entries,
+    check_table,
+    has_control_character,
+    is_plain_relpath,
+)
 from hpcdl.data.sampler import SamplerSpec
 
 PLAN_VERSION = 1
@@ -45,9 +54,33 @@ class NodePlan:
     seed: int
     shuffle: str
 
+    # ticks as one array: (all entries' ticks in entry order, (F + 1,) offsets); the planner
+    # sets it, so that the per-epoch replan needs no loop over entries (tick_table)
+    flat_ticks: tuple[np.ndarray, np.ndarray] | None = field(
+        default=None, compare=False, repr=False
+    )
+
     @property
     def local_ranks(self) -> int:
         return len(self.ranks)
+
+    def tick_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every entry's ticks, one after the other; (F + 1,) int64 offsets into them)."""
+        if self.flat_ticks is not None:
+            return self.flat_ticks
+        counts = np.fromiter((len(t) for t in self.ticks), np.int64, count=len(self.ticks))
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        values = np.concatenate(self.ticks).astype(np.int64) if self.ticks else bounds[:0]
+        return values, bounds
+
+    def first_use(self) -> np.ndarray:
+        """(F,) int64 first tick of each entry: ascending, as the entries are in first-use
+        order (0 for an entry without ticks, which the planner never makes)."""
+        values, bounds = self.tick_table()
+        if len(values) == 0:
+            return np.zeros(len(bounds) - 1, np.int64)
+        used = bounds[1:] > bounds[:-1]
+        return np.where(used, values[np.minimum(bounds[:-1], len(values) - 1)], 0)
 
     @property
     def files(self) -> int:
@@ -71,6 +104,44 @@ def check_relpath(relpath: str) -> None:
         raise PlanError(f"data set file {relpath!r}: '..', '.' or empty components not allowed")
     if relpath.split("/")[0] == ".hpcdl":
         raise PlanError(f"data set file {relpath!r}: '.hpcdl' is reserved for the stager")
+
+
+def check_relpaths(relpaths: Sequence[str]) -> None:
+    """check_relpath of every entry: one pass of the data sets' own checks over them all
+    (hpcdl.data.dataset.check_entries) and one for '.hpcdl'; the entries one by one only when
+    that finds something."""
+    try:
+        check_entries(Path("."), relpaths)
+        suspect = _RESERVED_FIRST.search(("\n" + "\n".join(relpaths)).encode()) is not None
+    except DataError:
+        suspect = True
+    if suspect:
+        for rel in relpaths:
+            check_relpath(rel)
+
+
+_RESERVED_FIRST = re.compile(rb"\n\.hpcdl(?:/|\n|$)")  # '.hpcdl' first, but in the first name
+_TABLES_CHECKED: weakref.WeakSet[FileTable] = weakref.WeakSet()
+
+
+def check_plan_entries(files: Any, relpaths: Sequence[str]) -> None:
+    """check_relpath of every entry of a plan. A data set's FileTable is checked whole, once
+    per process, where its names lie (hpcdl.data.dataset.check_table, and '.hpcdl'): the
+    trainer replans every epoch, and ImageNet's node plans hold 10^5 entries."""
+    if isinstance(files, FileTable):
+        if files in _TABLES_CHECKED:
+            return
+        try:
+            check_table(Path("."), files)
+            names = memoryview(files.names).cast("B")
+            first = b"\n" + bytes(names[:8])  # the first name's start, as the others follow '\n'
+            clean = _RESERVED_FIRST.match(first) is None and _RESERVED_FIRST.search(names) is None
+        except DataError:
+            clean = False
+        if clean:
+            _TABLES_CHECKED.add(files)
+            return
+    check_relpaths(relpaths)
 
 
 def dataset_fingerprint(dataset: Any) -> str:
@@ -152,6 +223,10 @@ def _plan_of_reads(
     bounds = np.searchsorted(pair_file, file_ids)
     ends = np.searchsorted(pair_file, file_ids, side="right")
     assert file_ids.max(initial=-1) < len(dataset.files)
+    # every entry's ticks, in entry order (pairs are grouped by file id, entries by first use)
+    counts = ends - bounds
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    order = np.repeat(bounds - offsets[:-1], counts) + np.arange(offsets[-1], dtype=np.int64)
     return NodePlan(
         node=node,
         file_ids=file_ids,
@@ -163,6 +238,7 @@ def _plan_of_reads(
         ranks=tuple(int(r) for r in ranks),
         seed=sampler.seed,
         shuffle=sampler.shuffle,
+        flat_ticks=(pair_tick[order], offsets),
     )
 
 
@@ -258,13 +334,18 @@ def render_plan(
     root_text = str(root)
     if "\t" in root_text or "\n" in root_text:
         raise PlanError(f"data set root {root_text!r}: tab or newline in path")
-    lines = []
-    for fid, ticks in zip(plan.file_ids.tolist(), plan.ticks):
-        rel = files[fid].relpath
-        check_relpath(rel)
-        steps = ",".join(map(str, ticks.tolist()))
-        dest = f"{dest_prefix}/{rel}" if dest_prefix else rel
-        lines.append(f"{fid}\t{files[fid].size}\t{steps}\t{dest}\t{root_text}/{rel}")
+    ids = plan.file_ids
+    rels = files.relpaths(ids) if isinstance(files, FileTable) else [files[i].relpath for i in ids]
+    check_plan_entries(files, rels)
+    sizes = file_sizes(dataset, ids).tolist()
+    values, bounds = plan.tick_table()
+    ticks = list(map(str, values.tolist()))
+    prefix = f"{dest_prefix}/" if dest_prefix else ""
+    lines = [
+        f"{fid}\t{size}\t{','.join(ticks[a:b])}\t{prefix}{rel}\t{root_text}/{rel}"
+        for fid, size, a, b, rel in zip(ids.tolist(), sizes, bounds[:-1].tolist(),
+                                        bounds[1:].tolist(), rels)  # fmt: skip
+    ]
     return "\n".join(head + lines + list(peer_lines) + ["end", ""])
 
 

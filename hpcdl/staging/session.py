@@ -462,7 +462,7 @@ class StagingSession:
             ranks=self.node_ranks,
             node=self.node,
         )
-        self.first_use = _first_use(plan)
+        self.first_use = plan.first_use()
         if epoch == self.begin:
             first = self.first_use < plan.steps_per_epoch
             self.first_epoch_need = (int(first.sum()), int(plan.sizes[first].sum()))
@@ -617,8 +617,3 @@ def _stop(proc: subprocess.Popen, stop_signal: int, timeout_s: float = 10.0) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _first_use(plan: Any) -> np.ndarray:
-    """(F,) int64 first step (relative to the plan's first epoch) of each entry, ascending."""
-    return np.array([t[0] for t in plan.ticks], dtype=np.int64)
