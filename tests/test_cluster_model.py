@@ -122,6 +122,30 @@ def test_reads_from_the_plan_count_each_nodes_files_once(tree):
     assert all(abs(a - b) <= 25 for a, b in zip(expected.new_files, reads.new_files))
 
 
+@pytest.mark.parametrize("shuffle, permuted, entries", [("global", 10_000, 200),
+                                                       ("node", 5_000, 100), ("none", 0, 100)])
+def test_a_later_epoch_starts_with_its_sample_order_and_the_plan_rewritten(
+    shuffle, permuted, entries
+):
+    """Equation 7: each later epoch's steps begin after the ranks draw the epoch's order and
+    local rank 0 rewrites its two-epoch plan; the last epoch has no plan to rewrite, and a
+    calibration without the figures charges nothing."""
+    reads = equations.NodeReads((100, 60, 60, 60), (10**6,) * 4, np.arange(10, 101, 10), 10,
+                                "plan")  # fmt: skip
+    shape = JobShape(nodes=2, ranks_per_node=2, batch_size=5, epochs=4, samples=10_000,
+                     shuffle=shuffle)  # fmt: skip
+    figures = dict(permute_s_per_sample=1e-6, replan_s=0.05, replan_s_per_entry=1e-3)
+    charged = replace(CAL, compute=replace(CAL.compute, **figures))
+    base = equations.predict_shape(CAL, shape, reads).epoch_s
+    more = equations.predict_shape(charged, shape, reads).epoch_s
+    draw, plan = 1e-6 * permuted, 0.05 + 1e-3 * entries
+    assert more[0] == base[0]  # epoch 1's order and plan come before its first step
+    assert more[1:] == pytest.approx([b + draw + plan for b in base[1:3]] + [base[3] + draw])
+    assert equations.predict_shape(charged, shape, reads).epoch_start_s == pytest.approx(
+        draw + plan
+    )
+
+
 def test_prediction_totals_sum_every_node_and_the_index():
     reads = equations.NodeReads((100, 40), (10**6, 4 * 10**5), np.arange(10, 101, 10), 10,
                                    "plan")  # fmt: skip
@@ -219,6 +243,8 @@ def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
     assert cal.peer is not None and cal.peer.fetch_latency_s > 0  # two stagers, one host
     assert cal.peer.thread_bandwidth_Bps > 0
     assert cal.compute.gradient_bytes == 4 * (3 * 8 * 8 * 512 + 512 + 512 * 10 + 10)  # the mlp
+    assert cal.compute.permute_s_per_sample > 0 and cal.compute.replan_s_per_entry > 0
+    assert "epoch start: " in proc.stdout and " entries: " in proc.stdout, proc.stdout
     assert (
         json.loads(proc.stdout.splitlines()[-1])["compute"]
         == calibration.load(out).to_json()["compute"]

@@ -152,9 +152,13 @@ def test_the_plan_names_each_entry_as_one_line_per_file_would(tmp_path, shuffle,
     entries = text[text.index(f"entries {plan.files}") + 1 : -1]
     assert entries == reference_render(plan, ds, prefix)
     assert plan.first_use().tolist() == [int(t[0]) for t in plan.ticks]
-    by_hand = dataclasses.replace(plan, flat_ticks=None)  # a NodePlan made without the planner
+    by_hand = dataclasses.replace(plan, ticks=[t.copy() for t in plan.ticks])  # a list of arrays
     assert [a.tolist() for a in by_hand.tick_table()] == [a.tolist() for a in plan.tick_table()]
     assert by_hand.first_use().tolist() == plan.first_use().tolist()
+    assert [t.tolist() for t in plan.ticks[1:3]] == [plan.ticks[1].tolist(), plan.ticks[2].tolist()]
+    assert plan.ticks[-1].tolist() == plan.ticks[plan.files - 1].tolist()
+    with pytest.raises(IndexError):
+        plan.ticks[plan.files]
 
 
 @pytest.mark.parametrize("where", [0, 1, 5])

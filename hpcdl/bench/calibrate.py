@@ -31,6 +31,8 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   (two nodes or more) again while every node fetches the previous node's copies of those files
   from its stager, all released at once as a job's later epochs are; the added seconds per
   fetch.
+- The epoch's start (hpcdl.bench.calibrate_boundary, world rank 0 alone): an epoch's
+  permutation of the samples, and the replan of a node's plan at two sizes, made-up names.
 - The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
   8-byte loss check, back to back on every rank (the mean step, the slowest rank; the median of
   three windows of --steps steps); the factor on the allreduce formula is set so that the
@@ -56,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import nn
+from hpcdl.bench.calibrate_boundary import measure_boundary
 from hpcdl.bench.calibrate_contention import (
     MIN_FILES,
     CopyLoad,
@@ -480,10 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     # line, instead of leaving the others in the next collective.
     install_abort_on_exception(world.comm, world.rank)
     blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
-    pfs = local = rows = peer = None
+    pfs = local = rows = peer = boundary = None
     if world.rank == 0:
         pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
         local, peer = measure_local(Path(args.stage_dir), args.local_mb)
+        boundary = measure_boundary(Path(args.stage_dir))
     world.comm.Barrier()  # the PFS and the disk were measured alone
     if world.num_nodes > 1:
         pfs = world.comm.bcast(pfs, root=0)
@@ -514,10 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
     compute = replace(compute, input_s_per_sample=trained.input_s_per_sample,
                       contention_s_per_file=trained.contention_s_per_file,
-                      contention_s_per_fetch=trained.contention_s_per_fetch)  # fmt: skip
+                      contention_s_per_fetch=trained.contention_s_per_fetch,
+                      permute_s_per_sample=boundary.permute_s_per_sample,
+                      replan_s=boundary.replan_s,
+                      replan_s_per_entry=boundary.replan_s_per_entry)  # fmt: skip
     cal = Calibration(pfs, local, network, compute, source=source, peer=peer)
     cal = fit_to_trainer_step(cal, world, args, trained.step_s)
-    print(describe(cal, rows, where, trained, timed))
+    print(describe(cal, rows, where, trained, timed, boundary.note))
     if args.out:
         calibration.save(args.out, cal)
         print(f"wrote {args.out}")
@@ -527,7 +534,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def describe(
-    cal: Calibration, rows: list[dict], where: str, trained: TrainerStep, timed: str
+    cal: Calibration,
+    rows: list[dict],
+    where: str,
+    trained: TrainerStep,
+    timed: str,
+    replans: str = "",
 ) -> str:
     """The measured figures, one line per part."""
     p, n, c, peer = cal.pfs, cal.network, cal.compute, cal.peer or calibration.DEFAULT_PEER
@@ -562,6 +574,9 @@ def describe(
         + (f"{c.contention_s_per_fetch * 1e3:.2f} ms per file a node fetches from a peer "
            f"({trained.fetch_note})" if c.contention_s_per_fetch is not None
            else f"per peer fetch what a copy costs (per fetch {trained.fetch_note})"),
+        f"  epoch start: {c.permute_s_per_sample * 1e9:.1f} ns per sample of the sample order; "
+        f"the plan's rewrite {c.replan_s * 1e3:.2f} ms + {c.replan_s_per_entry * 1e6:.2f} us "
+        f"per entry ({replans or 'not measured'})",
     ])  # fmt: skip
 
 

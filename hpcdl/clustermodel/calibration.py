@@ -14,7 +14,8 @@ parser:
                  algorithm_factor
     [compute]    model, batch_size, v0, t, backward_fraction, gradient_bytes,
                  input_s_per_sample, contention_s_per_file   (optional, 0 = not charged),
-                 contention_s_per_fetch   (optional; absent = contention_s_per_file)
+                 contention_s_per_fetch   (optional; absent = contention_s_per_file),
+                 permute_s_per_sample, replan_s, replan_s_per_entry   (optional, 0)
     [peer]       fetch_latency_s, thread_bandwidth_Bps, node_bandwidth_Bps   (optional)
 
 [peer] is the staging peer tier's fetch of a staged copy from another node's stager (issue 35).
@@ -92,6 +93,12 @@ class ComputeFigures:
     # the fetches released at once as a job's next epoch's are. None (absent from the file,
     # written before this field, or one node): a fetch costs what a PFS copy costs.
     contention_s_per_fetch: float | None = None
+    # The epoch's start (equations.boundary_s): drawing its sample order, per sample permuted,
+    # and local rank 0's rewrite of its node's plan, a fixed part and per plan entry
+    # (hpcdl.bench.calibrate_boundary). 0: not measured (a file written before them).
+    permute_s_per_sample: float = 0.0
+    replan_s: float = 0.0
+    replan_s_per_entry: float = 0.0
 
     def fetch_contention_s(self) -> float:
         """Training seconds a node loses per file it fetches from a peer."""

@@ -16,7 +16,9 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 5. with the peer tier, a later epoch's staging is its PFS files at the rate of 1. plus its
    peer fetches (hpcdl.clustermodel.peers, a term of its own beside the staging formula);
 6. the steps an epoch's copies slow down (contention_s: a measured cost per copy), and the
-   wait for the batch where the loaders fall behind or the rank builds it (input_time).
+   wait for the batch where the loaders fall behind or the rank builds it (input_time);
+7. each later epoch's start: the ranks draw its sample order, and each node's local rank 0
+   rewrites its plan while the others wait (boundary_s).
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
@@ -50,6 +52,8 @@ class JobShape:
     index_threads: int = 32  # hpcdl.data.imagefolder.INDEX_THREADS
     lead_s: float = 0.0  # how long staging runs before the first step
     workers: int = 1  # loader worker processes per rank (--workers; 0: the rank builds batches)
+    samples: int = 0  # the data set's samples, which a global shuffle permutes (0: not known)
+    shuffle: str = "global"  # the sampler's: global | node | none
 
     @property
     def ranks(self) -> int:
@@ -311,6 +315,7 @@ class Prediction:
     peer_bytes_per_epoch: list[int] | None = None
     epoch_s: list[float] | None = None  # epoch 1 (from the first step) and every later one
     input_wait_s: float = 0.0  # of step_s, waiting for the batch (--workers, [compute] input)
+    epoch_start_s: float = 0.0  # of a later epoch: its sample order and the plan's rewrite
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -327,24 +332,45 @@ def contention_s(cal: Calibration, split: peers.PeerSplit) -> list[float]:
     return [cost[0] + ahead[0], *ahead[1:]]
 
 
+def boundary_s(cal: Calibration, shape: JobShape, node_files: int, replan: bool) -> float:
+    """Seconds a later epoch's start holds the ranks (equation 7). Every rank draws the epoch's
+    sample order: a permutation of all samples with a global shuffle, of its node's block with
+    a node shuffle (hpcdl.data.sampler). Local rank 0 also rewrites its node's plan for this
+    and the next epoch (replan; not in the last epoch), while the others wait for it at the
+    next allreduce. That draws the next epoch's order, which its sampler then finds drawn, so
+    it permutes as often as the others; the plan costs replan_s and replan_s_per_entry for each
+    of its entries: the node's files of an epoch (node_files), twice with a global shuffle (at
+    most: the two epochs share a 1/N part)."""
+    c = cal.compute
+    permuted = {"global": shape.samples, "node": shape.samples / max(shape.nodes, 1)}
+    draw = c.permute_s_per_sample * permuted.get(shape.shuffle, 0)
+    if not replan:
+        return draw
+    entries = node_files * (2 if shape.shuffle == "global" else 1)
+    return draw + c.replan_s + c.replan_s_per_entry * entries
+
+
 def later_epochs(
     cal: Calibration,
     shape: JobShape,
     rate: StagingRate,
     split: peers.PeerSplit,
     compute_epoch: float,
+    node_files: int = 0,
 ) -> list[float]:
     """Seconds of every epoch after the first: the stager fetches each epoch's new files during
     the epoch before, so an epoch lasts its steps or its staging, whichever is longer; staging
     is the PFS files at the staging rate plus the peer fetches (equation 5). The steps are
-    slowed by the copies made meanwhile (contention_s, equation 6)."""
+    slowed by the copies made meanwhile (contention_s, equation 6) and held at the epoch's
+    start (boundary_s, equation 7; node_files: the files a node reads in an epoch)."""
     slowed = contention_s(cal, split)
     out = []
     for e in range(1, shape.epochs):
         pfs_s = float(staged_at(rate, split.pfs_files[e]))
         n_peer = split.peer_files[e]
         mean = split.peer_bytes[e] / n_peer if n_peer else 0.0
-        steps = compute_epoch + slowed[e]
+        start = boundary_s(cal, shape, node_files, replan=e + 1 < shape.epochs)
+        steps = compute_epoch + slowed[e] + start
         out.append(max(steps, pfs_s + peers.peer_fetch_s(cal, shape.stage_threads, n_peer, mean)))
     return out
 
@@ -372,7 +398,9 @@ def predict_shape(
     one = epoch_one(reads, rate, step.step_s, shape.lead_s)
     # the copies slow the steps; an epoch 1 that waits for staging anyway is not made longer
     epoch1_s = max(one.seconds, compute_epoch + contention_s(cal, split(reads))[0])
-    later = later_epochs(cal, shape, rate, split(reads), compute_epoch) or [compute_epoch]
+    later = later_epochs(cal, shape, rate, split(reads), compute_epoch, reads.new_files[0]) or [
+        compute_epoch
+    ]
     nodes = [split(r) for r in (every_node or [reads] * shape.nodes)]
     opens = [sum(r.pfs_files[e] for r in nodes) for e in range(shape.epochs)]
     opens[0] += shape.index_files
@@ -415,4 +443,5 @@ def predict_shape(
         peer_bytes_per_epoch=[sum(r.peer_bytes[e] for r in nodes) for e in range(shape.epochs)],
         epoch_s=[epoch1_s, *later[: shape.epochs - 1]],
         input_wait_s=step.input_s,
+        epoch_start_s=boundary_s(cal, shape, reads.new_files[0], replan=shape.epochs > 2),
     )

@@ -137,6 +137,8 @@ def predict(request: PredictionRequest) -> list[Prediction]:
             stage_threads=request.stage_threads,
             index_files=index_files,
             workers=request.workers,
+            samples=len(request.dataset),
+            shuffle=request.shuffle,
         )
         reads = node_reads(request, shape)
         every_node = reads if len(reads) == nodes else None

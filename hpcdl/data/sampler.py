@@ -62,6 +62,30 @@ def epoch_rng(seed: int, epoch: int, stream: int = 0) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, epoch, stream]))
 
 
+@functools.lru_cache(maxsize=4)
+def _places_every_rank_once(world_size: int, ranks_by_node: NodeLayout) -> bool:
+    """The layout check of every sampler, once per layout: at 8,192 ranks it is 0.5 ms, and
+    each epoch's plan builds a sampler per local rank."""
+    return sorted(r for ranks in ranks_by_node for r in ranks) == list(range(world_size))
+
+
+@functools.lru_cache(maxsize=4)
+def _layout_index(
+    world_size: int, layout: NodeLayout
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(node of each rank, its local rank, ranks per node), read-only, once per layout: a loop
+    over the nodes that every epoch's plan needs (5 ms at 1,024 nodes)."""
+    node_of = np.empty(world_size, np.int64)
+    local_of = np.empty(world_size, np.int64)
+    for node, ranks in enumerate(layout):
+        node_of[list(ranks)] = node
+        local_of[list(ranks)] = np.arange(len(ranks))
+    sizes = np.array([len(ranks) for ranks in layout], np.int64)
+    for array in (node_of, local_of, sizes):
+        array.flags.writeable = False
+    return node_of, local_of, sizes
+
+
 @functools.lru_cache(maxsize=2)
 def epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
     """shuffle='global': the epoch's permutation of all samples (read-only). Kept for the two
@@ -115,8 +139,8 @@ class DistributedSampler:
             raise ValueError(
                 f"{self.num_samples} samples cannot be shared by {self.world_size} ranks"
             )
-        placed = sorted(r for ranks in self.ranks_by_node for r in ranks)
-        if self.ranks_by_node and placed != list(range(self.world_size)):
+        layout = tuple(map(tuple, self.ranks_by_node))  # hashable, whatever the caller gave
+        if layout and not _places_every_rank_once(self.world_size, layout):
             raise ValueError(
                 f"ranks_by_node must hold every rank of 0..{self.world_size - 1} exactly once, "
                 f"got {self.ranks_by_node}"
@@ -203,12 +227,7 @@ class SamplerSpec:
     def _node_rank_indices(self, epoch: int, want: np.ndarray, per: int) -> np.ndarray:
         """rank_indices for shuffle='node': each node's block, permuted once per epoch."""
         layout = self.ranks_by_node or tuple((r,) for r in range(self.world_size))
-        node_of = np.empty(self.world_size, np.int64)
-        local_of = np.empty(self.world_size, np.int64)
-        for node, ranks in enumerate(layout):
-            node_of[list(ranks)] = node
-            local_of[list(ranks)] = np.arange(len(ranks))
-        sizes = np.array([len(ranks) for ranks in layout], np.int64)
+        node_of, local_of, sizes = _layout_index(self.world_size, tuple(map(tuple, layout)))
         firsts = per * np.concatenate([[0], np.cumsum(sizes)[:-1]])  # node blocks in node order
         fixed = node_split(self.seed, self.num_samples)
         out = np.empty((len(want), per), np.int64)

@@ -15,7 +15,7 @@ import os
 import re
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,30 @@ class PlanError(ValueError):
     """A data set file cannot be staged safely (bad destination path)."""
 
 
+class TickLists(Sequence):
+    """Every entry's ticks as views of one array: values[bounds[k] : bounds[k + 1]] for entry k.
+    The planner makes them so, with no object per entry (the trainer replans every epoch)."""
+
+    def __init__(self, values: np.ndarray, bounds: np.ndarray) -> None:
+        self.values, self.bounds = values, bounds
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        k = range(len(self))[k]  # negative indices; IndexError past the end
+        return self.values[self.bounds[k] : self.bounds[k + 1]]
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """The files one node reads in epochs [epoch_begin, epoch_end), in first-use order."""
 
     node: int
     file_ids: np.ndarray  # (F,) int64, first-use order
-    ticks: list[np.ndarray]  # per entry: ascending int64 steps that read it
+    ticks: Sequence[np.ndarray]  # per entry: ascending int64 steps that read it (TickLists)
     sizes: np.ndarray  # (F,) int64 bytes
     epoch_begin: int
     epoch_end: int
@@ -54,20 +71,14 @@ class NodePlan:
     seed: int
     shuffle: str
 
-    # ticks as one array: (all entries' ticks in entry order, (F + 1,) offsets); the planner
-    # sets it, so that the per-epoch replan needs no loop over entries (tick_table)
-    flat_ticks: tuple[np.ndarray, np.ndarray] | None = field(
-        default=None, compare=False, repr=False
-    )
-
     @property
     def local_ranks(self) -> int:
         return len(self.ranks)
 
     def tick_table(self) -> tuple[np.ndarray, np.ndarray]:
         """(every entry's ticks, one after the other; (F + 1,) int64 offsets into them)."""
-        if self.flat_ticks is not None:
-            return self.flat_ticks
+        if isinstance(self.ticks, TickLists):
+            return self.ticks.values, self.ticks.bounds
         counts = np.fromiter((len(t) for t in self.ticks), np.int64, count=len(self.ticks))
         bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         values = np.concatenate(self.ticks).astype(np.int64) if self.ticks else bounds[:0]
@@ -124,24 +135,23 @@ _RESERVED_FIRST = re.compile(rb"\n\.hpcdl(?:/|\n|$)")  # '.hpcdl' first, but in 
 _TABLES_CHECKED: weakref.WeakSet[FileTable] = weakref.WeakSet()
 
 
-def check_plan_entries(files: Any, relpaths: Sequence[str]) -> None:
-    """check_relpath of every entry of a plan. A data set's FileTable is checked whole, once
-    per process, where its names lie (hpcdl.data.dataset.check_table, and '.hpcdl'): the
-    trainer replans every epoch, and ImageNet's node plans hold 10^5 entries."""
-    if isinstance(files, FileTable):
-        if files in _TABLES_CHECKED:
-            return
-        try:
-            check_table(Path("."), files)
-            names = memoryview(files.names).cast("B")
-            first = b"\n" + bytes(names[:8])  # the first name's start, as the others follow '\n'
-            clean = _RESERVED_FIRST.match(first) is None and _RESERVED_FIRST.search(names) is None
-        except DataError:
-            clean = False
-        if clean:
-            _TABLES_CHECKED.add(files)
-            return
-    check_relpaths(relpaths)
+def table_checked(files: FileTable) -> bool:
+    """True when every name of the table passes check_relpath: checked whole, once per
+    process, where the names lie (hpcdl.data.dataset.check_table, and '.hpcdl'), since the
+    trainer replans every epoch and ImageNet's node plans hold 10^5 entries. False: check
+    the plan's entries one by one (check_relpaths), which names the bad one."""
+    if files in _TABLES_CHECKED:
+        return True
+    try:
+        check_table(Path("."), files)
+        names = memoryview(files.names).cast("B")
+        first = b"\n" + bytes(names[:8])  # the first name's start, as the others follow '\n'
+        clean = _RESERVED_FIRST.match(first) is None and _RESERVED_FIRST.search(names) is None
+    except DataError:
+        clean = False
+    if clean:
+        _TABLES_CHECKED.add(files)
+    return clean
 
 
 def dataset_fingerprint(dataset: Any) -> str:
@@ -172,7 +182,7 @@ def plan_for_node(
         raise ValueError(f"empty epoch range {epochs!r}")
     if not ranks:
         raise ValueError("a node plan needs at least one rank")
-    steps = sampler.for_ranks(ranks)[0].steps_per_epoch(batch_size)
+    steps = sampler.for_rank(ranks[0]).steps_per_epoch(batch_size)
     # (E, steps, L, B) file ids in reading order: epoch, step, local rank, position in batch.
     reads = np.stack(
         [
@@ -216,21 +226,21 @@ def _plan_of_reads(
     ticks_total = max(1, nepochs * steps)
     tick_of_read = np.repeat(np.arange(nepochs * steps, dtype=np.int64), local_ranks * batch_size)
     uniq, first = np.unique(flat, return_index=True)
-    file_ids = uniq[np.argsort(first, kind="stable")]
-    # Distinct (file, step) pairs, grouped by file in ascending step order.
+    entry_order = np.argsort(first, kind="stable")  # entries: files in first-use order
+    file_ids = uniq[entry_order]
+    assert file_ids.max(initial=-1) < len(dataset.files)
+    # Distinct (file, step) pairs, grouped by file (as uniq is sorted) in ascending step order.
     pairs = np.unique(flat * ticks_total + tick_of_read)
     pair_file, pair_tick = pairs // ticks_total, pairs % ticks_total
-    bounds = np.searchsorted(pair_file, file_ids)
-    ends = np.searchsorted(pair_file, file_ids, side="right")
-    assert file_ids.max(initial=-1) < len(dataset.files)
-    # every entry's ticks, in entry order (pairs are grouped by file id, entries by first use)
-    counts = ends - bounds
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    order = np.repeat(bounds - offsets[:-1], counts) + np.arange(offsets[-1], dtype=np.int64)
+    starts = np.flatnonzero(np.diff(pair_file, prepend=-1))  # each file's first pair
+    counts = np.diff(np.append(starts, len(pairs)))[entry_order]
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    # the pairs of the entries in entry order: for entry k, starts[entry_order[k]] onwards
+    taken = np.repeat(starts[entry_order] - bounds[:-1], counts) + np.arange(bounds[-1])
     return NodePlan(
         node=node,
         file_ids=file_ids,
-        ticks=[pair_tick[a:b] for a, b in zip(bounds, ends)],
+        ticks=TickLists(pair_tick[taken], bounds),
         sizes=file_sizes(dataset, file_ids),
         epoch_begin=epochs[0],
         epoch_end=epochs[1],
@@ -238,7 +248,6 @@ def _plan_of_reads(
         ranks=tuple(int(r) for r in ranks),
         seed=sampler.seed,
         shuffle=sampler.shuffle,
-        flat_ticks=(pair_tick[order], offsets),
     )
 
 
@@ -313,7 +322,18 @@ def render_plan(
     dest_prefix: str = "",
     peer_lines: Sequence[str] = (),
 ) -> str:
-    """The plan file's text (format version PLAN_VERSION, docs/staging.md).
+    """The plan file's text (format version PLAN_VERSION, docs/staging.md): plan_bytes."""
+    return plan_bytes(plan, dataset, fingerprint, dest_prefix, peer_lines).decode()
+
+
+def plan_bytes(
+    plan: NodePlan,
+    dataset: Any,
+    fingerprint: str | None = None,
+    dest_prefix: str = "",
+    peer_lines: Sequence[str] = (),
+) -> bytes:
+    """The plan file's bytes (format version PLAN_VERSION, docs/staging.md), UTF-8.
 
     dest_prefix: directory, relative to the stage dir, that the data set's copies go into.
     peer_lines: the optional peer section (hpcdl.staging.peers.render_peer_section)."""
@@ -335,18 +355,21 @@ def render_plan(
     if "\t" in root_text or "\n" in root_text:
         raise PlanError(f"data set root {root_text!r}: tab or newline in path")
     ids = plan.file_ids
-    rels = files.relpaths(ids) if isinstance(files, FileTable) else [files[i].relpath for i in ids]
-    check_plan_entries(files, rels)
-    sizes = file_sizes(dataset, ids).tolist()
+    sizes = file_sizes(dataset, ids)
     values, bounds = plan.tick_table()
-    ticks = list(map(str, values.tolist()))
     prefix = f"{dest_prefix}/" if dest_prefix else ""
-    lines = [
-        f"{fid}\t{size}\t{','.join(ticks[a:b])}\t{prefix}{rel}\t{root_text}/{rel}"
-        for fid, size, a, b, rel in zip(ids.tolist(), sizes, bounds[:-1].tolist(),
+    table = isinstance(files, FileTable)
+    rels = files.relpaths(ids) if table else [files[i].relpath for i in ids]
+    if not (table and table_checked(files)):
+        check_relpaths(rels)
+    ticks = list(map(str, values.tolist()))
+    lines = "".join(
+        f"{fid}\t{size}\t{','.join(ticks[a:b])}\t{prefix}{rel}\t{root_text}/{rel}\n"
+        for fid, size, a, b, rel in zip(ids.tolist(), sizes.tolist(), bounds[:-1].tolist(),
                                         bounds[1:].tolist(), rels)  # fmt: skip
-    ]
-    return "\n".join(head + lines + list(peer_lines) + ["end", ""])
+    ).encode()
+    tail = [*peer_lines, "end", ""]
+    return b"".join([("\n".join(head) + "\n").encode(), lines, "\n".join(tail).encode()])
 
 
 def write_plan(
@@ -358,8 +381,8 @@ def write_plan(
     peer_lines: Sequence[str] = (),
 ) -> None:
     """Write the plan atomically (hpcdl.atomic), mode 0600 whatever the umask."""
-    text = render_plan(plan, dataset, fingerprint, dest_prefix, peer_lines)
-    write_bytes_atomically(path, text.encode(), mode=0o600)
+    data = plan_bytes(plan, dataset, fingerprint, dest_prefix, peer_lines)
+    write_bytes_atomically(path, data, mode=0o600)
 
 
 class FileTreeDataset:

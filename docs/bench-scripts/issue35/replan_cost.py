@@ -34,11 +34,14 @@ def imagenet_like() -> SimpleNamespace:
 def boundary(ds, spec: SamplerSpec, plan_path: Path | None) -> float:
     """Seconds of the epoch boundaries EPOCHS of one rank (local rank 0 where plan_path)."""
     sampler = spec.for_rank(0)
+    ranks = tuple(range(PER_NODE))
+    if plan_path is not None:  # where a job is as epoch 2 starts: epoch 1's replan drew epoch 2
+        plan_for_node(ds, spec, BATCH, (EPOCHS[0] - 1, EPOCHS[0] + 1), ranks, 0)
     began = time.perf_counter()
     for epoch in EPOCHS:
         sampler.batches(epoch, BATCH)  # hpcdl.run.Run.batches, at the epoch's start
         if plan_path is not None:  # hpcdl.staging.session.StagingSession._replan, at step 1
-            plan = plan_for_node(ds, spec, BATCH, (epoch, epoch + 2), tuple(range(PER_NODE)), 0)
+            plan = plan_for_node(ds, spec, BATCH, (epoch, epoch + 2), ranks, 0)
             write_plan(plan_path, plan, ds, "0" * 16, "key")
     return (time.perf_counter() - began) / len(EPOCHS)
 
