@@ -162,11 +162,11 @@ class DistributedSampler:
             perm = epoch_permutation(self.seed, epoch, n)
             return perm[self.rank * per : (self.rank + 1) * per].astype(np.int64)
         layout = self.ranks_by_node or tuple((r,) for r in range(self.world_size))
-        node = next(k for k, ranks in enumerate(layout) if self.rank in ranks)
-        local = layout[node].index(self.rank)
-        first = per * sum(len(ranks) for ranks in layout[:node])  # node blocks in node order
+        node_of, local_of, sizes = _layout_index(self.world_size, tuple(map(tuple, layout)))
+        node, local = int(node_of[self.rank]), int(local_of[self.rank])
+        first = per * int(sizes[:node].sum())  # node blocks in node order
         fixed = node_split(self.seed, n)
-        block = fixed[first : first + per * len(layout[node])]
+        block = fixed[first : first + per * int(sizes[node])]
         mixed = epoch_rng(self.seed, epoch, stream=node + 1).permutation(block)
         return mixed[local * per : (local + 1) * per].astype(np.int64)
 
