@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -208,6 +210,38 @@ def test_bench_calibrate_times_the_steps_while_a_stager_copies_the_data(tmp_path
     assert calibration.load(tmp_path / "c.toml").compute.contention_s_per_fetch is None
     assert ("contention: training loses per peer fetch what a copy costs (per fetch not "
             "measured: one node has no peer)") in proc.stdout, proc.stdout  # fmt: skip
+
+
+def test_calibrates_trainer_step_runs_in_the_trainers_stop_agreement():
+    """bench calibrate times hpcdl.train's step with the stop agreement every step of the
+    trainer runs in (a nonblocking allreduce across the step). A stop signal caught while the
+    steps run ends them at that step, and is then delivered as it would have been without."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from hpcdl.bench.calibrate import measure_trainer_step  # noqa: PLC0415
+
+    caught: list[int] = []
+    builds = 0
+
+    def build() -> None:
+        nonlocal builds
+        builds += 1
+        if builds == 6:  # the third timed step of the first window
+            signal.raise_signal(signal.SIGUSR1)
+
+    args = SimpleNamespace(model="mlp", shape=(1, 8, 8), classes=4, batch_size=4, bucket_mb=25.0,
+                           steps=20)  # fmt: skip
+    world = SimpleNamespace(comm=MPI.COMM_SELF, size=1)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, _: caught.append(signum))
+    try:
+        step = measure_trainer_step(args, world, SimpleNamespace(build=build))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    # The agreement saw the signal at the step it came in: the steps ended there, not after the
+    # 3 windows of 20 + 3 steps, and the stop came once the measurement had let go of it.
+    assert builds == 6
+    assert caught == [signal.SIGUSR1]  # delivered once, to the handler the caller had
+    assert step.step_s > 0
 
 
 def test_bench_calibrate_says_why_the_input_was_not_timed(tmp_path):

@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -82,7 +83,7 @@ from hpcdl.clustermodel.calibration import (
 )
 from hpcdl.comm import blas_threads
 from hpcdl.comm.collectives import allreduce_sum
-from hpcdl.comm.failure import UserError, install_abort_on_exception
+from hpcdl.comm.failure import StopAgreement, UserError, install_abort_on_exception
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.step import train_step
 
@@ -376,7 +377,8 @@ def measure_trainer_step(
     """hpcdl.train's step as --workers 0 runs it, slowest rank: the batch built from node-local
     copies of --data (samples: hpcdl.bench.calibrate_input; None: no data, no building), then
     train_step with the gradient reducer (--bucket-mb buckets on its thread, overlapping
-    backward) and the trainer's 8-byte loss check, back to back on every rank. The mean over
+    backward), the trainer's 8-byte loss check and its stop agreement (a nonblocking allreduce
+    begun before the step and waited for after it), back to back on every rank. The mean over
     the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing). Timed
     in QUIET_WINDOWS windows of --steps steps one after the other, and the median window's mean
     taken: on a shared machine one window can be a quarter off the next (docs/cluster-model.md,
@@ -396,35 +398,47 @@ def measure_trainer_step(
     if world.size > 1:
         reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
         parts = replace(parts, reducer=reducer)
+    stop = StopAgreement(world.comm)  # as hpcdl.startup makes it for every run
     try:
         windows = []  # (step, building) of each quiet window, slowest rank
         for _ in range(QUIET_WINDOWS):
-            quiet, _, _ = _timed_steps(parts, x, y, world.comm, args.steps, build)
+            quiet, _, _ = _timed_steps(parts, x, y, world.comm, stop, args.steps, build)
             windows.append((slowest_rank_mean(world.comm, [whole for _, whole in quiet]),
                             slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build
                             else 0.0))  # fmt: skip
+            if stop.signal_name:
+                break
         step_s, building = sorted(windows)[len(windows) // 2]
         copies: tuple = ()
-        if contention is not None:
+        if contention is not None and not stop.signal_name:
             def timed(beside) -> Window:
-                loaded, began, ended = _timed_steps(parts, x, y, world.comm, args.steps, build,
-                                                    beside)  # fmt: skip
+                loaded, began, ended = _timed_steps(parts, x, y, world.comm, stop, args.steps,
+                                                    build, beside)  # fmt: skip
                 return Window([whole for _, whole in loaded], began, ended)
 
             copies = contention(step_s, timed)
+    except BaseException:
+        stop.abandon()  # this rank alone: MPI_Abort ends the agreement in flight
+        raise
+    else:
+        stop.close()  # every rank together
     finally:
         if reducer is not None:
             reducer.close()
+    if stop.signal_name:  # caught while the steps ran: what the signal would have done then
+        signal.raise_signal(signal.Signals[stop.signal_name])
     quiet_ms = ", ".join(f"{w * 1e3:.1f}" for w, _ in windows)
     return TrainerStep(step_s, building / args.batch_size, *copies, quiet_note=quiet_ms)
 
 
 def _timed_steps(
-    parts: Any, x: Any, y: Any, comm: Any, steps: int, build, beside=None
+    parts: Any, x: Any, y: Any, comm: Any, stop: StopAgreement, steps: int, build, beside=None
 ) -> tuple[list[tuple[float, float]], float, float]:
     """(seconds building the batch, seconds of the whole step) of each step after 3 warm-up
     ones, and when the timed steps began and ended (beside.start() is called just before
-    them). The step trains on the fixed batch x, y: what was built only costs its time."""
+    them). The step trains on the fixed batch x, y: what was built only costs its time. Each
+    step runs inside stop's agreement, as hpcdl.train's do; the steps end early, on every rank
+    at once, when it says to stop (a signal)."""
     flag = np.zeros(1)
     times = []
     began = time.time()
@@ -437,11 +451,14 @@ def _timed_steps(
         if build:
             build()
         t1 = time.perf_counter()
+        stop.start_step()
         train_step(parts, x, y, 0.01)
-        if parts.reducer:
-            allreduce_sum(comm, flag)
+        allreduce_sum(comm, flag)  # the loss check's 8 bytes
+        stopped = stop.should_stop()
         times.append((t1 - t0, time.perf_counter() - t0))
-    return times[3:], began, time.time()
+        if stopped:
+            break
+    return times[3:] or times, began, time.time()
 
 
 def fit_to_trainer_step(
