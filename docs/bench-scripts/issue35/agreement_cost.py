@@ -1,0 +1,98 @@
+"""What the trainer's per-step agreements cost on the 4 emulated nodes of `tools.bench
+peer-staging` (1 rank per node, the MLP of its jobs, batch 8, 150 Mbit/s links, Open MPI's flat
+collectives with yield when idle, as tools.bench.validate runs them). Every rank times, in
+windows of 30 steps after 3 warm-up ones, interleaved 8 times:
+
+- plain:     train_step with the gradient reducer, then the 8-byte loss check (calibrate's loop
+             before the stop agreement was added to it);
+- two:       the same inside the stop agreement (hpcdl.comm.failure.StopAgreement: a 4-byte
+             Iallreduce begun before the step, waited for after it): hpcdl.train's loop;
+- one:       the loss check and the stop flag in one 8-byte allreduce (MAX of both) after the
+             step, no Iallreduce.
+
+Rank 0 prints the slowest rank's mean step per window and the median per variant, in ms.
+Needs root (tools.bench.cluster). Usage: agreement_cost.py"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[2])]  # the repository root
+
+WORKER = "--worker" in sys.argv
+
+
+def worker() -> None:
+    import time
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcdl.bench.compute_setup import hpcdl_setup
+    from hpcdl.comm import blas_threads
+    from hpcdl.comm.collectives import allreduce_sum
+    from hpcdl.comm.failure import StopAgreement
+    from hpcdl.comm.reducer import GradientReducer
+    from hpcdl.comm.world import init_world
+    from hpcdl.nn.step import train_step
+
+    world = init_world()
+    blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train and bench calibrate do
+    comm = world.comm
+    spec = SimpleNamespace(model="mlp", shape=(3, 32, 32), classes=4, device="cpu",
+                           precision="fp32", batch_size=8)  # fmt: skip
+    parts, x, y = hpcdl_setup(spec)
+    reducer = GradientReducer(comm, parts.model.grads, 25.0, prescaled=True)
+    parts = replace(parts, reducer=reducer)
+    stop = StopAgreement(comm)
+    flag, both = np.zeros(1), np.zeros(2)
+
+    def plain() -> None:
+        train_step(parts, x, y, 0.01)
+        allreduce_sum(comm, flag)
+
+    def two() -> None:
+        stop.start_step()
+        train_step(parts, x, y, 0.01)
+        allreduce_sum(comm, flag)
+        stop.should_stop()
+
+    def one() -> None:
+        train_step(parts, x, y, 0.01)
+        comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+
+    variants = {"plain": plain, "two": two, "one": one}
+    means: dict[str, list[float]] = {name: [] for name in variants}
+    for k in range(8):
+        order = list(variants) if k % 2 == 0 else list(reversed(variants))
+        for name in order:
+            times = []
+            for i in range(33):
+                t0 = time.perf_counter()
+                variants[name]()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+            means[name].append(comm.allreduce(float(np.mean(times)), op=MPI.MAX))
+    stop.close()
+    reducer.close()
+    if comm.rank == 0:
+        for name, v in means.items():
+            print(f"{name:6s} median {np.median(v) * 1e3:6.1f} ms  windows "
+                  + " ".join(f"{s * 1e3:.1f}" for s in v), flush=True)
+
+
+def main() -> None:
+    from tools.bench.cluster import Cluster
+    from tools.bench.validate import Setup, run_mpi
+
+    setup = Setup(4, 1, 960, 20, "", epochs=4, stage_threads=8, runs=1)
+    with tempfile.TemporaryDirectory(prefix="hpcdl-agreement-") as scratch:
+        with Cluster(Path(scratch) / "cluster", nodes=setup.nodes) as cluster:
+            print(run_mpi(cluster, setup, [str(Path(__file__).resolve()), "--worker"]), end="")
+
+
+if __name__ == "__main__":
+    worker() if WORKER else main()
