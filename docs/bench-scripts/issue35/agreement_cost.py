@@ -14,11 +14,12 @@ Rank 0 prints the slowest rank's mean step per window and the median per variant
 Needs root (tools.bench.cluster). Usage: agreement_cost.py"""
 
 import sys
-import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[2])]  # the repository root
+sys.path[:0] = [str(HERE.parents[2]), str(HERE)]  # the repository root, and _four_nodes
+
+from _four_nodes import print_windows, run_worker  # noqa: E402
 
 WORKER = "--worker" in sys.argv
 
@@ -79,20 +80,8 @@ def worker() -> None:
     stop.close()
     reducer.close()
     if comm.rank == 0:
-        for name, v in means.items():
-            print(f"{name:6s} median {np.median(v) * 1e3:6.1f} ms  windows "
-                  + " ".join(f"{s * 1e3:.1f}" for s in v), flush=True)
-
-
-def main() -> None:
-    from tools.bench.cluster import Cluster
-    from tools.bench.validate import Setup, run_mpi
-
-    setup = Setup(4, 1, 960, 20, "", epochs=4, stage_threads=8, runs=1)
-    with tempfile.TemporaryDirectory(prefix="hpcdl-agreement-") as scratch:
-        with Cluster(Path(scratch) / "cluster", nodes=setup.nodes) as cluster:
-            print(run_mpi(cluster, setup, [str(Path(__file__).resolve()), "--worker"]), end="")
+        print_windows(means)
 
 
 if __name__ == "__main__":
-    worker() if WORKER else main()
+    worker() if WORKER else run_worker(__file__)

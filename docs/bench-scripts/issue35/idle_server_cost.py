@@ -13,7 +13,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[2])]  # the repository root
+sys.path[:0] = [str(HERE.parents[2]), str(HERE)]  # the repository root, and _four_nodes
+
+from _four_nodes import print_windows, run_worker  # noqa: E402
 
 
 def worker() -> None:
@@ -78,20 +80,8 @@ def worker() -> None:
         home.wait(60)
         reducer.close()
     if comm.rank == 0:
-        for name, v in means.items():
-            print(f"{name:8s} median {np.median(v) * 1e3:6.1f} ms  windows "
-                  + " ".join(f"{s * 1e3:.1f}" for s in v), flush=True)
-
-
-def main() -> None:
-    from tools.bench.cluster import Cluster
-    from tools.bench.validate import Setup, run_mpi
-
-    setup = Setup(4, 1, 960, 20, "", epochs=4, stage_threads=8, runs=1)
-    with tempfile.TemporaryDirectory(prefix="hpcdl-idle-server-") as scratch:
-        with Cluster(Path(scratch) / "cluster", nodes=setup.nodes) as cluster:
-            print(run_mpi(cluster, setup, [str(Path(__file__).resolve()), "--worker"]), end="")
+        print_windows(means)
 
 
 if __name__ == "__main__":
-    worker() if "--worker" in sys.argv else main()
+    worker() if "--worker" in sys.argv else run_worker(__file__)
