@@ -32,9 +32,8 @@ import numpy as np
 
 from hpcdl.helpformat import HelpFormatter
 from tools.bench.cluster import Cluster, harness_can_start
-from tools.bench.slowfs import SlowFSOptions, mounted
 from tools.bench.slowfs import unavailable as no_fuse
-from tools.bench.validate import Setup, calibrate_args, make_images, run_mpi
+from tools.bench.validate import Setup, calibrate_args, run_mpi, slow_pfs_cluster
 
 JOBS = {  # name -> hpcdl.train flags
     "node": ("--shuffle", "node", "--peer-staging", "off"),
@@ -111,16 +110,7 @@ def predicted_epochs(
 
 
 def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str, Any]:
-    data = make_images(workdir / "images", setup.files)
-    mount = workdir / "pfs"
-    mount.mkdir()
-    with (
-        mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
-        Cluster(workdir / "cluster", nodes=setup.nodes) as cluster,
-    ):
-        from hpcdl.data import open_dataset  # noqa: PLC0415
-
-        open_dataset(mount)  # the index, cached outside the read-only mount, before the jobs
+    with slow_pfs_cluster(setup, workdir) as (pfs, cluster, mount):  # the index built first
         rounds: dict[str, list[dict]] = {name: [] for name in JOBS}
         for r in range(setup.runs):  # the three jobs in turn, so that drift hits each alike
             calib = given or workdir / f"calibration-{r}.toml"

@@ -37,6 +37,7 @@ import shlex
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,17 +100,7 @@ def train_args(setup: Setup, mount: Path, metrics: Path) -> list[str]:
 
 def run_case(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str, Any]:
     """Calibrate (unless a calibration file is given), predict and measure one case."""
-    data = make_images(workdir / "images", setup.files)
-    mount = workdir / "pfs"
-    mount.mkdir()
-    with (
-        mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
-        Cluster(workdir / "cluster", nodes=setup.nodes) as cluster,
-    ):
-        cluster.limit_links(setup.link)
-        from hpcdl.data import open_dataset  # noqa: PLC0415
-
-        open_dataset(mount)  # the index, cached outside the read-only mount, before the job
+    with slow_pfs_cluster(setup, workdir) as (pfs, cluster, mount):
         calib = given or workdir / "calibration.toml"
         calibrated = (
             f"calibration: {given}" if given
@@ -154,15 +145,33 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def calibrate_only(setup: Setup, workdir: Path, out: Path) -> str:
     """Calibrate on setup.nodes emulated nodes into `out`; the calibration's summary."""
+    with slow_pfs_cluster(setup, workdir, index=False) as (_, cluster, mount):
+        return run_mpi(cluster, setup, calibrate_args(setup, mount, out))
+
+
+@contextlib.contextmanager
+def slow_pfs_cluster(
+    setup: Setup, workdir: Path, index: bool = True
+) -> Iterator[tuple[Any, Cluster, Path]]:
+    """(pfs, cluster, mount): the setup's PNG data set in workdir behind the slow FUSE file
+    system mounted at workdir/pfs (pfs: its handle, which counts opens), and setup.nodes
+    emulated nodes, every link limited to setup.link ("": not limited). index: the data set's
+    index is built first (cached outside the read-only mount, as a dry run leaves it), so
+    that what runs next opens no file for it. Both are torn down on every path."""
     data = make_images(workdir / "images", setup.files)
     mount = workdir / "pfs"
     mount.mkdir()
     with (
-        mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)),
+        mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
         Cluster(workdir / "cluster", nodes=setup.nodes) as cluster,
     ):
-        cluster.limit_links(setup.link)
-        return run_mpi(cluster, setup, calibrate_args(setup, mount, out))
+        if setup.link:
+            cluster.limit_links(setup.link)
+        if index:
+            from hpcdl.data import open_dataset  # noqa: PLC0415
+
+            open_dataset(mount)
+        yield pfs, cluster, mount
 
 
 def run_mpi(cluster: Cluster, setup: Setup, program: list[str]) -> str:

@@ -19,11 +19,8 @@ sys.path[:0] = [str(HERE.parents[2])]  # the repository root
 import numpy as np  # noqa: E402
 
 from hpcdl import stage  # noqa: E402
-from hpcdl.data import open_dataset  # noqa: E402
-from tools.bench.cluster import Cluster  # noqa: E402
 from tools.bench.peer_staging import JOBS, predicted_epochs, run_job  # noqa: E402
-from tools.bench.slowfs import SlowFSOptions, mounted  # noqa: E402
-from tools.bench.validate import Setup, calibrate_args, make_images, run_mpi  # noqa: E402
+from tools.bench.validate import Setup, calibrate_args, run_mpi, slow_pfs_cluster  # noqa: E402
 
 
 def report(name: str, job: dict, model: list[float], out: Path) -> None:
@@ -45,14 +42,7 @@ def main() -> None:
     setup = Setup(4, 1, 960, latency, "", epochs=4, stage_threads=8, runs=1)
     with tempfile.TemporaryDirectory(prefix="hpcdl-epoch-fetches-") as scratch:
         work = Path(scratch)
-        data = make_images(work / "images", setup.files)
-        mount = work / "pfs"
-        mount.mkdir()
-        with (
-            mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
-            Cluster(work / "cluster", nodes=setup.nodes) as cluster,
-        ):
-            open_dataset(mount)  # the index, cached before the jobs, as the bench does
+        with slow_pfs_cluster(setup, work) as (pfs, cluster, mount):  # as the bench sets it up
             calib = work / "calibration.toml"
             run_mpi(cluster, setup, calibrate_args(setup, mount, calib))
             for r in range(rounds):
