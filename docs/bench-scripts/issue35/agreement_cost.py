@@ -19,50 +19,34 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[2]), str(HERE)]  # the repository root, and _four_nodes
 
-from _four_nodes import print_windows, run_worker  # noqa: E402
+from _four_nodes import job_train_step, print_windows, run_worker, window_s  # noqa: E402
 
 WORKER = "--worker" in sys.argv
 
 
 def worker() -> None:
-    import time
-    from dataclasses import replace
-    from types import SimpleNamespace
-
     import numpy as np
     from mpi4py import MPI
 
-    from hpcdl.bench.compute_setup import hpcdl_setup
-    from hpcdl.comm import blas_threads
     from hpcdl.comm.collectives import allreduce_sum
     from hpcdl.comm.failure import StopAgreement
-    from hpcdl.comm.reducer import GradientReducer
-    from hpcdl.comm.world import init_world
-    from hpcdl.nn.step import train_step
 
-    world = init_world()
-    blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train and bench calibrate do
-    comm = world.comm
-    spec = SimpleNamespace(model="mlp", shape=(3, 32, 32), classes=4, device="cpu",
-                           precision="fp32", batch_size=8)  # fmt: skip
-    parts, x, y = hpcdl_setup(spec)
-    reducer = GradientReducer(comm, parts.model.grads, 25.0, prescaled=True)
-    parts = replace(parts, reducer=reducer)
+    comm, train, reducer = job_train_step()
     stop = StopAgreement(comm)
     flag, both = np.zeros(1), np.zeros(2)
 
     def plain() -> None:
-        train_step(parts, x, y, 0.01)
+        train()
         allreduce_sum(comm, flag)
 
     def two() -> None:
         stop.start_step()
-        train_step(parts, x, y, 0.01)
+        train()
         allreduce_sum(comm, flag)
         stop.should_stop()
 
     def one() -> None:
-        train_step(parts, x, y, 0.01)
+        train()
         comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
 
     variants = {"plain": plain, "two": two, "one": one}
@@ -70,13 +54,7 @@ def worker() -> None:
     for k in range(8):
         order = list(variants) if k % 2 == 0 else list(reversed(variants))
         for name in order:
-            times = []
-            for i in range(33):
-                t0 = time.perf_counter()
-                variants[name]()
-                if i >= 3:
-                    times.append(time.perf_counter() - t0)
-            means[name].append(comm.allreduce(float(np.mean(times)), op=MPI.MAX))
+            means[name].append(window_s(comm, variants[name]))
     stop.close()
     reducer.close()
     if comm.rank == 0:

@@ -15,38 +15,33 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[2]), str(HERE)]  # the repository root, and _four_nodes
 
-from _four_nodes import print_windows, run_worker  # noqa: E402
+from _four_nodes import job_train_step, print_windows, run_worker, window_s  # noqa: E402
 
 
 def worker() -> None:
     import os
     import secrets
     import signal
-    import time
-    from dataclasses import replace
-    from types import SimpleNamespace
 
     import numpy as np
-    from mpi4py import MPI
 
     from hpcdl.bench.calibrate_contention import renice
     from hpcdl.bench.calibrate_peer import start_stager, wait_ready, write_plan
-    from hpcdl.bench.compute_setup import hpcdl_setup
-    from hpcdl.comm import blas_threads
     from hpcdl.comm.collectives import allreduce_sum
-    from hpcdl.comm.reducer import GradientReducer
-    from hpcdl.comm.world import init_world
-    from hpcdl.nn.step import train_step
     from hpcdl.staging.peer_tier import open_listener
     from hpcdl.staging.plan import FileTreeDataset
 
-    world = init_world()
-    blas_threads.set_for_rank(world.node_comm)
-    comm = world.comm
+    comm, train, reducer = job_train_step()
+    flag = np.zeros(1)
+
+    def step() -> None:
+        train()
+        allreduce_sum(comm, flag)  # the loss check
+
     with tempfile.TemporaryDirectory(prefix=f"hpcdl-idle-server-{comm.rank}-") as tmp:
         root = Path(tmp)
+        (root / "pfs").mkdir()
         for i in range(64):
-            (root / "pfs").mkdir(exist_ok=True)
             (root / "pfs" / f"f{i:03d}").write_bytes(os.urandom(3000))
         ds = FileTreeDataset(root / "pfs")
         listener, why = open_listener()
@@ -54,31 +49,20 @@ def worker() -> None:
         write_plan(ds, root / "home", 0, None)
         home = start_stager(root / "home", secrets.token_hex(32), [], listener, 8)
         listener.close()
-        wait_ready(root / "home", home, 64)
-        renice(home.pid, 10)
-        spec = SimpleNamespace(model="mlp", shape=(3, 32, 32), classes=4, device="cpu",
-                               precision="fp32", batch_size=8)  # fmt: skip
-        parts, x, y = hpcdl_setup(spec)
-        reducer = GradientReducer(comm, parts.model.grads, 25.0, prescaled=True)
-        parts = replace(parts, reducer=reducer)
-        flag = np.zeros(1)
-        means: dict[str, list[float]] = {"serving": [], "stopped": []}
-        for k in range(16):
-            name = "serving" if k % 2 == 0 else "stopped"
-            home.send_signal(signal.SIGCONT if name == "serving" else signal.SIGSTOP)
-            comm.Barrier()
-            times = []
-            for i in range(33):
-                t0 = time.perf_counter()
-                train_step(parts, x, y, 0.01)
-                allreduce_sum(comm, flag)
-                if i >= 3:
-                    times.append(time.perf_counter() - t0)
-            means[name].append(comm.allreduce(float(np.mean(times)), op=MPI.MAX))
-        home.send_signal(signal.SIGCONT)
-        home.send_signal(signal.SIGUSR1)
-        home.wait(60)
-        reducer.close()
+        try:
+            wait_ready(root / "home", home, 64)
+            renice(home.pid, 10)
+            means: dict[str, list[float]] = {"serving": [], "stopped": []}
+            for k in range(16):
+                name = "serving" if k % 2 == 0 else "stopped"
+                home.send_signal(signal.SIGCONT if name == "serving" else signal.SIGSTOP)
+                comm.Barrier()
+                means[name].append(window_s(comm, step))
+        finally:  # never leave it stopped
+            home.send_signal(signal.SIGCONT)
+            home.send_signal(signal.SIGUSR1)
+            home.wait(60)
+    reducer.close()
     if comm.rank == 0:
         print_windows(means)
 
