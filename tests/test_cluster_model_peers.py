@@ -4,6 +4,7 @@ split per epoch (expected against one exact draw), the peer fetch term and the d
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,6 +158,30 @@ def test_peer_calibration_fetches_between_two_real_stagers_and_leaves_nothing(tm
     assert 0 < peer.fetch_latency_s < 1.0 and peer.thread_bandwidth_Bps > 1e6
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert (tmp_path / "mine").read_text() == "a user's file"
+
+
+def test_peer_calibration_says_at_once_why_its_home_stager_staged_nothing(tmp_path, monkeypatch):
+    """Bug: on a stage dir with less free space than the stager keeps free (max(5 %, 1 GiB): a
+    capacity of 0 B), bench calibrate waited its 60 s for the home stager, then said only "the
+    home stager did not stage its files". It now stops at once and says what the stager said."""
+    from hpcdl.bench import calibrate_peer
+    from hpcdl.comm.failure import UserError
+
+    start = calibrate_peer.start_stager
+
+    def no_room(stage, secret, flags, listener, threads=1):  # the home: as on a full disk
+        return start(stage, secret, [*flags, "--capacity", "0"] if listener else flags,
+                     listener, threads)  # fmt: skip
+
+    monkeypatch.setattr(calibrate_peer, "start_stager", no_room)
+    began = time.monotonic()
+    with pytest.raises(UserError) as caught:
+        calibrate_peer.measure_peer(tmp_path)
+    assert time.monotonic() - began < calibrate_peer.WAIT_S / 4
+    message = str(caught.value)
+    assert "do not fit the stage capacity of 0 B" in message, message
+    assert str(tmp_path) in message, message
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_peer_calibration_bounds_a_bandwidth_lost_in_the_start_up_spread(tmp_path, monkeypatch):

@@ -215,7 +215,8 @@ class Fetches(Idle):
         finally:
             listener.close()  # the home holds its own descriptor
         try:
-            wait_ready(self.where / "home", self.home, len(self.load.relpaths))
+            wait_ready(self.where / "home", self.home, len(self.load.relpaths),
+                       sum(self.load.sizes))
         except UserError as exc:
             return None, str(exc)
         renice(self.home.pid, STAGE_NICE_LATER)  # staged at the ranks' priority, serves below

@@ -75,7 +75,7 @@ def fetch_seconds(root: Path, size: int, count: int) -> float:
     home = start_stager(root / "home", secret, [], listener)
     listener.close()  # the home holds its own descriptor
     try:
-        wait_ready(root / "home", home, count)
+        wait_ready(root / "home", home, count, size * count)
         return min(client_seconds(ds, root / f"client{k}", address, secret, count)
                    for k in range(REPEATS))  # fmt: skip
     finally:
@@ -157,12 +157,35 @@ def start_stager(
     return proc
 
 
-def wait_ready(stage: Path, proc: subprocess.Popen, count: int) -> None:
-    """Until the home has staged every file of its plan (and so serves them)."""
+def wait_ready(stage: Path, proc: subprocess.Popen, count: int, nbytes: int) -> None:
+    """Until the home has staged every file of its plan (count files, nbytes in all), and so
+    serves them. A home that cannot (it ended, its capacity is short of nbytes, or WAIT_S
+    passed) is stopped, and the error holds what it said."""
     view = StatusView(status_path(stage))
     deadline = time.monotonic() + WAIT_S
     while not (view.open() and view.field("plan_ready") >= count):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            err = proc.stderr.read() if proc.stderr and proc.poll() is not None else ""
-            raise UserError(f"bench calibrate: the home stager did not stage its files {err}")
+        why = ""
+        if proc.poll() is not None:
+            why = f"it ended with status {proc.returncode}"
+        elif view.open() and view.field("capacity") < nbytes:
+            why = (f"its capacity is {view.field('capacity')} B for {nbytes} B: give --stage-dir "
+                   "more free space than hpcdl-stage keeps free, max(5 %, 1 GiB) of its disk")
+        elif time.monotonic() > deadline:
+            why = f"not within {WAIT_S:.0f} s"
+        if why:
+            said = " / ".join(stopped_saying(proc).strip().splitlines()[-3:]) or "nothing"
+            raise UserError(f"bench calibrate: the home stager in {stage} did not stage its "
+                            f"{count} files ({why}); it said: {said}")  # fmt: skip
         time.sleep(0.02)
+
+
+def stopped_saying(proc: subprocess.Popen) -> str:
+    """A stager's standard error, once it has finished (SIGUSR1: as when the job ends)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)
+    try:
+        _, err = proc.communicate(timeout=WAIT_S / 4)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err or ""
