@@ -334,6 +334,31 @@ def test_cluster_nodes_are_separate_and_torn_down(tmp_path):
     assert not any((LOCAL / n.hostname).exists() for n in cluster.nodes)  # /local was private
 
 
+def test_node_disks_give_each_node_a_file_system_of_its_own_and_go_at_tear_down(tmp_path):
+    """Cluster(disk_bytes=...): each node's /local is its own ext4 (its own journal, as a
+    node's local disk), not a directory on the host's file system shared by all nodes."""
+    reason = unavailable() or (None if Path("/dev/loop-control").exists() else "no loop devices")
+    if reason:
+        pytest.skip(reason)
+    cluster = Cluster(tmp_path / "c", nodes=2, disk_bytes=64 << 20)
+    with cluster:
+        seen = {}
+        for node in cluster.nodes:
+            out = cluster.run(node.index, f"echo {node.hostname} > /local/mine; stat -f -c %T "
+                                          "/local; stat -c %d /local")  # fmt: skip
+            kind, device = out.stdout.split()
+            assert kind == "ext2/ext3", out.stdout + out.stderr
+            seen[node.hostname] = int(device)
+            assert (node.local / "mine").read_text().strip() == node.hostname
+        assert len(set(seen.values())) == 2, seen
+        assert os.stat(tmp_path).st_dev not in seen.values()
+    mounts = Path("/proc/self/mounts").read_text()
+    assert not any(str(n.local) in mounts for n in cluster.nodes), mounts
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["hosts", "rsh-agent",
+                                                                  "vnode1", "vnode2"]  # fmt: skip
+    assert not leftovers()
+
+
 def test_bench_interconnect_measures_with_and_without_a_link_limit_and_cleans_up():
     reason = unavailable()
     if reason:

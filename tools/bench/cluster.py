@@ -1,7 +1,8 @@
 """An emulated cluster on one machine: the `multinode` tests and `bench interconnect` use it.
 
 A node is a network namespace with its own hostname (UTS namespace), its own `/local` (a bind
-mount of a per-node directory inside a private mount namespace), an /etc/hosts that names the
+mount of a per-node directory inside a private mount namespace; with `disk_bytes`, that
+directory is the node's own ext4 file system, see below), an /etc/hosts that names the
 nodes (so `vnode2` resolves inside every node, as a cluster's DNS would) and the address
 10.78.0.K on a bridge. The bridge lives in a "switch" namespace of its own, so nothing here
 touches the host's network: traffic goes only among the namespaces this harness creates.
@@ -11,6 +12,13 @@ parallel file system.
 Open MPI reaches the other nodes through an rsh agent (`--mca plm_rsh_agent`): it is called as
 `AGENT HOST CMDSTRING` and runs the command string through `sh -c` inside that node, so the
 launcher's daemons and the ranks it starts there see the node's hostname, /local and address.
+
+Node disks (`disk_bytes`): by default every node's /local directory lies on the host's file
+system, so the nodes share one journal and one writeback: files one node's stager creates can
+hold up another node's ranks, which nodes with disks of their own never do. With disk_bytes,
+each node's directory is its own ext4 file system in a sparse image file of that size in the
+workdir, loop-mounted before the node starts, unmounted and deleted at tear-down (the
+benchmarks use it; docs/PERFORMANCE.md, issue 35).
 
 Tear-down kills every process left in the node namespaces, then deletes them; a killed
 namespace takes its mounts, veth pairs and the bridge with it. It runs even when a test fails.
@@ -88,9 +96,10 @@ class Node:
 class Cluster:
     """K emulated nodes on a private bridge; `up()` builds them, `down()` removes everything."""
 
-    def __init__(self, workdir: Path, nodes: int = 2, resolve: bool = True):
+    def __init__(self, workdir: Path, nodes: int = 2, resolve: bool = True, disk_bytes: int = 0):
         """resolve=False: the nodes reach each other by address only, their names do not
-        resolve (some sites; a management network's names)."""
+        resolve (some sites; a management network's names). disk_bytes > 0: each node's
+        /local is an ext4 file system of its own of that size (the module docstring)."""
         if not 1 <= nodes <= 250:
             raise ValueError(f"nodes must be in 1..250, got {nodes}")
         self.workdir = Path(workdir)
@@ -104,6 +113,8 @@ class Cluster:
         self.hosts = self.workdir / "hosts"  # the nodes' /etc/hosts: names resolve inside nodes
         self.resolve = resolve
         self._made: list[str] = []  # namespaces created so far, for down()
+        self.disk_bytes = disk_bytes
+        self._disks: list[Path] = []  # node directories with a file system mounted, for down()
         self._netns_dir_mounted = _is_mount(NETNS_DIR)  # iproute2 mounts it at the first add
 
     # ------------------------------------------------------------------ life cycle
@@ -116,6 +127,8 @@ class Cluster:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for node in self.nodes:
             node.local.mkdir(exist_ok=True)
+            if self.disk_bytes:
+                self._mount_disk(node)
             self._add_netns(node.netns)
             port = f"p{node.index}"
             _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
@@ -146,6 +159,10 @@ class Cluster:
         if self._made and not self._netns_dir_mounted:
             subprocess.run(["umount", str(NETNS_DIR)], capture_output=True)
         self._made.clear()
+        for local in reversed(self._disks):  # the nodes' bind mounts went with their namespaces
+            subprocess.run(["umount", str(local)], capture_output=True)
+            _disk_image(local).unlink(missing_ok=True)
+        self._disks.clear()
 
     def __enter__(self) -> Cluster:
         try:
@@ -214,6 +231,19 @@ class Cluster:
         _ip("netns", "add", name)
         self._made.append(name)
 
+    def _mount_disk(self, node: Node) -> None:
+        image = _disk_image(node.local)
+        with image.open("wb") as f:
+            f.truncate(self.disk_bytes)  # sparse: blocks are taken as the node writes
+        for argv in (["mkfs.ext4", "-q", "-F", str(image)],
+                     ["mount", "-o", "loop", str(image), str(node.local)]):  # fmt: skip
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            if proc.returncode != 0:
+                image.unlink(missing_ok=True)
+                raise RuntimeError(f"node disk of {node.hostname}: {' '.join(argv)}: "
+                                   f"{proc.stderr.strip()}")  # fmt: skip
+        self._disks.append(node.local)
+
     def _write_agent(self) -> None:
         cases = "\n".join(
             f"  {n.ip}|{n.hostname}) ns={n.netns}; name={n.hostname};"
@@ -234,6 +264,10 @@ class Cluster:
             f'  node "$name" "$dir" {shlex.quote(str(self.hosts))} "$@"\n'
         )
         self.agent.chmod(0o755)
+
+
+def _disk_image(local: Path) -> Path:
+    return local.with_name(local.name + ".ext4")
 
 
 def _ip(*args: str) -> None:

@@ -14,6 +14,10 @@ The cluster model beside them: `bench calibrate` on the same emulated nodes befo
 for each job (its --shuffle and --peer-staging, --workers 0 as the jobs run), and the median
 over the rounds of measured / predicted - 1 per epoch figure: each round against the model of
 its own calibration, since this machine's speed drifts over the minutes a round takes.
+
+Each node's /local (its stage dir) is an ext4 file system of its own by default, as nodes have
+disks of their own (--node-disks shared: directories on this machine's file system, whose one
+journal and writeback couple the nodes; docs/PERFORMANCE.md, issue 35, "Node disks").
 """
 
 from __future__ import annotations
@@ -165,6 +169,9 @@ def table(result: dict[str, Any]) -> str:
             f"| {sum(r['misses'] for r in runs)} "
             f"| {median_of(runs, lambda r: r['fs_opens']):.0f} |"
         )
+    own = result["setup"].get("node_disks")
+    lines.append("nodes' /local: " + ("an ext4 file system each" if own
+                                      else "directories on one file system"))  # fmt: skip
     pairs = zip(result["jobs"]["global, peers"]["rounds"], result["jobs"]["node"]["rounds"])
     ratios = [later(peers["epochs_s"]) / later(node["epochs_s"]) for peers, node in pairs]
     each = ", ".join(f"{r:.2f}" for r in ratios)
@@ -200,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
     a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
+    a("--node-disks", choices=("own", "shared"), default="own",
+      help="each node's /local its own ext4 file system, as on a cluster; or directories on "
+      "this machine's file system, one journal for all nodes (tools/bench/cluster.py)")
     a("--calibration", help="calibration file for all rounds (default: calibrate each round)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -211,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
                   epochs=args.epochs, stage_threads=args.stage_threads,
-                  runs=args.rounds)  # fmt: skip
+                  runs=args.rounds, node_disks=args.node_disks == "own")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hpcdl-peer-staging-") as scratch:
         given = Path(args.calibration).resolve() if args.calibration else None
         result = measure(setup, Path(scratch), given)

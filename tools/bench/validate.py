@@ -55,6 +55,9 @@ YIELD = ("--mca", "mpi_yield_when_idle", "1")  # emulated nodes share the cores 
 # cores of emulated nodes, the flat ones repeat (docs/PERFORMANCE.md, "Interconnect across
 # emulated nodes"); calibrate and job use the same, as they would on a cluster.
 FLAT = ("--mca", "coll", "^han")
+# A node's own disk (Setup.node_disks): the stager keeps max(5 %, 1 GiB) of a file system free
+# (hpcdl-stage --default-capacity), so a few GiB, sparse; the data sets here take a few MB.
+NODE_DISK_BYTES = 4 << 30
 CHECKS = ("epoch1_s", "later_epoch_s", "staging_finish_s", "pfs_opens")
 
 
@@ -71,6 +74,7 @@ class Setup:
     epochs: int = 2
     stage_threads: int = 4  # 4 nodes x 4 copy threads: fewer wake-ups among 8 ranks on 2 cores
     runs: int = 3  # training runs measured; the model is compared with their median
+    node_disks: bool = False  # each node's /local its own file system (tools.bench.cluster)
 
 
 def make_images(root: Path, files: int, classes: int = 4) -> Path:
@@ -155,7 +159,8 @@ def slow_pfs_cluster(
 ) -> Iterator[tuple[Any, Cluster, Path]]:
     """(pfs, cluster, mount): the setup's PNG data set in workdir behind the slow FUSE file
     system mounted at workdir/pfs (pfs: its handle, which counts opens), and setup.nodes
-    emulated nodes, every link limited to setup.link ("": not limited). index: the data set's
+    emulated nodes (each with a disk of its own where setup.node_disks), every link limited to
+    setup.link ("": not limited). index: the data set's
     index is built first (cached outside the read-only mount, as a dry run leaves it), so
     that what runs next opens no file for it. Both are torn down on every path."""
     data = make_images(workdir / "images", setup.files)
@@ -163,7 +168,8 @@ def slow_pfs_cluster(
     mount.mkdir()
     with (
         mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
-        Cluster(workdir / "cluster", nodes=setup.nodes) as cluster,
+        Cluster(workdir / "cluster", nodes=setup.nodes,
+                disk_bytes=NODE_DISK_BYTES if setup.node_disks else 0) as cluster,
     ):
         if setup.link:
             cluster.limit_links(setup.link)
