@@ -155,11 +155,16 @@ def test_the_dry_run_charges_the_input_to_the_jobs_workers(tmp_path):
     assert proc.returncode == 2 and "--workers must be 0 or more" in proc.stderr
 
 
+# calibrate()'s --steps. Its steps take about a millisecond here: 30 of them, so that the
+# copier's start (a process, its plan, its threads) fits in the window of steps beside it.
+STEPS = 30
+
+
 def calibrate(data: Path, stage_dir: Path, out: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(data), "--stage-dir",
-           str(stage_dir), "--threads", "1", "--files", "4", "--local-mb", "1", "--steps", "3",
-           "--batch-size", "4", "--input-shape", "3,16,16", "--classes", "4", "--repeats", "1",
-           "--out", str(out)]  # fmt: skip
+           str(stage_dir), "--threads", "1", "--files", "4", "--local-mb", "1",
+           "--steps", str(STEPS), "--batch-size", "4", "--input-shape", "3,16,16",
+           "--classes", "4", "--repeats", "1", "--out", str(out)]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
@@ -201,8 +206,8 @@ def test_bench_calibrate_times_the_steps_while_a_stager_copies_the_data(tmp_path
     assert found, line  # one stager (one node) copied files of --data while the steps ran
     loaded, landed, quiet = float(found[1]), int(found[2]), float(found[3])
     assert 1 <= landed <= 200, line
-    lost = max(0.0, loaded - quiet) * 1e-3 * 3  # --steps 3: seconds the copies cost the steps
-    shown = 0.1e-3 * 3 / landed  # the note's steps are rounded to 0.1 ms
+    lost = max(0.0, loaded - quiet) * 1e-3 * STEPS  # seconds the copies cost the steps
+    shown = 0.1e-3 * STEPS / landed  # the note's steps are rounded to 0.1 ms
     assert figure == pytest.approx(lost / landed, abs=shown + 1e-6), line
     assert list(stage_dir.iterdir()) == []  # the copier's directory and manifest are gone
     assert listing(data) == before

@@ -436,9 +436,9 @@ def _timed_steps(
 ) -> tuple[list[tuple[float, float]], float, float]:
     """(seconds building the batch, seconds of the whole step) of each step after 3 warm-up
     ones, and when the timed steps began and ended (beside.start() is called just before
-    them). The step trains on the fixed batch x, y: what was built only costs its time. Each
-    step runs inside stop's agreement, as hpcdl.train's do; the steps end early, on every rank
-    at once, when it says to stop (a signal)."""
+    them, beside.stop() just after). The step trains on the fixed batch x, y: what was built
+    only costs its time. Each step runs inside stop's agreement, as hpcdl.train's do; the
+    steps end early, on every rank at once, when it says to stop (a signal)."""
     flag = np.zeros(1)
     times = []
     began = time.time()
@@ -458,6 +458,8 @@ def _timed_steps(
         times.append((t1 - t0, time.perf_counter() - t0))
         if stopped:
             break
+    if beside:
+        beside.stop()
     return times[3:] or times, began, time.time()
 
 

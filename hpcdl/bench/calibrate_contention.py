@@ -8,9 +8,10 @@ cores to spare the figure is about 0, which is what it then measures.
 
 It is measured, not derived: the trainer's step (bench calibrate's loop, batch building
 included) is timed once quiet and once while every node's leader runs a real hpcdl-stage that
-copies files of --data into a temporary directory of --stage-dir with --threads copy threads.
-The steps' added seconds, over the copies published during the timed steps (their ctime, as
-the stager renames each finished copy into place), give seconds per file and node. At most
+copies files of --data into a temporary directory of --stage-dir with --threads copy threads,
+started as the timed steps begin. The steps' added seconds, over the copies
+published during the timed steps (the stager's count of them, read from its status map as the
+steps begin and end), give seconds per file and node. At most
 --local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it
 (hpcdl.bench.stage_scratch). A copier that fails leaves the figure at 0, its last line in the
 calibration's note.
@@ -89,16 +90,6 @@ def start_copier(data: Path, stage: Path, relpaths: list[str], sizes: list[int],
     return proc
 
 
-def landed_between(stage: Path, began: float, ended: float) -> int:
-    """Copies published into stage (under k/, write_plan's prefix) within [began, ended]."""
-    count = 0
-    for d, _dirs, names in os.walk(stage / "k"):
-        for n in names:
-            with contextlib.suppress(OSError):
-                count += began <= (Path(d) / n).stat().st_ctime <= ended
-    return count
-
-
 @dataclass(frozen=True)
 class CopyLoad:
     """What the copies are: these files of --data (relative paths, sizes; chosen by bench
@@ -167,33 +158,63 @@ class Idle:
     def start(self) -> None:
         """Called as the timed steps begin."""
 
+    def stop(self) -> None:
+        """Called as the timed steps end."""
 
-class Copies(Idle):
+
+class Counted(Idle):
+    """A stager beside the timed steps whose copies published in between are counted from its
+    status map (files_staged, peer fetches included): exact, where the copies' ctimes are not
+    (Linux may stamp files from a clock a tick or more behind time.time())."""
+
+    def __init__(self, stage: Path) -> None:
+        self.stage = stage
+        self.at_start = self.at_stop = 0
+
+    def staged(self) -> int:
+        """Copies the stager in self.stage has published so far (0 before its map is out)."""
+        view = StatusView(status_path(self.stage))
+        try:
+            return int(view.field("files_staged")) if view.open() else 0
+        finally:
+            view.close()
+
+    def stop(self) -> None:
+        self.at_stop = self.staged()
+
+    def landed(self) -> int:
+        """Copies published while the timed steps ran."""
+        return max(0, self.at_stop - self.at_start)
+
+
+class Copies(Counted):
     """hpcdl-stage copying the load's files of --data into a node-local directory, as fast as
     it goes from the start of the timed steps."""
 
     def __init__(self, load: CopyLoad, stage: Path) -> None:
-        self.stage, self.load, self.procs = stage, load, []
+        super().__init__(stage)
+        self.load, self.procs = load, []
         self.failed = ""  # the copier's last line, where it ended with an error
 
     def start(self) -> None:
         if self.load.relpaths:
             self.procs.append(start_copier(self.load.data, self.stage, self.load.relpaths,
                                            self.load.sizes, self.load.threads))  # fmt: skip
+            self.at_start = self.staged()
 
     def close(self) -> None:
         for proc in self.procs:
             self.failed = self.failed or stop(proc, signal.SIGTERM)
 
 
-class Fetches(Idle):
+class Fetches(Counted):
     """A node's two stagers for the peer fetch: its home, which stages the load's files from
     --data and serves them, and a client (another stage dir) that fetches the previous node's
     (--once: all at once); `stage` is the client's, where the fetched copies land."""
 
     def __init__(self, load: CopyLoad, where: Path, secret: str) -> None:
+        super().__init__(where / "client")
         self.load, self.where, self.secret = load, where, secret
-        self.stage = where / "client"
         self.home: subprocess.Popen | None = None
         self.client: subprocess.Popen | None = None
         self.failed = ""
@@ -279,7 +300,7 @@ def _timed_copies(
     try:
         window = timed(copies if copies is not None else Idle())
         if copies is not None:
-            landed = landed_between(copies.stage, window.began, window.ended)
+            landed = copies.landed()
     finally:
         if copies is not None:
             copies.close()
