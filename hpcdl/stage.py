@@ -128,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="dry run with --calibration: the training job's --workers, for the time a step "
         "waits for its batch (default: as hpcdl.train, a fair share of this machine's cores)",
     )
+    a(
+        "--checkpoint-dir",
+        help="dry run with --calibration: the training job's --checkpoint-dir (nothing is "
+        "written there): each epoch then ends with a checkpoint, at the calibration's checkpoint_s",
+    )
+    a(
+        "--checkpoint-every",
+        type=int,
+        help="dry run with --checkpoint-dir: the training job's --checkpoint-every (steps)",
+    )
     a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
     a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
     a("--json", action="store_true", default=None, help="last line: one JSON object")
@@ -175,6 +185,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if out.workers is not None and int(out.workers) < 0:
         raise UsageError("--workers must be 0 or more")
+    if out.checkpoint_every is not None and int(out.checkpoint_every) < 0:
+        raise UsageError("--checkpoint-every must be 0 (each epoch's end only) or more")
     out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None
@@ -300,6 +312,8 @@ def dry_run(args: argparse.Namespace) -> int:
             placement=args.placement,
             peer_staging=args.peer_staging,
             workers=loader_workers(args, per_node),
+            checkpoint=bool(args.checkpoint_dir),
+            checkpoint_every=int(args.checkpoint_every or 0),
         )
         return prediction.print_predictions(request, bool(args.json))
     env_nodes, env_per = env_layout()

@@ -146,6 +146,52 @@ def test_a_later_epoch_starts_with_its_sample_order_and_the_plan_rewritten(
     )
 
 
+@pytest.mark.parametrize("every, per_epoch", [(0, 1), (4, 3), (5, 2)])
+def test_every_epoch_ends_with_the_jobs_checkpoints(every, per_epoch):
+    """hpcdl.train writes a checkpoint at every epoch's end with --checkpoint-dir, and every
+    --checkpoint-every steps; rank 0 writes it while the others wait at the next collective.
+    Each costs the calibration's checkpoint_s in every epoch (10 steps: every 4 -> steps 4, 8
+    and the end; every 5 -> 5 and the end, which is step 10); without --checkpoint-dir, or
+    without the figure, nothing."""
+    reads = equations.NodeReads((100, 60, 60, 60), (10**6,) * 4, np.arange(10, 101, 10), 10,
+                                "plan")  # fmt: skip
+    plain = JobShape(nodes=2, ranks_per_node=2, batch_size=5, epochs=4)
+    saving = replace(plain, checkpoint=True, checkpoint_every=every)
+    charged = replace(CAL, compute=replace(CAL.compute, checkpoint_s=0.06))
+    base = equations.predict_shape(CAL, plain, reads)
+    more = equations.predict_shape(charged, saving, reads)
+    assert more.epoch_s == pytest.approx([e + 0.06 * per_epoch for e in base.epoch_s])
+    assert more.time_to_last_epoch_s == pytest.approx(base.time_to_last_epoch_s
+                                                      + 0.06 * per_epoch * 4)  # fmt: skip
+    assert equations.predict_shape(CAL, saving, reads).epoch_s == base.epoch_s
+    assert equations.predict_shape(charged, plain, reads).epoch_s == base.epoch_s
+
+
+def test_dry_run_charges_the_jobs_checkpoints(tree, tmp_path):
+    """The dry run takes the training job's --checkpoint-dir and --checkpoint-every (it writes
+    nothing there) and adds the calibration's checkpoint_s per checkpoint to every epoch."""
+    path = tmp_path / "c.toml"
+    calibration.save(path, replace(CAL, compute=replace(CAL.compute, checkpoint_s=0.25)))
+    ckpt = tmp_path / "ckpt"
+
+    def epochs(*more: str) -> list[float]:
+        proc = stage("--dry-run", "--data", str(tree), "--files-only", "--calibration", str(path),
+                     "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "10",
+                     "--epochs", "3", "--json", *more)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        (row,) = json.loads(proc.stdout.splitlines()[-1])["predictions"]
+        return row["epoch_s"]
+
+    base = epochs()
+    assert epochs("--checkpoint-dir", str(ckpt)) == pytest.approx([e + 0.25 for e in base])
+    steps = 400 // (2 * 2 * 10)  # 10 steps an epoch: every 3 -> 3, 6, 9 and the end
+    assert steps == 10
+    assert epochs("--checkpoint-dir", str(ckpt), "--checkpoint-every", "3") == pytest.approx(
+        [e + 4 * 0.25 for e in base]
+    )
+    assert not ckpt.exists()
+
+
 def test_prediction_totals_sum_every_node_and_the_index():
     reads = equations.NodeReads((100, 40), (10**6, 4 * 10**5), np.arange(10, 101, 10), 10,
                                    "plan")  # fmt: skip

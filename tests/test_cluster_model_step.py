@@ -268,15 +268,18 @@ def test_bench_calibrate_says_why_the_input_was_not_timed(tmp_path):
 def test_the_peer_staging_table_sets_each_round_against_its_own_calibration():
     from tools.bench.peer_staging import table  # noqa: PLC0415
 
-    def job(measured: list[float], model: list[float], fetch: float | None = None) -> dict:
+    def job(measured: list[float], model: list[float], fetch: float | None = None,
+            **more: float) -> dict:  # fmt: skip
         step = dict(step_s=model[1] / 30, input_s_per_sample=1e-4, contention_s_per_file=2e-3,
-                    contention_s_per_fetch=fetch)  # fmt: skip
+                    contention_s_per_fetch=fetch, **more)  # fmt: skip
         return dict(epochs_s=measured, model_epochs_s=model, model_step=step,
                     data_wait_s=[0.1, 0.1], stager_pfs_opens=8, peer_files=0, misses=0,
                     fs_opens=8)  # fmt: skip
 
     # round 0 measured 2 s against a model of 1 s (+100 %), round 1 3 s against 3 s (0 %)
-    rounds = [job([2.0, 2.0], [1.0, 1.0]), job([3.0, 3.0], [3.0, 3.0], fetch=1e-3)]
+    # (a round recorded before the checkpoint figure has none: 0)
+    rounds = [job([2.0, 2.0], [1.0, 1.0]),
+              job([3.0, 3.0], [3.0, 3.0], fetch=1e-3, checkpoint_s=0.06)]  # fmt: skip
     result = dict(setup=dict(files=8), global_params_bitwise_equal=True,
                   jobs={name: dict(rounds=rounds) for name in
                         ("node", "global, no peers", "global, peers")})  # fmt: skip
@@ -285,4 +288,39 @@ def test_the_peer_staging_table_sets_each_round_against_its_own_calibration():
     # medians: measured 2.5, model 2.0, and the rounds' own errors +100 % and 0 %: +50 %
     assert "| 2.50 (model 2.00, +50%) | 2.50 (model 2.00, +50%) |" in node, node
     assert ("model per round (its calibration): step ms 33.3, 100.0; input ms/sample 0.10, "
-            "0.10; contention ms per copy 2.00, 2.00; per fetch -, 1.00") in rows, rows  # fmt: skip
+            "0.10; contention ms per copy 2.00, 2.00; per fetch -, 1.00; checkpoint ms 0, 60"
+            ) in rows, rows  # fmt: skip
+
+
+def test_calibrate_times_the_trainers_checkpoint_and_leaves_the_directory_as_it_was(
+    tmp_path, monkeypatch
+):
+    """bench calibrate --checkpoint-dir: rank 0 saves the checkpoint hpcdl.train would save of
+    this model (parameters, buffers, SGD momentum) with hpcdl.checkpoint.save, a few times, in
+    a temporary directory inside the given one, and keeps the median. Nothing else there is
+    touched; a directory that did not exist is made and removed again."""
+    from hpcdl import checkpoint
+    from hpcdl.bench.calibrate_checkpoint import measure_checkpoint
+
+    saved = []
+    real_save = checkpoint.save
+
+    def spy(directory, ckpt, keep=2):
+        path = real_save(directory, ckpt, keep)
+        saved.append((path.stat().st_size, ckpt.params.size, sorted(ckpt.optimizer)))
+        return path
+
+    monkeypatch.setattr(checkpoint, "save", spy)
+    user = tmp_path / "ckpts"
+    user.mkdir()
+    (user / "mine").write_text("a user's file")
+    seconds, note = measure_checkpoint("mlp", (3, 32, 32), 4, user)
+    assert 0 < seconds < 30 and "MB" in note
+    assert len(saved) >= 3
+    size, params, state = saved[0]
+    assert params > 0 and state  # the momentum is there, as after a step
+    assert size > 2 * 4 * params  # float32 parameters and as many momentum values
+    assert sorted(p.name for p in user.iterdir()) == ["mine"]
+    assert (user / "mine").read_text() == "a user's file"
+    assert measure_checkpoint("mlp", (3, 32, 32), 4, tmp_path / "new" / "dir")[0] > 0
+    assert not (tmp_path / "new").exists()

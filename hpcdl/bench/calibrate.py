@@ -33,6 +33,9 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   fetch.
 - The epoch's start (hpcdl.bench.calibrate_boundary, world rank 0 alone): an epoch's
   permutation of the samples, and the replan of a node's plan at two sizes, made-up names.
+- Checkpoint (hpcdl.bench.calibrate_checkpoint, world rank 0 alone, only with
+  --checkpoint-dir): the checkpoint hpcdl.train writes of --model, saved a few times into a
+  temporary directory inside --checkpoint-dir; the median.
 - The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
   8-byte loss check, back to back on every rank (the mean step, the slowest rank; the median of
   three windows of --steps steps); the factor on the allreduce formula is set so that the
@@ -60,6 +63,7 @@ import numpy as np
 
 from hpcdl import nn
 from hpcdl.bench.calibrate_boundary import measure_boundary
+from hpcdl.bench.calibrate_checkpoint import measure_checkpoint
 from hpcdl.bench.calibrate_contention import (
     MIN_FILES,
     CopyLoad,
@@ -116,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--steps", type=int, default=10, help="timed steps per batch size")
     a("--bucket-mb", type=float, default=25.0, help="the job's gradient bucket size (MiB)")
     a("--repeats", type=int, default=5, help="allreduce timings per size (median)")
+    a("--checkpoint-dir", help="the job's --checkpoint-dir: time one checkpoint of --model "
+      "there (a temporary directory, removed after; default: not measured, 0 s)")
     a("--out", help="calibration file to write (TOML; docs/cluster-model.md)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -503,10 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     install_abort_on_exception(world.comm, world.rank)
     blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
     pfs = local = rows = peer = boundary = None
+    saved = (0.0, "not measured (no --checkpoint-dir)")
     if world.rank == 0:
         pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
         local, peer = measure_local(Path(args.stage_dir), args.local_mb)
         boundary = measure_boundary(Path(args.stage_dir))
+        if args.checkpoint_dir:
+            saved = measure_checkpoint(args.model, args.shape, args.classes,
+                                       Path(args.checkpoint_dir))  # fmt: skip
     world.comm.Barrier()  # the PFS and the disk were measured alone
     if world.num_nodes > 1:
         pfs = world.comm.bcast(pfs, root=0)
@@ -540,10 +550,11 @@ def main(argv: list[str] | None = None) -> int:
                       contention_s_per_fetch=trained.contention_s_per_fetch,
                       permute_s_per_sample=boundary.permute_s_per_sample,
                       replan_s=boundary.replan_s,
-                      replan_s_per_entry=boundary.replan_s_per_entry)  # fmt: skip
+                      replan_s_per_entry=boundary.replan_s_per_entry,
+                      checkpoint_s=saved[0])  # fmt: skip
     cal = Calibration(pfs, local, network, compute, source=source, peer=peer)
     cal = fit_to_trainer_step(cal, world, args, trained.step_s)
-    print(describe(cal, rows, where, trained, timed, boundary.note))
+    print(describe(cal, rows, where, trained, timed, boundary.note, saved[1]))
     if args.out:
         calibration.save(args.out, cal)
         print(f"wrote {args.out}")
@@ -559,6 +570,7 @@ def describe(
     trained: TrainerStep,
     timed: str,
     replans: str = "",
+    saved: str = "not measured",
 ) -> str:
     """The measured figures, one line per part."""
     p, n, c, peer = cal.pfs, cal.network, cal.compute, cal.peer or calibration.DEFAULT_PEER
@@ -596,6 +608,7 @@ def describe(
         f"  epoch start: {c.permute_s_per_sample * 1e9:.1f} ns per sample of the sample order; "
         f"the plan's rewrite {c.replan_s * 1e3:.2f} ms + {c.replan_s_per_entry * 1e6:.2f} us "
         f"per entry ({replans or 'not measured'})",
+        f"  checkpoint: {c.checkpoint_s * 1e3:.1f} ms ({saved})",
     ])  # fmt: skip
 
 

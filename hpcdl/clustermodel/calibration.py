@@ -99,6 +99,10 @@ class ComputeFigures:
     permute_s_per_sample: float = 0.0
     replan_s: float = 0.0
     replan_s_per_entry: float = 0.0
+    # One checkpoint of this model as hpcdl.train writes it (rank 0, hpcdl.checkpoint.save into
+    # bench calibrate's --checkpoint-dir); the other ranks wait for it at the next collective
+    # (equations.checkpoints_per_epoch). 0: not measured, and a job's checkpoints cost nothing.
+    checkpoint_s: float = 0.0
 
     def fetch_contention_s(self) -> float:
         """Training seconds a node loses per file it fetches from a peer."""

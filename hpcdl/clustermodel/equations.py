@@ -18,7 +18,8 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 6. the steps an epoch's copies slow down (contention_s: a measured cost per copy), and the
    wait for the batch where the loaders fall behind or the rank builds it (input_time);
 7. each later epoch's start: the ranks draw its sample order, and each node's local rank 0
-   rewrites its plan while the others wait (boundary_s).
+   rewrites its plan while the others wait (boundary_s);
+8. the job's checkpoints: each epoch's, at a measured cost each (checkpoints_per_epoch).
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
@@ -54,6 +55,8 @@ class JobShape:
     workers: int = 1  # loader worker processes per rank (--workers; 0: the rank builds batches)
     samples: int = 0  # the data set's samples, which a global shuffle permutes (0: not known)
     shuffle: str = "global"  # the sampler's: global | node | none
+    checkpoint: bool = False  # the job writes checkpoints (--checkpoint-dir)
+    checkpoint_every: int = 0  # ... and every this many steps besides each epoch's end
 
     @property
     def ranks(self) -> int:
@@ -350,6 +353,19 @@ def boundary_s(cal: Calibration, shape: JobShape, node_files: int, replan: bool)
     return draw + c.replan_s + c.replan_s_per_entry * entries
 
 
+def checkpoints_per_epoch(shape: JobShape, steps_per_epoch: int) -> int:
+    """Checkpoints hpcdl.train writes in an epoch (its checkpoint_due): one at the epoch's end,
+    and one every checkpoint_every steps; the one due at the end is written once. The steps
+    are counted from the epoch's start (the global step's multiples where epochs are a
+    multiple of checkpoint_every long; within one either way)."""
+    if not shape.checkpoint:
+        return 0
+    if shape.checkpoint_every <= 0:
+        return 1
+    every, rest = divmod(steps_per_epoch, shape.checkpoint_every)
+    return every + (1 if rest else 0)
+
+
 def later_epochs(
     cal: Calibration,
     shape: JobShape,
@@ -401,6 +417,10 @@ def predict_shape(
     later = later_epochs(cal, shape, rate, split(reads), compute_epoch, reads.new_files[0]) or [
         compute_epoch
     ]
+    # rank 0 writes the epoch's checkpoints after (or between) its steps, the others wait
+    saving = checkpoints_per_epoch(shape, reads.steps_per_epoch) * cal.compute.checkpoint_s
+    epoch1_s += saving
+    later = [e + saving for e in later]
     nodes = [split(r) for r in (every_node or [reads] * shape.nodes)]
     opens = [sum(r.pfs_files[e] for r in nodes) for e in range(shape.epochs)]
     opens[0] += shape.index_files

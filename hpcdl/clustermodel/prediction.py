@@ -65,6 +65,8 @@ class PredictionRequest:
     placement: str  # how the job places its ranks: block | cyclic
     peer_staging: str = "auto"  # --peer-staging: auto | on | off (staging.peer_tier)
     workers: int = 1  # the job's loader workers per rank (--workers; 0: the rank loads)
+    checkpoint: bool = False  # the job has a --checkpoint-dir: every epoch ends with a checkpoint
+    checkpoint_every: int = 0  # the job's --checkpoint-every (steps; 0: each epoch's end only)
 
 
 def dataset_figures(ds: Any) -> tuple[int, int]:
@@ -139,6 +141,8 @@ def predict(request: PredictionRequest) -> list[Prediction]:
             workers=request.workers,
             samples=len(request.dataset),
             shuffle=request.shuffle,
+            checkpoint=request.checkpoint,
+            checkpoint_every=request.checkpoint_every,
         )
         reads = node_reads(request, shape)
         every_node = reads if len(reads) == nodes else None
@@ -213,6 +217,14 @@ def print_predictions(request: PredictionRequest, as_json: bool) -> int:
         f"{_peer_state(request, predictions)}"
     )
     print(table(predictions))
+    if request.checkpoint:
+        every = f" and every {request.checkpoint_every} steps" if request.checkpoint_every else ""
+        cost = (
+            f"{cal.compute.checkpoint_s:.3g} s each"
+            if cal.compute.checkpoint_s
+            else "0 s, not in the calibration (bench calibrate --checkpoint-dir)"
+        )
+        print(f"  checkpoints at each epoch's end{every}: {cost}")
     # waits under 1 % of the epoch (the first files of step 0) are not worth a line
     late = [p for p in predictions if p.epoch1_input_bound_s > 0.01 * p.epoch1_s]
     for p in late:

@@ -87,17 +87,19 @@ def params_of(out: Path) -> np.ndarray:
 
 
 def predicted_epochs(
-    setup: Setup, mount: Path, calib: Path, flags: tuple[str, ...]
+    setup: Setup, mount: Path, calib: Path, flags: tuple[str, ...], checkpoints: Path | None = None
 ) -> tuple[list, dict]:
     """The dry run's seconds of every epoch of this job (hpcdl.clustermodel), and its step's
-    figures: the calibration's input and contention terms, the model's step."""
+    figures: the calibration's input and contention terms, the model's step. checkpoints: the
+    job's --checkpoint-dir (the dry run charges a checkpoint per epoch; it writes nothing)."""
     from hpcdl import stage  # noqa: PLC0415
 
+    saving = ["--checkpoint-dir", str(checkpoints)] if checkpoints else []
     argv = ["--dry-run", "--data", str(mount), "--calibration", str(calib), "--nodes",
             str(setup.nodes), "--ranks-per-node", str(setup.ranks_per_node), "--seed", "0",
             "--batch-size", str(setup.batch_size), "--epochs", str(setup.epochs),
             "--stage-threads", str(setup.stage_threads), "--workers", "0", "--json",
-            *flags]  # fmt: skip
+            *saving, *flags]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         if stage.main(argv) != 0:
@@ -110,6 +112,7 @@ def predicted_epochs(
         input_s_per_sample=compute["input_s_per_sample"],
         contention_s_per_file=compute["contention_s_per_file"],
         contention_s_per_fetch=compute.get("contention_s_per_fetch"),
+        checkpoint_s=compute.get("checkpoint_s", 0.0),
     )
 
 
@@ -123,8 +126,8 @@ def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str,
             for k, (name, flags) in enumerate(JOBS.items()):
                 out = workdir / f"job{r}-{k}"
                 job = run_job(cluster, pfs, setup, mount, out, flags)
-                job["model_epochs_s"], job["model_step"] = predicted_epochs(setup, mount, calib,
-                                                                            flags)  # fmt: skip
+                job["model_epochs_s"], job["model_step"] = predicted_epochs(
+                    setup, mount, calib, flags, out / "ckpt")  # as train_args gives the job
                 rounds[name].append(job)
     same = all(
         params_of(workdir / f"job{r}-1").tobytes() == params_of(workdir / f"job{r}-2").tobytes()
@@ -186,7 +189,9 @@ def table(result: dict[str, Any]) -> str:
                      f"{m['contention_s_per_file'] * 1e3:.2f}" for m in steps)
                  + "; per fetch " + ", ".join(
                      "-" if m.get("contention_s_per_fetch") is None
-                     else f"{m['contention_s_per_fetch'] * 1e3:.2f}" for m in steps))  # fmt: skip
+                     else f"{m['contention_s_per_fetch'] * 1e3:.2f}" for m in steps)
+                 + "; checkpoint ms " + ", ".join(
+                     f"{m.get('checkpoint_s', 0.0) * 1e3:.0f}" for m in steps))  # fmt: skip
     lines.append(f"final parameters of the two global jobs bitwise equal in every round: "
                  f"{result['global_params_bitwise_equal']}")  # fmt: skip
     return "\n".join(lines)

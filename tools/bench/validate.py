@@ -93,6 +93,7 @@ def calibrate_args(setup: Setup, mount: Path, out: Path) -> list[str]:
     return ["-m", "hpcdl.bench", "calibrate", "--data", str(mount), "--stage-dir", "/local",
             "--batch-size", str(setup.batch_size), "--classes", "4", "--files", "24",
             "--threads", str(setup.stage_threads), "--repeats", "5", "--steps", "30",
+            "--checkpoint-dir", str(out.parent / "calibrate-ckpt"),  # where the jobs' go
             "--out", str(out)]  # fmt: skip
 
 
