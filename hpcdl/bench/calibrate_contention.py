@@ -9,9 +9,9 @@ cores to spare the figure is about 0, which is what it then measures.
 It is measured, not derived: the trainer's step (bench calibrate's loop, batch building
 included) is timed once quiet and once while every node's leader runs a real hpcdl-stage that
 copies files of --data into a temporary directory of --stage-dir with --threads copy threads,
-started as the timed steps begin. The steps' added seconds, over the copies
-published during the timed steps (the stager's count of them, read from its status map as the
-steps begin and end), give seconds per file and node. At most
+started as the timed steps begin. The steps' added seconds, over the copies published during
+the timed steps (the stager's count of them, read from its status map as the steps begin and
+end), give seconds per file and node. At most
 --local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it
 (hpcdl.bench.stage_scratch). A copier that fails leaves the figure at 0, its last line in the
 calibration's note.
