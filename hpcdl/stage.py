@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pfs-open-latency", type=float, help="dry run estimate: ms per open (default 1)")
     a("--probe", action="store_true", default=None, help="dry run: measure PFS speed by reading")
     a("--write-plans", help="dry run: write each node's plan file into this directory")
-    # cluster model (hpcdl.clustermodel, docs/cluster-model.md)
+    add_model_flags(a)
+    a("--json", action="store_true", default=None, help="last line: one JSON object")
+    a("--quiet", action="store_true", default=None, help="no progress output")
+    return p
+
+
+def add_model_flags(a: Callable[..., Any]) -> None:
+    """The dry run's cluster-model flags (hpcdl.clustermodel, docs/cluster-model.md): the
+    calibration, and the training job's own flags that change its time."""
     a(
         "--calibration",
         help="dry run: calibration file (python -m hpcdl.bench calibrate, or the site's); "
@@ -140,9 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
     a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
-    a("--json", action="store_true", default=None, help="last line: one JSON object")
-    a("--quiet", action="store_true", default=None, help="no progress output")
-    return p
 
 
 DEFAULTS: dict[str, Any] = dict(
@@ -289,33 +295,38 @@ def loader_workers(args: argparse.Namespace, ranks_per_node: int) -> int:
     return default_workers(ranks_per_node=ranks_per_node)
 
 
+def model_dry_run(args: argparse.Namespace) -> int:
+    """The dry run with --calibration: the cluster model's prediction per --nodes."""
+    from hpcdl.clustermodel import calibration, prediction  # noqa: PLC0415
+
+    if args.dataset_files:
+        ds = prediction.described_dataset(args.dataset_files, args.dataset_bytes)
+    else:
+        ds = open_data(args)
+    per_node = int(args.ranks_per_node or 1)
+    request = prediction.PredictionRequest(
+        calibration=calibration.load(args.calibration),
+        source=args.calibration,
+        dataset=ds,
+        node_counts=tuple(args.node_counts or [env_layout()[0] or 1]),
+        ranks_per_node=per_node,
+        batch_size=int(args.batch_size),
+        epochs=int(args.epochs),
+        stage_threads=int(args.stage_threads),
+        seed=int(args.seed),
+        shuffle=args.shuffle,
+        placement=args.placement,
+        peer_staging=args.peer_staging,
+        workers=loader_workers(args, per_node),
+        checkpoint=bool(args.checkpoint_dir),
+        checkpoint_every=int(args.checkpoint_every or 0),
+    )
+    return prediction.print_predictions(request, bool(args.json))
+
+
 def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
-        from hpcdl.clustermodel import calibration, prediction  # noqa: PLC0415
-
-        if args.dataset_files:
-            ds = prediction.described_dataset(args.dataset_files, args.dataset_bytes)
-        else:
-            ds = open_data(args)
-        per_node = int(args.ranks_per_node or 1)
-        request = prediction.PredictionRequest(
-            calibration=calibration.load(args.calibration),
-            source=args.calibration,
-            dataset=ds,
-            node_counts=tuple(args.node_counts or [env_layout()[0] or 1]),
-            ranks_per_node=per_node,
-            batch_size=int(args.batch_size),
-            epochs=int(args.epochs),
-            stage_threads=int(args.stage_threads),
-            seed=int(args.seed),
-            shuffle=args.shuffle,
-            placement=args.placement,
-            peer_staging=args.peer_staging,
-            workers=loader_workers(args, per_node),
-            checkpoint=bool(args.checkpoint_dir),
-            checkpoint_every=int(args.checkpoint_every or 0),
-        )
-        return prediction.print_predictions(request, bool(args.json))
+        return model_dry_run(args)
     env_nodes, env_per = env_layout()
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
     layout = rank_layout([per] * nodes, args.placement)

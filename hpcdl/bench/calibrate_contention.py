@@ -54,6 +54,7 @@ from hpcdl.bench.calibrate_peer import (
     WAIT_S,
     start_stager,
     status_path,
+    stopped_saying,
     wait_ready,
     write_plan,
 )
@@ -274,16 +275,10 @@ def renice(pid: int, more: int) -> None:
 def stop(proc: subprocess.Popen, sig: int) -> str:
     """Send sig to a stager still running and wait for it: "" where it ended with 0 or by
     sig, else how it failed (its exit status and last line)."""
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        _, err = proc.communicate(timeout=WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
+    err = stopped_saying(proc, sig, WAIT_S)
     if proc.returncode in (0, -sig):
         return ""
-    lines = (err or "").strip().splitlines()
+    lines = err.strip().splitlines()
     return f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}"
 
 

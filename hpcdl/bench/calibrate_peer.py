@@ -174,18 +174,20 @@ def wait_ready(stage: Path, proc: subprocess.Popen, count: int, nbytes: int) -> 
         elif time.monotonic() > deadline:
             why = f"not within {WAIT_S:.0f} s"
         if why:
-            said = " / ".join(stopped_saying(proc).strip().splitlines()[-3:]) or "nothing"
+            said = stopped_saying(proc, signal.SIGUSR1, WAIT_S / 4).strip().splitlines()
+            said = " / ".join(said[-3:]) or "nothing"
             raise UserError(f"bench calibrate: the home stager in {stage} did not stage its "
                             f"{count} files ({why}); it said: {said}")  # fmt: skip
         time.sleep(0.02)
 
 
-def stopped_saying(proc: subprocess.Popen) -> str:
-    """A stager's standard error, once it has finished (SIGUSR1: as when the job ends)."""
+def stopped_saying(proc: subprocess.Popen, sig: int, timeout: float) -> str:
+    """A stager's standard error, once it has ended: sig to one still running (SIGUSR1: as
+    when the job ends; SIGTERM), killed if it has not ended within timeout."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
     try:
-        _, err = proc.communicate(timeout=WAIT_S / 4)
+        _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
