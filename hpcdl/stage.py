@@ -263,9 +263,7 @@ def probe_pfs(ds: Any, plan: NodePlan, samples: int = 16) -> tuple[float, float]
     return latency, (nbytes / 1e6) / max(t_read, 1e-9)
 
 
-def staging_seconds(
-    files: int, nbytes: int, latency_ms: float, mbps: float, threads: int
-) -> float:
+def staging_seconds(files: int, nbytes: int, latency_ms: float, mbps: float, threads: int) -> float:
     """One node's first-epoch staging time by the cluster model's formula (equations.
     staging_rate): the dry run's figures are one thread's open latency and bandwidth, which
     is also the node's (--pfs-bandwidth is per node; --probe reads with one thread)."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create/refresh the environment and run the whole test suite:
-#   1. ruff (lint)   2. pytest, single-process tests (includes the real-Slurm tests)
+#   1. ruff (lint and format check)   2. pytest, single-process tests (includes the real-Slurm tests)
 #   3. pytest under `mpirun -np 2` for the tests marked mpi
 # Extra arguments go to both pytest runs (e.g. -x, -k name).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -8,6 +8,7 @@ cd "$REPO"
 
 echo "== ruff"
 ruff check hpcdl tests tools scripts
+ruff format --check hpcdl tests tools scripts
 
 echo "== pytest (single process)"
 status=0

@@ -87,8 +87,9 @@ def test_calibration_save_cleans_up_on_error(tmp_path):
         pfs=PfsFigures(open_latency_s=0.01, thread_bandwidth_Bps=1e8),
         local=LocalFigures(write_bandwidth_Bps=1e9),
         network=NetworkFigures(1e-5, 1e-9, 1e-4, 1e-8, "hierarchical"),
-        compute=ComputeFigures("mlp", 8, v0=800.0, t=0.01, backward_fraction=0.5,
-                               gradient_bytes=4_000_000),  # fmt: skip
+        compute=ComputeFigures(
+            "mlp", 8, v0=800.0, t=0.01, backward_fraction=0.5, gradient_bytes=4_000_000
+        ),  # fmt: skip
     )
     good = tmp_path / "c.toml"
     calibration.save(good, cal)

@@ -122,8 +122,9 @@ def test_reads_from_the_plan_count_each_nodes_files_once(tree):
     assert all(abs(a - b) <= 25 for a, b in zip(expected.new_files, reads.new_files))
 
 
-@pytest.mark.parametrize("shuffle, permuted, entries", [("global", 10_000, 200),
-                                                       ("node", 5_000, 100), ("none", 0, 100)])
+@pytest.mark.parametrize(
+    "shuffle, permuted, entries", [("global", 10_000, 200), ("node", 5_000, 100), ("none", 0, 100)]
+)
 def test_a_later_epoch_starts_with_its_sample_order_and_the_plan_rewritten(
     shuffle, permuted, entries
 ):
@@ -307,6 +308,7 @@ def test_bench_calibrate_writes_a_file_the_dry_run_reads(tree, tmp_path):
 def test_bench_calibrate_creates_a_missing_stage_dir_as_training_does(tree, tmp_path):
     """A stage dir that does not exist yet is made (hpcdl.train makes it), used and removed;
     one that cannot be a directory is one line, not a traceback."""
+
     def calibrate(stage_dir: Path) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(tree),
                "--stage-dir", str(stage_dir), "--threads", "1", "--files", "2",

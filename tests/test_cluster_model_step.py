@@ -33,8 +33,9 @@ CAL = Calibration(  # a step of about 20 ms at batch 8, no input figure
     pfs=PfsFigures(open_latency_s=0.01, thread_bandwidth_Bps=1e8),
     local=LocalFigures(write_bandwidth_Bps=1e9),
     network=NetworkFigures(1e-5, 1e-9, 1e-4, 1e-8, "hierarchical"),
-    compute=ComputeFigures("mlp", 8, v0=800.0, t=0.01, backward_fraction=0.5,
-                           gradient_bytes=4_000_000),  # fmt: skip
+    compute=ComputeFigures(
+        "mlp", 8, v0=800.0, t=0.01, backward_fraction=0.5, gradient_bytes=4_000_000
+    ),  # fmt: skip
 )
 PER_SAMPLE = 2e-3  # seconds: a slow decode, so that workers can fall behind a short step
 WITH_INPUT = replace(CAL, compute=replace(CAL.compute, input_s_per_sample=PER_SAMPLE))
@@ -77,8 +78,9 @@ def test_a_calibration_file_without_the_step_figures_loads_with_none(tmp_path):
     calibration.save(path, fetched)
     assert "contention_s_per_fetch = 0.0" in path.read_text()
     assert calibration.load(path).compute.fetch_contention_s() == 0.0  # measured as free
-    path.write_text(path.read_text().replace("contention_s_per_fetch = 0.0",
-                                             "contention_s_per_fetch = -1.0"))
+    path.write_text(
+        path.read_text().replace("contention_s_per_fetch = 0.0", "contention_s_per_fetch = -1.0")
+    )
     with pytest.raises(calibration.CalibrationError, match="contention_s_per_fetch must be >= 0"):
         calibration.load(path)
 

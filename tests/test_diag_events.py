@@ -219,7 +219,9 @@ def test_timeline_buffers_merge_into_a_chrome_trace(tmp_path):
     assert any(e["name"] == "lost 6 events" for e in events if e["pid"] == 0)
     rates = [e for e in events if e["ph"] == "C"]
     assert {e["name"]: e["args"] for e in rates} == {
-        "copies/s": {"copies/s": 25.0}, "pfs_fallbacks/s": {"pfs_fallbacks/s": 1.0}}
+        "copies/s": {"copies/s": 25.0},
+        "pfs_fallbacks/s": {"pfs_fallbacks/s": 1.0},
+    }
     assert {e["pid"] for e in rates} == {timeline.NODE_TRACK}
     assert any(e["name"] == "lost 8 events" for e in events if e["pid"] == 1)
     timeline.remove_parts(trace, 2)

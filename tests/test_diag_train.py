@@ -61,9 +61,7 @@ def test_timeline_has_every_ranks_phases_and_each_buckets_allreduce(digits_dir, 
     assert png.stat().st_size > 10_000
 
 
-def test_report_timeline_merges_buffers_left_by_a_stopped_run_and_draws_steps(
-    digits_dir, tmp_path
-):
+def test_report_timeline_merges_buffers_left_by_a_stopped_run_and_draws_steps(digits_dir, tmp_path):
     trace = tmp_path / "t.json"
     env = dict(mpi_env())
     job = subprocess.Popen(

@@ -30,7 +30,6 @@ from hpcdl import checkpoint
 pytestmark = pytest.mark.slurm
 
 
-
 @pytest.fixture(scope="session")
 def slurm():
     if os.environ.get("HPCDL_NO_SLURM") == "1":

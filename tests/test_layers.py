@@ -29,8 +29,16 @@ TESTS = REPO / "tests"
 # package's own __init__, so a new module has no layer until it is written down here).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # base utilities: no hpcdl import above this line (hpcdl.diag: the diagnostics' event ring)
-    ("hpcdl", "hpcdl.messages", "hpcdl.fsync", "hpcdl.atomic", "hpcdl.helpformat", "hpcdl.cli",
-     "hpcdl.tensorboard_events", "hpcdl.diag"),  # fmt: skip
+    (
+        "hpcdl",
+        "hpcdl.messages",
+        "hpcdl.fsync",
+        "hpcdl.atomic",
+        "hpcdl.helpformat",
+        "hpcdl.cli",
+        "hpcdl.tensorboard_events",
+        "hpcdl.diag",
+    ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading
     ("hpcdl.data", "hpcdl.comm"),  # data sets, sampler, loader; MPI world, reducer, failure
     ("hpcdl.config",),  # TrainConfig: validated against the data and model names
@@ -40,8 +48,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcdl.run", "hpcdl.resume", "hpcdl.export"),  # a run's resources; checkpoint in and out
     ("hpcdl.startup",),  # builds a Run from a TrainConfig
     # commands (every package's __main__ counts here, at least)
-    ("hpcdl.train", "hpcdl.stage", "hpcdl.report", "hpcdl.report_diag", "hpcdl.doctor",
-     "hpcdl.jobs"),  # fmt: skip
+    (
+        "hpcdl.train",
+        "hpcdl.stage",
+        "hpcdl.report",
+        "hpcdl.report_diag",
+        "hpcdl.doctor",
+        "hpcdl.jobs",
+    ),  # fmt: skip
     ("hpcdl.torch",),  # the PyTorch adapter for scripts
     ("hpcdl.bench",),  # `python -m hpcdl.bench`: may use everything, torch lazily
     ("tools",),  # harnesses outside the package (python -m tools.bench); hpcdl never imports it
@@ -225,9 +239,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     )
     names = {name for name, _ in imported_names("hpcdl.nn.lazy", lazy)}
     assert {"hpcdl.bench", "hpcdl.bench.compute", "torch"} <= names
-    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [
-        ["a", "b", "c"]
-    ]
+    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
     assert layer_of("hpcdl.nn.__main__") == COMMANDS > layer_of("hpcdl.nn.step")
     assert layer_of("hpcdl.bench.__main__") == layer_of("hpcdl.bench") > COMMANDS
     assert layer_of("tools.bench.train") > layer_of("hpcdl.bench.train")

@@ -115,9 +115,7 @@ def test_global_shuffle_opens_each_file_once_and_trains_the_same(cluster, folder
     assert total(without, "pfs_opens") > total(with_peers, "pfs_opens"), (without, with_peers)
 
 
-def test_a_home_behind_its_ranks_costs_pfs_reads_only_for_what_it_missed(
-    cluster, folder, tmp_path
-):
+def test_a_home_behind_its_ranks_costs_pfs_reads_only_for_what_it_missed(cluster, folder, tmp_path):
     """Node 2's stager waits 1.5 s on every PFS open (HPCDL_STAGE_EMULATE_PFS in its process
     only: its ranks read at full speed), so its ranks read the first files from the PFS
     before it has them, and node 1 asks it for files it does not hold yet. Node 1 reads the

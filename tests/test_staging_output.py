@@ -111,9 +111,7 @@ def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd, nice):
     assert f"at nice +{nice}" in first and "after epoch" not in first, first
 
 
-def test_by_default_the_stager_goes_below_the_ranks_once_they_pass_the_first_epoch(
-    tmp_path, capfd
-):
+def test_by_default_the_stager_goes_below_the_ranks_once_they_pass_the_first_epoch(tmp_path, capfd):
     """--stage-nice auto, the default: the ranks' priority while they wait for epoch 1's
     copies from the PFS (at +10 from the start, epoch 1 staged later than the cluster model
     says), then every thread at +10 once the slowest rank has passed that epoch: from then on

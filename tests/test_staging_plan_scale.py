@@ -197,8 +197,16 @@ def test_the_dry_run_estimates_staging_with_the_cluster_models_formula(tmp_path,
 def test_the_dry_run_takes_the_trainers_epochs_by_default(tmp_path, capsys):
     """Left out, --epochs is hpcdl.train's default, so the whole-run figures are the run's."""
     make_tree(tmp_path / "data", 40, 1000)
-    flags = ["--data", str(tmp_path / "data"), "--batch-size", "4", "--nodes", "2",
-             "--stage-capacity", "1G"]  # not the free space, which others change meanwhile
+    flags = [
+        "--data",
+        str(tmp_path / "data"),
+        "--batch-size",
+        "4",
+        "--nodes",
+        "2",
+        "--stage-capacity",
+        "1G",
+    ]  # not the free space, which others change meanwhile
     out, rows = dry_run_rows(capsys, *flags)
     epochs = TrainConfig().epochs
     assert f"(whole run of {epochs} epochs)" in out[0]

@@ -4,7 +4,6 @@ Every test gathers each rank's outcome with a collective before asserting, so a 
 behaves differently fails the test on every rank instead of leaving the others in a collective.
 """
 
-
 import numpy as np
 import pytest
 from helpers import digest

@@ -120,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--steps", type=int, default=10, help="timed steps per batch size")
     a("--bucket-mb", type=float, default=25.0, help="the job's gradient bucket size (MiB)")
     a("--repeats", type=int, default=5, help="allreduce timings per size (median)")
-    a("--checkpoint-dir", help="the job's --checkpoint-dir: time one checkpoint of --model "
-      "there (a temporary directory, removed after; default: not measured, 0 s)")
+    a(
+        "--checkpoint-dir",
+        help="the job's --checkpoint-dir: time one checkpoint of --model "
+        "there (a temporary directory, removed after; default: not measured, 0 s)",
+    )
     a("--out", help="calibration file to write (TOML; docs/cluster-model.md)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -417,6 +420,7 @@ def measure_trainer_step(
         step_s, building = sorted(windows)[len(windows) // 2]
         copies: tuple = ()
         if contention is not None and not stop.signal_name:
+
             def timed(beside) -> Window:
                 loaded, began, ended = _timed_steps(parts, x, y, world.comm, stop, args.steps,
                                                     build, beside)  # fmt: skip
@@ -535,8 +539,10 @@ def main(argv: list[str] | None = None) -> int:
             chosen = copy_sample(Path(args.data), want, args.local_mb * 1_000_000)
         load = CopyLoad(Path(args.data), args.threads, *chosen)
         stage = Path(args.stage_dir)
-        return (*measure_contention(world, load, stage, quiet_s, timed_steps),
-                *measure_fetch_contention(world, load, stage, quiet_s, timed_steps))
+        return (
+            *measure_contention(world, load, stage, quiet_s, timed_steps),
+            *measure_fetch_contention(world, load, stage, quiet_s, timed_steps),
+        )
 
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
                        args.augment, args.local_mb) as (samples, timed):  # fmt: skip

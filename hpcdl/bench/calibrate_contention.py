@@ -237,8 +237,9 @@ class Fetches(Counted):
         finally:
             listener.close()  # the home holds its own descriptor
         try:
-            wait_ready(self.where / "home", self.home, len(self.load.relpaths),
-                       sum(self.load.sizes))
+            wait_ready(
+                self.where / "home", self.home, len(self.load.relpaths), sum(self.load.sizes)
+            )
         except UserError as exc:
             return None, str(exc)
         renice(self.home.pid, STAGE_NICE_LATER)  # staged at the ranks' priority, serves below

@@ -169,8 +169,10 @@ def wait_ready(stage: Path, proc: subprocess.Popen, count: int, nbytes: int) -> 
             why = f"it ended with status {proc.returncode}"
         elif view.open() and view.field("heartbeat_ns") and view.field("capacity") < nbytes:
             # (the capacity is set before the first heartbeat; 0 until then)
-            why = (f"its capacity is {view.field('capacity')} B for {nbytes} B: give --stage-dir "
-                   "more free space than hpcdl-stage keeps free, max(5 %, 1 GiB) of its disk")
+            why = (
+                f"its capacity is {view.field('capacity')} B for {nbytes} B: give --stage-dir "
+                "more free space than hpcdl-stage keeps free, max(5 %, 1 GiB) of its disk"
+            )
         elif time.monotonic() > deadline:
             why = f"not within {WAIT_S:.0f} s"
         if why:

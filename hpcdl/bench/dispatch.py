@@ -44,8 +44,7 @@ def run(prog: str, table: dict[str, str], what: str, argv: list[str]) -> int:
     if argv[0] not in table:
         names = ", ".join(table)
         print(
-            f"{prog}: unknown benchmark {argv[0]!r}; choose one of {names} "
-            "(--help describes them)",
+            f"{prog}: unknown benchmark {argv[0]!r}; choose one of {names} (--help describes them)",
             file=sys.stderr,
         )
         return 2

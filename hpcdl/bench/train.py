@@ -334,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             keep = Path(args.keep_metrics) if args.keep_metrics else Path(scratch)
             results, _ = run_modes(args, data, keep)
     except (
-        RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, metrics_file.ReportError
+        RuntimeError,
+        FileNotFoundError,
+        subprocess.TimeoutExpired,
+        metrics_file.ReportError,
     ) as exc:
         print(f"hpcdl.bench train: {exc}", file=sys.stderr)
         return 1

@@ -70,9 +70,7 @@ def _places_every_rank_once(world_size: int, ranks_by_node: NodeLayout) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _layout_index(
-    world_size: int, layout: NodeLayout
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _layout_index(world_size: int, layout: NodeLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(node of each rank, its local rank, ranks per node), read-only, once per layout: a loop
     over the nodes that every epoch's plan needs (5 ms at 1,024 nodes)."""
     node_of = np.empty(world_size, np.int64)

@@ -52,8 +52,9 @@ class NodeQuestions:
         """Answer the questions that have arrived (diagnostics thread)."""
         while self._request.Test(self._status):
             asker = self._status.Get_source()
-            answer = np.concatenate([self._question, ages(self.table.snapshot(),
-                                                          time.perf_counter()).ravel()])
+            answer = np.concatenate(
+                [self._question, ages(self.table.snapshot(), time.perf_counter()).ravel()]
+            )
             self._sends.append(self.comm.Isend(answer, dest=asker, tag=ANSWER))
             self._request = self.comm.Irecv(self._question, source=self._mpi.ANY_SOURCE,
                                             tag=QUESTION)  # fmt: skip

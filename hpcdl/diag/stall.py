@@ -134,8 +134,10 @@ class StallInspector:
     def _reports(self, rows: np.ndarray) -> bool:
         """This rank prints: no lower local rank is alive and waiting too (rows: ages)."""
         for row in rows[: self.local_rank]:
-            if row[ALIVE_AGE] < STALE_S and int(row[STATE_NOW]) in WAITING and (
-                row[SINCE_AGE] >= self.warn_s / 2
+            if (
+                row[ALIVE_AGE] < STALE_S
+                and int(row[STATE_NOW]) in WAITING
+                and (row[SINCE_AGE] >= self.warn_s / 2)
             ):
                 return False
         return True
@@ -198,7 +200,8 @@ def late(rank: int, host: str, row: np.ndarray, mine: np.ndarray) -> str | None:
     behind = behind or (state == Kind.DATA_WAIT and row[STEP_NOW] <= step and not loading)
     if row[ALIVE_AGE] >= STALE_S:
         why = f"no sign of life for {row[ALIVE_AGE]:.1f} s" + SILENT.get(
-            chr(int(row[PROCESS])), " (its process runs: busy in code that holds the GIL?)")
+            chr(int(row[PROCESS])), " (its process runs: busy in code that holds the GIL?)"
+        )
     elif state not in WAITING:
         why = "busy, not waiting"
     elif behind:

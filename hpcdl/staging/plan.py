@@ -365,8 +365,9 @@ def plan_bytes(
     ticks = list(map(str, values.tolist()))
     lines = "".join(
         f"{fid}\t{size}\t{','.join(ticks[a:b])}\t{prefix}{rel}\t{root_text}/{rel}\n"
-        for fid, size, a, b, rel in zip(ids.tolist(), sizes.tolist(), bounds[:-1].tolist(),
-                                        bounds[1:].tolist(), rels)  # fmt: skip
+        for fid, size, a, b, rel in zip(
+            ids.tolist(), sizes.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), rels
+        )  # fmt: skip
     ).encode()
     tail = [*peer_lines, "end", ""]
     return b"".join([("\n".join(head) + "\n").encode(), lines, "\n".join(tail).encode()])

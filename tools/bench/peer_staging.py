@@ -127,7 +127,8 @@ def measure(setup: Setup, workdir: Path, given: Path | None = None) -> dict[str,
                 out = workdir / f"job{r}-{k}"
                 job = run_job(cluster, pfs, setup, mount, out, flags)
                 job["model_epochs_s"], job["model_step"] = predicted_epochs(
-                    setup, mount, calib, flags, out / "ckpt")  # as train_args gives the job
+                    setup, mount, calib, flags, out / "ckpt"
+                )  # as train_args gives the job
                 rounds[name].append(job)
     same = all(
         params_of(workdir / f"job{r}-1").tobytes() == params_of(workdir / f"job{r}-2").tobytes()
@@ -212,9 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
     a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
-    a("--node-disks", choices=("own", "shared"), default="own",
-      help="each node's /local its own ext4 file system, as on a cluster; or directories on "
-      "this machine's file system, one journal for all nodes (tools/bench/cluster.py)")
+    a(
+        "--node-disks",
+        choices=("own", "shared"),
+        default="own",
+        help="each node's /local its own ext4 file system, as on a cluster; or directories on "
+        "this machine's file system, one journal for all nodes (tools/bench/cluster.py)",
+    )
     a("--calibration", help="calibration file for all rounds (default: calibrate each round)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap

@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results, peers = slow_fs_runs(args, data)
     except (
-        RuntimeError, FileNotFoundError, subprocess.TimeoutExpired, metrics_file.ReportError
+        RuntimeError,
+        FileNotFoundError,
+        subprocess.TimeoutExpired,
+        metrics_file.ReportError,
     ) as exc:
         print(f"tools.bench train: {exc}", file=sys.stderr)
         return 1

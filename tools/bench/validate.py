@@ -169,8 +169,11 @@ def slow_pfs_cluster(
     mount.mkdir()
     with (
         mounted(data, mount, SlowFSOptions(setup.latency_ms, 0.0)) as pfs,
-        Cluster(workdir / "cluster", nodes=setup.nodes,
-                disk_bytes=NODE_DISK_BYTES if setup.node_disks else 0) as cluster,
+        Cluster(
+            workdir / "cluster",
+            nodes=setup.nodes,
+            disk_bytes=NODE_DISK_BYTES if setup.node_disks else 0,
+        ) as cluster,
     ):
         if setup.link:
             cluster.limit_links(setup.link)
