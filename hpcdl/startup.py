@@ -29,6 +29,7 @@ from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.nn.step import StepParts
+from hpcdl.paths import nearest_existing
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 
@@ -591,7 +592,7 @@ def _output_error(cfg: TrainConfig) -> str | None:
                 f"--metrics {metrics} is a directory; give a file name such as "
                 f"{metrics / 'metrics.jsonl'}"
             )
-        parent = _nearest_existing(metrics.parent)
+        parent = nearest_existing(metrics.parent)
         if not parent.is_dir():
             return f"--metrics {metrics} cannot be created: {parent} is not a directory"
         target = metrics if metrics.exists() else parent
@@ -602,10 +603,3 @@ def _output_error(cfg: TrainConfig) -> str | None:
         if ckpt_dir.exists() and not ckpt_dir.is_dir():
             return f"--checkpoint-dir {ckpt_dir} is a file; give a directory (created if missing)"
     return None
-
-
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path

@@ -38,6 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hpcdl.cli",
         "hpcdl.tensorboard_events",
         "hpcdl.diag",
+        "hpcdl.mpi_threads",
+        "hpcdl.paths",
     ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading
     ("hpcdl.data", "hpcdl.comm"),  # data sets, sampler, loader; MPI world, reducer, failure

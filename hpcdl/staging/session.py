@@ -25,9 +25,11 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
+from hpcdl.comm.world import SoloComm
 from hpcdl.config import STAGE_NICE, STAGE_NICE_LATER, STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
+from hpcdl.paths import nearest_existing
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.layout import SessionDir
 from hpcdl.staging.ownership import (
@@ -72,7 +74,7 @@ def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None
     if m.group(4):
         if number > 100:
             raise ValueError(f"stage capacity {value!r}: a percentage must be at most 100%")
-        free = shutil.disk_usage(_existing_parent(Path(stage_dir))).free
+        free = shutil.disk_usage(nearest_existing(stage_dir)).free
         return int(free * number / 100)
     return int(number * _UNITS[m.group(2)])
 
@@ -80,19 +82,12 @@ def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None
 def default_capacity(stage_dir: str | Path) -> int:
     """The capacity hpcdl-stage uses without --capacity (it owns the rule), in bytes."""
     out = subprocess.run(
-        [str(find_stager_binary()), "--default-capacity", str(_existing_parent(Path(stage_dir)))],
+        [str(find_stager_binary()), "--default-capacity", str(nearest_existing(stage_dir))],
         capture_output=True,
         text=True,
         check=True,
     )
     return int(out.stdout)
-
-
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
 
 
 @dataclass(frozen=True)
@@ -172,16 +167,6 @@ class Locator:
             pass  # counters gone (session closed, or staging never started): reads still work
 
 
-class _Solo:
-    """Stand-in for world.node_comm in a single-process session."""
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def Barrier(self) -> None:  # noqa: N802 (mpi4py spelling)
-        pass
-
-
 class StagingSession:
     """One node's staging for one training run; see StagingSession.start."""
 
@@ -196,7 +181,7 @@ class StagingSession:
         keep: bool,
     ):
         self.world = world
-        self.node_comm = world.node_comm if world is not None and world.node_comm else _Solo()
+        self.node_comm = world.node_comm if world is not None and world.node_comm else SoloComm()
         self.local_rank = world.local_rank if world is not None else 0
         self.local_size = world.local_size if world is not None else 1
         self.node = world.node_index if world is not None else 0
