@@ -54,7 +54,8 @@ from hpcdl.staging.plan import (
     plan_for_node,
     write_plan,
 )
-from hpcdl.staging.session import _launch, default_capacity, parse_capacity
+from hpcdl.staging.session import default_capacity, parse_capacity
+from hpcdl.staging.stager_process import StagerProcess
 from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
 
 
@@ -513,7 +514,7 @@ def _stage_with(
     CounterFile.create(files.counters, plan.local_ranks)
     capacity = parse_capacity(args.stage_capacity, lease.stage_dir)
     t0 = time.perf_counter()
-    proc = _launch(
+    proc = StagerProcess.launch(
         binary,
         lease.stage_dir,
         lease.session,
@@ -522,7 +523,7 @@ def _stage_with(
         bool(args.stage_verify),
         once=True,
         quiet=bool(args.quiet),
-    )
+    ).proc
     status = StatusView(files.status)
     _watch(proc, status, node, bool(args.quiet))
     seconds = time.perf_counter() - t0

@@ -52,8 +52,8 @@ def test_a_real_sigterm_is_still_named(tmp_path, capfd):
     ds = make_tree(tmp_path / "pfs", 12, 100)
     session = start(ds, tmp_path / "stage")
     wait_staged(session, 12)
-    os.kill(session.proc.pid, signal.SIGTERM)
-    session.proc.wait(10)
+    os.kill(session.stager.proc.pid, signal.SIGTERM)
+    session.stager.proc.wait(10)
     session.close()
     assert "stopped on SIGTERM" in stager_lines(capfd.readouterr().err)[-1]
 
@@ -104,7 +104,7 @@ def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd, nice):
     ds = make_tree(tmp_path / "pfs", 12, 100)
     session = start(ds, tmp_path / "stage", nice=nice)
     wait_staged(session, 12)
-    threads = niceness(session.proc.pid)
+    threads = niceness(session.stager.proc.pid)
     session.close()
     assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + int(nice))}, threads
     first = stager_lines(capfd.readouterr().err)[0]
@@ -123,12 +123,12 @@ def test_by_default_the_stager_goes_below_the_ranks_once_they_pass_the_first_epo
     wait_staged(session, 12)
     session.consumed(0, 2)
     time.sleep(0.6)  # the stager looks every 0.2 s
-    during = niceness(session.proc.pid)
+    during = niceness(session.stager.proc.pid)
     session.consumed(0, 3)  # the end of epoch 1
     deadline = time.monotonic() + 10
-    while niceness(session.proc.pid) != {min(19, base + 10)} and time.monotonic() < deadline:
+    while niceness(session.stager.proc.pid) != {min(19, base + 10)} and time.monotonic() < deadline:
         time.sleep(0.05)
-    after = niceness(session.proc.pid)
+    after = niceness(session.stager.proc.pid)
     session.close()
     lines = stager_lines(capfd.readouterr().err)
     assert during == {base}, during
@@ -144,7 +144,7 @@ def test_stage_nice_0_keeps_the_priority_it_started_with_after_epoch_1(tmp_path,
     wait_staged(session, 12)
     session.consumed(1, 1)
     time.sleep(0.6)
-    threads = niceness(session.proc.pid)
+    threads = niceness(session.stager.proc.pid)
     session.close()
     assert threads == {base}, threads
     assert "nice +" not in stager_lines(capfd.readouterr().err)[0]

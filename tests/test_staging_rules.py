@@ -82,7 +82,7 @@ def test_a_real_status_map_reads_back_what_the_stager_wrote(tmp_path):
     try:
         view = StatusView(session.meta / "status")
         h = view.header()
-        assert h["pid"] == session.proc.pid
+        assert h["pid"] == session.stager.proc.pid
         assert h["files"] == len(ds.files) and h["capacity"] == 10**9
         assert h["version"] == status_layout().version
         assert view.run_state() == "RUNNING"

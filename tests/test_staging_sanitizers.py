@@ -77,7 +77,7 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
             session.consumed(epoch, step + 1)
             time.sleep(0.01)
     staged = status.field("files_staged")
-    proc = session.proc
+    proc = session.stager.proc
     session.close()
     assert proc.returncode == 0, "sanitized stager did not exit cleanly"
     assert staged > 14  # more than fits at once: files were evicted and others copied

@@ -129,7 +129,7 @@ def test_sigkill_to_stager_falls_back_with_one_warning_and_no_temp_files(tmp_pat
     status = StatusView(session.meta / "status")
     assert wait_for(lambda: status.field("plan_ready") >= 2)
     os.kill(status.field("pid"), signal.SIGKILL)
-    session.proc.wait()
+    session.stager.proc.wait()
     locate = session.locator()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -239,7 +239,7 @@ def test_a_killed_stagers_temporaries_go_even_when_the_copies_are_kept(tmp_path,
     assert wait_for(lambda: status.field("plan_ready") >= 1)
     assert wait_for(lambda: any(session.meta.glob("tmp.*")), timeout=10)  # copies in flight
     os.kill(status.field("pid"), signal.SIGKILL)
-    session.proc.wait()
+    session.stager.proc.wait()
     assert any(session.meta.glob("tmp.*"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
