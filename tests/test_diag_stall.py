@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import mpi_env, run_train, train_cmd
-from helpers import job_pids, rank_pid
+from helpers import job_pids, mpi_env, rank_pid, run_train, train_cmd
 
 from hpcdl import checkpoint
 from hpcdl.diag import flight

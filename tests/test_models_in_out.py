@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import read_events, run_train
+from helpers import read_events, run_train
 
 from hpcdl import checkpoint, nn
 from hpcdl.export import ExportRequest, model_of

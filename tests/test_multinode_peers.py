@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env
-from helpers import make_tree, wait_for_status, write_peer_plan
+from helpers import make_tree, mpi_env, wait_for_status, write_peer_plan
 from PIL import Image
 
 from hpcdl import checkpoint

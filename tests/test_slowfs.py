@@ -12,8 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import mpi_env, mpirun_cmd, run_train
-from helpers import make_folder
+from helpers import make_folder, mpi_env, mpirun_cmd, run_train
 from slowfs import slow_mount
 
 from hpcdl.staging.ownership import data_key

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, mpi_env, mpirun_cmd
-from helpers import job_pids
+from helpers import BIN, job_pids, mpi_env, mpirun_cmd
 
 from hpcdl.staging.manifest import read_manifest
 
