@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from hpcdl.diag import flight, timeline
 from hpcdl.diag.events import (
@@ -353,10 +354,7 @@ def test_the_kernel_says_whether_a_silent_rank_is_stopped_or_gone():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while process_state(child.pid) != "T" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert process_state(child.pid) == "T"
+        wait_until(lambda: process_state(child.pid) == "T", 10, "the child stopped")
         assert process_state(os.getpid()) in "RS"
     finally:
         child.kill()

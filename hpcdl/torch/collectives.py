@@ -178,14 +178,7 @@ def grouped_allreduce_async_(
     """As grouped_allreduce_async, in place: each tensor holds its result.
 
     Args:
-        tensors: the tensors to reduce, one request (Horovod's grouped operation: negotiated and
-            reduced together, so no rank starts before every rank has submitted all of them).
-        average: deprecated, Horovod's; use op.
-        name: a name for the request; ranks pair requests by it (default: one by call order).
-        op: Average (the default), Sum, Min, Max or Product; Adasum raises NotBuilt.
-        prescale_factor: multiplies each input before the reduction.
-        postscale_factor: multiplies each result after it.
-        process_set: the global process set only (others raise NotBuilt).
+        The same as grouped_allreduce_async's.
 
     Returns:
         A handle for poll() and synchronize(); synchronize gives `tensors`, reduced."""
@@ -207,14 +200,7 @@ def grouped_allreduce_(
     """Average or sum each of `tensors` over all ranks in place; blocks until done.
 
     Args:
-        tensors: the tensors to reduce, one request (Horovod's grouped operation: negotiated and
-            reduced together, so no rank starts before every rank has submitted all of them).
-        average: deprecated, Horovod's; use op.
-        name: a name for the request; ranks pair requests by it (default: one by call order).
-        op: Average (the default), Sum, Min, Max or Product; Adasum raises NotBuilt.
-        prescale_factor: multiplies each input before the reduction.
-        postscale_factor: multiplies each result after it.
-        process_set: the global process set only (others raise NotBuilt).
+        The same as grouped_allreduce_async's.
 
     Returns:
         The list `tensors`, each holding its reduced value."""
