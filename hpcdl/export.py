@@ -1,4 +1,5 @@
-"""`python -m hpcdl.nn export CHECKPOINT --to torch|safetensors|onnx OUT`: a trained model out.
+"""`python -m hpcdl.export CHECKPOINT --to torch|safetensors|onnx OUT [--input-shape C,H,W]`:
+a trained model out.
 
 The checkpoint (hpcdl.checkpoint) names its model and holds its parameters and BatchNorm
 statistics; the model is rebuilt from that name (a user's builder: the --model spec the run was
@@ -12,22 +13,28 @@ from the run's --data and --augment when that data is still readable, else given
 OUT is never replaced (hpcdl.nn.weights_io.write_new_file).
 
 It sits beside hpcdl.checkpoint, above hpcdl.nn and hpcdl.data: it reads a checkpoint and the
-run's data set, which hpcdl.nn (no MPI, no data loading) may not.
+run's data set, which hpcdl.nn (no MPI, no data loading) may not. So the command is its own, not
+a subcommand of `python -m hpcdl.nn`: that would make hpcdl.nn import this module back.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcdl import checkpoint
+from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.model import Model
 from hpcdl.nn.models import build_model
 from hpcdl.nn.onnx_export import to_onnx
+from hpcdl.nn.summary import parse_shape
 from hpcdl.nn.user_models import is_user_model
 from hpcdl.nn.weights_io import optional_import, state_dict, write_new_file, write_state
 
 FORMATS = ("torch", "safetensors", "onnx")
+PROG = "python -m hpcdl.export"
 
 
 @dataclass(frozen=True)
@@ -99,3 +106,45 @@ def _input_shape(ckpt: checkpoint.Checkpoint, path: str) -> tuple[int, int, int]
             f"checkpoint {path}: cannot tell the model's input shape from its --data "
             f"{data or '(none)'} ({exc}); give --input-shape C,H,W"
         ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, allow_abbrev=False, formatter_class=HelpFormatter
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="an hpcdl checkpoint (.h5)")
+    p.add_argument("--to", required=True, choices=FORMATS, help="output format")
+    p.add_argument("out", metavar="OUT", help="the file to write (never replaced if it exists)")
+    p.add_argument(
+        "--input-shape",
+        help="C,H,W the model was trained on (default: from the checkpoint's --data and "
+        "--augment, when that data is readable here)",
+    )
+    p.add_argument(
+        "--model",
+        help="the model spec to rebuild (default: the checkpoint's; give it when a user's "
+        "file.py:function moved)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the export and say what was written; exit 2 with one line for bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        shape = parse_shape(args.input_shape) if args.input_shape else None
+        model = export(ExportRequest(args.checkpoint, args.to, args.out, shape, args.model))
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{PROG}: wrote {args.out} ({args.to}, model {model.name}, input "
+        f"{model.input_shape}, {model.num_classes} classes)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    from hpcdl import cli
+
+    sys.exit(cli.run(main))

@@ -54,7 +54,9 @@ from hpcdl.staging.plan import (
     plan_for_node,
     write_plan,
 )
-from hpcdl.staging.session import _launch, default_capacity, parse_capacity
+from hpcdl.staging.session import default_capacity, parse_capacity
+from hpcdl.staging.stage_once import print_summary, show_progress
+from hpcdl.staging.stager_process import StagerProcess
 from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
 
 
@@ -513,7 +515,7 @@ def _stage_with(
     CounterFile.create(files.counters, plan.local_ranks)
     capacity = parse_capacity(args.stage_capacity, lease.stage_dir)
     t0 = time.perf_counter()
-    proc = _launch(
+    proc = StagerProcess.launch(
         binary,
         lease.stage_dir,
         lease.session,
@@ -522,9 +524,9 @@ def _stage_with(
         bool(args.stage_verify),
         once=True,
         quiet=bool(args.quiet),
-    )
+    ).proc
     status = StatusView(files.status)
-    _watch(proc, status, node, bool(args.quiet))
+    show_progress(proc, status, node, bool(args.quiet))
     seconds = time.perf_counter() - t0
     status.close()
     if proc.returncode != 0:
@@ -534,66 +536,12 @@ def _stage_with(
             file=sys.stderr,
         )
         return 1
-    summary = _summary(status, plan, node, seconds)
+    summary = print_summary(status, plan, node, seconds)
     if comm is not None:
         comm.Barrier()
     if args.json:
         print(json.dumps(summary))
     return 0
-
-
-def _watch(proc: Any, status: StatusView, node: int, quiet: bool) -> None:
-    """Show staging progress until the stager exits: a live line on a terminal, else a line
-    per 10 % (job logs)."""
-    tty = sys.stderr.isatty() and not quiet
-    last_decile = -1
-    while proc.poll() is None:
-        time.sleep(0.1)
-        if quiet or not status.open() or status.field("pid") != proc.pid:
-            status.close()
-            continue
-        ready, total = status.field("plan_ready"), max(status.field("plan_entries"), 1)
-        if tty:
-            print(f"\rnode {node}: {ready}/{total} files staged", end="", file=sys.stderr)
-        elif ready * 10 // total > last_decile:
-            last_decile = ready * 10 // total
-            print(f"node {node}: {last_decile * 10}% ({ready}/{total} files)", file=sys.stderr)
-    if tty:
-        print(file=sys.stderr)
-
-
-def _summary(status: StatusView, plan: NodePlan, node: int, seconds: float) -> dict[str, Any]:
-    """Print the node's one-line summary from the stager's status header; return it."""
-    h = status.header()
-    files = h["files_staged"] + h["files_reused"]
-    nbytes = h["bytes_staged"] + h["bytes_reused"]
-    summary = dict(
-        node=node,
-        files=files,
-        bytes=nbytes,
-        copied=h["files_staged"],
-        reused=h["files_reused"],
-        planned=plan.files,
-        planned_bytes=plan.bytes,
-        seconds=round(seconds, 3),
-        mb_per_s=round(h["bytes_staged"] / 1e6 / seconds, 1),
-        files_per_s=round(h["files_staged"] / seconds, 1),
-        failures=h["failures"],
-        no_space=status.has_flag("NOSPACE"),
-        capacity_full=status.has_flag("CAPACITY_FULL"),
-    )
-    note = ""
-    if files < plan.files:
-        note = (
-            f"; {plan.files - files - h['failures']} files left on the PFS "
-            f"({'no space left' if summary['no_space'] else 'capacity reached'})"
-        )
-    print(
-        f"node {node}: staged {files} files ({nbytes / 1e6:.1f} MB; {h['files_staged']} copied, "
-        f"{h['files_reused']} reused) in {seconds:.2f} s: {summary['mb_per_s']} MB/s, "
-        f"{summary['files_per_s']} files/s, {h['failures']} failures{note}"
-    )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,6 @@ a start-up that fails half way closes what it had made.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import sys
 import time
 import warnings
@@ -20,7 +17,7 @@ from typing import Any
 
 from hpcdl import backend, diag, messages
 from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
-from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage, agree_on_errors
+from hpcdl.comm.failure import StopAgreement, agree_on_errors
 from hpcdl.comm.node_watch import NodeWatch
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
@@ -31,6 +28,7 @@ from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.nn.step import StepParts
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
+from hpcdl.startup_checks import check_outputs, check_stage_dir, verify_same_run
 
 
 def env_rank() -> int:
@@ -203,10 +201,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         check_stage_dir(cfg, world)
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware
-        say(
-            f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
-            f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
-        )
+        say(start_line(cfg, world, aware))
         watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
         own(stack, watch.close, watch.abandon)
         diagnostics = start_diagnostics(cfg, world, stack)  # timeline, stalls, flight recorder
@@ -215,25 +210,13 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         sampler = spec.for_rank(world.rank)
         model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
         scaler = loss_scaler(cfg, world, stack)
-        start = restore(cfg, world, model, optimizer, scaler)
-        stop_if_finished(cfg, start)  # a chain's last job: one line, exit 0 (hpcdl.train)
-        if start.global_step:
-            say(
-                f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} "
-                f"({cfg.resume})"
-            )
-        cfg, start, rest, reshaped = continue_epoch(cfg, world, spec, start)  # another world
-        if reshaped:
-            say(reshaped)
+        cfg, start, rest = resume_point(cfg, world, spec, (model, optimizer, scaler), say)
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
-        if cfg.precision != "fp32":
-            say(precision_line(cfg.precision))
-        if cfg.lr == 0:
-            say("hpcdl: --lr 0: the parameters will not change")
+        say_settings(cfg, say)
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
@@ -264,6 +247,38 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             progress=Progress(cfg.epochs, steps_per_epoch, enabled=shown, mode=cfg.progress),
             stack=stack.pop_all(),
         )
+
+
+def resume_point(
+    cfg: TrainConfig, world: World, spec: SamplerSpec, state: tuple[Any, Any, Any], say: Any
+) -> tuple[TrainConfig, Any, Any]:
+    """Where training starts: (cfg, start, rest) after the --resume checkpoint, if any, is
+    loaded into state (model, optimizer, loss scaler) and its epoch carried over to this
+    world (hpcdl.resume). A finished chain's last job ends here (one line, exit 0)."""
+    start = restore(cfg, world, *state)
+    stop_if_finished(cfg, start)  # a chain's last job: one line, exit 0 (hpcdl.train)
+    if start.global_step:
+        say(f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} ({cfg.resume})")
+    cfg, start, rest, reshaped = continue_epoch(cfg, world, spec, start)  # another world
+    if reshaped:
+        say(reshaped)
+    return cfg, start, rest
+
+
+def start_line(cfg: TrainConfig, world: World, aware: Any) -> str:
+    """The run's first line: ranks, nodes, device, and the CUDA-awareness answer (why)."""
+    return (
+        f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
+        f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
+    )
+
+
+def say_settings(cfg: TrainConfig, say: Any) -> None:
+    """The start-up lines for settings a user should see: the precision, an --lr of 0."""
+    if cfg.precision != "fp32":
+        say(precision_line(cfg.precision))
+    if cfg.lr == 0:
+        say("hpcdl: --lr 0: the parameters will not change")
 
 
 def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> diag.DiagSession:
@@ -539,73 +554,3 @@ def open_loaders(
         val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
         own(stack, val_loader.close, val_loader.close)
     return loader, val_loader
-
-
-def run_fingerprint(cfg: TrainConfig, layout: list[tuple[str, tuple[int, ...]]]) -> str:
-    text = cfg.to_json() + json.dumps([[n, list(s)] for n, s in layout])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def verify_same_run(world: World, cfg: TrainConfig, layout: list) -> None:
-    """All ranks must build the same model from the same configuration."""
-    prints = world.comm.allgather(run_fingerprint(cfg, layout))
-    differing = [r for r, p in enumerate(prints) if p != prints[0]]
-    if differing:
-        error = (
-            f"ranks {differing} run a different model or configuration than rank 0; "
-            "start every rank with the same flags, config file and hpcdl version"
-        )
-        raise SystemExitWithMessage(error if world.rank == 0 else None)
-
-
-def check_outputs(cfg: TrainConfig, world: World) -> None:
-    """--metrics must be a file rank 0 can create or append to, --checkpoint-dir a directory.
-
-    Checked on rank 0 (the only writer) without creating anything; every rank stops on an
-    error, rank 0 prints it."""
-    error = world.comm.bcast(_output_error(cfg) if world.is_root else None, root=0)
-    if error:
-        raise SystemExitWithMessage(error if world.is_root else None)
-
-
-def check_stage_dir(cfg: TrainConfig, world: World) -> None:
-    """--stage-dir that overlaps the data or is a file: refused on every rank, said once,
-    before anything is created (the stager session checks again, with what it creates)."""
-    if not cfg.stage_dir:
-        return
-    from hpcdl.staging import ownership  # noqa: PLC0415
-
-    error = None
-    try:
-        ownership.check_stage_dir(cfg.stage_dir, {"--data": cfg.data, "--val-data": cfg.val_data})
-    except ownership.StageDirError as exc:
-        error = str(exc)
-    agree_on_errors(world.comm, world.rank, error)
-
-
-def _output_error(cfg: TrainConfig) -> str | None:
-    if cfg.metrics:
-        metrics = Path(cfg.metrics)
-        if metrics.is_dir():
-            return (
-                f"--metrics {metrics} is a directory; give a file name such as "
-                f"{metrics / 'metrics.jsonl'}"
-            )
-        parent = _nearest_existing(metrics.parent)
-        if not parent.is_dir():
-            return f"--metrics {metrics} cannot be created: {parent} is not a directory"
-        target = metrics if metrics.exists() else parent
-        if not os.access(target, os.W_OK):
-            return f"--metrics {metrics} cannot be written: no write permission on {target}"
-    if cfg.checkpoint_dir:
-        ckpt_dir = Path(cfg.checkpoint_dir)
-        if ckpt_dir.exists() and not ckpt_dir.is_dir():
-            return f"--checkpoint-dir {ckpt_dir} is a file; give a directory (created if missing)"
-    return None
-
-
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path

@@ -1,4 +1,5 @@
-"""Shared fixtures. MPI tests are marked `mpi` and run under `mpirun -np 2 pytest --with-mpi`."""
+"""Shared fixtures and hooks only (what tests import lives in helpers.py). MPI tests are marked
+`mpi` and run under `mpirun -np 2 pytest --with-mpi`."""
 
 from __future__ import annotations
 
@@ -10,49 +11,6 @@ import numpy as np
 import pytest
 
 from hpcdl.backend import cupy_or_none, gpu_available
-
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def mpi_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def mpirun_cmd(np_: int) -> list[str]:
-    """mpirun from the environment this Python belongs to, allowed to oversubscribe."""
-    mpirun = BIN / "mpirun"
-    return [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(np_), "--oversubscribe"]
-
-
-def train_cmd(ranks: int, *args) -> list[str]:
-    """`mpirun -np ranks python -m hpcdl.train args...` (args converted to str)."""
-    return [*mpirun_cmd(ranks), sys.executable, "-m", "hpcdl.train", *map(str, args)]
-
-
-def run_train(ranks: int, *args, env: dict[str, str] | None = None, timeout: float = 600):
-    """Run train_cmd to completion; a hang fails the test through TimeoutExpired."""
-    import subprocess
-
-    return subprocess.run(
-        train_cmd(ranks, *args),
-        capture_output=True,
-        text=True,
-        env=env or mpi_env(),
-        timeout=timeout,
-    )
-
-
-def read_events(path, event: str) -> list[dict]:
-    """The records of one event type from a metrics JSON-lines file."""
-    import json
-
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
 
 
 @pytest.fixture(autouse=True)

@@ -1,23 +1,82 @@
-"""What several test modules share (no test module imports another): small real data sets on
-disk (file trees, image folders), the processes a test started, hpcdl's own output lines,
-`python -m hpcdl.stage` run as a user would, and the session dirs killed Open MPI launchers
-and daemons leave behind."""
+"""What several test modules share (no test module imports another; conftest.py holds only
+fixtures and hooks): mpirun and `python -m hpcdl.train` as a user runs them, waiting on a
+condition with a deadline (never a fixed sleep), small real data sets on disk (file trees, image
+folders), a staging session and its stager, the processes a test started, hpcdl's own output
+lines, `python -m hpcdl.stage` run as a user would, and the session dirs killed Open MPI
+launchers and daemons leave behind."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from hpcdl.data.dataset import FileTable
+from hpcdl.data.sampler import SamplerSpec
+from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.status import RUN_RUNNING, StatusView
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def mpirun_cmd(np_: int) -> list[str]:
+    """mpirun from the environment this Python belongs to, allowed to oversubscribe."""
+    mpirun = BIN / "mpirun"
+    return [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(np_), "--oversubscribe"]
+
+
+def train_cmd(ranks: int, *args) -> list[str]:
+    """`mpirun -np ranks python -m hpcdl.train args...` (args converted to str)."""
+    return [*mpirun_cmd(ranks), sys.executable, "-m", "hpcdl.train", *map(str, args)]
+
+
+def run_train(ranks: int, *args, env: dict[str, str] | None = None, timeout: float = 600):
+    """Run train_cmd to completion; a hang fails the test through TimeoutExpired."""
+    return subprocess.run(
+        train_cmd(ranks, *args),
+        capture_output=True,
+        text=True,
+        env=env or mpi_env(),
+        timeout=timeout,
+    )
+
+
+def read_events(path, event: str) -> list[dict]:
+    """The records of one event type from a metrics JSON-lines file."""
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r["event"] == event]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
+    """Poll predicate until it returns a true value, which is returned; AssertionError naming
+    `what` (or the predicate) when `timeout` seconds pass first. The one way tests wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what or predicate}")
+        time.sleep(0.01)
 
 
 class ShardDataset:
@@ -249,3 +308,30 @@ def niceness(pid: int) -> set[int]:
         with open(f"/proc/{pid}/task/{task}/stat") as f:
             values.add(int(f.read().rsplit(")", 1)[1].split()[16]))
     return values
+
+
+def start_session(ds, stage: Path, batch: int = 4, epochs=(0, 2), **options) -> StagingSession:
+    """A single-process StagingSession of ds into stage (a global shuffle, seed 0): the start
+    the staging tests share. options: StageOptions' fields (threads 4 unless given)."""
+    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
+    options.setdefault("threads", 4)
+    return StagingSession.start(None, ds, spec, batch, epochs, StageOptions(stage, **options))
+
+
+def wait_ready(session: StagingSession, files: int, timeout: float = 30.0) -> None:
+    """Until the session's stager has staged `files` files of its plan (plan_ready)."""
+    status = session.status
+    wait_until(lambda: status.open() and status.field("plan_ready") >= files, timeout,
+               f"{files} files staged (plan_ready {status.field('plan_ready')})")  # fmt: skip
+
+
+def stager_ran_on(view: StatusView, seconds: float, timeout: float = 30.0) -> None:
+    """Until the stager has kept running its loop for `seconds` from now, by its own heartbeat
+    (stamped at the top of each loop, every 20 ms or less), and one loop more so that the last
+    is complete: a positive sign that it looked (at the ranks' progress every 0.2 s, at its
+    plan, its peers) in that time. A fixed sleep could pass while the stager never ran."""
+    start = time.time_ns()
+    wait_until(lambda: view.field("heartbeat_ns") > start + seconds * 1e9, timeout,
+               f"the stager's heartbeat {seconds} s on")  # fmt: skip
+    last = view.field("heartbeat_ns")
+    wait_until(lambda: view.field("heartbeat_ns") > last, timeout, "one more stager loop")

@@ -5,7 +5,7 @@ import sys
 import textwrap
 import time
 
-from conftest import mpi_env, mpirun_cmd
+from helpers import mpi_env, mpirun_cmd
 
 SCRIPT = textwrap.dedent(
     """

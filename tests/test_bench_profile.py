@@ -36,10 +36,10 @@ def test_hpcdl_rows_cover_every_leaf_with_positive_times(model):
 def test_hpcdl_rows_add_up_to_the_measured_step():
     b = profile.profile_hpcdl(tiny_args("resnet20"))
     parts = sum(r.forward_s + r.backward_s for r in b.rows) + b.loss_s + b.update_s
-    # The rows are timed inside the step, so they cannot exceed it; what is left outside the
-    # leaves (input transpose, residual adds, the step's own bookkeeping) is a small share.
+    # The rows are timed inside the step, so they cannot exceed it. How small the share left
+    # outside the leaves is (input transpose, residual adds, bookkeeping) is a figure of
+    # `bench compute --profile`, not a check: a ratio of times flakes under load.
     assert parts <= b.step_s
-    assert parts >= 0.5 * b.step_s
     assert b.other_s == pytest.approx(b.step_s - parts)
 
 

@@ -7,7 +7,7 @@ import os
 import re
 
 import pytest
-from conftest import mpi_env, read_events, run_train
+from helpers import mpi_env, read_events, run_train
 
 from hpcdl.comm.blas_threads import apply, choose
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_train
-from helpers import make_folder, torchvision_eval
+from helpers import make_folder, run_train, torchvision_eval
 from PIL import Image
 
 from hpcdl.data import BadSample, DataError, Loader, open_dataset
@@ -292,7 +291,7 @@ def test_index_time_and_source_go_into_the_metrics(tmp_path):
     import subprocess
     import sys
 
-    from conftest import read_events
+    from helpers import read_events
 
     make_folder(tmp_path / "d", per_class=8)
     metrics = tmp_path / "m.jsonl"

@@ -6,8 +6,7 @@ data root; an index someone already put there is read."""
 import os
 from pathlib import Path
 
-from conftest import mpi_env, read_events, run_train
-from helpers import make_folder, stage_cli
+from helpers import make_folder, mpi_env, read_events, run_train, stage_cli
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

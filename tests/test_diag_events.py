@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from hpcdl.diag import flight, timeline
 from hpcdl.diag.events import (
@@ -305,8 +306,9 @@ def test_a_session_without_mpi_writes_its_timeline_and_leaves_no_heartbeat_file(
 
 
 def test_diag_is_a_base_layer_package():
-    """hpcdl.diag imports the standard library, numpy, hpcdl.messages and itself only (mpi4py
-    inside functions, for what needs MPI); everything else calls into it."""
+    """hpcdl.diag imports the standard library, numpy, hpcdl.messages, hpcdl.mpi_threads (both
+    base layer) and itself only (mpi4py inside functions, for what needs MPI); everything else
+    calls into it."""
     import ast
     from pathlib import Path
 
@@ -323,7 +325,7 @@ def test_diag_is_a_base_layer_package():
     def allowed(module: str) -> bool:
         top = module.split(".")[0]
         if top == "hpcdl":
-            return module.split(".")[1] in ("messages", "diag")
+            return module.split(".")[1] in ("messages", "mpi_threads", "diag")
         return top in sys.stdlib_module_names or top in ("numpy", "mpi4py")
 
     assert [m for m in sorted(imported) if not allowed(m)] == []
@@ -352,10 +354,7 @@ def test_the_kernel_says_whether_a_silent_rank_is_stopped_or_gone():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while process_state(child.pid) != "T" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert process_state(child.pid) == "T"
+        wait_until(lambda: process_state(child.pid) == "T", 10, "the child stopped")
         assert process_state(os.getpid()) in "RS"
     finally:
         child.kill()

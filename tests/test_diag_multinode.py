@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env
+from helpers import mpi_env
 
 pytestmark = pytest.mark.multinode
 

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from conftest import mpi_env, run_train, train_cmd
-from helpers import job_pids, rank_pid
+from helpers import job_pids, mpi_env, rank_pid, run_train, train_cmd, wait_until
 
 from hpcdl import checkpoint
 from hpcdl.diag import flight
@@ -143,10 +142,7 @@ def test_sigstop_with_stall_shutdown_exits_5_in_time_and_leaves_nothing(digits_d
     assert status == 5, job.out + job.stderr
     assert ended - stopped_at <= WARN_S + SHUTDOWN_S + 10, job.stderr
     assert "--stall-shutdown" in job.stderr and "exit status 5" in job.stderr, job.stderr
-    deadline = time.monotonic() + 10
-    while job_pids(job.marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job_pids(job.marker) == [], "processes of the job outlived it"
+    wait_until(lambda: not job_pids(job.marker), 10, "the job's processes gone")
     assert list(job.shm.iterdir()) == []  # no heartbeat table left
     records = flight.read_records(out / "ckpt")
     assert {r["rank"] for r in records} == set(range(RANKS)) - {STOPPED}, records

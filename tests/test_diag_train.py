@@ -11,8 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import mpi_env, mpirun_cmd, run_train, train_cmd
-from helpers import rank_pid
+from helpers import mpi_env, mpirun_cmd, rank_pid, run_train, train_cmd
 
 from hpcdl.diag import flight, timeline
 

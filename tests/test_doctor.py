@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from helpers import mpi_env, mpirun_cmd
 
 from hpcdl.doctor.findings import ERROR, WARNING, Problem, exit_status, merge, rank_ranges
 from hpcdl.doctor.probes import THREAD_LEVELS

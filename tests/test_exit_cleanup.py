@@ -20,8 +20,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_cmd, read_events, train_cmd
-from helpers import job_pids
+from helpers import job_pids, mpi_env, mpirun_cmd, read_events, train_cmd
 from PIL import Image
 
 from hpcdl.data import open_dataset

@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, run_train, train_cmd
+from helpers import mpi_env, run_train, train_cmd
 
 from hpcdl import checkpoint
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import mpi_env
+from helpers import BIN, mpi_env
 
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, to_host
@@ -177,8 +177,29 @@ def test_doctor_states_the_gpu_it_would_bind(tmp_path):
     assert gpus["visible"] == cp.cuda.runtime.getDeviceCount() >= 1, gpus
     assert gpus["bound"] == 0 and gpus["name"], gpus
     assert gpus["cupy"] == cp.__version__ and gpus["cuda_runtime"] and gpus["cuda_driver"], gpus
-    assert isinstance(facts["cuda_aware"]["aware"], bool), facts["cuda_aware"]
-    assert facts["cuda_aware"]["reason"], facts["cuda_aware"]
+    # The right answer for the MPI in use: Open MPI's own, from the ompi_info of its install.
+    assert facts["cuda_aware"]["aware"] is ompi_built_with_cuda(), facts["cuda_aware"]
+    assert "MPIX_Query_cuda_support" in facts["cuda_aware"]["reason"], facts["cuda_aware"]
+
+
+def ompi_built_with_cuda() -> bool:
+    """Whether the Open MPI beside this Python's mpirun was built with CUDA support, as its own
+    ompi_info says (opal_built_with_cuda_support, mpi_built_with_cuda_support before 5.0)."""
+    ompi_info = BIN / "ompi_info"
+    out = subprocess.run(
+        [str(ompi_info if ompi_info.exists() else "ompi_info"), "--parsable", "--all"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    values = {
+        line.rsplit(":", 1)[1]
+        for line in out.splitlines()
+        if "_built_with_cuda_support:value:" in line
+    }
+    assert len(values) == 1, f"ompi_info answers {values or 'nothing'} on CUDA support"
+    return values.pop() == "true"
 
 
 def test_a_job_rendered_with_device_gpu_trains_on_the_gpu(digits_dir, tmp_path):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from helpers import mpi_env, mpirun_cmd
 
 pytest.importorskip("torch")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "horovod_resnet.py"

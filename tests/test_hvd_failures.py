@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from helpers import mpi_env, mpirun_cmd
 
 pytest.importorskip("torch")
 

@@ -67,3 +67,46 @@ def test_distributed_optimizer_on_gpu_equals_cpu():
 
     for a, b in zip(grads(dev), grads("cpu")):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_on_a_scripts_own_stream_marks_buckets_on_that_stream():
+    """Under `with torch.cuda.stream(s)` the hooks copy gradients on s; the reducer's ready
+    events must be recorded on s too (an event on CuPy's default stream need not wait for
+    those copies). The backward is queued behind a long sleep on s, and the averages must equal
+    the CPU ones. (On an H100 with a host-staged Open MPI 4.1 the averages came out right even
+    with the events on the default stream; the stream check is what failed there.)"""
+    cupy = pytest.importorskip("cupy")
+    dev = device()
+
+    def grads(where, stream=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+        ).to(where)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = []
+        for slots in opt._slots:
+            mark_ready = slots.reducer.mark_ready
+
+            def spy(n, mark_ready=mark_ready):
+                seen.append(cupy.cuda.get_current_stream().ptr)
+                mark_ready(n)
+
+            slots.reducer.mark_ready = spy
+        g = torch.Generator().manual_seed(hvd.rank())
+        x = torch.randn(8, 16, generator=g).to(where)
+        with torch.cuda.stream(stream):  # None: no stream of its own (the CPU run)
+            if stream is not None:
+                torch.cuda._sleep(100_000_000)  # the gradient copies land well after this
+            model(x).square().mean().backward()
+            opt.synchronize()
+        if stream is not None:
+            stream.synchronize()
+        return [p.grad.cpu() for p in model.parameters()], seen
+
+    stream = torch.cuda.Stream(dev)
+    on_gpu, seen = grads(dev, stream)
+    on_cpu, _ = grads("cpu")
+    assert seen and set(seen) == {stream.cuda_stream}
+    for a, b in zip(on_gpu, on_cpu):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import mpi_env, mpirun_cmd
+from helpers import mpi_env, mpirun_cmd
 
 pytest.importorskip("torch")
 

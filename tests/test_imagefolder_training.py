@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_cmd, read_events, run_train
+from helpers import mpi_env, mpirun_cmd, read_events, run_train
 from PIL import Image
 
 COLOURS = ((200, 50, 50), (50, 190, 60), (60, 70, 200), (210, 200, 60))  # RGB, one per class

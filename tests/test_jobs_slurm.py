@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 from slurm_cluster import INSTALL_HINT, SlurmCluster, SlurmError, missing_binaries
 from slurm_jobs import (
     JOB_TIMEOUT,

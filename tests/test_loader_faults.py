@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env, read_events, train_cmd
+from helpers import mpi_env, read_events, train_cmd
 
 from hpcdl import checkpoint
 from hpcdl.data.slots import free_bytes, shm_dir

@@ -1,5 +1,5 @@
 """Models in and out of hpcdl, end to end under mpirun: --init-from a PyTorch state dict, train
-on 2 ranks, `python -m hpcdl.nn export`, reload in PyTorch; --tensorboard against the JSONL."""
+on 2 ranks, `python -m hpcdl.export`, reload in PyTorch; --tensorboard against the JSONL."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import read_events, run_train
+from helpers import read_events, run_train
 
 from hpcdl import checkpoint, nn
 from hpcdl.export import ExportRequest, model_of
@@ -20,7 +20,7 @@ from hpcdl.bench.torch_models import imagenet_resnet  # noqa: E402 (imports torc
 
 
 def export_cli(*args) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hpcdl.nn", "export", *map(str, args)]
+    cmd = [sys.executable, "-m", "hpcdl.export", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -77,7 +77,7 @@ def test_torch_weights_in_train_two_ranks_export_and_reload_strictly(digits_dir,
     again = export_cli(ckpt_path, "--to", "torch", tmp_path / "out.pth")
     assert again.returncode == 2
     assert again.stderr.strip().splitlines() == [
-        f"python -m hpcdl.nn export: error: {tmp_path / 'out.pth'} exists; give a new file name "
+        f"python -m hpcdl.export: error: {tmp_path / 'out.pth'} exists; give a new file name "
         "(hpcdl never replaces a file)"
     ]
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, read_events, run_train
-from helpers import wait_for_status
+from helpers import mpi_env, read_events, run_train, wait_for_status
 from PIL import Image
 
 from hpcdl import checkpoint

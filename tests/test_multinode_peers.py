@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env
-from helpers import make_tree, wait_for_status, write_peer_plan
+from helpers import make_tree, mpi_env, wait_for_status, wait_until, write_peer_plan
 from PIL import Image
 
 from hpcdl import checkpoint
@@ -202,9 +201,7 @@ def test_a_lost_peer_node_costs_its_clients_a_bounded_wait_then_the_pfs(cluster,
     proc.stdin = None  # read once; communicate() must not flush it
     port = int(proc.stdout.readline())
     status = StatusView(wait_for_status(home.local / "stage", proc))
-    deadline = time.monotonic() + 30
-    while status.field("plan_ready") < 24 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: status.field("plan_ready") >= 24, 30, "24 files staged")
     assert status.field("plan_ready") == 24
     status.close()
     for pid in cluster.pids(2):

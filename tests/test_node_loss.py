@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import mpi_env
+from helpers import mpi_env
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint

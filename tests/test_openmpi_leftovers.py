@@ -12,8 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from conftest import mpi_env, mpirun_cmd
-from helpers import remove_stale_session_dirs
+from helpers import mpi_env, mpirun_cmd, remove_stale_session_dirs
 
 
 def launcher_dir(proc: subprocess.Popen, deadline_s: float = 60) -> Path:

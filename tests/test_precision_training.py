@@ -2,7 +2,7 @@
 
 import statistics
 
-from conftest import read_events, run_train
+from helpers import read_events, run_train
 
 from hpcdl import checkpoint
 

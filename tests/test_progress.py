@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import mpi_env, mpirun_cmd, train_cmd
+from helpers import mpi_env, mpirun_cmd, train_cmd
 
 from hpcdl.config import ConfigError, parse_args
 from hpcdl.metrics import Progress, resolve_progress

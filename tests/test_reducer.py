@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from hpcdl.comm.reducer import GradientReducer, plan_buckets
 
@@ -63,9 +64,8 @@ def test_reducer_equals_flat_allreduce(bucket_mb, host_staged):
 
 @pytest.mark.mpi(min_size=2)
 def test_reducer_overlaps_with_work_between_marks():
-    """Buckets marked early are already reduced before wait() is called; the rest by wait()."""
-    import time
-
+    """Buckets marked early are reduced by the helper thread before wait() is called (while
+    "backward" goes on); the rest by wait()."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -79,11 +79,14 @@ def test_reducer_overlaps_with_work_between_marks():
         reducer.begin_step()
         reducer.mark_ready(grads.size // 2)
         reducer.mark_ready(grads.size // 2)  # the next layer's backward ends: nothing new
-        time.sleep(0.5)  # stands in for the rest of backward
         early = max(b.hi for b in reducer.buckets if b.hi <= grads.size // 2)
-        # the helper thread reduced every early bucket during the "backward", nothing else
-        np.testing.assert_allclose(grads[:early], expected[:early], rtol=1e-6, atol=1e-7)
-        np.testing.assert_array_equal(grads[early:], local[early:])
+        # the rest of backward: the helper thread reduces every early bucket meanwhile
+        wait_until(
+            lambda: np.allclose(grads[:early], expected[:early], rtol=1e-6, atol=1e-7),
+            30,
+            "the early buckets reduced before wait()",
+        )
+        np.testing.assert_array_equal(grads[early:], local[early:])  # and nothing else
         reducer.wait()
         np.testing.assert_allclose(grads, expected, rtol=1e-6, atol=1e-7)
     finally:
@@ -122,7 +125,7 @@ def test_gpu_reducer_waits_for_the_kernels_that_wrote_each_bucket(host_staged):
     non-default stream. A reducer that read a bucket before its event would copy stale zeros
     back over it (host-staged path); one rank's average is the values themselves."""
     pytest.importorskip("cupy")
-    from conftest import gpu_available
+    from hpcdl.backend import gpu_available
 
     if not gpu_available():
         pytest.skip("needs CuPy and a GPU")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import run_train
+from helpers import run_train
 
 from hpcdl import checkpoint
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from conftest import mpi_env, run_train
+from helpers import mpi_env, run_train
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint

@@ -12,8 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import mpi_env, mpirun_cmd, run_train
-from helpers import make_folder
+from helpers import make_folder, mpi_env, mpirun_cmd, run_train, wait_until
 from slowfs import slow_mount
 
 from hpcdl.staging.ownership import data_key
@@ -69,10 +68,7 @@ def test_the_mount_goes_when_its_owner_is_killed(tmp_path):
         owner.kill()
         owner.wait()
         owner.stdout.close()
-    deadline = time.monotonic() + 10
-    while is_mounted(tmp_path / "pfs") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not is_mounted(tmp_path / "pfs")
+    wait_until(lambda: not is_mounted(tmp_path / "pfs"), 10, "the slow file system unmounted")
 
 
 # --- hpcdl on a read-only data set behind the slow file system ---------------------------------

@@ -78,7 +78,7 @@ def test_stage_only_under_mpirun_into_a_file_writes_whole_lines(tmp_path):
     """The live line is drawn only on a terminal. Open MPI gives a rank a pty as stdout but a
     pipe as stderr, where hpcdl.stage reports, so isatty() is honest here (unlike the trainer's
     stdout: tests/test_progress.py); this keeps it so."""
-    from conftest import mpi_env, mpirun_cmd  # noqa: PLC0415
+    from helpers import mpi_env, mpirun_cmd  # noqa: PLC0415
 
     ds = make_tree(tmp_path / "data", 30, 500)
     env = {**mpi_env(), "HPCDL_STAGE_EMULATE_PFS": "latency_ms=40"}
@@ -114,7 +114,7 @@ def test_dry_run_shows_the_shape_the_loader_yields_from_the_training_config(tmp_
 
 
 def test_a_failing_leader_under_mpirun_ends_the_stage_job_quickly(tmp_path):
-    from conftest import mpi_env, mpirun_cmd
+    from helpers import mpi_env, mpirun_cmd
 
     ds = make_tree(tmp_path / "data", 8, 100)
     blocker = tmp_path / "not-a-dir"

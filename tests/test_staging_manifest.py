@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import os
-import time
 
-from helpers import ShardDataset
+from helpers import ShardDataset, start_session, wait_ready
 
-from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.layout import remove_created
 from hpcdl.staging.manifest import decode_records, read_manifest
 from hpcdl.staging.ownership import data_key
 
-ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 NAMES = ["plain/a.bin", "with space/b c.bin", "ünïcode/é.bin", "deep/er/still/d.bin"]
 
 
 def stage_all(ds, stage, keep):
-    spec = SamplerSpec(num_samples=len(ds), **ARGS)
-    options = StageOptions(stage, threads=2, keep=keep)
-    session = StagingSession.start(None, ds, spec, 2, (0, 1), options)
-    deadline = time.monotonic() + 30
-    while session.status.field("plan_ready") < len(ds.files) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    session = start_session(ds, stage, batch=2, epochs=(0, 1), threads=2, keep=keep)
+    wait_ready(session, len(ds.files))
     return session
 
 

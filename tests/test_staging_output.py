@@ -9,29 +9,22 @@ import os
 import signal
 import stat
 import subprocess
-import time
 
 import pytest
-from helpers import make_tree, niceness, wait_for_status, write_peer_plan
+from helpers import (
+    make_tree,
+    niceness,
+    stager_ran_on,
+    start_session,
+    wait_for_status,
+    wait_ready,
+    wait_until,
+    write_peer_plan,
+)
 
-from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StageOptions, StagingSession
+from hpcdl.staging import StageOptions
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.status import StatusView
-
-
-def start(ds, stage, **kw):
-    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    return StagingSession.start(None, ds, spec, 4, (0, 2), StageOptions(stage, threads=2, **kw))
-
-
-def wait_staged(session, files):
-    status = StatusView(session.meta / "status")
-    deadline = time.monotonic() + 20
-    while status.field("plan_ready") < files and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert status.field("plan_ready") == files
-    status.close()
 
 
 def stager_lines(err: str) -> list[str]:
@@ -40,8 +33,8 @@ def stager_lines(err: str) -> list[str]:
 
 def test_a_normal_end_says_the_job_ended_not_sigterm(tmp_path, capfd):
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage")
-    wait_staged(session, 12)
+    session = start_session(ds, tmp_path / "stage", threads=2)
+    wait_ready(session, 12)
     session.close()
     last = stager_lines(capfd.readouterr().err)[-1]
     assert "SIGTERM" not in last, last
@@ -50,18 +43,18 @@ def test_a_normal_end_says_the_job_ended_not_sigterm(tmp_path, capfd):
 
 def test_a_real_sigterm_is_still_named(tmp_path, capfd):
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage")
-    wait_staged(session, 12)
-    os.kill(session.proc.pid, signal.SIGTERM)
-    session.proc.wait(10)
+    session = start_session(ds, tmp_path / "stage", threads=2)
+    wait_ready(session, 12)
+    os.kill(session.stager.proc.pid, signal.SIGTERM)
+    session.stager.proc.wait(10)
     session.close()
     assert "stopped on SIGTERM" in stager_lines(capfd.readouterr().err)[-1]
 
 
 def test_the_start_line_gives_the_capacity_in_binary_units(tmp_path, capfd):
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage", capacity=int(65.1 * 2**30))
-    wait_staged(session, 12)
+    session = start_session(ds, tmp_path / "stage", threads=2, capacity=int(65.1 * 2**30))
+    wait_ready(session, 12)
     session.close()
     first = stager_lines(capfd.readouterr().err)[0]
     assert "capacity 65.1 GiB" in first, first
@@ -73,8 +66,8 @@ def test_every_file_staging_creates_has_an_explicit_mode_under_umask_0(tmp_path)
     stage = tmp_path / "stage"
     old = os.umask(0)
     try:
-        session = start(ds, stage, keep=True)
-        wait_staged(session, 12)
+        session = start_session(ds, stage, threads=2, keep=True)
+        wait_ready(session, 12)
         found = modes_below(stage)  # while the job runs: plan, progress, counters, owner...
         session.close()
     finally:
@@ -102,9 +95,9 @@ def test_the_stager_runs_below_the_ranks_and_says_so(tmp_path, capfd, nice):
     (copy threads included) at the niceness it started with plus N, from the start; a core
     goes to a rank before a copy that is ahead of need."""
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage", nice=nice)
-    wait_staged(session, 12)
-    threads = niceness(session.proc.pid)
+    session = start_session(ds, tmp_path / "stage", threads=2, nice=nice)
+    wait_ready(session, 12)
+    threads = niceness(session.stager.proc.pid)
     session.close()
     assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + int(nice))}, threads
     first = stager_lines(capfd.readouterr().err)[0]
@@ -119,20 +112,17 @@ def test_by_default_the_stager_goes_below_the_ranks_once_they_pass_the_first_epo
     assert StageOptions("x").nice == "auto"
     base = os.getpriority(os.PRIO_PROCESS, 0)
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage")  # 2 epochs of 3 steps
-    wait_staged(session, 12)
+    session = start_session(ds, tmp_path / "stage", threads=2)  # 2 epochs of 3 steps
+    wait_ready(session, 12)
     session.consumed(0, 2)
-    time.sleep(0.6)  # the stager looks every 0.2 s
-    during = niceness(session.proc.pid)
+    stager_ran_on(session.status, 0.2)  # it read the ranks' progress since (every 0.2 s)
+    during = niceness(session.stager.proc.pid)
     session.consumed(0, 3)  # the end of epoch 1
-    deadline = time.monotonic() + 10
-    while niceness(session.proc.pid) != {min(19, base + 10)} and time.monotonic() < deadline:
-        time.sleep(0.05)
-    after = niceness(session.proc.pid)
+    pid, below = session.stager.proc.pid, {min(19, base + 10)}
+    wait_until(lambda: niceness(pid) == below, 10, f"every thread at {below} ({niceness(pid)})")
     session.close()
     lines = stager_lines(capfd.readouterr().err)
     assert during == {base}, during
-    assert after == {min(19, base + 10)}, after
     assert "nice +10 after epoch 1" in lines[0], lines
     assert len(lines) == 2, lines  # announced at the start, done without another line
 
@@ -140,11 +130,11 @@ def test_by_default_the_stager_goes_below_the_ranks_once_they_pass_the_first_epo
 def test_stage_nice_0_keeps_the_priority_it_started_with_after_epoch_1(tmp_path, capfd):
     base = os.getpriority(os.PRIO_PROCESS, 0)
     ds = make_tree(tmp_path / "pfs", 12, 100)
-    session = start(ds, tmp_path / "stage", nice="0")
-    wait_staged(session, 12)
+    session = start_session(ds, tmp_path / "stage", threads=2, nice="0")
+    wait_ready(session, 12)
     session.consumed(1, 1)
-    time.sleep(0.6)
-    threads = niceness(session.proc.pid)
+    stager_ran_on(session.status, 0.2)  # it read the ranks' progress since (every 0.2 s)
+    threads = niceness(session.stager.proc.pid)
     session.close()
     assert threads == {base}, threads
     assert "nice +" not in stager_lines(capfd.readouterr().err)[0]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import make_tree, write_peer_plan
+from helpers import make_tree, stager_ran_on, wait_until, write_peer_plan
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import find_stager_binary
@@ -58,11 +58,18 @@ def start(stage: Path, secret: str, listener: socket.socket | None = None, *flag
 
 def status(stage: Path) -> StatusView:
     view = StatusView(stage / ".hpcdl" / "sessions" / SESSION / "status")
-    deadline = time.monotonic() + 10
-    while not view.open():
-        assert time.monotonic() < deadline, "no status map"
-        time.sleep(0.02)
+    wait_until(view.open, 10, f"a status map in {stage}")
     return view
+
+
+def wait_staged(proc: subprocess.Popen, view: StatusView) -> None:
+    """Until the stager has staged every file; it must not exit meanwhile."""
+
+    def staged() -> bool:
+        assert proc.poll() is None, proc.stderr.read()
+        return view.field("plan_ready") >= FILES
+
+    wait_until(staged, 30, f"{FILES} files staged")
 
 
 @pytest.fixture
@@ -75,11 +82,7 @@ def home(tmp_path):
     write_plan(ds, tmp_path / "a", 0, None)
     proc = start(tmp_path / "a", secret, listener)
     listener.close()  # the stager holds its own descriptor
-    view = status(tmp_path / "a")
-    deadline = time.monotonic() + 30
-    while view.field("plan_ready") < FILES:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.02)
+    wait_staged(proc, status(tmp_path / "a"))
     yield ds, address, secret, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGUSR1)
@@ -119,9 +122,8 @@ def test_home_serves_and_peer_copies_obey_every_rule(home, tmp_path):
         identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
         assert record.source_identity == identity
     served = status(tmp_path / "a")
-    deadline = time.monotonic() + 5
-    while served.field("files_served") < FILES and time.monotonic() < deadline:
-        time.sleep(0.05)  # the home publishes its counters with its heartbeat
+    # the home publishes its counters with its heartbeat
+    wait_until(lambda: served.field("files_served") >= FILES, 5, "the home's files_served")
     assert served.field("files_served") == FILES
     assert served.field("pfs_opens") == FILES  # the home read each file once
 
@@ -180,10 +182,11 @@ def running_fetcher(stage: Path, secret: str, progress: ProgressFile):
 
 
 def wait_for_field(view: StatusView, name: str, value: int) -> None:
-    deadline = time.monotonic() + 20
-    while view.field(name) < value and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # and no more than that
+    """Until the stager's counter `name` reaches value, and no further: once it does, the
+    stager runs its loop (dispatching what is due) 0.3 s more, by its heartbeat, and the count
+    must still be value."""
+    wait_until(lambda: view.field(name) >= value, 20, f"{name} >= {value}")
+    stager_ran_on(view, 0.3)
     assert view.field(name) == value, name
 
 
@@ -259,11 +262,7 @@ def test_a_damaged_copy_on_the_peer_is_not_used(tmp_path, verify):
     flags = ("--verify",) if verify else ()
     proc = start(tmp_path / "a", secret, listener, *flags)
     listener.close()
-    view = status(tmp_path / "a")
-    deadline = time.monotonic() + 30
-    while view.field("plan_ready") < FILES:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_staged(proc, status(tmp_path / "a"))
     staged = [tmp_path / "a" / "k" / f.relpath for f in ds.files]
     rewritten, truncated, hidden = staged[0], staged[1], staged[2]
     rewritten.write_bytes(bytes(len(rewritten.read_bytes())))

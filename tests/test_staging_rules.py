@@ -14,12 +14,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from helpers import make_tree
+from helpers import make_tree, start_session
 
-from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import (
-    StageOptions,
-    StagingSession,
     default_capacity,
     find_stager_binary,
     parse_capacity,
@@ -35,12 +32,6 @@ def binary_layout() -> dict:
         [str(find_stager_binary()), "--print-layout"], capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout)
-
-
-def start(ds, stage, capacity, epochs=(0, 1)):
-    spec = SamplerSpec(num_samples=len(ds), world_size=1, seed=0, shuffle="global")
-    options = StageOptions(stage, threads=2, capacity=capacity)
-    return StagingSession.start(None, ds, spec, 4, epochs, options)
 
 
 def test_python_reads_the_status_layout_the_binary_prints():
@@ -78,11 +69,11 @@ def test_the_documented_status_table_matches_the_binary():
 
 def test_a_real_status_map_reads_back_what_the_stager_wrote(tmp_path):
     ds = make_tree(tmp_path / "pfs", 12, 3000)
-    session = start(ds, tmp_path / "stage", 10**9)
+    session = start_session(ds, tmp_path / "stage", epochs=(0, 1), threads=2, capacity=10**9)
     try:
         view = StatusView(session.meta / "status")
         h = view.header()
-        assert h["pid"] == session.proc.pid
+        assert h["pid"] == session.stager.proc.pid
         assert h["files"] == len(ds.files) and h["capacity"] == 10**9
         assert h["version"] == status_layout().version
         assert view.run_state() == "RUNNING"
@@ -103,7 +94,7 @@ def test_the_default_capacity_comes_from_the_binary(tmp_path):
 
 def test_a_session_without_capacity_lets_the_stager_pick_its_default(tmp_path):
     ds = make_tree(tmp_path / "pfs", 4, 1000)
-    session = start(ds, tmp_path / "stage", None)
+    session = start_session(ds, tmp_path / "stage", epochs=(0, 1), threads=2, capacity=None)
     try:
         view = StatusView(session.meta / "status")
         assert abs(view.field("capacity") - default_capacity(tmp_path)) < 64 * 2**20
@@ -114,7 +105,7 @@ def test_a_session_without_capacity_lets_the_stager_pick_its_default(tmp_path):
 
 def test_capacity_zero_stages_nothing_and_says_so_once(tmp_path, capfd):
     ds = make_tree(tmp_path / "pfs", 32, 2000)
-    session = start(ds, tmp_path / "stage", 0)
+    session = start_session(ds, tmp_path / "stage", epochs=(0, 1), threads=2, capacity=0)
     try:
         view = StatusView(session.meta / "status")
         assert view.field("capacity") == 0
@@ -141,7 +132,7 @@ def test_files_larger_than_the_capacity_are_one_summary_line(tmp_path, capfd):
     for rel in big:
         (root / rel).write_bytes(os.urandom(50_000))
     ds = type(ds)(root, [e.relpath for e in ds.files])
-    session = start(ds, tmp_path / "stage", 20_000)
+    session = start_session(ds, tmp_path / "stage", epochs=(0, 1), threads=2, capacity=20_000)
     try:
         session.consumed(0, 1)
     finally:

@@ -10,37 +10,17 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, run_train, train_cmd
-from helpers import make_tree, own_lines
+from helpers import make_tree, mpi_env, own_lines, run_train, start_session, train_cmd, wait_ready
 
 from hpcdl import checkpoint
-from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StageOptions, StagingSession
+from hpcdl.staging import StagingSession
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.layout import StageDir
 from hpcdl.staging.ownership import StageDirLease
-
-ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
-
-
-def start(ds, stage, keep=False, verify=False, capacity=None) -> StagingSession:
-    args = SamplerSpec(num_samples=len(ds), **ARGS)
-    options = StageOptions(stage, threads=4, capacity=capacity, keep=keep, verify=verify)
-    return StagingSession.start(None, ds, args, 4, (0, 2), options)
-
-
-def wait_ready(session: StagingSession, files: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if session.status.open() and session.status.field("plan_ready") >= files:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"staging did not finish {files} files in {timeout} s")
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
@@ -139,7 +119,7 @@ def test_cleanup_never_deletes_through_a_symlinked_directory(tmp_path):
     stage.mkdir()
     (stage / "d1").symlink_to(victim, target_is_directory=True)
     before = snapshot(victim)
-    session = start(ds, stage)
+    session = start_session(ds, stage)
     wait_ready(session, 1)
     assert served(session, ds) == sources(ds)
     session.close()
@@ -159,7 +139,7 @@ def test_files_that_were_in_the_stage_dir_before_are_never_reused_changed_or_del
             st = src.stat()
             os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
     before = snapshot(stage)
-    session = start(ds, stage)
+    session = start_session(ds, stage)
     wait_ready(session, len(ds.files))
     assert served(session, ds) == sources(ds)
     session.close()
@@ -169,14 +149,14 @@ def test_files_that_were_in_the_stage_dir_before_are_never_reused_changed_or_del
 def test_a_file_changed_in_place_after_staging_is_staged_again(tmp_path):
     ds = make_tree(tmp_path / "pfs", 6, 100, dirs=1)
     stage = tmp_path / "stage"
-    first = start(ds, stage, keep=True)
+    first = start_session(ds, stage, keep=True)
     wait_ready(first, 6)
     first.close()
     src = ds.root / ds.files[0].relpath
     st = src.stat()
     src.write_bytes(bytes(255 - b for b in src.read_bytes()))  # same size
     os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime: only ctime tells
-    second = start(ds, stage)
+    second = start_session(ds, stage)
     wait_ready(second, 6)
     assert served(second, ds) == sources(ds)
     assert second.status.field("files_reused") == 5
@@ -191,8 +171,8 @@ def test_two_sessions_on_one_stage_dir_with_different_data_get_their_own_bytes(t
     a = make_tree(tmp_path / "a", 12, 500, seed=1)
     b = make_tree(tmp_path / "b", 12, 500, seed=2)  # the same relative names, other bytes
     stage = tmp_path / "stage"
-    sa = start(a, stage)
-    sb = start(b, stage)
+    sa = start_session(a, stage)
+    sb = start_session(b, stage)
     wait_ready(sa, 12)
     wait_ready(sb, 12)
     assert served(sa, a) == sources(a)
@@ -208,9 +188,9 @@ def test_two_sessions_on_one_stage_dir_with_different_data_get_their_own_bytes(t
 def test_two_sessions_with_the_same_data_share_copies_and_the_last_cleans_up(tmp_path):
     ds = make_tree(tmp_path / "a", 10, 500)
     stage = tmp_path / "stage"
-    sa = start(ds, stage)
+    sa = start_session(ds, stage)
     wait_ready(sa, 10)
-    sb = start(ds, stage)
+    sb = start_session(ds, stage)
     wait_ready(sb, 10)
     assert sb.status.field("files_reused") == 10
     sa.close()

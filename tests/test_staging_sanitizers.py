@@ -11,10 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import make_tree
+from helpers import make_tree, start_session
 
-from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.status import StatusView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,16 +66,14 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
     ds = make_tree(tmp_path / "pfs", 40, 2000)
     monkeypatch.setenv("HPCDL_STAGE_BIN", str(build / "hpcdl-stage"))
     monkeypatch.setenv("ASAN_OPTIONS", env["ASAN_OPTIONS"])
-    args = SamplerSpec(num_samples=40, world_size=1, seed=0, shuffle="global")
-    options = StageOptions(tmp_path / "stage", threads=4, capacity=30_000, verify=True)
-    session = StagingSession.start(None, ds, args, 4, (0, 3), options)
+    session = start_session(ds, tmp_path / "stage", epochs=(0, 3), capacity=30_000, verify=True)
     status = StatusView(session.meta / "status")
     for epoch in range(3):
         for step in range(10):
             session.consumed(epoch, step + 1)
             time.sleep(0.01)
     staged = status.field("files_staged")
-    proc = session.proc
+    proc = session.stager.proc
     session.close()
     assert proc.returncode == 0, "sanitized stager did not exit cleanly"
     assert staged > 14  # more than fits at once: files were evicted and others copied

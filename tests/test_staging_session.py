@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -9,37 +10,20 @@ import threading
 import time
 import warnings
 
-from helpers import make_tree, stage_bytes, temp_files
+from helpers import make_tree, stage_bytes, start_session, temp_files, wait_until
 
-from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging import StageOptions, StagingSession
 from hpcdl.staging.ownership import data_key
 from hpcdl.staging.status import FAILED, READY, StatusView
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
 
-def start(ds, stage, batch=4, epochs=(0, 2), **kw):
-    args = SamplerSpec(num_samples=len(ds), **ARGS)
-    options = StageOptions(stage, threads=kw.pop("threads", 4), **kw)
-    return StagingSession.start(None, ds, args, batch, epochs, options)
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_staged_copies_are_byte_identical_and_served_as_hits(tmp_path):
     ds = make_tree(tmp_path / "pfs", 60, 3000)
     stage = tmp_path / "stage"
-    session = start(ds, stage, verify=True)
+    session = start_session(ds, stage, verify=True)
     status = StatusView(session.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") == 60)
+    wait_until(lambda: status.field("plan_ready") == 60)
     assert oct(stage.stat().st_mode & 0o777) == "0o700"
     locate = pickle.loads(pickle.dumps(session.locator()))
     for fid, entry in enumerate(ds.files):
@@ -57,9 +41,9 @@ def test_locator_counts_hits_from_worker_processes(tmp_path):
     import multiprocessing as mp
 
     ds = make_tree(tmp_path / "pfs", 10, 100)
-    session = start(ds, tmp_path / "stage")
+    session = start_session(ds, tmp_path / "stage")
     status = StatusView(session.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") == 10)
+    wait_until(lambda: status.field("plan_ready") == 10)
     with mp.get_context("spawn").Pool(2) as pool:
         paths = pool.map(session.locator(), range(10))
     assert all(str(p).startswith(str(tmp_path / "stage")) for p in paths)
@@ -87,27 +71,30 @@ def test_concurrent_reader_never_sees_a_partial_file(tmp_path, monkeypatch):
 
     t = threading.Thread(target=reader)
     t.start()
-    session = start(ds, stage)
+    session = start_session(ds, stage)
     status = StatusView(session.meta / "status")
-    ok = wait_for(lambda: status.field("plan_ready") == 12, timeout=60)
-    stop.set()
-    t.join()
-    session.close()
-    assert ok and not bad and checked[0] > 0
+    try:
+        wait_until(lambda: status.field("plan_ready") == 12, timeout=60)
+    finally:
+        stop.set()
+        t.join()
+        session.close()
+    assert not bad and checked[0] > 0
 
 
 def test_capacity_below_data_size_is_never_exceeded(tmp_path):
     ds = make_tree(tmp_path / "pfs", 80, 10_000)  # ~800 KB
     capacity = 200_000
     stage = tmp_path / "stage"
-    session = start(ds, stage, batch=4, epochs=(0, 2), capacity=capacity)
+    session = start_session(ds, stage, batch=4, epochs=(0, 2), capacity=capacity)
     status = StatusView(session.meta / "status")
     peak = 0
     steps = len(ds) // 4
     locate = session.locator()
     for epoch in range(2):
         for step in range(steps):
-            wait_for(lambda: status.field("plan_ready") > 0, timeout=2)
+            with contextlib.suppress(AssertionError):  # pacing only: the checks read what is there
+                wait_until(lambda: status.field("plan_ready") > 0, timeout=2)
             on_disk = stage_bytes(stage)
             peak = max(peak, on_disk, status.field("bytes_resident"))
             for fid in range(4):
@@ -125,11 +112,11 @@ def test_sigkill_to_stager_falls_back_with_one_warning_and_no_temp_files(tmp_pat
     ds = make_tree(tmp_path / "pfs", 200, 50_000)
     monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=5,mbps=20")
     stage = tmp_path / "stage"
-    session = start(ds, stage, threads=4)
+    session = start_session(ds, stage, threads=4)
     status = StatusView(session.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") >= 2)
+    wait_until(lambda: status.field("plan_ready") >= 2)
     os.kill(status.field("pid"), signal.SIGKILL)
-    session.proc.wait()
+    session.stager.proc.wait()
     locate = session.locator()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -151,15 +138,15 @@ def test_sigkill_to_stager_falls_back_with_one_warning_and_no_temp_files(tmp_pat
 def test_restart_reuses_intact_staged_files(tmp_path):
     ds = make_tree(tmp_path / "pfs", 30, 1000)
     stage = tmp_path / "stage"
-    first = start(ds, stage, keep=True)
+    first = start_session(ds, stage, keep=True)
     status = StatusView(first.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") == 30)
+    wait_until(lambda: status.field("plan_ready") == 30)
     first.close()
     (ds.root / ds.files[0].relpath).write_bytes(b"changed")  # its copy is stale now
     ds.files.sizes[0] = 7  # the size it was planned with
-    second = start(ds, stage, keep=False)
+    second = start_session(ds, stage, keep=False)
     status = StatusView(second.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") == 30)
+    wait_until(lambda: status.field("plan_ready") == 30)
     assert status.field("files_reused") == 29 and status.field("files_staged") == 1
     assert (second.local_root / ds.files[0].relpath).read_bytes() == b"changed"
     second.close()
@@ -173,9 +160,9 @@ def test_missing_source_and_symlinked_dir_are_failed_not_fatal(tmp_path, capfd):
     (stage / data_key(ds.root)).mkdir(parents=True)
     (stage / data_key(ds.root) / "d1").symlink_to(outside)  # a symlinked dir in the tree
     (ds.root / ds.files[0].relpath).unlink()  # unreadable source: gone after planning
-    session = start(ds, stage)
+    session = start_session(ds, stage)
     status = StatusView(session.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") + status.field("failures") == 8)
+    wait_until(lambda: status.field("plan_ready") + status.field("failures") == 8)
     err = capfd.readouterr().err
     assert "d1" in err and "symlink" in err and "read from the PFS" in err
     assert ds.files[0].relpath in err and "No such file" in err
@@ -203,7 +190,7 @@ def test_a_first_epoch_that_outruns_staging_says_so_once_with_the_rate_needed(
 ):
     ds = make_tree(tmp_path / "pfs", 120, 20_000)
     monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=30,mbps=5")
-    session = start(ds, tmp_path / "stage", threads=1, epochs=(0, 3))
+    session = start_session(ds, tmp_path / "stage", threads=1, epochs=(0, 3))
     steps = len(ds) // 4
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -219,9 +206,9 @@ def test_a_first_epoch_that_outruns_staging_says_so_once_with_the_rate_needed(
 
 def test_staging_that_keeps_up_says_nothing_about_the_rate(tmp_path):
     ds = make_tree(tmp_path / "pfs", 40, 2000)
-    session = start(ds, tmp_path / "stage", threads=4, epochs=(0, 2))
+    session = start_session(ds, tmp_path / "stage", threads=4, epochs=(0, 2))
     status = StatusView(session.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") == status.field("plan_entries"))
+    wait_until(lambda: status.field("plan_ready") == status.field("plan_entries"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         read_epoch(session, ds, 0, len(ds) // 4)
@@ -234,12 +221,12 @@ def test_staging_that_keeps_up_says_nothing_about_the_rate(tmp_path):
 def test_a_killed_stagers_temporaries_go_even_when_the_copies_are_kept(tmp_path, monkeypatch):
     ds = make_tree(tmp_path / "pfs", 60, 400_000)
     monkeypatch.setenv("HPCDL_STAGE_EMULATE_PFS", "latency_ms=1,mbps=20")
-    session = start(ds, tmp_path / "stage", threads=4, keep=True)
+    session = start_session(ds, tmp_path / "stage", threads=4, keep=True)
     status = StatusView(session.meta / "status")
-    assert wait_for(lambda: status.field("plan_ready") >= 1)
-    assert wait_for(lambda: any(session.meta.glob("tmp.*")), timeout=10)  # copies in flight
+    wait_until(lambda: status.field("plan_ready") >= 1)
+    wait_until(lambda: any(session.meta.glob("tmp.*")), timeout=10)  # copies in flight
     os.kill(status.field("pid"), signal.SIGKILL)
-    session.proc.wait()
+    session.stager.proc.wait()
     assert any(session.meta.glob("tmp.*"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpi_env, read_events, run_train, train_cmd
-from helpers import stage_bytes, temp_files
+from helpers import mpi_env, read_events, run_train, stage_bytes, temp_files, train_cmd
 
 from hpcdl import checkpoint
 from hpcdl.data.convert import write_dataset

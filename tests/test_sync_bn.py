@@ -181,7 +181,7 @@ def test_two_mpi_ranks_with_sync_bn_match_one_rank_with_batch_2b():
 
 def test_trainer_runs_resnet20_with_sync_bn_adamw_and_no_decay_bias_norm(digits_dir, tmp_path):
     """One short 2-rank run: the flags are wired, and the ranks stay identical."""
-    from conftest import read_events, run_train
+    from helpers import read_events, run_train
 
     metrics = tmp_path / "m.jsonl"
     proc = run_train(

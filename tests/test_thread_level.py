@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import mpi_env, mpirun_cmd, run_train
+from helpers import mpi_env, mpirun_cmd, run_train
 
 NOTICE = "not MPI_THREAD_MULTIPLE"
 

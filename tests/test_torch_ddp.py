@@ -7,6 +7,7 @@ stager) leaves no process, no shared-memory file and no staged file of the run (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, mpi_env, mpirun_cmd
-from helpers import job_pids
+from helpers import BIN, job_pids, mpi_env, mpirun_cmd, wait_until
 
 from hpcdl.staging.manifest import read_manifest
 
@@ -58,10 +58,11 @@ def cmdline(pid: int) -> bytes:
 
 
 def assert_nothing_left(marker: str, shm: Path) -> None:
-    deadline = time.monotonic() + 10  # the launcher has returned; its children are going
-    while job_pids(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [cmdline(p) for p in job_pids(marker)] == [], "processes of the job outlived it"
+    # the launcher has returned; its children are going
+    left = lambda: [cmdline(p) for p in job_pids(marker)]  # noqa: E731
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not left(), 10)
+    assert left() == [], "processes of the job outlived it"
     assert list(shm.iterdir()) == []
 
 

@@ -155,7 +155,7 @@ def test_stage_nice_reaches_every_thread_of_the_stager(shards, tmp_path):
     """stage_nice is hpcdl.train's --stage-nice: N is every stager thread N steps nicer."""
     with Loader(shards, BATCH, epochs=1, workers=1, stage_dir=tmp_path / "stage",
                 stage_nice=4) as loader:  # fmt: skip
-        threads = niceness(loader.staging.proc.pid)
+        threads = niceness(loader.staging.stager.proc.pid)
     assert threads == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 4)}, threads
 
 

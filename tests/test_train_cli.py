@@ -11,8 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, read_events, run_train, train_cmd
-from helpers import own_lines
+from helpers import mpi_env, own_lines, read_events, run_train, train_cmd
 
 from hpcdl import checkpoint
 

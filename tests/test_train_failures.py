@@ -11,7 +11,7 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import mpi_env, mpirun_cmd, read_events
+from helpers import mpi_env, mpirun_cmd, read_events
 
 from hpcdl import checkpoint
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import digest
 
-from hpcdl import nn, resume, startup
+from hpcdl import nn, resume, startup_checks
 from hpcdl import train as trainer
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import SystemExitWithMessage
@@ -20,7 +20,7 @@ from hpcdl.config import TrainConfig, parse_args
 def _verify_outcome(world, cfg, layout):
     """'ok', or ('raised', message) -- gathered from every rank."""
     try:
-        startup.verify_same_run(world, cfg, layout)
+        startup_checks.verify_same_run(world, cfg, layout)
         mine = "ok"
     except SystemExitWithMessage as exc:
         mine = ("raised", exc.message)

@@ -6,7 +6,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from conftest import read_events, run_train
+from helpers import read_events, run_train
 from PIL import Image
 
 from hpcdl import startup

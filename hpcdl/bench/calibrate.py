@@ -49,11 +49,10 @@ import json
 import math
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,6 +72,7 @@ from hpcdl.bench.calibrate_contention import (
 )
 from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
+from hpcdl.bench.calibrate_pfs import copy_sample, measure_pfs, measure_pfs_together
 from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
 from hpcdl.bench.stage_scratch import stage_dir_made
 from hpcdl.bench.timing import slowest_rank_mean, slowest_rank_median
@@ -91,7 +91,6 @@ from hpcdl.comm.failure import StopAgreement, UserError, install_abort_on_except
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.step import train_step
 
-SATURATED = 2 / 3  # reached rate / (threads x one-thread rate) below which a limit is recorded
 # Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by
 # default; the model extrapolates beyond 8 MiB linearly, as the alpha-beta form does).
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
@@ -128,105 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", help="calibration file to write (TOML; docs/cluster-model.md)")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
-
-
-def sample_files(root: Path, count: int, middle: bool = False) -> list[Path]:
-    """Up to `count` regular files under root, spread over the tree (sorted, every k-th; middle:
-    from the middle of the first k, so mostly not the files of a sample without it)."""
-    files = [
-        Path(d) / n
-        for d, dirs, names in os.walk(root)
-        for n in sorted(names)
-        if not n.startswith(".")
-    ]
-    files.sort()
-    if not files:
-        raise UserError(f"hpcdl.bench calibrate: --data {root} holds no files to read")
-    step = max(1, len(files) // count)
-    return files[step // 2 if middle else 0 :: step][:count]
-
-
-def copy_sample(root: Path, count: int, budget_bytes: int) -> tuple[list[str], list[int]]:
-    """The files the contention measure copies (relative paths, sizes): up to `count`, spread
-    over the tree between the PFS sweep's, within budget_bytes."""
-    relpaths, sizes, total = [], [], 0
-    for path in sample_files(root, count, middle=True):
-        size = path.stat().st_size
-        if total + size > budget_bytes:
-            break
-        relpaths.append(str(path.relative_to(root)))
-        sizes.append(size)
-        total += size
-    return relpaths, sizes
-
-
-def _read(path: Path) -> tuple[float, float, int]:
-    """(seconds in open, seconds reading, bytes) of one whole file."""
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        t1 = time.perf_counter()
-        n = 0
-        while chunk := f.read(1 << 20):
-            n += len(chunk)
-    return t1 - t0, time.perf_counter() - t1, n
-
-
-def measure_pfs(root: Path, max_threads: int, per_count: int) -> tuple[PfsFigures, list[dict]]:
-    """Reader-thread sweep on distinct files; returns the figures and the sweep's rows."""
-    counts = [1 << k for k in range(max_threads.bit_length()) if 1 << k <= max_threads]
-    files = sample_files(root, per_count * len(counts))
-    chunks = [files[i :: len(counts)] for i in range(len(counts))]
-    rows = []
-    for threads, chunk in zip(counts, chunks):
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(_read, chunk))
-        wall = time.perf_counter() - t0
-        nbytes = sum(r[2] for r in results)
-        rows.append(dict(threads=threads, files=len(chunk), opens_per_s=len(chunk) / wall,
-                         bytes_per_s=nbytes / wall,
-                         open_s=statistics.mean(r[0] for r in results),
-                         read_s=statistics.mean(r[1] for r in results),
-                         bytes=nbytes))  # fmt: skip
-    one, top = rows[0], rows[-1]
-    thread_bw = one["bytes"] / max(one["read_s"] * one["files"], 1e-9)
-    limited = top["opens_per_s"] < SATURATED * top["threads"] * one["opens_per_s"]
-    mean_size = top["bytes"] / max(top["files"], 1)
-    big_files = mean_size / max(thread_bw, 1e-9) > one["open_s"]  # reading, not opening, dominates
-    return PfsFigures(
-        open_latency_s=one["open_s"],
-        thread_bandwidth_Bps=thread_bw,
-        total_bandwidth_Bps=top["bytes_per_s"] if limited and big_files else 0.0,
-        total_opens_per_s=top["opens_per_s"] if limited and not big_files else 0.0,
-    ), rows
-
-
-def measure_pfs_together(
-    world: Any, root: Path, threads: int, per_node: int, alone: PfsFigures
-) -> PfsFigures:
-    """Every node's leader reads per_node other files with `threads` threads at once, as the
-    stagers will; an aggregate short of nodes x threads / (one file's time) by more than a
-    tenth is written as the file system's limit at this many nodes."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    leaders = world.comm.Split(0 if world.local_rank == 0 else MPI.UNDEFINED, world.rank)
-    result = alone
-    if leaders:
-        nodes = leaders.size
-        files = sample_files(root, per_node * (nodes + 8))[-per_node * nodes :]
-        leaders.Barrier()
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            results = list(pool.map(_read, files[leaders.rank :: nodes]))
-        wall = leaders.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        total_files = leaders.allreduce(len(results))
-        total_bytes = leaders.allreduce(sum(r[2] for r in results))
-        leaders.Free()
-        per_file = alone.open_latency_s + total_bytes / total_files / alone.thread_bandwidth_Bps
-        reached = total_files / wall
-        if reached < 0.9 * nodes * threads / per_file:
-            result = replace(alone, total_opens_per_s=reached, total_bandwidth_Bps=0.0)
-    return world.comm.bcast(result, root=0)
 
 
 def measure_local(stage_dir: Path, megabytes: int) -> tuple[LocalFigures, PeerFigures]:
@@ -502,31 +402,24 @@ def fit_to_trainer_step(
     return replace(cal, network=replace(cal.network, algorithm_factor=math.sqrt(low * high)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.shape = tuple(int(v) for v in args.input_shape.split(","))
-    from hpcdl.comm.world import init_world  # noqa: PLC0415
-
-    world = init_world()
-    # A rank that fails (no files, a stage dir it cannot write) ends every rank with its one
-    # line, instead of leaving the others in the next collective.
-    install_abort_on_exception(world.comm, world.rank)
-    blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
-    pfs = local = rows = peer = boundary = None
+def measure_alone(args: argparse.Namespace) -> tuple[Any, ...]:
+    """World rank 0, the others waiting: the PFS sweep (figures, rows), the local disk and the
+    peer fetch, the epoch's start, and the checkpoint with --checkpoint-dir (seconds, note)."""
+    pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
+    local, peer = measure_local(Path(args.stage_dir), args.local_mb)
+    boundary = measure_boundary(Path(args.stage_dir))
     saved = (0.0, "not measured (no --checkpoint-dir)")
-    if world.rank == 0:
-        pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
-        local, peer = measure_local(Path(args.stage_dir), args.local_mb)
-        boundary = measure_boundary(Path(args.stage_dir))
-        if args.checkpoint_dir:
-            saved = measure_checkpoint(args.model, args.shape, args.classes,
-                                       Path(args.checkpoint_dir))  # fmt: skip
-    world.comm.Barrier()  # the PFS and the disk were measured alone
-    if world.num_nodes > 1:
-        pfs = world.comm.bcast(pfs, root=0)
-        pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
-    network = measure_network(world, args.repeats)
-    compute = measure_compute(args, world.comm)
+    if args.checkpoint_dir:
+        saved = measure_checkpoint(args.model, args.shape, args.classes, Path(args.checkpoint_dir))
+    return pfs, rows, local, peer, boundary, saved
+
+
+def contention_measure(
+    args: argparse.Namespace, world: Any, pfs: PfsFigures | None
+) -> Callable[[float, Any], tuple[float, str, float | None, str]]:
+    """measure_trainer_step's contention measure: (quiet step seconds, timed_steps) -> seconds
+    lost per copied file, its note, per fetched file (None below two nodes), its note.
+    Collective: rank 0's PFS figures (pfs) reach every rank."""
     # how many files the copies need: about twice what one node copies in the timed steps at
     # the rate of the PFS figures just measured (rank 0's), within --local-mb
     rate = world.comm.bcast(args.threads / max(pfs.open_latency_s, 1e-4) if world.rank == 0
@@ -544,6 +437,29 @@ def main(argv: list[str] | None = None) -> int:
             *measure_fetch_contention(world, load, stage, quiet_s, timed_steps),
         )
 
+    return contention
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.shape = tuple(int(v) for v in args.input_shape.split(","))
+    from hpcdl.comm.world import init_world  # noqa: PLC0415
+
+    world = init_world()
+    # A rank that fails (no files, a stage dir it cannot write) ends every rank with its one
+    # line, instead of leaving the others in the next collective.
+    install_abort_on_exception(world.comm, world.rank)
+    blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
+    pfs = local = rows = peer = boundary = saved = None  # rank 0's
+    if world.rank == 0:
+        pfs, rows, local, peer, boundary, saved = measure_alone(args)
+    world.comm.Barrier()  # the PFS and the disk were measured alone
+    if world.num_nodes > 1:
+        pfs = world.comm.bcast(pfs, root=0)
+        pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
+    network = measure_network(world, args.repeats)
+    compute = measure_compute(args, world.comm)
+    contention = contention_measure(args, world, pfs)
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
                        args.augment, args.local_mb) as (samples, timed):  # fmt: skip
         trained = measure_trainer_step(args, world, samples, contention)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -184,14 +186,10 @@ def h2d_overlap(workers: int, batch: int = 256, steps: int = 30, n: int = 4096) 
     the compute phase is sized to about twice one synchronous upload."""
     import cupy as cp  # noqa: PLC0415
 
-    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
     from hpcdl.data.device import DevicePrefetcher  # noqa: PLC0415
 
     tmp = Path(tempfile.mkdtemp(prefix="hpcdl-bench-h2d-"))
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8)
-    write_dataset(tmp, {"train": (x, rng.integers(0, 10, n))}, [str(i) for i in range(10)])
-    ds = open_dataset(tmp / "train")
+    ds = _h2d_dataset(tmp, n)
     batches = (_batches(n, batch) * (steps // (n // batch) + 2))[: steps + 1]
     a = cp.random.standard_normal((1024, 1024), dtype=cp.float32)
     sync = cp.cuda.get_current_stream().synchronize
@@ -234,10 +232,18 @@ def h2d_overlap(workers: int, batch: int = 256, steps: int = 30, n: int = 4096) 
     bound = max(result["compute_s"], result["load_s"])
     result["sync_step_over_max"] = result["sync_step_s"] / bound
     result["prefetch_step_over_max"] = result["prefetch_step_s"] / bound
-    import shutil  # noqa: PLC0415
-
     shutil.rmtree(tmp, ignore_errors=True)
     return result
+
+
+def _h2d_dataset(tmp: Path, n: int) -> Any:
+    """n random uint8 64x64 RGB images, 10 classes, as HDF5 shards in tmp; the train split."""
+    from hpcdl.data.convert import write_dataset  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 64, 64, 3), dtype=np.uint8)
+    write_dataset(tmp, {"train": (x, rng.integers(0, 10, n))}, [str(i) for i in range(10)])
+    return open_dataset(tmp / "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

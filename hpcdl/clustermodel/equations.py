@@ -391,6 +391,52 @@ def later_epochs(
     return out
 
 
+def split_reads(reads: NodeReads, pfs_shares: list[float] | None) -> peers.PeerSplit:
+    """A node's new files per epoch split between the PFS and its peers (pfs_shares: per
+    epoch the PFS's share with the peer tier; None: no peer tier, all from the PFS)."""
+    if pfs_shares:
+        return peers.split_reads(reads.new_files, reads.new_bytes, pfs_shares)
+    return peers.no_peers(reads.new_files, reads.new_bytes)
+
+
+def epoch_times(
+    cal: Calibration,
+    shape: JobShape,
+    reads: NodeReads,
+    rate: StagingRate,
+    step_s: float,
+    pfs_shares: list[float] | None,
+) -> tuple[Any, float, list[float]]:
+    """(epoch_one's figures, epoch 1's seconds, each later epoch's seconds) of the busiest
+    node at its staging rate, the copies' contention and the checkpoints included."""
+    compute_epoch = reads.steps_per_epoch * step_s
+    split = split_reads(reads, pfs_shares)
+    one = epoch_one(reads, rate, step_s, shape.lead_s)
+    # the copies slow the steps; an epoch 1 that waits for staging anyway is not made longer
+    epoch1_s = max(one.seconds, compute_epoch + contention_s(cal, split)[0])
+    later = later_epochs(cal, shape, rate, split, compute_epoch, reads.new_files[0])
+    later = later or [compute_epoch]
+    # rank 0 writes the epoch's checkpoints after (or between) its steps, the others wait
+    saving = checkpoints_per_epoch(shape, reads.steps_per_epoch) * cal.compute.checkpoint_s
+    return one, epoch1_s + saving, [e + saving for e in later]
+
+
+def job_reads(shape: JobShape, nodes: list[peers.PeerSplit]) -> dict[str, Any]:
+    """Prediction's per-epoch totals over every node: PFS opens (the index's in epoch 1),
+    bytes and metadata operations, and the files and bytes fetched from peers."""
+    epochs = range(shape.epochs)
+    opens = [sum(r.pfs_files[e] for r in nodes) for e in epochs]
+    opens[0] += shape.index_files
+    return dict(
+        pfs_opens_per_epoch=opens,
+        pfs_bytes_per_epoch=[sum(r.pfs_bytes[e] for r in nodes) for e in epochs],
+        pfs_metadata_ops_per_epoch=[2 * n for n in opens],
+        pfs_opens_total=sum(opens),
+        peer_files_per_epoch=[sum(r.peer_files[e] for r in nodes) for e in epochs],
+        peer_bytes_per_epoch=[sum(r.peer_bytes[e] for r in nodes) for e in epochs],
+    )
+
+
 def predict_shape(
     cal: Calibration,
     shape: JobShape,
@@ -404,27 +450,8 @@ def predict_shape(
     peer tier, all from the PFS)."""
     rate = staging_rate_for(cal, shape, reads.mean_file_bytes)
     step = step_time(cal, shape)
-    compute_epoch = reads.steps_per_epoch * step.step_s
-
-    def split(r: NodeReads) -> peers.PeerSplit:
-        if pfs_shares:
-            return peers.split_reads(r.new_files, r.new_bytes, pfs_shares)
-        return peers.no_peers(r.new_files, r.new_bytes)
-
-    one = epoch_one(reads, rate, step.step_s, shape.lead_s)
-    # the copies slow the steps; an epoch 1 that waits for staging anyway is not made longer
-    epoch1_s = max(one.seconds, compute_epoch + contention_s(cal, split(reads))[0])
-    later = later_epochs(cal, shape, rate, split(reads), compute_epoch, reads.new_files[0]) or [
-        compute_epoch
-    ]
-    # rank 0 writes the epoch's checkpoints after (or between) its steps, the others wait
-    saving = checkpoints_per_epoch(shape, reads.steps_per_epoch) * cal.compute.checkpoint_s
-    epoch1_s += saving
-    later = [e + saving for e in later]
-    nodes = [split(r) for r in (every_node or [reads] * shape.nodes)]
-    opens = [sum(r.pfs_files[e] for r in nodes) for e in range(shape.epochs)]
-    opens[0] += shape.index_files
-    nbytes = [sum(r.pfs_bytes[e] for r in nodes) for e in range(shape.epochs)]
+    one, epoch1_s, later = epoch_times(cal, shape, reads, rate, step.step_s, pfs_shares)
+    nodes = [split_reads(r, pfs_shares) for r in (every_node or [reads] * shape.nodes)]
     index_s = shape.index_files * cal.pfs.open_latency_s / max(shape.index_threads, 1)
     images = shape.ranks * shape.batch_size / step.step_s
     return Prediction(
@@ -436,10 +463,7 @@ def predict_shape(
         node_bytes_epoch1=reads.new_bytes[0],
         node_new_files=list(reads.new_files),
         every_node_new_files=[list(r.new_files) for r in every_node] if every_node else None,
-        pfs_opens_per_epoch=opens,
-        pfs_bytes_per_epoch=nbytes,
-        pfs_metadata_ops_per_epoch=[2 * n for n in opens],
-        pfs_opens_total=sum(opens),
+        **job_reads(shape, nodes),
         pfs_peak_opens_per_s=rate.files_per_s * shape.nodes,
         staging_files_per_s=rate.files_per_s,
         staging_limit=rate.limit,
@@ -459,8 +483,6 @@ def predict_shape(
         index_s=index_s,
         time_to_last_epoch_s=index_s + epoch1_s + float(sum(later[: shape.epochs - 1])),
         peer_tier=pfs_shares is not None,
-        peer_files_per_epoch=[sum(r.peer_files[e] for r in nodes) for e in range(shape.epochs)],
-        peer_bytes_per_epoch=[sum(r.peer_bytes[e] for r in nodes) for e in range(shape.epochs)],
         epoch_s=[epoch1_s, *later[: shape.epochs - 1]],
         input_wait_s=step.input_s,
         epoch_start_s=boundary_s(cal, shape, reads.new_files[0], replan=shape.epochs > 2),

@@ -34,6 +34,7 @@ import numpy as np
 
 from hpcdl import diag
 from hpcdl.backend import array_module, pinned_empty
+from hpcdl.mpi_threads import thread_multiple
 
 FIRST_BUCKET_BYTES = 1 << 20  # like PyTorch DDP: start communicating early
 
@@ -110,7 +111,7 @@ class GradientReducer:
         self._error: BaseException | None = None
         self._next = 0  # first bucket not yet marked ready
         self._unwoken = 0  # ready buckets the helper thread has not been woken for
-        self.threaded = _thread_multiple()  # False: wait() reduces every bucket itself
+        self.threaded = thread_multiple()  # False: wait() reduces every bucket itself
         self._thread: threading.Thread | None = None
         if self.threaded:
             self._thread = threading.Thread(target=self._run, name="hpcdl-allreduce", daemon=True)
@@ -216,10 +217,3 @@ class GradientReducer:
             view.set(host, stream=self._copy_stream)
         else:
             np.copyto(view, host)
-
-
-def _thread_multiple() -> bool:
-    """True when MPI granted MPI_THREAD_MULTIPLE (a helper thread may call it)."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

@@ -57,6 +57,32 @@ class World:
         return [r for r in records if r is not None] if records is not None else None
 
 
+class SoloComm:
+    """mpi4py's calls that hpcdl's start-up makes (rank, size, allgather, bcast, Barrier), for
+    a world of one process."""
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py spelling)
+        return 0
+
+    def Get_size(self) -> int:  # noqa: N802
+        return 1
+
+    def allgather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+    def Barrier(self) -> None:  # noqa: N802
+        pass
+
+
+def solo_world() -> World:
+    """The World of a process alone, without MPI: every communicator a SoloComm."""
+    solo = SoloComm()
+    return World(solo, solo, solo, 0, 1, 0, 1, 0, 1, (0,), ((0,),))
+
+
 _THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED"}
 
 

@@ -29,6 +29,7 @@ from hpcdl.diag import flight, heartbeat, timeline
 from hpcdl.diag.events import PID, RECORDER, Recorder
 from hpcdl.diag.remote import NodeQuestions
 from hpcdl.diag.stall import POLL_S, StallInspector
+from hpcdl.mpi_threads import thread_multiple
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class DiagSession:
         every = {n: (h, ranks) for n, h, ranks in comm.allgather((node, host, node_ranks))}
         nodes = [every[n] for n in sorted(every)]
         every_table = all(comm.allgather(session.table is not None))  # the same on every rank
-        if every_table and options.stall_warning and len(nodes) > 1 and _thread_multiple(comm):
+        if every_table and options.stall_warning and len(nodes) > 1 and thread_multiple(comm):
             session.remote = NodeQuestions(comm, nodes, node, session.table)  # collective: Dup
         if session.table is not None and options.stall_warning:
             session.inspector = StallInspector(
@@ -171,13 +172,3 @@ class DiagSession:
         if self.table is not None:
             self.table.close()
             self.table = None
-
-
-def _thread_multiple(comm: Any) -> bool:
-    """The diagnostics thread may call MPI (questions to other nodes): comm is an mpi4py
-    communicator (not hpcdl.torch's torch.distributed stand-in) and MPI grants threads."""
-    if not type(comm).__module__.startswith("mpi4py"):
-        return False
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

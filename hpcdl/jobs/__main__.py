@@ -28,6 +28,20 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
+    add_job_arguments(r)
+    add_restart_arguments(r)
+
+    sub.add_parser(
+        "sites",
+        help="list the bundled site files",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    return parser
+
+
+def add_job_arguments(r: argparse.ArgumentParser) -> None:
+    """render's options for the job itself: its kind, size, device, time, config and site."""
     r.add_argument(
         "kind",
         choices=KINDS,
@@ -70,15 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="send SIGUSR1 this many seconds before the time limit to checkpoint "
         "(default: the site's; 0: none)",
     )
-    add_restart_arguments(r)
-
-    sub.add_parser(
-        "sites",
-        help="list the bundled site files",
-        allow_abbrev=False,
-        formatter_class=HelpFormatter,
-    )
-    return parser
 
 
 def add_restart_arguments(r: argparse.ArgumentParser) -> None:

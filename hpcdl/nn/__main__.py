@@ -1,5 +1,4 @@
 """`python -m hpcdl.nn summary MODEL --input-shape C,H,W --num-classes K [--json]`
-`python -m hpcdl.nn export CHECKPOINT --to torch|safetensors|onnx OUT [--input-shape C,H,W]`
 
 Prints a Keras-style table of MODEL (a built-in name, or your own package.module:function or
 path/to/file.py:function, as --model takes): layer, output shape of one sample, parameters;
@@ -7,8 +6,8 @@ then the totals of parameters and buffers (BatchNorm running statistics, not tra
 --json the last line is one JSON object: model, input_shape, num_classes, parameters, buffers,
 layers. See docs/models.md.
 
-export writes a checkpoint's model as a PyTorch state dict (torchvision's names for
-resnet18/50), a safetensors file or an ONNX graph (hpcdl.export; docs/models.md).
+A checkpoint's model leaves hpcdl with `python -m hpcdl.export` (a command of its own, above
+hpcdl.nn: it reads checkpoints and data sets, which hpcdl.nn may not).
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import argparse
 import json
 import sys
 
-from hpcdl.export import FORMATS, ExportRequest, export
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.models import MODELS, build_model
-from hpcdl.nn.summary import layer_rows, summary_record, summary_table
+from hpcdl.nn.summary import layer_rows, parse_shape, summary_record, summary_table
 
 PROG = "python -m hpcdl.nn"
 
@@ -50,38 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--num-classes", type=int, required=True, help="output classes, >= 2")
     s.add_argument("--json", action="store_true", help="last line: one JSON object")
-    e = sub.add_parser(
-        "export",
-        help="write a checkpoint's model as a PyTorch state dict, safetensors or ONNX",
-        description=__doc__,
-        allow_abbrev=False,
-        formatter_class=HelpFormatter,
-    )
-    e.add_argument("checkpoint", metavar="CHECKPOINT", help="an hpcdl checkpoint (.h5)")
-    e.add_argument("--to", required=True, choices=FORMATS, help="output format")
-    e.add_argument("out", metavar="OUT", help="the file to write (never replaced if it exists)")
-    e.add_argument(
-        "--input-shape",
-        help="C,H,W the model was trained on (default: from the checkpoint's --data and "
-        "--augment, when that data is readable here)",
-    )
-    e.add_argument(
-        "--model",
-        help="the model spec to rebuild (default: the checkpoint's; give it when a user's "
-        "file.py:function moved)",
-    )
     return p
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """'C,H,W' -> (C, H, W); ValueError naming the flag unless three positive integers."""
-    try:
-        shape = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(f"--input-shape must be C,H,W (three positive integers), got {text!r}")
-    return shape  # type: ignore[return-value]
 
 
 def summarize(args: argparse.Namespace) -> dict:
@@ -97,22 +64,9 @@ def summarize(args: argparse.Namespace) -> dict:
     return summary_record(model, rows)
 
 
-def run_export(args: argparse.Namespace) -> str:
-    """Write the export; the line that says what was written."""
-    shape = parse_shape(args.input_shape) if args.input_shape else None
-    model = export(ExportRequest(args.checkpoint, args.to, args.out, shape, args.model))
-    return (
-        f"{PROG} export: wrote {args.out} ({args.to}, model {model.name}, input "
-        f"{model.input_shape}, {model.num_classes} classes)"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "export":
-            print(run_export(args))
-            return 0
         record = summarize(args)
     except ValueError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """PyTorch's `.pth`/`.pt` state-dict files, read and written without importing PyTorch.
 
 PyTorch is imported only by hpcdl.torch and the benchmarks (docs/internals.md, "Layers"), yet
-`--init-from model.pth` and `python -m hpcdl.nn export --to torch` sit below them. So this
+`--init-from model.pth` and `python -m hpcdl.export --to torch` sit below them. So this
 module knows the file format itself, as hpcdl.data knows HDF5's layout through h5py and not
 through a framework. The format (torch.save since PyTorch 1.6, "version 3"):
 - an uncompressed zip whose records sit under one top directory `<name>/`;

@@ -121,3 +121,14 @@ def error_line(exc: BaseException) -> str:
     """'Type: first line of the message', for one-line reports of errors in a user's code."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'C,H,W' -> (C, H, W); ValueError naming the flag unless three positive integers."""
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"--input-shape must be C,H,W (three positive integers), got {text!r}")
+    return shape  # type: ignore[return-value]

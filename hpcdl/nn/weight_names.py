@@ -1,6 +1,6 @@
 """The one name map per model: which PyTorch state-dict key holds which hpcdl array, and how.
 
-Import (`--init-from`) and export (`python -m hpcdl.nn export`) are adapters over this map
+Import (`--init-from`) and export (`python -m hpcdl.export`) are adapters over this map
 (hpcdl.nn.weights_io, hpcdl.nn.onnx_export); no layer knows a file format.
 
 Names (docs/models.md has the resnet18/50 table):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.data.sampler import SamplerSpec
-from hpcdl.staging.plan import NodePlan
+from hpcdl.staging.plan import NodePlan, epoch_range
 
 NO_HOME = -1
 
@@ -63,9 +63,7 @@ def file_homes(
     run's files fit its stage capacity (only those may be homes). Ties within one step go to the
     lowest node index. Epochs are scanned from `begin` and the scan stops once every file has a
     home, so a global shuffle costs about one epoch's permutation."""
-    begin, end = int(epochs[0]), int(epochs[1])
-    if end <= begin:
-        raise ValueError(f"empty epoch range {epochs!r}")
+    begin, end = epoch_range(epochs)
     if len(fits) != len(layout):
         raise ValueError(f"{len(fits)} capacity answers for {len(layout)} nodes")
     steps = sampler.for_rank(0).steps_per_epoch(batch_size)

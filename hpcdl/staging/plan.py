@@ -163,6 +163,14 @@ def dataset_fingerprint(dataset: Any) -> str:
     return h.hexdigest()
 
 
+def epoch_range(epochs: tuple[int, int]) -> tuple[int, int]:
+    """(begin, end) of the epochs [begin, end) as ints; ValueError when the range is empty."""
+    begin, end = int(epochs[0]), int(epochs[1])
+    if end <= begin:
+        raise ValueError(f"empty epoch range {epochs!r}")
+    return begin, end
+
+
 def plan_for_node(
     dataset: Any,
     sampler: SamplerSpec,
@@ -177,9 +185,7 @@ def plan_for_node(
     local-rank order (World.node_ranks). node: the node's index, a label in the plan file.
     One permutation per epoch for the whole node (SamplerSpec.rank_indices), not one per rank.
     """
-    begin, end = int(epochs[0]), int(epochs[1])
-    if end <= begin:
-        raise ValueError(f"empty epoch range {epochs!r}")
+    begin, end = epoch_range(epochs)
     if not ranks:
         raise ValueError("a node plan needs at least one rank")
     steps = sampler.for_rank(ranks[0]).steps_per_epoch(batch_size)
@@ -281,9 +287,7 @@ def node_figures(
     One permutation per epoch for the whole job; each epoch's file ids are kept grouped by node
     (4 bytes a read), then nodes are taken in groups whose (nodes x files) marks fit
     _MARK_BYTES. Costs O(epochs x samples + nodes x files); no Python loop over files."""
-    begin, end = int(epochs[0]), int(epochs[1])
-    if end <= begin:
-        raise ValueError(f"empty epoch range {epochs!r}")
+    begin, end = epoch_range(epochs)
     steps = sampler.for_rank(0).steps_per_epoch(batch_size)
     nfiles = len(dataset.files)
     order = np.concatenate([np.asarray(ranks, np.int64) for ranks in layout])

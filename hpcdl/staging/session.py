@@ -18,16 +18,18 @@ import subprocess
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
-from hpcdl.config import STAGE_NICE, STAGE_NICE_LATER, STAGE_THREADS
+from hpcdl.comm.world import SoloComm
+from hpcdl.config import STAGE_NICE, STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
+from hpcdl.paths import nearest_existing
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.layout import SessionDir
 from hpcdl.staging.ownership import (
@@ -39,18 +41,11 @@ from hpcdl.staging.ownership import (
 )
 from hpcdl.staging.peer_tier import PeerTier, peer_tier_wanted
 from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
-from hpcdl.staging.status import (
-    CounterFile,
-    ProgressFile,
-    StatusView,
-    stager_alive,
-    status_layout,
-)
+from hpcdl.staging.stager_process import CHECK_EVERY_S, StagerProcess
+from hpcdl.staging.status import CounterFile, ProgressFile, StatusView, status_layout
 
 PEER_COUNTERS = ("pfs_opens", "peer_files", "peer_bytes", "peer_fallbacks", "files_served")
 PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
-START_TIMEOUT_S = 30.0
-HEARTBEAT_TIMEOUT_S = 5.0
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -72,7 +67,7 @@ def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None
     if m.group(4):
         if number > 100:
             raise ValueError(f"stage capacity {value!r}: a percentage must be at most 100%")
-        free = shutil.disk_usage(_existing_parent(Path(stage_dir))).free
+        free = shutil.disk_usage(nearest_existing(stage_dir)).free
         return int(free * number / 100)
     return int(number * _UNITS[m.group(2)])
 
@@ -80,19 +75,12 @@ def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None
 def default_capacity(stage_dir: str | Path) -> int:
     """The capacity hpcdl-stage uses without --capacity (it owns the rule), in bytes."""
     out = subprocess.run(
-        [str(find_stager_binary()), "--default-capacity", str(_existing_parent(Path(stage_dir)))],
+        [str(find_stager_binary()), "--default-capacity", str(nearest_existing(stage_dir))],
         capture_output=True,
         text=True,
         check=True,
     )
     return int(out.stdout)
-
-
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
 
 
 @dataclass(frozen=True)
@@ -172,14 +160,18 @@ class Locator:
             pass  # counters gone (session closed, or staging never started): reads still work
 
 
-class _Solo:
-    """Stand-in for world.node_comm in a single-process session."""
+@dataclass(frozen=True)
+class StartInfo:
+    """What local rank 0 tells its node's ranks (one bcast) once it tried to start the stager."""
 
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def Barrier(self) -> None:  # noqa: N802 (mpi4py spelling)
-        pass
+    error: str | None = None  # a start-up error: every rank stops with it (_agree)
+    stage_dir: str = ""  # the stage dir, resolved (empty with an error)
+    ok: bool = False  # the stager reported RUNNING
+    why: str = ""  # why not, when not ok: one warning, then training reads from the PFS
+    key: str = ""  # the data set's tree in the stage dir (data_key); empty: no lease taken
+    meta: str = ""  # this job's session dir; empty: no lease taken
+    steps: int = 0  # steps per epoch of the plan written; 0: no plan written
+    fingerprint: str = ""  # the data set's fingerprint in that plan
 
 
 class StagingSession:
@@ -196,7 +188,7 @@ class StagingSession:
         keep: bool,
     ):
         self.world = world
-        self.node_comm = world.node_comm if world is not None and world.node_comm else _Solo()
+        self.node_comm = world.node_comm if world is not None and world.node_comm else SoloComm()
         self.local_rank = world.local_rank if world is not None else 0
         self.local_size = world.local_size if world is not None else 1
         self.node = world.node_index if world is not None else 0
@@ -211,7 +203,7 @@ class StagingSession:
         self.stage_dir: Path | None = None  # resolved; set by _attach
         self.meta: Path | None = None  # this job's session dir (plan, status, progress, counters)
         self.local_root: Path | None = None  # the data set's tree in the stage dir
-        self.proc: subprocess.Popen | None = None  # hpcdl-stage (local rank 0 only)
+        self.stager = StagerProcess()  # launched by local rank 0; watched by every rank
         self.steps_per_epoch = 0
         self.fingerprint = ""
         self.first_use: np.ndarray | None = None  # (F,) first step of each plan entry (rank 0)
@@ -221,9 +213,7 @@ class StagingSession:
         self.first_epoch_need: tuple[int, int] | None = None  # (files, bytes) of epoch begin
         self.started = 0.0  # monotonic time the stager reported RUNNING
         self.outran_checked = False  # the first epoch was compared with staging (rank 0)
-        self.dead = True  # no stager serves this session (never started, or stopped)
         self.warned = False  # the one "reading from the PFS" warning was given
-        self.last_check = 0.0  # monotonic time of the last liveness check
         self.closed = False
         self._last_sample = {"copies": 0, "pfs_fallbacks": 0}  # counter_sample's, once closed
         self.peer_tier: PeerTier | None = None  # local rank 0 of a node in the peer tier
@@ -258,13 +248,13 @@ class StagingSession:
         except StageDirError as exc:
             error = str(exc)
         session._start_peer_tier(options)
-        info: dict[str, Any] = {"error": error}
+        info = StartInfo(error=error)
         if session.local_rank == 0 and error is None:
             info = session._prepare(options)
         if session.peer_tier is not None:  # the stager holds its own copy, if it started
             session.peer_tier.close_listener()
         info = session.node_comm.bcast(info, root=0)
-        _agree(world, info["error"])
+        _agree(world, info.error)
         session._attach(info)
         return session
 
@@ -290,10 +280,7 @@ class StagingSession:
             self._check_first_epoch()
         if self.local_rank == 0 and epoch > self.plan_begin and epoch + 1 < self.end:
             self._replan(epoch)
-        now = time.monotonic()
-        if now - self.last_check > 1.0:
-            self.last_check = now
-            self._check_alive()
+        self._check_alive(CHECK_EVERY_S)
 
     def progress_record(self) -> dict[str, int] | None:
         """Node view for hpcdl.report (local rank 0; None elsewhere): files of the current plan
@@ -330,7 +317,7 @@ class StagingSession:
             "bytes_staged": int(field("bytes_staged") + field("bytes_reused")),
             "hits": int(hits),
             "misses": int(misses),
-            "stager_alive": not self.dead,
+            "stager_alive": self.stager.running,
             # The node's stager: its PFS opens and the peer tier's share (docs/staging.md).
             **{name: int(field(name)) for name in PEER_COUNTERS},
         }
@@ -362,8 +349,7 @@ class StagingSession:
             if self.closed:
                 return False
             self.closed = True
-            if self.proc is not None:
-                _stop(self.proc, stop_signal)
+            self.stager.stop(stop_signal)
             if self.lease is not None:
                 self.lease.release(self.keep)
             return True
@@ -394,7 +380,7 @@ class StagingSession:
     def _peer_lines(self, plan: Any) -> list[str]:
         return self.peer_tier.plan_lines(plan) if self.peer_tier is not None else []
 
-    def _prepare(self, options: StageOptions) -> dict:
+    def _prepare(self, options: StageOptions) -> StartInfo:
         """Local rank 0: lease the stage dir, write the plan, start the stager."""
         stage_dir = Path(options.stage_dir)
         try:
@@ -402,17 +388,11 @@ class StagingSession:
             status_layout()  # also: the binary is this hpcdl's stager (cached for the session)
             self.lease = StageDirLease.acquire(stage_dir)
         except (StageDirError, StagerNotFound) as exc:
-            return {"error": str(exc)}
+            return StartInfo(error=str(exc))
         except StageDirFull as exc:
-            return {"error": None, "why": str(exc), "ok": False, "stage_dir": str(stage_dir)}
+            return StartInfo(why=str(exc), stage_dir=str(stage_dir))
         meta, files, key = self.lease.meta, self.lease.files, data_key(self.dataset.root)
-        info = {
-            "error": None,
-            "stage_dir": str(self.lease.stage_dir),
-            "key": key,
-            "meta": str(meta),
-            "ok": False,
-        }
+        info = StartInfo(stage_dir=str(self.lease.stage_dir), key=key, meta=str(meta))
         try:
             self.fingerprint = dataset_fingerprint(self.dataset)
             plan = self._plan(self.begin)
@@ -422,36 +402,36 @@ class StagingSession:
             CounterFile.create(files.counters, self.local_size)
             cap = parse_capacity(options.capacity, self.lease.stage_dir)
         except OSError as exc:
-            info["why"] = f"cannot write its plan in {meta}: {exc.strerror or exc}"
-            return info
+            return replace(info, why=f"cannot write its plan in {meta}: {exc.strerror or exc}")
         lease, threads, verify = self.lease, options.threads, options.verify
         tier = self.peer_tier if peer_lines or self._serves() else None
-        self.proc = _launch(binary, lease.stage_dir, lease.session, threads, cap, verify, tier,
-                            nice=options.nice)  # fmt: skip
-        info["ok"], info["why"] = _wait_running(self.proc, files.status)
-        info.update(steps=plan.steps_per_epoch, fingerprint=self.fingerprint)
-        return info
+        self.stager = StagerProcess.launch(binary, lease.stage_dir, lease.session, threads, cap,
+                                           verify, tier, nice=options.nice)  # fmt: skip
+        ok, why = self.stager.wait_running(files.status)
+        return replace(
+            info, ok=ok, why=why, steps=plan.steps_per_epoch, fingerprint=self.fingerprint
+        )
 
     def _serves(self) -> bool:
         return self.peer_tier is not None and self.peer_tier.listener is not None
 
-    def _attach(self, info: dict) -> None:
+    def _attach(self, info: StartInfo) -> None:
         """Every local rank: open the session's shared files, or note that staging is off."""
-        self.stage_dir = Path(info["stage_dir"])
-        if "meta" in info:
-            self.meta = Path(info["meta"])
-            self.local_root = self.stage_dir / info["key"]
-        if "steps" in info:
-            self.steps_per_epoch = info["steps"]
-            self.fingerprint = info["fingerprint"]
+        self.stage_dir = Path(info.stage_dir)
+        if info.meta:
+            self.meta = Path(info.meta)
+            self.local_root = self.stage_dir / info.key
+        if info.steps:
+            self.steps_per_epoch = info.steps
+            self.fingerprint = info.fingerprint
             files = SessionDir(self.meta)
             self.status = StatusView(files.status)
             self.progress = ProgressFile(files.progress, self.local_size)
             self.counters = CounterFile(files.counters, self.local_size)
-        self.dead = not info["ok"]
+        self.stager.watch(self.status, info.ok)
         self.started = time.monotonic()
-        if self.dead:
-            self._warn(f"the staging process did not start ({info['why']})")
+        if not info.ok:
+            self._warn(f"the staging process did not start ({info.why})")
 
     def _plan(self, epoch: int) -> Any:
         plan = plan_for_node(
@@ -482,7 +462,12 @@ class StagingSession:
         rank = self.world.rank if self.world is not None else 0
         if rank == 0:
             self._check_alive()  # a stager that died explains the misses: its own warning says so
-        if rank != 0 or self.dead or self.first_epoch_need is None or self.counters is None:
+        if (
+            rank != 0
+            or not self.stager.running
+            or self.first_epoch_need is None
+            or self.counters is None
+        ):
             return
         misses = sum(self.counters.totals(r)[1] for r in range(self.local_size))
         reads = misses + sum(self.counters.totals(r)[0] for r in range(self.local_size))
@@ -505,18 +490,11 @@ class StagingSession:
             stacklevel=3,
         )
 
-    def _check_alive(self) -> None:
-        if self.dead:
-            return
-        alive = (self.proc.poll() is None) if self.proc is not None else True
-        if alive:
-            alive = stager_alive(self.status, HEARTBEAT_TIMEOUT_S)
-        if not alive:
-            self.dead = True
+    def _check_alive(self, min_interval_s: float = 0.0) -> None:
+        if self.stager.lost(min_interval_s):
             self._warn("the staging process stopped")
 
     def _warn(self, what: str) -> None:
-        self.dead = True
         if not self.warned and self.local_rank == 0:
             self.warned = True
             warnings.warn(
@@ -534,86 +512,3 @@ def _agree(world: Any, error: str | None) -> None:
             raise StageDirError(error)
         return
     agree_on_errors(world.comm, world.rank, error)
-
-
-def nice_flags(nice: str) -> list[str]:
-    """hpcdl-stage's flags for --stage-nice: auto is --nice-later STAGE_NICE_LATER (below the
-    ranks once they pass the run's first epoch), N is --nice N (from the start)."""
-    if str(nice) == "auto":
-        return ["--nice-later", str(STAGE_NICE_LATER)]
-    return ["--nice", str(int(nice))]
-
-
-def _launch(
-    binary: Path,
-    stage_dir: Path,
-    session: str,
-    threads: int,
-    capacity: int | None,
-    verify: bool,
-    peer: PeerTier | None = None,
-    once: bool = False,
-    quiet: bool = False,
-    nice: str = STAGE_NICE,
-) -> subprocess.Popen:
-    """Start hpcdl-stage; with `peer`, the job's secret goes to its stdin (a pipe) and its
-    listening socket is inherited (docs/staging.md, "Peer tier")."""
-    cmd = [
-        str(binary),
-        "--stage-dir",
-        str(stage_dir),
-        "--session",
-        session,
-        "--threads",
-        str(int(threads)),
-        "--parent-pid",
-        str(os.getpid()),
-        *nice_flags(nice),
-    ]
-    if capacity is not None:  # else the stager's default
-        cmd += ["--capacity", str(int(capacity))]
-    if verify:
-        cmd.append("--verify")
-    if once:
-        cmd.append("--once")
-    if quiet:
-        cmd.append("--quiet")
-    if peer is None:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-    args, fds = peer.stager_args()
-    proc = subprocess.Popen(cmd + args, stdin=subprocess.PIPE, pass_fds=fds)
-    try:
-        proc.stdin.write(peer.secret_hex.encode() + b"\n")
-        proc.stdin.close()
-    except OSError:
-        pass  # the stager exited at once: _wait_running reports it
-    return proc
-
-
-def _wait_running(proc: subprocess.Popen, status_path: Path) -> tuple[bool, str]:
-    """Wait until the stager publishes RUNNING (or exits); never longer than START_TIMEOUT_S."""
-    view = StatusView(status_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            code = proc.poll()
-            if view.open() and view.field("pid") == proc.pid and view.run_state() != "STARTING":
-                return True, ""
-            if code is not None:
-                return False, f"hpcdl-stage exited with code {code}; see its message above"
-            if view._map is not None and view.field("pid") != proc.pid:
-                view.close()  # an older status file; the stager replaces it
-            time.sleep(0.01)
-        return False, f"hpcdl-stage did not report RUNNING within {START_TIMEOUT_S:.0f} s"
-    finally:
-        view.close()
-
-
-def _stop(proc: subprocess.Popen, stop_signal: int, timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(stop_signal)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -112,6 +112,11 @@ class StatusView:
         self._map = m
         return True
 
+    @property
+    def mapped(self) -> bool:
+        """Whether the file is mapped now (open() maps it; this never tries to)."""
+        return self._map is not None
+
     def field(self, name: str) -> int:
         offset, fmt = self.layout.fields[name]
         return struct.unpack_from(fmt, self._map, offset)[0] if self.open() else 0

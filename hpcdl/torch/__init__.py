@@ -10,8 +10,9 @@
 
 `pip install hpcdl[torch]`. PyTorch is imported only inside this package; the rest of hpcdl
 never imports it. The Horovod names are Horovod 0.28.1's, with its signatures, defaults and
-semantics, built on mpi4py and hpcdl's GradientReducer; process sets, Adasum, elastic and the
-timeline raise NotBuilt (hpcdl.torch.unbuilt).
+semantics, built on mpi4py and hpcdl's GradientReducer. Process sets, Adasum and elastic raise
+NotBuilt (hpcdl.torch.unbuilt); the timeline (hvd.start_timeline) is hpcdl's own, written by
+hpcdl.diag in Horovod's format (hpcdl.torch.timeline, docs/diagnose.md).
 """
 
 from hpcdl.torch.autograd import (

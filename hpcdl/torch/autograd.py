@@ -143,6 +143,16 @@ class _GroupedAllgather(torch.autograd.Function):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Every rank's copy of each of `tensors` concatenated along dim 0 (differentiable).
+
+    Args:
+        tensors: the tensors to gather, one request; dim 0 may differ by rank.
+        name: a name for the request; ranks pair requests by it (default: one by call order).
+        process_set: the global process set only (others raise NotBuilt).
+
+    Returns:
+        A list of the gathered tensors; their gradient is this rank's rows of the averaged
+        gradients."""
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
@@ -243,6 +253,21 @@ def grouped_reducescatter(
     prescale_factor=1.0,
     postscale_factor=1.0,
 ):
+    """Reduce each of `tensors` over all ranks and keep this rank's rows (differentiable).
+
+    Args:
+        tensors: the tensors to reduce, one request; the same shapes on every rank.
+        name: a name for the request; ranks pair requests by it (default: one by call order).
+        compression: Compression.none or Compression.fp16 (sent as float16, returned in the
+            input's dtype).
+        op: Average (the default) or Sum.
+        process_set: the global process set only (others raise NotBuilt).
+        prescale_factor: multiplies each input before the reduction.
+        postscale_factor: multiplies each result after it.
+
+    Returns:
+        A list of this rank's parts of dim 0 (the first ranks get one row more when it does not
+        divide); their gradient is the gathered gradient, scaled as the reduction was."""
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedReducescatter.apply(
         name, op, process_set, prescale_factor, postscale_factor, *[t for t, _ in pairs]

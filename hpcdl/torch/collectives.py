@@ -72,8 +72,10 @@ def describe(kind: str, name: str | None, tensors: list[Any], **fields: Any) -> 
     return Descriptor(engine.name_for(kind, name), kind, specs, problem=problem, **fields)
 
 
-def _submit(desc: Descriptor, tensors: list[Any], in_place: bool, grouped: bool) -> int:
-    return _engine().submit(desc, list(tensors), in_place, grouped)
+def _submit(
+    desc: Descriptor, tensors: list[Any], in_place: bool, grouped: bool, extra: Any = None
+) -> int:
+    return _engine().submit(desc, list(tensors), in_place, grouped, extra)
 
 
 def _dense(tensors: Any) -> list[Any]:
@@ -144,6 +146,20 @@ def grouped_allreduce_async(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
+    """Average or sum each of `tensors` over all ranks into new tensors, asynchronously.
+
+    Args:
+        tensors: the tensors to reduce, one request (Horovod's grouped operation: negotiated and
+            reduced together, so no rank starts before every rank has submitted all of them).
+        average: deprecated, Horovod's; use op.
+        name: a name for the request; ranks pair requests by it (default: one by call order).
+        op: Average (the default), Sum, Min, Max or Product; Adasum raises NotBuilt.
+        prescale_factor: multiplies each input before the reduction.
+        postscale_factor: multiplies each result after it.
+        process_set: the global process set only (others raise NotBuilt).
+
+    Returns:
+        A handle for poll() and synchronize(); synchronize gives the list of reduced tensors."""
     op = op_from(op, average)
     return _allreduce_async(
         _dense(tensors), False, True, name, op, prescale_factor, postscale_factor, process_set
@@ -159,6 +175,13 @@ def grouped_allreduce_async_(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
+    """As grouped_allreduce_async, in place: each tensor holds its result.
+
+    Args:
+        The same as grouped_allreduce_async's.
+
+    Returns:
+        A handle for poll() and synchronize(); synchronize gives `tensors`, reduced."""
     op = op_from(op, average)
     return _allreduce_async(
         list(tensors), True, True, name, op, prescale_factor, postscale_factor, process_set
@@ -174,6 +197,13 @@ def grouped_allreduce_(
     postscale_factor=1.0,
     process_set=global_process_set,
 ):
+    """Average or sum each of `tensors` over all ranks in place; blocks until done.
+
+    Args:
+        The same as grouped_allreduce_async's.
+
+    Returns:
+        The list `tensors`, each holding its reduced value."""
     return synchronize(
         grouped_allreduce_async_(
             tensors, average, name, op, prescale_factor, postscale_factor, process_set
@@ -187,6 +217,16 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set, _grouped=True):
+    """Concatenate every rank's copy of each of `tensors` along dim 0, asynchronously.
+
+    Args:
+        tensors: the tensors to gather, one request; dim 0 may differ by rank, the other
+            dimensions and the dtypes must agree.
+        name: a name for the request; ranks pair requests by it (default: one by call order).
+        process_set: the global process set only (others raise NotBuilt).
+
+    Returns:
+        A handle for poll() and synchronize(); synchronize gives the list of gathered tensors."""
     check_process_set(process_set)
     tensors = _dense(tensors)
     problem = (
@@ -225,12 +265,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     (tensor,) = _dense([tensor])
     rows, problem = _send_rows(tensor, splits, process.size())
     desc = describe("alltoall", name, [tensor], splits=rows, problem=problem)
-    handle = _submit(desc, [tensor], False, False)
     device = splits.device if isinstance(splits, torch.Tensor) else "cpu"
-    _engine()._handles[handle].extra["recv_splits"] = lambda recv: torch.tensor(
-        recv, dtype=torch.int32, device=device
-    )
-    return handle
+    splits_out = {"recv_splits": lambda recv: torch.tensor(recv, dtype=torch.int32, device=device)}
+    return _submit(desc, [tensor], False, False, splits_out)
 
 
 def _send_rows(tensor: Any, splits: Any, size: int) -> tuple[tuple[int, ...], str | None]:
@@ -286,6 +323,20 @@ def grouped_reducescatter_async(
     postscale_factor=1.0,
     _grouped=True,
 ):
+    """Reduce each of `tensors` over all ranks and keep this rank's rows, asynchronously.
+
+    Args:
+        tensors: the tensors to reduce, one request; the same shapes on every rank, at least one
+            dimension. Dim 0 is split over the ranks; the first ranks get one row more when it
+            does not divide.
+        name: a name for the request; ranks pair requests by it (default: one by call order).
+        op: Average (the default) or Sum.
+        process_set: the global process set only (others raise NotBuilt).
+        prescale_factor: multiplies each input before the reduction.
+        postscale_factor: multiplies each result after it.
+
+    Returns:
+        A handle for poll() and synchronize(); synchronize gives this rank's parts, a list."""
     check_process_set(process_set)
     tensors = _dense(tensors)
     problem = None

@@ -77,10 +77,12 @@ class Op:
 class Engine:
     """Pending collectives of this rank, matched with the other ranks' by name in rounds."""
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, aware: bool = False) -> None:
+        """comm: the job's communicator (duplicated here; collective). aware: GPU tensors go to
+        MPI directly (hpcdl.comm.cuda_aware's decision), else through pinned host memory."""
         self.comm = comm.Dup()  # ours alone: no other collective interleaves with a round
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.aware = False  # set by hpcdl.torch.process.init from the CUDA-awareness decision
+        self.aware = aware
         self._lock = threading.RLock()
         self._pending: dict[str, Op] = {}  # by name, in submission order
         self._handles: dict[int, Op] = {}
@@ -106,9 +108,17 @@ class Engine:
             f"{kind}.noname.{count}" if not self._epoch else f"{kind}.noname.{self._epoch}.{count}"
         )
 
-    def submit(self, desc: Descriptor, inputs: list[Any], in_place: bool, grouped: bool) -> int:
-        """Queue a collective; returns its handle. A name already in flight is a ValueError
-        here, on this rank (nothing was queued, so no other rank waits for it)."""
+    def submit(
+        self,
+        desc: Descriptor,
+        inputs: list[Any],
+        in_place: bool,
+        grouped: bool,
+        extra: dict[str, Any] | None = None,
+    ) -> int:
+        """Queue a collective; returns its handle. extra: what its kind needs to finish it
+        (Op.extra). A name already in flight is a ValueError here, on this rank (nothing was
+        queued, so no other rank waits for it)."""
         with self._lock:
             if self._gone is not None:
                 raise HorovodInternalError(self._gone)
@@ -117,7 +127,7 @@ class Engine:
                     f"a collective named {desc.name!r} is already in flight on rank {self.rank}; "
                     "names of concurrent collectives must differ"
                 )
-            op = Op(desc, inputs, in_place, grouped)
+            op = Op(desc, inputs, in_place, grouped, extra=dict(extra or {}))
             self._pending[desc.name] = op
             self._next_handle += 1
             self._handles[self._next_handle] = op

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ class _Slots:
         # pass in NumPy cost 150 ms per 25 M gradients; torch's float32 pass 8 ms).
         self.scale = 1.0 / comm.Get_size() if op == Average else 1.0
         self.reducer = None  # Min, Max, Product: reduced by name at synchronize()
+        self._stream: Any = None  # CuPy's view of torch's current stream (GPU; _on_torch_stream)
         if op in (Average, Sum):
             self.reducer = GradientReducer(
                 comm,
@@ -94,7 +95,23 @@ class _Slots:
         while self.prefix < len(self.ready) and self.ready[self.prefix]:
             self.prefix += 1
         if self.reducer is not None:
-            self.reducer.mark_ready(self.offsets[self.prefix])
+            with self._on_torch_stream():
+                self.reducer.mark_ready(self.offsets[self.prefix])
+
+    def _on_torch_stream(self) -> Any:
+        """On a GPU, CuPy's current stream made torch's current one (an external stream), so
+        the reducer's ready event (recorded on CuPy's current stream) follows the gradient
+        copies the hooks queued on torch's; under a script's own torch.cuda.Stream() an event
+        on CuPy's default stream would not, and the reducer could read a bucket before its
+        gradients land. On the CPU: nothing."""
+        if not self.flat.is_cuda:
+            return nullcontext()
+        import cupy  # noqa: PLC0415 (_array needed it already)
+
+        stream = torch.cuda.current_stream(self.flat.device)
+        if self._stream is None or self._stream.ptr != stream.cuda_stream:
+            self._stream = cupy.cuda.ExternalStream(stream.cuda_stream, self.flat.device.index)
+        return self._stream
 
     def wait(self) -> None:
         """Every bucket reduced (Average: averaged); by name when there is no reducer."""

@@ -66,8 +66,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     from hpcdl.comm.failure import install_abort_on_exception  # noqa: PLC0415
 
     install_abort_on_exception(world.comm, world.rank)  # collective: every rank, once
-    engine = Engine(world.comm)
-    engine.aware = aware
+    engine = Engine(world.comm, aware)
     _state = _State(world, engine, aware, reason, world.thread_multiple)
     atexit.register(shutdown)  # before MPI_Finalize (registered earlier, so run later)
 
@@ -87,6 +86,10 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether init() has run (and shutdown() not since).
+
+    Returns:
+        A bool."""
     return _state is not None
 
 
@@ -98,18 +101,34 @@ def state() -> _State:
 
 
 def size() -> int:
+    """The number of processes (ranks) in the job; ValueError before init().
+
+    Returns:
+        An int: the number of processes (ranks) in the job."""
     return state().world.size
 
 
 def rank() -> int:
+    """This process's rank in the job; ValueError before init().
+
+    Returns:
+        An int: this process's rank in the job, 0 .. size() - 1."""
     return state().world.rank
 
 
 def local_size() -> int:
+    """The number of processes on this node; ValueError before init().
+
+    Returns:
+        An int: the number of processes on this node."""
     return state().world.local_size
 
 
 def local_rank() -> int:
+    """This process's rank on its node; ValueError before init().
+
+    Returns:
+        An int: this process's rank on its node, 0 .. local_size() - 1."""
     return state().world.local_rank
 
 
@@ -140,40 +159,77 @@ def mpi_threads_supported() -> bool:
 
 
 def mpi_enabled() -> bool:
+    """Horovod's build question; hpcdl.torch always runs its collectives over MPI (mpi4py).
+
+    Returns:
+        True."""
     return True
 
 
 def mpi_built() -> bool:
+    """Horovod's build question; hpcdl.torch is built on MPI (mpi4py).
+
+    Returns:
+        True."""
     return True
 
 
 def gloo_enabled() -> bool:
+    """Horovod's build question; hpcdl.torch has no Gloo controller.
+
+    Returns:
+        False."""
     return False
 
 
 def gloo_built() -> bool:
+    """Horovod's build question; hpcdl.torch has no Gloo controller.
+
+    Returns:
+        False."""
     return False
 
 
 def nccl_built() -> int:
+    """Horovod's build question: the NCCL version built in; hpcdl.torch has no NCCL path.
+
+    Returns:
+        0 (Horovod's answer without NCCL)."""
     return 0
 
 
 def ddl_built() -> bool:
+    """Horovod's build question; no IBM DDL support.
+
+    Returns:
+        False."""
     return False
 
 
 def ccl_built() -> bool:
+    """Horovod's build question; no oneCCL support.
+
+    Returns:
+        False."""
     return False
 
 
 def cuda_built() -> bool:
+    """Horovod's build question: whether GPU tensors can be reduced.
+
+    Returns:
+        True when PyTorch sees a CUDA device (hpcdl.torch reduces them through CuPy and MPI,
+        CUDA-aware or via host memory; hvd.cuda_aware() says which)."""
     import torch  # noqa: PLC0415
 
     return torch.cuda.is_available()
 
 
 def rocm_built() -> bool:
+    """Horovod's build question; no ROCm support.
+
+    Returns:
+        False."""
     return False
 
 

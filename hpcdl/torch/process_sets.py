@@ -42,8 +42,22 @@ def check_process_set(process_set: Any) -> None:
 
 
 def add_process_set(process_set: Any) -> ProcessSet:
+    """Horovod's dynamic process sets; not built.
+
+    Args:
+        process_set: a ProcessSet or a list of ranks.
+
+    Raises:
+        NotBuilt, always (run the collectives over every rank)."""
     raise not_built("process sets (hvd.add_process_set)")
 
 
 def remove_process_set(process_set: Any) -> bool:
+    """Horovod's dynamic process sets; not built.
+
+    Args:
+        process_set: the ProcessSet to remove.
+
+    Raises:
+        NotBuilt, always."""
     raise not_built("process sets (hvd.remove_process_set)")

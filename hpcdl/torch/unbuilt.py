@@ -1,9 +1,9 @@
 """What hpcdl.torch does not build of Horovod's API, and the one error each raises.
 
 Process sets, Adasum and `horovod.torch.elastic` are not built (the timeline is hpcdl's,
-hpcdl.torch.timeline). Each name exists,
-so that a Horovod script imports, and using it raises NotBuilt (a NotImplementedError) with
-one line naming the feature and what to do instead (docs/horovod.md, "Not built").
+hpcdl.torch.timeline). Each name exists, so that a Horovod script imports, and using it raises
+NotBuilt (a NotImplementedError) with one line naming the feature and what to do instead
+(docs/horovod.md, "Not built").
 HorovodInternalError is Horovod's error for a collective that failed (ranks that disagree on a
 name's shape, dtype, op or root): a RuntimeError, as Horovod's.
 """

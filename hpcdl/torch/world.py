@@ -17,7 +17,7 @@ import os
 import socket
 from typing import Any
 
-from hpcdl.comm.world import World
+from hpcdl.comm.world import World, solo_world
 
 _MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 
@@ -52,25 +52,6 @@ class GlooComm:
         self.dist.barrier(group=self.group)
 
 
-class SoloComm:
-    """The calls above for a world of one process."""
-
-    def Get_rank(self) -> int:  # noqa: N802
-        return 0
-
-    def Get_size(self) -> int:  # noqa: N802
-        return 1
-
-    def allgather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def bcast(self, obj: Any, root: int = 0) -> Any:
-        return obj
-
-    def Barrier(self) -> None:  # noqa: N802
-        pass
-
-
 def current_world() -> tuple[World, str]:
     """(this process's World, where it came from: 'torch.distributed', 'MPI' or 'alone')."""
     import torch.distributed as dist  # noqa: PLC0415
@@ -86,8 +67,7 @@ def current_world() -> tuple[World, str]:
         from hpcdl.comm.world import init_world  # noqa: PLC0415
 
         return init_world(), "MPI"
-    solo = SoloComm()
-    return World(solo, solo, solo, 0, 1, 0, 1, 0, 1, (0,), ((0,),)), "alone"
+    return solo_world(), "alone"
 
 
 def torch_world(dist: Any) -> World:

@@ -3,7 +3,7 @@
 The fine-tuning example of docs/models.md, measured. No pretrained download is possible on a
 cluster's compute nodes (nor here), so the "pretrained" weights come from pretraining hpcdl's
 own resnet18 on another generated task and exporting them as a PyTorch state dict (or
-safetensors without PyTorch) with `python -m hpcdl.nn export`, exactly as a torchvision file
+safetensors without PyTorch) with `python -m hpcdl.export`, exactly as a torchvision file
 would be used:
 
 1. pretrain: 8 classes of oriented colour gratings in noise (JPEG folder), --pretrain-epochs;
@@ -145,6 +145,6 @@ def pretrain(args: argparse.Namespace, out: Path) -> Path:
     print(f"pretrain: 8 classes, {args.pretrain_epochs} epochs: val_acc {acc:.4f}")
     last = sorted((out / "pre_ckpt").glob("ckpt-*.h5"))[-1]
     to = "torch" if has_torch else "safetensors"
-    export = [sys.executable, "-m", "hpcdl.nn", "export", str(last), "--to", to, str(weights)]
+    export = [sys.executable, "-m", "hpcdl.export", str(last), "--to", to, str(weights)]
     subprocess.run(export, check=True)
     return weights

@@ -1,0 +1,78 @@
+"""The start-up's agreements before anything is built: the outputs can be written, the stage
+dir is allowed, and every rank runs the same model and configuration. Each is checked where it
+can be (rank 0 for the outputs, every rank for the rest) and ends every rank with one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
+from hpcdl.comm.world import World
+from hpcdl.config import TrainConfig
+from hpcdl.paths import nearest_existing
+
+
+def run_fingerprint(cfg: TrainConfig, layout: list[tuple[str, tuple[int, ...]]]) -> str:
+    text = cfg.to_json() + json.dumps([[n, list(s)] for n, s in layout])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def verify_same_run(world: World, cfg: TrainConfig, layout: list) -> None:
+    """All ranks must build the same model from the same configuration."""
+    prints = world.comm.allgather(run_fingerprint(cfg, layout))
+    differing = [r for r, p in enumerate(prints) if p != prints[0]]
+    if differing:
+        error = (
+            f"ranks {differing} run a different model or configuration than rank 0; "
+            "start every rank with the same flags, config file and hpcdl version"
+        )
+        raise SystemExitWithMessage(error if world.rank == 0 else None)
+
+
+def check_outputs(cfg: TrainConfig, world: World) -> None:
+    """--metrics must be a file rank 0 can create or append to, --checkpoint-dir a directory.
+
+    Checked on rank 0 (the only writer) without creating anything; every rank stops on an
+    error, rank 0 prints it."""
+    error = world.comm.bcast(_output_error(cfg) if world.is_root else None, root=0)
+    if error:
+        raise SystemExitWithMessage(error if world.is_root else None)
+
+
+def check_stage_dir(cfg: TrainConfig, world: World) -> None:
+    """--stage-dir that overlaps the data or is a file: refused on every rank, said once,
+    before anything is created (the stager session checks again, with what it creates)."""
+    if not cfg.stage_dir:
+        return
+    from hpcdl.staging import ownership  # noqa: PLC0415
+
+    error = None
+    try:
+        ownership.check_stage_dir(cfg.stage_dir, {"--data": cfg.data, "--val-data": cfg.val_data})
+    except ownership.StageDirError as exc:
+        error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
+
+
+def _output_error(cfg: TrainConfig) -> str | None:
+    if cfg.metrics:
+        metrics = Path(cfg.metrics)
+        if metrics.is_dir():
+            return (
+                f"--metrics {metrics} is a directory; give a file name such as "
+                f"{metrics / 'metrics.jsonl'}"
+            )
+        parent = nearest_existing(metrics.parent)
+        if not parent.is_dir():
+            return f"--metrics {metrics} cannot be created: {parent} is not a directory"
+        target = metrics if metrics.exists() else parent
+        if not os.access(target, os.W_OK):
+            return f"--metrics {metrics} cannot be written: no write permission on {target}"
+    if cfg.checkpoint_dir:
+        ckpt_dir = Path(cfg.checkpoint_dir)
+        if ckpt_dir.exists() and not ckpt_dir.is_dir():
+            return f"--checkpoint-dir {ckpt_dir} is a file; give a directory (created if missing)"
+    return None
