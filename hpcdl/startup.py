@@ -229,6 +229,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
         loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
+        say(loader_line(loader))
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         if cfg.precision != "fp32":
             say(precision_line(cfg.precision))
@@ -522,12 +523,13 @@ def open_loaders(
             train_ds,
             cfg.batch_size,
             workers=workers,
-            prefetch=cfg.prefetch,
+            prefetch=None if cfg.prefetch == "auto" else int(cfg.prefetch),
             seed=cfg.seed,
             augment=cfg.augment,
             locate=staging.locator() if staging else None,
             skip_bad_samples=cfg.skip_bad_samples,
             timeout_s=cfg.loader_timeout,
+            ranks_per_node=world.local_size,
         )
         own(stack, loader.close, loader.close)
     except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
@@ -539,6 +541,19 @@ def open_loaders(
         val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
         own(stack, val_loader.close, val_loader.close)
     return loader, val_loader
+
+
+def loader_line(loader: Any) -> str:
+    """The start line about the loader: workers and batch slots per rank, with a warning where
+    the slots leave workers idle (hpcdl.data.loader NOTE [default slots])."""
+    from hpcdl.data.loader import slot_warning  # noqa: PLC0415
+
+    if loader.workers == 0:
+        return "hpcdl: loader: batches built in the training process (--workers 0)"
+    how = "auto" if loader.slots_default else "--prefetch"
+    line = f"hpcdl: loader: {loader.workers} worker(s) per rank, {loader.slots} batch slots ({how})"
+    warning = slot_warning(loader.workers, loader.slots)
+    return line + (f"; warning: {warning}" if warning else "")
 
 
 def run_fingerprint(cfg: TrainConfig, layout: list[tuple[str, tuple[int, ...]]]) -> str:

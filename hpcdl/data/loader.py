@@ -1,6 +1,6 @@
 """Loader: minibatches of a data set in sampler order, built by K worker processes (or in-process).
 
-    loader = Loader(ds, batch_size, workers=K, prefetch=P, seed=S, augment="crop4+flip")
+    loader = Loader(ds, batch_size, workers=K, seed=S, augment="crop4+flip")  # prefetch: slots
     for images, labels in loader.iterate(batches, epoch, train=True):
         ...  # images (B, C, H, W) float32, labels (B,) int64: valid until the next iteration
 
@@ -10,6 +10,17 @@ A stalled worker ends an iteration with LoaderTimeout after `timeout_s` (hpcdl.d
 caller that must stop anyway (Slurm's SIGTERM, and a checkpoint to write) passes
 `stop_requested`: once it answers True while the loader waits, the workers are closed and the
 remaining batches are built in the calling process, bitwise the same as the workers' would be.
+
+NOTE [default slots]
+A worker can only build a batch into a free slot, and the trainer holds one slot while it uses a
+batch. With fewer slots than workers, the rest sit idle (issue 48: the old default of 4 slots
+fed 8 workers at 0.30x DataLoader's rate). So `prefetch=None` gives SLOTS_PER_WORKER slots per
+worker (DataLoader's prefetch_factor 2: one batch being built, one ready), at least MIN_SLOTS,
+within a memory bound: one rank's slots take at most SLOT_MEMORY_BYTES (4 GiB) and at most
+SHM_SHARE (a quarter) of the free shared memory split over the node's ranks; never fewer than
+2 slots. A batch of 128 rrc224 float32 images is a 77 MiB slot: 15 workers take 30 slots, 2.3
+GiB. Where the bound leaves fewer slots than workers, `slot_warning` says so (the start line,
+hpcdl doctor). An explicit prefetch is taken as given.
 """
 
 from __future__ import annotations
@@ -22,11 +33,17 @@ import numpy as np
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder, check_augment, output_shape
 from hpcdl.data.dataset import Locate
+from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir
 
 # How long a worker may stay silent on a batch the trainer waits for (--loader-timeout): well
 # above a slow parallel file system read (tens of seconds) or a Lustre/GPFS server failover
 # (minutes), as long as the default collective timeout of torch.distributed with NCCL.
 LOADER_TIMEOUT_S = 600.0
+
+SLOTS_PER_WORKER = 2
+MIN_SLOTS = 4
+SLOT_MEMORY_BYTES = 4 << 30
+SHM_SHARE = 4  # the default slots take at most 1/SHM_SHARE of the free shared memory
 
 
 def default_workers(cores_per_node: int | None = None, ranks_per_node: int = 1) -> int:
@@ -35,24 +52,56 @@ def default_workers(cores_per_node: int | None = None, ranks_per_node: int = 1) 
     return max(1, cores // max(1, ranks_per_node) - 1)
 
 
+def default_slots(
+    workers: int, slot_bytes: int, shm_free: int | None = None, ranks_per_node: int = 1
+) -> int:
+    """Batch slots for `workers` workers when the user gave none (NOTE [default slots]).
+
+    slot_bytes: one slot's size; shm_free: free bytes of the shared-memory directory (None:
+    measured now); ranks_per_node: the ranks that share it."""
+    if shm_free is None:
+        shm_free = free_bytes(shm_dir())
+    wanted = max(MIN_SLOTS, SLOTS_PER_WORKER * workers)
+    budget = min(SLOT_MEMORY_BYTES, shm_free // (SHM_SHARE * max(1, ranks_per_node)))
+    return max(2, min(wanted, budget // max(1, slot_bytes)))
+
+
+def slot_warning(workers: int, slots: int) -> str | None:
+    """One line where `slots` batch slots leave some of `workers` workers idle, else None."""
+    if workers == 0 or slots >= workers:
+        return None
+    return (
+        f"{slots} batch slots for {workers} loader workers: at most {slots - 1} workers can "
+        f"build batches while the trainer holds one slot; give --prefetch "
+        f"{SLOTS_PER_WORKER * workers} (more shared memory: HPCDL_SHM_DIR, --shm-size) or "
+        "fewer --workers"
+    )
+
+
 class Loader:
+    """Minibatches in sampler order, built by `workers` processes into shared-memory slots.
+
+    prefetch: batch slots (None: NOTE [default slots]; the count used is `slots`, and
+    `slots_default` says whether it was the default). workers=0 builds in this process."""
+
     def __init__(
         self,
         ds,
         batch_size: int,
         workers: int = 0,
-        prefetch: int = 4,
+        prefetch: int | None = None,
         seed: int = 0,
         augment: str | None = "none",
         locate: Locate | None = None,
         skip_bad_samples: bool = False,
         timeout_s: float = LOADER_TIMEOUT_S,
+        ranks_per_node: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
-        if prefetch < 1:
+        if prefetch is not None and prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
@@ -63,17 +112,22 @@ class Loader:
         self._build_args = (seed, locate, skip_bad_samples)
         self._pool = None
         self._builder = None  # builds in this process: workers=0, or after a stop request
+        self.slots_default = prefetch is None
+        self.slots = 0 if workers == 0 else prefetch or self._default_slots(ranks_per_node)
         if workers == 0:
             self._build_here()
         else:
             from hpcdl.data.pool import WorkerOptions, WorkerPool  # noqa: PLC0415
-            from hpcdl.data.slots import SlotLayout  # noqa: PLC0415
 
-            layout = SlotLayout(prefetch, batch_size, self.sample_shape)
+            layout = SlotLayout(self.slots, batch_size, self.sample_shape)
             options = WorkerOptions(
                 workers, seed, augment or "none", locate, skip_bad_samples, timeout_s
             )
             self._pool = WorkerPool(ds, layout, options)
+
+    def _default_slots(self, ranks_per_node: int) -> int:
+        one = SlotLayout(1, self.batch_size, self.sample_shape).slot_bytes
+        return default_slots(self.workers, one, ranks_per_node=ranks_per_node)
 
     def _build_here(self) -> None:
         self._builder = BatchBuilder(self.ds, self.aug, *self._build_args)
