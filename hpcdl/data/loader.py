@@ -25,14 +25,18 @@ hpcdl doctor). An explicit prefetch is taken as given.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder, check_augment, output_shape
 from hpcdl.data.dataset import Locate
+from hpcdl.data.file_bytes import FileBytesReader, byte_capacity, check_gpu_decode
+from hpcdl.data.gpu_decode import GpuBatchDecoder
 from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir
 
 # How long a worker may stay silent on a batch the trainer waits for (--loader-timeout): well
@@ -96,7 +100,11 @@ class Loader:
         skip_bad_samples: bool = False,
         timeout_s: float = LOADER_TIMEOUT_S,
         ranks_per_node: int = 1,
+        decode: str = "cpu",
+        xp: Any = np,
     ) -> None:
+        if decode not in ("cpu", "gpu"):
+            raise ValueError(f"decode must be cpu or gpu, got {decode!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if workers < 0:
@@ -110,6 +118,14 @@ class Loader:
         check_augment(ds, self.aug)
         self.sample_shape = output_shape(ds, self.aug)  # (C, H, W) of delivered images
         self._build_args = (seed, locate, skip_bad_samples)
+        self.decode = decode
+        self._gpu = None  # decode gpu: byte slots decoded here (hpcdl.data.gpu_decode)
+        capacity = 0
+        if decode == "gpu":
+            check_gpu_decode(ds)
+            capacity = byte_capacity(ds, batch_size)
+            self._gpu = GpuBatchDecoder(ds, self.aug, seed, xp, skip_bad=skip_bad_samples)
+        self._layout = SlotLayout(1, batch_size, self.sample_shape, capacity)
         self._pool = None
         self._builder = None  # builds in this process: workers=0, or after a stop request
         self.slots_default = prefetch is None
@@ -119,20 +135,26 @@ class Loader:
         else:
             from hpcdl.data.pool import WorkerOptions, WorkerPool  # noqa: PLC0415
 
-            layout = SlotLayout(self.slots, batch_size, self.sample_shape)
+            layout = dataclasses.replace(self._layout, count=self.slots)
             options = WorkerOptions(
                 workers, seed, augment or "none", locate, skip_bad_samples, timeout_s
             )
             self._pool = WorkerPool(ds, layout, options)
 
     def _default_slots(self, ranks_per_node: int) -> int:
-        one = SlotLayout(1, self.batch_size, self.sample_shape).slot_bytes
+        one = self._layout.slot_bytes
         return default_slots(self.workers, one, ranks_per_node=ranks_per_node)
 
     def _build_here(self) -> None:
+        self._labels = np.empty(self.batch_size, np.int64)
+        if self._gpu is not None:
+            seed, locate, skip_bad = self._build_args
+            self._builder = FileBytesReader(self.ds, locate, skip_bad)
+            self._offsets = np.empty(self.batch_size + 1, np.int64)
+            self._images = np.empty(self._layout.byte_capacity, np.uint8)  # the files' bytes
+            return
         self._builder = BatchBuilder(self.ds, self.aug, *self._build_args)
         self._images = np.empty((self.batch_size, *self.sample_shape), np.float32)
-        self._labels = np.empty(self.batch_size, np.int64)
 
     def iterate(
         self,
@@ -143,7 +165,8 @@ class Loader:
     ):
         """Yield (images (n, C, H, W) float32, labels (n,) int64) for each batch of indices.
 
-        The arrays are views of a buffer the loader reuses: valid until the next iteration.
+        The arrays are views of a buffer the loader reuses: valid until the next iteration
+        (decode gpu: images are new arrays of the xp given, labels NumPy).
         stop_requested: see the module notes (polled only while waiting for a worker)."""
         batches = list(batches)
         for b in batches:
@@ -151,6 +174,17 @@ class Loader:
                 raise ValueError(
                     f"a batch of {len(b)} samples does not fit batch_size {self.batch_size}"
                 )
+        host = self._host_batches(batches, epoch, train, stop_requested)
+        if self._gpu is None:
+            return (yield from host)
+        try:
+            for b, ((offsets, data), labels) in zip(batches, host):
+                yield self._gpu.build(b, offsets, data, labels, epoch, train)
+        finally:
+            host.close()
+
+    def _host_batches(self, batches: list, epoch: int, train: bool, stop_requested):
+        """The batches as the workers (or this process) build them: pixels, or byte slots."""
         if self._builder is None:
             delivered = yield from self._pool.iterate(batches, epoch, train, stop_requested)
             if delivered == len(batches):
@@ -158,8 +192,12 @@ class Loader:
             self._build_here()  # the pool closed itself; this loader builds from now on
             batches = batches[delivered:]
         for b in batches:
-            n = len(b)
-            self._builder.build(np.asarray(b, np.int64), epoch, train, self._images, self._labels)
+            n, b = len(b), np.asarray(b, np.int64)
+            if self._gpu is not None:
+                self._builder.read(b, self._labels, self._offsets, self._images)
+                yield (self._offsets[: n + 1], self._images), self._labels[:n]
+                continue
+            self._builder.build(b, epoch, train, self._images, self._labels)
             yield self._images[:n], self._labels[:n]
 
     @property
@@ -178,6 +216,9 @@ class Loader:
             out["bad_samples"] += c.bad
             out["local_reads"] += c.local
             out["pfs_reads"] += c.pfs
+        if self._gpu is not None:
+            out["bad_samples"] += self._gpu.bad
+            out["decode_cpu_fallbacks"] = self._gpu.cpu_fallbacks
         return out
 
     def close(self) -> None:
