@@ -80,6 +80,7 @@ class TrainConfig:
     prefetch: str = "auto"  # batch slots: auto (hpcdl.data.loader NOTE [default slots]) or N
     loader_timeout: float = LOADER_TIMEOUT_S  # seconds a worker may be silent on an awaited batch
     augment: str = "none"
+    decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, the rank decodes
     skip_bad_samples: bool = False
     index_in_data_root: bool = False  # cache an image folder's index in --data itself
     stage_dir: str | None = None
@@ -124,6 +125,7 @@ _CHOICES = {
     "optimizer": ("sgd", "adam", "adamw"),
     "precision": ("fp32", "bf16", "fp16"),
     "device": ("cpu", "gpu"),
+    "decode": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
     "peer_staging": PEER_MODES,
     "progress": PROGRESS_MODES,
@@ -201,6 +203,9 @@ _HELP = {
     "loader_timeout": "seconds a loader worker may stay silent on a batch the trainer waits for: "
     "a warning at half, then the job stops with exit status 4",
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
+    "decode": "cpu: loader workers decode and augment; gpu: workers only read the image files, "
+    "the rank decodes them (nvImageCodec on --device gpu; Pillow in the rank elsewhere), crops, "
+    "flips and normalises on its device, with the same crop boxes (docs/training.md)",
     "skip_bad_samples": "replace an unreadable sample by the nearest good one of its batch "
     "instead of stopping (counted in the summary) (default: off)",
     "index_in_data_root": "cache an image folder's index in the data directory itself "

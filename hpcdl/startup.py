@@ -228,7 +228,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
-        loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
+        loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging, xp)
         say(loader_line(loader))
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         if cfg.precision != "fp32":
@@ -510,8 +510,10 @@ def open_loaders(
     train_ds: Any,
     val_ds: Any,
     staging: Any,
+    xp: Any = None,
 ) -> tuple[Any, Any]:
-    """(training loader, validation loader or None), owned by the run."""
+    """(training loader, validation loader or None), owned by the run. xp: the array module
+    that --decode gpu decodes onto (None: NumPy)."""
     from hpcdl.data import Loader, default_workers  # noqa: PLC0415
 
     workers = (
@@ -530,6 +532,8 @@ def open_loaders(
             skip_bad_samples=cfg.skip_bad_samples,
             timeout_s=cfg.loader_timeout,
             ranks_per_node=world.local_size,
+            decode=cfg.decode,
+            **({} if xp is None else {"xp": xp}),
         )
         own(stack, loader.close, loader.close)
     except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
@@ -552,6 +556,8 @@ def loader_line(loader: Any) -> str:
         return "hpcdl: loader: batches built in the training process (--workers 0)"
     how = "auto" if loader.slots_default else "--prefetch"
     line = f"hpcdl: loader: {loader.workers} worker(s) per rank, {loader.slots} batch slots ({how})"
+    if loader.decode == "gpu":
+        line += f", files decoded in the rank ({loader.decoder_name})"
     warning = slot_warning(loader.workers, loader.slots)
     return line + (f"; warning: {warning}" if warning else "")
 

@@ -232,3 +232,43 @@ def test_on_the_gpu_cmyk_and_truncated_files_fall_back_or_count_as_bad(tmp_path)
     got, _ = dec.build(indices, offsets, data, labels, 0)
     assert dec.bad == 1 and dec.cpu_fallbacks <= 1  # CMYK: nvJPEG may decode it, else Pillow
     assert cp.array_equal(got[4], got[3])
+
+
+def test_hpcdl_torch_loader_hands_out_the_decoded_batches_as_tensors(folder):
+    import torch
+
+    from hpcdl.data.sampler import DistributedSampler
+    from hpcdl.torch import Loader as TorchLoader
+
+    ds = open_dataset(folder)
+    order = DistributedSampler(len(ds), seed=SEED).batches(0, 8)
+    with Loader(ds, 8, workers=0, seed=SEED, augment=AUG, decode="gpu") as here:
+        want = [(x.copy(), y.copy()) for x, y in here.iterate(order, 0)]
+    with TorchLoader(folder, 8, epochs=1, workers=2, seed=SEED, augment=AUG, decode="gpu",
+                     handle_signals=False) as loader:  # fmt: skip
+        got = [(x.clone(), y.clone()) for x, y in loader]
+    assert len(got) == len(want) == len(ds) // 8
+    for (x, y), (wx, wy) in zip(got, want):
+        assert x.dtype == torch.float32 and y.dtype == torch.int64
+        assert np.array_equal(x.numpy(), wx) and np.array_equal(y.numpy(), wy)
+
+
+def test_hpcdl_train_with_decode_gpu_trains_and_says_how_it_decodes(folder, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdl.train", "--data", str(folder), "--augment", AUG,
+         "--model", "mlp", "--epochs", "1", "--batch-size", "8", "--workers", "2",
+         "--decode", "gpu", "--metrics", str(metrics), "--progress", "none"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "2 worker(s) per rank, 4 batch slots (auto), files decoded in the rank (pillow)" in (
+        proc.stdout
+    )
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (summary,) = [r for r in records if r.get("event") == "summary"]
+    assert summary["steps"] == 48 // 8 and np.isfinite(summary["train_loss"])

@@ -11,6 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcdl.backend import gpu_available
 from hpcdl.config import ConfigError, TrainConfig, parse_args, validate
 from hpcdl.data import Loader, open_dataset
 from hpcdl.data.loader import (
@@ -94,11 +95,15 @@ def test_prefetch_from_toml_as_a_number(tmp_path):
 
 
 def test_the_start_line_says_the_slots_and_warns():
-    auto = SimpleNamespace(workers=8, slots=16, slots_default=True)
+    auto = SimpleNamespace(workers=8, slots=16, slots_default=True, decode="cpu")
     assert loader_line(auto) == "hpcdl: loader: 8 worker(s) per rank, 16 batch slots (auto)"
-    few = loader_line(SimpleNamespace(workers=8, slots=4, slots_default=False))
+    few = loader_line(SimpleNamespace(workers=8, slots=4, slots_default=False, decode="cpu"))
     assert "4 batch slots (--prefetch); warning: 4 batch slots for 8 loader workers" in few
-    assert "--workers 0" in loader_line(SimpleNamespace(workers=0, slots=0, slots_default=True))
+    here = SimpleNamespace(workers=0, slots=0, slots_default=True, decode="cpu")
+    assert "--workers 0" in loader_line(here)
+    gpu = SimpleNamespace(workers=2, slots=4, slots_default=True, decode="gpu",
+                          decoder_name="nvimgcodec")  # fmt: skip
+    assert loader_line(gpu).endswith("(auto), files decoded in the rank (nvimgcodec)")
 
 
 def test_the_doctor_reports_the_slots_and_warns_where_they_are_too_few():
@@ -107,6 +112,8 @@ def test_the_doctor_reports_the_slots_and_warns_where_they_are_too_few():
     assert facts["slots"] == default_slots(8, facts["slot_bytes"], facts["shm_free_bytes"])
     assert facts["slot_bytes"] >= 128 * 3 * 224 * 224 * 4
     assert (problems == []) == (facts["slots"] >= 8)
+    if not gpu_available():
+        assert facts["gpu_decode"] is False and "CuPy" in facts["gpu_decode_reason"]
     facts, problems = probes.loader(8, "4", 128, (3, 224, 224), 1)
     assert facts["slots"] == 4 and not facts["slots_default"]
     assert len(problems) == 1 and "fix: give --prefetch 16" in problems[0].message

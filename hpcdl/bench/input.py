@@ -7,7 +7,8 @@ One run times the same step (`--model`) fed four ways, on the same JPEG folder a
 (`--augment`, default rrc224+flip): `none` (one batch kept on the device: the step's own rate),
 torch's `dataloader` (pin_memory where CUDA is, persistent workers, prefetch_factor 2 and 4; each
 sample built by hpcdl's own per-sample code, so the decode work is the same), and
-`hpcdl.torch.Loader` with default slots (`hpcdl`, decode `cpu`; GPU decode is not built yet).
+`hpcdl.torch.Loader` with default slots, decode `cpu` (`hpcdl`) and `gpu` (`hpcdl-gpu`: the
+workers read bytes, the script's process decodes: nvImageCodec on a GPU, Pillow on the CPU).
 Per row: images/s over `--steps` steps after `--warmup`, and the data-wait share: the time the
 script spent inside next() over the timed wall time. A GPU step is not synchronised per step (as
 in a real script), so a wait there is host time while the GPU still has queued work.
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rows",
-        default="none,dataloader,hpcdl",
-        help="which rows to time, comma-separated",
+        default="none,dataloader,hpcdl,hpcdl-gpu",
+        help="which rows to time, comma-separated (hpcdl-gpu: --decode gpu; with --device gpu "
+        "only where nvImageCodec is available, with --device cpu the rank decodes with Pillow)",
     )
     p.add_argument(
         "--prefetch", type=int, help="batch slots of the hpcdl rows (default: hpcdl's default)"
@@ -189,13 +191,15 @@ def dataloader_feed(data: str, batch: int, workers: int, factor: int, augment: s
     return loader, shape
 
 
-def hpcdl_feed(data: str, batch: int, workers: int, augment: str, prefetch: int | None):
+def hpcdl_feed(
+    data: str, batch: int, workers: int, augment: str, prefetch: int | None, decode: str
+):
     """hpcdl.torch.Loader (prefetch None: its default slots); (loader, batches without end)."""
     from hpcdl.torch import Loader  # noqa: PLC0415
 
     loader = Loader(
         data, batch, epochs=1000, workers=workers, augment=augment, prefetch=prefetch,
-        handle_signals=False,
+        decode=decode, handle_signals=False,
     )  # fmt: skip
 
     def epoch(e: int):
@@ -211,6 +215,8 @@ def hpcdl_feed(data: str, batch: int, workers: int, augment: str, prefetch: int 
 def rows(args, data: str) -> list[dict[str, Any]]:
     """Time each requested row; one dict per row with the issue's JSON fields."""
     import torch  # noqa: PLC0415
+
+    from hpcdl.data.gpu_decode import gpu_decode_available  # noqa: PLC0415
 
     wanted = set(args.rows.split(","))
     model = args.model or ("resnet50" if args.device == "gpu" else "sleep:20")
@@ -250,14 +256,16 @@ def rows(args, data: str) -> list[dict[str, Any]]:
                 timing = timed_steps(dl, step, args.warmup, args.steps, sync)
                 record("dataloader", "cpu", workers, factor * workers, False, timing)
                 del dl
-        if "hpcdl" in wanted:
+        for decode, row in (("cpu", "hpcdl"), ("gpu", "hpcdl-gpu")):
+            if row not in wanted or (decode == "gpu" and gpu and not gpu_decode_available()[0]):
+                continue
             loader, batches = hpcdl_feed(
-                data, args.batch_size, workers, args.augment, args.prefetch
+                data, args.batch_size, workers, args.augment, args.prefetch, decode
             )
             with loader:
                 timing = timed_steps(batches, step, args.warmup, args.steps, sync)
                 default = args.prefetch is None
-                record("hpcdl", "cpu", workers, loader.slots, default, timing)
+                record("hpcdl", decode, workers, loader.slots, default, timing)
     return out
 
 

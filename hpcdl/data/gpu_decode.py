@@ -107,7 +107,7 @@ def make_decoder(xp: Any) -> Decoder:
 
 
 class GpuBatchDecoder:
-    """Turns byte slots into batches: (images (n, C, oh, ow) float32 on xp, labels (n,) int64).
+    """Turns byte slots into batches: images (n, C, oh, ow) float32 and labels (n,) int64 on xp.
 
     cpu_fallbacks and bad counts are cumulative; see NOTE [GPU decode]."""
 
@@ -153,7 +153,7 @@ class GpuBatchDecoder:
             take = _substitutes(ok, indices)
             out = out[xp.asarray(take)]
             labels = labels[take]
-        return out, labels
+        return out, xp.asarray(labels)
 
     def _decoded(self, indices: np.ndarray, blobs: list[np.ndarray]) -> list[Any]:
         """Each image decoded: by the decoder, else by Pillow (counted), else None (bad)."""

@@ -201,6 +201,11 @@ class Loader:
             yield self._images[:n], self._labels[:n]
 
     @property
+    def decoder_name(self) -> str | None:
+        """The decoder of --decode gpu (nvimgcodec, pillow), None with decode cpu."""
+        return None if self._gpu is None else self._gpu.decoder.name
+
+    @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._pool.procs] if self._pool is not None else []
 

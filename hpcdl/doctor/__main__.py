@@ -137,7 +137,8 @@ def describe(name: str, v: dict[str, Any]) -> str:
         return (
             f"{v['workers']} worker(s) per rank, {v['slots']} batch slots ({how}) of "
             f"{_size(v['slot_bytes'])} (batch {v['batch']} x {'x'.join(map(str, v['shape']))}); "
-            f"{_size(v['shm_free_bytes'])} free in {v['shm_dir']}"
+            f"{_size(v['shm_free_bytes'])} free in {v['shm_dir']}; --decode gpu on the GPU: "
+            f"{'yes' if v['gpu_decode'] else 'no'} ({v['gpu_decode_reason']})"
         )
     if name == "stager":
         return f"{v['path']} ({v['version']})" if v["path"] else "not found"

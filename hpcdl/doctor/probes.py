@@ -168,6 +168,9 @@ def loader(workers: int | None, prefetch: str, batch: int, shape: tuple, local_s
         "shm_dir": shm_dir(),
         "shm_free_bytes": free,
     }
+    from hpcdl.data.gpu_decode import gpu_decode_available  # noqa: PLC0415
+
+    facts["gpu_decode"], facts["gpu_decode_reason"] = gpu_decode_available()
     warning = slot_warning(workers, slots) if workers else None
     return facts, [Problem(WARNING, warning.replace("; give", "; fix: give"))] if warning else []
 

@@ -79,7 +79,10 @@ class Loader:
     hpcdl.data.loader NOTE [default slots]; the count used is `slots`), seed and shuffle (the
     sampler: a pure function of seed, epoch, world size and rank), augment, stage_dir (None:
     read in place), stage_threads, stage_nice, stage_capacity, keep_staged, stage_verify,
-    loader_timeout, skip_bad_samples.
+    loader_timeout, skip_bad_samples, decode ("gpu": the workers read the files, this process
+    decodes them, onto the GPU with nvImageCodec where torch has CUDA and CuPy and nvImageCodec
+    are installed: images and labels are then CUDA tensors shared with CuPy through DLPack,
+    each batch a new tensor; hpcdl.data.gpu_decode NOTE [GPU decode]).
     pin_memory: None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
     excepthook handlers inside a `with` block only, True for the loader's life, False never
     (NOTE [process-wide handlers]). Rank and world come from torch.distributed, else MPI,
@@ -105,6 +108,7 @@ class Loader:
         stage_verify: bool = False,
         loader_timeout: float = LOADER_TIMEOUT_S,
         skip_bad_samples: bool = False,
+        decode: str = "cpu",
         pin_memory: bool | None = None,
         handle_signals: bool | None = None,
     ) -> None:
@@ -118,7 +122,7 @@ class Loader:
             stage_dir=None if stage_dir is None else str(stage_dir),
             stage_threads=stage_threads, stage_nice=str(stage_nice), stage_capacity=stage_capacity,
             keep_staged=keep_staged, stage_verify=stage_verify,
-            loader_timeout=loader_timeout, skip_bad_samples=skip_bad_samples,
+            loader_timeout=loader_timeout, skip_bad_samples=skip_bad_samples, decode=decode,
         )  # fmt: skip
         self.cfg = cfg
         self.pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
@@ -162,7 +166,8 @@ class Loader:
                 dataset, _ = startup.open_datasets(cfg, world)
                 spec = startup.sampler_spec(cfg, world, len(dataset))
                 staging = startup.start_staging(cfg, world, stack, dataset, spec, 0)
-                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging)
+                xp = _decode_xp(self._torch) if cfg.decode == "gpu" else None
+                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging, xp)
                 return dataset, spec.for_rank(world.rank), staging, loader, stack.pop_all()
         except SystemExitWithMessage as exc:  # agreed by every rank; printed once
             raise _start_error(exc.message, world.rank == 0) from None
@@ -238,7 +243,9 @@ class Loader:
     def _batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
         order = self.sampler.batches(epoch, self.cfg.batch_size)
         host = self._loader.iterate(order, epoch, train=True)
-        if self.pin:  # copied into pinned memory in a thread (NOTE [slot lifetime])
+        if self.cfg.decode == "gpu":  # decoded on the device (or in this process): no copy
+            batches = (_as_tensors(self._torch, x, y) for x, y in host)
+        elif self.pin:  # copied into pinned memory in a thread (NOTE [slot lifetime])
             batches = iter(PinnedAhead(host, self._torch))
         else:
             # images: a view of the slot, no copy; labels: B int64, copied, so that the
@@ -297,6 +304,27 @@ class Loader:
         self._leaving = True
         messages.say("stopped by signal SIGTERM", rank=self.world.rank)
         raise SystemExit(EXIT_SIGTERM)
+
+
+def _decode_xp(torch: Any) -> Any:
+    """The array module decode="gpu" decodes onto: CuPy on torch's current GPU, else NumPy."""
+    import numpy as np  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        return np
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        return np
+    cupy.cuda.Device(torch.cuda.current_device()).use()
+    return cupy
+
+
+def _as_tensors(torch: Any, images: Any, labels: Any) -> tuple[Any, Any]:
+    """torch tensors over decode="gpu"'s arrays: DLPack for CuPy (no copy), else from_numpy."""
+    if hasattr(images, "__cuda_array_interface__"):
+        return torch.from_dlpack(images), torch.from_dlpack(labels)
+    return torch.from_numpy(images), torch.from_numpy(labels)
 
 
 def _ignore_interrupts() -> dict[int, Any]:
