@@ -6,6 +6,7 @@ Pillow's stand-in here; the GPU-marked tests at the end run nvImageCodec and CuP
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -138,7 +139,7 @@ class RefusesCmyk(PillowDecoder):
 
     name = "refuses-cmyk"
 
-    def decode(self, blobs):
+    def decode(self, blobs, stream=None):
         return [None if Image.open(io.BytesIO(b)).mode == "CMYK" else self.one(b) for b in blobs]
 
     def one(self, blob):
@@ -184,6 +185,16 @@ def test_a_corrupt_file_follows_the_bad_sample_rules(tmp_path):
     assert lenient.bad == 2 and got.shape[0] == len(indices)
     for i in bad:  # the nearest good sample before it stands in
         assert np.array_equal(got[i], got[i - 1]) and got_labels[i] == got_labels[i - 1]
+    # through the loader: the error of the decode thread reaches the consumer at its batch
+    with Loader(ds, 4, workers=1, seed=SEED, augment=AUG, decode="gpu") as loader:
+        order = [indices[k : k + 4] for k in range(0, len(indices), 4)]
+        first_bad = min(bad) // 4
+        got_batches = []
+        with pytest.raises(DataError, match="cannot be read"):
+            for x, _ in loader.iterate(order, 0):
+                got_batches.append(x)
+        assert len(got_batches) == first_bad
+    assert not [t for t in threading.enumerate() if t.name == "hpcdl-decode"]
 
 
 # ------------------------------------------------------------------ on a GPU (skipped in CI)

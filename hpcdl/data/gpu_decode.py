@@ -18,6 +18,8 @@ H100 eats 3,600 (issue 48). So with `--decode gpu` the loader workers only read 
   widens when it shrinks, so pixels differ from the CPU path's by a resampling tolerance), the
   flip and the normalisation are array code on the array module of the decoded images: CuPy
   kernels on a GPU, NumPy on the CPU, one code path.
+- A thread decodes one batch ahead of the step (GpuBatchDecoder.ahead, hpcdl.data.ahead), on a
+  side stream on a GPU, with an event each way (see GpuBatchDecoder.__init__).
 Validation batches (train=False) are not decoded here: hpcdl.train's validation loader decodes
 on the CPU.
 """
@@ -36,11 +38,13 @@ from hpcdl.data.dataset import BadSample
 
 
 class Decoder(Protocol):
-    """Decodes a batch of compressed images: (h, w, 3) uint8 arrays, None where it cannot."""
+    """Decodes a batch of compressed images: (h, w, 3) uint8 arrays, None where it cannot.
+
+    stream: the CuPy stream the decoded arrays must be ready on (None: the current one)."""
 
     name: str
 
-    def decode(self, blobs: list[np.ndarray]) -> list[Any]: ...
+    def decode(self, blobs: list[np.ndarray], stream: Any = None) -> list[Any]: ...
 
 
 class PillowDecoder:
@@ -48,7 +52,7 @@ class PillowDecoder:
 
     name = "pillow"
 
-    def decode(self, blobs: list[np.ndarray]) -> list[np.ndarray | None]:
+    def decode(self, blobs: list[np.ndarray], stream: Any = None) -> list[np.ndarray | None]:
         return [pillow_decode(b) for b in blobs]
 
 
@@ -61,12 +65,26 @@ class NvImageCodecDecoder:
         import cupy  # noqa: PLC0415
         from nvidia import nvimgcodec  # noqa: PLC0415
 
-        self._cp = cupy
+        self._cp, self._nv = cupy, nvimgcodec
         self._decoder = nvimgcodec.Decoder()
 
-    def decode(self, blobs: list[np.ndarray]) -> list[Any]:
-        images = self._decoder.decode(blobs)
-        return [None if im is None else self._cp.asarray(im) for im in images]
+    def decode(self, blobs: list[np.ndarray], stream: Any = None) -> list[Any]:
+        # bytes(): a copy the decoder owns, so the slot can go back to the workers at once
+        streams = [self._code_stream(bytes(b)) if len(b) else None for b in blobs]
+        todo = [k for k, c in enumerate(streams) if c is not None]
+        ptr = stream.ptr if stream is not None else self._cp.cuda.get_current_stream().ptr
+        decoded = self._decoder.decode([streams[k] for k in todo], cuda_stream=ptr) if todo else []
+        out: list[Any] = [None] * len(blobs)
+        for k, image in zip(todo, decoded):
+            out[k] = None if image is None else self._cp.asarray(image)
+        return out
+
+    def _code_stream(self, data: bytes) -> Any:
+        """nvImageCodec's parsed stream, or None where it cannot parse the header."""
+        try:
+            return self._nv.CodeStream(data)
+        except Exception:  # not an image it knows: Pillow gets a try (NOTE [GPU decode])
+            return None
 
 
 def pillow_decode(blob: np.ndarray) -> np.ndarray | None:
@@ -121,6 +139,13 @@ class GpuBatchDecoder:
         self.std = xp.asarray(np.asarray(ds.std, np.float32))
         self.cpu_fallbacks = 0
         self.bad = 0
+        # decode one batch ahead on a side stream (CuPy): build() queues there; the compute
+        # stream waits for `ready`, and the side stream for `taken`, recorded on the compute
+        # stream as the step takes a batch: memory freed by batches the step is done with is
+        # reused only after the step's work on them.
+        self._side = None if xp is np else xp.cuda.Stream(non_blocking=True)
+        self._taken = None if xp is np else xp.cuda.Event(disable_timing=True)
+        self._device = None if xp is np else xp.cuda.Device().id
 
     def boxes(self, indices: np.ndarray, epoch: int) -> Boxes:
         """The training crop boxes and flips of these samples: crop_boxes, as on the CPU."""
@@ -155,9 +180,41 @@ class GpuBatchDecoder:
             labels = labels[take]
         return out, xp.asarray(labels)
 
+    def ahead(self, batches: list, host, epoch: int, train: bool):
+        """Iterate build() over host's byte slots in a thread, one batch ahead, on the side
+        stream on a GPU (see __init__); yields (images, labels) as build() does."""
+        from hpcdl.data.ahead import Ahead  # noqa: PLC0415
+
+        if self._side is None:
+
+            def work(item):
+                b, ((offsets, data), labels) = item
+                return self.build(b, offsets, data, labels, epoch, train)
+
+            return Ahead(zip(batches, host), work, 1, "hpcdl-decode")
+
+        def work_on_side(item):
+            b, ((offsets, data), labels) = item
+            self.xp.cuda.Device(self._device).use()  # the current device is per thread
+            with self._side:
+                self._side.wait_event(self._taken)
+                images, labels = self.build(b, offsets, data, labels, epoch, train)
+                ready = self.xp.cuda.Event(disable_timing=True)
+                ready.record(self._side)
+            return images, labels, ready
+
+        def take(result):
+            images, labels, ready = result
+            compute = self.xp.cuda.get_current_stream()
+            compute.wait_event(ready)
+            self._taken.record(compute)
+            return images, labels
+
+        return Ahead(zip(batches, host), work_on_side, 1, "hpcdl-decode", take)
+
     def _decoded(self, indices: np.ndarray, blobs: list[np.ndarray]) -> list[Any]:
         """Each image decoded: by the decoder, else by Pillow (counted), else None (bad)."""
-        images = self.decoder.decode(blobs)
+        images = self.decoder.decode(blobs, self._side)
         for i, img in enumerate(images):
             if img is not None:
                 continue

@@ -177,10 +177,11 @@ class Loader:
         host = self._host_batches(batches, epoch, train, stop_requested)
         if self._gpu is None:
             return (yield from host)
+        decoded = iter(self._gpu.ahead(batches, host, epoch, train))  # one batch ahead
         try:
-            for b, ((offsets, data), labels) in zip(batches, host):
-                yield self._gpu.build(b, offsets, data, labels, epoch, train)
+            yield from decoded
         finally:
+            decoded.close()  # the thread stops and closes host
             host.close()
 
     def _host_batches(self, batches: list, epoch: int, train: bool, stop_requested):

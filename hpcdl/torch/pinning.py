@@ -7,8 +7,9 @@ from its shared-memory slot into pinned memory inside next(), on the script's th
 of a 35 ms step, every step. DataLoader does that copy in its pin-memory thread, so next() only
 takes a ready batch from a queue. PinnedAhead does the same: its thread runs the pool's iteration
 (receiving the workers' replies and handing out slots), copies each batch into pinned memory and
-queues it, up to AHEAD batches ahead. A slot goes back to the workers as soon as its copy is done,
-not when the script asks for the next batch, so the slots serve the workers, not the queue.
+queues it, up to AHEAD batches ahead (hpcdl.data.ahead). A slot goes back to the workers as soon
+as its copy is done, not when the script asks for the next batch, so the slots serve the
+workers, not the queue.
 
 The pinned tensors belong to torch's pinned-memory allocator, which keeps a block until the
 asynchronous copies from it have finished, so a script may keep a batch as long as it likes.
@@ -18,16 +19,12 @@ happened. Closing stops the thread at its next batch and closes the iteration in
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from hpcdl import diag
+from hpcdl.data.ahead import Ahead
 
 AHEAD = 2  # pinned batches queued for the script: one it may take now, one being replaced
-_POLL_S = 0.2  # how often a thread blocked on a full queue looks whether the script has left
-_END = object()
 
 
 class PinnedAhead:
@@ -41,49 +38,10 @@ class PinnedAhead:
         self.torch = torch
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        ready: queue.Queue = queue.Queue(AHEAD)
-        stop = threading.Event()
-        thread = threading.Thread(
-            target=self._copy, args=(ready, stop), name="hpcdl-pin-memory", daemon=True
-        )
-        thread.start()
-        try:
-            while True:
-                with diag.span(diag.Kind.DATA_WAIT):
-                    item = ready.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            while thread.is_alive():  # a put blocked on a full queue wakes within _POLL_S
-                thread.join(_POLL_S)
-
-    def _copy(self, ready: queue.Queue, stop: threading.Event) -> None:
         from_numpy = self.torch.from_numpy
-        batches = iter(self.host)
-        try:
-            for images, labels in batches:
-                item: Any = (from_numpy(images).pin_memory(), from_numpy(labels).pin_memory())
-                if not _put(ready, item, stop):
-                    return
-            _put(ready, _END, stop)
-        except BaseException as exc:  # a loader error reaches the script at its batch
-            _put(ready, exc, stop)
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()  # the pool drains its workers' batches in flight here
 
+        def pin(batch: tuple[Any, Any]) -> tuple[Any, Any]:
+            images, labels = batch
+            return from_numpy(images).pin_memory(), from_numpy(labels).pin_memory()
 
-def _put(ready: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    """Queue item unless the script left first (False)."""
-    while not stop.is_set():
-        try:
-            ready.put(item, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
+        return iter(Ahead(self.host, pin, AHEAD, "hpcdl-pin-memory"))
