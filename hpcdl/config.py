@@ -77,9 +77,10 @@ class TrainConfig:
     quiet: bool = False  # no start-up lines and no progress (implies --progress none)
     progress: str = "auto"  # auto | bar | epoch | none (hpcdl.metrics.resolve_progress)
     workers: int | None = None  # None: a fair share of the node's cores
-    prefetch: int = 4
+    prefetch: str = "auto"  # batch slots: auto (hpcdl.data.loader NOTE [default slots]) or N
     loader_timeout: float = LOADER_TIMEOUT_S  # seconds a worker may be silent on an awaited batch
     augment: str = "none"
+    decode: str = "cpu"  # cpu: workers decode; gpu: workers read bytes, the rank decodes
     skip_bad_samples: bool = False
     index_in_data_root: bool = False  # cache an image folder's index in --data itself
     stage_dir: str | None = None
@@ -124,6 +125,7 @@ _CHOICES = {
     "optimizer": ("sgd", "adam", "adamw"),
     "precision": ("fp32", "bf16", "fp16"),
     "device": ("cpu", "gpu"),
+    "decode": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
     "peer_staging": PEER_MODES,
     "progress": PROGRESS_MODES,
@@ -141,8 +143,8 @@ PATH_KEYS = (
     "timeline",
 )
 _NOT_PATHS = {"resume": ("none", "auto")}
-_WORD_OR_INT = ("stage_nice",)  # a word or a number: TOML may give either
-_POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "prefetch", "stage_threads")
+_WORD_OR_INT = ("stage_nice", "prefetch")  # a word or a number: TOML may give either
+_POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
 # Help per flag, with units. build_parser appends "(default: X)" from TrainConfig unless the
 # text already names the default (always the case where the default is None).
@@ -195,10 +197,15 @@ _HELP = {
     "bar: Keras-style live bar; epoch: one line per epoch (job logs); none: no progress lines",
     "workers": "loader worker processes per rank (0: load in the training process) "
     "(default: a fair share of the node's cores)",
-    "prefetch": "shared-memory batch slots per rank (batches loaded ahead)",
+    "prefetch": "shared-memory batch slots per rank (batches loaded ahead): auto (2 per "
+    "worker, at least 4, within 4 GiB and a quarter of the free /dev/shm per node's ranks), "
+    "or a number (default: auto)",
     "loader_timeout": "seconds a loader worker may stay silent on a batch the trainer waits for: "
     "a warning at half, then the job stops with exit status 4",
     "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
+    "decode": "cpu: loader workers decode and augment; gpu: workers only read the image files, "
+    "the rank decodes them (nvImageCodec on --device gpu; Pillow in the rank elsewhere), crops, "
+    "flips and normalises on its device, with the same crop boxes (docs/training.md)",
     "skip_bad_samples": "replace an unreadable sample by the nearest good one of its batch "
     "instead of stopping (counted in the summary) (default: off)",
     "index_in_data_root": "cache an image folder's index in the data directory itself "
@@ -416,6 +423,10 @@ def validate(cfg: TrainConfig) -> None:
             f"--timeline {cfg.timeline} is a directory; give a file name such as "
             f"{Path(cfg.timeline) / 'trace.json'}"
         )
+    if cfg.prefetch != "auto" and not (
+        cfg.prefetch.isascii() and cfg.prefetch.isdigit() and int(cfg.prefetch) >= 1
+    ):
+        raise ConfigError(f"--prefetch must be auto or an integer >= 1, got {cfg.prefetch!r}")
     if cfg.stage_nice != "auto" and not (
         cfg.stage_nice.isascii() and cfg.stage_nice.isdigit() and int(cfg.stage_nice) <= 19
     ):

@@ -138,6 +138,8 @@ class Run:
         order = every[first:]
         # a stop signal while waiting on a stalled worker: the loader builds the batch itself
         host = self.loader.iterate(order, epoch, train=True, stop_requested=self.stop.requested)
+        if self.loader.decode == "gpu":  # decoded onto the device by the loader itself
+            return host
         return on_device(host, self.xp)
 
     def __enter__(self) -> Run:

@@ -214,7 +214,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
-        loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging)
+        loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging, xp)
+        say(loader_line(loader))
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         say_settings(cfg, say)
         stop = StopAgreement(world.comm)
@@ -524,8 +525,10 @@ def open_loaders(
     train_ds: Any,
     val_ds: Any,
     staging: Any,
+    xp: Any = None,
 ) -> tuple[Any, Any]:
-    """(training loader, validation loader or None), owned by the run."""
+    """(training loader, validation loader or None), owned by the run. xp: the array module
+    that --decode gpu decodes onto (None: NumPy)."""
     from hpcdl.data import Loader, default_workers  # noqa: PLC0415
 
     workers = (
@@ -537,12 +540,15 @@ def open_loaders(
             train_ds,
             cfg.batch_size,
             workers=workers,
-            prefetch=cfg.prefetch,
+            prefetch=None if cfg.prefetch == "auto" else int(cfg.prefetch),
             seed=cfg.seed,
             augment=cfg.augment,
             locate=staging.locator() if staging else None,
             skip_bad_samples=cfg.skip_bad_samples,
             timeout_s=cfg.loader_timeout,
+            ranks_per_node=world.local_size,
+            decode=cfg.decode,
+            **({} if xp is None else {"xp": xp}),
         )
         own(stack, loader.close, loader.close)
     except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
@@ -554,3 +560,18 @@ def open_loaders(
         val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
         own(stack, val_loader.close, val_loader.close)
     return loader, val_loader
+
+
+def loader_line(loader: Any) -> str:
+    """The start line about the loader: workers and batch slots per rank, with a warning where
+    the slots leave workers idle (hpcdl.data.loader NOTE [default slots])."""
+    from hpcdl.data.loader import slot_warning  # noqa: PLC0415
+
+    if loader.workers == 0:
+        return "hpcdl: loader: batches built in the training process (--workers 0)"
+    how = "auto" if loader.slots_default else "--prefetch"
+    line = f"hpcdl: loader: {loader.workers} worker(s) per rank, {loader.slots} batch slots ({how})"
+    if loader.decode == "gpu":
+        line += f", files decoded in the rank ({loader.decoder_name})"
+    warning = slot_warning(loader.workers, loader.slots)
+    return line + (f"; warning: {warning}" if warning else "")

@@ -41,7 +41,8 @@ def test_missing_or_unknown_benchmark_is_a_usage_error(prog):
 
 def test_the_user_benchmarks_and_the_harnesses_are_apart():
     """A harness is not offered by the product's command, and no name means two things."""
-    user = {"compute", "allreduce", "loader", "scaling", "train", "calibrate", "diag", "torch-sync"}
+    user = {"compute", "allreduce", "loader", "input", "scaling", "train", "calibrate", "diag",
+            "torch-sync"}  # fmt: skip
     assert set(BENCHMARKS) == user
     assert all(module.startswith("tools.bench.") for module in HARNESSES.values())
     assert "validate" in HARNESSES and "validate" not in BENCHMARKS

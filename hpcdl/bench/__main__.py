@@ -15,6 +15,7 @@ BENCHMARKS = {
     "compute": "hpcdl.bench.compute",
     "allreduce": "hpcdl.bench.allreduce",
     "loader": "hpcdl.bench.loader",
+    "input": "hpcdl.bench.input",
     "scaling": "hpcdl.bench.scaling",
     "train": "hpcdl.bench.train",
     "calibrate": "hpcdl.bench.calibrate",

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import diag
+from hpcdl.backend import pinned_empty
 
 _BUFFERS = 2
 _POLL_S = 0.2  # how often a blocked feeder looks whether the consumer has gone away
@@ -35,8 +36,8 @@ class _Buffers:
     """Pinned host staging + device arrays for one in-flight batch."""
 
     def __init__(self, cp, images_shape, labels_shape) -> None:
-        self.host_images = _pinned(cp, images_shape, np.float32)
-        self.host_labels = _pinned(cp, labels_shape, np.int64)
+        self.host_images = pinned_empty(images_shape, np.float32)
+        self.host_labels = pinned_empty(labels_shape, np.int64)
         self.images = cp.empty(images_shape, np.float32)
         self.labels = cp.empty(labels_shape, np.int64)
         self.ready = cp.cuda.Event(disable_timing=True)  # upload finished
@@ -56,12 +57,6 @@ class _Buffers:
         self.labels[:n].set(self.host_labels[:n], stream=stream)
         self.ready.record(stream)
         return n
-
-
-def _pinned(cp, shape, dtype) -> np.ndarray:
-    count = int(np.prod(shape))
-    mem = cp.cuda.alloc_pinned_memory(max(count * np.dtype(dtype).itemsize, 1))
-    return np.frombuffer(mem, dtype, count).reshape(shape)
 
 
 class DevicePrefetcher:

@@ -56,6 +56,7 @@ from hpcdl.data.slots import (
     TASK,
     SlotLayout,
     SlotRing,
+    byte_views,
     recv_exact,
     slot_views,
 )
@@ -204,13 +205,21 @@ class WorkerPool:
                     self.close()
                     return b
                 held = self._done.pop(b)
-                _, labels, images = slot_views(self.ring.mm, self.layout, held, len(batches[b]))
-                yield images, labels
+                yield self._views(held, len(batches[b]))
             ok = True
         finally:
             if not ok and not self.closed:
                 self._drain_or_close(stop_requested)
         return len(batches)
+
+    def _views(self, slot: int, n: int):
+        """(images (n, C, H, W) float32, labels (n,) int64) of a slot; a byte slot's images are
+        (offsets, data) (hpcdl.data.slots.byte_views)."""
+        if self.layout.byte_capacity:
+            _, labels, _ = slot_views(self.ring.mm, self.layout, slot, n)
+            return byte_views(self.ring.mm, self.layout, slot, n), labels
+        _, labels, images = slot_views(self.ring.mm, self.layout, slot, n)
+        return images, labels
 
     def _wait_for(self, b: int, stop_requested: Callable[[], bool] | None) -> bool:
         """Receive replies until batch b is done (True) or a stop is requested (False)."""

@@ -1,9 +1,11 @@
 """A ring of minibatch slots in one shared-memory file, and the fixed-size control messages.
 
 Slot layout (each slot page-aligned): indices int64 (B,) | labels int64 (B,) | images float32
-(B, C, H, W). The file is created in /dev/shm (or $HPCDL_SHM_DIR), space reserved with
-posix_fallocate, and unlinked at once: workers get the descriptor, so no name can leak, not even
-when the training process is killed.
+(B, C, H, W); or, for byte slots (`--decode gpu`: the workers read compressed files, the rank
+decodes), indices | labels | offsets int64 (B + 1,) | up to byte_capacity bytes of files.
+The file is created in /dev/shm (or $HPCDL_SHM_DIR), space reserved with posix_fallocate, and
+unlinked at once: workers get the descriptor, so no name can leak, not even when the training
+process is killed.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ class SlotLayout:
     """Where each slot and each array in it lie; the pool and its workers share this value.
 
     count slots of batch_size samples of shape (C, H, W); offsets and sizes in bytes.
+    byte_capacity > 0: byte slots holding that many bytes of files, no images.
     """
 
     count: int
     batch_size: int
     shape: tuple[int, int, int]
+    byte_capacity: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
@@ -76,8 +80,11 @@ class SlotLayout:
 
     @property
     def slot_bytes(self) -> int:
-        image_bytes = self.batch_size * int(np.prod(self.shape)) * 4
-        return _round_up(self.images_offset + image_bytes, PAGE)
+        if self.byte_capacity:
+            payload = 8 * (self.batch_size + 1) + self.byte_capacity
+        else:
+            payload = self.batch_size * int(np.prod(self.shape)) * 4
+        return _round_up(self.images_offset + payload, PAGE)
 
     @property
     def total_bytes(self) -> int:
@@ -118,13 +125,25 @@ class SlotRing:
 
 
 def slot_views(mm: mmap.mmap, layout: SlotLayout, slot: int, n: int):
-    """(indices (n,) int64, labels (n,) int64, images (n, C, H, W) float32) views of one slot."""
+    """(indices (n,) int64, labels (n,) int64, images (n, C, H, W) float32) views of one slot;
+    images None in a byte slot (byte_views)."""
     base = slot * layout.slot_bytes
     indices = np.ndarray((n,), np.int64, buffer=mm, offset=base)
     labels = np.ndarray((n,), np.int64, buffer=mm, offset=base + layout.labels_offset)
+    if layout.byte_capacity:
+        return indices, labels, None
     offset = base + layout.images_offset
     images = np.ndarray((n, *layout.shape), np.float32, buffer=mm, offset=offset)
     return indices, labels, images
+
+
+def byte_views(mm: mmap.mmap, layout: SlotLayout, slot: int, n: int):
+    """(offsets (n + 1,) int64, data (byte_capacity,) uint8) of one byte slot: file i of the
+    batch is data[offsets[i]:offsets[i + 1]]."""
+    base = slot * layout.slot_bytes + layout.images_offset
+    offsets = np.ndarray((n + 1,), np.int64, buffer=mm, offset=base)
+    data = np.ndarray((layout.byte_capacity,), np.uint8, buffer=mm, offset=base + 8 * (n + 1))
+    return offsets, data
 
 
 def _round_up(x: int, to: int) -> int:

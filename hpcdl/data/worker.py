@@ -19,6 +19,7 @@ import traceback
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder
 from hpcdl.data.dataset import DataError
+from hpcdl.data.file_bytes import FileBytesReader
 from hpcdl.data.kinds import open_dataset
 from hpcdl.data.slots import (
     OP_DATA_ERROR,
@@ -28,6 +29,7 @@ from hpcdl.data.slots import (
     OP_STOP,
     REPLY,
     TASK,
+    byte_views,
     recv_exact,
     slot_views,
 )
@@ -55,9 +57,12 @@ def main(argv: list[str]) -> int:
     os.close(shm_fd)
     try:
         ds = open_dataset(cfg["source"])
-        builder = BatchBuilder(
-            ds, parse_augment(cfg["augment"]), cfg["seed"], cfg["locate"], cfg["skip_bad"]
-        )
+        if layout.byte_capacity:  # --decode gpu: files into byte slots, the rank decodes
+            builder = FileBytesReader(ds, cfg["locate"], cfg["skip_bad"])
+        else:
+            builder = BatchBuilder(
+                ds, parse_augment(cfg["augment"]), cfg["seed"], cfg["locate"], cfg["skip_bad"]
+            )
     except Exception as exc:  # reported to the training process, which raises it
         _reply(sock, _error_op(exc), text=_describe(exc))
         return 1
@@ -72,7 +77,10 @@ def main(argv: list[str]) -> int:
             return 0
         indices, labels, images = slot_views(mm, layout, slot, n)
         try:
-            builder.build(indices.copy(), epoch, bool(train), images, labels)
+            if images is None:
+                builder.read(indices.copy(), labels, *byte_views(mm, layout, slot, n))
+            else:
+                builder.build(indices.copy(), epoch, bool(train), images, labels)
         except Exception as exc:
             _reply(sock, _error_op(exc), slot, batch, text=_describe(exc))
             continue

@@ -18,6 +18,7 @@ LABELS = {
     "cuda_aware": "CUDA-aware",
     "gpus": "GPUs",
     "blas": "BLAS",
+    "loader": "loader",
     "stager": "stager",
     "stage_dir": "stage dir",
     "slurm": "Slurm",
@@ -36,11 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="the node-local directory hpcdl.train --stage-dir will get (default: "
         "$HPCDL_STAGE_DIR, else $SLURM_TMPDIR, else $TMPDIR, else /tmp, as the sbatch templates)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="loader workers per rank to check (default: hpcdl.train's for this layout)",
+    )
+    p.add_argument("--prefetch", default="auto", help="batch slots per rank to check: auto or N")
+    p.add_argument(
+        "--batch-size", type=int, default=128, help="samples per batch, for the slots' memory"
+    )
+    p.add_argument(
+        "--sample-shape", default="3,224,224", help="C,H,W of one sample after --augment"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
 
 
-def rank_report(world: Any, stage_dir: str | None) -> dict[str, Any]:
+def rank_report(world: Any, stage_dir: str | None, args: Any = None) -> dict[str, Any]:
     """This rank's facts by category and its problems (as dicts). Collective on the node."""
     facts: dict[str, Any] = {}
     problems: list[dict[str, str]] = []
@@ -53,6 +66,12 @@ def rank_report(world: Any, stage_dir: str | None) -> dict[str, Any]:
     add("cuda_aware", probes.cuda_awareness(world.comm))
     add("gpus", probes.gpus(world.local_rank, world.local_size))
     add("blas", probes.blas(world.node_comm))
+    args = args or build_parser().parse_args([])
+    shape = tuple(int(v) for v in args.sample_shape.split(","))
+    add(
+        "loader",
+        probes.loader(args.workers, args.prefetch, args.batch_size, shape, world.local_size),
+    )
     add("stager", probes.stager())
     add("slurm", probes.slurm(world.size, world.num_nodes, facts["blas"]["cores"]))
     # one rank per node makes and removes the probe files; the others take its answer
@@ -112,6 +131,14 @@ def describe(name: str, v: dict[str, Any]) -> str:
             f"({v['reason']}); "
             f"{v['cores']} core(s) for this rank, {v['node_cores']} on the node; "
             f"{env or 'OMP_NUM_THREADS unset'}"
+        )
+    if name == "loader":
+        how = "auto" if v["slots_default"] else "--prefetch"
+        return (
+            f"{v['workers']} worker(s) per rank, {v['slots']} batch slots ({how}) of "
+            f"{_size(v['slot_bytes'])} (batch {v['batch']} x {'x'.join(map(str, v['shape']))}); "
+            f"{_size(v['shm_free_bytes'])} free in {v['shm_dir']}; --decode gpu on the GPU: "
+            f"{'yes' if v['gpu_decode'] else 'no'} ({v['gpu_decode_reason']})"
         )
     if name == "stager":
         return f"{v['path']} ({v['version']})" if v["path"] else "not found"
@@ -175,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_ERRORS
-    report = rank_report(world, args.stage_dir)
+    report = rank_report(world, args.stage_dir, args)
     reports = world.comm.gather(report, root=0)
     status = None
     if world.is_root:

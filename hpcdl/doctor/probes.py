@@ -1,4 +1,4 @@
-"""Facts one rank can find out about itself: MPI, GPUs, CuPy, BLAS threads, stager, Slurm.
+"""Facts one rank can find out about itself: MPI, GPUs, CuPy, BLAS threads, loader, stager, Slurm.
 
 Each probe returns (facts, problems); facts are small JSON values. Probes never raise for a
 missing piece: a missing piece is a fact, and a problem when training needs it.
@@ -143,6 +143,36 @@ def blas(node_comm: Any) -> Found:
             )
         )
     return facts, problems
+
+
+def loader(workers: int | None, prefetch: str, batch: int, shape: tuple, local_size: int) -> Found:
+    """Loader workers and batch slots per rank, as hpcdl.train would choose them for a batch of
+    `batch` samples of shape (C, H, W) (hpcdl.data.loader NOTE [default slots]); a warning where
+    the slots leave workers idle."""
+    from hpcdl.data.loader import default_slots, default_workers, slot_warning  # noqa: PLC0415
+    from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir  # noqa: PLC0415
+
+    if workers is None:
+        workers = default_workers(ranks_per_node=local_size)
+    one = SlotLayout(1, batch, shape).slot_bytes
+    free = free_bytes(shm_dir())
+    auto = prefetch == "auto"
+    slots = default_slots(workers, one, free, local_size) if auto else int(prefetch)
+    facts = {
+        "workers": workers,
+        "slots": slots,
+        "slots_default": auto,
+        "slot_bytes": one,
+        "batch": batch,
+        "shape": list(shape),
+        "shm_dir": shm_dir(),
+        "shm_free_bytes": free,
+    }
+    from hpcdl.data.gpu_decode import gpu_decode_available  # noqa: PLC0415
+
+    facts["gpu_decode"], facts["gpu_decode_reason"] = gpu_decode_available()
+    warning = slot_warning(workers, slots) if workers else None
+    return facts, [Problem(WARNING, warning.replace("; give", "; fix: give"))] if warning else []
 
 
 def stager() -> Found:

@@ -9,10 +9,11 @@ A batch's images are a torch tensor over the shared-memory slot the loader worke
 next batch, so the images are valid until then, as in hpcdl.train; keep them longer (inputs
 saved for later, a tensor kept across steps) with `.clone()`. The labels (B int64) are copied:
 a script that collects them for epoch metrics needs no clone. With CUDA available (and
-pin_memory left on), each batch is copied once into pinned memory instead (Tensor.pin_memory,
-as DataLoader's pin_memory does): torch's pinned-memory allocator then keeps the block until an
-asynchronous `.to("cuda", non_blocking=True)` from it has finished, so no slot can be
-overwritten under a copy in flight.
+pin_memory left on), each batch is copied once into pinned memory instead, in a thread ahead of
+the script (hpcdl.torch.pinning, NOTE [pinned hand-off]), as DataLoader's pin-memory thread
+does: the slot goes back to the workers once its copy is done, and torch's pinned-memory
+allocator keeps the block until an asynchronous `.to("cuda", non_blocking=True)` from it has
+finished, so pinned batches stay valid as long as the script keeps them.
 
 NOTE [closing the loader]
 Like a Run (NOTE [closing a run] in hpcdl/run.py), the loader owns its resources on one
@@ -53,6 +54,7 @@ from hpcdl.data.dataset import DataError
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.data.pool import LoaderFault
 from hpcdl.staging.ownership import StageDirError
+from hpcdl.torch.pinning import PinnedAhead
 from hpcdl.torch.world import NotInitialised, current_world
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -73,9 +75,14 @@ class Loader:
     data: HDF5 shards or an image folder. epochs: how many the script trains (the stager plans
     the job's reading order ahead). The other options are hpcdl.train's flags of the same name
     (docs/training.md; error messages name those flags): workers (None: a fair share of the
-    node's cores), prefetch (batch slots), seed and shuffle (the sampler: a pure function of
-    seed, epoch, world size and rank), augment, stage_dir (None: read in place), stage_threads,
-    stage_nice, stage_capacity, keep_staged, stage_verify, loader_timeout, skip_bad_samples.
+    node's cores), prefetch (batch slots; None: two per worker within a memory bound,
+    hpcdl.data.loader NOTE [default slots]; the count used is `slots`), seed and shuffle (the
+    sampler: a pure function of seed, epoch, world size and rank), augment, stage_dir (None:
+    read in place), stage_threads, stage_nice, stage_capacity, keep_staged, stage_verify,
+    loader_timeout, skip_bad_samples, decode ("gpu": the workers read the files, this process
+    decodes them, onto the GPU with nvImageCodec where torch has CUDA and CuPy and nvImageCodec
+    are installed: images and labels are then CUDA tensors shared with CuPy through DLPack,
+    each batch a new tensor; hpcdl.data.gpu_decode NOTE [GPU decode]).
     pin_memory: None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
     excepthook handlers inside a `with` block only, True for the loader's life, False never
     (NOTE [process-wide handlers]). Rank and world come from torch.distributed, else MPI,
@@ -89,7 +96,7 @@ class Loader:
         *,
         epochs: int,
         workers: int | None = None,
-        prefetch: int = 4,
+        prefetch: int | None = None,
         seed: int = 0,
         shuffle: str = "global",
         augment: str = "none",
@@ -101,6 +108,7 @@ class Loader:
         stage_verify: bool = False,
         loader_timeout: float = LOADER_TIMEOUT_S,
         skip_bad_samples: bool = False,
+        decode: str = "cpu",
         pin_memory: bool | None = None,
         handle_signals: bool | None = None,
     ) -> None:
@@ -109,11 +117,12 @@ class Loader:
         self._torch = torch
         cfg = TrainConfig(
             data=str(data), batch_size=batch_size, epochs=epochs, workers=workers,
-            prefetch=prefetch, seed=seed, shuffle=shuffle, augment=augment,
+            prefetch="auto" if prefetch is None else str(prefetch), seed=seed, shuffle=shuffle,
+            augment=augment,
             stage_dir=None if stage_dir is None else str(stage_dir),
             stage_threads=stage_threads, stage_nice=str(stage_nice), stage_capacity=stage_capacity,
             keep_staged=keep_staged, stage_verify=stage_verify,
-            loader_timeout=loader_timeout, skip_bad_samples=skip_bad_samples,
+            loader_timeout=loader_timeout, skip_bad_samples=skip_bad_samples, decode=decode,
         )  # fmt: skip
         self.cfg = cfg
         self.pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
@@ -157,7 +166,8 @@ class Loader:
                 dataset, _ = startup.open_datasets(cfg, world)
                 spec = startup.sampler_spec(cfg, world, len(dataset))
                 staging = startup.start_staging(cfg, world, stack, dataset, spec, 0)
-                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging)
+                xp = _decode_xp(self._torch) if cfg.decode == "gpu" else None
+                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging, xp)
                 return dataset, spec.for_rank(world.rank), staging, loader, stack.pop_all()
         except SystemExitWithMessage as exc:  # agreed by every rank; printed once
             raise _start_error(exc.message, world.rank == 0) from None
@@ -176,6 +186,11 @@ class Loader:
     def sample_shape(self) -> tuple[int, int, int]:
         """(C, H, W) of the images it yields, after augment: the model's input shape."""
         return self._loader.sample_shape
+
+    @property
+    def slots(self) -> int:
+        """Shared-memory batch slots of this rank (0 with workers=0)."""
+        return self._loader.slots
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (every rank the same; last partial batch dropped)."""
@@ -226,21 +241,24 @@ class Loader:
     # ------------------------------------------------------------------ internals
 
     def _batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
-        from_numpy = self._torch.from_numpy
         order = self.sampler.batches(epoch, self.cfg.batch_size)
         host = self._loader.iterate(order, epoch, train=True)
+        if self.cfg.decode == "gpu":  # decoded on the device (or in this process): no copy
+            batches = (_as_tensors(self._torch, x, y) for x, y in host)
+        elif self.pin:  # copied into pinned memory in a thread (NOTE [slot lifetime])
+            batches = iter(PinnedAhead(host, self._torch))
+        else:
+            # images: a view of the slot, no copy; labels: B int64, copied, so that the
+            # common `targets.append(y)` for epoch metrics stays right
+            batches = ((self._torch.from_numpy(x), self._torch.tensor(y)) for x, y in host)
         try:
-            for step, (images, labels) in enumerate(host, 1):
-                # images: a view of the slot, no copy; labels: B int64, copied, so that the
-                # common `targets.append(y)` for epoch metrics stays right
-                x, y = from_numpy(images), self._torch.tensor(labels)
-                if self.pin:
-                    x, y = x.pin_memory(), y.pin_memory()
+            for step, (x, y) in enumerate(batches, 1):
                 yield x, y
                 # The script asked for the next batch: it is done with this one.
                 if self.staging is not None:
                     self.staging.consumed(epoch, step)  # the stager may evict behind it
         finally:
+            batches.close()
             host.close()
 
     def _leave(self, exc_type: Any) -> None:
@@ -286,6 +304,27 @@ class Loader:
         self._leaving = True
         messages.say("stopped by signal SIGTERM", rank=self.world.rank)
         raise SystemExit(EXIT_SIGTERM)
+
+
+def _decode_xp(torch: Any) -> Any:
+    """The array module decode="gpu" decodes onto: CuPy on torch's current GPU, else NumPy."""
+    import numpy as np  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        return np
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        return np
+    cupy.cuda.Device(torch.cuda.current_device()).use()
+    return cupy
+
+
+def _as_tensors(torch: Any, images: Any, labels: Any) -> tuple[Any, Any]:
+    """torch tensors over decode="gpu"'s arrays: DLPack for CuPy (no copy), else from_numpy."""
+    if hasattr(images, "__cuda_array_interface__"):
+        return torch.from_dlpack(images), torch.from_dlpack(labels)
+    return torch.from_numpy(images), torch.from_numpy(labels)
 
 
 def _ignore_interrupts() -> dict[int, Any]:

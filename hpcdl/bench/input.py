@@ -1,0 +1,289 @@
+"""`python -m hpcdl.bench input`: does the input pipeline keep a training step fed?
+
+    python -m hpcdl.bench input [--device gpu|cpu] [--data DIR | --make-jpegs N] [--workers 8,15]
+                                [--batch-size B] [--steps 40] [--warmup 5] [--model M] [--json F]
+
+One run times the same step (`--model`) fed four ways, on the same JPEG folder and augmentation
+(`--augment`, default rrc224+flip): `none` (one batch kept on the device: the step's own rate),
+torch's `dataloader` (pin_memory where CUDA is, persistent workers, prefetch_factor 2 and 4; each
+sample built by hpcdl's own per-sample code, so the decode work is the same), and
+`hpcdl.torch.Loader` with default slots, decode `cpu` (`hpcdl`) and `gpu` (`hpcdl-gpu`: the
+workers read bytes, the script's process decodes: nvImageCodec on a GPU, Pillow on the CPU).
+Per row: images/s over `--steps` steps after `--warmup`, and the data-wait share: the time the
+script spent inside next() over the timed wall time. A GPU step is not synchronised per step (as
+in a real script), so a wait there is host time while the GPU still has queued work.
+
+Models: resnet50 (torchvision's, hpcdl.bench.torch_models; bf16 autocast and channels_last on a
+GPU), linear (one dense layer: next to nothing), or sleep:MS (the host waits MS milliseconds
+without using a core, like a queued GPU step: the CPU stand-in for a fast GPU, and the default
+with --device cpu). `--json F` appends one JSON line per row (docs/PERFORMANCE.md, issue 48).
+Needs torch (the bench extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl.bench.loader import make_jpegs
+from hpcdl.helpformat import HelpFormatter
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.bench input",
+        description=__doc__.split("\n")[0].split(": ", 1)[1],
+        formatter_class=HelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where the step runs")
+    p.add_argument("--data", help="JPEG folder root/<class>/<file> (default: a temporary one)")
+    p.add_argument("--make-jpegs", type=int, default=512, help="JPEGs to write without --data")
+    p.add_argument("--image-size", type=int, default=320, help="side of the JPEGs it writes")
+    p.add_argument("--workers", default="2", help="loader workers per row, comma-separated")
+    p.add_argument("--batch-size", type=int, default=32, help="images per step")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per row")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    p.add_argument("--augment", default="rrc224+flip", help="hpcdl --augment spec")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="resnet50, linear, or sleep:MS (default: resnet50 on gpu, sleep:20 on cpu)",
+    )
+    p.add_argument(
+        "--rows",
+        default="none,dataloader,hpcdl,hpcdl-gpu",
+        help="which rows to time, comma-separated (hpcdl-gpu: --decode gpu; with --device gpu "
+        "only where nvImageCodec is available, with --device cpu the rank decodes with Pillow)",
+    )
+    p.add_argument(
+        "--prefetch", type=int, help="batch slots of the hpcdl rows (default: hpcdl's default)"
+    )
+    p.add_argument("--json", help="append one JSON line per row to this file")
+    return p
+
+
+# ------------------------------------------------------------------ the step
+
+
+def make_step(model: str, device: str, batch: int, shape: tuple[int, int, int]):
+    """(step(images, labels), name, precision, torch device string). The step only queues work
+    on a GPU; sleep:MS waits on the host without a core."""
+    import torch  # noqa: PLC0415
+
+    dev = "cuda" if device == "gpu" else "cpu"
+    if model.startswith("sleep:"):
+        seconds = float(model.split(":", 1)[1]) / 1000
+
+        def sleep_step(images, labels) -> None:
+            time.sleep(seconds)
+
+        return sleep_step, model, "none", dev
+    if model not in ("resnet50", "linear"):
+        raise SystemExit(f"--model must be resnet50, linear or sleep:MS, got {model!r}")
+    if model == "resnet50":
+        from hpcdl.bench.torch_models import resnet  # noqa: PLC0415
+
+        net = resnet("resnet50", 1000)
+    else:
+        net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(shape)), 1000))
+    gpu = dev == "cuda"
+    net = net.to(dev, memory_format=torch.channels_last) if gpu else net.to(dev)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    precision = "bf16" if gpu else "fp32"
+
+    def step(images, labels) -> None:
+        x = images.to(dev, non_blocking=True)
+        y = labels.to(dev, non_blocking=True)
+        if gpu:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=gpu):
+            loss = loss_fn(net(x), y % 1000)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step, model, precision, dev
+
+
+def timed_steps(batches: Iterable, step: Callable, warmup: int, steps: int, sync) -> dict:
+    """Run warmup + steps steps; images/s and the share of the timed wall time spent in next()."""
+    it = iter(batches)
+    for _ in range(warmup):
+        step(*next(it))
+    sync()
+    waited, images = 0.0, 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        w0 = time.perf_counter()
+        x, y = next(it)
+        waited += time.perf_counter() - w0
+        step(x, y)
+        images += len(y)
+    sync()
+    wall = time.perf_counter() - t0
+    return {"images_per_s": images / wall, "data_wait_share": waited / wall}
+
+
+# ------------------------------------------------------------------ the feeds
+
+
+def _epochs(make_epoch: Callable[[int], Iterable]):
+    """Batches from epoch 0, 1, ... without end (a row may need more than one pass)."""
+    epoch = 0
+    while True:
+        yield from make_epoch(epoch)
+        epoch += 1
+
+
+def dataloader_feed(data: str, batch: int, workers: int, factor: int, augment: str, pin: bool):
+    """torch DataLoader over hpcdl's sample order, each sample built by hpcdl's BatchBuilder."""
+    import torch  # noqa: PLC0415
+    from torch.utils.data import DataLoader, Dataset  # noqa: PLC0415
+
+    from hpcdl.data import open_dataset  # noqa: PLC0415
+    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
+    from hpcdl.data.batch import BatchBuilder, output_shape  # noqa: PLC0415
+    from hpcdl.data.sampler import DistributedSampler  # noqa: PLC0415
+
+    ds = open_dataset(data)
+    aug = parse_augment(augment)
+    shape = output_shape(ds, aug)
+
+    class Samples(Dataset):
+        builder = None
+
+        def __len__(self) -> int:
+            return len(ds)
+
+        def __getitem__(self, key):
+            epoch, i = key
+            if Samples.builder is None:  # one per worker process, built there
+                Samples.builder = BatchBuilder(ds, aug, 0)
+            x, y = np.empty((1, *shape), np.float32), np.empty(1, np.int64)
+            Samples.builder.build(np.array([i]), epoch, True, x, y)
+            return torch.from_numpy(x[0]), int(y[0])
+
+    class Order:
+        def __iter__(self):
+            epoch = 0
+            while True:
+                for b in DistributedSampler(len(ds), seed=0).batches(epoch, batch):
+                    yield [(epoch, int(i)) for i in b]
+                epoch += 1
+
+    loader = DataLoader(
+        Samples(),
+        batch_sampler=Order(),
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=True,
+        prefetch_factor=factor,
+    )
+    return loader, shape
+
+
+def hpcdl_feed(
+    data: str, batch: int, workers: int, augment: str, prefetch: int | None, decode: str
+):
+    """hpcdl.torch.Loader (prefetch None: its default slots); (loader, batches without end)."""
+    from hpcdl.torch import Loader  # noqa: PLC0415
+
+    loader = Loader(
+        data, batch, epochs=1000, workers=workers, augment=augment, prefetch=prefetch,
+        decode=decode, handle_signals=False,
+    )  # fmt: skip
+
+    def epoch(e: int):
+        loader.set_epoch(e)
+        return loader
+
+    return loader, _epochs(epoch)
+
+
+# ------------------------------------------------------------------ the rows
+
+
+def rows(args, data: str) -> list[dict[str, Any]]:
+    """Time each requested row; one dict per row with the issue's JSON fields."""
+    import torch  # noqa: PLC0415
+
+    from hpcdl.data.gpu_decode import gpu_decode_available  # noqa: PLC0415
+
+    wanted = set(args.rows.split(","))
+    model = args.model or ("resnet50" if args.device == "gpu" else "sleep:20")
+    gpu = args.device == "gpu"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("--device gpu: torch sees no CUDA device")
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    out: list[dict[str, Any]] = []
+    shape: tuple[int, int, int] | None = None
+
+    def record(loader: str, decode: str, workers, slots, default: bool, timing: dict) -> None:
+        row = dict(loader=loader, decode=decode, workers=workers, slots=slots,
+                   slots_default=default, batch=args.batch_size, model=name,
+                   precision=precision, device=device_name, **timing)  # fmt: skip
+        out.append(row)
+        print(
+            f"{loader:10} decode {decode:4} workers {workers!s:>3} slots {slots!s:>4}: "
+            f"{row['images_per_s']:9.1f} images/s, data wait {100 * row['data_wait_share']:5.1f} %",
+            flush=True,
+        )
+
+    for workers in (int(w) for w in args.workers.split(",")):
+        dl, shape = dataloader_feed(data, args.batch_size, max(workers, 1), 2, args.augment, gpu)
+        step, name, precision, dev = make_step(model, args.device, args.batch_size, shape)
+        device_name = torch.cuda.get_device_name() if gpu else "cpu"
+        if "none" in wanted and not any(r["loader"] == "none" for r in out):
+            x, y = next(iter(dl))
+            x, y = x.to(dev), y.to(dev)
+            record("none", "-", None, None, False,
+                   timed_steps(_repeat(x, y), step, args.warmup, args.steps, sync))  # fmt: skip
+        if "dataloader" in wanted:
+            for factor in (2, 4):
+                if factor != 2:
+                    dl, _ = dataloader_feed(
+                        data, args.batch_size, workers, factor, args.augment, gpu
+                    )
+                timing = timed_steps(dl, step, args.warmup, args.steps, sync)
+                record("dataloader", "cpu", workers, factor * workers, False, timing)
+                del dl
+        for decode, row in (("cpu", "hpcdl"), ("gpu", "hpcdl-gpu")):
+            if row not in wanted or (decode == "gpu" and gpu and not gpu_decode_available()[0]):
+                continue
+            loader, batches = hpcdl_feed(
+                data, args.batch_size, workers, args.augment, args.prefetch, decode
+            )
+            with loader:
+                timing = timed_steps(batches, step, args.warmup, args.steps, sync)
+                default = args.prefetch is None
+                record("hpcdl", decode, workers, loader.slots, default, timing)
+    return out
+
+
+def _repeat(x, y):
+    while True:
+        yield x, y
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hpcdl-bench-input-") as tmp:
+        data = args.data
+        if data is None:
+            data = str(Path(tmp) / "jpegs")
+            make_jpegs(Path(data), args.make_jpegs, size=args.image_size)
+        out = rows(args, data)
+    if args.json:
+        with open(args.json, "a") as f:
+            for row in out:
+                f.write(json.dumps(row) + "\n")
+    return 0
