@@ -434,7 +434,11 @@ def step_parts(
     reducer = None
     if world.size > 1 and cfg.params_sync_every == 0:
         reducer = GradientReducer(
-            world.comm, model.grads, cfg.bucket_mb, host_staged=host_staged, prescaled=True
+            world.comm,
+            model.grads_and_flags,
+            cfg.bucket_mb,
+            host_staged=host_staged,
+            prescaled=True,
         )
         own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
 
@@ -463,8 +467,8 @@ def loss_scaler(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
     warnings.filterwarnings(
         "ignore", message="(overflow|invalid value) encountered", category=RuntimeWarning
     )
-    any_rank = None
-    if world.size > 1:
+    any_rank = None  # the gradient allreduce carries the overflow flag, but not with params:K
+    if world.size > 1 and cfg.params_sync_every:
         any_rank = collectives.AnyRank(world.comm)
         own(stack, any_rank.close, None)
     return nn.precision.LossScaler(any_rank)
