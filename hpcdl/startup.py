@@ -330,6 +330,8 @@ def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_sta
     from hpcdl import nn  # noqa: PLC0415
 
     model, error = None, None
+    if cfg.gpu_kernels:
+        nn.kernels.enable(True)
     try:
         model = nn.build_model(
             cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp

@@ -25,6 +25,8 @@ from hpcdl.nn.step import StepParts, train_step
 def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
     """(step parts, images, labels): the model with SGD momentum and a fixed random batch."""
     xp = backend.select(args.device)
+    if getattr(args, "gpu_kernels", False):
+        nn.kernels.enable(True)
     model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
     model.set_precision(args.precision)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)

@@ -21,6 +21,7 @@ import numpy as np
 
 from hpcdl.backend import array_module
 from hpcdl.nn.init import check_initialiser
+from hpcdl.nn.kernels import Seam
 from hpcdl.nn.threads import run_split
 
 Ready = Callable[[int], None] | None
@@ -203,11 +204,14 @@ class Dropout(Layer):
         self.rate = p
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.mask = None
+        self.seam = Seam("dropout")  # fast kernels come first (hpcdl.nn.kernels)
 
     def forward(self, x, train=True):
         if not train or self.rate == 0.0:
             self.mask = None
             return x
+        if self.seam.take(self, x):
+            return self.seam.kernel.forward(self, x, train)
         xp = array_module(x)
         seed = int(self.rng.integers(2**63))
         u = xp.random.default_rng(seed).random(x.shape, dtype=xp.float32)
@@ -224,6 +228,8 @@ class Dropout(Layer):
         return y
 
     def backward(self, dy, ready=None):
+        if self.seam.kernel is not None:
+            return self.seam.kernel.backward(self, dy)
         return dy if self.mask is None else split_multiply(dy, self.mask)
 
 
@@ -256,6 +262,7 @@ class MaxPool2d(Layer):
                 f"{self.kh}x{self.kw}"
             )
         self.tiled = (self.sh, self.sw) == (self.kh, self.kw)
+        self.seam = Seam("pool")  # fast kernels come first (hpcdl.nn.kernels)
 
     def _out_hw(self, x_shape) -> tuple[int, int]:
         _, h, w, _ = x_shape
@@ -278,6 +285,8 @@ class MaxPool2d(Layer):
                 yield (slice(None), rows, cols)
 
     def forward(self, x, train=True):
+        if self.seam.take(self, x):
+            return self.seam.kernel.forward(self, x, train)
         xp = array_module(x)
         self.x_shape = x.shape
         x = self._padded(xp, x)
@@ -298,6 +307,8 @@ class MaxPool2d(Layer):
         return y
 
     def backward(self, dy, ready=None):
+        if self.seam.kernel is not None:
+            return self.seam.kernel.backward(self, dy)
         xp = array_module(dy)
         x, y = self.x, self.y
         ho, wo = y.shape[1:3]
