@@ -22,7 +22,7 @@ import numpy as np
 from hpcdl.backend import array_module
 from hpcdl.nn.init import check_initialiser
 from hpcdl.nn.kernels import Seam
-from hpcdl.nn.threads import run_split
+from hpcdl.nn.threads import run_split, split_multiply
 
 Ready = Callable[[int], None] | None
 
@@ -354,16 +354,3 @@ class GlobalAvgPool(Layer):
 
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
-def split_multiply(a: Any, b: Any) -> Any:
-    """a * b in a new array of a's dtype, split over the compute threads by the first axis."""
-    xp = array_module(a)
-    out = xp.empty(a.shape, dtype=a.dtype)
-
-    def multiply(first: int, count: int, part: int) -> None:
-        rows = slice(first, first + count)
-        xp.multiply(a[rows], b[rows], out=out[rows], dtype=a.dtype)
-
-    run_split(len(a), multiply, a)
-    return out
