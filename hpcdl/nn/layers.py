@@ -59,6 +59,9 @@ class Layer:
     # True when output and input gradient hold only values of the input and output gradient
     # (ReLU, Flatten): reduced precision (hpcdl.nn.precision) needs no rounding after it.
     keeps_precision = False
+    # The --precision whose values the layer computes on (Model.set_precision): a fast kernel
+    # may then run on arrays of that format (hpcdl.nn.dtypes).
+    precision = "fp32"
 
     def __init__(self) -> None:
         self.p: dict[str, Any] = {}  # name -> view into model.params

@@ -97,6 +97,8 @@ class Model:
             )
         self.precision, self._round = precision, rounding(precision)
         self.params = self._compute_params.copy()  # the float32 master the optimizer updates
+        for leaf in self.body.leaves():  # a fast kernel may take the format's arrays
+            leaf.precision = precision
         for layer in _containers(self.body):
             if isinstance(layer, Sequential):
                 layer.rounding = self._round
