@@ -29,6 +29,7 @@ from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.nn.step import StepParts
+from hpcdl.nn.step_graph import StepGraph
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 
@@ -447,7 +448,8 @@ def step_parts(
     def average_params() -> None:
         collectives.allreduce_mean(world.comm, model.params, host_staged)
 
-    return StepParts(model, optimizer, xp, reducer, average_params, scaler)
+    graph = StepGraph() if cfg.gpu_kernels else None  # NOTE [step graphs]
+    return StepParts(model, optimizer, xp, reducer, average_params, scaler, graph=graph)
 
 
 def precision_line(precision: str) -> str:

@@ -70,6 +70,7 @@ class StepParts:
     scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler; None: no loss scaling
     # (logits (B, K), labels (B,)) -> (mean loss, dlogits (B, K)); a profiler gives a timed one
     loss: Callable[[Any, Any], tuple[Any, Any]] = softmax_cross_entropy
+    graph: Any = None  # --gpu-kernels: hpcdl.nn.step_graph.StepGraph replays forward + backward
 
 
 @dataclass
@@ -101,6 +102,44 @@ def train_step(
     t0 = time.perf_counter()
     start = t0 if waited_since is None else waited_since
     model, reducer, xp = parts.model, parts.reducer, parts.xp
+    if parts.graph is not None and parts.graph.takes(parts, images):
+        loss, logits = parts.graph.replay(images, labels)  # forward and backward: one launch
+        tf = t0
+    else:
+        loss, logits, tf = forward_backward(parts, images, labels)
+    if timed:
+        synchronize(xp)
+    t1 = time.perf_counter()
+    diag.record(diag.Kind.BACKWARD, tf, t1)
+    if reducer:
+        diag.RECORDER.enter(diag.Kind.COMM_WAIT, t1)  # the stall inspector sees this wait
+        reducer.wait()  # gradients (and flags, when it carries them) are now summed over ranks
+    t2 = time.perf_counter()
+    diag.record(diag.Kind.COMM_WAIT, t1, t2)
+    agreed = reducer is not None and reducer.grads.size > model.grads.size
+    applied, flags = True, model.step_flags
+    if parts.scaler:
+        applied = parts.scaler.unscale(model.grads, flags[FLAG_OVERFLOW], agreed)
+    if applied:
+        parts.optimizer.step(lr)
+    if mix_params:
+        parts.average_params()
+    if timed:
+        synchronize(xp)
+    t3 = time.perf_counter()
+    diag.record(diag.Kind.OPTIMIZER, t2, t3)
+    times = StepTimes(
+        t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
+    )
+    times.t_step = t3 - start
+    return StepResult(loss, logits, times, applied, flags[FLAG_LOSS].copy())
+
+
+def forward_backward(parts: StepParts, images: Any, labels: Any) -> tuple[Any, Any, float]:
+    """Forward, loss, the step's flags and backward (handing buckets to the reducer); returns
+    (loss, logits, perf_counter() once forward was launched). What a CUDA graph captures."""
+    t0 = time.perf_counter()
+    model, reducer, xp = parts.model, parts.reducer, parts.xp
     logits = model.forward(images, train=True)
     loss, dlogits = parts.loss(logits, labels)
     flags = model.step_flags
@@ -118,32 +157,7 @@ def train_step(
     model.backward(dlogits, grad_ready=ready or (reducer.mark_ready if reducer else None))
     if ready:
         ready.finish()
-    if timed:
-        synchronize(xp)
-    t1 = time.perf_counter()
-    diag.record(diag.Kind.BACKWARD, tf, t1)
-    if reducer:
-        diag.RECORDER.enter(diag.Kind.COMM_WAIT, t1)  # the stall inspector sees this wait
-        reducer.wait()  # gradients (and flags, when it carries them) are now summed over ranks
-    t2 = time.perf_counter()
-    diag.record(diag.Kind.COMM_WAIT, t1, t2)
-    agreed = reducer is not None and reducer.grads.size > model.grads.size
-    applied = True
-    if parts.scaler:
-        applied = parts.scaler.unscale(model.grads, flags[FLAG_OVERFLOW], agreed)
-    if applied:
-        parts.optimizer.step(lr)
-    if mix_params:
-        parts.average_params()
-    if timed:
-        synchronize(xp)
-    t3 = time.perf_counter()
-    diag.record(diag.Kind.OPTIMIZER, t2, t3)
-    times = StepTimes(
-        t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
-    )
-    times.t_step = t3 - start
-    return StepResult(loss, logits, times, applied, flags[FLAG_LOSS].copy())
+    return loss, logits, tf
 
 
 class OverflowCheck:
