@@ -11,9 +11,9 @@ from hpcdl.nn.step import StepParts, train_step
 from hpcdl.nn.step_graph import StepGraph
 
 
-def parts_of(model_name="resnet20", xp=np, graph=None, **kw):
+def parts_of(model_name="resnet20", xp=np, graph=None, optimizer="sgd", **kw):
     model = nn.build_model(model_name, (3, 8, 8), 10, seed=2, xp=xp)
-    opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+    opt = nn.make_optimizer(optimizer, model.params, model.grads, weight_decay=1e-4)
     return StepParts(model, opt, xp, graph=graph, **kw)
 
 
@@ -65,12 +65,15 @@ def test_a_failed_capture_falls_back_to_plain_steps_said_once(monkeypatch, capsy
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
-def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu():
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])  # SGD's update in the graph, Adam's after
+def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(optimizer):
     cp = cupy_or_none()
-    graphed, plain = parts_of(xp=cp, graph=StepGraph()), parts_of(xp=cp)
+    graphed = parts_of(xp=cp, graph=StepGraph(), optimizer=optimizer)
+    plain = parts_of(xp=cp, optimizer=optimizer)
     for seed in range(4):
         x, y = batch(cp, seed)
-        a, b = train_step(graphed, x, y, 0.05), train_step(plain, x, y, 0.05)
+        lr = 0.05 / (seed + 1)  # a schedule: the graph reads each step's lr
+        a, b = train_step(graphed, x, y, lr), train_step(plain, x, y, lr)
         np.testing.assert_allclose(float(a.loss), float(b.loss), rtol=1e-6)
     assert graphed.graph.graph is not None, "the step was not captured"
     np.testing.assert_allclose(

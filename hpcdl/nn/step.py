@@ -102,8 +102,9 @@ def train_step(
     t0 = time.perf_counter()
     start = t0 if waited_since is None else waited_since
     model, reducer, xp = parts.model, parts.reducer, parts.xp
+    updated = False  # the graph's replay applied the update too
     if parts.graph is not None and parts.graph.takes(parts, images):
-        loss, logits = parts.graph.replay(images, labels)  # forward and backward: one launch
+        loss, logits, updated = parts.graph.replay(images, labels, lr)  # the step: one launch
         tf = t0
     else:
         loss, logits, tf = forward_backward(parts, images, labels)
@@ -120,7 +121,7 @@ def train_step(
     applied, flags = True, model.step_flags
     if parts.scaler:
         applied = parts.scaler.unscale(model.grads, flags[FLAG_OVERFLOW], agreed)
-    if applied:
+    if applied and not updated:
         parts.optimizer.step(lr)
     if mix_params:
         parts.average_params()

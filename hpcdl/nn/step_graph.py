@@ -1,5 +1,5 @@
-"""StepGraph: forward, loss and backward of a training step captured once as a CUDA graph and
-replayed, one launch instead of hundreds (--gpu-kernels, on CuPy).
+"""StepGraph: forward, loss, backward and (SGD) the update of a training step captured once as a
+CUDA graph and replayed, one launch instead of hundreds (--gpu-kernels, on CuPy).
 
 NOTE [step graphs]
 A graph replays the kernels that capture recorded, with the arguments they had, on the same
@@ -15,7 +15,9 @@ memory. So:
   backward kernels, and its allreduce is MPI on a helper thread; capture per bucket segment is
   the way there), fp16's loss scaler (the host decides whether the update runs), and dropout
   (its seed is drawn on the host per mask and would repeat);
-- the optimizer's update runs after the replay, plainly: its learning rate changes per step.
+- the optimizer's update is in the graph for SGD, whose learning rate the graph reads from a
+  device scalar filled before each replay (a float32, as the plain step's scalar becomes);
+  Adam's bias correction counts steps on the host, so its update runs after the replay.
 A capture that fails for any other reason also falls back, said once.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 from hpcdl.backend import array_module, is_device_array
 from hpcdl.nn.kernels import say_once
 from hpcdl.nn.layers import Dropout
+from hpcdl.nn.optim import SGD
 from hpcdl.nn.step import forward_backward
 
 NOT_ON_A_GPU = "not on a GPU"
@@ -39,6 +42,9 @@ class StepGraph:
         self.graph: Any = None
         self.failed = False  # capture raised: plain steps from now on
         self._static: tuple[Any, Any] = (None, None)  # (images, labels) the graph reads
+        self._lr: Any = (
+            None  # float32 0-d device array the graph's SGD update reads; None: no update
+        )
         self._out: tuple[Any, Any] = (None, None)  # (loss, logits) the graph writes
         self._pool: Any = None  # the graph's own memory pool (NOTE [step graphs])
         self._stream: Any = None
@@ -72,14 +78,17 @@ class StepGraph:
             self._capture(parts, images)
         return self.graph is not None
 
-    def replay(self, images: Any, labels: Any) -> tuple[Any, Any]:
-        """Copy the batch in, launch the graph; (loss, logits) as the graph wrote them."""
+    def replay(self, images: Any, labels: Any, lr: float) -> tuple[Any, Any, bool]:
+        """Copy the batch (and lr) in, launch the graph; (loss, logits) as the graph wrote them,
+        and whether the graph also applied the optimizer's update."""
         static_x, static_y = self._static
         static_x[...] = images
         static_y[...] = labels
+        if self._lr is not None:
+            self._lr.fill(lr)
         self.graph.launch(stream=self._stream)
         self._stream_waits()
-        return self._out
+        return (*self._out, self._lr is not None)
 
     def _capture(self, parts: Any, images: Any) -> None:
         cp = array_module(images)
@@ -91,13 +100,17 @@ class StepGraph:
             self._stream.wait_event(cp.cuda.get_current_stream().record())
             with self._stream, cp.cuda.using_allocator(self._pool.malloc):
                 forward_backward(parts, *self._static)  # warm-up: workspaces and plans
+                if isinstance(parts.optimizer, SGD):
+                    self._lr = cp.zeros((), cp.float32)
                 self._stream.begin_capture()
                 loss, logits, _ = forward_backward(parts, *self._static)
+                if self._lr is not None:
+                    parts.optimizer.step(self._lr)
                 self.graph = self._stream.end_capture()
             self._out, self.shape = (loss, logits), tuple(images.shape)
             parts.model.buffers[...] = buffers
         except Exception as exc:  # noqa: BLE001 - any failure: plain launches, said once
-            self.failed, self.graph = True, None
+            self.failed, self.graph, self._lr = True, None, None
             say_once("step-graph-capture", f"CUDA graph of the step off: capture failed ({exc})")
 
     def _stream_waits(self) -> None:
