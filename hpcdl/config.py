@@ -64,6 +64,7 @@ class TrainConfig:
     decay_bias_norm: bool = True  # False: no weight decay on biases and BatchNorm parameters
     sync_bn: bool = False  # BatchNorm statistics over all ranks (SyncBatchNorm)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (hpcdl.nn.precision)
+    gpu_kernels: bool = False  # opt-in fast kernels (hpcdl.nn.kernels), until a GPU run
     device: str = "cpu"
     seed: int = 0
     shuffle: str = "global"
@@ -176,6 +177,9 @@ _HELP = {
     "float32 master weights, fp16 with dynamic loss scaling (an overflow skips the step on every "
     "rank). The arrays stay float32: this gives the format's accuracy, not its speed "
     "(docs/precision.md)",
+    "gpu_kernels": "opt in to the fast kernels of hpcdl.nn.kernels (counter-based dropout; on a "
+    "GPU, cuDNN graphs) before a recorded GPU run makes them the default (default: off; "
+    "HPCDL_GPU_KERNELS=1 does the same)",
     "device": "cpu (NumPy) or gpu (CuPy; one GPU per rank, local rank modulo visible GPUs)",
     "seed": "seed of initialisation, shuffling and augmentation",
     "shuffle": "global: one permutation over all ranks per epoch; node: samples stay on their "

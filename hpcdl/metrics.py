@@ -23,19 +23,25 @@ STEP_PARTS = ("t_data", "t_compute", "t_comm_exposed", "t_update", "t_step")
 
 @dataclass
 class RunningMean:
-    """Sums of step parts and loss/accuracy over an epoch or a run."""
+    """Sums of step parts and loss/accuracy over an epoch or a run.
+
+    loss_sum and correct may be 0-d device arrays (NOTE [device scalars] in
+    hpcdl/nn/loss_watch.py): adding to them stays on the device; `loss` and `acc` read them."""
 
     steps: int = 0
     samples: int = 0
-    loss_sum: float = 0.0
-    correct: int = 0
+    loss_sum: Any = 0.0  # float64 sum
+    correct: Any = 0
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
 
-    def add(self, times: StepTimes, loss: float, correct: int, samples: int) -> None:
+    def add(self, times: StepTimes, loss: Any, correct: Any, samples: int) -> None:
         self.steps += 1
         self.samples += samples
-        self.loss_sum += loss
-        self.correct += correct
+        # float64 as a Python float would sum it: a float32 loss must not narrow the sum
+        self.loss_sum = self.loss_sum + (
+            loss.astype("float64") if hasattr(loss, "astype") else loss
+        )
+        self.correct = self.correct + correct
         for name in STEP_PARTS:
             self.parts[name] += getattr(times, name)
 
@@ -44,11 +50,11 @@ class RunningMean:
 
     @property
     def loss(self) -> float:
-        return self.loss_sum / max(1, self.steps)
+        return float(self.loss_sum) / max(1, self.steps)
 
     @property
     def acc(self) -> float:
-        return self.correct / max(1, self.samples)
+        return int(self.correct) / max(1, self.samples)
 
 
 class MetricsError(UserError):
@@ -206,9 +212,11 @@ class Progress:
         width = len(str(self.steps))
         return f"{done:>{width}}/{self.steps} [{bar:<{self.WIDTH}}]"
 
-    def update(self, done: int, loss: float, acc: float) -> None:
+    def update(self, done: int, stats: RunningMean) -> None:
+        """Redraw the bar after `done` steps; reads stats' loss and accuracy only when live."""
         if not self.live:
             return
+        loss, acc = stats.loss, stats.acc
         elapsed = time.perf_counter() - self._epoch_start
         eta = elapsed / max(1, done) * (self.steps - done)
         self.stream.write(

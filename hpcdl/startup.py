@@ -26,6 +26,7 @@ from hpcdl.data.dataset import DataError, index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.nn.step import StepParts
+from hpcdl.nn.step_graph import StepGraph
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 from hpcdl.startup_checks import check_outputs, check_stage_dir, verify_same_run
@@ -346,6 +347,8 @@ def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_sta
     from hpcdl import nn  # noqa: PLC0415
 
     model, error = None, None
+    if cfg.gpu_kernels:
+        nn.kernels.enable(True)
     try:
         model = nn.build_model(
             cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
@@ -450,14 +453,19 @@ def step_parts(
     reducer = None
     if world.size > 1 and cfg.params_sync_every == 0:
         reducer = GradientReducer(
-            world.comm, model.grads, cfg.bucket_mb, host_staged=host_staged, prescaled=True
+            world.comm,
+            model.grads_and_flags,
+            cfg.bucket_mb,
+            host_staged=host_staged,
+            prescaled=True,
         )
         own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
 
     def average_params() -> None:
         collectives.allreduce_mean(world.comm, model.params, host_staged)
 
-    return StepParts(model, optimizer, xp, reducer, average_params, scaler)
+    graph = StepGraph() if cfg.gpu_kernels else None  # NOTE [step graphs]
+    return StepParts(model, optimizer, xp, reducer, average_params, scaler, graph=graph)
 
 
 def precision_line(precision: str) -> str:
@@ -479,8 +487,8 @@ def loss_scaler(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
     warnings.filterwarnings(
         "ignore", message="(overflow|invalid value) encountered", category=RuntimeWarning
     )
-    any_rank = None
-    if world.size > 1:
+    any_rank = None  # the gradient allreduce carries the overflow flag, but not with params:K
+    if world.size > 1 and cfg.params_sync_every:
         any_rank = collectives.AnyRank(world.comm)
         own(stack, any_rank.close, None)
     return nn.precision.LossScaler(any_rank)

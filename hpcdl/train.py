@@ -9,7 +9,6 @@ rank runs this file; rank 0 prints and writes metrics.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import MetricsWriter, RunningMean
+from hpcdl.nn.loss_watch import LossWatch
 from hpcdl.nn.step import StepResult, train_step
 from hpcdl.run import Position, Run
 
@@ -75,7 +75,7 @@ def record_finished(cfg: TrainConfig, line: str) -> None:
 def train(cfg: TrainConfig, world: World) -> int:
     """The loop. Every rank runs it; rank 0 prints and writes metrics. Returns the exit status."""
     with startup.start_run(cfg, world) as run:  # closes every resource, however the run ends
-        totals, history = RunningMean(), {}
+        totals, history, watch = RunningMean(), {}, LossWatch(run.xp)
         global_step, stopped_by, checkpoint_path = run.start.global_step, None, None
         run_start = time.perf_counter()
         for epoch in range(run.start.epoch, cfg.epochs):
@@ -88,24 +88,31 @@ def train(cfg: TrainConfig, world: World) -> int:
                 diag.begin_step(global_step)  # what the timeline and the stall inspector show
                 lr = run.schedule(global_step)
                 mix = bool(cfg.params_sync_every) and (global_step + 1) % cfg.params_sync_every == 0
-                result = train_step(run.step_parts, images, labels, lr, mix, waited_since=t_wait)
-                stop_if_loss_not_finite(world, result.loss, global_step, epoch)
+                logged = (global_step + 1) % cfg.metrics_every == 0
+                result = train_step(
+                    run.step_parts, images, labels, lr, mix, waited_since=t_wait, timed=logged
+                )
+                # loss, flag and count stay on the device (NOTE [device scalars])
+                watch.note(result.nonfinite_ranks, result.loss, global_step, epoch)
                 correct = nn.accuracy_count(result.logits, labels)
                 for stats in (epoch_stats, totals):
                     stats.add(result.times, result.loss, correct, len(labels))
                 step, global_step = step + 1, global_step + 1
                 run.consumed(epoch, step)  # with staging: the stager may evict what is behind
-                run.progress.update(step, epoch_stats.loss, epoch_stats.acc)
-                if global_step % cfg.metrics_every == 0:
-                    log_step(run, global_step, epoch, result, lr)
+                run.progress.update(step, epoch_stats)
 
                 end_of_epoch = step == run.steps_in(epoch)
                 stopped_by = run.stop.signal_name if run.stop.should_stop() else None
                 at_max_steps = bool(cfg.max_steps) and global_step >= cfg.max_steps
+                saving = checkpoint_due(cfg, global_step, end_of_epoch, stopped_by)
+                if logged or end_of_epoch or at_max_steps or stopped_by or saving:
+                    stop_if_loss_not_finite(run, watch)
+                if logged:
+                    log_step(run, global_step, epoch, result, lr)
                 if (end_of_epoch or at_max_steps) and not stopped_by:
                     seconds = time.perf_counter() - epoch_start
                     history = end_epoch(run, epoch, step, epoch_stats, seconds)
-                if checkpoint_due(cfg, global_step, end_of_epoch, stopped_by):
+                if saving:
                     at = (epoch + 1, 0) if end_of_epoch else (epoch, step)
                     checkpoint_path = resume.save(run, Position(*at, global_step))
                 if stopped_by or at_max_steps:
@@ -135,7 +142,7 @@ def log_step(run: Run, global_step: int, epoch: int, result: StepResult, lr: flo
         "step",
         step=global_step,
         epoch=epoch,
-        loss=result.loss,
+        loss=float(result.loss),
         lr=lr,
         **vars(result.times),
         samples_per_s=run.global_batch / max(result.times.t_step, 1e-9),
@@ -236,19 +243,23 @@ def final_line(history: dict[str, float], images_per_s: float) -> str:
     )
 
 
-def stop_if_loss_not_finite(world: World, loss: float, step: int, epoch: int) -> None:
-    """Stop every rank with one message when any rank's loss is NaN or infinite.
+def stop_if_loss_not_finite(run: Run, watch: LossWatch) -> None:
+    """Stop every rank with one message when any rank's loss was NaN or infinite since the run
+    began. Collective; read every --metrics-every steps and before any save or stop.
 
-    Collective (one 8-byte allreduce per step): with --sync params:K, or a loss that overflows
-    without poisoning the gradients, the ranks do not all see it at the same step."""
-    flag = np.array([0.0 if math.isfinite(loss) else 1.0])
-    collectives.allreduce_sum(world.comm, flag)
+    The gradient allreduce carried each step's flag (hpcdl.nn.step), so every rank holds the
+    same count; with --sync params:K, or no reducer, one allreduce here sums the ranks' own."""
+    world, flag = run.world, np.array([watch.any_rank_count()])
+    reducer = run.step_parts.reducer
+    if world.size > 1 and (reducer is None or reducer.grads.size == run.model.grads.size):
+        collectives.allreduce_sum(world.comm, flag)
     if not flag[0]:
         return
-    losses = world.comm.allgather(loss)
-    bad = next(r for r, value in enumerate(losses) if not math.isfinite(value))
+    firsts = world.comm.allgather(watch.first())
+    seen = [(*f, r) for r, f in enumerate(firsts) if f is not None]
+    step, epoch, loss, bad = min(seen, key=lambda first: (first[0], first[3]))
     raise SystemExitWithMessage(
-        f"loss became {losses[bad]} at step {step} (epoch {epoch + 1}) on rank {bad}; "
+        f"loss became {loss} at step {step} (epoch {epoch + 1}) on rank {bad}; "
         "lower --lr or check the input data"
         if world.rank == 0
         else None
@@ -270,9 +281,9 @@ def evaluate(run: Run, epoch_stats: RunningMean) -> dict[str, float]:
     world, batch_size = run.world, run.cfg.batch_size
     sums = np.array(
         [
-            epoch_stats.loss_sum,
+            float(epoch_stats.loss_sum),
             epoch_stats.steps,
-            epoch_stats.correct,
+            int(epoch_stats.correct),
             epoch_stats.samples,
             0.0,
             0.0,
@@ -286,7 +297,8 @@ def evaluate(run: Run, epoch_stats: RunningMean) -> dict[str, float]:
         for images, labels in on_device(host, run.xp):  # (B, C, H, W) float32, (B,) int64
             logits = run.model.forward(images, train=False)
             loss, _ = nn.softmax_cross_entropy(logits, labels)
-            sums[4:] += (float(loss) * len(labels), nn.accuracy_count(logits, labels), len(labels))
+            correct = int(nn.accuracy_count(logits, labels))
+            sums[4:] += (float(loss) * len(labels), correct, len(labels))
     collectives.allreduce_sum(world.comm, sums)
     result = {"loss": sums[0] / max(1, sums[1]), "acc": sums[2] / max(1, sums[3])}
     if run.val_loader is not None and sums[6]:

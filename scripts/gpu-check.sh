@@ -166,6 +166,25 @@ phase input 240 "$PY" -m hpcdl.bench input --device "$DEVICE" "${INPUT_ARGS[@]}"
     --json "$OUT/input.jsonl"
 # -- end of the input block
 
+# ---- issue 47: the opt-in kernels (--gpu-kernels: cuDNN graphs, Philox dropout, CUDA graph of
+# the step). The kernels' own tests (their CPU stand-ins and, here, their gpu-marked checks
+# against NumPy), the compute rows again with --gpu-kernels (compute.jsonl then holds both,
+# "gpu_kernels": false / true, from this one call on this one GPU; the rows are named gk-*),
+# and cnn trained with them (train.jsonl: its val acc beside cnn-$DEVICE-1's, same seed).
+echo "== issue 47: --gpu-kernels"
+phase tests-gpu-kernels 90 "$PY" -m pytest "${PYTEST[@]}" tests/test_nn_cudnn.py \
+    tests/test_nn_philox.py tests/test_step_graph.py tests/test_nn_kernels.py tests/test_nn_dtypes.py
+for row in "${ROWS[@]}"; do
+    read -r model batch shape steps <<<"$row"
+    for precision in fp32 bf16; do
+        phase "compute-gk-$model-$precision" 120 "$PY" -m hpcdl.bench compute --device "$DEVICE" \
+            --model "$model" --batch-size "$batch" --input-shape "$shape" --steps "$steps" \
+            --precision "$precision" --gpu-kernels --json
+    done
+done
+train "cnn-$DEVICE-gpu-kernels-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --gpu-kernels
+# ---- end of issue 47's block
+
 echo "== summary"
 "$PY" scripts/gpu_check_summary.py "$RAW" "$OUT" | tee "$OUT/summary.txt"
 tar -C "$OUT" -czf "$OUT/raw.tar.gz" raw && rm -rf "$RAW"

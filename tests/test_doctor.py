@@ -307,3 +307,38 @@ def test_text_lists_a_fact_per_rank_where_ranks_differ(tmp_path):
     ]
     assert "binds GPU 1 (NVIDIA H100)" in gpu_lines[1]
     assert sum(line.startswith("  MPI ") for line in lines) == 1
+
+
+@pytest.mark.parametrize(  # fmt: skip
+    ("cudnn", "on", "expected"),
+    [
+        ("9.19.0", True, "; cuDNN 9.19.0; fast kernels and CUDA graphs of the step on"),
+        (
+            None,
+            False,
+            "; cuDNN frontend not installed; fast kernels and CUDA graphs of the step off "
+            "(--gpu-kernels or HPCDL_GPU_KERNELS=1)",
+        ),
+    ],
+)
+def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on, expected):
+    """On a GPU node (CuPy present) the line carries cuDNN's version and --gpu-kernels."""
+    from hpcdl.doctor.__main__ import render  # noqa: PLC0415
+
+    proc = run_doctor("--json", "--stage-dir", tmp_path)
+    facts = json.loads(proc.stdout)["nodes"][0]["facts"]
+    assert {"cudnn", "gpu_kernels"} <= set(facts["gpus"])
+    gpus = {**facts["gpus"], "cupy": "14.0.0", "cudnn": cudnn, "gpu_kernels": on}
+    report = {"host": "n1", "rank": 0, "facts": {**facts, "gpus": gpus}, "problems": []}
+    gpu_line = next(line for line in render(merge([report])).splitlines() if "GPUs" in line)
+    assert gpu_line.endswith(expected), gpu_line
+
+
+def test_cudnn_versions_read_as_major_minor_patch(monkeypatch):
+    from hpcdl.doctor import probes  # noqa: PLC0415
+    from hpcdl.nn.kernels import cudnn_graphs  # noqa: PLC0415
+
+    monkeypatch.setattr(cudnn_graphs, "version", lambda: "91900")
+    assert probes.cudnn_version() == "9.19.0"
+    monkeypatch.setattr(cudnn_graphs, "version", lambda: None)
+    assert probes.cudnn_version() is None

@@ -30,11 +30,17 @@ def test_any_rank_is_true_everywhere_when_one_rank_says_so():
 
 
 def ranks_step(
-    precision: str, scaler_on: bool, poison_rank: int | None, steps: int, reduce: bool = True
+    precision: str,
+    scaler_on: bool,
+    poison_rank: int | None,
+    steps: int,
+    reduce: bool = True,
+    carry: bool = False,
 ):
     """Steps of cnn on every rank's own batch with the real gradient reducer (reduce=False:
-    none, as --sync params:K); poison_rank's first batch holds an inf. Returns (params before,
-    params after, results, scale) on this rank."""
+    none, as --sync params:K); poison_rank's first batch holds an inf. carry: the reducer sums
+    model.grads_and_flags and the scaler has no agreement of its own (what hpcdl.train builds).
+    Returns (params before, params after, results, scale) on this rank."""
     from hpcdl.comm.collectives import AnyRank
     from hpcdl.comm.reducer import GradientReducer
 
@@ -43,9 +49,10 @@ def ranks_step(
     model.set_precision(precision)
     model.set_rng_state(nn.rank_rng_state(5, comm.rank))
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
-    reducer = GradientReducer(comm, model.grads, bucket_mb=0.05, prescaled=True) if reduce else None
+    grads = model.grads_and_flags if carry else model.grads
+    reducer = GradientReducer(comm, grads, bucket_mb=0.05, prescaled=True) if reduce else None
     any_rank = AnyRank(comm)
-    scaler = LossScaler(any_rank) if scaler_on else None
+    scaler = LossScaler(None if carry else any_rank) if scaler_on else None
     rng = np.random.default_rng(100 + comm.rank)
     before = model.params.copy()
     results = []
@@ -65,24 +72,41 @@ def ranks_step(
     return before, model.params.copy(), results, scaler.scale if scaler else None
 
 
-@pytest.mark.parametrize("reduce", [True, False], ids=["sync-grad", "no-gradient-reducer"])
-def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(reduce):
+@pytest.mark.parametrize(
+    ("reduce", "carry"),
+    [(True, False), (False, False), (True, True)],
+    ids=["sync-grad", "no-gradient-reducer", "flag-carried-by-the-gradient-allreduce"],
+)
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(reduce, carry):
     """Without a gradient reducer (--sync params:K) rank 0's own gradients stay finite: only
-    the scaler's explicit agreement makes it skip too."""
+    the scaler's explicit agreement makes it skip too. Carried: no agreement of its own, the
+    overflow count rides after the gradients in the allreduce."""
     comm = comm_world()
     with np.errstate(over="ignore", invalid="ignore"):
-        before, after, results, scale = ranks_step("fp16", True, 1, steps=1, reduce=reduce)
+        before, after, results, scale = ranks_step("fp16", True, 1, 1, reduce, carry)
     # one skipped step everywhere, the scale halved everywhere, the parameters untouched
     assert comm.allgather([r.applied for r in results]) == [[False]] * comm.size
     assert comm.allgather(scale) == [2.0**15] * comm.size
     np.testing.assert_array_equal(after, before)
 
 
+@pytest.mark.parametrize("carry", [False, True], ids=["own-agreement", "carried"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_reduced_precision_ranks_keep_bitwise_identical_parameters(precision):
+def test_reduced_precision_ranks_keep_bitwise_identical_parameters(precision, carry):
     comm = comm_world()
-    before, after, results, _ = ranks_step(precision, precision == "fp16", None, steps=3)
+    before, after, results, _ = ranks_step(precision, precision == "fp16", None, 3, carry=carry)
     assert all(r.applied for r in results)
     assert not np.array_equal(after, before)
     digests = comm.allgather(after.tobytes())
     assert all(d == digests[0] for d in digests)
+
+
+def test_one_ranks_non_finite_loss_reaches_every_rank_in_the_gradient_allreduce():
+    """The loss flag rides after the gradients: every rank counts rank 1's NaN loss, with no
+    collective but the gradient allreduce (hpcdl.train reads the count every --metrics-every)."""
+    comm = comm_world()
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, _, results, _ = ranks_step("fp32", False, 1, steps=2, carry=True)
+    # step 1: rank 1's loss; its NaN gradients, averaged, poison every rank's step 2
+    seen = [float(r.nonfinite_ranks) for r in results]
+    assert comm.allgather(seen) == [[1.0, float(comm.size)]] * comm.size

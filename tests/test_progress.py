@@ -13,7 +13,9 @@ import pytest
 from helpers import mpi_env, mpirun_cmd, train_cmd
 
 from hpcdl.config import ConfigError, parse_args
-from hpcdl.metrics import Progress, resolve_progress
+from hpcdl.metrics import Progress, RunningMean, resolve_progress
+
+SEEN = RunningMean(steps=2, samples=8, loss_sum=1.0, correct=2)  # loss 0.5, acc 0.25
 
 
 class FakeTerminal(io.StringIO):
@@ -25,7 +27,7 @@ def run_epochs(progress: Progress, epochs: int = 2, steps: int = 4) -> str:
     for epoch in range(epochs):
         progress.start_epoch(epoch)
         for step in range(1, steps + 1):
-            progress.update(step, 0.5, 0.25)
+            progress.update(step, SEEN)
         progress.end_epoch(steps, {"loss": 0.5, "acc": 0.25})
     return progress.stream.getvalue()
 

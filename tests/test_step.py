@@ -84,3 +84,40 @@ def test_the_step_uses_the_loss_it_is_given():
     result = train_step(StepParts(model, opt, loss=no_gradient), x, y, 0.05)
     assert result.loss == 7.0 and len(calls) == 1 and calls[0] is y
     np.testing.assert_array_equal(model.params, before)  # zero gradient, no momentum yet: no change
+
+
+def test_the_loss_and_its_finite_flag_stay_arrays_and_ride_after_the_gradients():
+    """NOTE [device scalars]: no float() in the step; the flag sits where the reducer sums it."""
+    (x, y), calls = batch(), []
+    model, opt = model_and_optimizer()
+    result = train_step(StepParts(model, opt), x, y, 0.05)
+    assert type(result.loss) is not float and result.loss.shape == ()  # 0-d, on the backend
+    assert float(result.nonfinite_ranks) == 0.0
+    assert model.grads_and_flags.size == model.grads.size + 2
+    assert np.shares_memory(model.step_flags, model.grads_and_flags)
+
+    def not_finite(logits, labels):
+        calls.append(1)
+        return np.float32(np.nan), np.zeros_like(logits)
+
+    result = train_step(StepParts(model, opt, loss=not_finite), x, y, 0.05)
+    assert calls and float(result.nonfinite_ranks) == 1.0
+    assert model.step_flags[0] == 1.0  # what a reducer over grads_and_flags would sum
+
+
+def test_loss_watch_keeps_the_first_non_finite_step_and_counts_every_one():
+    from hpcdl.nn.loss_watch import LossWatch
+
+    watch = LossWatch(np)
+    for step, loss in enumerate([1.5, 2.0, np.inf, np.nan, 3.0]):
+        bad = np.float32(0.0 if np.isfinite(loss) else 1.0)
+        watch.note(bad, np.float32(loss), step, epoch=step // 2)
+    assert watch.any_rank_count() == 2.0
+    assert watch.first() == (2, 1, float("inf"))
+    assert LossWatch(np).first() is None
+
+
+def test_accuracy_count_is_left_on_the_backend():
+    logits = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]], np.float32)
+    count = nn.accuracy_count(logits, np.array([1, 1, 1]))
+    assert not isinstance(count, int) and int(count) == 2

@@ -50,11 +50,25 @@ COMMON = ["--model", "mlp", "--epochs", 1, "--workers", 0, "--seed", 1]
 
 
 @pytest.mark.parametrize(
-    ("ranks", "nan_in"),
-    [(2, "every_sample"), (2, "one_sample"), (None, "every_sample")],
-    ids=["2ranks-all-nan", "2ranks-one-nan-sample", "singleton-all-nan"],
+    ("ranks", "nan_in", "every"),
+    [
+        (2, "every_sample", 1),
+        (2, "one_sample", 1),
+        (None, "every_sample", 1),
+        (2, "one_sample", 3),
+        (None, "every_sample", 3),
+    ],
+    ids=[
+        "2ranks-all-nan",
+        "2ranks-one-nan-sample",
+        "singleton-all-nan",
+        "2ranks-one-nan-sample-read-every-3",
+        "singleton-all-nan-read-every-3",
+    ],
 )
-def test_nan_loss_stops_with_one_line_and_claims_no_success(ranks, nan_in, tmp_path):
+def test_nan_loss_stops_with_one_line_and_claims_no_success(ranks, nan_in, every, tmp_path):
+    """The loss flag is read every --metrics-every steps (NOTE [device scalars]): however late,
+    the run stops before it writes a record or a checkpoint, naming the step it began at."""
     images = np.random.default_rng(0).standard_normal((64, 1, 8, 8)).astype(np.float32)
     if nan_in == "every_sample":
         images[:, 0, 3, 3] = np.nan  # every rank sees a NaN loss at its first step
@@ -72,9 +86,11 @@ def test_nan_loss_stops_with_one_line_and_claims_no_success(ranks, nan_in, tmp_p
         "--metrics",
         metrics,
         "--metrics-every",
-        1,
+        every,
         "--checkpoint-dir",
         ckpt_dir,
+        "--checkpoint-every",
+        2,
     )
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert seconds < 60
@@ -82,6 +98,8 @@ def test_nan_loss_stops_with_one_line_and_claims_no_success(ranks, nan_in, tmp_p
     assert len(lines) == 1, proc.stderr
     assert lines == error_lines(proc.stderr), proc.stderr  # hpcdl's error line, not a traceback
     assert "lower --lr or check the input data" in lines[0]
+    if nan_in == "every_sample":
+        assert "at step 0 (epoch 1)" in lines[0]
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "final val_acc" not in proc.stdout
     # Nothing claims success: no epoch or summary event, no checkpoint (the NaN comes first).

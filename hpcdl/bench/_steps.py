@@ -68,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     reducer = None
     if world.size > 1:
         reducer = GradientReducer(
-            world.comm, model.grads, args.bucket_mb, host_staged=host_staged, prescaled=True
+            world.comm,
+            model.grads_and_flags,
+            args.bucket_mb,
+            host_staged=host_staged,
+            prescaled=True,
         )
     parts = StepParts(model, opt, xp, reducer)
     rng = np.random.default_rng(world.rank)

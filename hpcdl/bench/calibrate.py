@@ -305,7 +305,9 @@ def measure_trainer_step(
     build = samples.build if samples is not None else None
     reducer = None
     if world.size > 1:
-        reducer = GradientReducer(world.comm, parts.model.grads, args.bucket_mb, prescaled=True)
+        reducer = GradientReducer(
+            world.comm, parts.model.grads_and_flags, args.bucket_mb, prescaled=True
+        )
         parts = replace(parts, reducer=reducer)
     stop = StopAgreement(world.comm)  # as hpcdl.startup makes it for every run
     try:

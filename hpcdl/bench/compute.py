@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="hpcdl --precision (docs/precision.md) against PyTorch autocast to the same format "
         "(fp16: with GradScaler) (default: fp32)",
     )
+    ap.add_argument(
+        "--gpu-kernels",
+        action="store_true",
+        help="hpcdl's opt-in fast kernels (hpcdl.nn.kernels; hpcdl.train --gpu-kernels)",
+    )
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument(
         "--profile",
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             **run_config(args),
             "chunk": args.chunk or args.steps,
+            "gpu_kernels": args.gpu_kernels,
             "hpcdl_ms_per_step": round(ours_ms, 3),
             "torch_ms_per_step": None if theirs_ms is None else round(theirs_ms, 3),
             "ratio": None if ratio is None else round(ratio, 3),

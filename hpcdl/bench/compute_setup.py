@@ -20,11 +20,14 @@ import numpy as np
 from hpcdl import backend, nn
 from hpcdl.comm import blas_threads
 from hpcdl.nn.step import StepParts, train_step
+from hpcdl.nn.step_graph import StepGraph
 
 
 def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
     """(step parts, images, labels): the model with SGD momentum and a fixed random batch."""
     xp = backend.select(args.device)
+    if getattr(args, "gpu_kernels", False):
+        nn.kernels.enable(True)
     model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
     model.set_precision(args.precision)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
@@ -32,7 +35,8 @@ def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
     x = xp.asarray(rng.standard_normal((args.batch_size, *args.shape)).astype(np.float32))
     y = xp.asarray(rng.integers(0, args.classes, args.batch_size))
     scaler = nn.precision.LossScaler() if args.precision == "fp16" else None
-    return StepParts(model, opt, xp, scaler=scaler), x, y
+    graph = StepGraph() if getattr(args, "gpu_kernels", False) else None
+    return StepParts(model, opt, xp, scaler=scaler, graph=graph), x, y
 
 
 def hpcdl_stepper(args: argparse.Namespace):

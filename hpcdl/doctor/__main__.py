@@ -123,7 +123,7 @@ def describe(name: str, v: dict[str, Any]) -> str:
             f" (CUDA_VISIBLE_DEVICES={cvd})" if cvd is not None else ""
         )
         bound = f", binds GPU {v['bound']} ({v['name']})" if v["bound"] is not None else ""
-        return f"{seen}{bound}; {cupy}{cuda}"
+        return f"{seen}{bound}; {cupy}{cuda}{fast_kernels(v)}"
     if name == "blas":
         env = ", ".join(f"{k}={v[k]}" for k in probes.THREAD_VARS if v[k] is not None)
         return (
@@ -187,6 +187,15 @@ def render(merged: dict[str, Any]) -> str:
     else:
         lines.append("hpcdl doctor: nothing to fix")
     return "\n".join(lines)
+
+
+def fast_kernels(v: dict) -> str:
+    """The cuDNN and --gpu-kernels part of the GPU line; empty without CuPy."""
+    if not v["cupy"]:
+        return ""
+    cudnn = f"cuDNN {v['cudnn']}" if v.get("cudnn") else "cuDNN frontend not installed"
+    graphs = "on" if v.get("gpu_kernels") else "off (--gpu-kernels or HPCDL_GPU_KERNELS=1)"
+    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 from hpcdl import backend
 from hpcdl.comm import blas_threads, cuda_aware
 from hpcdl.doctor.findings import ERROR, WARNING, Problem
+from hpcdl.nn import kernels
+from hpcdl.nn.kernels import cudnn_graphs
 
 THREAD_LEVELS = (
     "MPI_THREAD_SINGLE",
@@ -76,6 +78,8 @@ def gpus(local_rank: int, local_size: int) -> Found:
         "cupy": None,
         "cuda_runtime": None,
         "cuda_driver": None,
+        "cudnn": None,  # cuDNN's version through its frontend (--gpu-kernels), if installed
+        "gpu_kernels": kernels.enabled(),  # HPCDL_GPU_KERNELS: fast kernels and step graphs
     }
     try:
         import cupy  # noqa: PLC0415
@@ -92,6 +96,7 @@ def gpus(local_rank: int, local_size: int) -> Found:
         facts["cuda_driver"] = _cuda_version(cupy.cuda.runtime.driverGetVersion())
     except Exception:  # no driver: CuPy imports but cannot talk to a GPU
         pass
+    facts["cudnn"] = cudnn_version()
     count = backend.visible_gpu_count()
     facts["visible"] = count
     if count:
@@ -110,6 +115,16 @@ def gpus(local_rank: int, local_size: int) -> Found:
             )
         )
     return facts, problems
+
+
+def cudnn_version() -> str | None:
+    """cuDNN's backend version as major.minor.patch (91900 -> 9.19.0), or None without the
+    frontend or its library."""
+    number = cudnn_graphs.version()
+    if number is None or not number.isdigit():
+        return number
+    value = int(number)
+    return f"{value // 10000}.{value // 100 % 100}.{value % 100}"
 
 
 def _cuda_version(number: int) -> str:

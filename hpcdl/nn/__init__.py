@@ -4,7 +4,7 @@ No MPI and no data loading here; the contracts are in docs/internals.md, the det
 docs/nn.md.
 """
 
-from hpcdl.nn import precision, schedule
+from hpcdl.nn import kernels, precision, schedule
 from hpcdl.nn.blocks import BottleneckBlock, ResidualBlock, Sequential
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.fit import NonFiniteLossError, evaluate, fit
@@ -47,6 +47,7 @@ __all__ = [
     "build_model",
     "evaluate",
     "fit",
+    "kernels",
     "make_optimizer",
     "precision",
     "rank_rng_state",

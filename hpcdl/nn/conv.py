@@ -53,8 +53,10 @@ from typing import Any
 from hpcdl import backend
 from hpcdl.backend import array_module
 from hpcdl.nn import conv_winograd
+from hpcdl.nn.kernels import Seam
 from hpcdl.nn.layers import Layer, ParamSpec, _pair
 from hpcdl.nn.threads import run_parts
+from hpcdl.nn.workspace import Workspaces
 
 # Bytes of im2col columns per chunk on the one-BLAS-thread path (module docstring): about the
 # L2 cache of one core, so the GEMM reads the columns the copy just wrote from cache. Measured
@@ -117,7 +119,8 @@ class Conv2d(Layer):
         # Which input-gradient form backward uses (module docstring): col2im where measured
         # faster, i.e. when strided or widening; else the dilated form.
         self.col2im_input_grad = self.sh > 1 or self.sw > 1 or c_out > c_in
-        self._buffers: dict[str, Any] = {}  # reused workspaces (im2col matrices)
+        self._buffers = Workspaces()  # reused workspaces (im2col matrices)
+        self.seam = Seam("conv")  # fast kernels come first (hpcdl.nn.kernels)
         self.x_shape: tuple[int, ...] = ()  # (N, H, W, C_in) of the last forward
         self.chunk = 0  # images per chunk in the last forward; 0: one whole-batch GEMM
         self.x_pad: Any = None  # chunked: the padded input, (N, Hp, Wp, C_in), for backward
@@ -155,6 +158,8 @@ class Conv2d(Layer):
                 f"Conv2d kernel {self.kh}x{self.kw} does not fit input {h}x{w} "
                 f"with padding {self.ph},{self.pw}"
             )
+        if self.seam.take(self, x):
+            return self.seam.kernel.forward(self, x, train)
         self.winograd = self.uses_winograd(x)
         if self.winograd:
             return conv_winograd.forward(self, x)
@@ -212,6 +217,10 @@ class Conv2d(Layer):
         return cols.reshape(count * ho * wo, -1)
 
     def backward(self, dy, ready=None):
+        if self.seam.kernel is not None:
+            dx = self.seam.kernel.backward(self, dy)
+            self._done(ready)
+            return dx
         xp = array_module(dy)
         n, ho, wo, f = dy.shape
         dy2 = dy.reshape(n * ho * wo, f)
@@ -374,20 +383,11 @@ class Conv2d(Layer):
         self._gemm(xp, dcols.reshape(n * h * w, -1), w_flip, dx.reshape(n * h * w, c))
 
     def _workspace(self, name, shape=None, dtype=None, xp=None, zeroed=False, fill=None) -> Any:
-        """A per-layer scratch array reused while its shape and dtype stay the same.
-
-        Large arrays freed every step would be unmapped and page-faulted back in each time.
-        zeroed/fill initialise it when (re)allocated only; callers rely on that.
-        """
-        buf = self._buffers.get(name)
+        """A per-layer scratch array reused while its shape and dtype stay the same
+        (hpcdl.nn.workspace); without a shape, the one last handed out under name."""
         if shape is None:
-            return buf
-        if buf is None or buf.shape != shape or buf.dtype != dtype or array_module(buf) is not xp:
-            buf = xp.zeros(shape, dtype=dtype) if zeroed else xp.empty(shape, dtype=dtype)
-            if fill is not None:
-                buf.fill(fill)
-            self._buffers[name] = buf
-        return buf
+            return self._buffers.last(name)
+        return self._buffers.get(name, shape, dtype, xp, zeroed, fill)
 
 
 def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:

@@ -23,7 +23,6 @@ it (one more tile row or column, cropped). The whole-batch path and CuPy keep im
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -75,7 +74,7 @@ class ChunkedConv(Protocol):
     chunk: int  # images per chunk in the last forward
     x_pad: Any  # the padded input of the last forward, kept for backward
     winograd_u: Any  # G g G^T of the last forward, (16, C_in, C_out)
-    _buffers: dict[str, Any]  # the layer's reused workspaces, by name
+    _buffers: Any  # the layer's reused workspaces (hpcdl.nn.workspace.Workspaces)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]: ...
 
@@ -176,10 +175,6 @@ def _scratch(conv: ChunkedConv, slot: int, dtype: Any) -> winograd.Scratch:
     name grown to the largest shape asked for (a chunk's), so smaller chunks reuse it."""
 
     def scratch(name: str, shape: tuple[int, ...]) -> Any:
-        key, size = f"winograd_{name}:{slot}", math.prod(shape)
-        buf = conv._buffers.get(key)
-        if buf is None or buf.size < size or buf.dtype != dtype:
-            buf = conv._buffers[key] = np.empty(size, dtype=dtype)
-        return buf[:size].reshape(shape)
+        return conv._buffers.at_least(f"winograd_{name}:{slot}", shape, dtype, np)
 
     return scratch

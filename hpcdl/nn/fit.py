@@ -60,13 +60,14 @@ def fit(
             idx = xp.asarray(order[b * batch_size : (b + 1) * batch_size])
             xb, yb = x[idx], y[idx]
             result = train_step(parts, xb, yb, lr_of(step))
-            if not math.isfinite(result.loss):
+            loss = float(result.loss)  # a host read each step: fit is for small models
+            if not math.isfinite(loss):
                 raise NonFiniteLossError(
-                    f"loss became {result.loss} at step {step} (epoch {epoch + 1}, batch {b}); "
+                    f"loss became {loss} at step {step} (epoch {epoch + 1}, batch {b}); "
                     f"lower the learning rate or check the input data"
                 )
-            loss_sum += result.loss
-            correct += accuracy_count(result.logits, yb)
+            loss_sum += loss
+            correct += int(accuracy_count(result.logits, yb))
             step += 1
         history["loss"].append(loss_sum / steps_per_epoch)
         history["acc"].append(correct / (steps_per_epoch * batch_size))
@@ -85,5 +86,5 @@ def evaluate(model: Model, x: Any, y: Any, batch_size: int = 256) -> tuple[float
         logits = model.forward(xb, train=False)
         loss, _ = softmax_cross_entropy(logits, yb)
         loss_sum += float(loss) * len(xb)
-        correct += accuracy_count(logits, yb)
+        correct += int(accuracy_count(logits, yb))
     return loss_sum / len(x), correct / len(x)

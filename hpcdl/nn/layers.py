@@ -21,7 +21,8 @@ import numpy as np
 
 from hpcdl.backend import array_module
 from hpcdl.nn.init import check_initialiser
-from hpcdl.nn.threads import run_split
+from hpcdl.nn.kernels import Seam
+from hpcdl.nn.threads import run_split, split_multiply
 
 Ready = Callable[[int], None] | None
 
@@ -58,6 +59,9 @@ class Layer:
     # True when output and input gradient hold only values of the input and output gradient
     # (ReLU, Flatten): reduced precision (hpcdl.nn.precision) needs no rounding after it.
     keeps_precision = False
+    # The --precision whose values the layer computes on (Model.set_precision): a fast kernel
+    # may then run on arrays of that format (hpcdl.nn.dtypes).
+    precision = "fp32"
 
     def __init__(self) -> None:
         self.p: dict[str, Any] = {}  # name -> view into model.params
@@ -203,11 +207,14 @@ class Dropout(Layer):
         self.rate = p
         self.rng = rng if rng is not None else np.random.default_rng(0)
         self.mask = None
+        self.seam = Seam("dropout")  # fast kernels come first (hpcdl.nn.kernels)
 
     def forward(self, x, train=True):
         if not train or self.rate == 0.0:
             self.mask = None
             return x
+        if self.seam.take(self, x):
+            return self.seam.kernel.forward(self, x, train)
         xp = array_module(x)
         seed = int(self.rng.integers(2**63))
         u = xp.random.default_rng(seed).random(x.shape, dtype=xp.float32)
@@ -224,6 +231,8 @@ class Dropout(Layer):
         return y
 
     def backward(self, dy, ready=None):
+        if self.seam.kernel is not None:
+            return self.seam.kernel.backward(self, dy)
         return dy if self.mask is None else split_multiply(dy, self.mask)
 
 
@@ -256,6 +265,7 @@ class MaxPool2d(Layer):
                 f"{self.kh}x{self.kw}"
             )
         self.tiled = (self.sh, self.sw) == (self.kh, self.kw)
+        self.seam = Seam("pool")  # fast kernels come first (hpcdl.nn.kernels)
 
     def _out_hw(self, x_shape) -> tuple[int, int]:
         _, h, w, _ = x_shape
@@ -278,6 +288,8 @@ class MaxPool2d(Layer):
                 yield (slice(None), rows, cols)
 
     def forward(self, x, train=True):
+        if self.seam.take(self, x):
+            return self.seam.kernel.forward(self, x, train)
         xp = array_module(x)
         self.x_shape = x.shape
         x = self._padded(xp, x)
@@ -298,6 +310,8 @@ class MaxPool2d(Layer):
         return y
 
     def backward(self, dy, ready=None):
+        if self.seam.kernel is not None:
+            return self.seam.kernel.backward(self, dy)
         xp = array_module(dy)
         x, y = self.x, self.y
         ho, wo = y.shape[1:3]
@@ -343,16 +357,3 @@ class GlobalAvgPool(Layer):
 
 def _pair(v: int | tuple[int, int]) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
-def split_multiply(a: Any, b: Any) -> Any:
-    """a * b in a new array of a's dtype, split over the compute threads by the first axis."""
-    xp = array_module(a)
-    out = xp.empty(a.shape, dtype=a.dtype)
-
-    def multiply(first: int, count: int, part: int) -> None:
-        rows = slice(first, first + count)
-        xp.multiply(a[rows], b[rows], out=out[rows], dtype=a.dtype)
-
-    run_split(len(a), multiply, a)
-    return out

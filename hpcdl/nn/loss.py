@@ -32,6 +32,7 @@ def softmax_cross_entropy(logits: Any, labels: Any) -> tuple[Any, Any]:
     return loss, dlogits
 
 
-def accuracy_count(logits: Any, labels: Any) -> int:
-    """Number of rows whose arg-max equals the label."""
-    return int((logits.argmax(axis=1) == labels).sum())
+def accuracy_count(logits: Any, labels: Any) -> Any:
+    """Number of rows whose arg-max equals the label: an integer scalar on the logits' backend,
+    left there (no host sync; int() reads it)."""
+    return (logits.argmax(axis=1) == labels).sum()

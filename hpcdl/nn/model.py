@@ -21,6 +21,13 @@ from hpcdl.nn.layers import Dropout, Layer
 from hpcdl.nn.norm import BatchNorm
 from hpcdl.nn.precision import check_precision, rounding
 
+# Elements after the gradients in Model.grads_and_flags, written by each step (hpcdl.nn.step):
+# [0] ranks whose loss was not finite, [1] gradient ranges that overflowed. The gradient
+# allreduce sums them with the gradients, so the ranks agree on both without a collective of
+# their own.
+STEP_FLAGS = 2
+FLAG_LOSS, FLAG_OVERFLOW = 0, 1
+
 
 class Model:
     """Layers + flat buffers. Input (N, C, H, W); logits (N, num_classes); dtype of the buffers."""
@@ -44,9 +51,13 @@ class Model:
         for leaf in self.body.leaves():
             if isinstance(leaf, Dropout):
                 leaf.rng = self._rng
-        self.params, self.grads, self.buffers, self._layout = bind_flat(
-            self.body, xp, self.dtype, seed
+        # grads_and_flags (P + STEP_FLAGS,): the gradients, then the step's flags
+        # (hpcdl.nn.step), one buffer so the gradient allreduce carries the flags too.
+        self.params, self.grads_and_flags, self.buffers, self._layout = bind_flat(
+            self.body, xp, self.dtype, seed, spare=STEP_FLAGS
         )
+        self.grads = self.grads_and_flags[: self.params.size]  # (P,) what backward writes
+        self.step_flags = self.grads_and_flags[self.params.size :]  # (STEP_FLAGS,)
         # What the layers compute with: the params themselves, or a rounded copy of them
         # (set_precision).
         self._compute_params = self.params
@@ -86,6 +97,8 @@ class Model:
             )
         self.precision, self._round = precision, rounding(precision)
         self.params = self._compute_params.copy()  # the float32 master the optimizer updates
+        for leaf in self.body.leaves():  # a fast kernel may take the format's arrays
+            leaf.precision = precision
         for layer in _containers(self.body):
             if isinstance(layer, Sequential):
                 layer.rounding = self._round
@@ -149,11 +162,12 @@ class Model:
 
 
 def bind_flat(
-    root: Layer, xp: ModuleType = np, dtype: Any = np.float32, seed: int = 0
+    root: Layer, xp: ModuleType = np, dtype: Any = np.float32, seed: int = 0, spare: int = 0
 ) -> tuple[Any, Any, Any, list[tuple[str, tuple[int, ...], int]]]:
     """Allocate flat (params, grads, buffers) for root's leaf layers and bind views into them.
 
-    Returns the three (P,), (P,), (S,) arrays on xp and the layout [(name, shape, offset)].
+    Returns the three (P,), (P + spare,), (S,) arrays on xp and the layout [(name, shape,
+    offset)]; the spare elements after the gradients belong to the caller (Model.step_flags).
     Leaves are laid out in backward order; values are initialised in forward order from seed.
     """
     leaves = list(root.leaves())
@@ -163,7 +177,7 @@ def bind_flat(
     host_params = np.zeros(p_total, dtype=dtype)
     host_buffers = np.zeros(s_total, dtype=dtype)
     params = xp.zeros(p_total, dtype=dtype)
-    grads = xp.zeros(p_total, dtype=dtype)
+    grads = xp.zeros(p_total + spare, dtype=dtype)
     buffers = xp.zeros(s_total, dtype=dtype)
     layout: list[tuple[str, tuple[int, ...], int]] = []
     offset = b_offset = 0

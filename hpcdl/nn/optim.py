@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpcdl.backend import array_module
+from hpcdl.nn.kernels import Seam
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -29,8 +30,11 @@ class SGD:
         xp = array_module(params)
         self.velocity = xp.zeros_like(params)  # (P,) same layout as params
         self._scratch = xp.empty_like(params)
+        self.seam = Seam("optimizer")  # a fused update comes first (hpcdl.nn.kernels)
 
     def step(self, lr: float) -> None:
+        if self.seam.take(self, self.params):
+            return self.seam.kernel.step(self, lr)
         d = self._scratch
         if self.weight_decay:
             _decay_term(self.params, self.weight_decay, self.decay_mask, out=d)
@@ -72,8 +76,11 @@ class Adam:
         self.v = xp.zeros_like(params)  # (P,) second moment
         self.t = 0
         self._scratch = xp.empty_like(params)
+        self.seam = Seam("optimizer")  # a fused update comes first (hpcdl.nn.kernels)
 
     def step(self, lr: float) -> None:
+        if self.seam.take(self, self.params):
+            return self.seam.kernel.step(self, lr)
         xp = array_module(self.params)
         self.t += 1
         g = self.grads

@@ -110,11 +110,17 @@ class LossScaler:
         # any_rank(flag) -> flag of any rank; collective (None: one rank)
         self.any_rank = any_rank
 
-    def unscale(self, grads: Any) -> bool:
-        """Divide grads by the scale if every rank's are finite; True when the step applies."""
-        xp = array_module(grads)
-        overflow = not bool(xp.isfinite(grads).all())
-        if self.any_rank is not None:
+    def unscale(self, grads: Any, overflows: Any = None, agreed: bool = False) -> bool:
+        """Divide grads by the scale if every rank's are finite; True when the step applies.
+
+        overflows: a device scalar counting this rank's non-finite gradient ranges (the step's
+        OverflowCheck), or, when `agreed`, every rank's (summed by the gradient allreduce, so
+        no collective is needed); None: look at grads here. Reading it is this step's one host
+        sync with fp16, for the host decides whether the update runs."""
+        if overflows is None:
+            overflows = ~array_module(grads).isfinite(grads).all()
+        overflow = bool(overflows)
+        if self.any_rank is not None and not agreed:
             overflow = self.any_rank(overflow)
         if overflow:
             self.scale *= BACKOFF_FACTOR

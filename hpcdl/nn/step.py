@@ -8,6 +8,13 @@ rank if any gradient overflowed) -> one fused optimizer update (-> parameter ave
 --sync params:K), timed part by part (StepTimes, which hpcdl.metrics sums and reports). A
 benchmark that calls train_step measures exactly what training runs.
 
+No host sync in the step (NOTE [device scalars]): the loss, the flag that says whether it was
+finite and, with fp16, the overflow flag stay arrays on xp; the caller reads them when it
+writes a record. Both flags live in Model.step_flags, after the gradients in the buffer the
+reducer averages, so the gradient allreduce the step posts anyway makes every rank see every
+rank's flags: no collective of their own. The step synchronizes the device only when `timed`
+(the caller writes this step's times); on NumPy that is a no-op, so CPU results are unchanged.
+
 Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
 hpcdl.nn.fit can use the step without importing hpcdl.comm. The step lives in hpcdl.nn because
 it is model arithmetic; the layers above (the trainer, the benchmarks) hand it their reducer.
@@ -23,8 +30,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from hpcdl import diag
-from hpcdl.backend import synchronize
+from hpcdl.backend import array_module, synchronize
 from hpcdl.nn.loss import softmax_cross_entropy
+from hpcdl.nn.model import FLAG_LOSS, FLAG_OVERFLOW
 
 
 @dataclass
@@ -39,9 +47,11 @@ class StepTimes:
 
 
 class Reducer(Protocol):
-    """What train_step needs of hpcdl.comm.reducer.GradientReducer."""
+    """What train_step needs of hpcdl.comm.reducer.GradientReducer, built over
+    model.grads_and_flags (or model.grads: then the flags stay this rank's own)."""
 
     world_size: int
+    grads: Any
 
     def begin_step(self) -> None: ...
     def mark_ready(self, n: int) -> None: ...
@@ -60,14 +70,18 @@ class StepParts:
     scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler; None: no loss scaling
     # (logits (B, K), labels (B,)) -> (mean loss, dlogits (B, K)); a profiler gives a timed one
     loss: Callable[[Any, Any], tuple[Any, Any]] = softmax_cross_entropy
+    graph: Any = None  # --gpu-kernels: hpcdl.nn.step_graph.StepGraph replays forward + backward
 
 
 @dataclass
 class StepResult:
-    loss: float  # mean loss of the batch
+    loss: Any  # mean loss of the batch: a 0-d array on xp (float() reads it, a host sync)
     logits: Any  # (B, K) float32 on xp, for accuracy counting
     times: StepTimes
     applied: bool = True  # False: a gradient overflowed (fp16) and every rank skipped the update
+    # 0-d array on xp: ranks whose loss was not finite, summed over the ranks when the
+    # reducer carried the flags (every rank then holds the same count), else this rank's 0/1
+    nonfinite_ranks: Any = 0.0
 
 
 def train_step(
@@ -77,17 +91,61 @@ def train_step(
     lr: float,
     mix_params: bool = False,
     waited_since: float | None = None,
+    timed: bool = True,
 ) -> StepResult:
     """One data-parallel step on (images (B, C, H, W) float32, labels (B,) int64), both on xp.
 
     mix_params: average the parameters after the update (parts.average_params). waited_since:
     perf_counter() when the caller began waiting for this batch, so t_data and t_step include
-    the wait; None: no wait is counted."""
+    the wait; None: no wait is counted. timed: wait for the device before each timestamp, so
+    the times are the device's; False: they are the host's launch times (no host sync)."""
     t0 = time.perf_counter()
     start = t0 if waited_since is None else waited_since
-    model, reducer = parts.model, parts.reducer
+    model, reducer, xp = parts.model, parts.reducer, parts.xp
+    updated = False  # the graph's replay applied the update too
+    if parts.graph is not None and parts.graph.takes(parts, images):
+        loss, logits, updated = parts.graph.replay(images, labels, lr)  # the step: one launch
+        tf = t0
+    else:
+        loss, logits, tf = forward_backward(parts, images, labels)
+    if timed:
+        synchronize(xp)
+    t1 = time.perf_counter()
+    diag.record(diag.Kind.BACKWARD, tf, t1)
+    if reducer:
+        diag.RECORDER.enter(diag.Kind.COMM_WAIT, t1)  # the stall inspector sees this wait
+        reducer.wait()  # gradients (and flags, when it carries them) are now summed over ranks
+    t2 = time.perf_counter()
+    diag.record(diag.Kind.COMM_WAIT, t1, t2)
+    agreed = reducer is not None and reducer.grads.size > model.grads.size
+    applied, flags = True, model.step_flags
+    if parts.scaler:
+        applied = parts.scaler.unscale(model.grads, flags[FLAG_OVERFLOW], agreed)
+    if applied and not updated:
+        parts.optimizer.step(lr)
+    if mix_params:
+        parts.average_params()
+    if timed:
+        synchronize(xp)
+    t3 = time.perf_counter()
+    diag.record(diag.Kind.OPTIMIZER, t2, t3)
+    times = StepTimes(
+        t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
+    )
+    times.t_step = t3 - start
+    return StepResult(loss, logits, times, applied, flags[FLAG_LOSS].copy())
+
+
+def forward_backward(parts: StepParts, images: Any, labels: Any) -> tuple[Any, Any, float]:
+    """Forward, loss, the step's flags and backward (handing buckets to the reducer); returns
+    (loss, logits, perf_counter() once forward was launched). What a CUDA graph captures."""
+    t0 = time.perf_counter()
+    model, reducer, xp = parts.model, parts.reducer, parts.xp
     logits = model.forward(images, train=True)
     loss, dlogits = parts.loss(logits, labels)
+    flags = model.step_flags
+    xp.logical_not(xp.isfinite(loss), out=flags[FLAG_LOSS : FLAG_LOSS + 1])  # on the device
+    flags[FLAG_OVERFLOW] = 0
     tf = time.perf_counter()  # forward ends (asynchronously on a GPU: the launch)
     diag.record(diag.Kind.FORWARD, t0, tf)
     # gradients of loss / N: their sum over the ranks is the average; x the loss scale
@@ -96,25 +154,34 @@ def train_step(
         dlogits *= scale
     if reducer:
         reducer.begin_step()
-    model.backward(dlogits, grad_ready=reducer.mark_ready if reducer else None)
-    synchronize(parts.xp)
-    t1 = time.perf_counter()
-    diag.record(diag.Kind.BACKWARD, tf, t1)
-    if reducer:
-        diag.RECORDER.enter(diag.Kind.COMM_WAIT, t1)  # the stall inspector sees this wait
-        reducer.wait()  # gradients are now averaged over all ranks
-    t2 = time.perf_counter()
-    diag.record(diag.Kind.COMM_WAIT, t1, t2)
-    applied = parts.scaler.unscale(model.grads) if parts.scaler else True
-    if applied:
-        parts.optimizer.step(lr)
-    if mix_params:
-        parts.average_params()
-    synchronize(parts.xp)
-    t3 = time.perf_counter()
-    diag.record(diag.Kind.OPTIMIZER, t2, t3)
-    times = StepTimes(
-        t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
-    )
-    times.t_step = t3 - start
-    return StepResult(float(loss), logits, times, applied)
+    ready = OverflowCheck(model, reducer) if parts.scaler else None
+    model.backward(dlogits, grad_ready=ready or (reducer.mark_ready if reducer else None))
+    if ready:
+        ready.finish()
+    return loss, logits, tf
+
+
+class OverflowCheck:
+    """grad_ready for fp16: counts, in model.step_flags, the newly final gradient ranges that
+    hold an inf or NaN before handing them on to the reducer (which sums them in place, so
+    they must be checked first). finish() checks the rest once backward has ended."""
+
+    def __init__(self, model: Any, reducer: Reducer | None) -> None:
+        self.grads, self.flag = model.grads, model.step_flags[FLAG_OVERFLOW : FLAG_OVERFLOW + 1]
+        self.mark_ready = reducer.mark_ready if reducer else None
+        self.checked = 0  # grads[:checked] are counted
+
+    def __call__(self, n: int) -> None:
+        if n > self.checked:
+            self.flag += ~_finite(self.grads[self.checked : n])
+            self.checked = n
+        if self.mark_ready:
+            self.mark_ready(n)
+
+    def finish(self) -> None:
+        self(self.grads.size)
+
+
+def _finite(x: Any) -> Any:
+    """A 0-d bool on x's backend: every element of x is finite (no host read)."""
+    return array_module(x).isfinite(x).all()

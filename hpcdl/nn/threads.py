@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hpcdl import backend
+from hpcdl.backend import array_module
 
 # Elements below which a layer's pass stays on the calling thread. Measured on the shared 2-core
 # EPYC (docs/bench-scripts/issue12/elemthreads_layers.py: one-thread BLAS, float32, batch 64,
@@ -86,3 +87,16 @@ def run_split(n: int, work: Callable[[int, int, int], None], like: Any) -> int:
     parts = split_parts(n, like)
     run_parts(parts, lambda part: work(*part_range(n, parts, part), part))
     return parts
+
+
+def split_multiply(a: Any, b: Any) -> Any:
+    """a * b in a new array of a's dtype, split over the compute threads by the first axis."""
+    xp = array_module(a)
+    out = xp.empty(a.shape, dtype=a.dtype)
+
+    def multiply(first: int, count: int, part: int) -> None:
+        rows = slice(first, first + count)
+        xp.multiply(a[rows], b[rows], out=out[rows], dtype=a.dtype)
+
+    run_split(len(a), multiply, a)
+    return out

@@ -1,0 +1,79 @@
+"""The dtypes of a step at each --precision, emulated (float32 arrays) or real (half arrays).
+
+One table says what every array of a step holds, so the kernels and the model agree:
+
+| arrays | fp32 | bf16 / fp16 emulated | bf16 / fp16 real (--gpu-kernels) |
+|---|---|---|---|
+| activations, input gradients | float32 | float32 rounded to the format | the format |
+| weights a forward uses | float32 | float32 rounded | the format |
+| master weights, weight gradients, optimizer state | float32 | float32 | float32 |
+| GEMM / convolution sums, BatchNorm statistics, loss | float32 | float32 | float32 |
+
+bf16 is ml_dtypes.bfloat16 on NumPy and on CuPy (CuPy 14 takes it as an array dtype), fp16 is
+float16. Emulated values are exactly the format's (hpcdl.nn.precision rounds to nearest, ties to
+even, as a cast does; tests/test_nn_dtypes.py checks the two agree bit for bit), so a real
+kernel may cast an emulated activation to the format without losing anything and add its
+products in float32: the same numbers up to the order of the sums. fp16 keeps its loss scaling
+either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcdl.nn.precision import check_precision
+
+FLOAT32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class StepDtypes:
+    """What a step's arrays hold (module table)."""
+
+    precision: str
+    activations: np.dtype  # layer outputs and input gradients, as arrays
+    weights: np.dtype  # the copy of the masters a forward uses
+    real: bool  # arrays of the format (True), or float32 holding its values (False)
+    master: np.dtype = FLOAT32  # parameters the optimizer updates, allreduces, checkpoints
+    gradients: np.dtype = FLOAT32  # weight gradients, summed in float32
+    optimizer_state: np.dtype = FLOAT32
+    accumulate: np.dtype = FLOAT32  # GEMM sums, BatchNorm statistics, the loss
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16 scales the loss (LossScaler), emulated or real."""
+        return self.precision == "fp16"
+
+
+def half_dtype(precision: str) -> np.dtype:
+    """The array dtype of a format: float32, ml_dtypes.bfloat16 or float16."""
+    check_precision(precision)
+    if precision == "fp32":
+        return FLOAT32
+    if precision == "fp16":
+        return np.dtype(np.float16)
+    try:
+        import ml_dtypes  # noqa: PLC0415
+    except ImportError:
+        raise ValueError(
+            "bf16 arrays need the ml_dtypes package; install hpcdl's gpu extra "
+            "(pip install 'hpcdl[gpu]') or leave out --gpu-kernels"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def step_dtypes(precision: str, real: bool) -> StepDtypes:
+    """The dtypes of a step at `precision`; real: half arrays (the kernels of --gpu-kernels)."""
+    held = half_dtype(precision) if real else FLOAT32
+    return StepDtypes(precision, held, held, real and precision != "fp32")
+
+
+def cast(x: Any, dtype: np.dtype, out: Any = None) -> Any:
+    """x as dtype (round to nearest, ties to even; beyond the range +-inf), into out if given."""
+    if out is None:
+        return x.astype(dtype, copy=False)
+    out[...] = x
+    return out

@@ -1,0 +1,86 @@
+"""The seam for fast kernels: one module per op family, a kernel chosen per op.
+
+NOTE [fast kernels]
+The NumPy code in the layers is the reference and stays the default. A fast kernel (cuDNN
+graphs, CuPy ElementwiseKernels, counter-based dropout) lives in the module of its op family
+here: `conv`, `batchnorm`, `pool`, `dropout`, `optimizer`. Each module lists its kernels in
+`KERNELS`, best first; a kernel has the shape of hpcdl.nn.conv_winograd's path:
+- `applies(layer, x)`: whether it takes this op (backend, shape, dtype, what it was built for);
+- `forward(layer, x, train)` -> y, and `backward(layer, dy)` -> dx (or None where the layer
+  computes no input gradient), writing the parameter gradients into `layer.g` as the reference
+  does (the optimizer family has `step(optimizer, lr)` instead).
+A layer holds a `Seam` for its family and asks it first; when no kernel applies it runs its own
+NumPy/CuPy code, so a layer never learns which kernel ran, and a kernel that refuses a shape
+(cuDNN has no plan for it, say) falls back by not applying, saying so once (`say_once`).
+
+Kernels are opt-in (`--gpu-kernels`, or HPCDL_GPU_KERNELS=1) until a recorded GPU run shows
+one correct and faster (issue 47); with them off every family's choice is the reference.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any, Protocol
+
+FAMILIES = ("conv", "batchnorm", "pool", "dropout", "optimizer")
+ENV = "HPCDL_GPU_KERNELS"
+
+_enabled = os.environ.get(ENV, "") not in ("", "0")
+_said: set[str] = set()
+
+
+class Kernel(Protocol):
+    """A fast kernel for one op family (NOTE [fast kernels])."""
+
+    name: str
+
+    def applies(self, layer: Any, x: Any) -> bool: ...
+    def forward(self, layer: Any, x: Any, train: bool) -> Any: ...
+    def backward(self, layer: Any, dy: Any) -> Any: ...
+
+
+def enable(on: bool) -> None:
+    """Turn the fast kernels on or off for this process (--gpu-kernels)."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def candidates(family: str) -> list[Any]:
+    """The kernels of an op family, best first (its module's KERNELS)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown op family {family!r}; one of {', '.join(FAMILIES)}")
+    return importlib.import_module(f"hpcdl.nn.kernels.{family}").KERNELS
+
+
+def choose(family: str, layer: Any, x: Any) -> Any:
+    """The first kernel of `family` that applies to (layer, x), or None: the reference runs."""
+    if not _enabled:
+        return None
+    return next((k for k in candidates(family) if k.applies(layer, x)), None)
+
+
+def say_once(key: str, line: str) -> None:
+    """One line on stderr per key and process: a fallback is said once, not every step."""
+    if key not in _said:
+        _said.add(key)
+        print(f"hpcdl: {line}", file=sys.stderr, flush=True)
+
+
+class Seam:
+    """A layer's door to its family's kernels; remembers forward's kernel for backward."""
+
+    def __init__(self, family: str) -> None:
+        candidates(family)  # a misspelt family fails when the layer is built
+        self.family = family
+        self.kernel: Any = None  # the kernel of the last forward; None: the reference ran
+
+    def take(self, layer: Any, x: Any) -> bool:
+        """Choose for this forward; True when a kernel runs it (then call .kernel)."""
+        self.kernel = choose(self.family, layer, x)
+        return self.kernel is not None

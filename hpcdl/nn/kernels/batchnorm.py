@@ -1,0 +1,146 @@
+"""Fast kernels for BatchNorm (NOTE [fast kernels] in hpcdl/nn/kernels/__init__.py).
+
+CudnnBatchNorm: training forward (batch statistics, running statistics updated in place with
+PyTorch's momentum rule) and backward (dx, d gamma, d beta) as cuDNN frontend graphs in NHWC
+(NOTE [cuDNN graphs] in hpcdl/nn/kernels/cudnn_graphs.py), on CuPy arrays with --gpu-kernels.
+Statistics and the parameter gradients are float32; x, y, dy and dx are in the layer's format.
+Not with --sync-bn: cuDNN's fused graph cannot put the ranks' allreduce between the statistics
+and the normalisation, so SyncBatchNorm keeps the reference. Evaluation is one elementwise pass
+with the running statistics. Fusing the ReLU and the residual add that follow a BatchNorm
+(cuDNN's BN+ReLU and BN+add+ReLU graphs) needs the blocks to hand the pair to one kernel; not
+done yet. Where none applies, BatchNorm runs its own GEMV-sum code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module
+from hpcdl.nn.kernels import cudnn_graphs
+from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, nhwc
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+class CudnnBatchNorm:
+    """BatchNorm over (N, H, W, C) through cuDNN graphs; plans cached per shape."""
+
+    name = "cudnn"
+
+    def __init__(self) -> None:
+        self.cache = PlanCache(self._build)
+
+    def keys(self, layer: Any, x_shape: tuple[int, ...]) -> dict[str, PlanKey]:
+        io = cudnn_graphs.io_dtype(layer.precision).name
+        shapes = (tuple(x_shape), (layer.channels,))
+        return {op: PlanKey(op, shapes, io) for op in ("bn_train", "bn_backward")}
+
+    def applies(self, layer: Any, x: Any) -> bool:
+        if cudnn_graphs.runtime_for(x) is None or x.ndim != 4 or not x.flags.c_contiguous:
+            return False
+        if layer.stat_reducer is not None:  # SyncBatchNorm: the reference (module docstring)
+            return False
+        return all(self.cache.get(key) is not None for key in self.keys(layer, x.shape).values())
+
+    def forward(self, layer: Any, x: Any, train: bool) -> Any:
+        xp = array_module(x)
+        layer.train = train
+        if not train:
+            inv_std = 1.0 / xp.sqrt(layer.b["running_var"] + layer.eps)
+            scale = layer.p["gamma"] * inv_std
+            return (x - layer.b["running_mean"]) * scale + layer.p["beta"]
+        rt, c = cudnn_graphs.runtime(), layer.channels
+        io = cudnn_graphs.io_dtype(layer.precision)
+        xs = layer._work.get("cudnn_x", x.shape, io, xp)  # kept for backward
+        xs[...] = x
+        mean = layer._work.get("cudnn_mean", (c,), _FLOAT32, xp)
+        inv_var = layer._work.get("cudnn_inv_var", (c,), _FLOAT32, xp)
+        y = xp.empty(x.shape, dtype=io)
+        arrays = {
+            "x": xs,
+            "scale": layer.p["gamma"],
+            "bias": layer.p["beta"],
+            "in_mean": layer.b["running_mean"],
+            "in_var": layer.b["running_var"],
+            "out_mean": layer.b["running_mean"],  # updated in place, as the frontend allows
+            "out_var": layer.b["running_var"],
+            "epsilon": np.full((1, 1, 1, 1), layer.eps, np.float32),
+            "momentum": np.full((1, 1, 1, 1), layer.momentum, np.float32),
+            "mean": mean,
+            "inv_var": inv_var,
+            "y": y,
+        }
+        rt.run(self.cache.get(self.keys(layer, x.shape)["bn_train"]), arrays, xp)
+        return y if io == _FLOAT32 else y.astype(_FLOAT32)
+
+    def backward(self, layer: Any, dy: Any) -> Any:
+        rt, xp = cudnn_graphs.runtime(), array_module(dy)
+        work = layer._work
+        xs = work.last("cudnn_x")
+        dys = work.get("cudnn_dy", dy.shape, xs.dtype, xp)
+        dys[...] = dy
+        dx = xp.empty(dy.shape, dtype=xs.dtype)
+        arrays = {
+            "dy": dys,
+            "x": xs,
+            "scale": layer.p["gamma"],
+            "mean": work.last("cudnn_mean"),
+            "inv_var": work.last("cudnn_inv_var"),
+            "dx": dx,
+            "dscale": layer.g["gamma"],  # float32, straight into the flat gradient buffer
+            "dbias": layer.g["beta"],
+        }
+        rt.run(self.cache.get(self.keys(layer, dy.shape)["bn_backward"]), arrays, xp)
+        if not layer.input_grad:
+            return None
+        return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
+
+    def _build(self, key: PlanKey) -> Plan:
+        rt = cudnn_graphs.runtime()
+        x_shape, c_shape = key.shapes
+        io = cudnn_graphs.dtype_named(key.io)
+        g = rt.graph(io)
+
+        def vec(name: str) -> Any:
+            return rt.tensor(g, name, nhwc(c_shape), _FLOAT32)
+
+        if key.op == "bn_train":
+            t = {"x": rt.tensor(g, "x", nhwc(x_shape), io)}
+            t.update({name: vec(name) for name in ("scale", "bias", "in_mean", "in_var")})
+            t.update({name: rt.scalar(g, name) for name in ("epsilon", "momentum")})
+            outs = g.batchnorm(
+                name="bn",
+                input=t["x"],
+                scale=t["scale"],
+                bias=t["bias"],
+                in_running_mean=t["in_mean"],
+                in_running_var=t["in_var"],
+                epsilon=t["epsilon"],
+                momentum=t["momentum"],
+            )
+            t.update(zip(("y", "mean", "inv_var", "out_mean", "out_var"), outs, strict=True))
+            rt.output(t["y"], nhwc(x_shape), io)
+            for name in ("mean", "inv_var", "out_mean", "out_var"):
+                rt.output(t[name], nhwc(c_shape), _FLOAT32)
+        else:
+            t = {"dy": rt.tensor(g, "dy", nhwc(x_shape), io)}
+            t["x"] = rt.tensor(g, "x", nhwc(x_shape), io)
+            t.update({name: vec(name) for name in ("scale", "mean", "inv_var")})
+            outs = g.batchnorm_backward(
+                name="bn_backward",
+                grad=t["dy"],
+                input=t["x"],
+                scale=t["scale"],
+                mean=t["mean"],
+                inv_variance=t["inv_var"],
+            )
+            t.update(zip(("dx", "dscale", "dbias"), outs, strict=True))
+            rt.output(t["dx"], nhwc(x_shape), io)
+            rt.output(t["dscale"], nhwc(c_shape), _FLOAT32)
+            rt.output(t["dbias"], nhwc(c_shape), _FLOAT32)
+        return rt.finish(g, t)
+
+
+KERNELS: list[Any] = [CudnnBatchNorm()]

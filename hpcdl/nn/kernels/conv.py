@@ -1,0 +1,116 @@
+"""Fast kernels for Conv2d (NOTE [fast kernels] in hpcdl/nn/kernels/__init__.py).
+
+CudnnConv: forward, data gradient and weight gradient as three cuDNN frontend graphs in NHWC
+(NOTE [cuDNN graphs] in hpcdl/nn/kernels/cudnn_graphs.py), on CuPy arrays with --gpu-kernels.
+It applies to a layer and input shape once all three plans are built (the data gradient's
+only where the layer computes one); a shape cuDNN refuses stays with Conv2d's im2col path.
+Where none applies, Conv2d runs its own im2col / Winograd code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module
+from hpcdl.nn.kernels import cudnn_graphs
+from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, krsc, nhwc
+
+_FLOAT32 = np.dtype(np.float32)
+
+
+class CudnnConv:
+    """Conv2d through cuDNN graphs; plans cached per shape (one cache per process)."""
+
+    name = "cudnn"
+
+    def __init__(self) -> None:
+        self.cache = PlanCache(self._build)
+
+    def keys(self, layer: Any, x_shape: tuple[int, ...]) -> dict[str, PlanKey]:
+        """The plans a forward and backward of layer on x_shape need, by operation."""
+        n, h, w, _ = x_shape
+        ho, wo = layer.output_hw(h, w)
+        shapes = (tuple(x_shape), tuple(layer.p["W"].shape), (n, ho, wo, layer.c_out))
+        io = cudnn_graphs.io_dtype(layer.precision).name
+        ops = ["conv_fprop", "conv_wgrad"] + (["conv_dgrad"] if layer.input_grad else [])
+        pads, strides = (layer.ph, layer.pw), (layer.sh, layer.sw)
+        return {op: PlanKey(op, shapes, io, pads, strides) for op in ops}
+
+    def applies(self, layer: Any, x: Any) -> bool:
+        if cudnn_graphs.runtime_for(x) is None or not x.flags.c_contiguous:
+            return False
+        return all(self.cache.get(key) is not None for key in self.keys(layer, x.shape).values())
+
+    def forward(self, layer: Any, x: Any, train: bool) -> Any:
+        rt, xp = cudnn_graphs.runtime(), array_module(x)
+        keys = self.keys(layer, x.shape)
+        io = cudnn_graphs.io_dtype(layer.precision)
+        xs = layer._buffers.get("cudnn_x", x.shape, io, xp)  # kept for the weight gradient
+        xs[...] = x  # exact: an emulated activation holds values of the format
+        wk = layer._buffers.get("cudnn_w_krsc", _krsc_shape(layer), io, xp)
+        wk[...] = layer.p["W"].transpose(3, 0, 1, 2)  # (kh, kw, C_in, C_out) -> KRSC
+        y = xp.empty(keys["conv_fprop"].shapes[2], dtype=io)
+        rt.run(self.cache.get(keys["conv_fprop"]), {"x": xs, "w": wk, "y": y}, xp)
+        y = y if io == _FLOAT32 else y.astype(_FLOAT32)
+        if layer.has_bias:
+            y += layer.p["b"]
+        layer.x_shape = x.shape
+        return y
+
+    def backward(self, layer: Any, dy: Any) -> Any:
+        rt, xp = cudnn_graphs.runtime(), array_module(dy)
+        keys = self.keys(layer, layer.x_shape)
+        xs, wk = layer._workspace("cudnn_x"), layer._workspace("cudnn_w_krsc")
+        dys = layer._buffers.get("cudnn_dy", dy.shape, xs.dtype, xp)
+        dys[...] = dy
+        if layer.has_bias:  # a GEMV with ones, as the reference
+            rows = dy.reshape(-1, dy.shape[-1])
+            ones = layer._workspace("ones", (rows.shape[0],), dy.dtype, xp, fill=1)
+            xp.matmul(ones, rows, out=layer.g["b"])
+        dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), _FLOAT32, xp)
+        rt.run(self.cache.get(keys["conv_wgrad"]), {"x": xs, "dy": dys, "dw": dwk}, xp)
+        layer.g["W"][...] = dwk.transpose(1, 2, 3, 0)  # KRSC -> (kh, kw, C_in, C_out)
+        if not layer.input_grad:
+            return None
+        dx = xp.empty(layer.x_shape, dtype=xs.dtype)
+        rt.run(self.cache.get(keys["conv_dgrad"]), {"dy": dys, "w": wk, "dx": dx}, xp)
+        return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
+
+    def _build(self, key: PlanKey) -> Plan:
+        rt = cudnn_graphs.runtime()
+        x_shape, w_shape, y_shape = key.shapes
+        io = cudnn_graphs.dtype_named(key.io)
+        g = rt.graph(io)
+        conv = {"padding": list(key.padding), "stride": list(key.stride), "dilation": [1, 1]}
+        if key.op == "conv_fprop":
+            t = {
+                "x": rt.tensor(g, "x", nhwc(x_shape), io),
+                "w": rt.tensor(g, "w", krsc(w_shape), io),
+            }
+            t["y"] = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
+            rt.output(t["y"], nhwc(y_shape), io)
+        elif key.op == "conv_dgrad":
+            t = {
+                "dy": rt.tensor(g, "dy", nhwc(y_shape), io),
+                "w": rt.tensor(g, "w", krsc(w_shape), io),
+            }
+            t["dx"] = g.conv_dgrad(loss=t["dy"], filter=t["w"], **conv)
+            rt.output(t["dx"], nhwc(x_shape), io)
+        else:
+            t = {
+                "x": rt.tensor(g, "x", nhwc(x_shape), io),
+                "dy": rt.tensor(g, "dy", nhwc(y_shape), io),
+            }
+            t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
+            rt.output(t["dw"], krsc(w_shape), _FLOAT32)  # summed and kept in float32
+        return rt.finish(g, t)
+
+
+def _krsc_shape(layer: Any) -> tuple[int, int, int, int]:
+    kh, kw, c_in, c_out = layer.p["W"].shape
+    return (c_out, kh, kw, c_in)
+
+
+KERNELS: list[Any] = [CudnnConv()]

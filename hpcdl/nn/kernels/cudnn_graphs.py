@@ -1,0 +1,218 @@
+"""cuDNN frontend graphs on CuPy memory: the runtime, the layouts and the plan cache that the
+convolution and BatchNorm kernels (hpcdl.nn.kernels.conv, .batchnorm) share.
+
+NOTE [cuDNN graphs]
+- The module is NVIDIA's `nvidia-cudnn-frontend` (import name `cudnn`, the gpu extras). CuPy 14
+  dropped its own cuDNN module; the frontend's Python graphs run on CuPy memory because the
+  variant pack and the workspace are raw device pointers (`array.data.ptr`).
+- Layout: hpcdl's activations are NHWC and contiguous. cuDNN names dimensions in NCHW order
+  and takes the layout from the strides, so an (N, H, W, C) array is dim [N, C, H, W] with
+  strides [H*W*C, 1, W*C, C]. Filters are stored (kh, kw, C_in, C_out) in the flat parameter
+  buffer (checkpoints, .pth, ONNX and the reducer keep that one layout); cuDNN wants KRSC,
+  (C_out, kh, kw, C_in), so a kernel copies the weights into a KRSC workspace per forward
+  and transposes the weight gradient back into the flat gradient buffer.
+- Plans: building one (validate, operation graph, heuristics A then FALLBACK, support check,
+  plans) costs milliseconds, so each is built once per PlanKey (operation, shapes, dtypes,
+  padding, stride) and cached per process. A key cuDNN refuses (cudnnGraphNotSupportedError or
+  any error while building) is remembered as refused: the kernel stops applying to it and the
+  layer's reference runs, said once.
+- Workspace: one byte buffer from CuPy's memory pool, grown to the largest plan's need
+  (hpcdl.nn.workspace), so no step allocates.
+- Dtypes (hpcdl.nn.dtypes): I/O in the layer's format (float32, or bf16/fp16 arrays of the
+  emulated values: exact), sums (compute and intermediate) in float32.
+Everything here but the calls into `cudnn` runs on CPU: tests/test_nn_cudnn.py drives it with a
+stand-in module that executes the graphs in NumPy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import is_device_array
+from hpcdl.nn.dtypes import half_dtype
+from hpcdl.nn.kernels import say_once
+from hpcdl.nn.workspace import Workspaces
+
+_DATA_TYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16"}
+
+
+def nhwc(shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """cuDNN (dim, stride) of a contiguous (N, H, W, C) array, or of (C,) as (1, C, 1, 1)."""
+    if len(shape) == 1:
+        (c,) = shape
+        return [1, c, 1, 1], [c, 1, c, c]
+    n, h, w, c = shape
+    return [n, c, h, w], [h * w * c, 1, w * c, c]
+
+
+def krsc(weight_shape: tuple[int, int, int, int]) -> tuple[list[int], list[int]]:
+    """cuDNN (dim, stride) of the KRSC workspace, (C_out, kh, kw, C_in) contiguous, for a
+    weight stored (kh, kw, C_in, C_out)."""
+    kh, kw, c_in, c_out = weight_shape
+    return [c_out, c_in, kh, kw], [kh * kw * c_in, 1, kw * c_in, c_in]
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What makes a plan: the operation and everything its graph is built from."""
+
+    op: str  # conv_fprop | conv_dgrad | conv_wgrad | bn_train | bn_backward
+    shapes: tuple[tuple[int, ...], ...]  # (x, w or scale, y) in hpcdl's layouts
+    io: str  # "float32", "bfloat16" or "float16"
+    padding: tuple[int, int] = (0, 0)
+    stride: tuple[int, int] = (1, 1)
+
+
+@dataclass
+class Plan:
+    """A built graph and its tensors by name; run() executes it on arrays."""
+
+    graph: Any
+    tensors: dict[str, Any]
+    workspace_bytes: int
+
+
+@dataclass
+class Runtime:
+    """The cuDNN module, its handle and how arrays become pointers. The default is CuPy's;
+    tests give a stand-in module and NumPy arrays."""
+
+    cudnn: Any
+    # device arrays go in as raw pointers; host arrays (pass-by-value scalars) as themselves
+    pointer: Callable[[Any], Any] = lambda a: a.data.ptr if is_device_array(a) else a
+    is_device: Callable[[Any], bool] = is_device_array
+    handle: Any = None
+    work: Workspaces = field(default_factory=Workspaces)
+
+    def __post_init__(self) -> None:
+        if self.handle is None:
+            self.handle = self.cudnn.create_handle()
+
+    def data_type(self, dtype: Any) -> Any:
+        return getattr(self.cudnn.data_type, _DATA_TYPES[np.dtype(dtype).name])
+
+    def graph(self, io_dtype: Any) -> Any:
+        dt = self.cudnn.data_type
+        return self.cudnn.pygraph(
+            io_data_type=self.data_type(io_dtype),
+            intermediate_data_type=dt.FLOAT,
+            compute_data_type=dt.FLOAT,
+            handle=self.handle,
+        )
+
+    def tensor(self, graph: Any, name: str, layout: tuple[list[int], list[int]], dtype: Any):
+        dim, stride = layout
+        return graph.tensor(name=name, dim=dim, stride=stride, data_type=self.data_type(dtype))
+
+    def scalar(self, graph: Any, name: str) -> Any:
+        """A float32 scalar passed by value (a host (1, 1, 1, 1) array in the variant pack)."""
+        return graph.tensor(
+            name=name,
+            dim=[1, 1, 1, 1],
+            stride=[1, 1, 1, 1],
+            data_type=self.cudnn.data_type.FLOAT,
+            is_pass_by_value=True,
+        )
+
+    def output(self, tensor: Any, layout: tuple[list[int], list[int]], dtype: Any) -> None:
+        """Mark a graph's result as an output of this layout and dtype."""
+        dim, stride = layout
+        tensor.set_output(True).set_dim(dim).set_stride(stride).set_data_type(self.data_type(dtype))
+
+    def finish(self, graph: Any, tensors: dict[str, Any]) -> Plan:
+        """Validate and build the plans of a described graph (the frontend's sequence)."""
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([self.cudnn.heur_mode.A, self.cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        return Plan(graph, tensors, int(graph.get_workspace_size()))
+
+    def run(self, plan: Plan, arrays: dict[str, Any], xp: Any) -> None:
+        """Execute plan with arrays by tensor name, on the current stream."""
+        pack = {plan.tensors[name]: self.pointer(a) for name, a in arrays.items()}
+        size = max(plan.workspace_bytes, 1)
+        workspace = self.work.at_least("cudnn_workspace", (size,), np.uint8, xp)
+        plan.graph.execute(pack, self.pointer(workspace), handle=self.handle)
+
+
+class PlanCache:
+    """Plans by PlanKey, each built once; a key cuDNN refused stays refused (said once)."""
+
+    def __init__(self, build: Callable[[PlanKey], Plan]) -> None:
+        self._build = build
+        self._plans: dict[PlanKey, Plan] = {}
+        self.refused: set[PlanKey] = set()
+        self.builds = 0  # plans built so far (each key once)
+
+    def get(self, key: PlanKey) -> Plan | None:
+        if key in self.refused:
+            return None
+        plan = self._plans.get(key)
+        if plan is None:
+            self.builds += 1
+            try:
+                plan = self._plans[key] = self._build(key)
+            except Exception as exc:  # noqa: BLE001 - any refusal means: the reference runs
+                self.refused.add(key)
+                say_once(
+                    f"cudnn-refused:{key}",
+                    f"cuDNN has no plan for {key.op} {key.shapes} {key.io} "
+                    f"({type(exc).__name__}: {exc}); that layer runs hpcdl's own kernels",
+                )
+                return None
+        return plan
+
+
+def io_dtype(precision: str) -> np.dtype:
+    """The I/O dtype of a layer at --precision: its format's arrays (hpcdl.nn.dtypes)."""
+    return half_dtype(precision)
+
+
+def dtype_named(name: str) -> np.dtype:
+    """The dtype a PlanKey names ("float32", "bfloat16", "float16")."""
+    return half_dtype({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[name])
+
+
+_RUNTIME: Runtime | None = None
+_LOADED = False
+
+
+def runtime() -> Runtime | None:
+    """The process's cuDNN runtime on CuPy, or None without the frontend (said once)."""
+    global _RUNTIME, _LOADED
+    if not _LOADED:
+        _LOADED = True
+        try:
+            import cudnn  # noqa: PLC0415
+
+            _RUNTIME = Runtime(cudnn)
+        except Exception as exc:  # noqa: BLE001 - no module, no library, no GPU: the reference
+            say_once(
+                "cudnn-missing",
+                f"--gpu-kernels: cuDNN's frontend is not usable ({type(exc).__name__}: {exc}); "
+                "convolution and BatchNorm run hpcdl's own kernels (pip install 'hpcdl[gpu]')",
+            )
+    return _RUNTIME
+
+
+def runtime_for(x: Any) -> Runtime | None:
+    """The runtime when x is an array it runs on (a device array), else None; host arrays never
+    load the frontend, so CPU runs with --gpu-kernels say nothing about cuDNN."""
+    if _LOADED:
+        return _RUNTIME if _RUNTIME is not None and _RUNTIME.is_device(x) else None
+    return runtime() if is_device_array(x) else None
+
+
+def version() -> str | None:
+    """cuDNN's backend version as the frontend reports it, or None (hpcdl doctor)."""
+    try:
+        import cudnn  # noqa: PLC0415
+
+        return str(cudnn.backend_version())
+    except Exception:  # noqa: BLE001 - not installed or no library: nothing to report
+        return None

@@ -1,0 +1,285 @@
+"""hpcdl.nn.kernels' cuDNN graphs (--gpu-kernels): plan cache, NHWC/KRSC layouts, dtypes, the
+fallback and the seam's choice, on CPU with a stand-in cudnn module that runs the graphs in
+NumPy (tests/fake_cudnn.py); against the NumPy reference on a GPU where one exists."""
+
+import numpy as np
+import pytest
+from fake_cudnn import Module
+
+from hpcdl import nn
+from hpcdl.backend import cupy_or_none, gpu_available
+from hpcdl.nn import kernels
+from hpcdl.nn.kernels import batchnorm as bn_kernels
+from hpcdl.nn.kernels import conv as conv_kernels
+from hpcdl.nn.kernels import cudnn_graphs
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The stand-in module as the process's cuDNN, on NumPy arrays, kernels on."""
+    module = Module()
+    runtime = cudnn_graphs.Runtime(module, pointer=lambda a: a, is_device=lambda a: True)
+    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
+    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
+    monkeypatch.setattr(conv_kernels, "KERNELS", [conv_kernels.CudnnConv()])
+    monkeypatch.setattr(kernels, "_enabled", True)
+    return module
+
+
+def conv_pair(monkeypatch, c_in, c_out, k, stride, pad, bias=True, precision="fp32"):
+    """(cuDNN layer, reference layer) with the same weights, in models of their own."""
+    layers = []
+    for _ in range(2):
+        conv = nn.Conv2d(c_in, c_out, k, stride=stride, padding=pad, bias=bias)
+        model = nn.Model("c", [conv], (c_in, 9, 9), 10, seed=4)
+        if precision != "fp32":
+            model.set_precision(precision)
+            model._compute_params[...] = model.params
+        layers.append(conv)
+    return layers
+
+
+def run(layer, x, dy_seed=1, input_grad=True):
+    """Forward, then backward of a random dy (rounded to the layer's format, as Sequential
+    hands it over); returns (y, dx, gradients)."""
+    layer.input_grad = input_grad
+    y = layer.forward(x)
+    dy = np.random.default_rng(dy_seed).standard_normal(y.shape).astype(np.float32)
+    if layer.precision != "fp32":
+        nn.precision.round_in_place(dy.reshape(-1), layer.precision)
+    dx = layer.backward(dy)
+    grads = {name: g.copy() for name, g in layer.g.items()}
+    return y, dx, grads
+
+
+def reference(layer, x, input_grad=True):
+    enabled = kernels.enabled()
+    kernels.enable(False)
+    try:
+        return run(layer, x, input_grad=input_grad)
+    finally:
+        kernels.enable(enabled)
+
+
+CASES = [
+    (3, 4, 3, 1, 1, True),
+    (4, 6, 3, 2, 1, False),
+    (5, 3, 1, 1, 0, True),
+    (2, 3, 2, 2, 0, True),
+]
+
+
+@pytest.mark.parametrize(("c_in", "c_out", "k", "stride", "pad", "bias"), CASES)
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_cudnn_conv_gives_the_reference_forward_and_gradients(
+    fake, monkeypatch, c_in, c_out, k, stride, pad, bias, input_grad
+):
+    fast, ref = conv_pair(monkeypatch, c_in, c_out, k, stride, pad, bias)
+    x = np.random.default_rng(0).standard_normal((3, 9, 9, c_in)).astype(np.float32)
+    y, dx, grads = run(fast, x, input_grad=input_grad)
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+    y_ref, dx_ref, grads_ref = reference(ref, x, input_grad)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for name in grads_ref:
+        np.testing.assert_allclose(grads[name], grads_ref[name], rtol=1e-4, atol=1e-4)
+    if input_grad:
+        np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert dx is None and dx_ref is None
+    assert y.dtype == np.float32
+
+
+def test_plans_are_built_once_per_shape_in_the_frontends_order(fake, monkeypatch):
+    fast, _ = conv_pair(monkeypatch, 3, 4, 3, 1, 1)
+    x = np.ones((2, 9, 9, 3), np.float32)
+    for _ in range(3):
+        run(fast, x)
+    assert len(fake.graphs) == 3 and fake.executions == 9  # fprop, wgrad, dgrad; 3 steps
+    assert fake.graphs[0].built == [
+        "validate",
+        "operation_graph",
+        ("plans", ("A", "FALLBACK")),
+        "support",
+        "build",
+    ]
+    run(fast, np.ones((5, 9, 9, 3), np.float32))  # another batch: another shape
+    assert len(fake.graphs) == 6
+    assert conv_kernels.KERNELS[0].cache.builds == 6
+
+
+def test_layouts_are_nhwc_activations_and_krsc_filters_named_in_nchw_order(fake, monkeypatch):
+    fast, _ = conv_pair(monkeypatch, 3, 4, 3, 2, 1)
+    run(fast, np.ones((2, 9, 9, 3), np.float32))
+    fprop = next(g for g in fake.graphs if g.ops[0][0].op == "conv_fprop").ops[0][0]
+    x, w = fprop.inputs["x"], fprop.inputs["w"]
+    assert (x.dim, x.stride) == ([2, 3, 9, 9], [9 * 9 * 3, 1, 9 * 3, 3])
+    assert (w.dim, w.stride) == ([4, 3, 3, 3], [3 * 3 * 3, 1, 3 * 3, 3])  # K, C, R, S over KRSC
+    assert (fprop.dim, fprop.stride) == ([2, 4, 5, 5], [5 * 5 * 4, 1, 5 * 4, 4])
+    # the stored weight keeps hpcdl's layout; the KRSC copy is a workspace
+    assert fast.p["W"].shape == (3, 3, 3, 4) and fast._workspace("cudnn_w_krsc").shape == (
+        4,
+        3,
+        3,
+        3,
+    )
+
+
+def test_a_shape_cudnn_refuses_falls_back_to_the_reference_and_says_so_once(
+    fake, monkeypatch, capsys
+):
+    fake.refuse = lambda op, dims: op == "conv_wgrad" and dims[0] == 7
+    fast, ref = conv_pair(monkeypatch, 3, 4, 3, 1, 1)
+    x = np.random.default_rng(2).standard_normal((7, 9, 9, 3)).astype(np.float32)
+    for _ in range(2):
+        y, dx, grads = run(fast, x)
+    assert fast.seam.kernel is None  # the reference ran: bitwise its numbers
+    y_ref, dx_ref, grads_ref = reference(ref, x)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(dx, dx_ref)
+    err = capsys.readouterr().err
+    assert err.count("cuDNN has no plan for conv_wgrad") == 1, err
+    assert "runs hpcdl's own kernels" in err
+    run(fast, np.ones((2, 9, 9, 3), np.float32))  # another shape still takes cuDNN
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+
+
+@pytest.mark.parametrize(("precision", "name"), [("bf16", "BFLOAT16"), ("fp16", "HALF")])
+def test_half_precision_runs_the_formats_arrays_and_sums_weight_gradients_in_float32(
+    fake, monkeypatch, precision, name
+):
+    fast, ref = conv_pair(monkeypatch, 3, 4, 3, 1, 1, precision=precision)
+    x = np.random.default_rng(3).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    nn.precision.round_in_place(x, precision)  # what a layer receives under --precision
+    y, dx, grads = run(fast, x)
+    graph = fake.graphs[0]
+    assert graph.options["io_data_type"] == name
+    assert graph.options["compute_data_type"] == "FLOAT"
+    wgrad = next(g for g in fake.graphs if g.ops[0][0].op == "conv_wgrad").ops[0][0]
+    assert wgrad.data_type == "FLOAT" and wgrad.inputs["x"].data_type == name
+    assert fast._workspace("cudnn_x").dtype == nn.dtypes.half_dtype(precision)
+    y_ref, _, grads_ref = reference(ref, x)
+    tol = 2e-2 if precision == "bf16" else 2e-3  # the output's rounding to the format
+    np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(grads["W"], grads_ref["W"], rtol=tol, atol=tol)
+
+
+def test_without_the_frontend_the_kernel_never_applies(monkeypatch):
+    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", None)
+    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    layer = nn.Conv2d(2, 2, 3)
+    nn.Model("c", [layer], (2, 5, 5), 10)
+    assert not conv_kernels.CudnnConv().applies(layer, np.ones((1, 5, 5, 2), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize(("c_in", "c_out", "k", "stride", "pad", "bias"), CASES)
+def test_cudnn_conv_on_the_gpu_matches_the_numpy_reference(c_in, c_out, k, stride, pad, bias):
+    cp = cupy_or_none()
+    if cudnn_graphs.runtime() is None:
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    ref = nn.Conv2d(c_in, c_out, k, stride=stride, padding=pad, bias=bias)
+    nn.Model("c", [ref], (c_in, 9, 9), 10, seed=4)
+    fast = nn.Conv2d(c_in, c_out, k, stride=stride, padding=pad, bias=bias)
+    nn.Model("c", [fast], (c_in, 9, 9), 10, seed=4, xp=cp)
+    x = np.random.default_rng(0).standard_normal((3, 9, 9, c_in)).astype(np.float32)
+    kernels.enable(True)
+    try:
+        y = fast.forward(cp.asarray(x))
+        dy = np.random.default_rng(1).standard_normal(y.shape).astype(np.float32)
+        dx = fast.backward(cp.asarray(dy))
+        assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+    finally:
+        kernels.enable(False)
+    y_ref = ref.forward(x)
+    dx_ref = ref.backward(dy)
+    np.testing.assert_allclose(cp.asnumpy(y), y_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(dx), dx_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(fast.g["W"]), ref.g["W"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.fixture
+def fake_bn(fake, monkeypatch):
+    monkeypatch.setattr(bn_kernels, "KERNELS", [bn_kernels.CudnnBatchNorm()])
+    return fake
+
+
+def bn_pair(channels=5, precision="fp32"):
+    layers = []
+    for _ in range(2):
+        bn = nn.BatchNorm(channels)
+        model = nn.Model("b", [bn], (channels, 6, 6), 10, seed=2)
+        model._compute_params[...] = np.random.default_rng(9).uniform(0.5, 1.5, model.params.size)
+        if precision != "fp32":
+            model.set_precision(precision)
+        layers.append(bn)
+    return layers
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_cudnn_batchnorm_gives_the_reference_statistics_output_and_gradients(fake_bn, input_grad):
+    fast, ref = bn_pair()
+    x = (np.random.default_rng(4).standard_normal((4, 6, 6, 5)) * 3 + 1).astype(np.float32)
+    for _ in range(2):  # the running statistics move twice, the same way
+        y, dx, grads = run(fast, x, input_grad=input_grad)
+        y_ref, dx_ref, grads_ref = reference(ref, x, input_grad)
+    assert isinstance(fast.seam.kernel, bn_kernels.CudnnBatchNorm)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
+    for name in ("gamma", "beta"):
+        np.testing.assert_allclose(grads[name], grads_ref[name], rtol=1e-4, atol=1e-4)
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(fast.b[name], ref.b[name], rtol=1e-5, atol=1e-6)
+    if input_grad:
+        np.testing.assert_allclose(dx, dx_ref, rtol=1e-4, atol=1e-5)
+    else:
+        assert dx is None
+    evaluated = fast.forward(x, train=False), ref.forward(x, train=False)
+    np.testing.assert_allclose(*evaluated, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batchnorm_keeps_the_reference(fake_bn):
+    fast, _ = bn_pair()
+    fast.stat_reducer = lambda buf: None
+    fast.count = np.array([4 * 6 * 6.0], np.float32)
+    fast.forward(np.ones((4, 6, 6, 5), np.float32))
+    assert fast.seam.kernel is None and fake_bn.graphs == []
+
+
+def test_batchnorm_plans_declare_float32_statistics_and_pass_epsilon_by_value(fake_bn):
+    fast, _ = bn_pair(precision="bf16")
+    run(fast, np.ones((2, 6, 6, 5), np.float32))
+    train = next(g for g in fake_bn.graphs if g.ops[0][0].op == "batchnorm")
+    y, mean, inv_var, out_mean, out_var = train.ops[0]
+    assert train.options["io_data_type"] == "BFLOAT16" and y.data_type == "BFLOAT16"
+    assert {t.data_type for t in (mean, inv_var, out_mean, out_var)} == {"FLOAT"}
+    assert (y.dim, y.stride) == ([2, 5, 6, 6], [6 * 6 * 5, 1, 6 * 5, 5])
+    assert train.ops[0][0].inputs["scale"].dim == [1, 5, 1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("model_name", ["cnn", "resnet20"])
+def test_a_model_with_gpu_kernels_matches_the_numpy_reference(model_name):
+    """Logits and every gradient of one training step, cuDNN graphs against NumPy (float32)."""
+    cp = cupy_or_none()
+    if cudnn_graphs.runtime() is None:
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    shape = (3, 32, 32)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, 8)
+    ref = nn.build_model(model_name, shape, 10, seed=1)
+    fast = nn.build_model(model_name, shape, 10, seed=1, xp=cp)
+    for model in (ref, fast):
+        model.set_rng_state(nn.rank_rng_state(1, 0))
+    logits_ref = ref.forward(x)
+    ref.backward(nn.softmax_cross_entropy(logits_ref, y)[1])
+    kernels.enable(True)
+    try:
+        logits = fast.forward(cp.asarray(x))
+        fast.backward(nn.softmax_cross_entropy(logits, cp.asarray(y))[1])
+    finally:
+        kernels.enable(False)
+    np.testing.assert_allclose(cp.asnumpy(logits), logits_ref, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(fast.grads), ref.grads, rtol=1e-2, atol=1e-4)
