@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import os
 import secrets
 import shlex
@@ -17,12 +18,21 @@ import signal
 import socket
 import struct
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from helpers import make_tree, write_peer_plan
+from peer_stagers import (
+    FILES,
+    SESSION,
+    assert_copies_are_the_sources,
+    fetch,
+    serving_home,
+    start,
+    status,
+    write_plan,
+)
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import find_stager_binary
@@ -30,78 +40,15 @@ from hpcdl.staging.manifest import read_manifest
 from hpcdl.staging.plan import plan_for_node
 from hpcdl.staging.status import ProgressFile, StatusView
 
-FILES = 24
-SESSION = "job"
 PENDING, READY = 0, 2  # a file's states in the status map (docs/staging.md)
-REFUSED = "refused a peer connection from 127.0.0.1: wrong or missing job secret"
-
-
-def write_plan(ds, stage: Path, node: int, peer_address: str | None) -> None:
-    """One node's plan of every file; with peer_address, every file is fetched from node 0."""
-    write_peer_plan(ds, stage, SESSION, node, peer_address)
-
-
-def start(stage: Path, secret: str, listener: socket.socket | None = None, *flags: str):
-    cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", SESSION]
-    cmd += ["--threads", "4", "--peer", *flags]
-    fds: tuple[int, ...] = ()
-    if listener is not None:
-        cmd += ["--peer-listen-fd", str(listener.fileno())]
-        fds = (listener.fileno(),)
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=fds
-    )
-    proc.stdin.write(secret + "\n")
-    proc.stdin.close()
-    proc.stdin = None  # read once by the stager; communicate() must not flush it
-    return proc
-
-
-def status(stage: Path) -> StatusView:
-    view = StatusView(stage / ".hpcdl" / "sessions" / SESSION / "status")
-    deadline = time.monotonic() + 10
-    while not view.open():
-        assert time.monotonic() < deadline, "no status map"
-        time.sleep(0.02)
-    return view
+REFUSED = "refused a peer connection from 127.0.0.1: it did not prove the job's secret"
 
 
 @pytest.fixture
 def home(tmp_path):
     """A home stager that has staged every file and serves them: (ds, address, secret, proc)."""
-    ds = make_tree(tmp_path / "pfs", FILES, 3000)
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    secret = secrets.token_hex(32)
-    write_plan(ds, tmp_path / "a", 0, None)
-    proc = start(tmp_path / "a", secret, listener)
-    listener.close()  # the stager holds its own descriptor
-    view = status(tmp_path / "a")
-    deadline = time.monotonic() + 30
-    while view.field("plan_ready") < FILES:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.02)
-    yield ds, address, secret, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGUSR1)
-    proc.wait(timeout=15)
-
-
-def fetch(ds, tmp_path, address: str, secret: str, *flags: str) -> tuple[StatusView, str]:
-    """A second node's stager, --once, every file planned from the home."""
-    write_plan(ds, tmp_path / "b", 1, address)
-    proc = start(tmp_path / "b", secret, None, "--once", *flags)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    return status(tmp_path / "b"), err
-
-
-def assert_copies_are_the_sources(ds, stage: Path) -> None:
-    for f in ds.files:
-        copy, source = stage / "k" / f.relpath, ds.root / f.relpath
-        assert copy.read_bytes() == source.read_bytes(), f.relpath
-        assert copy.stat().st_mtime_ns == source.stat().st_mtime_ns, f.relpath
-    assert not [p for p in (stage / ".hpcdl" / "sessions" / SESSION).iterdir() if "tmp." in p.name]
+    with serving_home(tmp_path) as served:
+        yield served
 
 
 def test_home_serves_and_peer_copies_obey_every_rule(home, tmp_path):
@@ -137,24 +84,56 @@ def test_fetches_reuse_one_connection_per_copy_thread(home, tmp_path):
     assert_copies_are_the_sources(ds, tmp_path / "b")
 
 
+def client_proof(conn: socket.socket, secret_hex: str, address: str) -> tuple[bytes, bytes]:
+    """The client's side of the handshake (docs/staging.md, "Handshake"): checks the server's
+    proof; returns (our proof, to send with the first request; both nonces)."""
+    nonce = os.urandom(32)
+    conn.sendall(b"HPCDLPH2" + nonce)
+    hello = conn.recv(72, socket.MSG_WAITALL)
+    assert hello[:8] == b"HPCDLPS2"
+    nonces, key = nonce + hello[8:40], bytes.fromhex(secret_hex)
+    server = hmac.new(key, b"hpcdl-peer server\0" + nonces + address.encode(), "sha256")
+    assert hmac.compare_digest(hello[40:], server.digest())
+    return hmac.new(
+        key, b"hpcdl-peer client\0" + nonces + address.encode(), "sha256"
+    ).digest(), nonces
+
+
 def test_a_connection_carries_one_request_after_another(home):
-    """The wire format (docs/staging.md, "Peer tier"): a 56-byte request, a 64-byte reply; a
-    "not here" leaves the connection open for the next request, a refusal closes it."""
-    _, address, secret, _ = home
+    """The wire format (docs/staging.md, "Peer tier"): a handshake, then 24-byte requests and
+    64-byte replies; a served reply's bytes end with their MAC; a "not here" leaves the
+    connection open for the next request, a wrong proof is refused and closed."""
+    ds, address, secret, _ = home
     port = int(address.split(":")[1])
 
-    def request(secret_hex: str, file_id: int) -> bytes:  # a size no file has: "not here"
-        return b"HPCDLPQ1" + bytes.fromhex(secret_hex) + struct.pack("<IIQ", file_id, 0, 1)
+    def request(file_id: int, size: int) -> bytes:
+        return b"HPCDLPQ2" + struct.pack("<IIQ", file_id, 0, size)
 
     with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-        for file_id in range(3):
-            conn.sendall(request(secret, file_id))
+        proof, nonces = client_proof(conn, secret, address)
+        for number, file_id in enumerate(range(3)):  # a size no file has: "not here"
+            conn.sendall((proof if number == 0 else b"") + request(file_id, 1))
             reply = conn.recv(64, socket.MSG_WAITALL)
-            assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (1,)
-        conn.sendall(request(secrets.token_hex(32), 0))
+            assert reply[:8] == b"HPCDLPA2" and struct.unpack_from("<I", reply, 8) == (1,)
+        size = ds.files[0].size
+        conn.sendall(request(0, size))
         reply = conn.recv(64, socket.MSG_WAITALL)
-        assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (2,)
-        assert conn.recv(1) == b""  # refused, and closed
+        body, tag = conn.recv(size, socket.MSG_WAITALL), conn.recv(32, socket.MSG_WAITALL)
+        assert struct.unpack_from("<I", reply, 8) == (0,)
+        assert body == (ds.root / ds.files[0].relpath).read_bytes()
+        signed = b"hpcdl-peer reply\0" + nonces + struct.pack("<Q", 3) + request(0, size)
+        want = hmac.new(bytes.fromhex(secret), signed + reply + body, "sha256").digest()
+        assert hmac.compare_digest(tag, want)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        proof, _ = client_proof(conn, secret, address)
+        conn.sendall(bytes(32) + request(0, 1))  # not the proof
+        reply = conn.recv(64, socket.MSG_WAITALL)
+        assert reply[:8] == b"HPCDLPA2" and struct.unpack_from("<I", reply, 8) == (2,)
+        try:  # refused, and closed (reset: our request after the proof was never read)
+            rest = conn.recv(1)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
 
 
 def fetcher_at(ds, stage: Path, address: str, batch: int, at: int, ready: dict[int, int]):
@@ -239,7 +218,8 @@ def test_a_connection_without_the_secret_is_refused_with_one_line(home, tmp_path
     assert_copies_are_the_sources(ds, tmp_path / "b")
     with socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=5) as raw:
         raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
-        raw.recv(64)
+        with contextlib.suppress(ConnectionResetError):  # closed unread: reset
+            raw.recv(64)
     proc.send_signal(signal.SIGUSR1)
     _, log = proc.communicate(timeout=15)
     assert [line for line in log.splitlines() if REFUSED in line] == [
@@ -362,230 +342,3 @@ def test_a_full_stage_dir_on_the_fetching_node_stops_growing_with_no_wrong_bytes
         source = ds.root / rel.removeprefix("k/")
         assert digest == hashlib.sha256(source.read_bytes()).hexdigest(), rel
     assert not [n for n in (out / "meta").read_text().split() if n.startswith("tmp.")]
-
-
-# ---------------------------------------------------------------- peers that are not honest
-# (issue 51): an impostor on a dead peer's port, strangers that trickle, a peer that trickles.
-
-
-def forged_reply(ds, request: bytes) -> bytes:
-    """What a squatter that knows the wire format sends for a request of the first protocol
-    version: the source's real metadata (no read permission needed), forged bytes, a checksum
-    trailer over them."""
-    file_id, _, size = struct.unpack_from("<IIQ", request, 40)
-    st = (ds.root / ds.files[file_id].relpath).stat()
-    body = b"F" * size
-    digest = 14695981039346656037
-    for byte in body:
-        digest = ((digest ^ byte) * 1099511628211) & (2**64 - 1)
-    header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
-                         st.st_dev, 0)  # fmt: skip
-    return b"HPCDLPA1" + header + body + struct.pack("<Q", digest)
-
-
-class Impostor:
-    """A process without the job's secret that took a dead stager's port: it records every byte
-    a fetcher sends it and either forges replies ("forge") or relays the connection to a live
-    stager of the job ("relay", a man in the middle)."""
-
-    def __init__(self, port: int, mode: str, ds, live_port: int):
-        self.mode, self.ds, self.live_port = mode, ds, live_port
-        self.received = bytearray()
-        self.server = socket.create_server(("127.0.0.1", port))
-        self.server.settimeout(0.2)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                continue
-            target = self._relay if self.mode == "relay" else self._forge
-            threading.Thread(target=target, args=(conn,), daemon=True).start()
-
-    def _forge(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(5)
-            with contextlib.suppress(OSError):
-                while data := conn.recv(65536):
-                    self.received += data
-                    if data.startswith(b"HPCDLPQ1"):  # the first version: forge its reply
-                        conn.sendall(forged_reply(self.ds, data))
-                    else:  # a handshake: the best a squatter can do is a made-up proof
-                        conn.sendall(b"HPCDLPS2" + os.urandom(64))
-
-    def _relay(self, conn: socket.socket) -> None:
-        with conn, socket.create_connection(("127.0.0.1", self.live_port), timeout=5) as live:
-            conn.settimeout(5)
-
-            def down() -> None:
-                with contextlib.suppress(OSError):
-                    while data := live.recv(65536):
-                        conn.sendall(data)
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_WR)
-
-            threading.Thread(target=down, daemon=True).start()
-            with contextlib.suppress(OSError):
-                while data := conn.recv(65536):
-                    self.received += data
-                    live.sendall(data)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        self.server.close()
-
-
-def squat_on_a_dead_stagers_port(ds, stage: Path, secret: str, mode: str, live_port: int):
-    """A stager that served on a port is SIGKILLed (the test, like a node leader that already
-    closed its copy, holds no descriptor of the socket); an Impostor binds the freed port."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    write_plan(ds, stage, 0, None)
-    dead = start(stage, secret, listener)
-    listener.close()
-    status(stage)  # it runs, and holds the socket
-    dead.kill()
-    dead.communicate(timeout=10)
-    return Impostor(port, mode, ds, live_port), f"127.0.0.1:{port}"
-
-
-@pytest.mark.parametrize("mode", ["forge", "relay"])
-def test_an_impostor_on_a_dead_peers_port_gets_no_secret_and_publishes_nothing(
-    home, tmp_path, mode
-):
-    """Issue 51, break 1: the fetcher proves nothing to a server that has not proved the job's
-    secret first, so the squatter learns nothing it could replay to a live home; neither
-    forged replies nor a relay to a live stager of the job (which proves its own address, not
-    the dead one's) are published, and the file comes from the PFS."""
-    ds, live_address, secret, live = home
-    live_port = int(live_address.split(":")[1])
-    impostor, address = squat_on_a_dead_stagers_port(ds, tmp_path / "dead", secret, mode, live_port)
-    try:
-        view, err = fetch(ds, tmp_path, address, secret)
-    finally:
-        impostor.close()
-    received = bytes(impostor.received)
-    assert received, "the fetcher never reached the impostor"
-    assert bytes.fromhex(secret) not in received and secret.encode() not in received
-    assert view.field("peer_files") == 0 and view.field("pfs_opens") == FILES, err
-    assert "is not asked again" in err
-    assert_copies_are_the_sources(ds, tmp_path / "b")
-    # What the impostor captured, replayed to the live home, gets no file from it.
-    with socket.create_connection(("127.0.0.1", live_port), timeout=5) as replay:
-        replay.sendall(received[:4096])
-        with contextlib.suppress(OSError):
-            while replay.recv(65536):
-                pass
-    live.send_signal(signal.SIGUSR1)
-    _, log = live.communicate(timeout=15)
-    assert "refused a peer connection from 127.0.0.1" in log, log
-    assert status(tmp_path / "a").field("files_served") == 0
-
-
-def test_six_trickling_strangers_do_not_stop_a_real_fetch(home, tmp_path):
-    """Issue 51, break 2: six connections without the secret, each sending a byte a second
-    (and connecting again when closed), while a real peer fetches every file from the home:
-    the serving threads are not theirs, and every file comes from the home."""
-    ds, address, secret, _ = home
-    port = int(address.split(":")[1])
-    stop, bytes_sent = threading.Event(), [0] * 6
-
-    def stranger(k: int) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
-                for byte in b"HPCDLPQ1" + bytes(48):  # a request of a wrong secret, trickled
-                    s.sendall(bytes([byte]))
-                    bytes_sent[k] += 1
-                    if stop.wait(1.0):
-                        return
-
-    strangers = [threading.Thread(target=stranger, args=(k,), daemon=True) for k in range(6)]
-    for t in strangers:
-        t.start()
-    try:
-        deadline = time.monotonic() + 20
-        while min(bytes_sent) < 2:  # every stranger is connected and trickling
-            assert time.monotonic() < deadline, bytes_sent
-            time.sleep(0.05)
-        view, err = fetch(ds, tmp_path, address, secret)
-    finally:
-        stop.set()
-        for t in strangers:
-            t.join(timeout=5)
-    assert view.field("peer_files") == FILES and view.field("pfs_opens") == 0, err
-    assert view.field("peer_fallbacks") == 0
-    assert_copies_are_the_sources(ds, tmp_path / "b")
-
-
-class TricklingPeer:
-    """A proxy in front of a real home: the client's bytes pass at once, the home's first
-    `fast` bytes too (the handshake and a reply's header), then one byte a second."""
-
-    def __init__(self, home_port: int, fast: int = 200):
-        self.home_port, self.fast = home_port, fast
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.2)
-        self.port = self.server.getsockname()[1]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                continue
-            home = socket.create_connection(("127.0.0.1", self.home_port), timeout=5)
-            threading.Thread(target=self._pipe, args=(conn, home), daemon=True).start()
-            threading.Thread(target=self._trickle, args=(home, conn), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-
-    def _trickle(self, src: socket.socket, dst: socket.socket) -> None:
-        sent = 0
-        with contextlib.suppress(OSError), src, dst:
-            while data := src.recv(65536):
-                for k in range(len(data)):
-                    if sent >= self.fast and self.stop.wait(1.0):
-                        return
-                    dst.sendall(data[k : k + 1])
-                    sent += 1
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        self.server.close()
-
-
-def test_a_trickling_peer_is_given_up_within_the_deadline_and_the_pfs_gives_the_file(
-    home, tmp_path
-):
-    """Issue 51, break 3: a peer that sends its header and then a byte a second never trips a
-    per-read timeout; the fetch's whole-transfer deadline (docs/staging.md, "Deadlines") gives
-    it up, the peer is marked down, and every file comes from the PFS (the stager ends, where
-    it waited for hours before: the 60 s guard below is a hang check, not a timing)."""
-    ds, address, secret, _ = home
-    proxy = TricklingPeer(int(address.split(":")[1]))
-    write_plan(ds, tmp_path / "b", 1, f"127.0.0.1:{proxy.port}")
-    proc = start(tmp_path / "b", secret, None, "--once")
-    try:
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        proxy.close()
-    assert proc.returncode == 0, err
-    view = status(tmp_path / "b")
-    assert view.field("peer_files") == 0 and view.field("pfs_opens") == FILES, err
-    assert "deadline" in err and "is not asked again" in err, err
-    assert_copies_are_the_sources(ds, tmp_path / "b")

@@ -109,7 +109,8 @@ class Stager {
       client_ = std::make_unique<PeerClient>(secret_);
     }
     if (opt.peer && opt.peer_listen_fd >= 0) {
-      server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, 4, log_line);
+      server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, kPeerServeThreads,
+                                             log_line);
     }
   }
 
