@@ -88,6 +88,27 @@ PlanFileId plan_file_id(const std::string& path) {
   return id;
 }
 
+// NOTE [threads]
+// A stager runs three kinds of threads; what each may touch, and under which lock:
+// - The coordinator (the thread that calls run(): coordinate(), dispatch(), drain_done(),
+//   evict(), adopt_plan(), reload_plan()) owns the plan, the schedule, every "Coordinator-only
+//   state" member below and the status map: it is the status map's only writer (states,
+//   counters, heartbeat), so none of that needs a lock. It takes the signals (sigtimedwait;
+//   every thread has them blocked) and sets cancel_.
+// - The copy threads (work(), opt_.threads of them) take a Job from jobs_ and push a Done to
+//   done_, both under mu_ (cv_work_ wakes them, cv_done_ wakes the coordinator); stopping_ is
+//   under mu_ too. A Job carries copies of what its thread needs (source, dest, size, peer),
+//   so a copy thread never reads the plan, the status map or copies_. Between the two they use
+//   engine_ (CopyEngine: thread-safe, see copy_engine.h; the coordinator's evict() removes
+//   files while copies run), client_ (PeerClient: thread-safe, its own lock), down_ under
+//   peer_mu_ (written by copy threads, read by the coordinator's dispatch), and the atomics
+//   cancel_, pfs_opens_, logged_peer_failures_.
+// - The server threads (kPeerServeThreads, owned by server_) serve peers. The coordinator
+//   reaches them only through PeerServer::offer/withdraw (under the server's own lock) and its
+//   atomic counters (publish_served); they read the stage tree through tree_ (its own lock)
+//   and never touch the status map or the plan.
+// Shutdown order (run()): the coordinator stops dispatching, sets stopping_, joins the copy
+// threads, then resets server_ (joining its threads) before the tree it serves from goes.
 class Stager {
  public:
   explicit Stager(const StagerOptions& opt)
