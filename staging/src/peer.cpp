@@ -232,6 +232,32 @@ bool PeerServer::handshake_step(Conn& conn) {
   return true;
 }
 
+UniqueFd PeerServer::open_served(const Request& req, ServedCopy* copy) {
+  const bool want_checksum = (req.flags & kAskChecksum) != 0;
+  if (!lookup(req.file_id, copy) || copy->size != req.size ||
+      (want_checksum && !copy->has_checksum)) {
+    return UniqueFd();
+  }
+  UniqueFd file;
+  const auto [dir, base] = split_dest(copy->dest);
+  try {
+    const int dirfd = tree_.dir_for(dir, false);
+    if (dirfd >= 0) file = UniqueFd(::openat(dirfd, base.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  } catch (const StageError&) {
+    // a symlink or non-directory on the way: not served
+  }
+  // Still the copy we made, whole, and not written since it was published.
+  struct stat st {};
+  if (file.valid() && (::fstat(file.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+                       static_cast<uint64_t>(st.st_ino) != copy->id.ino ||
+                       static_cast<uint64_t>(st.st_dev) != copy->id.dev ||
+                       static_cast<uint64_t>(st.st_size) != copy->size ||
+                       mtime_ns_of(st) != copy->source_id.mtime_ns)) {
+    file.reset();
+  }
+  return file;
+}
+
 bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
   const int fd = conn.fd.get();
   const auto started = Clock::now();
@@ -243,27 +269,7 @@ bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
   }
   const uint64_t number = conn.requests++;
   ServedCopy copy;
-  const bool want_checksum = (req.flags & kAskChecksum) != 0;
-  UniqueFd file;
-  struct stat st {};
-  if (lookup(req.file_id, &copy) && copy.size == req.size &&
-      (!want_checksum || copy.has_checksum)) {
-    const auto [dir, base] = split_dest(copy.dest);
-    try {
-      const int dirfd = tree_.dir_for(dir, false);
-      if (dirfd >= 0) file = UniqueFd(::openat(dirfd, base.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-    } catch (const StageError&) {
-      // a symlink or non-directory on the way: not served
-    }
-    // Still the copy we made, whole, and not written since it was published.
-    if (file.valid() && (::fstat(file.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
-                         static_cast<uint64_t>(st.st_ino) != copy.id.ino ||
-                         static_cast<uint64_t>(st.st_dev) != copy.id.dev ||
-                         static_cast<uint64_t>(st.st_size) != copy.size ||
-                         mtime_ns_of(st) != copy.source_id.mtime_ns)) {
-      file.reset();
-    }
-  }
+  const UniqueFd file = open_served(req, &copy);
   // The reply's bytes, at kPeerMinRate at least, after the request's own allowance.
   const auto deadline = started + std::chrono::milliseconds(kPeerRequestDeadlineMs) +
                         std::chrono::milliseconds(file.valid() ? copy.size * 1000 / kPeerMinRate : 0);
@@ -335,6 +341,65 @@ PeerFetch client_handshake(PeerClient::Session& session, const std::string& addr
   return result;
 }
 
+PeerFetch failed_fetch(PeerOutcome outcome, const std::string& why) {
+  PeerFetch result;
+  result.outcome = outcome;
+  result.message = why;
+  return result;
+}
+
+// A wait that ended in `err` while `what` (cancelled, or the deadline, or the connection).
+PeerFetch lost_fetch(int err, const std::string& peer, const std::string& what, uint64_t size) {
+  if (err == ECANCELED) return failed_fetch(PeerOutcome::Cancelled, "cancelled");
+  const std::string why =
+      err == ETIMEDOUT ? "not within its " + std::to_string(kPeerRequestDeadlineMs / 1000) +
+                             " s + " + std::to_string(size / kPeerMinRate) + " s deadline"
+                       : errno_text(err);
+  return failed_fetch(PeerOutcome::Unreachable, "peer " + peer + " " + what + " (" + why + ")");
+}
+
+// A served reply's bytes into `out_fd`, then its MAC (started over the header by the caller)
+// and with verify the source checksum, all checked.
+PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, Hmac& mac, bool verify,
+                       int out_fd, std::vector<char>& buffer, Clock::time_point deadline,
+                       const std::atomic<bool>& cancel) {
+  Fnv1a64 got;  // with verify: the source checksum the home recorded
+  uint64_t left = r.size;
+  while (left > 0) {
+    size_t n = 0;
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
+    if (int err = recv_some(fd, buffer.data(), want, deadline, cancel, &n)) {
+      const std::string sent = std::to_string(r.size - left) + " of " + std::to_string(r.size);
+      return lost_fetch(err, peer, "sent " + sent + " bytes", r.size);
+    }
+    mac.update(buffer.data(), n);
+    if (verify) got.update(buffer.data(), n);
+    if (int err = write_fd(out_fd, buffer.data(), n)) {
+      PeerFetch failed = failed_fetch(PeerOutcome::WriteError, errno_text(err));
+      failed.err = err;
+      return failed;
+    }
+    left -= n;
+  }
+  unsigned char tag[kPeerMacBytes];
+  if (int err = recv_all(fd, tag, sizeof tag, deadline, cancel)) {
+    return lost_fetch(err, peer, "ended early", r.size);
+  }
+  if (!same_mac(mac.finish(), tag)) {
+    return failed_fetch(PeerOutcome::Bad,
+                        "bytes from peer " + peer + " failed their MAC (damaged or forged)");
+  }
+  if (verify && got.digest() != r.checksum) {
+    return failed_fetch(PeerOutcome::Bad,
+                        "the copy on peer " + peer + " differs from its source (checksum)");
+  }
+  PeerFetch result;
+  result.source_id = FileIdentity{r.size, r.mtime_ns, r.ctime_ns, r.ino, r.dev};
+  result.has_checksum = r.has_checksum != 0;
+  result.checksum = r.checksum;
+  return result;
+}
+
 // One request and its reply on `session` to `peer`; `ours`: the proof to send first (a new
 // connection). *stale: it failed before any byte of a reply came (a pooled connection that the
 // peer closed while it was idle).
@@ -342,21 +407,7 @@ PeerFetch exchange(PeerClient::Session& session, const std::string& peer,
                    const std::string& secret, const PeerMac* ours, uint32_t file_id,
                    uint64_t size, bool verify, int out_fd, std::vector<char>& buffer,
                    Clock::time_point deadline, const std::atomic<bool>& cancel, bool* stale) {
-  PeerFetch result;
   const int fd = session.fd.get();
-  auto fail = [&](PeerOutcome outcome, const std::string& why) {
-    result.outcome = outcome;
-    result.message = why;
-    return result;
-  };
-  auto lost = [&](int err, const std::string& what) {
-    if (err == ECANCELED) return fail(PeerOutcome::Cancelled, "cancelled");
-    const std::string why =
-        err == ETIMEDOUT ? "not within its " + std::to_string(kPeerRequestDeadlineMs / 1000) +
-                               " s + " + std::to_string(size / kPeerMinRate) + " s deadline"
-                         : errno_text(err);
-    return fail(PeerOutcome::Unreachable, "peer " + peer + " " + what + " (" + why + ")");
-  };
   Request req{};
   std::memcpy(req.magic, kRequestMagic, sizeof req.magic);
   req.file_id = file_id;
@@ -373,52 +424,27 @@ PeerFetch exchange(PeerClient::Session& session, const std::string& peer,
   const uint64_t number = session.requests++;
   if (int err = send_all(fd, out, len, deadline, cancel)) {
     *stale = err == EPIPE || err == ECONNRESET;
-    return lost(err, "did not take the request");
+    return lost_fetch(err, peer, "did not take the request", size);
   }
   Reply r{};
   size_t peeked = 0;  // the reply's first byte: a pooled connection closed meanwhile fails here
-  if (int err = recv_some(fd, &r, 1, deadline, cancel, &peeked, MSG_PEEK)) {
-    *stale = err == ECONNRESET;
-    return lost(err, "did not answer");
-  }
-  if (int err = recv_all(fd, &r, sizeof r, deadline, cancel)) return lost(err, "did not answer");
+  int err = recv_some(fd, &r, 1, deadline, cancel, &peeked, MSG_PEEK);
+  *stale = err == ECONNRESET;
+  if (err == 0) err = recv_all(fd, &r, sizeof r, deadline, cancel);
+  if (err != 0) return lost_fetch(err, peer, "did not answer", size);
+  const std::string who = "peer " + peer;
   if (std::memcmp(r.magic, kReplyMagic, sizeof r.magic) != 0) {
-    return fail(PeerOutcome::Bad, "peer " + peer + " answered with a malformed reply");
+    return failed_fetch(PeerOutcome::Bad, who + " answered with a malformed reply");
   }
-  if (r.status == kRefused) return fail(PeerOutcome::Refused, "peer " + peer + " refused our proof of the job's secret");
-  if (r.status != kServed) return fail(PeerOutcome::NotHere, "peer " + peer + " does not hold it");
-  if (r.size != size) return fail(PeerOutcome::Bad, "peer " + peer + " offered a copy of another size");
-  if (verify && !r.has_checksum) return fail(PeerOutcome::Bad, "peer " + peer + " has no checksum");
+  if (r.status == kRefused) {
+    return failed_fetch(PeerOutcome::Refused, who + " refused our proof of the job's secret");
+  }
+  if (r.status != kServed) return failed_fetch(PeerOutcome::NotHere, who + " does not hold it");
+  if (r.size != size) return failed_fetch(PeerOutcome::Bad, who + " offered another size");
+  if (verify && !r.has_checksum) return failed_fetch(PeerOutcome::Bad, who + " has no checksum");
   Hmac mac(secret);
   start_reply_mac(mac, session.nonces, number, req, r);
-  Fnv1a64 got;  // with verify: the source checksum the home recorded
-  uint64_t left = size;
-  while (left > 0) {
-    size_t n = 0;
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
-    if (int err = recv_some(fd, buffer.data(), want, deadline, cancel, &n)) {
-      return lost(err, "sent " + std::to_string(size - left) + " of " + std::to_string(size) + " bytes");
-    }
-    mac.update(buffer.data(), n);
-    if (verify) got.update(buffer.data(), n);
-    if (int err = write_fd(out_fd, buffer.data(), n)) {
-      result.err = err;
-      return fail(PeerOutcome::WriteError, errno_text(err));
-    }
-    left -= n;
-  }
-  unsigned char tag[kPeerMacBytes];
-  if (int err = recv_all(fd, tag, sizeof tag, deadline, cancel)) return lost(err, "ended early");
-  if (!same_mac(mac.finish(), tag)) {
-    return fail(PeerOutcome::Bad, "bytes from peer " + peer + " failed their MAC (damaged or forged)");
-  }
-  if (verify && got.digest() != r.checksum) {
-    return fail(PeerOutcome::Bad, "the copy on peer " + peer + " differs from its source (checksum)");
-  }
-  result.source_id = FileIdentity{r.size, r.mtime_ns, r.ctime_ns, r.ino, r.dev};
-  result.has_checksum = r.has_checksum != 0;
-  result.checksum = r.checksum;
-  return result;
+  return receive_copy(fd, peer, r, mac, verify, out_fd, buffer, deadline, cancel);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "common.h"
 #include "copy_engine.h"
 #include "manifest.h"
+#include "peer_wire.h"
 #include "plan.h"
 
 namespace hpcdl {
@@ -98,6 +99,8 @@ class PeerServer {
   bool handshake_step(Conn& conn);                     // false: close the connection
   bool answer(Conn& conn, std::vector<char>& buffer);  // false: close the connection
   bool lookup(uint32_t file_id, ServedCopy* out);
+  // The file a request asks for, opened, when it may be served (its copy in *copy); else none.
+  UniqueFd open_served(const wire::Request& req, ServedCopy* copy);
   void refused(const Conn& conn, const std::string& why);
 
   UniqueFd listen_;
