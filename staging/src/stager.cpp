@@ -28,6 +28,7 @@
 #include "eviction.h"
 #include "manifest.h"
 #include "peer.h"
+#include "peer_deferrals.h"
 #include "plan.h"
 #include "status_map.h"
 
@@ -185,22 +186,23 @@ class Stager {
     drain_done();
     status_.heartbeat();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Stopped));
-    if (!opt_.quiet) {
-      log_line(ending_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
-               " files (" +
-               std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
-               std::to_string(status_.load(so::kFilesReused)) + " reused, " +
-               std::to_string(status_.load(so::kFailures)) + " failed, " +
-               std::to_string(status_.load(so::kEvictions)) + " evicted" +
-               (opt_.peer ? ", " + std::to_string(status_.load(so::kPeerFiles)) +
-                                " from peers (" +
-                                std::to_string(status_.load(so::kPeerFallbacks)) +
-                                " fell back to the PFS), " +
-                                std::to_string(status_.load(so::kFilesServed)) + " served"
-                          : ""));
-    }
+    if (!opt_.quiet) log_last_line();
     return code;
   }
+
+  // The one last line: why it ended and what it did.
+  void log_last_line() {
+    const auto count = [this](size_t offset) { return std::to_string(status_.load(offset)); };
+    std::string peers;
+    if (opt_.peer) {
+      peers = ", " + count(so::kPeerFiles) + " from peers (" + count(so::kPeerFallbacks) +
+              " fell back to the PFS), " + count(so::kFilesServed) + " served";
+    }
+    log_line(ending_ + ": " + count(so::kFilesStaged) + " files (" + count(so::kBytesStaged) +
+             " bytes) copied, " + count(so::kFilesReused) + " reused, " + count(so::kFailures) +
+             " failed, " + count(so::kEvictions) + " evicted" + peers);
+  }
+
 
  private:
   // Validates staged files for the (new) plan: copies that may be reused (see
@@ -208,9 +210,7 @@ class Stager {
   void adopt_plan() {
     inflight_.assign(plan_.entries.size(), 0);
     too_big_.assign(plan_.entries.size(), 0);
-    deferred_flag_.assign(plan_.entries.size(), 0);
-    deferred_.clear();
-    ready_.clear();
+    deferrals_.reset(plan_.entries.size());
     schedule_ = std::make_unique<NextUseSchedule>(plan_);
     uint64_t resident = 0, ready = 0;
     std::vector<char> buffer(kCopyBuffer);
@@ -415,25 +415,18 @@ class Stager {
       const FileState s = status_.state(plan_.entries[i].file_id);
       return s == FileState::Pending || s == FileState::Evicted;
     };
+    auto next_use = [&](size_t i) { return schedule_->next_use(i, cur); };
     release_deferred(cur);
     std::vector<Job> batch;
     bool blocked = false;
     while (inflight_count_ + batch.size() < max_inflight) {
-      while (!ready_.empty()) {  // drop what needs no copy any more
-        Deferred& d = ready_.front();
-        if (d.tick < cur) d.tick = schedule_->next_use(d.entry, cur);
-        if (needs(d.entry) && d.tick != NextUseSchedule::kNever) break;
-        deferred_flag_[d.entry] = 0;
-        ready_.pop_front();
-      }
       // The earlier use of two: the next one in the scan, and the first deferred peer fetch
       // whose home holds the file by now.
+      const auto ready = deferrals_.front(next_use, needs, cur);
       const auto scanned = schedule_->peek(limit, needs);
-      const bool from_ready = !ready_.empty() && ready_.front().tick < limit &&
-                              (!scanned || ready_.front().tick <= scanned->second);
+      const bool from_ready = ready && ready->tick < limit && (!scanned || ready->tick <= scanned->second);
       if (!from_ready && !scanned) break;
-      const auto [i, tick] =
-          from_ready ? std::make_pair(ready_.front().entry, ready_.front().tick) : *scanned;
+      const auto [i, tick] = from_ready ? std::make_pair(ready->entry, ready->tick) : *scanned;
       const auto& e = plan_.entries[i];
       // Without --peer (no secret) a plan's peer section is not used.
       const PeerSource from = opt_.peer ? plan_.peer_source(i) : PeerSource{};
@@ -444,78 +437,74 @@ class Stager {
       if (!from_ready && from.peer >= 0 && !opt_.once && from.ready_tick >= cur &&
           !peer_down(plan_.peers[from.peer].node)) {
         schedule_->consume();
-        if (!deferred_flag_[i]) {
-          deferred_flag_[i] = 1;
-          deferred_.push_back(Deferred{i, tick, from.ready_tick});
-        }
+        deferrals_.defer(i, tick, from.ready_tick);
         continue;
       }
       if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
         too_big_[i] = 1;
         continue;
       }
-      while (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
-        const auto victim = schedule_->pick_victim(cur, tick, cur + opt_.protect_steps);
-        if (!victim) break;
-        evict(*victim);
-      }
-      if (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
+      if (!make_room(e.size, cur, tick)) {
         status_.set_flag(kFlagCapacityFull);
         blocked = true;
         break;
       }
       if (from_ready) {
-        ready_.pop_front();
-        deferred_flag_[i] = 0;
+        deferrals_.pop();
       } else {
         schedule_->consume();
       }
-      inflight_[i] = 1;
-      inflight_bytes_ += e.size;
-      status_.set_state(e.file_id, FileState::Copying);
-      Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
-      if (from.peer >= 0) {
-        job.peer = plan_.peers[from.peer];
-        job.may_wait = !opt_.once && tick > cur + opt_.protect_steps;
-      }
-      batch.push_back(std::move(job));
+      batch.push_back(start_job(i, tick, cur, from));
     }
-    if (!batch.empty()) {
-      inflight_count_ += batch.size();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (auto& job : batch) jobs_.push_back(std::move(job));
-      }
-      cv_work_.notify_all();
-    }
+    queue(std::move(batch));
     return blocked;
   }
 
+  // Evicts (farthest next use first, never what the ranks need within --protect-steps) until
+  // `size` bytes fit beside what is resident and in flight; false when they cannot.
+  bool make_room(uint64_t size, uint32_t cur, uint32_t tick) {
+    while (resident_bytes_ + inflight_bytes_ + size > capacity_) {
+      const auto victim = schedule_->pick_victim(cur, tick, cur + opt_.protect_steps);
+      if (!victim) break;
+      evict(*victim);
+    }
+    return resident_bytes_ + inflight_bytes_ + size <= capacity_;
+  }
+
+  // Entry i's copy, in flight from now: COPYING, its bytes counted, from its peer if planned.
+  Job start_job(size_t i, uint32_t tick, uint32_t cur, const PeerSource& from) {
+    const auto& e = plan_.entries[i];
+    inflight_[i] = 1;
+    inflight_bytes_ += e.size;
+    status_.set_state(e.file_id, FileState::Copying);
+    Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
+    if (from.peer >= 0) {
+      job.peer = plan_.peers[from.peer];
+      job.may_wait = !opt_.once && tick > cur + opt_.protect_steps;
+    }
+    return job;
+  }
+
+  // Hands `batch` to the copy threads.
+  void queue(std::vector<Job> batch) {
+    if (batch.empty()) return;
+    inflight_count_ += batch.size();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& job : batch) jobs_.push_back(std::move(job));
+    }
+    cv_work_.notify_all();
+  }
+
   // Deferred peer fetches whose home has read the file before step `cur` (or whose peer is
-  // down: then the PFS) move to ready_, in next-use order. One whose use the ranks have passed
-  // waits for its next use, or is dropped when it has none.
+  // down: then the PFS) become ready (PeerDeferrals::release).
   void release_deferred(uint32_t cur) {
-    size_t kept = 0;
-    bool moved = false;
-    for (Deferred d : deferred_) {
-      if (d.tick < cur) d.tick = schedule_->next_use(d.entry, cur);
-      if (d.tick == NextUseSchedule::kNever) {
-        deferred_flag_[d.entry] = 0;
-        continue;
-      }
-      const PeerSource from = plan_.peer_source(d.entry);
-      if (d.ready_tick < cur || peer_down(plan_.peers[from.peer].node)) {
-        ready_.push_back(d);
-        moved = true;
-      } else {
-        deferred_[kept++] = d;
-      }
-    }
-    deferred_.resize(kept);
-    if (moved) {
-      std::stable_sort(ready_.begin(), ready_.end(),
-                       [](const Deferred& a, const Deferred& b) { return a.tick < b.tick; });
-    }
+    deferrals_.release([&](size_t i) { return schedule_->next_use(i, cur); },
+                       [&](const PeerDeferrals::Deferred& d) {
+                         const PeerSource from = plan_.peer_source(d.entry);
+                         return d.ready_tick < cur || peer_down(plan_.peers[from.peer].node);
+                       },
+                       cur);
   }
 
   void evict(size_t i) {
@@ -539,6 +528,34 @@ class Stager {
     status_.store(so::kPlanReady, plan_ready_);
   }
 
+  // A copy published: READY, resident, served to peers, counted.
+  void landed(const Done& d) {
+    const auto& e = plan_.entries[d.entry];
+    status_.set_state(e.file_id, FileState::Ready);
+    copies_[e.file_id] = d.result.id;
+    if (server_) {
+      server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, d.result.source_id,
+                                           d.result.id, d.result.has_checksum, d.result.checksum});
+    }
+    if (d.from_peer) {
+      status_.add(so::kPeerFiles, 1);
+      status_.add(so::kPeerBytes, d.result.bytes);
+    }
+    schedule_->set_resident(d.entry, true);
+    resident_bytes_ += e.size;
+    // A copy that was in flight when the disk filled still landed: it is resident, so the
+    // shrunk capacity grows back to cover it (never past the capacity it had).
+    if (nospace_ && resident_bytes_ > capacity_) {
+      capacity_ = resident_bytes_;
+      status_.store(so::kCapacity, capacity_);
+    }
+    ++plan_ready_;
+    status_.add(so::kBytesStaged, d.result.bytes);
+    status_.add(so::kFilesStaged, 1);
+    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kPlanReady, plan_ready_);
+  }
+
   void drain_done() {
     std::vector<Done> done;
     {
@@ -553,30 +570,7 @@ class Stager {
       if (d.peer_fallback) status_.add(so::kPeerFallbacks, 1);
       switch (d.result.outcome) {
         case CopyOutcome::Ok:
-          status_.set_state(e.file_id, FileState::Ready);
-          copies_[e.file_id] = d.result.id;
-          if (server_) {
-            server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, d.result.source_id,
-                                                 d.result.id, d.result.has_checksum,
-                                                 d.result.checksum});
-          }
-          if (d.from_peer) {
-            status_.add(so::kPeerFiles, 1);
-            status_.add(so::kPeerBytes, d.result.bytes);
-          }
-          schedule_->set_resident(d.entry, true);
-          resident_bytes_ += e.size;
-          // A copy that was in flight when the disk filled still landed: it is resident, so
-          // the shrunk capacity grows back to cover it (never past the capacity it had).
-          if (nospace_ && resident_bytes_ > capacity_) {
-            capacity_ = resident_bytes_;
-            status_.store(so::kCapacity, capacity_);
-          }
-          ++plan_ready_;
-          status_.add(so::kBytesStaged, d.result.bytes);
-          status_.add(so::kFilesStaged, 1);
-          status_.store(so::kBytesResident, resident_bytes_);
-          status_.store(so::kPlanReady, plan_ready_);
+          landed(d);
           break;
         case CopyOutcome::NoSpace:
           status_.set_state(e.file_id, FileState::Pending);
@@ -589,10 +583,9 @@ class Stager {
           break;
         case CopyOutcome::Cancelled:
           status_.set_state(e.file_id, FileState::Pending);
-          if (d.ask_again && !deferred_flag_[d.entry]) {  // once the ranks pass this step
+          if (d.ask_again) {  // once the ranks pass this step
             const uint32_t cur = cursor();
-            deferred_flag_[d.entry] = 1;
-            deferred_.push_back(Deferred{d.entry, schedule_->next_use(d.entry, cur), cur});
+            deferrals_.defer(d.entry, schedule_->next_use(d.entry, cur), cur);
           }
           break;
         case CopyOutcome::Transient:
@@ -718,16 +711,7 @@ class Stager {
   // Coordinator-only state.
   std::unique_ptr<NextUseSchedule> schedule_;
   std::vector<uint8_t> inflight_, too_big_;
-  // Peer fetches set aside until their home has read the file (deferred_, in scan order), and
-  // those whose home has (ready_, in next-use order); deferred_flag_: the entry is in one.
-  struct Deferred {
-    size_t entry;
-    uint32_t tick;        // the use it is copied for
-    uint32_t ready_tick;  // the home's first read
-  };
-  std::vector<Deferred> deferred_;
-  std::deque<Deferred> ready_;
-  std::vector<uint8_t> deferred_flag_;
+  PeerDeferrals deferrals_;  // peer fetches set aside until their home has read the file
   std::unordered_map<uint64_t, CopyId> copies_;  // file id -> the copy this stager may evict
   size_t inflight_count_ = 0;
   uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
