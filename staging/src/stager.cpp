@@ -30,6 +30,7 @@
 #include "peer.h"
 #include "peer_deferrals.h"
 #include "plan.h"
+#include "residency.h"
 #include "status_map.h"
 
 namespace hpcdl {
@@ -92,10 +93,10 @@ PlanFileId plan_file_id(const std::string& path) {
 // NOTE [threads]
 // A stager runs three kinds of threads; what each may touch, and under which lock:
 // - The coordinator (the thread that calls run(): coordinate(), dispatch(), drain_done(),
-//   evict(), adopt_plan(), reload_plan()) owns the plan, the schedule, every "Coordinator-only
-//   state" member below and the status map: it is the status map's only writer (states,
-//   counters, heartbeat), so none of that needs a lock. It takes the signals (sigtimedwait;
-//   every thread has them blocked) and sets cancel_.
+//   evict(), adopt_plan(), reload_plan()) owns the plan, the schedule, the residency (space_),
+//   the peer deferrals, every "Coordinator-only state" member below and the status map: it is
+//   the status map's only writer (states, counters, heartbeat), so none of that needs a lock.
+//   It takes the signals (sigtimedwait; every thread has them blocked) and sets cancel_.
 // - The copy threads (work(), opt_.threads of them) take a Job from jobs_ and push a Done to
 //   done_, both under mu_ (cv_work_ wakes them, cv_done_ wakes the coordinator); stopping_ is
 //   under mu_ too. A Job carries copies of what its thread needs (source, dest, size, peer),
@@ -122,10 +123,10 @@ class Stager {
         manifest_(opt.stage_dir + "/.hpcdl/manifest"),
         tree_(opt.stage_dir, manifest_),
         pfs_(PfsEmulation::from_env()),
-        engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
+        engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_),
+        space_(opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir)) {
     plan_id_ = plan_file_id(meta_ + "/plan");
     first_epoch_ = plan_.epoch_begin;
-    capacity_ = opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir);
     if (opt.peer) {
       secret_ = read_peer_secret(STDIN_FILENO);
       client_ = std::make_unique<PeerClient>(secret_);
@@ -146,12 +147,12 @@ class Stager {
       status_.store(off, 0);
     }
     status_.store32(so::kFlags, 0);
-    status_.store(so::kCapacity, capacity_);
+    status_.store(so::kCapacity, space_.capacity());
     status_.heartbeat();
     if (!opt_.quiet) {
       log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
                opt_.stage_dir + " with " + std::to_string(opt_.threads) + " threads, capacity " +
-               human_bytes(capacity_) +
+               human_bytes(space_.capacity()) +
                (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : "") +
@@ -240,10 +241,10 @@ class Stager {
         status_.set_state(e.file_id, FileState::Pending);  // stale, partial or worth a retry
       }
     }
-    resident_bytes_ = resident;
+    space_.adopt(resident);
     plan_ready_ = ready;
     mark_too_big();
-    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kBytesResident, space_.resident());
     status_.store(so::kPlanHash, plan_.hash);
     status_.store(so::kPlanEntries, plan_.entries.size());
     status_.store(so::kPlanReady, plan_ready_);
@@ -256,7 +257,7 @@ class Stager {
     uint64_t count = 0, bytes = 0, largest = 0;
     for (size_t i = 0; i < plan_.entries.size(); ++i) {
       const auto& e = plan_.entries[i];
-      if (capacity_ != 0 && e.size <= capacity_) continue;
+      if (space_.capacity() != 0 && e.size <= space_.capacity()) continue;
       if (status_.state(e.file_id) == FileState::Ready) continue;  // reused or kept resident
       too_big_[i] = 1;
       ++count;
@@ -267,7 +268,7 @@ class Stager {
     reported_too_big_ = true;
     log_line(std::to_string(count) + " of " + std::to_string(plan_.entries.size()) +
              " planned files (" + human_bytes(bytes) + ") do not fit the stage capacity of " +
-             human_bytes(capacity_) + " and are read from the PFS; set --stage-capacity "
+             human_bytes(space_.capacity()) + " and are read from the PFS; set --stage-capacity "
              "to at least " + std::to_string(std::max<uint64_t>(largest, 1)) +
              " bytes (the largest of them) to stage them");
   }
@@ -398,14 +399,13 @@ class Stager {
     }
     schedule_.reset();
     plan_ = std::move(next);
-    nospace_ = false;
-    adopt_plan();
+    adopt_plan();  // the disk may have room again
   }
 
   // Queues copies in next-use order within the window and the capacity. Returns true when
   // blocked (capacity full, nothing evictable) so a stage-only run can finish.
   bool dispatch() {
-    if (nospace_) return true;
+    if (space_.out_of_space()) return true;
     const uint32_t cur = cursor();
     schedule_->seek(cur);
     const uint32_t limit = opt_.window_steps ? cur + opt_.window_steps : NextUseSchedule::kNever;
@@ -440,7 +440,7 @@ class Stager {
         deferrals_.defer(i, tick, from.ready_tick);
         continue;
       }
-      if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
+      if (e.size > space_.capacity()) {  // it shrank on ENOSPC: that message said it
         too_big_[i] = 1;
         continue;
       }
@@ -463,19 +463,19 @@ class Stager {
   // Evicts (farthest next use first, never what the ranks need within --protect-steps) until
   // `size` bytes fit beside what is resident and in flight; false when they cannot.
   bool make_room(uint64_t size, uint32_t cur, uint32_t tick) {
-    while (resident_bytes_ + inflight_bytes_ + size > capacity_) {
+    while (!space_.fits(size)) {
       const auto victim = schedule_->pick_victim(cur, tick, cur + opt_.protect_steps);
       if (!victim) break;
       evict(*victim);
     }
-    return resident_bytes_ + inflight_bytes_ + size <= capacity_;
+    return space_.fits(size);
   }
 
   // Entry i's copy, in flight from now: COPYING, its bytes counted, from its peer if planned.
   Job start_job(size_t i, uint32_t tick, uint32_t cur, const PeerSource& from) {
     const auto& e = plan_.entries[i];
     inflight_[i] = 1;
-    inflight_bytes_ += e.size;
+    space_.started(e.size);
     status_.set_state(e.file_id, FileState::Copying);
     Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
     if (from.peer >= 0) {
@@ -520,11 +520,11 @@ class Stager {
       return;
     }
     schedule_->set_resident(i, false);
-    resident_bytes_ -= std::min(resident_bytes_, e.size);
+    space_.evicted(e.size);
     --plan_ready_;
     copies_.erase(e.file_id);
     status_.add(so::kEvictions, 1);
-    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kBytesResident, space_.resident());
     status_.store(so::kPlanReady, plan_ready_);
   }
 
@@ -542,17 +542,11 @@ class Stager {
       status_.add(so::kPeerBytes, d.result.bytes);
     }
     schedule_->set_resident(d.entry, true);
-    resident_bytes_ += e.size;
-    // A copy that was in flight when the disk filled still landed: it is resident, so the
-    // shrunk capacity grows back to cover it (never past the capacity it had).
-    if (nospace_ && resident_bytes_ > capacity_) {
-      capacity_ = resident_bytes_;
-      status_.store(so::kCapacity, capacity_);
-    }
+    if (space_.landed(e.size)) status_.store(so::kCapacity, space_.capacity());
     ++plan_ready_;
     status_.add(so::kBytesStaged, d.result.bytes);
     status_.add(so::kFilesStaged, 1);
-    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kBytesResident, space_.resident());
     status_.store(so::kPlanReady, plan_ready_);
   }
 
@@ -565,7 +559,7 @@ class Stager {
     for (auto& d : done) {
       const auto& e = plan_.entries[d.entry];
       inflight_[d.entry] = 0;
-      inflight_bytes_ -= e.size;
+      space_.finished(e.size);
       --inflight_count_;
       if (d.peer_fallback) status_.add(so::kPeerFallbacks, 1);
       switch (d.result.outcome) {
@@ -575,11 +569,9 @@ class Stager {
         case CopyOutcome::NoSpace:
           status_.set_state(e.file_id, FileState::Pending);
           status_.set_flag(kFlagNoSpace);
-          if (!nospace_) log_line(d.result.message);
-          nospace_ = true;
           // Stop growing: what is resident now is the most this node can hold.
-          capacity_ = std::min(capacity_, resident_bytes_);
-          status_.store(so::kCapacity, capacity_);
+          if (space_.ran_out_of_space()) log_line(d.result.message);
+          status_.store(so::kCapacity, space_.capacity());
           break;
         case CopyOutcome::Cancelled:
           status_.set_state(e.file_id, FileState::Pending);
@@ -699,8 +691,8 @@ class Stager {
   PfsEmulation pfs_;
   std::atomic<bool> cancel_{false};
   CopyEngine engine_;
+  Residency space_;  // the capacity and what counts against it (coordinator-only)
   PlanFileId plan_id_;
-  uint64_t capacity_ = 0;
   std::string secret_;                  // the job's secret (peer tier), never written anywhere
   std::unique_ptr<PeerClient> client_;  // with --peer: connections to peers, kept between fetches
   std::unique_ptr<PeerServer> server_;  // after tree_: stops before the tree closes
@@ -714,8 +706,8 @@ class Stager {
   PeerDeferrals deferrals_;  // peer fetches set aside until their home has read the file
   std::unordered_map<uint64_t, CopyId> copies_;  // file id -> the copy this stager may evict
   size_t inflight_count_ = 0;
-  uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
-  bool nospace_ = false, reload_requested_ = false, reported_too_big_ = false;
+  uint64_t plan_ready_ = 0;
+  bool reload_requested_ = false, reported_too_big_ = false;
   bool niced_later_ = false;
   int64_t first_epoch_ = 0;  // the first plan's epoch_begin (--nice-later)
   // The one last line's first words: why the stager ends. SIGUSR1 is the trainer's "the job

@@ -1,6 +1,7 @@
 // Unit tests of hpcdl-stage's pure parts: destination validation, plan parsing, next-use
-// eviction order, symlink refusal in the stage tree, kept peer connections, peer deferrals. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
-// tests/test_staging_sanitizers.py under ASan/UBSan.
+// eviction order, symlink refusal in the stage tree, kept peer connections, peer deferrals,
+// residency. Run by ctest (HPCDL_STAGE_TESTS=ON) and by tests/test_staging_sanitizers.py under
+// ASan/UBSan.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -23,6 +24,7 @@
 #include "peer.h"
 #include "peer_deferrals.h"
 #include "plan.h"
+#include "residency.h"
 
 namespace {
 
@@ -275,6 +277,25 @@ int main(int argc, char** argv) {
     deferrals.defer(2, 20, 19);  // popped: may be set aside again
     deferrals.release(next_use, [](const hpcdl::PeerDeferrals::Deferred&) { return true; }, 0);
     check(!deferrals.front(next_use, [](size_t) { return false; }, 0), "unneeded: dropped");
+  }
+
+  {  // Residency: ENOSPC shrinks the capacity to what is resident; a copy in flight then still
+     // lands and the capacity grows back to cover it; a new plan may grow again.
+    hpcdl::Residency space(100);
+    space.adopt(40);
+    check(space.fits(60) && !space.fits(61), "fits what the capacity leaves");
+    space.started(30);
+    space.started(20);
+    check(!space.fits(11), "copies in flight count");
+    space.finished(20);
+    check(space.ran_out_of_space() && !space.ran_out_of_space(), "out of space said once");
+    check(space.capacity() == 40 && space.out_of_space(), "capacity shrinks to what is resident");
+    check(space.landed(30) && space.capacity() == 70, "a late copy grows it back to cover it");
+    space.finished(30);
+    space.evicted(70);
+    check(space.resident() == 0 && space.fits(70) && !space.fits(71), "evicted bytes are free");
+    space.adopt(10);
+    check(!space.out_of_space(), "a new plan may try again");
   }
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
