@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Install the Debian packages that tests and benchmarks need beyond Slurm: fuse3 (fusermount3 and
-# libfuse3 for the slow read-only FUSE file system, tools.bench.slowfs). Idempotent and quiet:
-# does nothing when they are there. Without root or apt-get it says so and exits 0: the FUSE
-# tests then skip with one reason.
+# Install the Debian packages that the build, tests and benchmarks need beyond Slurm:
+# libssl-dev (OpenSSL 3's libcrypto and headers: the stager's peer handshake and MACs; the build
+# needs it) and fuse3 (fusermount3 and libfuse3 for the slow read-only FUSE file system,
+# tools.bench.slowfs). Idempotent and quiet: does nothing when they are there. Without root or
+# apt-get it says so and exits 0: the FUSE tests then skip with one reason, and the build names
+# the missing OpenSSL.
 set -euo pipefail
 
 need=()
+[ -f /usr/include/openssl/hmac.h ] || need+=(libssl-dev)
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 if [ "${#need[@]}" -eq 0 ]; then
     exit 0
@@ -16,12 +19,13 @@ if [ "$(id -u)" != 0 ]; then
         SUDO=(sudo)
     else
         echo "install-system.sh: need root (or sudo) to apt-get install ${need[*]};" \
-            "the FUSE tests will skip" >&2
+            "without them the FUSE tests skip and hpcdl-stage does not build" >&2
         exit 0
     fi
 fi
 if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install-system.sh: no apt-get to install ${need[*]}; the FUSE tests will skip" >&2
+    echo "install-system.sh: no apt-get to install ${need[*]}; without them the FUSE tests" \
+        "skip and hpcdl-stage does not build" >&2
     exit 0
 fi
 echo "install-system.sh: installing ${need[*]}"

@@ -161,17 +161,35 @@ def test_a_peer_stager_killed_mid_epoch_sends_its_clients_to_the_pfs(cluster, fo
             time.sleep(0.002)
         os.kill(serving.field("pid"), signal.SIGKILL)
         killed_mid_run = job.poll() is None and fetching.field("peer_files") < FILES // 2
+        # A dead stager's port is no trust anchor: its node leader still holds the socket.
+        host, port = peer_address(Path(fetching.path).parent / "plan", 1)
+        squat = f"import socket; socket.create_server(({host!r}, {port}))"
+        squatter = subprocess.run(cluster.argv(2, shlex.join([sys.executable, "-c", squat])),
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
         _, err = job.communicate(timeout=300)
         fallbacks = fetching.field("peer_fallbacks")
         fetching.close()
         serving.close()
     assert killed_mid_run
+    assert squatter.returncode != 0 and "Address already in use" in squatter.stderr, squatter
     assert job.returncode == 0, err[-3000:]
     assert fallbacks > 0
     assert sum("is not asked again" in line for line in err.splitlines()) == 1, err[-3000:]
     on = checkpoint.load(checkpoint.latest(tmp_path / "on" / "ckpt")).params
     off = checkpoint.load(checkpoint.latest(tmp_path / "off" / "ckpt")).params
     assert on.tobytes() == off.tobytes()
+
+
+def peer_address(plan: Path, node: int) -> tuple[str, int]:
+    """The (host, port) that a plan's peer section gives for `node`."""
+    lines = plan.read_text().splitlines()
+    at = next(k for k, line in enumerate(lines) if line.startswith("peers "))
+    for line in lines[at + 1 : at + 1 + int(lines[at].split()[1])]:
+        index, address = line.split("\t")
+        if int(index) == node:
+            host, port = address.rsplit(":", 1)
+            return host, int(port)
+    raise AssertionError(f"{plan} lists no address for node {node}")
 
 
 # In a node: a listening socket on the node's address, handed to hpcdl-stage as a node leader

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import os
 import secrets
 import shlex
@@ -22,6 +23,17 @@ from pathlib import Path
 
 import pytest
 from helpers import make_tree, stager_ran_on, wait_until, write_peer_plan
+from peer_stagers import (
+    FILES,
+    SESSION,
+    assert_copies_are_the_sources,
+    fetch,
+    serving_home,
+    start,
+    status,
+    wait_staged,
+    write_plan,
+)
 
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.binary import find_stager_binary
@@ -29,81 +41,15 @@ from hpcdl.staging.manifest import read_manifest
 from hpcdl.staging.plan import plan_for_node
 from hpcdl.staging.status import ProgressFile, StatusView
 
-FILES = 24
-SESSION = "job"
 PENDING, READY = 0, 2  # a file's states in the status map (docs/staging.md)
-REFUSED = "refused a peer connection from 127.0.0.1: wrong or missing job secret"
-
-
-def write_plan(ds, stage: Path, node: int, peer_address: str | None) -> None:
-    """One node's plan of every file; with peer_address, every file is fetched from node 0."""
-    write_peer_plan(ds, stage, SESSION, node, peer_address)
-
-
-def start(stage: Path, secret: str, listener: socket.socket | None = None, *flags: str):
-    cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", SESSION]
-    cmd += ["--threads", "4", "--peer", *flags]
-    fds: tuple[int, ...] = ()
-    if listener is not None:
-        cmd += ["--peer-listen-fd", str(listener.fileno())]
-        fds = (listener.fileno(),)
-    proc = subprocess.Popen(
-        cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=fds
-    )
-    proc.stdin.write(secret + "\n")
-    proc.stdin.close()
-    proc.stdin = None  # read once by the stager; communicate() must not flush it
-    return proc
-
-
-def status(stage: Path) -> StatusView:
-    view = StatusView(stage / ".hpcdl" / "sessions" / SESSION / "status")
-    wait_until(view.open, 10, f"a status map in {stage}")
-    return view
-
-
-def wait_staged(proc: subprocess.Popen, view: StatusView) -> None:
-    """Until the stager has staged every file; it must not exit meanwhile."""
-
-    def staged() -> bool:
-        assert proc.poll() is None, proc.stderr.read()
-        return view.field("plan_ready") >= FILES
-
-    wait_until(staged, 30, f"{FILES} files staged")
+REFUSED = "refused a peer connection from 127.0.0.1: it did not prove the job's secret"
 
 
 @pytest.fixture
 def home(tmp_path):
     """A home stager that has staged every file and serves them: (ds, address, secret, proc)."""
-    ds = make_tree(tmp_path / "pfs", FILES, 3000)
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    secret = secrets.token_hex(32)
-    write_plan(ds, tmp_path / "a", 0, None)
-    proc = start(tmp_path / "a", secret, listener)
-    listener.close()  # the stager holds its own descriptor
-    wait_staged(proc, status(tmp_path / "a"))
-    yield ds, address, secret, proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGUSR1)
-    proc.wait(timeout=15)
-
-
-def fetch(ds, tmp_path, address: str, secret: str, *flags: str) -> tuple[StatusView, str]:
-    """A second node's stager, --once, every file planned from the home."""
-    write_plan(ds, tmp_path / "b", 1, address)
-    proc = start(tmp_path / "b", secret, None, "--once", *flags)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    return status(tmp_path / "b"), err
-
-
-def assert_copies_are_the_sources(ds, stage: Path) -> None:
-    for f in ds.files:
-        copy, source = stage / "k" / f.relpath, ds.root / f.relpath
-        assert copy.read_bytes() == source.read_bytes(), f.relpath
-        assert copy.stat().st_mtime_ns == source.stat().st_mtime_ns, f.relpath
-    assert not [p for p in (stage / ".hpcdl" / "sessions" / SESSION).iterdir() if "tmp." in p.name]
+    with serving_home(tmp_path) as served:
+        yield served
 
 
 def test_home_serves_and_peer_copies_obey_every_rule(home, tmp_path):
@@ -138,24 +84,56 @@ def test_fetches_reuse_one_connection_per_copy_thread(home, tmp_path):
     assert_copies_are_the_sources(ds, tmp_path / "b")
 
 
+def client_proof(conn: socket.socket, secret_hex: str, address: str) -> tuple[bytes, bytes]:
+    """The client's side of the handshake (docs/staging.md, "Handshake"): checks the server's
+    proof; returns (our proof, to send with the first request; both nonces)."""
+    nonce = os.urandom(32)
+    conn.sendall(b"HPCDLPH2" + nonce)
+    hello = conn.recv(72, socket.MSG_WAITALL)
+    assert hello[:8] == b"HPCDLPS2"
+    nonces, key = nonce + hello[8:40], bytes.fromhex(secret_hex)
+    server = hmac.new(key, b"hpcdl-peer server\0" + nonces + address.encode(), "sha256")
+    assert hmac.compare_digest(hello[40:], server.digest())
+    return hmac.new(
+        key, b"hpcdl-peer client\0" + nonces + address.encode(), "sha256"
+    ).digest(), nonces
+
+
 def test_a_connection_carries_one_request_after_another(home):
-    """The wire format (docs/staging.md, "Peer tier"): a 56-byte request, a 64-byte reply; a
-    "not here" leaves the connection open for the next request, a refusal closes it."""
-    _, address, secret, _ = home
+    """The wire format (docs/staging.md, "Peer tier"): a handshake, then 24-byte requests and
+    64-byte replies; a served reply's bytes end with their MAC; a "not here" leaves the
+    connection open for the next request, a wrong proof is refused and closed."""
+    ds, address, secret, _ = home
     port = int(address.split(":")[1])
 
-    def request(secret_hex: str, file_id: int) -> bytes:  # a size no file has: "not here"
-        return b"HPCDLPQ1" + bytes.fromhex(secret_hex) + struct.pack("<IIQ", file_id, 0, 1)
+    def request(file_id: int, size: int) -> bytes:
+        return b"HPCDLPQ2" + struct.pack("<IIQ", file_id, 0, size)
 
     with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-        for file_id in range(3):
-            conn.sendall(request(secret, file_id))
+        proof, nonces = client_proof(conn, secret, address)
+        for number, file_id in enumerate(range(3)):  # a size no file has: "not here"
+            conn.sendall((proof if number == 0 else b"") + request(file_id, 1))
             reply = conn.recv(64, socket.MSG_WAITALL)
-            assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (1,)
-        conn.sendall(request(secrets.token_hex(32), 0))
+            assert reply[:8] == b"HPCDLPA2" and struct.unpack_from("<I", reply, 8) == (1,)
+        size = ds.files[0].size
+        conn.sendall(request(0, size))
         reply = conn.recv(64, socket.MSG_WAITALL)
-        assert reply[:8] == b"HPCDLPA1" and struct.unpack_from("<I", reply, 8) == (2,)
-        assert conn.recv(1) == b""  # refused, and closed
+        body, tag = conn.recv(size, socket.MSG_WAITALL), conn.recv(32, socket.MSG_WAITALL)
+        assert struct.unpack_from("<I", reply, 8) == (0,)
+        assert body == (ds.root / ds.files[0].relpath).read_bytes()
+        signed = b"hpcdl-peer reply\0" + nonces + struct.pack("<Q", 3) + request(0, size)
+        want = hmac.new(bytes.fromhex(secret), signed + reply + body, "sha256").digest()
+        assert hmac.compare_digest(tag, want)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        proof, _ = client_proof(conn, secret, address)
+        conn.sendall(bytes(32) + request(0, 1))  # not the proof
+        reply = conn.recv(64, socket.MSG_WAITALL)
+        assert reply[:8] == b"HPCDLPA2" and struct.unpack_from("<I", reply, 8) == (2,)
+        try:  # refused, and closed (reset: our request after the proof was never read)
+            rest = conn.recv(1)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
 
 
 def fetcher_at(ds, stage: Path, address: str, batch: int, at: int, ready: dict[int, int]):
@@ -241,7 +219,8 @@ def test_a_connection_without_the_secret_is_refused_with_one_line(home, tmp_path
     assert_copies_are_the_sources(ds, tmp_path / "b")
     with socket.create_connection(("127.0.0.1", int(address.split(":")[1])), timeout=5) as raw:
         raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(64))
-        raw.recv(64)
+        with contextlib.suppress(ConnectionResetError):  # closed unread: reset
+            raw.recv(64)
     proc.send_signal(signal.SIGUSR1)
     _, log = proc.communicate(timeout=15)
     assert [line for line in log.splitlines() if REFUSED in line] == [

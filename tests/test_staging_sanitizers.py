@@ -1,17 +1,30 @@
-"""Build hpcdl-stage once with ASan/UBSan and run its unit tests and a real staging run."""
+"""Build hpcdl-stage once with ASan/UBSan and run its unit tests, a real staging run and the peer
+tier."""
 
 from __future__ import annotations
 
 import os
 import random
 import re
+import secrets
 import shutil
+import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from helpers import make_tree, start_session
+from peer_stagers import (
+    FILES,
+    assert_copies_are_the_sources,
+    fetch,
+    serving_home,
+    start,
+    status,
+    write_plan,
+)
 
 from hpcdl.staging.status import StatusView
 
@@ -77,6 +90,34 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
     session.close()
     assert proc.returncode == 0, "sanitized stager did not exit cleanly"
     assert staged > 14  # more than fits at once: files were evicted and others copied
+
+
+def test_the_sanitized_peer_tier_serves_fetches_and_refuses_clean(
+    sanitized_build, tmp_path, monkeypatch
+):
+    """Two sanitized stagers: a home serving, a fetcher taking every file from it while a
+    stranger trickles a handshake and a fetcher with another secret is refused (issue 51's
+    handshake, MACs and deadlines under ASan + UBSan)."""
+    monkeypatch.setenv("HPCDL_STAGE_BIN", str(sanitized_build / "hpcdl-stage"))
+    for name, value in SANITIZER_ENV.items():
+        monkeypatch.setenv(name, value)
+    with serving_home(tmp_path) as (ds, address, secret, home):
+        host, port = address.split(":")
+        with socket.create_connection((host, int(port))) as stranger:
+            stranger.sendall(b"HPCDLPH2")  # and never the rest
+            view, err = fetch(ds, tmp_path, address, secret)
+            assert view.field("peer_files") == FILES and view.field("pfs_opens") == 0, err
+            other = tmp_path / "other"
+            write_plan(ds, other, 1, address)
+            refused = start(other, secrets.token_hex(32), None, "--once")
+            _, refused_err = refused.communicate(timeout=120)
+        home.send_signal(signal.SIGUSR1)
+        _, home_err = home.communicate(timeout=60)
+    assert_copies_are_the_sources(ds, tmp_path / "b")
+    assert refused.returncode == 0 and status(other).field("peer_files") == 0, refused_err
+    assert home.returncode == 0, home_err
+    for text in (err, refused_err, home_err):
+        assert "Sanitizer" not in text and "runtime error" not in text, text[-3000:]
 
 
 def _valid_plan(src: Path, files: int) -> bytes:

@@ -11,7 +11,10 @@ At start every rank takes part once (docs/staging.md, "Peer tier"):
   leader computes the same homes (hpcdl.staging.peers.file_homes) from the same inputs.
 With `on`, a node that cannot open its socket stops the job with one line naming the node and
 the address; with `auto`, that node serves and fetches nothing (one warning) and the others go
-on. The listening socket is handed to the stager (pass_fds) and closed here after the launch.
+on. The listening socket is handed to the stager (pass_fds), and the leader keeps its own
+descriptor until the session closes: a stager that dies leaves its port bound, so no other
+process can take it over while the job runs (docs/staging.md, "A dead peer's port"); fetchers
+then find a port that never finishes a handshake and give the node up after the deadline.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class PeerTier:
     """A node leader's share of the peer tier: the secret, its socket, every node's address."""
 
     secret_hex: str
-    listener: socket.socket | None  # handed to the stager, then closed here
+    listener: socket.socket | None  # handed to the stager, and held here until the session ends
     addresses: list[str | None]  # per node: "ip:port", or None when it neither serves nor fetches
     homes: FileHomes
 
@@ -132,7 +135,7 @@ class PeerTier:
         )
 
     def close_listener(self) -> None:
-        """After the launch: the stager holds its own descriptor of the socket."""
+        """Once no stager serves on the socket (it stopped, or never started); idempotent."""
         if self.listener is not None:
             self.listener.close()
             self.listener = None

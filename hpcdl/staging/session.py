@@ -251,8 +251,8 @@ class StagingSession:
         info = StartInfo(error=error)
         if session.local_rank == 0 and error is None:
             info = session._prepare(options)
-        if session.peer_tier is not None:  # the stager holds its own copy, if it started
-            session.peer_tier.close_listener()
+        if session.peer_tier is not None and not info.ok:
+            session.peer_tier.close_listener()  # no stager serves here: peers are refused at once
         info = session.node_comm.bcast(info, root=0)
         _agree(world, info.error)
         session._attach(info)
@@ -350,6 +350,8 @@ class StagingSession:
                 return False
             self.closed = True
             self.stager.stop(stop_signal)
+            if self.peer_tier is not None:  # the port is free only once no stager serves it
+                self.peer_tier.close_listener()
             if self.lease is not None:
                 self.lease.release(self.keep)
             return True

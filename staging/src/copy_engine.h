@@ -99,6 +99,13 @@ struct Received {
   uint64_t checksum = 0;
 };
 
+// Thread-safe: the stager's copy threads call copy() and receive() at once, and its coordinator
+// calls reusable() and remove() meanwhile (stager.cpp, NOTE [threads]). Each call keeps its state on its stack and in the
+// caller's `buffer`; what the calls share has a lock of its own (StageTree and Manifest each a
+// mutex, PfsEmulation's bandwidth clock a mutex) or is read-only after construction (the
+// session dir's descriptor, verify, the cancel flag). Two conditions are the callers': calls
+// that run at once use different `tag`s (each tag is one temporary file name), and two copies
+// to one `dest` at once are settled by publish (linkat never replaces; the manifest decides).
 class CopyEngine {
  public:
   // Temporary files are written in `tmp_dir` (the session directory, on the stage dir's file

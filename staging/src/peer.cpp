@@ -10,143 +10,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
+
+#include "peer_auth.h"
+#include "peer_wire.h"
 
 namespace hpcdl {
-namespace {
 
-// Wire format, little-endian (docs/staging.md, "Peer tier"). A connection carries one request
-// after another, each answered whole before the next is read.
-constexpr char kRequestMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'Q', '1'};
-constexpr char kReplyMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'A', '1'};
-constexpr uint32_t kAskChecksum = 1;
-enum ReplyStatus : uint32_t { kServed = 0, kNotHere = 1, kRefused = 2 };
-
-struct Request {
-  char magic[8];
-  unsigned char secret[kPeerSecretBytes];
-  uint32_t file_id;
-  uint32_t flags;
-  uint64_t size;
-};
-
-struct Reply {
-  char magic[8];
-  uint32_t status;
-  uint32_t has_checksum;
-  uint64_t size, mtime_ns, ctime_ns, ino, dev, checksum;
-};
-
-static_assert(sizeof(Request) == 56 && sizeof(Reply) == 64, "wire structs must not pad");
-
-// 0, or the errno (ETIMEDOUT for a receive timeout, ECONNRESET for a peer that closed early).
-// more: more of this reply follows at once (MSG_MORE: one segment for a small file's header,
-// bytes and trailer, which TCP_NODELAY would otherwise send as three).
-int send_all(int fd, const void* data, size_t len, bool more = false) {
-  const char* p = static_cast<const char*>(data);
-  while (len > 0) {
-    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno == EAGAIN ? ETIMEDOUT : errno;
-    }
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-  return 0;
-}
-
-int recv_all(int fd, void* data, size_t len) {
-  char* p = static_cast<char*>(data);
-  while (len > 0) {
-    const ssize_t n = ::recv(fd, p, len, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno == EAGAIN ? ETIMEDOUT : errno;
-    }
-    if (n == 0) return ECONNRESET;
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-  return 0;
-}
-
-int write_fd(int fd, const char* p, size_t len) {
-  while (len > 0) {
-    const ssize_t n = ::write(fd, p, len);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-  return 0;
-}
-
-// Bounded waits, and no Nagle delay: a connection carries one small request after another, and
-// a request or the last segment of a reply held back for a delayed ACK would cost 40 ms.
-void set_io_timeouts(int fd) {
-  const int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  struct timeval tv {};
-  tv.tv_sec = kPeerIoTimeoutMs / 1000;
-  tv.tv_usec = (kPeerIoTimeoutMs % 1000) * 1000;
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-}
-
-bool same_secret(const unsigned char* got, const std::string& want) {
-  unsigned char diff = 0;  // constant time: every byte is compared
-  for (size_t i = 0; i < kPeerSecretBytes; ++i) {
-    diff |= static_cast<unsigned char>(got[i] ^ static_cast<unsigned char>(want[i]));
-  }
-  return diff == 0;
-}
-
-Reply reply_of(ReplyStatus status) {
-  Reply r{};
-  std::memcpy(r.magic, kReplyMagic, sizeof r.magic);
-  r.status = status;
-  return r;
-}
-
-uint64_t mtime_ns_of(const struct stat& st) {
-  return static_cast<uint64_t>(st.st_mtim.tv_sec) * 1000000000ull +
-         static_cast<uint64_t>(st.st_mtim.tv_nsec);
-}
-
-// Connects with a bounded wait; -1 with errno set on failure.
-int connect_bounded(const std::string& host, uint16_t port) {
-  struct sockaddr_in addr {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    errno = EINVAL;
-    return -1;
-  }
-  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return -1;
-  if (::connect(fd.get(), reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) != 0) {
-    if (errno != EINPROGRESS) return -1;
-    struct pollfd p {fd.get(), POLLOUT, 0};
-    const int ready = ::poll(&p, 1, kPeerConnectTimeoutMs);
-    int err = 0;
-    socklen_t len = sizeof err;
-    if (ready == 0) err = ETIMEDOUT;
-    else if (ready < 0) err = errno;
-    else if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
-    if (err != 0) {
-      errno = err;
-      return -1;
-    }
-  }
-  const int flags = ::fcntl(fd.get(), F_GETFL);
-  ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
-  set_io_timeouts(fd.get());
-  return fd.release();
-}
-
-}  // namespace
+using namespace wire;  // this file speaks the wire
 
 std::string read_peer_secret(int fd) {
   std::string line;
@@ -201,119 +72,210 @@ bool PeerServer::lookup(uint32_t file_id, ServedCopy* out) {
   return true;
 }
 
+void PeerServer::refused(const Conn& conn, const std::string& why) {
+  bool first_time = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    first_time = refused_.insert(conn.client).second;
+  }
+  if (first_time) {  // at most once per client address: a stranger cannot flood the log
+    log_("refused a peer connection from " + conn.client +
+         ": it did not prove the job's secret (" + why + ")");
+  }
+}
+
 void PeerServer::accept_new() {
   for (;;) {
-    struct sockaddr_in from {};
-    socklen_t len = sizeof from;
+    struct sockaddr_in from {}, local {};
+    socklen_t len = sizeof from, local_len = sizeof local;
     UniqueFd conn(::accept4(listen_.get(), reinterpret_cast<struct sockaddr*>(&from), &len,
-                            SOCK_CLOEXEC));
+                            SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (!conn.valid()) return;  // none left (another thread took it, or the client gave up)
-    set_io_timeouts(conn.get());
+    set_nodelay(conn.get());
+    ::getsockname(conn.get(), reinterpret_cast<struct sockaddr*>(&local), &local_len);
     char host[INET_ADDRSTRLEN] = "?";
     ::inet_ntop(AF_INET, &from.sin_addr, host, sizeof host);
+    Conn c;
+    c.fd = std::move(conn);
+    c.client = host;
+    c.address = address_text(local);
+    c.since = Clock::now();
     std::lock_guard<std::mutex> lock(mu_);
-    if (idle_.size() >= 4 * kPeerMaxIdle) {  // its client replaces it if it comes back
-      idle_.erase(std::min_element(idle_.begin(), idle_.end(), [](const Conn& a, const Conn& b) {
-        return a.idle_since < b.idle_since;
-      }));
+    auto oldest = [&](bool authenticated) {
+      auto found = conns_.end();
+      for (auto it = conns_.begin(); it != conns_.end(); ++it) {
+        if (it->authenticated == authenticated && (found == conns_.end() || it->since < found->since)) {
+          found = it;
+        }
+      }
+      return found;
+    };
+    const size_t pending = static_cast<size_t>(std::count_if(
+        conns_.begin(), conns_.end(), [](const Conn& x) { return !x.authenticated; }));
+    if (pending >= kPeerMaxPending) {
+      conns_.erase(oldest(false));  // a stranger's, most likely: a real handshake takes one RTT
+    } else if (conns_.size() >= 4 * kPeerMaxIdle) {
+      const auto idle = oldest(true);  // its client replaces it if it comes back
+      conns_.erase(idle != conns_.end() ? idle : oldest(false));
     }
-    idle_.push_back(Conn{std::move(conn), host, ++next_serial_, false,
-                         std::chrono::steady_clock::now()});
+    c.serial = ++next_serial_;
+    conns_.push_back(std::move(c));
+  }
+}
+
+// Idle connections past kPeerIdleCloseMs and handshakes past the deadline are closed.
+void PeerServer::sweep() {
+  const auto now = Clock::now();
+  std::vector<Conn> late;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto expired = [&](const Conn& c) {
+      return c.authenticated ? now - c.since > std::chrono::milliseconds(kPeerIdleCloseMs)
+                             : now - c.since > std::chrono::milliseconds(kPeerRequestDeadlineMs);
+    };
+    auto keep = std::partition(conns_.begin(), conns_.end(), [&](const Conn& c) { return !expired(c); });
+    std::move(keep, conns_.end(), std::back_inserter(late));
+    conns_.erase(keep, conns_.end());
+  }
+  for (const Conn& c : late) {
+    if (!c.authenticated) refused(c, "no handshake within " + std::to_string(kPeerRequestDeadlineMs / 1000) + " s");
   }
 }
 
 bool PeerServer::claim(int fd, uint64_t serial, Conn* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  const auto it = std::find_if(idle_.begin(), idle_.end(), [&](const Conn& c) {
+  const auto it = std::find_if(conns_.begin(), conns_.end(), [&](const Conn& c) {
     return c.fd.get() == fd && c.serial == serial;
   });
-  if (it == idle_.end()) return false;  // another thread answers it
+  if (it == conns_.end()) return false;  // another thread has it
   *out = std::move(*it);
-  idle_.erase(it);
+  conns_.erase(it);
   return true;
 }
 
-// Every thread polls the listening socket and every idle connection; the one that claims a
-// readable connection answers its request and puts it back.
+// Every thread polls the listening socket and every connection nobody reads; the one that
+// claims a readable connection takes its handshake step or answers its request, and puts it
+// back.
 void PeerServer::serve() {
   std::vector<char> buffer(1u << 20);  // once per thread, not per request
   std::vector<struct pollfd> fds;
   std::vector<uint64_t> serials;
   while (!stop_.load()) {
+    sweep();
     fds.assign(1, pollfd{listen_.get(), POLLIN, 0});
     serials.assign(1, 0);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const auto too_old =
-          std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleCloseMs);
-      idle_.erase(std::remove_if(idle_.begin(), idle_.end(),
-                                 [&](const Conn& c) { return c.idle_since < too_old; }),
-                  idle_.end());
-      for (const Conn& c : idle_) {
+      for (const Conn& c : conns_) {
         fds.push_back(pollfd{c.fd.get(), POLLIN, 0});
         serials.push_back(c.serial);
       }
     }
-    if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+    if (::poll(fds.data(), fds.size(), kPollSliceMs) <= 0) continue;
     if (fds[0].revents & POLLIN) accept_new();
     for (size_t i = 1; i < fds.size() && !stop_.load(); ++i) {
       Conn conn;
       if (fds[i].revents == 0 || !claim(fds[i].fd, serials[i], &conn)) continue;
-      if (!answer(conn, buffer)) continue;  // closed here
-      conn.answered = true;
-      conn.idle_since = std::chrono::steady_clock::now();
+      if (!conn.authenticated && !handshake_step(conn)) continue;  // closed here
+      if (conn.authenticated) {
+        char first = 0;  // a request waits (a proof usually comes with the first one)
+        const ssize_t n = ::recv(conn.fd.get(), &first, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) continue;  // closed: done
+        if (n > 0 && !answer(conn, buffer)) continue;
+        if (n > 0) conn.since = Clock::now();
+      }
       std::lock_guard<std::mutex> lock(mu_);
-      idle_.push_back(std::move(conn));
+      conns_.push_back(std::move(conn));
     }
   }
 }
 
-bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
-  const int fd = conn.fd.get();
-  char first = 0;
-  // A client that closes a connection it has used is done with it, not refused.
-  if (conn.answered && ::recv(fd, &first, 1, MSG_PEEK) <= 0) return false;
-  Request req{};
-  const int err = recv_all(fd, &req, sizeof req);
-  if (err != 0 || std::memcmp(req.magic, kRequestMagic, sizeof req.magic) != 0 ||
-      !same_secret(req.secret, secret_)) {
-    bool first_time = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      first_time = refused_.insert(conn.client).second;
-    }
-    if (first_time) {
-      log_("refused a peer connection from " + conn.client + ": wrong or missing job secret");
-    }
-    const Reply no = reply_of(kRefused);
-    send_all(fd, &no, sizeof no);
+// One step of the server's side of the handshake, with what has arrived; never blocks.
+bool PeerServer::handshake_step(Conn& conn) {
+  const bool proving = conn.have >= kClientHelloBytes;  // the hello is in: its proof comes
+  const size_t want = proving ? kClientHelloBytes + kPeerMacBytes : kClientHelloBytes;
+  // One buffer: the hello, then (its nonce kept in conn.nonces) the proof.
+  const size_t offset = proving ? conn.have - kClientHelloBytes : conn.have;
+  const ssize_t n = ::recv(conn.fd.get(), conn.hello + offset, want - conn.have, MSG_DONTWAIT);
+  if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+    refused(conn, "it closed the connection during the handshake");
     return false;
   }
-  ServedCopy copy;
-  const bool want_checksum = (req.flags & kAskChecksum) != 0;
-  UniqueFd file;
-  struct stat st {};
-  if (lookup(req.file_id, &copy) && copy.size == req.size &&
-      (!want_checksum || copy.has_checksum)) {
-    const auto [dir, base] = split_dest(copy.dest);
-    try {
-      const int dirfd = tree_.dir_for(dir, false);
-      if (dirfd >= 0) file = UniqueFd(::openat(dirfd, base.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
-    } catch (const StageError&) {
-      // a symlink or non-directory on the way: not served
+  if (n < 0) return true;
+  conn.have += static_cast<size_t>(n);
+  if (conn.have < want) return true;
+  if (!proving) {
+    if (std::memcmp(conn.hello, kClientHelloMagic, sizeof kClientHelloMagic) != 0) {
+      refused(conn, "not a hello of this protocol");
+      return false;
     }
-    // Still the copy we made, whole, and not written since it was published.
-    if (file.valid() && (::fstat(file.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
-                         static_cast<uint64_t>(st.st_ino) != copy.id.ino ||
-                         static_cast<uint64_t>(st.st_dev) != copy.id.dev ||
-                         static_cast<uint64_t>(st.st_size) != copy.size ||
-                         mtime_ns_of(st) != copy.source_id.mtime_ns)) {
-      file.reset();
-    }
+    std::memcpy(conn.nonces, conn.hello + 8, kPeerNonceBytes);
+    random_nonce(conn.nonces + kPeerNonceBytes);
+    unsigned char hello[kServerHelloBytes];
+    std::memcpy(hello, kServerHelloMagic, 8);
+    std::memcpy(hello + 8, conn.nonces + kPeerNonceBytes, kPeerNonceBytes);
+    const PeerMac mine = proof(secret_, "hpcdl-peer server", conn.nonces, conn.address);
+    std::memcpy(hello + 8 + kPeerNonceBytes, mine.data(), kPeerMacBytes);
+    // 72 bytes into a new connection's empty send buffer: never more than a moment.
+    const auto deadline = Clock::now() + std::chrono::milliseconds(kPeerRequestDeadlineMs);
+    return send_all(conn.fd.get(), hello, sizeof hello, deadline, stop_) == 0;
   }
+  const PeerMac theirs = proof(secret_, "hpcdl-peer client", conn.nonces, conn.address);
+  if (!same_mac(theirs, conn.hello)) {
+    refused(conn, "a wrong proof");
+    const Reply no = reply_of(kRefused);
+    send_all(conn.fd.get(), &no, sizeof no, Clock::now() + std::chrono::milliseconds(kPollSliceMs), stop_);
+    return false;
+  }
+  conn.authenticated = true;
+  conn.since = Clock::now();  // from now on the idle clock
+  return true;
+}
+
+UniqueFd PeerServer::open_served(const Request& req, ServedCopy* copy) {
+  const bool want_checksum = (req.flags & kAskChecksum) != 0;
+  if (!lookup(req.file_id, copy) || copy->size != req.size ||
+      (want_checksum && !copy->has_checksum)) {
+    return UniqueFd();
+  }
+  UniqueFd file;
+  const auto [dir, base] = split_dest(copy->dest);
+  try {
+    const int dirfd = tree_.dir_for(dir, false);
+    if (dirfd >= 0) file = UniqueFd(::openat(dirfd, base.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  } catch (const StageError&) {
+    // a symlink or non-directory on the way: not served
+  }
+  // Still the copy we made, whole, and not written since it was published.
+  struct stat st {};
+  if (file.valid() && (::fstat(file.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+                       static_cast<uint64_t>(st.st_ino) != copy->id.ino ||
+                       static_cast<uint64_t>(st.st_dev) != copy->id.dev ||
+                       static_cast<uint64_t>(st.st_size) != copy->size ||
+                       mtime_ns_of(st) != copy->source_id.mtime_ns)) {
+    file.reset();
+  }
+  return file;
+}
+
+bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
+  const int fd = conn.fd.get();
+  const auto started = Clock::now();
+  Request req{};
+  if (recv_all(fd, &req, sizeof req, started + std::chrono::milliseconds(kPeerRequestDeadlineMs),
+               stop_) != 0 ||
+      std::memcmp(req.magic, kRequestMagic, sizeof req.magic) != 0) {
+    return false;  // an authenticated peer that sends no whole request in time: closed
+  }
+  const uint64_t number = conn.requests++;
+  ServedCopy copy;
+  const UniqueFd file = open_served(req, &copy);
+  // The reply's bytes, at kPeerMinRate at least, after the request's own allowance.
+  const auto deadline = started + std::chrono::milliseconds(kPeerRequestDeadlineMs) +
+                        std::chrono::milliseconds(file.valid() ? copy.size * 1000 / kPeerMinRate : 0);
   if (!file.valid()) {
     const Reply no = reply_of(kNotHere);
-    return send_all(fd, &no, sizeof no) == 0;
+    return send_all(fd, &no, sizeof no, deadline, stop_) == 0;
   }
   Reply r = reply_of(kServed);
   r.size = copy.size;
@@ -323,19 +285,20 @@ bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
   r.dev = copy.source_id.dev;
   r.has_checksum = copy.has_checksum ? 1 : 0;
   r.checksum = copy.checksum;
-  if (send_all(fd, &r, sizeof r, true) != 0) return false;
-  Fnv1a64 sent;
+  Hmac mac(secret_);
+  start_reply_mac(mac, conn.nonces, number, req, r);
+  if (send_all(fd, &r, sizeof r, deadline, stop_, true) != 0) return false;
   uint64_t left = copy.size;
   while (left > 0) {
     const ssize_t n = ::read(file.get(), buffer.data(), std::min<uint64_t>(left, buffer.size()));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;  // truncated meanwhile: the client sees a short reply
-    sent.update(buffer.data(), static_cast<size_t>(n));
-    if (send_all(fd, buffer.data(), static_cast<size_t>(n), true) != 0) return false;
+    mac.update(buffer.data(), static_cast<size_t>(n));
+    if (send_all(fd, buffer.data(), static_cast<size_t>(n), deadline, stop_, true) != 0) return false;
     left -= static_cast<uint64_t>(n);
   }
-  const uint64_t digest = sent.digest();
-  if (send_all(fd, &digest, sizeof digest) != 0) return false;
+  const PeerMac tag = mac.finish();
+  if (send_all(fd, tag.data(), tag.size(), deadline, stop_) != 0) return false;
   files_served_.fetch_add(1);
   bytes_served_.fetch_add(copy.size);
   return true;
@@ -343,100 +306,167 @@ bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
 
 namespace {
 
-// One request and its reply on connection `fd` to `peer`. *stale: it failed before any byte of
-// a reply came (a pooled connection that the peer closed while it was idle).
-PeerFetch exchange(int fd, const std::string& peer, const std::string& secret, uint32_t file_id,
-                   uint64_t size, bool verify, int out_fd, std::vector<char>& buffer,
-                   const std::atomic<bool>& cancel, bool* stale) {
+// The client's side of the handshake on a new connection to `address` ("ip:port", as dialed):
+// Ok with the nonces in session.nonces and our proof in *ours (sent with the first request),
+// or why not. The server proves first, so a squatter learns nothing from us.
+PeerFetch client_handshake(PeerClient::Session& session, const std::string& address,
+                           const std::string& secret, Clock::time_point deadline,
+                           const std::atomic<bool>& cancel, PeerMac* ours) {
   PeerFetch result;
-  auto fail = [&](PeerOutcome outcome, const std::string& why) {
-    result.outcome = outcome;
-    result.message = why;
+  unsigned char hello[kServerHelloBytes];
+  std::memcpy(hello, kClientHelloMagic, 8);
+  random_nonce(hello + 8);
+  std::memcpy(session.nonces, hello + 8, kPeerNonceBytes);
+  int err = send_all(session.fd.get(), hello, kClientHelloBytes, deadline, cancel);
+  if (err == 0) err = recv_all(session.fd.get(), hello, kServerHelloBytes, deadline, cancel);
+  if (err != 0) {
+    result.outcome = err == ECANCELED ? PeerOutcome::Cancelled : PeerOutcome::Unreachable;
+    result.message = "peer " + address + " did not finish the handshake: " +
+                     (err == ETIMEDOUT ? "no answer within the " +
+                                             std::to_string(kPeerRequestDeadlineMs / 1000) +
+                                             " s deadline"
+                                       : errno_text(err));
     return result;
-  };
-  Request req{};
-  std::memcpy(req.magic, kRequestMagic, sizeof req.magic);
-  std::memcpy(req.secret, secret.data(), std::min(secret.size(), kPeerSecretBytes));
-  req.file_id = file_id;
-  req.flags = verify ? kAskChecksum : 0;
-  req.size = size;
-  Reply r{};
-  if (int err = send_all(fd, &req, sizeof req)) {
-    *stale = err == EPIPE || err == ECONNRESET;
-    return fail(PeerOutcome::Unreachable, "peer " + peer + ": " + errno_text(err));
   }
-  ssize_t peeked = 0;  // the reply's first byte, within the I/O timeout (not twice it)
-  do {
-    peeked = ::recv(fd, &r, 1, MSG_PEEK);
-  } while (peeked < 0 && errno == EINTR);
-  if (peeked <= 0) {
-    const int err = peeked == 0 ? ECONNRESET : errno == EAGAIN ? ETIMEDOUT : errno;
-    *stale = err == ECONNRESET;
-    return fail(PeerOutcome::Unreachable, "peer " + peer + " did not answer: " + errno_text(err));
+  std::memcpy(session.nonces + kPeerNonceBytes, hello + 8, kPeerNonceBytes);
+  const PeerMac want = proof(secret, "hpcdl-peer server", session.nonces, address);
+  if (std::memcmp(hello, kServerHelloMagic, 8) != 0 ||
+      !same_mac(want, hello + 8 + kPeerNonceBytes)) {
+    result.outcome = PeerOutcome::Refused;
+    result.message = "peer " + address + " did not prove the job's secret (not this job's "
+                     "stager at that address)";
+    return result;
   }
-  if (int err = recv_all(fd, &r, sizeof r)) {
-    return fail(PeerOutcome::Unreachable, "peer " + peer + " did not answer: " + errno_text(err));
-  }
-  if (std::memcmp(r.magic, kReplyMagic, sizeof r.magic) != 0) {
-    return fail(PeerOutcome::Bad, "peer " + peer + " answered with a malformed reply");
-  }
-  if (r.status == kRefused) return fail(PeerOutcome::Refused, "peer " + peer + " refused the job's secret");
-  if (r.status != kServed) return fail(PeerOutcome::NotHere, "peer " + peer + " does not hold it");
-  if (r.size != size) return fail(PeerOutcome::Bad, "peer " + peer + " offered a copy of another size");
-  if (verify && !r.has_checksum) return fail(PeerOutcome::Bad, "peer " + peer + " has no checksum");
-  Fnv1a64 got;
-  uint64_t left = size;
+  *ours = proof(secret, "hpcdl-peer client", session.nonces, address);
+  return result;
+}
+
+PeerFetch failed_fetch(PeerOutcome outcome, const std::string& why) {
+  PeerFetch result;
+  result.outcome = outcome;
+  result.message = why;
+  return result;
+}
+
+// A wait that ended in `err` while `what` (cancelled, or the deadline, or the connection).
+PeerFetch lost_fetch(int err, const std::string& peer, const std::string& what, uint64_t size) {
+  if (err == ECANCELED) return failed_fetch(PeerOutcome::Cancelled, "cancelled");
+  const std::string why =
+      err == ETIMEDOUT ? "not within its " + std::to_string(kPeerRequestDeadlineMs / 1000) +
+                             " s + " + std::to_string(size / kPeerMinRate) + " s deadline"
+                       : errno_text(err);
+  return failed_fetch(PeerOutcome::Unreachable, "peer " + peer + " " + what + " (" + why + ")");
+}
+
+// A served reply's bytes into `out_fd`, then its MAC (started over the header by the caller)
+// and with verify the source checksum, all checked.
+PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, Hmac& mac, bool verify,
+                       int out_fd, std::vector<char>& buffer, Clock::time_point deadline,
+                       const std::atomic<bool>& cancel) {
+  Fnv1a64 got;  // with verify: the source checksum the home recorded
+  uint64_t left = r.size;
   while (left > 0) {
-    if (cancel.load(std::memory_order_relaxed)) return fail(PeerOutcome::Cancelled, "cancelled");
+    size_t n = 0;
     const size_t want = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
-    const ssize_t n = ::recv(fd, buffer.data(), want, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = n == 0 ? "closed the connection" : errno_text(errno == EAGAIN ? ETIMEDOUT : errno);
-      return fail(PeerOutcome::Unreachable, "peer " + peer + " sent " + std::to_string(size - left) +
-                                                " of " + std::to_string(size) + " bytes (" + why + ")");
+    if (int err = recv_some(fd, buffer.data(), want, deadline, cancel, &n)) {
+      const std::string sent = std::to_string(r.size - left) + " of " + std::to_string(r.size);
+      return lost_fetch(err, peer, "sent " + sent + " bytes", r.size);
     }
-    got.update(buffer.data(), static_cast<size_t>(n));
-    if (int err = write_fd(out_fd, buffer.data(), static_cast<size_t>(n))) {
-      result.err = err;
-      return fail(PeerOutcome::WriteError, errno_text(err));
+    mac.update(buffer.data(), n);
+    if (verify) got.update(buffer.data(), n);
+    if (int err = write_fd(out_fd, buffer.data(), n)) {
+      PeerFetch failed = failed_fetch(PeerOutcome::WriteError, errno_text(err));
+      failed.err = err;
+      return failed;
     }
-    left -= static_cast<uint64_t>(n);
+    left -= n;
   }
-  uint64_t trailer = 0;
-  if (int err = recv_all(fd, &trailer, sizeof trailer)) {
-    return fail(PeerOutcome::Unreachable, "peer " + peer + " ended early: " + errno_text(err));
+  unsigned char tag[kPeerMacBytes];
+  if (int err = recv_all(fd, tag, sizeof tag, deadline, cancel)) {
+    return lost_fetch(err, peer, "ended early", r.size);
   }
-  if (trailer != got.digest()) return fail(PeerOutcome::Bad, "bytes from peer " + peer + " were damaged in transit");
+  if (!same_mac(mac.finish(), tag)) {
+    return failed_fetch(PeerOutcome::Bad,
+                        "bytes from peer " + peer + " failed their MAC (damaged or forged)");
+  }
   if (verify && got.digest() != r.checksum) {
-    return fail(PeerOutcome::Bad, "the copy on peer " + peer + " differs from its source (checksum)");
+    return failed_fetch(PeerOutcome::Bad,
+                        "the copy on peer " + peer + " differs from its source (checksum)");
   }
+  PeerFetch result;
   result.source_id = FileIdentity{r.size, r.mtime_ns, r.ctime_ns, r.ino, r.dev};
   result.has_checksum = r.has_checksum != 0;
   result.checksum = r.checksum;
   return result;
 }
 
-}  // namespace
-
-UniqueFd PeerClient::take(const std::string& key) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& idle = idle_[key];
-  const auto too_old =
-      std::chrono::steady_clock::now() - std::chrono::milliseconds(kPeerIdleReuseMs);
-  while (!idle.empty()) {
-    Idle last = std::move(idle.back());
-    idle.pop_back();
-    --idle_count_;
-    if (last.since >= too_old) return std::move(last.fd);
+// One request and its reply on `session` to `peer`; `ours`: the proof to send first (a new
+// connection). *stale: it failed before any byte of a reply came (a pooled connection that the
+// peer closed while it was idle).
+PeerFetch exchange(PeerClient::Session& session, const std::string& peer,
+                   const std::string& secret, const PeerMac* ours, uint32_t file_id,
+                   uint64_t size, bool verify, int out_fd, std::vector<char>& buffer,
+                   Clock::time_point deadline, const std::atomic<bool>& cancel, bool* stale) {
+  const int fd = session.fd.get();
+  Request req{};
+  std::memcpy(req.magic, kRequestMagic, sizeof req.magic);
+  req.file_id = file_id;
+  req.flags = verify ? kAskChecksum : 0;
+  req.size = size;
+  unsigned char out[kPeerMacBytes + sizeof req];
+  size_t len = 0;
+  if (ours != nullptr) {
+    std::memcpy(out, ours->data(), kPeerMacBytes);
+    len = kPeerMacBytes;
   }
-  return UniqueFd();
+  std::memcpy(out + len, &req, sizeof req);
+  len += sizeof req;
+  const uint64_t number = session.requests++;
+  if (int err = send_all(fd, out, len, deadline, cancel)) {
+    *stale = err == EPIPE || err == ECONNRESET;
+    return lost_fetch(err, peer, "did not take the request", size);
+  }
+  Reply r{};
+  size_t peeked = 0;  // the reply's first byte: a pooled connection closed meanwhile fails here
+  int err = recv_some(fd, &r, 1, deadline, cancel, &peeked, MSG_PEEK);
+  *stale = err == ECONNRESET;
+  if (err == 0) err = recv_all(fd, &r, sizeof r, deadline, cancel);
+  if (err != 0) return lost_fetch(err, peer, "did not answer", size);
+  const std::string who = "peer " + peer;
+  if (std::memcmp(r.magic, kReplyMagic, sizeof r.magic) != 0) {
+    return failed_fetch(PeerOutcome::Bad, who + " answered with a malformed reply");
+  }
+  if (r.status == kRefused) {
+    return failed_fetch(PeerOutcome::Refused, who + " refused our proof of the job's secret");
+  }
+  if (r.status != kServed) return failed_fetch(PeerOutcome::NotHere, who + " does not hold it");
+  if (r.size != size) return failed_fetch(PeerOutcome::Bad, who + " offered another size");
+  if (verify && !r.has_checksum) return failed_fetch(PeerOutcome::Bad, who + " has no checksum");
+  Hmac mac(secret);
+  start_reply_mac(mac, session.nonces, number, req, r);
+  return receive_copy(fd, peer, r, mac, verify, out_fd, buffer, deadline, cancel);
 }
 
-void PeerClient::give_back(const std::string& key, UniqueFd fd) {
+}  // namespace
+
+PeerClient::Session PeerClient::take(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& idle = idle_[key];
+  const auto too_old = Clock::now() - std::chrono::milliseconds(kPeerIdleReuseMs);
+  while (!idle.empty()) {
+    Session last = std::move(idle.back());
+    idle.pop_back();
+    --idle_count_;
+    if (last.since >= too_old) return last;
+  }
+  return Session();
+}
+
+void PeerClient::give_back(const std::string& key, Session session) {
   std::lock_guard<std::mutex> lock(mu_);
   if (idle_count_ >= kPeerMaxIdle) return;  // closed: enough descriptors are kept already
-  idle_[key].push_back(Idle{std::move(fd), std::chrono::steady_clock::now()});
+  session.since = Clock::now();
+  idle_[key].push_back(std::move(session));
   ++idle_count_;
 }
 
@@ -444,25 +474,30 @@ PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t 
                             int out_fd, std::vector<char>& buffer,
                             const std::atomic<bool>& cancel) {
   const std::string key = peer.host + ":" + std::to_string(peer.port);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(kPeerRequestDeadlineMs) +
+                        std::chrono::milliseconds(size * 1000 / kPeerMinRate);
   for (;;) {
-    UniqueFd conn = take(key);
-    const bool reused = conn.valid();
+    Session session = take(key);
+    const bool reused = session.fd.valid();
+    PeerMac ours{};
     if (!reused) {
-      conn = UniqueFd(connect_bounded(peer.host, peer.port));
-      if (!conn.valid()) {
+      session.fd = UniqueFd(connect_bounded(peer.host, peer.port));
+      if (!session.fd.valid()) {
         PeerFetch failed;
         failed.outcome = PeerOutcome::Unreachable;
         failed.message = "cannot reach peer " + key + ": " + errno_text(errno);
         return failed;
       }
       opened_.fetch_add(1);
+      PeerFetch shook = client_handshake(session, key, secret_, deadline, cancel, &ours);
+      if (shook.outcome != PeerOutcome::Ok) return shook;
     }
     bool stale = false;
-    PeerFetch got =
-        exchange(conn.get(), key, secret_, file_id, size, verify, out_fd, buffer, cancel, &stale);
+    PeerFetch got = exchange(session, key, secret_, reused ? nullptr : &ours, file_id, size,
+                             verify, out_fd, buffer, deadline, cancel, &stale);
     if (reused && stale) continue;  // closed by the peer while idle: again on a new connection
     if (got.outcome == PeerOutcome::Ok || got.outcome == PeerOutcome::NotHere) {
-      give_back(key, std::move(conn));  // the reply was read whole: the next request may follow
+      give_back(key, std::move(session));  // the reply was read whole: the next request may follow
     }
     return got;
   }

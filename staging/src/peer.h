@@ -1,10 +1,11 @@
 // The peer tier: stagers of one job serve each other's staged copies over TCP (docs/staging.md,
-// "Peer tier"); a connection carries one request after another. The server answers only requests
-// that carry the job's secret, and only with a READY copy of its plan that this stager published
-// or adopted, opened inside the stage dir without following symlinks, whose size and mtime are
-// still the source's. The client writes
-// what it receives to a file descriptor and checks it; the copy engine publishes it by the rules
-// of any staged copy. Any failure is the caller's cue to read the PFS.
+// "Peer tier"); a connection carries one request after another. Each connection starts with a
+// handshake in which both sides prove knowledge of the job's secret (never sent) over fresh
+// nonces, the server first; every reply's bytes carry a MAC keyed by the secret. The server
+// answers only with a READY copy of its plan that this stager published or adopted, opened
+// inside the stage dir without following symlinks, whose size and mtime are still the source's.
+// The client writes what it receives to a file descriptor and checks it; the copy engine
+// publishes it by the rules of any staged copy. Any failure is the caller's cue to read the PFS.
 #pragma once
 
 #include <atomic>
@@ -21,13 +22,20 @@
 #include "common.h"
 #include "copy_engine.h"
 #include "manifest.h"
+#include "peer_wire.h"
 #include "plan.h"
 
 namespace hpcdl {
 
 constexpr size_t kPeerSecretBytes = 32;
 constexpr int kPeerConnectTimeoutMs = 2000;  // a dead node: then the PFS
-constexpr int kPeerIoTimeoutMs = 5000;       // a silent peer: then the PFS
+// S: a server gives a connection this long from its accept to a finished handshake, and an
+// authenticated one this long for each whole request; a fetch gets this long plus the file's
+// size at kPeerMinRate for the whole of it (connect, handshake, reply, bytes, MAC).
+constexpr int kPeerRequestDeadlineMs = 5000;
+constexpr uint64_t kPeerMinRate = 1u << 20;  // bytes/s: a peer slower than this is given up
+constexpr unsigned kPeerServeThreads = 4;    // serving threads per stager
+constexpr size_t kPeerMaxPending = 64;       // handshakes in progress; the oldest makes room
 constexpr int kPeerIdleCloseMs = 60000;      // the server closes a connection idle this long
 constexpr int kPeerIdleReuseMs = 30000;      // the client reuses one idle at most this long
 // Idle connections kept, so that descriptors stay bounded at 1,024 nodes (a node fetches from
@@ -53,6 +61,10 @@ class PeerServer {
  public:
   // Serves on `listen_fd` (a bound, listening TCP socket handed over by the node leader; this
   // object owns it) with `threads` threads. `log` receives one line per event worth a line.
+  // Threads: each one polls the listening socket and every connection; a handshake step only
+  // reads what has arrived (never blocks), so strangers never hold a serving thread; a thread
+  // blocks only for an authenticated request, at most kPeerRequestDeadlineMs plus its reply's
+  // bytes at kPeerMinRate. mu_ guards served_, refused_, conns_ and next_serial_.
   PeerServer(int listen_fd, std::string secret, StageTree& tree, unsigned threads,
              std::function<void(const std::string&)> log);
   ~PeerServer();
@@ -65,20 +77,31 @@ class PeerServer {
   uint64_t bytes_served() const { return bytes_served_.load(); }
 
  private:
-  // An accepted connection: idle (in idle_) between requests, owned by one thread while it
-  // answers one. `serial` tells a connection from a later one that reuses its descriptor.
+  // An accepted connection: in conns_ while nobody reads it, owned by one thread while it
+  // takes a handshake step or answers a request. `serial` tells a connection from a later one
+  // that reuses its descriptor.
   struct Conn {
     UniqueFd fd;
-    std::string client;
+    std::string client;   // the peer's address (for the log)
+    std::string address;  // ours as the client dialed it ("ip:port"), which the proofs name
     uint64_t serial = 0;
-    bool answered = false;  // has carried a request (its close is then no refusal)
-    std::chrono::steady_clock::time_point idle_since;
+    bool authenticated = false;
+    unsigned char hello[40] = {};  // the handshake's bytes so far (a hello, then a proof)
+    size_t have = 0;
+    unsigned char nonces[64] = {};  // the client's, then ours
+    uint64_t requests = 0;          // answered on this connection (bound into each reply's MAC)
+    std::chrono::steady_clock::time_point since;  // accepted (pending) or last answered (idle)
   };
   void serve();
   void accept_new();
+  void sweep();
   bool claim(int fd, uint64_t serial, Conn* out);
+  bool handshake_step(Conn& conn);                     // false: close the connection
   bool answer(Conn& conn, std::vector<char>& buffer);  // false: close the connection
   bool lookup(uint32_t file_id, ServedCopy* out);
+  // The file a request asks for, opened, when it may be served (its copy in *copy); else none.
+  UniqueFd open_served(const wire::Request& req, ServedCopy* copy);
+  void refused(const Conn& conn, const std::string& why);
 
   UniqueFd listen_;
   std::string secret_;
@@ -89,7 +112,7 @@ class PeerServer {
   std::mutex mu_;
   std::unordered_map<uint32_t, ServedCopy> served_;
   std::unordered_set<std::string> refused_;  // client addresses already logged
-  std::vector<Conn> idle_;                   // connections waiting for their next request
+  std::vector<Conn> conns_;  // connections nobody reads now: handshakes and idle ones
   uint64_t next_serial_ = 0;
   std::vector<std::thread> threads_;
 };
@@ -115,23 +138,29 @@ class PeerClient {
 
   // Fetches file `file_id` of `size` bytes from `peer` into `out_fd` (at its current offset).
   // verify: ask for the source checksum and compare the received bytes with it. Never waits
-  // more than the connect and I/O timeouts above (a pooled connection the peer has closed is
-  // replaced by a new one, before any byte is written).
+  // more than kPeerRequestDeadlineMs plus `size` at kPeerMinRate in all (a pooled connection
+  // the peer has closed is replaced by a new one, before any byte is written), and notices
+  // `cancel` within 100 ms.
   PeerFetch fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
                   int out_fd, std::vector<char>& buffer, const std::atomic<bool>& cancel);
   uint64_t connections_opened() const { return opened_.load(); }
 
- private:
-  struct Idle {
+  // An authenticated connection: its descriptor, the handshake's nonces and the requests it
+  // has carried (both bound into each reply's MAC).
+  struct Session {
     UniqueFd fd;
-    std::chrono::steady_clock::time_point since;
+    unsigned char nonces[64] = {};
+    uint64_t requests = 0;
+    std::chrono::steady_clock::time_point since;  // pooled at
   };
-  UniqueFd take(const std::string& key);  // an idle connection to key, or an invalid one
-  void give_back(const std::string& key, UniqueFd fd);
+
+ private:
+  Session take(const std::string& key);  // an idle session to key, or one without a descriptor
+  void give_back(const std::string& key, Session session);
 
   std::string secret_;
   std::mutex mu_;
-  std::unordered_map<std::string, std::vector<Idle>> idle_;
+  std::unordered_map<std::string, std::vector<Session>> idle_;
   size_t idle_count_ = 0;  // over all peers, under mu_
   std::atomic<uint64_t> opened_{0};
 };

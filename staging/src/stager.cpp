@@ -28,7 +28,9 @@
 #include "eviction.h"
 #include "manifest.h"
 #include "peer.h"
+#include "peer_deferrals.h"
 #include "plan.h"
+#include "residency.h"
 #include "status_map.h"
 
 namespace hpcdl {
@@ -88,6 +90,27 @@ PlanFileId plan_file_id(const std::string& path) {
   return id;
 }
 
+// NOTE [threads]
+// A stager runs three kinds of threads; what each may touch, and under which lock:
+// - The coordinator (the thread that calls run(): coordinate(), dispatch(), drain_done(),
+//   evict(), adopt_plan(), reload_plan()) owns the plan, the schedule, the residency (space_),
+//   the peer deferrals, every "Coordinator-only state" member below and the status map: it is
+//   the status map's only writer (states, counters, heartbeat), so none of that needs a lock.
+//   It takes the signals (sigtimedwait; every thread has them blocked) and sets cancel_.
+// - The copy threads (work(), opt_.threads of them) take a Job from jobs_ and push a Done to
+//   done_, both under mu_ (cv_work_ wakes them, cv_done_ wakes the coordinator); stopping_ is
+//   under mu_ too. A Job carries copies of what its thread needs (source, dest, size, peer),
+//   so a copy thread never reads the plan, the status map or copies_. Between the two they use
+//   engine_ (CopyEngine: thread-safe, see copy_engine.h; the coordinator's evict() removes
+//   files while copies run), client_ (PeerClient: thread-safe, its own lock), down_ under
+//   peer_mu_ (written by copy threads, read by the coordinator's dispatch), and the atomics
+//   cancel_, pfs_opens_, logged_peer_failures_.
+// - The server threads (kPeerServeThreads, owned by server_) serve peers. The coordinator
+//   reaches them only through PeerServer::offer/withdraw (under the server's own lock) and its
+//   atomic counters (publish_served); they read the stage tree through tree_ (its own lock)
+//   and never touch the status map or the plan.
+// Shutdown order (run()): the coordinator stops dispatching, sets stopping_, joins the copy
+// threads, then resets server_ (joining its threads) before the tree it serves from goes.
 class Stager {
  public:
   explicit Stager(const StagerOptions& opt)
@@ -100,16 +123,17 @@ class Stager {
         manifest_(opt.stage_dir + "/.hpcdl/manifest"),
         tree_(opt.stage_dir, manifest_),
         pfs_(PfsEmulation::from_env()),
-        engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_) {
+        engine_(tree_, manifest_, meta_, pfs_, opt.verify, cancel_),
+        space_(opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir)) {
     plan_id_ = plan_file_id(meta_ + "/plan");
     first_epoch_ = plan_.epoch_begin;
-    capacity_ = opt.capacity ? *opt.capacity : default_capacity(opt.stage_dir);
     if (opt.peer) {
       secret_ = read_peer_secret(STDIN_FILENO);
       client_ = std::make_unique<PeerClient>(secret_);
     }
     if (opt.peer && opt.peer_listen_fd >= 0) {
-      server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, 4, log_line);
+      server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, kPeerServeThreads,
+                                             log_line);
     }
   }
 
@@ -123,12 +147,12 @@ class Stager {
       status_.store(off, 0);
     }
     status_.store32(so::kFlags, 0);
-    status_.store(so::kCapacity, capacity_);
+    status_.store(so::kCapacity, space_.capacity());
     status_.heartbeat();
     if (!opt_.quiet) {
       log_line("staging " + std::to_string(plan_.entries.size()) + " files into " +
                opt_.stage_dir + " with " + std::to_string(opt_.threads) + " threads, capacity " +
-               human_bytes(capacity_) +
+               human_bytes(space_.capacity()) +
                (pfs_.active() ? " (emulated PFS: latency_ms=" + std::to_string(pfs_.latency_ms()) +
                                     ", mbps=" + std::to_string(pfs_.mbps()) + ")"
                               : "") +
@@ -163,22 +187,23 @@ class Stager {
     drain_done();
     status_.heartbeat();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Stopped));
-    if (!opt_.quiet) {
-      log_line(ending_ + ": " + std::to_string(status_.load(so::kFilesStaged)) +
-               " files (" +
-               std::to_string(status_.load(so::kBytesStaged)) + " bytes) copied, " +
-               std::to_string(status_.load(so::kFilesReused)) + " reused, " +
-               std::to_string(status_.load(so::kFailures)) + " failed, " +
-               std::to_string(status_.load(so::kEvictions)) + " evicted" +
-               (opt_.peer ? ", " + std::to_string(status_.load(so::kPeerFiles)) +
-                                " from peers (" +
-                                std::to_string(status_.load(so::kPeerFallbacks)) +
-                                " fell back to the PFS), " +
-                                std::to_string(status_.load(so::kFilesServed)) + " served"
-                          : ""));
-    }
+    if (!opt_.quiet) log_last_line();
     return code;
   }
+
+  // The one last line: why it ended and what it did.
+  void log_last_line() {
+    const auto count = [this](size_t offset) { return std::to_string(status_.load(offset)); };
+    std::string peers;
+    if (opt_.peer) {
+      peers = ", " + count(so::kPeerFiles) + " from peers (" + count(so::kPeerFallbacks) +
+              " fell back to the PFS), " + count(so::kFilesServed) + " served";
+    }
+    log_line(ending_ + ": " + count(so::kFilesStaged) + " files (" + count(so::kBytesStaged) +
+             " bytes) copied, " + count(so::kFilesReused) + " reused, " + count(so::kFailures) +
+             " failed, " + count(so::kEvictions) + " evicted" + peers);
+  }
+
 
  private:
   // Validates staged files for the (new) plan: copies that may be reused (see
@@ -186,9 +211,7 @@ class Stager {
   void adopt_plan() {
     inflight_.assign(plan_.entries.size(), 0);
     too_big_.assign(plan_.entries.size(), 0);
-    deferred_flag_.assign(plan_.entries.size(), 0);
-    deferred_.clear();
-    ready_.clear();
+    deferrals_.reset(plan_.entries.size());
     schedule_ = std::make_unique<NextUseSchedule>(plan_);
     uint64_t resident = 0, ready = 0;
     std::vector<char> buffer(kCopyBuffer);
@@ -218,10 +241,10 @@ class Stager {
         status_.set_state(e.file_id, FileState::Pending);  // stale, partial or worth a retry
       }
     }
-    resident_bytes_ = resident;
+    space_.adopt(resident);
     plan_ready_ = ready;
     mark_too_big();
-    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kBytesResident, space_.resident());
     status_.store(so::kPlanHash, plan_.hash);
     status_.store(so::kPlanEntries, plan_.entries.size());
     status_.store(so::kPlanReady, plan_ready_);
@@ -234,7 +257,7 @@ class Stager {
     uint64_t count = 0, bytes = 0, largest = 0;
     for (size_t i = 0; i < plan_.entries.size(); ++i) {
       const auto& e = plan_.entries[i];
-      if (capacity_ != 0 && e.size <= capacity_) continue;
+      if (space_.capacity() != 0 && e.size <= space_.capacity()) continue;
       if (status_.state(e.file_id) == FileState::Ready) continue;  // reused or kept resident
       too_big_[i] = 1;
       ++count;
@@ -245,7 +268,7 @@ class Stager {
     reported_too_big_ = true;
     log_line(std::to_string(count) + " of " + std::to_string(plan_.entries.size()) +
              " planned files (" + human_bytes(bytes) + ") do not fit the stage capacity of " +
-             human_bytes(capacity_) + " and are read from the PFS; set --stage-capacity "
+             human_bytes(space_.capacity()) + " and are read from the PFS; set --stage-capacity "
              "to at least " + std::to_string(std::max<uint64_t>(largest, 1)) +
              " bytes (the largest of them) to stage them");
   }
@@ -376,14 +399,13 @@ class Stager {
     }
     schedule_.reset();
     plan_ = std::move(next);
-    nospace_ = false;
-    adopt_plan();
+    adopt_plan();  // the disk may have room again
   }
 
   // Queues copies in next-use order within the window and the capacity. Returns true when
   // blocked (capacity full, nothing evictable) so a stage-only run can finish.
   bool dispatch() {
-    if (nospace_) return true;
+    if (space_.out_of_space()) return true;
     const uint32_t cur = cursor();
     schedule_->seek(cur);
     const uint32_t limit = opt_.window_steps ? cur + opt_.window_steps : NextUseSchedule::kNever;
@@ -393,25 +415,18 @@ class Stager {
       const FileState s = status_.state(plan_.entries[i].file_id);
       return s == FileState::Pending || s == FileState::Evicted;
     };
+    auto next_use = [&](size_t i) { return schedule_->next_use(i, cur); };
     release_deferred(cur);
     std::vector<Job> batch;
     bool blocked = false;
     while (inflight_count_ + batch.size() < max_inflight) {
-      while (!ready_.empty()) {  // drop what needs no copy any more
-        Deferred& d = ready_.front();
-        if (d.tick < cur) d.tick = schedule_->next_use(d.entry, cur);
-        if (needs(d.entry) && d.tick != NextUseSchedule::kNever) break;
-        deferred_flag_[d.entry] = 0;
-        ready_.pop_front();
-      }
       // The earlier use of two: the next one in the scan, and the first deferred peer fetch
       // whose home holds the file by now.
+      const auto ready = deferrals_.front(next_use, needs, cur);
       const auto scanned = schedule_->peek(limit, needs);
-      const bool from_ready = !ready_.empty() && ready_.front().tick < limit &&
-                              (!scanned || ready_.front().tick <= scanned->second);
+      const bool from_ready = ready && ready->tick < limit && (!scanned || ready->tick <= scanned->second);
       if (!from_ready && !scanned) break;
-      const auto [i, tick] =
-          from_ready ? std::make_pair(ready_.front().entry, ready_.front().tick) : *scanned;
+      const auto [i, tick] = from_ready ? std::make_pair(ready->entry, ready->tick) : *scanned;
       const auto& e = plan_.entries[i];
       // Without --peer (no secret) a plan's peer section is not used.
       const PeerSource from = opt_.peer ? plan_.peer_source(i) : PeerSource{};
@@ -422,78 +437,74 @@ class Stager {
       if (!from_ready && from.peer >= 0 && !opt_.once && from.ready_tick >= cur &&
           !peer_down(plan_.peers[from.peer].node)) {
         schedule_->consume();
-        if (!deferred_flag_[i]) {
-          deferred_flag_[i] = 1;
-          deferred_.push_back(Deferred{i, tick, from.ready_tick});
-        }
+        deferrals_.defer(i, tick, from.ready_tick);
         continue;
       }
-      if (e.size > capacity_) {  // the capacity shrank on ENOSPC: that message said it
+      if (e.size > space_.capacity()) {  // it shrank on ENOSPC: that message said it
         too_big_[i] = 1;
         continue;
       }
-      while (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
-        const auto victim = schedule_->pick_victim(cur, tick, cur + opt_.protect_steps);
-        if (!victim) break;
-        evict(*victim);
-      }
-      if (resident_bytes_ + inflight_bytes_ + e.size > capacity_) {
+      if (!make_room(e.size, cur, tick)) {
         status_.set_flag(kFlagCapacityFull);
         blocked = true;
         break;
       }
       if (from_ready) {
-        ready_.pop_front();
-        deferred_flag_[i] = 0;
+        deferrals_.pop();
       } else {
         schedule_->consume();
       }
-      inflight_[i] = 1;
-      inflight_bytes_ += e.size;
-      status_.set_state(e.file_id, FileState::Copying);
-      Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
-      if (from.peer >= 0) {
-        job.peer = plan_.peers[from.peer];
-        job.may_wait = !opt_.once && tick > cur + opt_.protect_steps;
-      }
-      batch.push_back(std::move(job));
+      batch.push_back(start_job(i, tick, cur, from));
     }
-    if (!batch.empty()) {
-      inflight_count_ += batch.size();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (auto& job : batch) jobs_.push_back(std::move(job));
-      }
-      cv_work_.notify_all();
-    }
+    queue(std::move(batch));
     return blocked;
   }
 
+  // Evicts (farthest next use first, never what the ranks need within --protect-steps) until
+  // `size` bytes fit beside what is resident and in flight; false when they cannot.
+  bool make_room(uint64_t size, uint32_t cur, uint32_t tick) {
+    while (!space_.fits(size)) {
+      const auto victim = schedule_->pick_victim(cur, tick, cur + opt_.protect_steps);
+      if (!victim) break;
+      evict(*victim);
+    }
+    return space_.fits(size);
+  }
+
+  // Entry i's copy, in flight from now: COPYING, its bytes counted, from its peer if planned.
+  Job start_job(size_t i, uint32_t tick, uint32_t cur, const PeerSource& from) {
+    const auto& e = plan_.entries[i];
+    inflight_[i] = 1;
+    space_.started(e.size);
+    status_.set_state(e.file_id, FileState::Copying);
+    Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
+    if (from.peer >= 0) {
+      job.peer = plan_.peers[from.peer];
+      job.may_wait = !opt_.once && tick > cur + opt_.protect_steps;
+    }
+    return job;
+  }
+
+  // Hands `batch` to the copy threads.
+  void queue(std::vector<Job> batch) {
+    if (batch.empty()) return;
+    inflight_count_ += batch.size();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& job : batch) jobs_.push_back(std::move(job));
+    }
+    cv_work_.notify_all();
+  }
+
   // Deferred peer fetches whose home has read the file before step `cur` (or whose peer is
-  // down: then the PFS) move to ready_, in next-use order. One whose use the ranks have passed
-  // waits for its next use, or is dropped when it has none.
+  // down: then the PFS) become ready (PeerDeferrals::release).
   void release_deferred(uint32_t cur) {
-    size_t kept = 0;
-    bool moved = false;
-    for (Deferred d : deferred_) {
-      if (d.tick < cur) d.tick = schedule_->next_use(d.entry, cur);
-      if (d.tick == NextUseSchedule::kNever) {
-        deferred_flag_[d.entry] = 0;
-        continue;
-      }
-      const PeerSource from = plan_.peer_source(d.entry);
-      if (d.ready_tick < cur || peer_down(plan_.peers[from.peer].node)) {
-        ready_.push_back(d);
-        moved = true;
-      } else {
-        deferred_[kept++] = d;
-      }
-    }
-    deferred_.resize(kept);
-    if (moved) {
-      std::stable_sort(ready_.begin(), ready_.end(),
-                       [](const Deferred& a, const Deferred& b) { return a.tick < b.tick; });
-    }
+    deferrals_.release([&](size_t i) { return schedule_->next_use(i, cur); },
+                       [&](const PeerDeferrals::Deferred& d) {
+                         const PeerSource from = plan_.peer_source(d.entry);
+                         return d.ready_tick < cur || peer_down(plan_.peers[from.peer].node);
+                       },
+                       cur);
   }
 
   void evict(size_t i) {
@@ -509,11 +520,33 @@ class Stager {
       return;
     }
     schedule_->set_resident(i, false);
-    resident_bytes_ -= std::min(resident_bytes_, e.size);
+    space_.evicted(e.size);
     --plan_ready_;
     copies_.erase(e.file_id);
     status_.add(so::kEvictions, 1);
-    status_.store(so::kBytesResident, resident_bytes_);
+    status_.store(so::kBytesResident, space_.resident());
+    status_.store(so::kPlanReady, plan_ready_);
+  }
+
+  // A copy published: READY, resident, served to peers, counted.
+  void landed(const Done& d) {
+    const auto& e = plan_.entries[d.entry];
+    status_.set_state(e.file_id, FileState::Ready);
+    copies_[e.file_id] = d.result.id;
+    if (server_) {
+      server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, d.result.source_id,
+                                           d.result.id, d.result.has_checksum, d.result.checksum});
+    }
+    if (d.from_peer) {
+      status_.add(so::kPeerFiles, 1);
+      status_.add(so::kPeerBytes, d.result.bytes);
+    }
+    schedule_->set_resident(d.entry, true);
+    if (space_.landed(e.size)) status_.store(so::kCapacity, space_.capacity());
+    ++plan_ready_;
+    status_.add(so::kBytesStaged, d.result.bytes);
+    status_.add(so::kFilesStaged, 1);
+    status_.store(so::kBytesResident, space_.resident());
     status_.store(so::kPlanReady, plan_ready_);
   }
 
@@ -526,51 +559,25 @@ class Stager {
     for (auto& d : done) {
       const auto& e = plan_.entries[d.entry];
       inflight_[d.entry] = 0;
-      inflight_bytes_ -= e.size;
+      space_.finished(e.size);
       --inflight_count_;
       if (d.peer_fallback) status_.add(so::kPeerFallbacks, 1);
       switch (d.result.outcome) {
         case CopyOutcome::Ok:
-          status_.set_state(e.file_id, FileState::Ready);
-          copies_[e.file_id] = d.result.id;
-          if (server_) {
-            server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, d.result.source_id,
-                                                 d.result.id, d.result.has_checksum,
-                                                 d.result.checksum});
-          }
-          if (d.from_peer) {
-            status_.add(so::kPeerFiles, 1);
-            status_.add(so::kPeerBytes, d.result.bytes);
-          }
-          schedule_->set_resident(d.entry, true);
-          resident_bytes_ += e.size;
-          // A copy that was in flight when the disk filled still landed: it is resident, so
-          // the shrunk capacity grows back to cover it (never past the capacity it had).
-          if (nospace_ && resident_bytes_ > capacity_) {
-            capacity_ = resident_bytes_;
-            status_.store(so::kCapacity, capacity_);
-          }
-          ++plan_ready_;
-          status_.add(so::kBytesStaged, d.result.bytes);
-          status_.add(so::kFilesStaged, 1);
-          status_.store(so::kBytesResident, resident_bytes_);
-          status_.store(so::kPlanReady, plan_ready_);
+          landed(d);
           break;
         case CopyOutcome::NoSpace:
           status_.set_state(e.file_id, FileState::Pending);
           status_.set_flag(kFlagNoSpace);
-          if (!nospace_) log_line(d.result.message);
-          nospace_ = true;
           // Stop growing: what is resident now is the most this node can hold.
-          capacity_ = std::min(capacity_, resident_bytes_);
-          status_.store(so::kCapacity, capacity_);
+          if (space_.ran_out_of_space()) log_line(d.result.message);
+          status_.store(so::kCapacity, space_.capacity());
           break;
         case CopyOutcome::Cancelled:
           status_.set_state(e.file_id, FileState::Pending);
-          if (d.ask_again && !deferred_flag_[d.entry]) {  // once the ranks pass this step
+          if (d.ask_again) {  // once the ranks pass this step
             const uint32_t cur = cursor();
-            deferred_flag_[d.entry] = 1;
-            deferred_.push_back(Deferred{d.entry, schedule_->next_use(d.entry, cur), cur});
+            deferrals_.defer(d.entry, schedule_->next_use(d.entry, cur), cur);
           }
           break;
         case CopyOutcome::Transient:
@@ -684,8 +691,8 @@ class Stager {
   PfsEmulation pfs_;
   std::atomic<bool> cancel_{false};
   CopyEngine engine_;
+  Residency space_;  // the capacity and what counts against it (coordinator-only)
   PlanFileId plan_id_;
-  uint64_t capacity_ = 0;
   std::string secret_;                  // the job's secret (peer tier), never written anywhere
   std::unique_ptr<PeerClient> client_;  // with --peer: connections to peers, kept between fetches
   std::unique_ptr<PeerServer> server_;  // after tree_: stops before the tree closes
@@ -696,20 +703,11 @@ class Stager {
   // Coordinator-only state.
   std::unique_ptr<NextUseSchedule> schedule_;
   std::vector<uint8_t> inflight_, too_big_;
-  // Peer fetches set aside until their home has read the file (deferred_, in scan order), and
-  // those whose home has (ready_, in next-use order); deferred_flag_: the entry is in one.
-  struct Deferred {
-    size_t entry;
-    uint32_t tick;        // the use it is copied for
-    uint32_t ready_tick;  // the home's first read
-  };
-  std::vector<Deferred> deferred_;
-  std::deque<Deferred> ready_;
-  std::vector<uint8_t> deferred_flag_;
+  PeerDeferrals deferrals_;  // peer fetches set aside until their home has read the file
   std::unordered_map<uint64_t, CopyId> copies_;  // file id -> the copy this stager may evict
   size_t inflight_count_ = 0;
-  uint64_t inflight_bytes_ = 0, resident_bytes_ = 0, plan_ready_ = 0;
-  bool nospace_ = false, reload_requested_ = false, reported_too_big_ = false;
+  uint64_t plan_ready_ = 0;
+  bool reload_requested_ = false, reported_too_big_ = false;
   bool niced_later_ = false;
   int64_t first_epoch_ = 0;  // the first plan's epoch_begin (--nice-later)
   // The one last line's first words: why the stager ends. SIGUSR1 is the trainer's "the job

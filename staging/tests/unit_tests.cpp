@@ -1,6 +1,7 @@
 // Unit tests of hpcdl-stage's pure parts: destination validation, plan parsing, next-use
-// eviction order, symlink refusal in the stage tree, kept peer connections. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
-// tests/test_staging_sanitizers.py under ASan/UBSan.
+// eviction order, symlink refusal in the stage tree, kept peer connections, peer deferrals,
+// residency. Run by ctest (HPCDL_STAGE_TESTS=ON) and by tests/test_staging_sanitizers.py under
+// ASan/UBSan.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -21,7 +22,9 @@
 #include "eviction.h"
 #include "manifest.h"
 #include "peer.h"
+#include "peer_deferrals.h"
 #include "plan.h"
+#include "residency.h"
 
 namespace {
 
@@ -249,6 +252,50 @@ int main(int argc, char** argv) {
     check(fetched_whole(second), "a pooled connection the peer closed is replaced");
     check(client.connections_opened() == 2, "one new connection for it");
     ::close(listener);
+  }
+
+  {  // Peer deferrals: set aside until released, in next-use order, once per entry.
+    hpcdl::PeerDeferrals deferrals;
+    deferrals.reset(4);
+    const auto next_use = [](size_t entry) { return static_cast<uint32_t>(10 + entry); };
+    const auto needed = [](size_t) { return true; };
+    deferrals.defer(2, 8, 5);
+    deferrals.defer(1, 6, 3);
+    deferrals.defer(2, 9, 1);  // set aside already: no second record
+    check(!deferrals.front(next_use, needed, 0), "nothing ready before its release");
+    deferrals.release(next_use, [](const hpcdl::PeerDeferrals::Deferred& d) {
+      return d.ready_tick < 4; }, 4);
+    auto first = deferrals.front(next_use, needed, 4);
+    check(first && first->entry == 1 && first->tick == 6, "the released one is ready");
+    deferrals.pop();
+    check(!deferrals.front(next_use, needed, 4), "the other waits for its home");
+    deferrals.release(next_use, [](const hpcdl::PeerDeferrals::Deferred&) { return true; }, 9);
+    first = deferrals.front(next_use, needed, 9);
+    check(first && first->entry == 2 && first->tick == 12, "a passed use moves to the next");
+    deferrals.pop();
+    check(!deferrals.front(next_use, needed, 9), "each entry once");
+    deferrals.defer(2, 20, 19);  // popped: may be set aside again
+    deferrals.release(next_use, [](const hpcdl::PeerDeferrals::Deferred&) { return true; }, 0);
+    check(!deferrals.front(next_use, [](size_t) { return false; }, 0), "unneeded: dropped");
+  }
+
+  {  // Residency: ENOSPC shrinks the capacity to what is resident; a copy in flight then still
+     // lands and the capacity grows back to cover it; a new plan may grow again.
+    hpcdl::Residency space(100);
+    space.adopt(40);
+    check(space.fits(60) && !space.fits(61), "fits what the capacity leaves");
+    space.started(30);
+    space.started(20);
+    check(!space.fits(11), "copies in flight count");
+    space.finished(20);
+    check(space.ran_out_of_space() && !space.ran_out_of_space(), "out of space said once");
+    check(space.capacity() == 40 && space.out_of_space(), "capacity shrinks to what is resident");
+    check(space.landed(30) && space.capacity() == 70, "a late copy grows it back to cover it");
+    space.finished(30);
+    space.evicted(70);
+    check(space.resident() == 0 && space.fits(70) && !space.fits(71), "evicted bytes are free");
+    space.adopt(10);
+    check(!space.out_of_space(), "a new plan may try again");
   }
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
