@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hpcdl.bench import input as bench_input
 
 FIELDS = {"loader", "decode", "workers", "slots", "slots_default", "batch", "model",
@@ -40,3 +42,15 @@ def test_an_explicit_slot_count_is_recorded_as_such(tmp_path):
     assert bench_input.main(args) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["slots"] == 3 and not row["slots_default"] and row["precision"] == "none"
+
+
+def test_the_gpu_rows_model_is_a_resnet50_with_1000_classes():
+    """bench input's resnet50 (torchvision's, or the compute bench's peer without it): the
+    model the GPU rows time; a wrong import here broke the first GPU run of the bench."""
+    torch = pytest.importorskip("torch")
+    from hpcdl.bench.input import torch_resnet50
+
+    net = torch_resnet50()
+    params = sum(p.numel() for p in net.parameters())
+    assert 25_000_000 < params < 26_000_000  # resnet50: 25.6 M
+    assert net(torch.zeros(1, 3, 64, 64)).shape == (1, 1000)

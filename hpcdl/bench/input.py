@@ -73,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ the step
 
 
+def torch_resnet50() -> Any:
+    """torchvision's resnet50 where torchvision is installed, else the same network from
+    hpcdl.bench.torch_models (the compute bench's PyTorch peer)."""
+    try:
+        from torchvision.models import resnet50  # noqa: PLC0415
+    except ImportError:
+        from hpcdl.bench.torch_models import imagenet_resnet  # noqa: PLC0415
+
+        return imagenet_resnet("resnet50", num_classes=1000)
+    return resnet50(num_classes=1000)
+
+
 def make_step(model: str, device: str, batch: int, shape: tuple[int, int, int]):
     """(step(images, labels), name, precision, torch device string). The step only queues work
     on a GPU; sleep:MS waits on the host without a core."""
@@ -89,9 +101,7 @@ def make_step(model: str, device: str, batch: int, shape: tuple[int, int, int]):
     if model not in ("resnet50", "linear"):
         raise SystemExit(f"--model must be resnet50, linear or sleep:MS, got {model!r}")
     if model == "resnet50":
-        from hpcdl.bench.torch_models import resnet  # noqa: PLC0415
-
-        net = resnet("resnet50", 1000)
+        net = torch_resnet50()
     else:
         net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(shape)), 1000))
     gpu = dev == "cuda"

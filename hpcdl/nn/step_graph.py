@@ -110,7 +110,9 @@ class StepGraph:
             self._out, self.shape = (loss, logits), tuple(images.shape)
             parts.model.buffers[...] = buffers
         except Exception as exc:  # noqa: BLE001 - any failure: plain launches, said once
-            self.failed, self.graph, self._lr = True, None, None
+            if self._stream is not None and self._stream.is_capturing():
+                self._stream.end_capture()  # else the stream stays capturing, and so breaks
+            self.failed, self.graph, self._lr = True, None, None  # every later sync on it
             say_once("step-graph-capture", f"CUDA graph of the step off: capture failed ({exc})")
 
     def _stream_waits(self) -> None:
