@@ -24,9 +24,7 @@ from PIL import Image
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import StageOptions, StagingSession
-# status's constants come from the stager binary's layout: read when used, so tests that start
-# no stager (the GPU ones, where the stager may not be built) can import this module
-from hpcdl.staging import status as stager_status
+from hpcdl.staging import status as stager_status  # constants read when used: wait_for_status
 from hpcdl.staging.status import StatusView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,6 +258,8 @@ def wait_for_status(stage: Path, job: subprocess.Popen, timeout: float = 120) ->
     while time.monotonic() < deadline and job.poll() is None:
         for path in stage.glob(".hpcdl/sessions/*/status"):
             view = StatusView(path)
+            # RUN_RUNNING comes from the stager binary's layout: looked up here, not at import,
+            # so tests that start no stager (the GPU ones, where it may be unbuilt) import this
             running = view.open() and view.field("run_state") >= stager_status.RUN_RUNNING
             view.close()
             if running:
