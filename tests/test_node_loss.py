@@ -69,6 +69,7 @@ def test_a_killed_node_ends_the_job_and_the_survivors_finish_the_epoch_once(clus
         at = time.monotonic()
         stdout, stderr = job.communicate(timeout=60)
     assert time.monotonic() - at < 60
+    assert job.returncode != 0, "a job that lost a node must not look finished"
     # (Open MPI's framed report before it may end with a space and no newline, or leave a NUL
     # byte at the start of the next line)
     text = (stdout + stderr).replace("\0", "")
@@ -119,3 +120,37 @@ def _kill(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_cut_link_is_named_in_the_job_log_and_the_job_ends_non_zero(tmp_path):
+    """Issue 49: 2 nodes x 1 rank whose names do not resolve, the job's output in a log file
+    (`> log 2>&1`, as a batch script writes it); node 2's link is cut, its processes alive.
+    The log names node 2 and its rank in hpcdl's one line, and mpirun exits non-zero."""
+    from tools.bench.cluster import leftovers, unavailable
+
+    if unavailable():
+        pytest.skip(unavailable())
+    data, out, log = sample_index_h5(tmp_path / "idx.h5", N), tmp_path, tmp_path / "job.log"
+    with Cluster(tmp_path / "cluster", nodes=2, resolve=False) as cluster:
+        command = shlex.join(train(cluster, [1, 1], data, out))
+        job = subprocess.Popen(["sh", "-c", f"{command} > {log} 2>&1"],
+                               env=probe_env(tmp_path / "a", f"0.3:{out / 'ckpt'}"))  # fmt: skip
+        try:
+            rank0, deadline = tmp_path / "a" / "rank-0.txt", time.monotonic() + 120
+            while not rank0.exists() or len(rank0.read_text().splitlines()) < 5:
+                assert job.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            subprocess.run(["ip", "-n", cluster.switch, "link", "set", "p2", "down"], check=True)
+            job.wait(timeout=90)  # no hang
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    assert not leftovers(), leftovers()
+    text = log.read_text().replace("\0", "")
+    ours = [line.strip() for line in text.splitlines() if line.startswith("hpcdl: node ")]
+    assert ours == [
+        "hpcdl: node vnode2 (ranks 1) was lost: it stopped answering (no reply for 11 s); the "
+        "job ends. Resume on the nodes left with --resume auto (docs/multinode.md)"
+    ], text[-3000:]
+    assert job.returncode != 0, text[-3000:]

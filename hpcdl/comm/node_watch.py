@@ -21,11 +21,15 @@ ends (the peer's processes died: the kernel closes their sockets) or stops answe
 probes (KEEPALIVE_S) means that node is lost: rank 0's watcher reports every other node, the
 watcher of node 1's leader reports rank 0's node. The report is one line, `hpcdl: node HOST
 (ranks ...) was lost: ...`, written to mpirun's own stderr when the rank is mpirun's child (the
-line then outlives mpirun's forwarding; the file is opened for appending, so a job log is only
-added to), else to the rank's stderr. Then the watcher tells its rank, which calls MPI_Abort:
-for a node that went silent rather than dead, mpirun would otherwise wait minutes. It still
-waits, for the silent node's daemon, so the watcher of a rank that is mpirun's child ends
-mpirun (SIGTERM, then SIGKILL) if it has not exited LAUNCHER_GRACE_S later.
+line then outlives mpirun's forwarding), else to the rank's stderr. mpirun's stderr is taken as
+mpirun's very open file (pidfd_getfd), so the line shares mpirun's file offset: in a job log
+(`> log 2>&1`) mpirun's next lines come after it. A reopened /proc/PID/fd/2 (the fallback, where
+the kernel refuses pidfd_getfd) has an offset of its own, and mpirun's next lines, written at
+mpirun's offset, overwrite the line: that is how a cut link's line vanished (issue 49).
+Then the watcher tells its rank, which calls MPI_Abort: for a node that went silent rather than
+dead, mpirun would otherwise wait minutes. It still waits, for the silent node's daemon, so the
+watcher of a rank that is mpirun's child ends mpirun (SIGTERM, then SIGKILL) if it has not
+exited LAUNCHER_GRACE_S later.
 
 Quiet when it should be: close() is collective (every rank tells its watcher QUIET, the ranks
 meet in a barrier, and only then do the watchers exit and the connections close: a normal end
@@ -61,6 +65,7 @@ WATCHER_LINGER_S = 2.0  # a watcher whose rank is gone waits this long for a los
 LAUNCHER_GRACE_S = (10.0, 5.0)  # after a report: mpirun's own exit, then after its SIGTERM
 QUIET, LOST = b"q", b"L"  # rank -> watcher: stop without a report; watcher -> rank: abort
 EXIT_NODE_LOST = 5
+SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # /proc/PID/comm of mpirun itself
 
 
@@ -282,14 +287,35 @@ def _keepalive(conn: socket.socket) -> None:
 
 
 def _launcher_stderr() -> int | None:
-    """mpirun's own stderr when this rank is its child, opened for appending; else None."""
+    """mpirun's own stderr when this rank is its child (its very open file where the kernel
+    allows, else reopened for appending; module notes); else None."""
     parent = os.getppid()
     try:
         if not _is_launcher(parent):
             return None
+        shared = _take_fd(parent, 2)
+        if shared is not None:
+            return shared
         return os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _take_fd(pid: int, fd: int) -> int | None:
+    """A duplicate of process pid's descriptor fd (Linux >= 5.6 pidfd_getfd: the same open
+    file, offset included), or None where the kernel or a ptrace policy refuses it."""
+    import ctypes  # noqa: PLC0415
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        taken = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)  # the result is O_CLOEXEC
+        return taken if taken >= 0 else None
+    finally:
+        os.close(pidfd)
 
 
 # ------------------------------------------------------------------ the watcher process
