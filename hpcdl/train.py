@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl import diag, nn, resume, startup
+from hpcdl import diag, launch, nn, resume, startup
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
@@ -46,12 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         return startup.fail_once(f"hpcdl.train: error: {exc}")
     world = init_world()
     install_abort_on_exception(world.comm, world.rank)
+    if world.is_root:
+        launch.record_outcome(launch.STARTED)  # for `python -m hpcdl.launch` (a lost node)
     try:
-        return train(cfg, world)
+        status = train(cfg, world)
     except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
         if world.is_root:
             print(exc.message, flush=True)
             record_finished(cfg, exc.message)
+            launch.record_outcome(launch.FINISHED)
         world.comm.Barrier()  # the line is out before any rank exits
         return 0
     except SystemExitWithMessage as exc:
@@ -60,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         status = EXIT_DATA_ERROR if isinstance(exc, DataError) else EXIT_LOADER_FAULT
         status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else status
         raise UserError(str(exc), status) from None
+    if world.is_root and status == 0:
+        launch.record_outcome(launch.FINISHED)
+    return status
 
 
 def record_finished(cfg: TrainConfig, line: str) -> None:
