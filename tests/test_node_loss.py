@@ -163,3 +163,5 @@ def test_a_cut_link_is_named_in_the_job_log_and_the_job_ends_non_zero(tmp_path):
         "job ends. Resume on the nodes left with --resume auto (docs/multinode.md)"
     ], text[-3000:]
     assert job.returncode != 0, text[-3000:]
+    # the peer tier reached the other node by address too, so it said nothing
+    assert "peer staging is off" not in text and "Warning" not in text, text[-3000:]
