@@ -165,3 +165,34 @@ def test_a_cut_link_is_named_in_the_job_log_and_the_job_ends_non_zero(tmp_path):
     assert job.returncode != 0, text[-3000:]
     # the peer tier reached the other node by address too, so it said nothing
     assert "peer staging is off" not in text and "Warning" not in text, text[-3000:]
+
+
+def test_ulfm_does_not_survive_a_lost_node(cluster, tmp_path):
+    """The limit behind item 1 of issue 49 (docs/reliability.md): under `mpirun --with-ft ulfm`
+    (Open MPI 5.0, PRRTE 3), every process of node 2 killed, its daemon too: mpirun ends the
+    job at once ("PRTE has lost communication with a remote daemon") and exits 0; the survivors
+    never see an error they could recover from (tests/ulfm_probe.py shrinks on one)."""
+    probe, log = Path(__file__).parent / "ulfm_probe.py", tmp_path / "job.log"
+    command = cluster.mpirun([2, 2], sys.executable, str(probe), str(tmp_path),
+                             extra=("--with-ft", "ulfm"))  # fmt: skip
+    with log.open("w") as out:
+        job = subprocess.Popen(cluster.argv(1, command), stdout=out, stderr=subprocess.STDOUT,
+                               env=mpi_env())  # fmt: skip
+    try:
+        pids, deadline = [tmp_path / f"rank-{r}.pid" for r in range(4)], time.monotonic() + 60
+        while not all(p.exists() and p.read_text() for p in pids):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        for pid in cluster.pids(2):
+            _kill(pid)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    output = log.read_text()
+    assert not [line for line in output.splitlines() if line.startswith("shrunk")], output
+    # PRRTE's banner for a lost daemon; which one depends on where its state machine was
+    lost = ("PRTE has lost communication with a remote daemon", "A daemon failed to report back")
+    assert any(banner in output for banner in lost), output
+    assert job.returncode == 0, output  # hence hpcdl.launch (NOTE in hpcdl/launch.py)
