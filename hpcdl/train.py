@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from hpcdl import diag, launch, nn, resume, startup
-from hpcdl.comm import collectives
+from hpcdl.comm import collectives, ulfm
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
     UserError,
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if world.is_root:
         launch.record_outcome(launch.STARTED)  # for `python -m hpcdl.launch` (a lost node)
     try:
-        status = train(cfg, world)
+        status = train_through_lost_ranks(cfg, world)
     except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
         if world.is_root:
             print(exc.message, flush=True)
@@ -66,6 +67,22 @@ def main(argv: list[str] | None = None) -> int:
     if world.is_root and status == 0:
         launch.record_outcome(launch.FINISHED)
     return status
+
+
+def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
+    """train(); with --on-node-loss continue, again on the survivors after a rank is lost,
+    from the latest checkpoint (NOTE [recovering from lost ranks] in hpcdl/comm/ulfm.py)."""
+    while True:
+        try:
+            return train(cfg, world)
+        except Exception as exc:
+            if cfg.on_node_loss != "continue" or not ulfm.lost_ranks(exc):
+                raise
+            failed_at = time.monotonic()
+        diag.dump_flight("ranks lost (--on-node-loss continue)")
+        world = ulfm.recover(world, failed_at)
+        install_abort_on_exception(world.comm, world.rank)
+        cfg = replace(cfg, resume="auto")
 
 
 def record_finished(cfg: TrainConfig, line: str) -> None:
