@@ -19,8 +19,9 @@ default error handler (MPI.ERRORS_RETURN) turns a failure into an exception. The
    collective can complete on some ranks and fail on others, so after a failed step some
    survivors may have applied it and others not. The steps since the checkpoint are lost, as
    with a new job, but not the job: no requeue, no new start-up of MPI.
-5. New rank 0 prints one line: the lost ranks and their hosts, the recovery time (from the
-   failure to the new world) and the new world.
+5. New rank 0 prints one line: the lost ranks and their hosts, the time from the failure to
+   the new world, and the new world. Start-up on it (loaders, staging) follows; then the steps
+   since the checkpoint are trained again.
 Limits: a lost node's daemon ends the whole job under Open MPI 5.0's mpirun, whatever the mode
 (docs/multinode.md), so this survives ranks killed on nodes that stay up. The node watch, when
 the job spans nodes, still ends the job when a node leader's process is lost.
@@ -68,7 +69,8 @@ def recover(world: World, failed_at: float) -> World:
         where = sorted({world.hosts[r] for r in lost}) if world.hosts else []
         print(
             f"hpcdl: rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (on "
-            f"{', '.join(where)}) lost; recovered in {time.monotonic() - started:.2f} s: "
+            f"{', '.join(where)}) lost; the survivors formed a new world in "
+            f"{time.monotonic() - started:.2f} s: "
             f"training goes on on {new.size} rank{'s' if new.size > 1 else ''} on "
             f"{new.num_nodes} node{'s' if new.num_nodes > 1 else ''}, from the latest "
             "checkpoint (--on-node-loss continue)",
