@@ -207,7 +207,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
             f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
         )
-        watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
+        # a lost node is named, in one line (comm.node_watch); lost ranks may be MPI's to handle
+        watch = NodeWatch(world, closed_is_lost=cfg.on_node_loss == "stop")
         own(stack, watch.close, watch.abandon)
         diagnostics = start_diagnostics(cfg, world, stack)  # timeline, stalls, flight recorder
         train_ds, val_ds = open_datasets(cfg, world)

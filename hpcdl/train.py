@@ -9,6 +9,7 @@ rank runs this file; rank 0 prints and writes metrics.
 
 from __future__ import annotations
 
+import atexit
 import math
 import sys
 import time
@@ -74,7 +75,7 @@ def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
     from the latest checkpoint (NOTE [recovering from lost ranks] in hpcdl/comm/ulfm.py)."""
     while True:
         try:
-            return train(cfg, world)
+            return ulfm.exiting(train(cfg, world))
         except Exception as exc:
             if cfg.on_node_loss != "continue" or not ulfm.lost_ranks(exc):
                 raise
@@ -82,6 +83,7 @@ def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
         diag.dump_flight("ranks lost (--on-node-loss continue)")
         world = ulfm.recover(world, failed_at)
         install_abort_on_exception(world.comm, world.rank)
+        atexit.register(ulfm.leave_without_finalize, world.comm)
         cfg = replace(cfg, resume="auto")
 
 

@@ -11,6 +11,7 @@ the 2-rank sampler. The next job on node 2 removes what the dead job left in its
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -36,14 +37,22 @@ STAGE = LOCAL / "stage"
 
 
 def train(
-    cluster: Cluster, slots: list[int], data: Path, out: Path, *more, launch: bool = False
+    cluster: Cluster,
+    slots: list[int],
+    data: Path,
+    out: Path,
+    *more,
+    launch: bool = False,
+    ulfm: bool = False,
 ) -> list[str]:
-    """argv of the job; launch: under `python -m hpcdl.launch` (its exit status rule)."""
+    """argv of the job; launch: under `python -m hpcdl.launch` (its exit status rule); ulfm:
+    `mpirun --with-ft ulfm`."""
     program = [sys.executable, "-m", "hpcdl.train", "--data", data, "--model", PROBE,
                "--epochs", 2, "--batch-size", BATCH, "--lr", 0.001, "--workers", 1,
                "--seed", SEED, "--checkpoint-dir", out / "ckpt", "--checkpoint-every", 3,
                "--stage-dir", STAGE, "--progress", "none", *more]  # fmt: skip
     extra = ("-x", "HPCDL_PROBE_RECORD", "-x", "HPCDL_PROBE_SLOW")
+    extra += ("--with-ft", "ulfm") if ulfm else ()
     command = cluster.mpirun(slots, *map(str, program), extra=extra)
     wrapper = f"{shlex.quote(sys.executable)} -m hpcdl.launch " if launch else ""
     return cluster.argv(1 if slots[0] else 2, wrapper + command)
@@ -196,3 +205,62 @@ def test_ulfm_does_not_survive_a_lost_node(cluster, tmp_path):
     lost = ("PRTE has lost communication with a remote daemon", "A daemon failed to report back")
     assert any(banner in output for banner in lost), output
     assert job.returncode == 0, output  # hence hpcdl.launch (NOTE in hpcdl/launch.py)
+
+
+def test_ranks_killed_on_a_node_that_stays_up_are_survived_with_continue(cluster, tmp_path):
+    """`--on-node-loss continue` across emulated nodes (NOTE [recovering from lost ranks] in
+    hpcdl/comm/ulfm.py): 2 x 2 ranks with staging, node 2's ranks SIGKILLed after step 7 (its
+    daemon lives). The survivors on node 1 finish in the same job, exit 0, and end bitwise as
+    a job stopped at the same checkpoint and resumed on node 1 with --resume auto, having read
+    the same batches; node 1's stage dir is left empty."""
+    data, out = sample_index_h5(tmp_path / "idx.h5", N), tmp_path / "continue"
+    env = probe_env(tmp_path / "a", f"0.3:{out / 'ckpt'}")
+    argv = train(cluster, [2, 2], data, out, "--on-node-loss", "continue", ulfm=True)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as job:  # fmt: skip
+        rank0, deadline = tmp_path / "a" / "rank-0.txt", time.monotonic() + 120
+        while not rank0.exists() or len(rank0.read_text().splitlines()) < 7:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.02)
+        ranks = [pid for pid in cluster.pids(2) if _is_rank(pid)]
+        assert len(ranks) == 2
+        for pid in ranks:
+            _kill(pid)
+        output, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, output[-3000:]
+    assert (
+        "hpcdl: ranks 2, 3 (on vnode2) lost; the survivors formed a new world in "
+    ) in output and "training goes on on 2 ranks on 1 node" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    (done,) = [int(m.group(1)) for m in re.finditer(r"resumed at epoch 1, step (\d+)", output)]
+    assert 3 <= done < 12
+    assert not (cluster.node(1).local / "stage").exists()
+
+    ref = tmp_path / "ref"
+    first = subprocess.run(train(cluster, [2, 2], data, ref, "--max-steps", done),
+                           capture_output=True, text=True, timeout=300,
+                           env=probe_env(tmp_path / "r1"))  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    second = subprocess.run(train(cluster, [2, 0], data, ref, "--resume", "auto"),
+                            capture_output=True, text=True, timeout=300,
+                            env=probe_env(tmp_path / "r2"))  # fmt: skip
+    assert second.returncode == 0, second.stdout + second.stderr[-3000:]
+    final = checkpoint.load(checkpoint.latest(out / "ckpt"))
+    expected = checkpoint.load(checkpoint.latest(ref / "ckpt"))
+    assert final.global_step == expected.global_step
+    assert final.params.tobytes() == expected.params.tobytes()  # bitwise
+    for rank in range(2):
+        mine, after = recorded_steps(tmp_path / "a", rank), recorded_steps(tmp_path / "r2", rank)
+        assert mine[:done] == recorded_steps(tmp_path / "r1", rank)
+        assert mine[len(mine) - len(after) :] == after
+
+
+def _is_rank(pid: int) -> bool:
+    """An MPI rank of hpcdl.train (not its loader workers or stager, which have no rank)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    named = any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in environ)
+    return named and b"hpcdl.train" in cmdline

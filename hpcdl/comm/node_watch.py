@@ -72,8 +72,12 @@ LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # /proc/PID/comm of mpi
 class NodeWatch:
     """This rank's part of the watch; see the module notes. Collective to make and to close."""
 
-    def __init__(self, world: Any) -> None:
+    def __init__(self, world: Any, closed_is_lost: bool = True) -> None:
+        """closed_is_lost=False (--on-node-loss continue): a connection that ends is left to
+        MPI (ULFM recovers from lost ranks; Open MPI ends the job on a lost node); only a node
+        that goes silent is reported and ends the job."""
         self.world = world
+        self.closed_is_lost = closed_is_lost
         self._closing = False
         self._sockets: dict[int, socket.socket] = {}  # node index -> connection
         self._watcher: subprocess.Popen | None = None
@@ -147,6 +151,7 @@ class NodeWatch:
             "told": told_w,
             "console": console if console is not None else 2,
             "launcher": launcher,
+            "closed_is_lost": self.closed_is_lost,
         }
         fds = [*watched, tell_r, told_w, *([console] if console is not None else [])]
         try:
@@ -352,7 +357,10 @@ def watch(spec: dict) -> int:
             poller.unregister(fd)
             if quiet or (node == 0 and not spec["report_root"]):
                 continue  # node 1's watcher reports rank 0's node
-            _report(spec, node, _why(fd, spec["nodes"][node][1][0]))
+            why, silent = _why(fd, spec["nodes"][node][1][0])
+            if not silent and not spec["closed_is_lost"]:
+                continue  # --on-node-loss continue: MPI's to handle
+            _report(spec, node, why)
             with contextlib.suppress(OSError):
                 os.write(spec["told"], LOST)
             if spec["launcher"]:
@@ -383,21 +391,22 @@ def _is_launcher(pid: int) -> bool:
     return name.startswith(LAUNCHERS) and state != "Z"
 
 
-def _why(fd: int, leader: int) -> str:
-    """Why a watched connection woke the watcher: its leader ended, or the node went silent."""
+def _why(fd: int, leader: int) -> tuple[str, bool]:
+    """Why a watched connection woke the watcher: its leader ended, or the node went silent
+    (then True)."""
     conn = socket.socket(fileno=fd)
     try:
         data = conn.recv(1)
     except TimeoutError:  # ETIMEDOUT: keepalive probes went unanswered
         idle, interval, probes = KEEPALIVE_S
-        return f"it stopped answering (no reply for {idle + interval * probes} s)"
+        return f"it stopped answering (no reply for {idle + interval * probes} s)", True
     except OSError as exc:
-        return f"rank {leader} there ended without a word ({exc.strerror or exc})"
+        return f"rank {leader} there ended without a word ({exc.strerror or exc})", False
     finally:
         conn.detach()
     if data:
-        return f"rank {leader} there sent what it never sends"
-    return f"rank {leader} there ended without a word (killed, or the node went down)"
+        return f"rank {leader} there sent what it never sends", False
+    return f"rank {leader} there ended without a word (killed, or the node went down)", False
 
 
 def _report(spec: dict, node: int, why: str) -> None:

@@ -87,3 +87,31 @@ def revoke_quietly(comm: Any) -> None:
         comm.Revoke()
     except MPI.Exception:
         pass
+
+
+def leave_without_finalize(comm: Any) -> None:
+    """At exit after a recovery (atexit, before mpi4py's MPI_Finalize): meet the survivors in a
+    barrier, then end the process without MPI_Finalize, which hangs on the survivors of a
+    shrink across nodes (Open MPI 5.0.11; docs/multinode.md). The exit status is the one the
+    process was leaving with."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from mpi4py import MPI  # noqa: PLC0415
+
+    try:
+        comm.Barrier()
+    except MPI.Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[0])
+
+
+_EXIT_STATUS = [0]  # set by exiting(): atexit handlers cannot see sys.exit's status
+
+
+def exiting(status: int) -> int:
+    """Remember the status the process leaves with (for leave_without_finalize); returns it."""
+    _EXIT_STATUS[0] = status
+    return status
