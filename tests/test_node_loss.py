@@ -264,3 +264,28 @@ def _is_rank(pid: int) -> bool:
         return False
     named = any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in environ)
     return named and b"hpcdl.train" in cmdline
+
+
+def test_a_killed_node_with_continue_is_named_and_the_job_ends_non_zero(cluster, tmp_path):
+    """`--on-node-loss continue` cannot survive a lost node (test_ulfm_does_not_survive_a_lost_
+    node): the job still ends with the node watch's one line and, under hpcdl.launch, exit 5."""
+    data, out = sample_index_h5(tmp_path / "idx.h5", N), tmp_path
+    env = probe_env(tmp_path / "a", f"0.3:{out / 'ckpt'}")
+    argv = train(cluster, [2, 2], data, out, "--on-node-loss", "continue", launch=True, ulfm=True)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as job:  # fmt: skip
+        rank0, deadline = tmp_path / "a" / "rank-0.txt", time.monotonic() + 120
+        while not rank0.exists() or len(rank0.read_text().splitlines()) < 5:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.02)
+        for pid in cluster.pids(2):
+            _kill(pid)
+        stdout, stderr = job.communicate(timeout=60)
+    text = (stdout + stderr).replace("\0", "")
+    ours = [line.strip() for line in text.splitlines() if line.startswith("hpcdl: node vnode2")]
+    assert ours == [
+        "hpcdl: node vnode2 (ranks 2, 3) was lost: rank 2 there ended without a word (killed, "
+        "or the node went down); the job ends. Resume on the nodes left with --resume auto "
+        "(docs/multinode.md)"
+    ], text[-3000:]
+    assert job.returncode == 5, text[-3000:]

@@ -62,6 +62,7 @@ from hpcdl.comm import failure
 KEEPALIVE_S = (5, 2, 3)  # idle seconds, seconds between probes, probes: silent after ~11 s
 CONNECT_S = 5.0  # how long start-up waits for every node's connection (then: watch off)
 WATCHER_LINGER_S = 2.0  # a watcher whose rank is gone waits this long for a lost node
+LAUNCHER_ENDS_S = 3.0  # --on-node-loss continue: mpirun ends this soon after a lost node
 LAUNCHER_GRACE_S = (10.0, 5.0)  # after a report: mpirun's own exit, then after its SIGTERM
 QUIET, LOST = b"q", b"L"  # rank -> watcher: stop without a report; watcher -> rank: abort
 EXIT_NODE_LOST = 5
@@ -358,14 +359,28 @@ def watch(spec: dict) -> int:
             if quiet or (node == 0 and not spec["report_root"]):
                 continue  # node 1's watcher reports rank 0's node
             why, silent = _why(fd, spec["nodes"][node][1][0])
-            if not silent and not spec["closed_is_lost"]:
-                continue  # --on-node-loss continue: MPI's to handle
+            if not silent and not spec["closed_is_lost"] and not _launcher_ends(spec):
+                continue  # --on-node-loss continue, ranks lost: MPI's to handle (hpcdl.comm.ulfm)
             _report(spec, node, why)
             with contextlib.suppress(OSError):
                 os.write(spec["told"], LOST)
             if spec["launcher"]:
                 _end_launcher(int(spec["launcher"]))
             return 0
+
+
+def _launcher_ends(spec: dict) -> bool:
+    """With --on-node-loss continue, whether the connection that ended was a lost node's: Open
+    MPI ends the job on a lost node's daemon, so mpirun (this rank's parent) exits within
+    LAUNCHER_ENDS_S; after lost ranks alone it goes on. Unknown without mpirun: False."""
+    if not spec["launcher"]:
+        return False
+    deadline = time.monotonic() + LAUNCHER_ENDS_S
+    while time.monotonic() < deadline:
+        if not _is_launcher(int(spec["launcher"])):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _end_launcher(pid: int) -> None:
