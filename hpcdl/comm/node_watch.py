@@ -31,6 +31,11 @@ dead, mpirun would otherwise wait minutes. It still waits, for the silent node's
 watcher of a rank that is mpirun's child ends mpirun (SIGTERM, then SIGKILL) if it has not
 exited LAUNCHER_GRACE_S later.
 
+With --on-node-loss continue (hpcdl.comm.ulfm) a connection that ends may be lost ranks on a
+node that stays up, which MPI recovers from: the watcher reports it (and the job ends) only if
+mpirun ends within LAUNCHER_ENDS_S, as it does on a lost node's daemon. A silent node is
+reported at once, as with stop.
+
 Quiet when it should be: close() is collective (every rank tells its watcher QUIET, the ranks
 meet in a barrier, and only then do the watchers exit and the connections close: a normal end
 reports nothing), a rank that fails alone says so itself and

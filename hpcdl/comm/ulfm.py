@@ -22,9 +22,12 @@ default error handler (MPI.ERRORS_RETURN) turns a failure into an exception. The
 5. New rank 0 prints one line: the lost ranks and their hosts, the time from the failure to
    the new world, and the new world. Start-up on it (loaders, staging) follows; then the steps
    since the checkpoint are trained again.
+6. At exit, the survivors meet in a barrier and leave with os._exit: MPI_Finalize hangs on the
+   survivors of a shrink across nodes (Open MPI 5.0.11).
 Limits: a lost node's daemon ends the whole job under Open MPI 5.0's mpirun, whatever the mode
-(docs/multinode.md), so this survives ranks killed on nodes that stay up. The node watch, when
-the job spans nodes, still ends the job when a node leader's process is lost.
+(docs/multinode.md), so this survives ranks killed on nodes that stay up. The node watch leaves
+a connection that ends to MPI (NodeWatch closed_is_lost=False) and still stops the job on a
+silent node.
 """
 
 from __future__ import annotations
