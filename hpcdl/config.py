@@ -107,6 +107,7 @@ class TrainConfig:
     stall_warning: float = 60.0  # seconds a rank may wait in a collective or for its loader
     stall_shutdown: float | None = None  # seconds more, then the job ends with exit status 5
     timeline: str | None = None  # Chrome trace JSON of every rank's events
+    on_node_loss: str = "stop"  # stop | continue (hpcdl.comm.ulfm; needs mpirun --with-ft ulfm)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -130,6 +131,7 @@ _CHOICES = {
     "shuffle": ("global", "node", "none"),
     "peer_staging": PEER_MODES,
     "progress": PROGRESS_MODES,
+    "on_node_loss": ("stop", "continue"),
 }
 # Keys naming files or directories; words that are not paths, per key.
 PATH_KEYS = (
@@ -239,6 +241,10 @@ _HELP = {
     "the ranks it waits for, and what each was last doing (docs/diagnose.md)",
     "stall_shutdown": "end the job this many seconds after a stall warning, with exit status 5 "
     "and every waiting rank's flight record (docs/reliability.md) (default: none, wait)",
+    "on_node_loss": "stop: a lost rank ends the job (resume with --resume auto); continue: "
+    "the survivors go on in the same job from the latest checkpoint, with the global batch "
+    "kept; needs --checkpoint-dir and `mpirun --with-ft ulfm`, and survives lost ranks, not a "
+    "lost node's MPI daemon (docs/reliability.md)",
     "timeline": "write every rank's events (data wait, forward, backward, each bucket's "
     "allreduce, optimizer, evaluation, checkpoints, signals) on one clock to this Chrome trace "
     "file, for Perfetto or chrome://tracing (docs/diagnose.md) (default: none)",
@@ -447,6 +453,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
     if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_file():
         raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto/none)")
+    if cfg.on_node_loss == "continue" and not cfg.checkpoint_dir:
+        raise ConfigError("--on-node-loss continue needs --checkpoint-dir to go on from")
     if cfg.resume == "auto" and not cfg.checkpoint_dir:
         raise ConfigError("--resume auto needs --checkpoint-dir to look for checkpoints in")
     _validate_models_io(cfg)

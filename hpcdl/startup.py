@@ -203,7 +203,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware
         say(start_line(cfg, world, aware))
-        watch = NodeWatch(world)  # a lost node is named, in one line (comm.node_watch)
+        # a lost node is named, in one line (comm.node_watch); lost ranks may be MPI's to handle
+        watch = NodeWatch(world, closed_is_lost=cfg.on_node_loss == "stop")
         own(stack, watch.close, watch.abandon)
         diagnostics = start_diagnostics(cfg, world, stack)  # timeline, stalls, flight recorder
         train_ds, val_ds = open_datasets(cfg, world)

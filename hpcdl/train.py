@@ -9,14 +9,17 @@ rank runs this file; rank 0 prints and writes metrics.
 
 from __future__ import annotations
 
+import atexit
+import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from hpcdl import diag, nn, resume, startup
-from hpcdl.comm import collectives
+from hpcdl import diag, launch, nn, resume, startup
+from hpcdl.comm import collectives, ulfm
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
     UserError,
@@ -46,12 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         return startup.fail_once(f"hpcdl.train: error: {exc}")
     world = init_world()
     install_abort_on_exception(world.comm, world.rank)
+    if world.is_root:
+        launch.record_outcome(launch.STARTED)  # for `python -m hpcdl.launch` (a lost node)
     try:
-        return train(cfg, world)
+        status = train_through_lost_ranks(cfg, world)
     except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
         if world.is_root:
             print(exc.message, flush=True)
             record_finished(cfg, exc.message)
+            launch.record_outcome(launch.FINISHED)
         world.comm.Barrier()  # the line is out before any rank exits
         return 0
     except SystemExitWithMessage as exc:
@@ -60,6 +66,26 @@ def main(argv: list[str] | None = None) -> int:
         status = EXIT_DATA_ERROR if isinstance(exc, DataError) else EXIT_LOADER_FAULT
         status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else status
         raise UserError(str(exc), status) from None
+    if world.is_root and status == 0:
+        launch.record_outcome(launch.FINISHED)
+    return status
+
+
+def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
+    """train(); with --on-node-loss continue, again on the survivors after a rank is lost,
+    from the latest checkpoint (NOTE [recovering from lost ranks] in hpcdl/comm/ulfm.py)."""
+    while True:
+        try:
+            return ulfm.exiting(train(cfg, world))
+        except Exception as exc:
+            if cfg.on_node_loss != "continue" or not ulfm.lost_ranks(exc):
+                raise
+            failed_at = time.monotonic()
+        diag.dump_flight("ranks lost (--on-node-loss continue)")
+        world = ulfm.recover(world, failed_at)
+        install_abort_on_exception(world.comm, world.rank)
+        atexit.register(ulfm.leave_without_finalize, world.comm)
+        cfg = replace(cfg, resume="auto")
 
 
 def record_finished(cfg: TrainConfig, line: str) -> None:

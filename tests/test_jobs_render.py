@@ -183,6 +183,15 @@ def test_mpirun_takes_the_shape_and_site_options(config):
     assert "OMPI_ALLOW_RUN_AS_ROOT" not in srun
 
 
+def test_on_node_loss_continue_runs_mpirun_with_ulfm(tmp_path):
+    config = write_config(tmp_path / "job.toml", data="d", checkpoint_dir="ck",
+                          on_node_loss="continue")  # fmt: skip
+    script, _ = render(spec(config))
+    assert "-np 8 --map-by ppr:4:node --bind-to none --with-ft ulfm" in script
+    plain, _ = render(spec(write_config(tmp_path / "stop.toml", data="d", checkpoint_dir="ck")))
+    assert "--with-ft" not in plain
+
+
 @pytest.mark.parametrize(
     "name",
     ["$(touch /tmp/hpcdl-pwned)", "a b", "x;rm -rf /", "job\nname", "`id`", "-x", "a" * 65],

@@ -180,8 +180,10 @@ class FailureNotice:
                 return
             self._closed = True
             if not self._mpi.Is_finalized():
-                self._request.Cancel()
-                self._request.Wait()
+                # a rank of this communicator may be gone (--on-node-loss continue recovered)
+                with contextlib.suppress(self._mpi.Exception):
+                    self._request.Cancel()
+                    self._request.Wait()
 
     def _post(self) -> Any:
         return self.comm.Irecv(self._inbox, source=self._mpi.ANY_SOURCE, tag=NOTICE_TAG)

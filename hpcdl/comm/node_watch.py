@@ -21,11 +21,20 @@ ends (the peer's processes died: the kernel closes their sockets) or stops answe
 probes (KEEPALIVE_S) means that node is lost: rank 0's watcher reports every other node, the
 watcher of node 1's leader reports rank 0's node. The report is one line, `hpcdl: node HOST
 (ranks ...) was lost: ...`, written to mpirun's own stderr when the rank is mpirun's child (the
-line then outlives mpirun's forwarding; the file is opened for appending, so a job log is only
-added to), else to the rank's stderr. Then the watcher tells its rank, which calls MPI_Abort:
-for a node that went silent rather than dead, mpirun would otherwise wait minutes. It still
-waits, for the silent node's daemon, so the watcher of a rank that is mpirun's child ends
-mpirun (SIGTERM, then SIGKILL) if it has not exited LAUNCHER_GRACE_S later.
+line then outlives mpirun's forwarding), else to the rank's stderr. mpirun's stderr is taken as
+mpirun's very open file (pidfd_getfd), so the line shares mpirun's file offset: in a job log
+(`> log 2>&1`) mpirun's next lines come after it. A reopened /proc/PID/fd/2 (the fallback, where
+the kernel refuses pidfd_getfd) has an offset of its own, and mpirun's next lines, written at
+mpirun's offset, overwrite the line: that is how a cut link's line vanished (issue 49).
+Then the watcher tells its rank, which calls MPI_Abort: for a node that went silent rather than
+dead, mpirun would otherwise wait minutes. It still waits, for the silent node's daemon, so the
+watcher of a rank that is mpirun's child ends mpirun (SIGTERM, then SIGKILL) if it has not
+exited LAUNCHER_GRACE_S later.
+
+With --on-node-loss continue (hpcdl.comm.ulfm) a connection that ends may be lost ranks on a
+node that stays up, which MPI recovers from: the watcher reports it (and the job ends) only if
+mpirun ends within LAUNCHER_ENDS_S, as it does on a lost node's daemon. A silent node is
+reported at once, as with stop.
 
 Quiet when it should be: close() is collective (every rank tells its watcher QUIET, the ranks
 meet in a barrier, and only then do the watchers exit and the connections close: a normal end
@@ -58,17 +67,23 @@ from hpcdl.comm import failure
 KEEPALIVE_S = (5, 2, 3)  # idle seconds, seconds between probes, probes: silent after ~11 s
 CONNECT_S = 5.0  # how long start-up waits for every node's connection (then: watch off)
 WATCHER_LINGER_S = 2.0  # a watcher whose rank is gone waits this long for a lost node
+LAUNCHER_ENDS_S = 3.0  # --on-node-loss continue: mpirun ends this soon after a lost node
 LAUNCHER_GRACE_S = (10.0, 5.0)  # after a report: mpirun's own exit, then after its SIGTERM
 QUIET, LOST = b"q", b"L"  # rank -> watcher: stop without a report; watcher -> rank: abort
 EXIT_NODE_LOST = 5
+SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 LAUNCHERS = ("prterun", "mpirun", "mpiexec", "orterun")  # /proc/PID/comm of mpirun itself
 
 
 class NodeWatch:
     """This rank's part of the watch; see the module notes. Collective to make and to close."""
 
-    def __init__(self, world: Any) -> None:
+    def __init__(self, world: Any, closed_is_lost: bool = True) -> None:
+        """closed_is_lost=False (--on-node-loss continue): a connection that ends is left to
+        MPI (ULFM recovers from lost ranks; Open MPI ends the job on a lost node); only a node
+        that goes silent is reported and ends the job."""
         self.world = world
+        self.closed_is_lost = closed_is_lost
         self._closing = False
         self._sockets: dict[int, socket.socket] = {}  # node index -> connection
         self._watcher: subprocess.Popen | None = None
@@ -142,6 +157,7 @@ class NodeWatch:
             "told": told_w,
             "console": console if console is not None else 2,
             "launcher": launcher,
+            "closed_is_lost": self.closed_is_lost,
         }
         fds = [*watched, tell_r, told_w, *([console] if console is not None else [])]
         try:
@@ -282,14 +298,35 @@ def _keepalive(conn: socket.socket) -> None:
 
 
 def _launcher_stderr() -> int | None:
-    """mpirun's own stderr when this rank is its child, opened for appending; else None."""
+    """mpirun's own stderr when this rank is its child (its very open file where the kernel
+    allows, else reopened for appending; module notes); else None."""
     parent = os.getppid()
     try:
         if not _is_launcher(parent):
             return None
+        shared = _take_fd(parent, 2)
+        if shared is not None:
+            return shared
         return os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except OSError:
         return None
+
+
+def _take_fd(pid: int, fd: int) -> int | None:
+    """A duplicate of process pid's descriptor fd (Linux >= 5.6 pidfd_getfd: the same open
+    file, offset included), or None where the kernel or a ptrace policy refuses it."""
+    import ctypes  # noqa: PLC0415
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        taken = libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)  # the result is O_CLOEXEC
+        return taken if taken >= 0 else None
+    finally:
+        os.close(pidfd)
 
 
 # ------------------------------------------------------------------ the watcher process
@@ -326,12 +363,29 @@ def watch(spec: dict) -> int:
             poller.unregister(fd)
             if quiet or (node == 0 and not spec["report_root"]):
                 continue  # node 1's watcher reports rank 0's node
-            _report(spec, node, _why(fd, spec["nodes"][node][1][0]))
+            why, silent = _why(fd, spec["nodes"][node][1][0])
+            if not silent and not spec["closed_is_lost"] and not _launcher_ends(spec):
+                continue  # --on-node-loss continue, ranks lost: MPI's to handle (hpcdl.comm.ulfm)
+            _report(spec, node, why)
             with contextlib.suppress(OSError):
                 os.write(spec["told"], LOST)
             if spec["launcher"]:
                 _end_launcher(int(spec["launcher"]))
             return 0
+
+
+def _launcher_ends(spec: dict) -> bool:
+    """With --on-node-loss continue, whether the connection that ended was a lost node's: Open
+    MPI ends the job on a lost node's daemon, so mpirun (this rank's parent) exits within
+    LAUNCHER_ENDS_S; after lost ranks alone it goes on. Unknown without mpirun: False."""
+    if not spec["launcher"]:
+        return False
+    deadline = time.monotonic() + LAUNCHER_ENDS_S
+    while time.monotonic() < deadline:
+        if not _is_launcher(int(spec["launcher"])):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _end_launcher(pid: int) -> None:
@@ -357,21 +411,22 @@ def _is_launcher(pid: int) -> bool:
     return name.startswith(LAUNCHERS) and state != "Z"
 
 
-def _why(fd: int, leader: int) -> str:
-    """Why a watched connection woke the watcher: its leader ended, or the node went silent."""
+def _why(fd: int, leader: int) -> tuple[str, bool]:
+    """Why a watched connection woke the watcher: its leader ended, or the node went silent
+    (then True)."""
     conn = socket.socket(fileno=fd)
     try:
         data = conn.recv(1)
     except TimeoutError:  # ETIMEDOUT: keepalive probes went unanswered
         idle, interval, probes = KEEPALIVE_S
-        return f"it stopped answering (no reply for {idle + interval * probes} s)"
+        return f"it stopped answering (no reply for {idle + interval * probes} s)", True
     except OSError as exc:
-        return f"rank {leader} there ended without a word ({exc.strerror or exc})"
+        return f"rank {leader} there ended without a word ({exc.strerror or exc})", False
     finally:
         conn.detach()
     if data:
-        return f"rank {leader} there sent what it never sends"
-    return f"rank {leader} there ended without a word (killed, or the node went down)"
+        return f"rank {leader} there sent what it never sends", False
+    return f"rank {leader} there ended without a word (killed, or the node went down)", False
 
 
 def _report(spec: dict, node: int, why: str) -> None:

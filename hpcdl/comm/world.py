@@ -34,6 +34,7 @@ class World:
     node_ranks: tuple[int, ...]  # world ranks on this node, in local-rank order
     ranks_by_node: tuple[tuple[int, ...], ...]  # node_ranks of every node, by node index
     thread_multiple: bool = True  # MPI granted MPI_THREAD_MULTIPLE (helper threads may call it)
+    hosts: tuple[str, ...] = ()  # host name of every rank, by rank
 
     @property
     def is_root(self) -> bool:
@@ -104,6 +105,15 @@ def init_world() -> World:
             file=sys.stderr,
             flush=True,
         )
+    return build_world(comm)
+
+
+def build_world(comm: Any) -> World:
+    """The World of comm's ranks (COMM_WORLD, or the survivors' communicator after a loss,
+    hpcdl.comm.ulfm): split by node. Collective over comm."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
     local_rank = node_comm.rank
     leaders_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.rank)
@@ -129,4 +139,5 @@ def init_world() -> World:
         node_ranks=node_ranks,
         ranks_by_node=ranks_by_node,
         thread_multiple=thread_multiple,
+        hosts=tuple(comm.allgather(socket.gethostname())),
     )

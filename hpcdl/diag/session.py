@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl import messages
+from hpcdl.comm import ulfm
 from hpcdl.diag import flight, heartbeat, timeline
 from hpcdl.diag.events import PID, RECORDER, Recorder
 from hpcdl.diag.remote import NodeQuestions
@@ -108,7 +109,13 @@ class DiagSession:
         while not self._stop.wait(POLL_S):
             now = time.perf_counter()
             if self.remote is not None:
-                self.remote.serve()
+                try:
+                    self.remote.serve()
+                except Exception as exc:
+                    if not ulfm.lost_ranks(exc):
+                        raise
+                    self.remote = None  # a rank of its communicator is gone: stop answering
+                    # (--on-node-loss continue opens the new run's session on the survivors)
             if self.inspector is not None:
                 self.inspector.check(now)
             due = now - drained >= timeline.DRAIN_S or self._new_sampler

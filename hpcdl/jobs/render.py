@@ -300,7 +300,9 @@ def launcher_words(site: Site, job: Job, ranks: int) -> list[str]:
     if site.launcher.kind == "mpirun":
         launch = [
             '"$launcher"',
-            f"-np {job.nodes * ranks} --map-by ppr:{ranks}:node --bind-to none",
+            f"-np {job.nodes * ranks} --map-by ppr:{ranks}:node --bind-to none"
+            # --on-node-loss continue needs Open MPI's fault-tolerant mode (hpcdl.comm.ulfm)
+            + (" --with-ft ulfm" if job.config.get("on_node_loss") == "continue" else ""),
         ]
     else:
         srun_mpi = directive("site launcher.srun_mpi", site.launcher.srun_mpi)

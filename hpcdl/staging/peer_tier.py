@@ -4,30 +4,32 @@ At start every rank takes part once (docs/staging.md, "Peer tier"):
 - world rank 0 draws the job's secret (32 random bytes) and broadcasts it over MPI; the node
   leader later writes it to its stager's stdin, a pipe, and nowhere else (not a file, the
   command line or the environment, which other users or processes could read);
-- each node leader opens its listening socket on the address its hostname resolves to (the
-  address `mpirun` and the node watch reach it at; never 0.0.0.0, never a loopback address in a
-  job of several nodes), port 0, and finds its stage capacity;
+- each node leader opens its listening socket on an address the other nodes reach, found by
+  address as the node watch connects (hpcdl.staging.peer_address: its name's address when that
+  is one of its interfaces, else the one its routes to the other nodes leave from; never
+  0.0.0.0, never a loopback address), port 0, and finds its stage capacity;
 - the leaders' (address, capacity, error) are gathered over the world communicator, so every
   leader computes the same homes (hpcdl.staging.peers.file_homes) from the same inputs.
 With `on`, a node that cannot open its socket stops the job with one line naming the node and
 the address; with `auto`, that node serves and fetches nothing (one warning) and the others go
-on. The listening socket is handed to the stager (pass_fds), and the leader keeps its own
-descriptor until the session closes: a stager that dies leaves its port bound, so no other
-process can take it over while the job runs (docs/staging.md, "A dead peer's port"); fetchers
-then find a port that never finishes a handshake and give the node up after the deadline.
+on; rank 0 says so in one `hpcdl: rank 0: warning: peer staging is off on ...` line. The
+listening socket is handed to the stager (pass_fds), and the leader keeps its own descriptor
+until the session closes: a stager that dies leaves its port bound, so no other process can take
+it over while the job runs (docs/staging.md, "A dead peer's port"); fetchers then find a port
+that never finishes a handshake and give the node up after the deadline.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 import socket
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from hpcdl import messages
 from hpcdl.config import PEER_MODES
 from hpcdl.data.sampler import SamplerSpec
+from hpcdl.staging.peer_address import listen_address, own_address
 from hpcdl.staging.peers import FileHomes, file_homes, peer_sources, render_peer_section
 from hpcdl.staging.plan import NodePlan, node_figures
 
@@ -44,18 +46,13 @@ def peer_tier_wanted(mode: str, num_nodes: int, shuffle: str) -> bool:
     return mode == "on" or shuffle == "global"
 
 
-def open_listener() -> tuple[socket.socket | None, str]:
-    """This node's listening socket on its hostname's IPv4 address, port 0, or (None, why)."""
-    host = socket.gethostname()
-    try:
-        address = socket.gethostbyname(host)
-    except OSError as exc:
-        return None, f"cannot resolve this node's name {host!r} ({exc})"
-    if ipaddress.ip_address(address).is_loopback:
-        return None, (
-            f"this node's name {host!r} resolves to the loopback address {address}, which other "
-            "nodes cannot reach (fix /etc/hosts or DNS)"
-        )
+def open_listener(address: str | None = None, why: str = "") -> tuple[socket.socket | None, str]:
+    """This node's listening socket on address (hpcdl.staging.peer_address.listen_address),
+    port 0, or (None, why not). Neither given (the benchmarks, one node alone): own_address."""
+    if address is None and not why:
+        address, why = own_address()
+    if address is None:
+        return None, why
     try:
         listener = socket.create_server((address, 0), backlog=128)
     except OSError as exc:
@@ -86,7 +83,7 @@ class PeerTier:
         """Collective over world.comm. Returns (this leader's tier or None, an error that stops
         the job or None). capacity: this node's stage capacity in bytes (leaders only)."""
         secret = world.comm.bcast(secrets.token_hex(SECRET_BYTES) if world.is_root else None, 0)
-        listener, why = open_listener() if world.is_node_leader else (None, "")
+        listener, why = open_listener(*listen_address(world))  # collective
         mine = None
         if world.is_node_leader:
             address = (
@@ -104,11 +101,10 @@ class PeerTier:
                 listener.close()
             return None, error
         if failed and world.is_root:
-            warnings.warn(
-                f"hpcdl staging: peer staging is off on {', '.join(failed)}; those nodes read "
-                "from the parallel file system",
-                RuntimeWarning,
-                stacklevel=2,
+            messages.warn(
+                f"peer staging is off on {', '.join(failed)}; those nodes read from the "
+                "parallel file system",
+                rank=0,
             )
         addresses = [address for _, address, _, _ in nodes]
         need = node_figures(dataset, sampler, batch_size, epochs, world.ranks_by_node).bytes

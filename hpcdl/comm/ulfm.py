@@ -1,0 +1,120 @@
+"""`--on-node-loss continue`: the survivors of lost ranks train on, in the same job (ULFM).
+
+NOTE [recovering from lost ranks]
+Needs an MPI with ULFM run in its fault-tolerant mode (`mpirun --with-ft ulfm`); mpi4py's
+default error handler (MPI.ERRORS_RETURN) turns a failure into an exception. The sequence:
+1. A collective that involves a dead rank fails on some survivors with MPI_ERR_PROC_FAILED
+   (the reducer's allreduce, the NaN check, a loader or stall-table message); others may be
+   left waiting in one. The exception unwinds the run: every resource leaves by its `abandon`
+   path (NOTE [closing a run] in hpcdl/run.py), which uses no MPI.
+2. That rank revokes the world communicator (MPI_Comm_revoke): every survivor still waiting
+   on it gets MPI_ERR_REVOKED and unwinds the same way.
+3. Every survivor calls MPI_Comm_shrink: a communicator of the survivors, agreed among them
+   (the shrink runs an agreement, so all see the same membership, whatever each one saw).
+4. The survivors build a new World on it (split by node again) and start the run again with
+   --resume auto: from the newest checkpoint in --checkpoint-dir, with the resume path's rule
+   for another world size (the global batch kept, the rest of the checkpoint's epoch read once
+   each: NOTE [the rest of an epoch] in hpcdl/data/epoch_order.py). Rolling back to a
+   checkpoint, not to the failed step, is what keeps the survivors' state consistent: a
+   collective can complete on some ranks and fail on others, so after a failed step some
+   survivors may have applied it and others not. The steps since the checkpoint are lost, as
+   with a new job, but not the job: no requeue, no new start-up of MPI.
+5. New rank 0 prints one line: the lost ranks and their hosts, the time from the failure to
+   the new world, and the new world. Start-up on it (loaders, staging) follows; then the steps
+   since the checkpoint are trained again.
+6. At exit, the survivors meet in a barrier and leave with os._exit: MPI_Finalize hangs on the
+   survivors of a shrink across nodes (Open MPI 5.0.11).
+Limits: a lost node's daemon ends the whole job under Open MPI 5.0's mpirun, whatever the mode
+(docs/multinode.md), so this survives ranks killed on nodes that stay up. The node watch leaves
+a connection that ends to MPI (NodeWatch closed_is_lost=False) and still stops the job on a
+silent node.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from hpcdl.comm.world import World, build_world
+
+
+def lost_ranks(exc: BaseException | None) -> bool:
+    """Whether exc, or an exception it was raised from, is MPI's word that a rank failed."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    failed = {MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED}
+    if hasattr(MPI, "ERR_PROC_FAILED_PENDING"):
+        failed.add(MPI.ERR_PROC_FAILED_PENDING)
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in failed:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def recover(world: World, failed_at: float) -> World:
+    """Revoke, shrink, and return the survivors' World; new rank 0 prints the one line (NOTE
+    above). failed_at: time.monotonic() when this rank saw the failure. Collective over the
+    survivors."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    revoke_quietly(world.comm)
+    survivors = world.comm.Shrink()
+    kept = MPI.Group.Translate_ranks(
+        survivors.Get_group(), list(range(survivors.Get_size())), world.comm.Get_group()
+    )
+    new = build_world(survivors)
+    started = survivors.allreduce(failed_at, op=MPI.MIN)
+    if new.is_root:
+        lost = sorted(set(range(world.size)) - set(kept))
+        where = sorted({world.hosts[r] for r in lost}) if world.hosts else []
+        print(
+            f"hpcdl: rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (on "
+            f"{', '.join(where)}) lost; the survivors formed a new world in "
+            f"{time.monotonic() - started:.2f} s: "
+            f"training goes on on {new.size} rank{'s' if new.size > 1 else ''} on "
+            f"{new.num_nodes} node{'s' if new.num_nodes > 1 else ''}, from the latest "
+            "checkpoint (--on-node-loss continue)",
+            flush=True,
+        )
+    return new
+
+
+def revoke_quietly(comm: Any) -> None:
+    """Revoke comm so that survivors still waiting on it leave their collective (step 2)."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    try:
+        comm.Revoke()
+    except MPI.Exception:
+        pass
+
+
+def leave_without_finalize(comm: Any) -> None:
+    """At exit after a recovery (atexit, before mpi4py's MPI_Finalize): meet the survivors in a
+    barrier, then end the process without MPI_Finalize, which hangs on the survivors of a
+    shrink across nodes (Open MPI 5.0.11; docs/multinode.md). The exit status is the one the
+    process was leaving with."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from mpi4py import MPI  # noqa: PLC0415
+
+    try:
+        comm.Barrier()
+    except MPI.Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[0])
+
+
+_EXIT_STATUS = [0]  # set by exiting(): atexit handlers cannot see sys.exit's status
+
+
+def exiting(status: int) -> int:
+    """Remember the status the process leaves with (for leave_without_finalize); returns it."""
+    _EXIT_STATUS[0] = status
+    return status

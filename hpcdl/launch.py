@@ -1,0 +1,112 @@
+"""`python -m hpcdl.launch mpirun ... python -m hpcdl.train ...`: the launcher's exit status, but
+never 0 for a run that did not finish.
+
+NOTE [a lost node exits 0]
+Open MPI 5.0's mpirun (PRRTE 3) exits 0 when it loses a node's daemon (every process on a node
+killed, a node that crashes): its error manager records the failure on the daemons' own job,
+never in mpirun's exit status, and the ranks it then kills do not count. It ends within some
+20 to 60 ms of the loss, before anything in the job could tell it otherwise (hpcdl's node
+watch sees the same closed connection at the same moment), and `--with-ft ulfm` changes
+nothing: PRRTE 3 ends the job on a lost daemon whatever the fault-tolerance mode. So the rule
+"exit 0 only when the run says it finished" cannot live inside the job; it lives here, around
+the launcher, as it does in hpcdl.jobs' batch scripts (which read the --metrics record):
+
+- this process runs the launcher with HPCDL_OUTCOME naming a file (beside the job, in the
+  working directory, so rank 0 sees it on any node; mpirun gets `-x HPCDL_OUTCOME`), and
+  forwards the signals a batch system or a user sends (SIGINT, SIGTERM, SIGUSR1, SIGUSR2,
+  SIGHUP);
+- hpcdl.train's rank 0 writes `started` there as it starts and `finished` as it ends with
+  nothing left to train (record_outcome);
+- the launcher's status is passed on, except a 0 after `started` without `finished`: one line
+  and exit status 5 (EXIT_NOT_FINISHED, as a stall shutdown or a silent node: resume with
+  --resume auto). A program that writes no outcome (a script of the user's) keeps the
+  launcher's status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ENV = "HPCDL_OUTCOME"
+EXIT_NOT_FINISHED = 5
+STARTED, FINISHED = "started", "finished"
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+MPIRUNS = ("mpirun", "mpiexec", "prterun", "orterun")  # take `-x NAME` to pass a variable
+
+
+def record_outcome(word: str) -> None:
+    """Write word (STARTED or FINISHED) to $HPCDL_OUTCOME, if set; call on rank 0 only. A file
+    that cannot be written costs the run nothing: the launcher's status then stands."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    try:
+        Path(path).write_text(word + "\n")
+    except OSError:
+        pass
+
+
+def launcher_argv(argv: list[str]) -> list[str]:
+    """argv with `-x HPCDL_OUTCOME` after an Open MPI launcher's name (mpirun forwards only the
+    variables it is told to the other nodes); other launchers (srun) export the environment."""
+    if argv and Path(argv[0]).name.startswith(MPIRUNS):
+        return [argv[0], "-x", ENV, *argv[1:]]
+    return list(argv)
+
+
+def outcome_file() -> Path:
+    """A fresh file name for the outcome: in the working directory (shared by the nodes on a
+    cluster), else in the temporary directory."""
+    for where in (Path.cwd(), Path(tempfile.gettempdir())):
+        if os.access(where, os.W_OK):
+            return where / f".hpcdl-outcome-{os.getpid()}"
+    return Path(tempfile.gettempdir()) / f".hpcdl-outcome-{os.getpid()}"
+
+
+def decide(launcher_status: int, outcome: str | None) -> tuple[int, str | None]:
+    """The exit status, and the line that explains a changed one."""
+    if launcher_status == 0 and outcome == STARTED:
+        return EXIT_NOT_FINISHED, (
+            "hpcdl: the launcher exited 0, but the run did not finish (it never said so: a lost "
+            f"node?, see the lines above); exit status {EXIT_NOT_FINISHED}. Resume with "
+            "--resume auto"
+        )
+    return launcher_status, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:
+        args = args[1:]
+    if not args:
+        print("usage: python -m hpcdl.launch LAUNCHER [ARGS...]  (e.g. mpirun -np 4 python -m "
+              "hpcdl.train ...)", file=sys.stderr)  # fmt: skip
+        return 2
+    path = outcome_file()
+    path.unlink(missing_ok=True)
+    try:
+        child = subprocess.Popen(launcher_argv(args), env={**os.environ, ENV: str(path)})
+    except OSError as exc:
+        print(f"hpcdl.launch: error: cannot start {args[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    try:
+        status = child.wait()
+        outcome = path.read_text().strip() if path.exists() else None
+    finally:
+        path.unlink(missing_ok=True)
+    status = 128 - status if status < 0 else status  # killed by a signal: as a shell says it
+    status, line = decide(status, outcome)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
