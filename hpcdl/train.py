@@ -10,7 +10,6 @@ rank runs this file; rank 0 prints and writes metrics.
 from __future__ import annotations
 
 import atexit
-import math
 import sys
 import time
 from dataclasses import replace

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hpcdl.tensorboard_events",
         "hpcdl.diag",
         "hpcdl.mpi_threads",
+        "hpcdl.mpi_errors",
         "hpcdl.paths",
     ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading

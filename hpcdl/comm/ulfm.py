@@ -38,22 +38,6 @@ from typing import Any
 from hpcdl.comm.world import World, build_world
 
 
-def lost_ranks(exc: BaseException | None) -> bool:
-    """Whether exc, or an exception it was raised from, is MPI's word that a rank failed."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    failed = {MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED}
-    if hasattr(MPI, "ERR_PROC_FAILED_PENDING"):
-        failed.add(MPI.ERR_PROC_FAILED_PENDING)
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in failed:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def recover(world: World, failed_at: float) -> World:
     """Revoke, shrink, and return the survivors' World; new rank 0 prints the one line (NOTE
     above). failed_at: time.monotonic() when this rank saw the failure. Collective over the

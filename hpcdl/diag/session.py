@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl import messages
-from hpcdl.comm import ulfm
 from hpcdl.diag import flight, heartbeat, timeline
 from hpcdl.diag.events import PID, RECORDER, Recorder
 from hpcdl.diag.remote import NodeQuestions
 from hpcdl.diag.stall import POLL_S, StallInspector
+from hpcdl.mpi_errors import lost_ranks
 from hpcdl.mpi_threads import thread_multiple
 
 
@@ -112,7 +112,7 @@ class DiagSession:
                 try:
                     self.remote.serve()
                 except Exception as exc:
-                    if not ulfm.lost_ranks(exc):
+                    if not lost_ranks(exc):
                         raise
                     self.remote = None  # a rank of its communicator is gone: stop answering
                     # (--on-node-loss continue opens the new run's session on the survivors)
