@@ -307,8 +307,8 @@ def test_a_session_without_mpi_writes_its_timeline_and_leaves_no_heartbeat_file(
 
 def test_diag_is_a_base_layer_package():
     """hpcdl.diag imports the standard library, numpy, hpcdl.messages, hpcdl.mpi_threads,
-    hpcdl.mpi_errors (all base layer) and itself only (mpi4py inside functions, for what needs MPI); everything else
-    calls into it."""
+    hpcdl.mpi_errors (all base layer) and itself only (mpi4py inside functions, for what needs
+    MPI); everything else calls into it."""
     import ast
     from pathlib import Path
 
