@@ -433,14 +433,6 @@ def validate(cfg: TrainConfig) -> None:
             f"--timeline {cfg.timeline} is a directory; give a file name such as "
             f"{Path(cfg.timeline) / 'trace.json'}"
         )
-    if cfg.prefetch != "auto" and not (
-        cfg.prefetch.isascii() and cfg.prefetch.isdigit() and int(cfg.prefetch) >= 1
-    ):
-        raise ConfigError(f"--prefetch must be auto or an integer >= 1, got {cfg.prefetch!r}")
-    if cfg.stage_nice != "auto" and not (
-        cfg.stage_nice.isascii() and cfg.stage_nice.isdigit() and int(cfg.stage_nice) <= 19
-    ):
-        raise ConfigError(f"--stage-nice must be auto or 0..19, got {cfg.stage_nice!r}")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max-steps must be a positive integer, got {cfg.max_steps}")
     try:
@@ -449,15 +441,23 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(str(exc)) from None
     if cfg.progress == "auto":
         progress_from_env(os.environ)
+    _validate_models_io(cfg)
+    _validate_spelled(cfg)
+    _validate_resume(cfg)
+
+
+def _validate_spelled(cfg: TrainConfig) -> None:
+    """The fields that take a word or a number in one string."""
+    if cfg.prefetch != "auto" and not (
+        cfg.prefetch.isascii() and cfg.prefetch.isdigit() and int(cfg.prefetch) >= 1
+    ):
+        raise ConfigError(f"--prefetch must be auto or an integer >= 1, got {cfg.prefetch!r}")
+    if cfg.stage_nice != "auto" and not (
+        cfg.stage_nice.isascii() and cfg.stage_nice.isdigit() and int(cfg.stage_nice) <= 19
+    ):
+        raise ConfigError(f"--stage-nice must be auto or 0..19, got {cfg.stage_nice!r}")
     if not re.fullmatch(r"grad|params:[1-9][0-9]*", cfg.sync):
         raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
-    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_file():
-        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto/none)")
-    if cfg.on_node_loss == "continue" and not cfg.checkpoint_dir:
-        raise ConfigError("--on-node-loss continue needs --checkpoint-dir to go on from")
-    if cfg.resume == "auto" and not cfg.checkpoint_dir:
-        raise ConfigError("--resume auto needs --checkpoint-dir to look for checkpoints in")
-    _validate_models_io(cfg)
     if cfg.stage_capacity is not None and not re.fullmatch(
         r"[0-9]+(\.[0-9]+)?([KMGT]i?B?|B|%)?", cfg.stage_capacity
     ):
@@ -465,6 +465,16 @@ def validate(cfg: TrainConfig) -> None:
             f"--stage-capacity must be bytes (e.g. 200G) or a percentage (e.g. 80%), "
             f"got {cfg.stage_capacity!r}"
         )
+
+
+def _validate_resume(cfg: TrainConfig) -> None:
+    """What a run goes on from: a checkpoint file, or the checkpoint directory."""
+    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).is_file():
+        raise ConfigError(f"--resume {cfg.resume}: no such checkpoint file (or use auto/none)")
+    if cfg.on_node_loss == "continue" and not cfg.checkpoint_dir:
+        raise ConfigError("--on-node-loss continue needs --checkpoint-dir to go on from")
+    if cfg.resume == "auto" and not cfg.checkpoint_dir:
+        raise ConfigError("--resume auto needs --checkpoint-dir to look for checkpoints in")
 
 
 def _validate_model(model: str) -> None:

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -84,18 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for b in args.batches
     }
-    times = {b: np.empty((args.rounds, args.steps)) for b in args.batches}
-    # Rounds interleave the batch sizes, so a burst of other load on a shared machine lands on
-    # all of them instead of skewing one.
-    for r in range(args.rounds):
-        for batch, (x, y) in data.items():
-            for _ in range(args.warmup if r == 0 else 1):
-                train_step(parts, x, y, LR)
-            world.comm.Barrier()
-            for i in range(args.steps):
-                t0 = time.perf_counter()
-                train_step(parts, x, y, LR)
-                times[batch][r, i] = time.perf_counter() - t0
+    times = time_batches(parts, data, args, world.comm)
     points = []
     for batch, t in times.items():
         t = slowest_per_round(world.comm, t.reshape(-1))  # hpcdl.bench.timing
@@ -119,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(record), flush=True)
     return 0
+
+
+def time_batches(parts: StepParts, data: dict, args: Any, comm: Any) -> dict[int, np.ndarray]:
+    """Seconds of each timed step, (rounds, steps) per batch size. Rounds interleave the batch
+    sizes, so a burst of other load on a shared machine lands on all of them, not on one."""
+    times = {b: np.empty((args.rounds, args.steps)) for b in data}
+    for r in range(args.rounds):
+        for batch, (x, y) in data.items():
+            for _ in range(args.warmup if r == 0 else 1):
+                train_step(parts, x, y, LR)
+            comm.Barrier()
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                train_step(parts, x, y, LR)
+                times[batch][r, i] = time.perf_counter() - t0
+    return times
 
 
 if __name__ == "__main__":

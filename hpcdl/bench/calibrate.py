@@ -296,7 +296,6 @@ def measure_trainer_step(
     contention(quiet step s, timed) -> (seconds per copy, note, seconds per fetch, note): then
     the same steps again while the stagers copy, and while they fetch from peers
     (hpcdl.bench.calibrate_contention)."""
-
     from hpcdl.comm.reducer import GradientReducer  # noqa: PLC0415
 
     spec = SimpleNamespace(model=args.model, shape=args.shape, classes=args.classes,
