@@ -51,7 +51,7 @@ def test_mpirun_is_told_to_pass_the_outcome_file_to_every_node():
 
 
 def test_a_finished_training_run_under_mpirun_exits_0(tmp_path):
-    from conftest import mpi_env, mpirun_cmd  # noqa: PLC0415
+    from helpers import mpi_env, mpirun_cmd  # noqa: PLC0415
 
     from tests.probe_model import sample_index_h5  # noqa: PLC0415
 

@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from conftest import mpi_env, mpirun_cmd
+from helpers import mpi_env, mpirun_cmd
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint
