@@ -58,6 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hpcdl.report_diag",
         "hpcdl.doctor",
         "hpcdl.jobs",
+        "hpcdl.launch",
     ),  # fmt: skip
     ("hpcdl.torch",),  # the PyTorch adapter for scripts
     ("hpcdl.bench",),  # `python -m hpcdl.bench`: may use everything, torch lazily
