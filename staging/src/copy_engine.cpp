@@ -168,42 +168,10 @@ int StageTree::dir_for(const std::string& rel_dir, bool create) {
         rel_dir.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
     auto it = dirs_.find(prefix);
     if (it == dirs_.end()) {
-      int fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-      if (fd < 0 && errno == ENOENT && create) {
-        const bool made = ::mkdirat(parent, name.c_str(), 0700) == 0;
-        if (!made && errno != EEXIST) {
-          int err = errno;
-          throw StageError("cannot create directory " + root_ + "/" + prefix + ": " +
-                               errno_text(err) + "; its files are read from the PFS",
-                           err);
-        }
-        fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        struct stat st {};
-        if (made && fd >= 0 && ::fstat(fd, &st) == 0) {  // ours: clean-up may remove it
-          ManifestRecord r;
-          r.kind = 'd';
-          r.dest = prefix;
-          r.copy_ino = static_cast<uint64_t>(st.st_ino);
-          r.copy_dev = static_cast<uint64_t>(st.st_dev);
-          manifest_.append(r);
-        }
-      }
+      const int fd = open_component(parent, name, prefix, create);
       if (fd < 0) {
-        int err = errno;
-        if (err == ENOENT && !create) {
-          missing_.insert(rel_dir);
-          return -1;
-        }
-        if (err == ELOOP || err == ENOTDIR) {
-          throw StageError("rejected " + root_ + "/" + prefix +
-                               ": a symlink or non-directory inside the stage dir (" +
-                               errno_text(err) + "); nothing is written through it, its files "
-                               "are read from the PFS",
-                           err);
-        }
-        throw StageError("cannot open directory " + root_ + "/" + prefix + ": " +
-                             errno_text(err) + "; its files are read from the PFS",
-                         err);
+        missing_.insert(rel_dir);
+        return -1;
       }
       it = dirs_.emplace(prefix, std::make_unique<UniqueFd>(fd)).first;
     }
@@ -211,6 +179,43 @@ int StageTree::dir_for(const std::string& rel_dir, bool create) {
     if (slash == std::string::npos) return parent;
     start = slash + 1;
   }
+}
+
+int StageTree::open_component(int parent, const std::string& name, const std::string& prefix,
+                              bool create) {
+  int fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT && create) {
+    const bool made = ::mkdirat(parent, name.c_str(), 0700) == 0;
+    if (!made && errno != EEXIST) {
+      int err = errno;
+      throw StageError("cannot create directory " + root_ + "/" + prefix + ": " +
+                           errno_text(err) + "; its files are read from the PFS",
+                       err);
+    }
+    fd = ::openat(parent, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat st {};
+    if (made && fd >= 0 && ::fstat(fd, &st) == 0) {  // ours: clean-up may remove it
+      ManifestRecord r;
+      r.kind = 'd';
+      r.dest = prefix;
+      r.copy_ino = static_cast<uint64_t>(st.st_ino);
+      r.copy_dev = static_cast<uint64_t>(st.st_dev);
+      manifest_.append(r);
+    }
+  }
+  if (fd >= 0) return fd;
+  int err = errno;
+  if (err == ENOENT && !create) return -1;
+  if (err == ELOOP || err == ENOTDIR) {
+    throw StageError("rejected " + root_ + "/" + prefix +
+                         ": a symlink or non-directory inside the stage dir (" +
+                         errno_text(err) + "); nothing is written through it, its files "
+                         "are read from the PFS",
+                     err);
+  }
+  throw StageError("cannot open directory " + root_ + "/" + prefix + ": " + errno_text(err) +
+                       "; its files are read from the PFS",
+                   err);
 }
 
 // ---------------------------------------------------------------- copy engine
@@ -308,88 +313,30 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   // One temporary name per copy thread, in the session directory: the tree of staged files
   // never holds a partial file, and a dead stager's temporaries go with its session.
   const std::string tmp = kTempPrefix + std::to_string(tag);
-  const int tmp_dir = tmp_dir_.get();
   UniqueFd out;
   if (auto failed = open_temp(tmp, dest_path, out)) return *failed;
 
   // Every return below removes the temporary name (a published copy keeps its other link).
-  const TempGuard guard{tmp_dir, tmp};
+  const TempGuard guard{tmp_dir_.get(), tmp};
 
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   uint64_t copied = 0;
   Fnv1a64 source_hash;
-  const bool user_space = pfs_.active() || verify_;
-  bool kernel = !user_space;
-  bool use_sendfile = false;
-  while (kernel && copied < size) {
-    if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, "", {}};
-    size_t want = static_cast<size_t>(std::min<uint64_t>(size - copied, kKernelChunk));
-    ssize_t n = use_sendfile ? ::sendfile(out.get(), src.get(), nullptr, want)
-                             : ::copy_file_range(src.get(), nullptr, out.get(), nullptr, want, 0);
-    if (n < 0) {
-      int err = errno;
-      if (err == EINTR) continue;
-      if (copied == 0 && !use_sendfile &&
-          (err == EXDEV || err == EINVAL || err == ENOSYS || err == EOPNOTSUPP)) {
-        use_sendfile = true;
-        continue;
-      }
-      if (copied == 0 && use_sendfile && (err == EINVAL || err == ENOSYS)) {
-        kernel = false;
-        break;
-      }
-      return error_result(err, "cannot copy into", dest_path);
-    }
-    if (n == 0) break;  // source shrank; size check below
-    copied += static_cast<uint64_t>(n);
+  bool kernel = !(pfs_.active() || verify_);  // the emulation and the checksum need the bytes
+  std::optional<CopyResult> stop;
+  if (kernel) stop = kernel_copy(src.get(), out.get(), size, dest_path, copied, kernel);
+  if (!stop && !kernel) {
+    stop = stream_copy(src.get(), out.get(), source, dest_path, buffer, copied, source_hash);
   }
-  if (!kernel) {
-    for (;;) {
-      if (cancel_.load(std::memory_order_relaxed)) return {CopyOutcome::Cancelled, copied, "", {}};
-      ssize_t n = ::read(src.get(), buffer.data(), buffer.size());
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return error_result(errno, "cannot read source", source);
-      }
-      if (n == 0) break;
-      pfs_.on_read(static_cast<uint64_t>(n));
-      if (verify_) source_hash.update(buffer.data(), static_cast<size_t>(n));
-      if (int err = write_all(out.get(), buffer.data(), static_cast<size_t>(n))) {
-        return error_result(err, "cannot write", dest_path);
-      }
-      copied += static_cast<uint64_t>(n);
-    }
-  }
-  if (copied != size) {
-    CopyResult r;
-    r.outcome = CopyOutcome::Transient;
-    r.message = "source " + source + " changed size while copying (" + std::to_string(copied) +
-                " of " + std::to_string(size) + " bytes); retrying";
-    return r;
-  }
-  if (verify_) {
-    int err = 0;
-    UniqueFd check(::openat(tmp_dir, tmp.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
-    if (!check.valid()) return error_result(errno, "cannot reopen for verification", dest_path);
-    const uint64_t dest_hash = hash_fd(check.get(), buffer, &err);
-    if (err != 0) return error_result(err, "cannot read back for verification", dest_path);
-    if (dest_hash != source_hash.digest()) {
-      CopyResult r;
-      r.outcome = CopyOutcome::Transient;
-      r.message = "checksum mismatch for " + dest_path + " (copy of " + source + "); retrying";
-      return r;
-    }
-  }
-
+  if (!stop) stop = check_copy(tmp, source, dest_path, size, copied, buffer, source_hash);
+  if (stop) return *stop;
   const struct timespec times[2] = {st.st_atim, st.st_mtim};
   if (::futimens(out.get(), times) != 0) return error_result(errno, "cannot set mtime of", dest_path);
   struct stat after {}, made {};
   if (::fstat(src.get(), &after) != 0) return error_result(errno, "cannot stat source", source);
   if (!(identity_of(after) == identity_of(st))) {
-    CopyResult r;
-    r.outcome = CopyOutcome::Transient;
-    r.message = "source " + source + " changed while copying; retrying";
-    return r;
+    return {CopyOutcome::Transient, 0, "source " + source + " changed while copying; retrying",
+            {}};
   }
   if (::fstat(out.get(), &made) != 0) return error_result(errno, "cannot stat", dest_path);
   CopyResult r = publish(tmp, dirfd, dest, source, identity_of(st),
@@ -402,6 +349,86 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
     r.checksum = verify_ ? source_hash.digest() : 0;
   }
   return r;
+}
+
+std::optional<CopyResult> CopyEngine::kernel_copy(int src, int out, uint64_t size,
+                                                  const std::string& dest_path, uint64_t& copied,
+                                                  bool& kernel) {
+  bool use_sendfile = false;
+  while (copied < size) {
+    if (cancel_.load(std::memory_order_relaxed)) {
+      return CopyResult{CopyOutcome::Cancelled, copied, "", {}};
+    }
+    size_t want = static_cast<size_t>(std::min<uint64_t>(size - copied, kKernelChunk));
+    ssize_t n = use_sendfile ? ::sendfile(out, src, nullptr, want)
+                             : ::copy_file_range(src, nullptr, out, nullptr, want, 0);
+    if (n < 0) {
+      int err = errno;
+      if (err == EINTR) continue;
+      if (copied == 0 && !use_sendfile &&
+          (err == EXDEV || err == EINVAL || err == ENOSYS || err == EOPNOTSUPP)) {
+        use_sendfile = true;
+        continue;
+      }
+      if (copied == 0 && use_sendfile && (err == EINVAL || err == ENOSYS)) {
+        kernel = false;
+        return std::nullopt;
+      }
+      return error_result(err, "cannot copy into", dest_path);
+    }
+    if (n == 0) break;  // source shrank; check_copy's size check
+    copied += static_cast<uint64_t>(n);
+  }
+  return std::nullopt;
+}
+
+std::optional<CopyResult> CopyEngine::stream_copy(int src, int out, const std::string& source,
+                                                  const std::string& dest_path,
+                                                  std::vector<char>& buffer, uint64_t& copied,
+                                                  Fnv1a64& source_hash) {
+  for (;;) {
+    if (cancel_.load(std::memory_order_relaxed)) {
+      return CopyResult{CopyOutcome::Cancelled, copied, "", {}};
+    }
+    ssize_t n = ::read(src, buffer.data(), buffer.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return error_result(errno, "cannot read source", source);
+    }
+    if (n == 0) return std::nullopt;
+    pfs_.on_read(static_cast<uint64_t>(n));
+    if (verify_) source_hash.update(buffer.data(), static_cast<size_t>(n));
+    if (int err = write_all(out, buffer.data(), static_cast<size_t>(n))) {
+      return error_result(err, "cannot write", dest_path);
+    }
+    copied += static_cast<uint64_t>(n);
+  }
+}
+
+std::optional<CopyResult> CopyEngine::check_copy(const std::string& tmp, const std::string& source,
+                                                 const std::string& dest_path, uint64_t size,
+                                                 uint64_t copied, std::vector<char>& buffer,
+                                                 const Fnv1a64& source_hash) {
+  if (copied != size) {
+    return CopyResult{CopyOutcome::Transient, 0,
+                      "source " + source + " changed size while copying (" +
+                          std::to_string(copied) + " of " + std::to_string(size) +
+                          " bytes); retrying",
+                      {}};
+  }
+  if (!verify_) return std::nullopt;
+  int err = 0;
+  UniqueFd check(::openat(tmp_dir_.get(), tmp.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!check.valid()) return error_result(errno, "cannot reopen for verification", dest_path);
+  const uint64_t dest_hash = hash_fd(check.get(), buffer, &err);
+  if (err != 0) return error_result(err, "cannot read back for verification", dest_path);
+  if (dest_hash != source_hash.digest()) {
+    return CopyResult{CopyOutcome::Transient, 0,
+                      "checksum mismatch for " + dest_path + " (copy of " + source +
+                          "); retrying",
+                      {}};
+  }
+  return std::nullopt;
 }
 
 CopyResult CopyEngine::receive(const std::string& source, const std::string& dest, uint64_t size,

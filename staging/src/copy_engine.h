@@ -58,6 +58,11 @@ class StageTree {
   int dir_for(const std::string& rel_dir, bool create);
 
  private:
+  // One component `name` of the directory `prefix`, under `parent` (made when `create`): its
+  // descriptor, or -1 when it does not exist and !create; throws as dir_for. Under mu_.
+  int open_component(int parent, const std::string& name, const std::string& prefix,
+                     bool create);
+
   std::string root_;
   Manifest& manifest_;
   UniqueFd root_fd_;
@@ -143,6 +148,22 @@ class CopyEngine {
   // copy of the same thread is removed first), in `out`; or the result to return.
   std::optional<CopyResult> open_temp(const std::string& tmp, const std::string& dest_path,
                                       UniqueFd& out);
+
+  // copy()'s three steps. Each returns the result to return, or nothing to go on.
+  // The kernel's copy (copy_file_range, else sendfile) of `size` bytes; counts into `copied`,
+  // and turns `kernel` false, with nothing copied, where neither call applies.
+  std::optional<CopyResult> kernel_copy(int src, int out, uint64_t size,
+                                        const std::string& dest_path, uint64_t& copied,
+                                        bool& kernel);
+  // read/write through `buffer`: the emulated PFS's pace, the source checksum with verify.
+  std::optional<CopyResult> stream_copy(int src, int out, const std::string& source,
+                                        const std::string& dest_path, std::vector<char>& buffer,
+                                        uint64_t& copied, Fnv1a64& source_hash);
+  // The copy has the source's size and, with verify, its checksum (read back from `tmp`).
+  std::optional<CopyResult> check_copy(const std::string& tmp, const std::string& source,
+                                       const std::string& dest_path, uint64_t size,
+                                       uint64_t copied, std::vector<char>& buffer,
+                                       const Fnv1a64& source_hash);
 
   // Links the finished temporary file to `dest`; see copy().
   CopyResult publish(const std::string& tmp, int dirfd, const std::string& dest,

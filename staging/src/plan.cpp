@@ -4,7 +4,6 @@
 
 #include <cerrno>
 #include <cstdlib>
-#include <functional>
 #include <unordered_map>
 #include <fstream>
 #include <algorithm>
@@ -61,19 +60,72 @@ constexpr uint64_t kMaxStepsPerEpoch = 1ull << 32;
 constexpr int64_t kMaxEpoch = 1ll << 24;
 constexpr uint64_t kMaxFileSize = 1ull << 50;
 
+// A plan file read in 1 MiB chunks, line by line: the whole text of 1.28 M entries (140 MB) is
+// never held. The hash covers every byte of the file, as the status map reports it.
+class LineReader {
+ public:
+  explicit LineReader(std::ifstream& in) : in_(in), chunk_(1u << 20) {}
+
+  const std::string& line() const { return line_; }  // the current line, without its '\n'
+  size_t lineno() const { return lineno_; }          // its number, from 1
+
+  // The next line into line(); false at the end of the file.
+  bool next() {
+    for (;;) {
+      const size_t nl = pending_.find('\n', pos_);
+      if (nl != std::string::npos || (eof_ && pos_ < pending_.size())) {
+        const size_t stop = nl == std::string::npos ? pending_.size() : nl;
+        line_.assign(pending_, pos_, stop - pos_);
+        pos_ = stop + (nl == std::string::npos ? 0 : 1);
+        ++lineno_;
+        return true;
+      }
+      if (eof_) return false;
+      refill();
+    }
+  }
+
+  // Reads to the end of the file and returns the hash of all its bytes.
+  uint64_t finish() {
+    while (!eof_) refill();
+    return hash_.digest();
+  }
+
+ private:
+  void refill() {
+    pending_.erase(0, pos_);
+    pos_ = 0;
+    in_.read(chunk_.data(), static_cast<std::streamsize>(chunk_.size()));
+    const auto got = static_cast<size_t>(in_.gcount());
+    if (got == 0) {
+      eof_ = true;
+      return;
+    }
+    hash_.update(chunk_.data(), got);
+    pending_.append(chunk_.data(), got);
+  }
+
+  std::ifstream& in_;
+  Fnv1a64 hash_;
+  std::vector<char> chunk_;
+  std::string pending_, line_;
+  size_t pos_ = 0, lineno_ = 0;
+  bool eof_ = false;
+};
+
 // The optional peer section, from its "peers <P>" line (already in `line`) up to the line
 // before "end": P lines "<node>\t<ipv4>:<port>", then "peer_sources <S>" and S lines
 // "<file id>\t<node>\t<ready tick>". Every file id must be a plan entry, every node a peer.
-void read_peer_section(Plan& plan, const std::string& path, std::string& line, size_t& lineno,
-                       const std::function<bool()>& next) {
+void read_peer_section(Plan& plan, const std::string& path, LineReader& lines) {
+  const std::string& line = lines.line();
   uint64_t count = 0;
   const auto head = split(line, ' ');
   if (head.size() != 2 || !parse_u64(head[1], &count) || count > 65536) {
-    fail(path, lineno, "bad peers line '" + line.substr(0, 60) + "'");
+    fail(path, lines.lineno(), "bad peers line '" + line.substr(0, 60) + "'");
   }
   std::unordered_map<uint64_t, int32_t> peer_of_node;
   for (uint64_t k = 0; k < count; ++k) {
-    if (!next()) fail(path, lineno, "truncated peer list");
+    if (!lines.next()) fail(path, lines.lineno(), "truncated peer list");
     const auto f = split(line, '\t');
     const size_t colon = f.size() == 2 ? f[1].rfind(':') : std::string::npos;
     PeerAddress peer;
@@ -83,7 +135,7 @@ void read_peer_section(Plan& plan, const std::string& path, std::string& line, s
         !parse_u64(f[1].substr(colon + 1), &port) || port == 0 || port > 65535 ||
         ::inet_pton(AF_INET, f[1].substr(0, colon).c_str(), &addr) != 1 ||
         peer_of_node.count(node)) {
-      fail(path, lineno, "bad peer line '" + line.substr(0, 60) + "' (want <node>\\t<ipv4>:<port>)");
+      fail(path, lines.lineno(), "bad peer line '" + line.substr(0, 60) + "' (want <node>\\t<ipv4>:<port>)");
     }
     peer.node = static_cast<uint32_t>(node);
     peer.host = f[1].substr(0, colon);
@@ -92,27 +144,148 @@ void read_peer_section(Plan& plan, const std::string& path, std::string& line, s
     plan.peers.push_back(peer);
   }
   uint64_t sources = 0;
-  if (!next() || split(line, ' ').size() != 2 || split(line, ' ')[0] != "peer_sources" ||
+  if (!lines.next() || split(line, ' ').size() != 2 || split(line, ' ')[0] != "peer_sources" ||
       !parse_u64(split(line, ' ')[1], &sources) || sources > plan.entries.size()) {
-    fail(path, lineno, "expected 'peer_sources <n>' with n at most the entries");
+    fail(path, lines.lineno(), "expected 'peer_sources <n>' with n at most the entries");
   }
   std::unordered_map<uint64_t, size_t> entry_of_file;
   for (size_t i = 0; i < plan.entries.size(); ++i) entry_of_file[plan.entries[i].file_id] = i;
   plan.peer_sources.assign(plan.entries.size(), PeerSource{});
   for (uint64_t k = 0; k < sources; ++k) {
-    if (!next()) fail(path, lineno, "truncated peer sources");
+    if (!lines.next()) fail(path, lines.lineno(), "truncated peer sources");
     const auto f = split(line, '\t');
     uint64_t file_id = 0, node = 0, ready = 0;
     if (f.size() != 3 || !parse_u64(f[0], &file_id) || !parse_u64(f[1], &node) ||
         !parse_u64(f[2], &ready) || ready > UINT32_MAX) {
-      fail(path, lineno, "bad peer source '" + line.substr(0, 60) + "'");
+      fail(path, lines.lineno(), "bad peer source '" + line.substr(0, 60) + "'");
     }
     const auto entry = entry_of_file.find(file_id);
     const auto peer = peer_of_node.find(node);
     if (entry == entry_of_file.end() || peer == peer_of_node.end()) {
-      fail(path, lineno, "peer source for a file or node the plan does not list");
+      fail(path, lines.lineno(), "peer source for a file or node the plan does not list");
     }
     plan.peer_sources[entry->second] = PeerSource{peer->second, static_cast<uint32_t>(ready)};
+  }
+}
+
+
+// The header, from "hpcdl-plan <version>" up to its "entries <n>" line: returns n.
+uint64_t read_header(Plan& plan, const std::string& path, LineReader& lines) {
+  const std::string& line = lines.line();
+  if (!lines.next() || line != "hpcdl-plan " + std::to_string(kPlanVersion)) {
+    fail(path, 1, "expected header 'hpcdl-plan " + std::to_string(kPlanVersion) + "', got '" +
+                      line.substr(0, 40) + "'");
+  }
+  plan.version = kPlanVersion;
+  uint64_t expected_entries = 0;
+  bool seen_entries = false;
+  while (!seen_entries && lines.next()) {
+    const auto kv = split(line, ' ');
+    if (kv.empty()) fail(path, lines.lineno(), "empty header line");
+    const std::string& key = kv[0];
+    bool ok = true;
+    if (key == "fingerprint" && kv.size() == 2) {
+      plan.fingerprint = kv[1];
+    } else if (key == "seed" && kv.size() == 2) {
+      ok = parse_u64(kv[1], &plan.seed);
+    } else if (key == "epochs" && kv.size() == 3) {
+      ok = parse_i64(kv[1], &plan.epoch_begin) && parse_i64(kv[2], &plan.epoch_end) &&
+           plan.epoch_begin >= 0 && plan.epoch_end >= plan.epoch_begin &&
+           plan.epoch_end <= kMaxEpoch;
+    } else if (key == "steps_per_epoch" && kv.size() == 2) {
+      ok = parse_u64(kv[1], &plan.steps_per_epoch) && plan.steps_per_epoch <= kMaxStepsPerEpoch;
+    } else if (key == "local_ranks" && kv.size() == 2) {
+      uint64_t v = 0;
+      ok = parse_u64(kv[1], &v) && v > 0 && v < 65536;
+      plan.local_ranks = static_cast<uint32_t>(v);
+    } else if (key == "dataset_files" && kv.size() == 2) {
+      ok = parse_u64(kv[1], &plan.dataset_files) && plan.dataset_files <= kMaxDatasetFiles;
+      if (!ok) {
+        fail(path, lines.lineno(), "dataset_files must be at most " +
+                                       std::to_string(kMaxDatasetFiles) + ", got '" +
+                                       line.substr(0, 60) + "'");
+      }
+    } else if (key == "entries" && kv.size() == 2) {
+      ok = parse_u64(kv[1], &expected_entries) && expected_entries <= plan.dataset_files;
+      if (!ok) {
+        fail(path, lines.lineno(), "entries must be at most dataset_files (" +
+                                       std::to_string(plan.dataset_files) + "), got '" +
+                                       line.substr(0, 60) + "'");
+      }
+      seen_entries = true;
+    } else if (key != "node" && key != "shuffle") {  // those two are informational
+      fail(path, lines.lineno(), "unknown or malformed header line '" + line.substr(0, 60) + "'");
+    }
+    if (!ok) fail(path, lines.lineno(), "bad value in '" + line.substr(0, 60) + "'");
+  }
+  if (!seen_entries) fail(path, lines.lineno(), "missing 'entries' line");
+  if (plan.local_ranks == 0) fail(path, lines.lineno(), "missing 'local_ranks'");
+  return expected_entries;
+}
+
+// One entry line "<file id>\t<size>\t<steps>\t<dest>\t<source>" (steps comma-separated,
+// ascending); `steps` is scratch space.
+void read_entry(Plan& plan, const std::string& path, const LineReader& lines,
+                uint64_t expected_entries, std::vector<uint32_t>& steps) {
+  const size_t lineno = lines.lineno();
+  const auto f = split(lines.line(), '\t');
+  if (f.size() != 5) fail(path, lineno, "expected 5 tab-separated fields");
+  uint64_t file_id = 0, size = 0;
+  if (!parse_u64(f[0], &file_id) || file_id >= plan.dataset_files) {
+    fail(path, lineno, "bad file id '" + f[0] + "'");
+  }
+  if (!parse_u64(f[1], &size) || size > kMaxFileSize) fail(path, lineno, "bad size '" + f[1] + "'");
+  steps.clear();
+  if (!f[2].empty()) {
+    for (const auto& t : split(f[2], ',')) {
+      uint64_t v = 0;
+      if (!parse_u64(t, &v) || v > UINT32_MAX) fail(path, lineno, "bad step '" + t + "'");
+      if (!steps.empty() && v <= steps.back()) fail(path, lineno, "steps not ascending");
+      steps.push_back(static_cast<uint32_t>(v));
+    }
+  }
+  std::string why;
+  if (!is_safe_relative(f[3], &why)) fail(path, lineno, "rejected: " + why);
+  if (f[4].empty()) fail(path, lineno, "empty source path");
+  if (plan.entries.size() >= expected_entries) {
+    fail(path, lineno, "more entries than the 'entries' line declares");
+  }
+  plan.add(file_id, size, f[3], f[4], steps);
+}
+
+// The entry lines and the optional peer section, up to "end": whether "end" was there.
+bool read_entries(Plan& plan, const std::string& path, LineReader& lines,
+                  uint64_t expected_entries) {
+  std::vector<uint32_t> steps;
+  while (lines.next()) {
+    if (lines.line() == "end") return true;
+    if (lines.line().compare(0, 6, "peers ") == 0) {
+      if (plan.entries.size() != expected_entries) {
+        fail(path, lines.lineno(), "peers before all entries");
+      }
+      read_peer_section(plan, path, lines);
+      if (!(lines.next() && lines.line() == "end")) {
+        fail(path, lines.lineno(), "expected 'end' after the peer section");
+      }
+      return true;
+    }
+    read_entry(plan, path, lines, expected_entries, steps);
+  }
+  return false;
+}
+
+// Each file once: sorted ids instead of a hash set (16 bytes an entry, freed at once).
+void check_each_file_once(const Plan& plan, const std::string& path, size_t first_entry_line) {
+  std::vector<std::pair<uint32_t, uint32_t>> ids(plan.entries.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = {plan.entries[i].file_id, static_cast<uint32_t>(i)};
+  }
+  std::sort(ids.begin(), ids.end());
+  for (size_t i = 1; i < ids.size(); ++i) {
+    if (ids[i].first == ids[i - 1].first) {
+      fail(path, first_entry_line + std::max(ids[i].second, ids[i - 1].second),
+           "file id " + std::to_string(ids[i].first) + " listed twice");
+    }
   }
 }
 
@@ -201,151 +374,16 @@ Plan read_plan(const std::string& path) {
                          "; the stager cannot start and training reads from the PFS",
                      err);
   }
-  // Read in 1 MiB chunks, line by line: the whole text of 1.28 M entries (140 MB) is never held.
+  LineReader lines(in);
   Plan plan;
-  Fnv1a64 hash;  // of every byte of the file
-  std::vector<char> chunk(1u << 20);
-  std::string pending, line;
-  size_t pos = 0;
-  bool eof = false;
-  auto refill = [&]() {
-    pending.erase(0, pos);
-    pos = 0;
-    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
-    const auto got = static_cast<size_t>(in.gcount());
-    if (got == 0) {
-      eof = true;
-      return;
-    }
-    hash.update(chunk.data(), got);
-    pending.append(chunk.data(), got);
-  };
-
-  size_t lineno = 0;
-  uint64_t expected_entries = 0;
-  bool seen_entries = false;
-  bool seen_end = false;
-
-  auto next = [&]() -> bool {
-    for (;;) {
-      const size_t nl = pending.find('\n', pos);
-      if (nl != std::string::npos || (eof && pos < pending.size())) {
-        const size_t stop = nl == std::string::npos ? pending.size() : nl;
-        line.assign(pending, pos, stop - pos);
-        pos = stop + (nl == std::string::npos ? 0 : 1);
-        ++lineno;
-        return true;
-      }
-      if (eof) return false;
-      refill();
-    }
-  };
-
-  if (!next() || line != "hpcdl-plan " + std::to_string(kPlanVersion)) {
-    fail(path, 1, "expected header 'hpcdl-plan " + std::to_string(kPlanVersion) + "', got '" +
-                      line.substr(0, 40) + "'");
-  }
-  plan.version = kPlanVersion;
-  while (!seen_entries && next()) {
-    const auto kv = split(line, ' ');
-    if (kv.empty()) fail(path, lineno, "empty header line");
-    const std::string& key = kv[0];
-    bool ok = true;
-    if (key == "fingerprint" && kv.size() == 2) {
-      plan.fingerprint = kv[1];
-    } else if (key == "seed" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &plan.seed);
-    } else if (key == "epochs" && kv.size() == 3) {
-      ok = parse_i64(kv[1], &plan.epoch_begin) && parse_i64(kv[2], &plan.epoch_end) &&
-           plan.epoch_begin >= 0 && plan.epoch_end >= plan.epoch_begin &&
-           plan.epoch_end <= kMaxEpoch;
-    } else if (key == "steps_per_epoch" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &plan.steps_per_epoch) && plan.steps_per_epoch <= kMaxStepsPerEpoch;
-    } else if (key == "local_ranks" && kv.size() == 2) {
-      uint64_t v = 0;
-      ok = parse_u64(kv[1], &v) && v > 0 && v < 65536;
-      plan.local_ranks = static_cast<uint32_t>(v);
-    } else if (key == "dataset_files" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &plan.dataset_files) && plan.dataset_files <= kMaxDatasetFiles;
-      if (!ok) {
-        fail(path, lineno, "dataset_files must be at most " + std::to_string(kMaxDatasetFiles) +
-                               ", got '" + line.substr(0, 60) + "'");
-      }
-    } else if (key == "entries" && kv.size() == 2) {
-      ok = parse_u64(kv[1], &expected_entries) && expected_entries <= plan.dataset_files;
-      if (!ok) {
-        fail(path, lineno, "entries must be at most dataset_files (" +
-                               std::to_string(plan.dataset_files) + "), got '" +
-                               line.substr(0, 60) + "'");
-      }
-      seen_entries = true;
-    } else if (key == "node" || key == "shuffle") {
-      // informational
-    } else {
-      fail(path, lineno, "unknown or malformed header line '" + line.substr(0, 60) + "'");
-    }
-    if (!ok) fail(path, lineno, "bad value in '" + line.substr(0, 60) + "'");
-  }
-  if (!seen_entries) fail(path, lineno, "missing 'entries' line");
-  if (plan.local_ranks == 0) fail(path, lineno, "missing 'local_ranks'");
-
-  const size_t first_entry_line = lineno + 1;
-  std::vector<uint32_t> steps;
-  while (next()) {
-    if (line == "end") {
-      seen_end = true;
-      break;
-    }
-    if (line.compare(0, 6, "peers ") == 0) {
-      if (plan.entries.size() != expected_entries) fail(path, lineno, "peers before all entries");
-      read_peer_section(plan, path, line, lineno, next);
-      seen_end = next() && line == "end";
-      if (!seen_end) fail(path, lineno, "expected 'end' after the peer section");
-      break;
-    }
-    const auto f = split(line, '\t');
-    if (f.size() != 5) fail(path, lineno, "expected 5 tab-separated fields");
-    uint64_t file_id = 0, size = 0;
-    if (!parse_u64(f[0], &file_id) || file_id >= plan.dataset_files) {
-      fail(path, lineno, "bad file id '" + f[0] + "'");
-    }
-    if (!parse_u64(f[1], &size) || size > kMaxFileSize) {
-      fail(path, lineno, "bad size '" + f[1] + "'");
-    }
-    steps.clear();
-    if (!f[2].empty()) {
-      for (const auto& t : split(f[2], ',')) {
-        uint64_t v = 0;
-        if (!parse_u64(t, &v) || v > UINT32_MAX) fail(path, lineno, "bad step '" + t + "'");
-        if (!steps.empty() && v <= steps.back()) fail(path, lineno, "steps not ascending");
-        steps.push_back(static_cast<uint32_t>(v));
-      }
-    }
-    std::string why;
-    if (!is_safe_relative(f[3], &why)) fail(path, lineno, "rejected: " + why);
-    if (f[4].empty()) fail(path, lineno, "empty source path");
-    if (plan.entries.size() >= expected_entries) {
-      fail(path, lineno, "more entries than the 'entries' line declares");
-    }
-    plan.add(file_id, size, f[3], f[4], steps);
-  }
-  // Each file once: sorted ids instead of a hash set (16 bytes an entry, freed at once).
-  std::vector<std::pair<uint32_t, uint32_t>> ids(plan.entries.size());
-  for (size_t i = 0; i < ids.size(); ++i) {
-    ids[i] = {plan.entries[i].file_id, static_cast<uint32_t>(i)};
-  }
-  std::sort(ids.begin(), ids.end());
-  for (size_t i = 1; i < ids.size(); ++i) {
-    if (ids[i].first == ids[i - 1].first) {
-      fail(path, first_entry_line + std::max(ids[i].second, ids[i - 1].second),
-           "file id " + std::to_string(ids[i].first) + " listed twice");
-    }
-  }
-  if (!seen_end) fail(path, lineno, "truncated plan (no 'end' line)");
-  while (!eof) refill();  // the hash covers the whole file, as the status map reports it
-  plan.hash = hash.digest();
+  const uint64_t expected_entries = read_header(plan, path, lines);
+  const size_t first_entry_line = lines.lineno() + 1;
+  const bool seen_end = read_entries(plan, path, lines, expected_entries);
+  check_each_file_once(plan, path, first_entry_line);
+  if (!seen_end) fail(path, lines.lineno(), "truncated plan (no 'end' line)");
+  plan.hash = lines.finish();
   if (plan.entries.size() != expected_entries) {
-    fail(path, lineno,
+    fail(path, lines.lineno(),
          "plan says " + std::to_string(expected_entries) + " entries but holds " +
              std::to_string(plan.entries.size()));
   }

@@ -11,20 +11,16 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
-#include <deque>
 #include <filesystem>
 #include <iostream>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <optional>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "copy_engine.h"
+#include "copy_threads.h"
 #include "eviction.h"
 #include "manifest.h"
 #include "peer.h"
@@ -39,26 +35,8 @@ namespace {
 namespace so = status_offset;
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kCopyBuffer = 1u << 20;
-constexpr int kMaxAttempts = 4;
-constexpr size_t kMaxLoggedFailures = 20;
-
-struct Job {
-  size_t entry;
-  std::string source, dest;
-  uint32_t file_id = 0;
-  uint64_t size = 0;
-  std::optional<PeerAddress> peer;  // fetch from this peer first (the plan's peer section)
-  bool may_wait = false;  // its use is far enough ahead to ask the peer again on "not here"
-};
-
-struct Done {
-  size_t entry;
-  CopyResult result;
-  bool from_peer = false;     // the copy came from a peer
-  bool peer_fallback = false; // a peer was planned, the PFS gave the copy
-  bool ask_again = false;     // the peer does not hold it yet: asked again a step later
-};
+using Job = CopyThreads::Job;
+using Done = CopyThreads::Done;
 
 // Every line names the node: a multi-node job log holds one start and one stop line per node.
 const std::string& log_prefix() {
@@ -97,20 +75,22 @@ PlanFileId plan_file_id(const std::string& path) {
 //   the peer deferrals, every "Coordinator-only state" member below and the status map: it is
 //   the status map's only writer (states, counters, heartbeat), so none of that needs a lock.
 //   It takes the signals (sigtimedwait; every thread has them blocked) and sets cancel_.
-// - The copy threads (work(), opt_.threads of them) take a Job from jobs_ and push a Done to
-//   done_, both under mu_ (cv_work_ wakes them, cv_done_ wakes the coordinator); stopping_ is
-//   under mu_ too. A Job carries copies of what its thread needs (source, dest, size, peer),
-//   so a copy thread never reads the plan, the status map or copies_. Between the two they use
-//   engine_ (CopyEngine: thread-safe, see copy_engine.h; the coordinator's evict() removes
-//   files while copies run), client_ (PeerClient: thread-safe, its own lock), down_ under
-//   peer_mu_ (written by copy threads, read by the coordinator's dispatch), and the atomics
-//   cancel_, pfs_opens_, logged_peer_failures_.
+// - The copy threads (copiers_, opt_.threads of them; copy_threads.h) take a Job from their
+//   queue and hand back a Done, both under the CopyThreads' mu_; the coordinator reaches them
+//   only through CopyThreads' calls (start, queue, take_done, wait_done, peer_down, stop). A
+//   Job carries copies of what its thread needs (source, dest, size, peer), so a copy thread
+//   never reads the plan, the status map or copies_. Between the two they use engine_
+//   (CopyEngine: thread-safe, see copy_engine.h; the coordinator's evict() removes files while
+//   copies run), client_ (PeerClient: thread-safe, its own lock), the down peers under the
+//   CopyThreads' peer_mu_ (written by copy threads, read by the coordinator's dispatch), and
+//   the atomics cancel_ and the CopyThreads' counters.
 // - The server threads (kPeerServeThreads, owned by server_) serve peers. The coordinator
 //   reaches them only through PeerServer::offer/withdraw (under the server's own lock) and its
 //   atomic counters (publish_served); they read the stage tree through tree_ (its own lock)
 //   and never touch the status map or the plan.
-// Shutdown order (run()): the coordinator stops dispatching, sets stopping_, joins the copy
-// threads, then resets server_ (joining its threads) before the tree it serves from goes.
+// Shutdown order (run()): the coordinator stops dispatching, stops and joins the copy threads
+// (copiers_.stop()), then resets server_ (joining its threads) before the tree it serves from
+// goes.
 class Stager {
  public:
   explicit Stager(const StagerOptions& opt)
@@ -131,6 +111,8 @@ class Stager {
       secret_ = read_peer_secret(STDIN_FILENO);
       client_ = std::make_unique<PeerClient>(secret_);
     }
+    copiers_ = std::make_unique<CopyThreads>(engine_, client_.get(), opt.verify, opt.stage_dir,
+                                             cancel_, log_line);
     if (opt.peer && opt.peer_listen_fd >= 0) {
       server_ = std::make_unique<PeerServer>(opt.peer_listen_fd, secret_, tree_, kPeerServeThreads,
                                              log_line);
@@ -168,16 +150,9 @@ class Stager {
     adopt_plan();
     status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Running));
 
-    std::vector<std::thread> workers;
-    for (unsigned t = 0; t < opt_.threads; ++t) workers.emplace_back([this, t] { work(t); });
+    copiers_->start(opt_.threads);
     const int code = coordinate();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-      jobs_.clear();
-    }
-    cv_work_.notify_all();
-    for (auto& w : workers) w.join();
+    copiers_->stop();
     publish_served();
     server_.reset();  // no peer is served once the stager stops
     // Whatever was queued or cancelled is not on disk: back to PENDING.
@@ -369,8 +344,7 @@ class Stager {
         status_.store32(so::kRunState, static_cast<uint32_t>(RunState::Done));
         return 0;
       }
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_done_.wait_for(lock, std::chrono::milliseconds(20), [this] { return !done_.empty(); });
+      copiers_->wait_done(std::chrono::milliseconds(20));
     }
   }
 
@@ -435,7 +409,7 @@ class Stager {
       // go on with the copies behind it (one late home must not hold back the rest). A --once
       // run has no cursor that moves, so it never waits.
       if (!from_ready && from.peer >= 0 && !opt_.once && from.ready_tick >= cur &&
-          !peer_down(plan_.peers[from.peer].node)) {
+          !copiers_->peer_down(plan_.peers[from.peer].node)) {
         schedule_->consume();
         deferrals_.defer(i, tick, from.ready_tick);
         continue;
@@ -487,13 +461,8 @@ class Stager {
 
   // Hands `batch` to the copy threads.
   void queue(std::vector<Job> batch) {
-    if (batch.empty()) return;
     inflight_count_ += batch.size();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& job : batch) jobs_.push_back(std::move(job));
-    }
-    cv_work_.notify_all();
+    copiers_->queue(std::move(batch));
   }
 
   // Deferred peer fetches whose home has read the file before step `cur` (or whose peer is
@@ -502,7 +471,7 @@ class Stager {
     deferrals_.release([&](size_t i) { return schedule_->next_use(i, cur); },
                        [&](const PeerDeferrals::Deferred& d) {
                          const PeerSource from = plan_.peer_source(d.entry);
-                         return d.ready_tick < cur || peer_down(plan_.peers[from.peer].node);
+                         return d.ready_tick < cur || copiers_->peer_down(plan_.peers[from.peer].node);
                        },
                        cur);
   }
@@ -551,12 +520,7 @@ class Stager {
   }
 
   void drain_done() {
-    std::vector<Done> done;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done.swap(done_);
-    }
-    for (auto& d : done) {
+    for (auto& d : copiers_->take_done()) {
       const auto& e = plan_.entries[d.entry];
       inflight_[d.entry] = 0;
       space_.finished(e.size);
@@ -590,91 +554,9 @@ class Stager {
     }
   }
 
-  void work(unsigned tag) {
-    std::vector<char> buffer(kCopyBuffer);
-    for (;;) {
-      Job job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_work_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
-      }
-      Done done{job.entry, {}, false, false, false};
-      CopyResult& result = done.result;
-      if (job.peer && !peer_down(job.peer->node)) {
-        PeerOutcome how = PeerOutcome::Ok;
-        result = fetch_from(*job.peer, job, buffer, tag, &how);
-        if (how == PeerOutcome::NotHere && job.may_wait) {
-          // The home's stager is behind its ranks: not a fault, and no reason to read the PFS
-          // while the use is still ahead.
-          done.ask_again = true;
-          result.outcome = CopyOutcome::Cancelled;
-        }
-        done.from_peer = result.outcome == CopyOutcome::Ok;
-        done.peer_fallback = !done.from_peer && result.outcome != CopyOutcome::NoSpace &&
-                             result.outcome != CopyOutcome::Cancelled;
-      } else if (job.peer) {
-        done.peer_fallback = true;
-      }
-      const bool pfs = !done.from_peer && result.outcome != CopyOutcome::NoSpace &&
-                       result.outcome != CopyOutcome::Cancelled;
-      for (int attempt = 0; pfs && attempt < kMaxAttempts; ++attempt) {
-        pfs_opens_.fetch_add(1);
-        result = engine_.copy(job.source, job.dest, buffer, tag);
-        if (result.outcome != CopyOutcome::Transient || cancel_.load()) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(50 << (2 * attempt)));
-      }
-      if (result.outcome == CopyOutcome::Transient) {
-        result.message += " (gave up after " + std::to_string(kMaxAttempts) +
-                          " attempts; marked FAILED, readers use the PFS copy)";
-      }
-      bool wake = false;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        // Wake the coordinator when the queue runs low, not once per file.
-        wake = done_.empty() || jobs_.size() < opt_.threads;
-        done_.push_back(std::move(done));
-      }
-      if (wake) cv_done_.notify_one();
-    }
-  }
-
-  // One peer fetch; a peer that cannot be reached or stays silent is down for the rest of the
-  // run (one line), so a lost node costs each copy thread one bounded wait, then the PFS.
-  CopyResult fetch_from(const PeerAddress& peer, const Job& job, std::vector<char>& buffer,
-                        unsigned tag, PeerOutcome* outcome) {
-    PeerOutcome& how = *outcome;  // the caller decides on "not here" too
-    CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.size, job.source,
-                                  job.dest, opt_.verify, buffer, tag, cancel_, &how);
-    if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
-    if (how == PeerOutcome::Unreachable || how == PeerOutcome::Refused) {
-      bool first = false;
-      {
-        std::lock_guard<std::mutex> lock(peer_mu_);
-        first = down_.insert(peer.node).second;
-      }
-      if (first) {
-        log_line(r.message + "; node " + std::to_string(peer.node) +
-                 " is not asked again, its files are read from the PFS");
-      }
-    } else if (how != PeerOutcome::Ok && how != PeerOutcome::Cancelled &&
-               !(how == PeerOutcome::NotHere && job.may_wait) &&
-               logged_peer_failures_.fetch_add(1) < kMaxLoggedFailures) {
-      log_line(r.message + "; " + opt_.stage_dir + "/" + job.dest + " is read from the PFS instead");
-    }
-    return r;
-  }
-
-  bool peer_down(uint32_t node) {
-    std::lock_guard<std::mutex> lock(peer_mu_);
-    return down_.count(node) != 0;
-  }
-
   // Counters the copy threads and the peer server keep, into the status map.
   void publish_served() {
-    status_.store(so::kPfsOpens, pfs_opens_.load());
+    status_.store(so::kPfsOpens, copiers_->pfs_opens());
     if (client_) status_.store(so::kPeerConnections, client_->connections_opened());
     if (!server_) return;
     status_.store(so::kFilesServed, server_->files_served());
@@ -696,9 +578,8 @@ class Stager {
   std::string secret_;                  // the job's secret (peer tier), never written anywhere
   std::unique_ptr<PeerClient> client_;  // with --peer: connections to peers, kept between fetches
   std::unique_ptr<PeerServer> server_;  // after tree_: stops before the tree closes
-  std::mutex peer_mu_;
-  std::unordered_set<uint32_t> down_;   // peers not asked again (by node), under peer_mu_
-  std::atomic<uint64_t> pfs_opens_{0}, logged_peer_failures_{0};
+  // After engine_ and client_: its threads stop before what they use goes.
+  std::unique_ptr<CopyThreads> copiers_;
 
   // Coordinator-only state.
   std::unique_ptr<NextUseSchedule> schedule_;
@@ -713,13 +594,6 @@ class Stager {
   // The one last line's first words: why the stager ends. SIGUSR1 is the trainer's "the job
   // ended" (StagingSession.close); SIGTERM/SIGINT/SIGHUP come from someone else.
   std::string ending_ = "stopped";
-
-  // Shared with the copy threads, under mu_.
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  std::deque<Job> jobs_;
-  std::vector<Done> done_;
-  bool stopping_ = false;
 };
 
 }  // namespace

@@ -1,7 +1,7 @@
 // Unit tests of hpcdl-stage's pure parts: destination validation, plan parsing, next-use
 // eviction order, symlink refusal in the stage tree, kept peer connections, peer deferrals,
-// residency. Run by ctest (HPCDL_STAGE_TESTS=ON) and by tests/test_staging_sanitizers.py under
-// ASan/UBSan.
+// residency, the copy threads. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
+// tests/test_staging_sanitizers.py under ASan/UBSan.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -19,6 +20,7 @@
 
 #include "common.h"
 #include "copy_engine.h"
+#include "copy_threads.h"
 #include "eviction.h"
 #include "manifest.h"
 #include "peer.h"
@@ -296,6 +298,50 @@ int main(int argc, char** argv) {
     check(space.resident() == 0 && space.fits(70) && !space.fits(71), "evicted bytes are free");
     space.adopt(10);
     check(!space.out_of_space(), "a new plan may try again");
+  }
+
+  {  // Copy threads: a job copied from the PFS; one planned from a peer nobody listens for
+     // falls back to the PFS, and that peer is not asked again.
+    const std::string session = scratch + "/session";
+    ::mkdir(session.c_str(), 0700);
+    write_file(scratch + "/pfs-a", "pfs bytes");
+    hpcdl::PfsEmulation pfs;
+    const std::atomic<bool> cancel{false};
+    hpcdl::CopyEngine engine(tree, manifest, session, pfs, false, cancel);
+    hpcdl::PeerClient client(std::string(hpcdl::kPeerSecretBytes, 's'));
+    const int probe = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in addr {};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    check(::bind(probe, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0 &&
+              ::getsockname(probe, reinterpret_cast<struct sockaddr*>(&addr), &len) == 0,
+          "a free loopback port");
+    ::close(probe);  // nobody listens there now
+    std::atomic<int> logged{0};
+    hpcdl::CopyThreads copiers(engine, &client, false, tree_root, cancel,
+                               [&](const std::string&) { logged.fetch_add(1); });
+    copiers.start(2);
+    hpcdl::CopyThreads::Job plain{0, scratch + "/pfs-a", "threads/a", 1, 9, std::nullopt};
+    hpcdl::CopyThreads::Job peered{1, scratch + "/pfs-a", "threads/b", 2, 9,
+                                   hpcdl::PeerAddress{5, "127.0.0.1", ntohs(addr.sin_port)}};
+    copiers.queue({plain, peered});
+    std::vector<hpcdl::CopyThreads::Done> done(2);
+    int got = 0;
+    for (int k = 0; k < 1000 && got < 2; ++k) {
+      copiers.wait_done(std::chrono::milliseconds(10));
+      for (auto& d : copiers.take_done()) done[d.entry] = d, ++got;
+    }
+    copiers.stop();
+    std::ifstream in(tree_root + "/threads/b", std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    check(got == 2 && done[0].result.outcome == hpcdl::CopyOutcome::Ok && !done[0].peer_fallback &&
+              done[1].result.outcome == hpcdl::CopyOutcome::Ok && done[1].peer_fallback &&
+              !done[1].from_peer && bytes == "pfs bytes",
+          "copied from the PFS, the missing peer's file too");
+    check(copiers.peer_down(5) && !copiers.peer_down(6) && logged.load() == 1,
+          "the missing peer is down, said once");
+    check(copiers.pfs_opens() == 2, "two PFS copies");
   }
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
