@@ -31,6 +31,7 @@ from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import MetricsWriter, RunningMean
+from hpcdl.mpi_errors import lost_ranks
 from hpcdl.nn.loss_watch import LossWatch
 from hpcdl.nn.step import StepResult, train_step
 from hpcdl.run import Position, Run
@@ -77,7 +78,7 @@ def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
         try:
             return ulfm.exiting(train(cfg, world))
         except Exception as exc:
-            if cfg.on_node_loss != "continue" or not ulfm.lost_ranks(exc):
+            if cfg.on_node_loss != "continue" or not lost_ranks(exc):
                 raise
             failed_at = time.monotonic()
         diag.dump_flight("ranks lost (--on-node-loss continue)")

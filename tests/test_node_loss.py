@@ -229,7 +229,7 @@ def test_ranks_killed_on_a_node_that_stays_up_are_survived_with_continue(cluster
         output, _ = job.communicate(timeout=180)
     assert job.returncode == 0, output[-3000:]
     assert (
-        "hpcdl: ranks 2, 3 (on vnode2) lost; the survivors formed a new world in "
+        "hpcdl: lost ranks 2, 3 (on vnode2); the survivors formed a new world in "
     ) in output and "training goes on on 2 ranks on 1 node" in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     (done,) = [int(m.group(1)) for m in re.finditer(r"resumed at epoch 1, step (\d+)", output)]

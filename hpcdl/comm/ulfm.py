@@ -55,8 +55,8 @@ def recover(world: World, failed_at: float) -> World:
         lost = sorted(set(range(world.size)) - set(kept))
         where = sorted({world.hosts[r] for r in lost}) if world.hosts else []
         print(
-            f"hpcdl: rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (on "
-            f"{', '.join(where)}) lost; the survivors formed a new world in "
+            f"hpcdl: lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} (on "
+            f"{', '.join(where)}); the survivors formed a new world in "
             f"{time.monotonic() - started:.2f} s: "
             f"training goes on on {new.size} rank{'s' if new.size > 1 else ''} on "
             f"{new.num_nodes} node{'s' if new.num_nodes > 1 else ''}, from the latest "
