@@ -73,7 +73,9 @@ def test_the_survivors_of_a_killed_rank_finish_as_a_resumed_job_would(tmp_path):
     assert job.returncode == 0, output[-3000:]
     lines = output.splitlines()
     recovered = [line for line in lines if "); the survivors formed a new world in " in line]
-    assert len(recovered) == 1 and recovered[0].startswith("hpcdl: lost rank 2 (on "), output[-3000:]
+    assert len(recovered) == 1 and recovered[0].startswith("hpcdl: lost rank 2 (on "), output[
+        -3000:
+    ]
     assert recovered[0].endswith(
         ": training goes on on 2 ranks on 1 node, from the latest checkpoint "
         "(--on-node-loss continue)"
