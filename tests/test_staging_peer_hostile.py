@@ -49,16 +49,14 @@ def forged_reply(ds, request: bytes) -> bytes:
     return b"HPCDLPA1" + header + body + struct.pack("<Q", digest)
 
 
-class Impostor:
-    """A process without the job's secret that took a dead stager's port: it records every byte
-    a fetcher sends it and either forges replies ("forge") or relays the connection to a live
-    stager of the job ("relay", a man in the middle)."""
+class FakePeer:
+    """A Python peer on 127.0.0.1:port (0: any) that serves each connection on a thread of its
+    own with self.serve(conn), until close()."""
 
-    def __init__(self, port: int, mode: str, ds, live_port: int):
-        self.mode, self.ds, self.live_port = mode, ds, live_port
-        self.received = bytearray()
+    def __init__(self, port: int = 0):
         self.server = socket.create_server(("127.0.0.1", port))
         self.server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
@@ -69,8 +67,29 @@ class Impostor:
                 conn, _ = self.server.accept()
             except OSError:
                 continue
-            target = self._relay if self.mode == "relay" else self._forge
-            threading.Thread(target=target, args=(conn,), daemon=True).start()
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.server.close()
+
+
+class Impostor(FakePeer):
+    """A process without the job's secret that took a dead stager's port: it records every byte
+    a fetcher sends it and either forges replies ("forge") or relays the connection to a live
+    stager of the job ("relay", a man in the middle)."""
+
+    def __init__(self, port: int, mode: str, ds, live_port: int):
+        self.mode, self.ds, self.live_port = mode, ds, live_port
+        self.received = bytearray()
+        super().__init__(port)
+
+    def serve(self, conn: socket.socket) -> None:
+        (self._relay if self.mode == "relay" else self._forge)(conn)
 
     def _forge(self, conn: socket.socket) -> None:
         with conn:
@@ -99,11 +118,6 @@ class Impostor:
                 while data := conn.recv(65536):
                     self.received += data
                     live.sendall(data)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        self.server.close()
 
 
 def squat_on_a_dead_stagers_port(ds, stage: Path, secret: str, mode: str, live_port: int):
@@ -188,28 +202,15 @@ def test_six_trickling_strangers_do_not_stop_a_real_fetch(home, tmp_path):
     assert_copies_are_the_sources(ds, tmp_path / "b")
 
 
-class TricklingPeer:
+class TricklingPeer(FakePeer):
     """A peer of the job (it holds the secret and proves it) that answers a request with the
     reply's header and then one byte of the file a second."""
 
     def __init__(self, ds, secret: str):
         self.ds, self.key = ds, bytes.fromhex(secret)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.server.settimeout(0.2)
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def serve(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError), conn:
             conn.settimeout(5)
             hello = conn.recv(40, socket.MSG_WAITALL)
@@ -227,11 +228,6 @@ class TricklingPeer:
                 if self.stop.wait(1.0):
                     return
                 conn.sendall(bytes([byte]))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        self.server.close()
 
 
 def test_a_trickling_peer_is_given_up_within_the_deadline_and_the_pfs_gives_the_file(
