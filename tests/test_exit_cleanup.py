@@ -20,7 +20,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import job_pids, mpi_env, mpirun_cmd, read_events, train_cmd
+from helpers import job_pids, mpi_env, mpirun_cmd, read_events, train_cmd, wait_until
 from PIL import Image
 
 from hpcdl.data import open_dataset
@@ -138,10 +138,8 @@ def test_every_exit_path_leaves_the_stage_dir_as_asked(path, keep, folder, tmp_p
     if path != "success":  # the run had really started training when it ended
         assert len(read_events(metrics, "step")) >= 1, out + err
 
-    deadline = time.monotonic() + 10  # mpirun has returned; its children are going
-    while job_pids(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert job_pids(marker) == [], "processes of the job outlived it"
+    # mpirun has returned; its children are going
+    wait_until(lambda: job_pids(marker) == [], 10, "the job's processes to end with it")
     assert list(shm.iterdir()) == []
     if not keep:
         assert not stage.exists(), sorted(map(str, stage.rglob("*")))

@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import mpi_env
+from helpers import mpi_env, wait_until
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint
@@ -71,12 +71,12 @@ def test_a_killed_node_ends_the_job_and_the_survivors_finish_the_epoch_once(clus
     with subprocess.Popen(train(cluster, [2, 2], data, out, launch=True), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env) as job:  # fmt: skip
         rank0 = tmp_path / "a" / "rank-0.txt"
-        deadline = time.monotonic() + 120
-        while job.poll() is None and time.monotonic() < deadline:
-            if rank0.exists() and len(rank0.read_text().splitlines()) >= 7:
-                break
-            time.sleep(0.02)
-        assert job.poll() is None, job.communicate()
+
+        def mid_epoch() -> bool:  # rank 0 has taken 7 steps; the job must not end before
+            assert job.poll() is None, job.communicate()
+            return rank0.exists() and len(rank0.read_text().splitlines()) >= 7
+
+        wait_until(mid_epoch, 120, "rank 0's 7th step")
         killed = [pid for pid in cluster.pids(2) if _kill(pid)]
         assert len(killed) >= 6  # agent, daemon, 2 ranks, stager, 2 loader workers
         at = time.monotonic()
