@@ -18,11 +18,10 @@ import subprocess
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from hpcdl.comm.failure import agree_on_errors
 from hpcdl.comm.world import SoloComm
@@ -32,6 +31,7 @@ from hpcdl.data.sampler import SamplerSpec
 from hpcdl.paths import nearest_existing
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.layout import SessionDir
+from hpcdl.staging.outran import outran_warning
 from hpcdl.staging.ownership import (
     StageDirError,
     StageDirFull,
@@ -40,12 +40,14 @@ from hpcdl.staging.ownership import (
     data_key,
 )
 from hpcdl.staging.peer_tier import PeerTier, peer_tier_wanted
-from hpcdl.staging.plan import dataset_fingerprint, plan_for_node, write_plan
+from hpcdl.staging.plan import dataset_fingerprint
+from hpcdl.staging.rolling_plan import RollingPlan
 from hpcdl.staging.stager_process import CHECK_EVERY_S, StagerProcess
 from hpcdl.staging.status import CounterFile, ProgressFile, StatusView, status_layout
 
 PEER_COUNTERS = ("pfs_opens", "peer_files", "peer_bytes", "peer_fallbacks", "files_served")
-PLAN_EPOCHS = 2  # the stager always holds a plan for the current and the next epoch
+# What a session says once (SaidOnce): the reading-from-the-PFS warning, the outran check.
+PFS_FALLBACK, OUTRAN_CHECK = "pfs fallback", "outran check"
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -174,50 +176,119 @@ class StartInfo:
     fingerprint: str = ""  # the data set's fingerprint in that plan
 
 
-class StagingSession:
-    """One node's staging for one training run; see StagingSession.start."""
+@dataclass(frozen=True)
+class NodeRanks:
+    """Where this rank sits on its node (a single process: alone on node 0)."""
 
-    def __init__(
-        self,
-        world: Any,
-        dataset: Any,
-        sampler: SamplerSpec,
-        batch_size: int,
-        epochs: tuple[int, int],
-        lease: StageDirLease | None,
-        keep: bool,
-    ):
+    comm: Any  # the node's communicator (SoloComm alone)
+    local_rank: int = 0
+    local_size: int = 1
+    node: int = 0  # the node's index
+    ranks: tuple[int, ...] = (0,)  # the world ranks on the node, in local-rank order
+    world_rank: int = 0
+
+    @classmethod
+    def of(cls, world: Any) -> NodeRanks:
+        """The ranks of world (hpcdl.comm.world.World, or None for a single process)."""
+        if world is None:
+            return cls(SoloComm())
+        comm = world.node_comm or SoloComm()
+        return cls(comm, world.local_rank, world.local_size, world.node_index,
+                   tuple(world.node_ranks), world.rank)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SessionFiles:
+    """The session as every local rank reaches it once started: its paths and shared maps
+    (meta, local_root and the maps are None where no lease was taken or no plan written)."""
+
+    stage_dir: Path = Path()  # resolved
+    meta: Path | None = None  # this job's session dir (plan, status, progress, counters)
+    local_root: Path | None = None  # the data set's tree in the stage dir
+    status: StatusView | None = None
+    progress: ProgressFile | None = None
+    counters: CounterFile | None = None
+
+    @classmethod
+    def attach(cls, info: StartInfo, local_size: int) -> SessionFiles:
+        """Open what local rank 0 made (info), or note that staging is off."""
+        stage_dir = Path(info.stage_dir)
+        if not info.meta:
+            return cls(stage_dir)
+        meta = Path(info.meta)
+        if not info.steps:
+            return cls(stage_dir, meta, stage_dir / info.key)
+        files = SessionDir(meta)
+        return cls(stage_dir, meta, stage_dir / info.key, StatusView(files.status),
+                   ProgressFile(files.progress, local_size),
+                   CounterFile(files.counters, local_size))  # fmt: skip
+
+    def field(self, name: str) -> int:
+        """A status map field; 0 without a map."""
+        return int(self.status.field(name)) if self.status is not None else 0
+
+    def totals(self, local_rank: int) -> tuple[int, int]:
+        """(hits, misses) of a local rank's processes; (0, 0) without counters."""
+        return self.counters.totals(local_rank) if self.counters is not None else (0, 0)
+
+    def close(self) -> None:
+        for mapped in (self.status, self.progress, self.counters):
+            if mapped is not None:
+                mapped.close()
+
+
+class Leaving:
+    """Leaving the stage dir once: close (every local rank) and abandon (one rank, any thread,
+    a failing job's stand-down) may race; the first runs its steps under the lock, so the
+    other returns only once they are done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.done = False
+
+    def once(self, steps: Callable[[], None]) -> bool:
+        """Run steps unless already left; False if already left."""
+        with self._lock:
+            if self.done:
+                return False
+            self.done = True
+            steps()
+            return True
+
+
+class SaidOnce:
+    """What a session says at most once: a key's first `first(key)` is True, later ones False."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def first(self, key: str) -> bool:
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
+
+
+class StagingSession:
+    """One node's staging for one training run; see StagingSession.start.
+
+    Its parts: where this rank sits on its node (ranks), the plan its stager holds (plan), the
+    stage dir's lease (local rank 0), the stager (launched by local rank 0, watched by every
+    rank), the session's paths and shared maps (files), what was said once, and leaving.
+    """
+
+    def __init__(self, world: Any, plan: RollingPlan, keep: bool):
         self.world = world
-        self.node_comm = world.node_comm if world is not None and world.node_comm else SoloComm()
-        self.local_rank = world.local_rank if world is not None else 0
-        self.local_size = world.local_size if world is not None else 1
-        self.node = world.node_index if world is not None else 0
-        self.node_ranks = world.node_ranks if world is not None else (0,)  # world ranks here
-        self.dataset = dataset
-        self.sampler = sampler  # every rank's reading order
-        self.batch_size = batch_size
-        self.begin, self.end = epochs  # epochs [begin, end) of this run
-        self.plan_begin = self.begin  # first epoch of the plan the stager holds
-        self.lease = lease  # None on other local ranks than 0, and when staging is off
+        self.ranks = NodeRanks.of(world)
+        self.plan = plan
         self.keep = keep  # leave the copies (and the status map) at close
-        self.stage_dir: Path | None = None  # resolved; set by _attach
-        self.meta: Path | None = None  # this job's session dir (plan, status, progress, counters)
-        self.local_root: Path | None = None  # the data set's tree in the stage dir
-        self.stager = StagerProcess()  # launched by local rank 0; watched by every rank
-        self.steps_per_epoch = 0
-        self.fingerprint = ""
-        self.first_use: np.ndarray | None = None  # (F,) first step of each plan entry (rank 0)
-        self.status: StatusView | None = None
-        self.progress: ProgressFile | None = None
-        self.counters: CounterFile | None = None
-        self.first_epoch_need: tuple[int, int] | None = None  # (files, bytes) of epoch begin
-        self.started = 0.0  # monotonic time the stager reported RUNNING
-        self.outran_checked = False  # the first epoch was compared with staging (rank 0)
-        self.warned = False  # the one "reading from the PFS" warning was given
-        self.closed = False
-        self._last_sample = {"copies": 0, "pfs_fallbacks": 0}  # counter_sample's, once closed
+        self.lease: StageDirLease | None = None  # local rank 0 with staging on
         self.peer_tier: PeerTier | None = None  # local rank 0 of a node in the peer tier
-        self._leaving = threading.Lock()  # close/abandon may race with a stand-down clean-up
+        self.stager = StagerProcess()
+        self.files = SessionFiles()  # set by start, on every local rank
+        self.said = SaidOnce()  # PFS_FALLBACK, OUTRAN_CHECK
+        self.leaving = Leaving()
+        self._last_sample = {"copies": 0, "pfs_fallbacks": 0}  # counter_sample's, once closed
 
     @classmethod
     def start(
@@ -241,7 +312,9 @@ class StagingSession:
         warns, and training reads from the PFS.
         """
         begin, end = (0, int(epochs)) if isinstance(epochs, int) else map(int, epochs)
-        session = cls(world, dataset, sampler, batch_size, (begin, end), None, options.keep)
+        ranks = NodeRanks.of(world)
+        plan = RollingPlan(dataset, sampler, batch_size, (begin, end), ranks.node, ranks.ranks)
+        session = cls(world, plan, options.keep)
         error = None
         try:
             check_no_overlap(options.stage_dir, options.protect or {"--data": dataset.root})
@@ -249,121 +322,124 @@ class StagingSession:
             error = str(exc)
         session._start_peer_tier(options)
         info = StartInfo(error=error)
-        if session.local_rank == 0 and error is None:
+        if ranks.local_rank == 0 and error is None:
             info = session._prepare(options)
         if session.peer_tier is not None and not info.ok:
             session.peer_tier.close_listener()  # no stager serves here: peers are refused at once
-        info = session.node_comm.bcast(info, root=0)
+        info = ranks.comm.bcast(info, root=0)
         _agree(world, info.error)
         session._attach(info)
         return session
+
+    @property
+    def meta(self) -> Path | None:
+        """This job's session dir (None where staging is off): for callers that inspect it."""
+        return self.files.meta
+
+    @property
+    def local_root(self) -> Path | None:
+        """The data set's tree in the stage dir (None where staging is off)."""
+        return self.files.local_root
+
+    @property
+    def status(self) -> StatusView | None:
+        """The session's status map (None where staging is off)."""
+        return self.files.status
 
     # ------------------------------------------------------------------ trainer API
 
     def locator(self) -> Locator:
         """Picklable file_id -> Path for the loader (and its worker processes)."""
-        return Locator(
-            self.local_root,
-            self.meta,
-            Path(self.dataset.root),
-            self.dataset.files,
-            self.local_rank,
-            self.local_size,
-        )
+        files, ranks = self.files, self.ranks
+        dataset = self.plan.dataset
+        return Locator(files.local_root, files.meta, Path(dataset.root), dataset.files,
+                       ranks.local_rank, ranks.local_size)  # fmt: skip
 
     def consumed(self, epoch: int, step: int) -> None:
         """This rank has finished reading steps [0, step) of epoch."""
-        if self.progress is None:
+        plan, progress = self.plan, self.files.progress
+        if progress is None:
             return
-        self.progress.set(self.local_rank, epoch * self.steps_per_epoch + step)
-        if not self.outran_checked and epoch == self.begin and step >= self.steps_per_epoch:
+        progress.set(self.ranks.local_rank, plan.position(epoch, step))
+        if epoch == plan.begin and step >= plan.steps_per_epoch and self.said.first(OUTRAN_CHECK):
             self._check_first_epoch()
-        if self.local_rank == 0 and epoch > self.plan_begin and epoch + 1 < self.end:
+        if self.ranks.local_rank == 0 and plan.due(epoch):
             self._replan(epoch)
         self._check_alive(CHECK_EVERY_S)
 
     def progress_record(self) -> dict[str, int] | None:
         """Node view for hpcdl.report (local rank 0; None elsewhere): files of the current plan
         staged (READY) vs files the slowest local rank has already needed."""
-        if self.first_use is None or self.progress is None:
+        plan, files = self.plan, self.files
+        if plan.first_use is None or files.progress is None:
             return None
-        done = min(self.progress.get(r) for r in range(self.local_size))
-        cursor = done - self.plan_begin * self.steps_per_epoch
+        done = min(files.progress.get(r) for r in range(self.ranks.local_size))
         return {
-            "files_ready": int(self.status.field("plan_ready")),
-            "consumed_files": int(np.searchsorted(self.first_use, cursor, side="left")),
-            "plan_files": len(self.first_use),
+            "files_ready": files.field("plan_ready"),
+            "consumed_files": plan.files_needed(done),
+            "plan_files": len(plan.first_use),
         }
 
     def counter_sample(self) -> dict[str, int]:
         """The node's cumulative files staged and PFS fallbacks (misses, every local rank):
         what --timeline draws per node as rates (hpcdl.diag; local rank 0, any thread). Once
         closed, the last values read."""
-        if not self.closed:
-            field = self.status.field if self.status else (lambda name: 0)
-            misses = sum(self.counters.totals(r)[1] for r in range(self.local_size)) if (
-                self.counters) else 0  # fmt: skip
-            self._last_sample = {"copies": int(field("files_staged")), "pfs_fallbacks": misses}
+        if not self.leaving.done:
+            files = self.files
+            misses = sum(files.totals(r)[1] for r in range(self.ranks.local_size))
+            self._last_sample = {"copies": files.field("files_staged"), "pfs_fallbacks": misses}
         return self._last_sample
 
     def epoch_stats(self) -> dict[str, Any]:
         """Cumulative since start: node's files/bytes staged, this rank's hits/misses, liveness,
         and the node stager's PFS opens and peer counters (PEER_COUNTERS)."""
-        hits, misses = self.counters.totals(self.local_rank) if self.counters else (0, 0)
+        hits, misses = self.files.totals(self.ranks.local_rank)
         self._check_alive()
-        field = self.status.field if self.status else (lambda name: 0)
+        field = self.files.field
         return {
-            "files_staged": int(field("files_staged") + field("files_reused")),
-            "bytes_staged": int(field("bytes_staged") + field("bytes_reused")),
+            "files_staged": field("files_staged") + field("files_reused"),
+            "bytes_staged": field("bytes_staged") + field("bytes_reused"),
             "hits": int(hits),
             "misses": int(misses),
             "stager_alive": self.stager.running,
             # The node's stager: its PFS opens and the peer tier's share (docs/staging.md).
-            **{name: int(field(name)) for name in PEER_COUNTERS},
+            **{name: field(name) for name in PEER_COUNTERS},
         }
 
     def close(self) -> None:
         """Every local rank together: stop the stager (local rank 0) and leave the stage dir;
         the last job out removes what hpcdl created there unless keep. Idempotent."""
-        if self.closed:
+        if self.leaving.done:
             return
-        self.node_comm.Barrier()  # every local rank has finished reading
-        if self._leave(signal.SIGUSR1):
-            for mapped in (self.status, self.progress, self.counters):
-                if mapped is not None:
-                    mapped.close()
-        self.node_comm.Barrier()
+        self.ranks.comm.Barrier()  # every local rank has finished reading
+        if self.leaving.once(lambda: self._leave(signal.SIGUSR1)):
+            self.files.close()
+        self.ranks.comm.Barrier()
 
     def abandon(self) -> None:
         """This rank alone, when the job fails: as close, without a collective and leaving the
         shared maps mapped (another thread may still read them; the process ends soon).
         Thread-safe and idempotent; a failing job's stand-down clean-up (hpcdl.comm.failure)."""
-        self._leave(signal.SIGTERM)
+        self.leaving.once(lambda: self._leave(signal.SIGTERM))
 
-    def _leave(self, stop_signal: int) -> bool:
-        """Stop the stager and release the stage dir, once; False if already done.
+    def _leave(self, stop_signal: int) -> None:
+        """Stop the stager and release the stage dir (once: Leaving).
 
         stop_signal: SIGUSR1 tells the stager that the job ended (its last line says it
         finished), SIGTERM that it is stopped (a failing job)."""
-        with self._leaving:
-            if self.closed:
-                return False
-            self.closed = True
-            self.stager.stop(stop_signal)
-            if self.peer_tier is not None:  # the port is free only once no stager serves it
-                self.peer_tier.close_listener()
-            if self.lease is not None:
-                self.lease.release(self.keep)
-            return True
+        self.stager.stop(stop_signal)
+        if self.peer_tier is not None:  # the port is free only once no stager serves it
+            self.peer_tier.close_listener()
+        if self.lease is not None:
+            self.lease.release(self.keep)
 
     # ------------------------------------------------------------------ internals
 
     def _start_peer_tier(self, options: StageOptions) -> None:
         """Every rank, when the peer tier runs: the collective start (PeerTier.start)."""
-        world = self.world
-        if world is None or not peer_tier_wanted(
-            options.peers, world.num_nodes, self.sampler.shuffle
-        ):
+        world, plan = self.world, self.plan
+        shuffle = plan.sampler.shuffle
+        if world is None or not peer_tier_wanted(options.peers, world.num_nodes, shuffle):
             return
         capacity = 0
         if world.is_node_leader:
@@ -373,9 +449,9 @@ class StagingSession:
                     capacity = default_capacity(options.stage_dir)
             except (ValueError, OSError, subprocess.CalledProcessError, StagerNotFound):
                 capacity = 0  # no home here; the stage dir's own error comes next
-        epochs = (self.begin, self.end)
+        epochs = (plan.begin, plan.end)
         self.peer_tier, error = PeerTier.start(
-            world, self.dataset, self.sampler, self.batch_size, epochs, capacity, options.peers
+            world, plan.dataset, plan.sampler, plan.batch_size, epochs, capacity, options.peers
         )
         _agree(world, error)
 
@@ -388,30 +464,30 @@ class StagingSession:
         try:
             binary = find_stager_binary()
             status_layout()  # also: the binary is this hpcdl's stager (cached for the session)
-            self.lease = StageDirLease.acquire(stage_dir)
+            self.lease = lease = StageDirLease.acquire(stage_dir)
         except (StageDirError, StagerNotFound) as exc:
             return StartInfo(error=str(exc))
         except StageDirFull as exc:
             return StartInfo(why=str(exc), stage_dir=str(stage_dir))
-        meta, files, key = self.lease.meta, self.lease.files, data_key(self.dataset.root)
-        info = StartInfo(stage_dir=str(self.lease.stage_dir), key=key, meta=str(meta))
+        meta, files, key = lease.meta, lease.files, data_key(self.plan.dataset.root)
+        info = StartInfo(stage_dir=str(lease.stage_dir), key=key, meta=str(meta))
         try:
-            self.fingerprint = dataset_fingerprint(self.dataset)
-            plan = self._plan(self.begin)
+            self.plan.fingerprint = dataset_fingerprint(self.plan.dataset)
+            plan = self.plan.make(self.plan.begin)
             peer_lines = self._peer_lines(plan)
-            write_plan(files.plan, plan, self.dataset, self.fingerprint, key, peer_lines)
-            ProgressFile.create(files.progress, self.local_size)
-            CounterFile.create(files.counters, self.local_size)
-            cap = parse_capacity(options.capacity, self.lease.stage_dir)
+            self.plan.write(files.plan, plan, key, peer_lines)
+            ProgressFile.create(files.progress, self.ranks.local_size)
+            CounterFile.create(files.counters, self.ranks.local_size)
+            cap = parse_capacity(options.capacity, lease.stage_dir)
         except OSError as exc:
             return replace(info, why=f"cannot write its plan in {meta}: {exc.strerror or exc}")
-        lease, threads, verify = self.lease, options.threads, options.verify
+        threads, verify = options.threads, options.verify
         tier = self.peer_tier if peer_lines or self._serves() else None
         self.stager = StagerProcess.launch(binary, lease.stage_dir, lease.session, threads, cap,
                                            verify, tier, nice=options.nice)  # fmt: skip
         ok, why = self.stager.wait_running(files.status)
         return replace(
-            info, ok=ok, why=why, steps=plan.steps_per_epoch, fingerprint=self.fingerprint
+            info, ok=ok, why=why, steps=plan.steps_per_epoch, fingerprint=self.plan.fingerprint
         )
 
     def _serves(self) -> bool:
@@ -419,89 +495,43 @@ class StagingSession:
 
     def _attach(self, info: StartInfo) -> None:
         """Every local rank: open the session's shared files, or note that staging is off."""
-        self.stage_dir = Path(info.stage_dir)
-        if info.meta:
-            self.meta = Path(info.meta)
-            self.local_root = self.stage_dir / info.key
+        self.files = SessionFiles.attach(info, self.ranks.local_size)
         if info.steps:
-            self.steps_per_epoch = info.steps
-            self.fingerprint = info.fingerprint
-            files = SessionDir(self.meta)
-            self.status = StatusView(files.status)
-            self.progress = ProgressFile(files.progress, self.local_size)
-            self.counters = CounterFile(files.counters, self.local_size)
-        self.stager.watch(self.status, info.ok)
-        self.started = time.monotonic()
+            self.plan.steps_per_epoch, self.plan.fingerprint = info.steps, info.fingerprint
+        self.stager.watch(self.files.status, info.ok)
         if not info.ok:
             self._warn(f"the staging process did not start ({info.why})")
 
-    def _plan(self, epoch: int) -> Any:
-        plan = plan_for_node(
-            self.dataset,
-            self.sampler,
-            self.batch_size,
-            (epoch, min(epoch + PLAN_EPOCHS, self.end)),
-            ranks=self.node_ranks,
-            node=self.node,
-        )
-        self.first_use = plan.first_use()
-        if epoch == self.begin:
-            first = self.first_use < plan.steps_per_epoch
-            self.first_epoch_need = (int(first.sum()), int(plan.sizes[first].sum()))
-        return plan
-
     def _replan(self, epoch: int) -> None:
-        self.plan_begin = epoch
-        plan = self._plan(epoch)
-        key = self.local_root.name
-        plan_path = SessionDir(self.meta).plan
-        write_plan(plan_path, plan, self.dataset, self.fingerprint, key, self._peer_lines(plan))
+        plan = self.plan.make(epoch)
+        key = self.files.local_root.name
+        self.plan.write(SessionDir(self.files.meta).plan, plan, key, self._peer_lines(plan))
 
     def _check_first_epoch(self) -> None:
-        """Once per job (world rank 0, for its node): when readers went to the PFS in the first
-        epoch because copies were not ready yet, say what rate staging would have needed."""
-        self.outran_checked = True
-        rank = self.world.rank if self.world is not None else 0
-        if rank == 0:
-            self._check_alive()  # a stager that died explains the misses: its own warning says so
-        if (
-            rank != 0
-            or not self.stager.running
-            or self.first_epoch_need is None
-            or self.counters is None
-        ):
+        """Once per job (world rank 0, for its node): warn when the first epoch outran staging
+        (hpcdl.staging.outran)."""
+        if self.ranks.world_rank != 0:
             return
-        misses = sum(self.counters.totals(r)[1] for r in range(self.local_size))
-        reads = misses + sum(self.counters.totals(r)[0] for r in range(self.local_size))
-        files, nbytes = self.first_epoch_need
-        status = self.status
-        if misses == 0 or status.has_flag("NOSPACE") or status.has_flag("CAPACITY_FULL"):
-            return  # all staged in time, or the capacity's own message explains the misses
-        if status.field("capacity") < nbytes or status.field("failures"):
-            return  # the capacity line or the stager's failure lines explain them
-        seconds = max(time.monotonic() - self.started, 1e-3)
-        warnings.warn(
-            f"hpcdl staging on node {self.node}: the first epoch outran staging: {misses} of "
-            f"{reads} reads went to the parallel file system because their copies were not "
-            f"ready; staging copied {status.field('files_staged') / seconds:.1f} files/s "
-            f"({status.field('bytes_staged') / 1e6 / seconds:.2f} MB/s), keeping up needed "
-            f"{files / seconds:.1f} files/s ({nbytes / 1e6 / seconds:.2f} MB/s) over "
-            f"{seconds:.2f} s; raise --stage-threads, or stage before training with a "
-            "stage-only step (python -m hpcdl.stage)",
-            RuntimeWarning,
-            stacklevel=3,
+        self._check_alive()  # a stager that died explains the misses: its own warning says so
+        need, files = self.plan.first_epoch_need, self.files
+        if not self.stager.running or need is None or files.counters is None:
+            return
+        seconds = time.monotonic() - self.stager.since
+        text = outran_warning(
+            self.ranks.node, need, files.status, files.counters, self.ranks.local_size, seconds
         )
+        if text is not None:
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
 
     def _check_alive(self, min_interval_s: float = 0.0) -> None:
         if self.stager.lost(min_interval_s):
             self._warn("the staging process stopped")
 
     def _warn(self, what: str) -> None:
-        if not self.warned and self.local_rank == 0:
-            self.warned = True
+        if self.ranks.local_rank == 0 and self.said.first(PFS_FALLBACK):
             warnings.warn(
-                f"hpcdl staging on node {self.node}: {what}; files not yet staged in "
-                f"{self.stage_dir} are read from the parallel file system",
+                f"hpcdl staging on node {self.ranks.node}: {what}; files not yet staged in "
+                f"{self.files.stage_dir} are read from the parallel file system",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -38,6 +38,7 @@ class StagerProcess:
         self.proc = proc  # hpcdl-stage, on the rank that launched it
         self.status: StatusView | None = None  # the session's status map, once watched
         self.running = False  # RUNNING seen and no death found since
+        self.since = 0.0  # monotonic time the ranks began to watch it (watch)
         self._last_check = 0.0  # monotonic time of the last liveness look (lost)
 
     @classmethod
@@ -99,6 +100,7 @@ class StagerProcess:
         """Every local rank: from now on, liveness is read from `status` (the session's map;
         None when staging is off) and the child, if any; running: it reported RUNNING."""
         self.status, self.running = status, running
+        self.since = time.monotonic()
 
     def lost(self, min_interval_s: float = 0.0) -> bool:
         """True exactly once: when a running stager is first found gone (its child exited, or
