@@ -1,5 +1,5 @@
-"""Build hpcdl-stage once with ASan/UBSan and run its unit tests, a real staging run and the peer
-tier."""
+"""Build hpcdl-stage with ASan/UBSan and with TSan; run its unit tests, a real staging run and
+the peer tier under each (any report fails the test), and fuzzed plans under ASan/UBSan."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,38 +36,66 @@ SANITIZER_ENV = dict(
     ASAN_OPTIONS="detect_leaks=1:abort_on_error=1",
     UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
 )
+# A report ends the process with exit code 66 at once (TSan's default code, made explicit).
+TSAN_ENV = dict(TSAN_OPTIONS="halt_on_error=1:exitcode=66:second_deadlock_stack=1")
 FUZZ_PLANS = 3000
 FUZZ_RUNS = 40
 
 
-@pytest.fixture(scope="module")
-def sanitized_build(tmp_path_factory) -> Path:
-    """hpcdl-stage and its unit tests built once with ASan + UBSan."""
+@dataclass(frozen=True)
+class Sanitized:
+    """A sanitized build of hpcdl-stage and its unit tests, and the environment it runs in."""
+
+    name: str
+    build: Path
+    env: dict[str, str]
+
+
+# name -> (CMake option, build type, environment). TSan at -O2 (RelWithDebInfo): it slows the
+# stager several times over, and the races it looks for do not need -O0.
+SANITIZERS = {
+    "asan": ("-DHPCDL_SANITIZE=ON", "Debug", SANITIZER_ENV),
+    "tsan": ("-DHPCDL_TSAN=ON", "RelWithDebInfo", TSAN_ENV),
+}
+
+
+def build_sanitized(name: str, where: Path) -> Sanitized:
+    """hpcdl-stage and its unit tests built under `where` with sanitizer `name` (SANITIZERS),
+    through CMakeLists.txt's option for it; a compiler warning fails the build too."""
     if shutil.which("cmake") is None:
         pytest.skip("needs cmake and a C++17 compiler")
-    build = tmp_path_factory.mktemp("asan") / "build"
-    cfg = [
-        "cmake",
-        "-S",
-        REPO,
-        "-B",
-        build,
-        "-DHPCDL_SANITIZE=ON",
-        "-DHPCDL_STAGE_TESTS=ON",
-        "-DCMAKE_BUILD_TYPE=Debug",
-    ]
+    option, build_type, env = SANITIZERS[name]
+    build = where / "build"
+    cfg = ["cmake", "-S", REPO, "-B", build, option, "-DHPCDL_STAGE_TESTS=ON",
+           f"-DCMAKE_BUILD_TYPE={build_type}"]  # fmt: skip
     subprocess.run(cfg, check=True, capture_output=True, timeout=120)
     made = subprocess.run(
         ["cmake", "--build", build, "-j2"], capture_output=True, text=True, timeout=300
     )
     assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     assert "warning" not in made.stdout + made.stderr
-    return build
+    return Sanitized(name, build, env)
 
 
-def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
-    build = sanitized_build
-    env = dict(os.environ, **SANITIZER_ENV)
+@pytest.fixture(scope="module")
+def sanitized_build(tmp_path_factory) -> Path:
+    """hpcdl-stage and its unit tests built once with ASan + UBSan."""
+    return build_sanitized("asan", tmp_path_factory.mktemp("asan")).build
+
+
+@pytest.fixture(scope="module", params=sorted(SANITIZERS))
+def sanitized(request, tmp_path_factory) -> Sanitized:
+    """Each sanitized build in turn: ASan + UBSan (the fuzz test's), then TSan."""
+    if request.param == "asan":
+        return Sanitized("asan", request.getfixturevalue("sanitized_build"), SANITIZER_ENV)
+    return build_sanitized(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_sanitizer_build_runs_clean(sanitized, tmp_path, monkeypatch):
+    """The unit tests (kept peer connections, the copy threads among them), then a staging run
+    that evicts and copies while the trainer's progress moves, exit clean under the sanitizer."""
+    build = sanitized.build
+    env = dict(os.environ, **sanitized.env)
     unit = subprocess.run(
         [build / "hpcdl-stage-tests", tmp_path / "scratch"],
         env=env,
@@ -75,16 +104,18 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
         timeout=60,
     )
     assert unit.returncode == 0, unit.stdout + unit.stderr
+    assert "Sanitizer" not in unit.stderr, unit.stderr[-3000:]
 
     ds = make_tree(tmp_path / "pfs", 40, 2000)
     monkeypatch.setenv("HPCDL_STAGE_BIN", str(build / "hpcdl-stage"))
-    monkeypatch.setenv("ASAN_OPTIONS", env["ASAN_OPTIONS"])
+    for name, value in sanitized.env.items():
+        monkeypatch.setenv(name, value)
     session = start_session(ds, tmp_path / "stage", epochs=(0, 3), capacity=30_000, verify=True)
     status = StatusView(session.meta / "status")
     for epoch in range(3):
         for step in range(10):
             session.consumed(epoch, step + 1)
-            time.sleep(0.01)
+            time.sleep(0.01)  # pacing, as a trainer's steps: the asserts below wait on nothing
     staged = status.field("files_staged")
     proc = session.stager.proc
     session.close()
@@ -92,14 +123,13 @@ def test_sanitizer_build_runs_clean(sanitized_build, tmp_path, monkeypatch):
     assert staged > 14  # more than fits at once: files were evicted and others copied
 
 
-def test_the_sanitized_peer_tier_serves_fetches_and_refuses_clean(
-    sanitized_build, tmp_path, monkeypatch
-):
+def test_the_sanitized_peer_tier_serves_fetches_and_refuses_clean(sanitized, tmp_path, monkeypatch):
     """Two sanitized stagers: a home serving, a fetcher taking every file from it while a
     stranger trickles a handshake and a fetcher with another secret is refused (issue 51's
-    handshake, MACs and deadlines under ASan + UBSan)."""
-    monkeypatch.setenv("HPCDL_STAGE_BIN", str(sanitized_build / "hpcdl-stage"))
-    for name, value in SANITIZER_ENV.items():
+    handshake, MACs and deadlines under ASan + UBSan; the server, copy and coordinator threads
+    of both under TSan)."""
+    monkeypatch.setenv("HPCDL_STAGE_BIN", str(sanitized.build / "hpcdl-stage"))
+    for name, value in sanitized.env.items():
         monkeypatch.setenv(name, value)
     with serving_home(tmp_path) as (ds, address, secret, home):
         host, port = address.split(":")

@@ -90,7 +90,7 @@ PlanFileId plan_file_id(const std::string& path) {
 //   and never touch the status map or the plan.
 // Shutdown order (run()): the coordinator stops dispatching, stops and joins the copy threads
 // (copiers_.stop()), then resets server_ (joining its threads) before the tree it serves from
-// goes.
+// goes. tests/test_staging_sanitizers.py runs all three kinds under TSan (-DHPCDL_TSAN=ON).
 class Stager {
  public:
   explicit Stager(const StagerOptions& opt)
