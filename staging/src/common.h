@@ -17,6 +17,21 @@ namespace hpcdl {
 
 inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
 
+// All of buf to fd, retrying short and interrupted writes: 0, or the errno. The copy engine's
+// and the peer client's one way to write a file.
+inline int write_all(int fd, const char* buf, size_t len) {
+  while (len > 0) {
+    const ssize_t n = ::write(fd, buf, len);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    buf += n;
+    len -= static_cast<size_t>(n);
+  }
+  return 0;
+}
+
 // Bytes as a person reads them: "65.1 GiB", "512 B" (binary units, one decimal).
 inline std::string human_bytes(uint64_t bytes) {
   static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};

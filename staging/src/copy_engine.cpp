@@ -38,20 +38,6 @@ CopyResult error_result(int err, const std::string& what, const std::string& pat
   return r;
 }
 
-// Writes all of buf, retrying short writes.
-int write_all(int fd, const char* buf, size_t len) {
-  while (len > 0) {
-    ssize_t n = ::write(fd, buf, len);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    buf += n;
-    len -= static_cast<size_t>(n);
-  }
-  return 0;
-}
-
 uint64_t hash_fd(int fd, std::vector<char>& buffer, int* err) {
   Fnv1a64 h;
   off_t off = 0;

@@ -374,7 +374,7 @@ PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, Hmac& ma
     }
     mac.update(buffer.data(), n);
     if (verify) got.update(buffer.data(), n);
-    if (int err = write_fd(out_fd, buffer.data(), n)) {
+    if (int err = write_all(out_fd, buffer.data(), n)) {
       PeerFetch failed = failed_fetch(PeerOutcome::WriteError, errno_text(err));
       failed.err = err;
       return failed;

@@ -97,19 +97,6 @@ int recv_all(int fd, void* data, size_t len, Clock::time_point deadline,
   return 0;
 }
 
-int write_fd(int fd, const char* p, size_t len) {
-  while (len > 0) {
-    const ssize_t n = ::write(fd, p, len);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-  return 0;
-}
-
 void set_nodelay(int fd) {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);

@@ -77,7 +77,6 @@ int recv_some(int fd, void* data, size_t len, Clock::time_point deadline,
               const std::atomic<bool>& stop, size_t* got, int flags = 0);
 int recv_all(int fd, void* data, size_t len, Clock::time_point deadline,
              const std::atomic<bool>& stop);
-int write_fd(int fd, const char* p, size_t len);  // all of it to a file: 0 or the errno
 
 // No Nagle delay: a connection carries one small request after another, and a request or the
 // last segment of a reply held back for a delayed ACK would cost 40 ms.

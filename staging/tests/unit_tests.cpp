@@ -1,7 +1,7 @@
 // Unit tests of hpcdl-stage's pure parts: destination validation, plan parsing, next-use
 // eviction order, symlink refusal in the stage tree, kept peer connections, peer deferrals,
 // residency, the copy threads. Run by ctest (HPCDL_STAGE_TESTS=ON) and by
-// tests/test_staging_sanitizers.py under ASan/UBSan.
+// tests/test_staging_sanitizers.py under ASan/UBSan and under TSan.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -37,6 +37,24 @@ void check(bool ok, const std::string& what) {
     std::cerr << "FAIL: " << what << "\n";
     ++failures;
   }
+}
+
+// A TCP socket bound to a free loopback port (and listening, with listening): its fd and port
+// in *port, or -1.
+int loopback_socket(bool listening, uint16_t* port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_in addr {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) != 0 ||
+      (listening && ::listen(fd, 16) != 0) ||
+      ::getsockname(fd, reinterpret_cast<struct sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd;
 }
 
 void write_file(const std::string& path, const std::string& text) {
@@ -220,17 +238,11 @@ int main(int argc, char** argv) {
     copy.size = static_cast<uint64_t>(st.st_size);
     copy.source_id = hpcdl::identity_of(st);
     copy.id = hpcdl::CopyId{static_cast<uint64_t>(st.st_ino), static_cast<uint64_t>(st.st_dev)};
-    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in addr {};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    check(::bind(listener, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0 &&
-              ::listen(listener, 16) == 0 &&
-              ::getsockname(listener, reinterpret_cast<struct sockaddr*>(&addr), &len) == 0,
-          "loopback listener");
+    uint16_t port = 0;
+    const int listener = loopback_socket(true, &port);
+    check(listener >= 0, "loopback listener");
     const std::string secret(hpcdl::kPeerSecretBytes, 's');
-    const hpcdl::PeerAddress peer{0, "127.0.0.1", ntohs(addr.sin_port)};
+    const hpcdl::PeerAddress peer{0, "127.0.0.1", port};
     hpcdl::PeerClient client(secret);
     std::vector<char> buffer(1 << 16);
     const std::atomic<bool> cancel{false};
@@ -309,14 +321,9 @@ int main(int argc, char** argv) {
     const std::atomic<bool> cancel{false};
     hpcdl::CopyEngine engine(tree, manifest, session, pfs, false, cancel);
     hpcdl::PeerClient client(std::string(hpcdl::kPeerSecretBytes, 's'));
-    const int probe = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in addr {};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    check(::bind(probe, reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) == 0 &&
-              ::getsockname(probe, reinterpret_cast<struct sockaddr*>(&addr), &len) == 0,
-          "a free loopback port");
+    uint16_t port = 0;
+    const int probe = loopback_socket(false, &port);
+    check(probe >= 0, "a free loopback port");
     ::close(probe);  // nobody listens there now
     std::atomic<int> logged{0};
     hpcdl::CopyThreads copiers(engine, &client, false, tree_root, cancel,
@@ -324,7 +331,7 @@ int main(int argc, char** argv) {
     copiers.start(2);
     hpcdl::CopyThreads::Job plain{0, scratch + "/pfs-a", "threads/a", 1, 9, std::nullopt};
     hpcdl::CopyThreads::Job peered{1, scratch + "/pfs-a", "threads/b", 2, 9,
-                                   hpcdl::PeerAddress{5, "127.0.0.1", ntohs(addr.sin_port)}};
+                                   hpcdl::PeerAddress{5, "127.0.0.1", port}};
     copiers.queue({plain, peered});
     std::vector<hpcdl::CopyThreads::Done> done(2);
     int got = 0;

@@ -22,6 +22,12 @@ from hpcdl.nn.kernels import cudnn_graphs
 from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, nhwc
 
 _FLOAT32 = np.dtype(np.float32)
+# Each graph's inputs: the frontend's keyword, then our tensor's name (the arrays' key in run).
+_TRAIN_INPUTS = (("input", "x"), ("scale", "scale"), ("bias", "bias"), ("in_running_mean",
+                 "in_mean"), ("in_running_var", "in_var"), ("epsilon", "epsilon"),
+                 ("momentum", "momentum"))  # fmt: skip
+_BACKWARD_INPUTS = (("grad", "dy"), ("input", "x"), ("scale", "scale"), ("mean", "mean"),
+                    ("inv_variance", "inv_var"))  # fmt: skip
 
 
 class CudnnBatchNorm:
@@ -110,32 +116,16 @@ class CudnnBatchNorm:
             t = {"x": rt.tensor(g, "x", nhwc(x_shape), io)}
             t.update({name: vec(name) for name in ("scale", "bias", "in_mean", "in_var")})
             t.update({name: rt.scalar(g, name) for name in ("epsilon", "momentum")})
-            outs = g.batchnorm(
-                name="bn",
-                input=t["x"],
-                scale=t["scale"],
-                bias=t["bias"],
-                in_running_mean=t["in_mean"],
-                in_running_var=t["in_var"],
-                epsilon=t["epsilon"],
-                momentum=t["momentum"],
-            )
+            outs = g.batchnorm(name="bn", **{kw: t[name] for kw, name in _TRAIN_INPUTS})
             t.update(zip(("y", "mean", "inv_var", "out_mean", "out_var"), outs, strict=True))
             rt.output(t["y"], nhwc(x_shape), io)
             for name in ("mean", "inv_var", "out_mean", "out_var"):
                 rt.output(t[name], nhwc(c_shape), _FLOAT32)
         else:
-            t = {"dy": rt.tensor(g, "dy", nhwc(x_shape), io)}
-            t["x"] = rt.tensor(g, "x", nhwc(x_shape), io)
+            t = {name: rt.tensor(g, name, nhwc(x_shape), io) for name in ("dy", "x")}
             t.update({name: vec(name) for name in ("scale", "mean", "inv_var")})
-            outs = g.batchnorm_backward(
-                name="bn_backward",
-                grad=t["dy"],
-                input=t["x"],
-                scale=t["scale"],
-                mean=t["mean"],
-                inv_variance=t["inv_var"],
-            )
+            inputs = {kw: t[name] for kw, name in _BACKWARD_INPUTS}
+            outs = g.batchnorm_backward(name="bn_backward", **inputs)
             t.update(zip(("dx", "dscale", "dbias"), outs, strict=True))
             rt.output(t["dx"], nhwc(x_shape), io)
             rt.output(t["dscale"], nhwc(c_shape), _FLOAT32)

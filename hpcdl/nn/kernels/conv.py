@@ -84,27 +84,23 @@ class CudnnConv:
         io = cudnn_graphs.dtype_named(key.io)
         g = rt.graph(io)
         conv = {"padding": list(key.padding), "stride": list(key.stride), "dilation": [1, 1]}
+        x, w, y = nhwc(x_shape), krsc(w_shape), nhwc(y_shape)  # (dims, strides) of each
+
+        def tensors(*named: tuple[str, Any]) -> dict[str, Any]:  # the graph's inputs, in io
+            return {name: rt.tensor(g, name, dims, io) for name, dims in named}
+
         if key.op == "conv_fprop":
-            t = {
-                "x": rt.tensor(g, "x", nhwc(x_shape), io),
-                "w": rt.tensor(g, "w", krsc(w_shape), io),
-            }
+            t = tensors(("x", x), ("w", w))
             t["y"] = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
-            rt.output(t["y"], nhwc(y_shape), io)
+            rt.output(t["y"], y, io)
         elif key.op == "conv_dgrad":
-            t = {
-                "dy": rt.tensor(g, "dy", nhwc(y_shape), io),
-                "w": rt.tensor(g, "w", krsc(w_shape), io),
-            }
+            t = tensors(("dy", y), ("w", w))
             t["dx"] = g.conv_dgrad(loss=t["dy"], filter=t["w"], **conv)
-            rt.output(t["dx"], nhwc(x_shape), io)
+            rt.output(t["dx"], x, io)
         else:
-            t = {
-                "x": rt.tensor(g, "x", nhwc(x_shape), io),
-                "dy": rt.tensor(g, "dy", nhwc(y_shape), io),
-            }
+            t = tensors(("x", x), ("dy", y))
             t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
-            rt.output(t["dw"], krsc(w_shape), _FLOAT32)  # summed and kept in float32
+            rt.output(t["dw"], w, _FLOAT32)  # summed and kept in float32
         return rt.finish(g, t)
 
 
