@@ -297,7 +297,7 @@ def test_a_session_without_mpi_writes_its_timeline_and_leaves_no_heartbeat_file(
         assert list(shm.iterdir()) == []  # unlinked once mapped
         assert session.inspector is not None and session.remote is None
         with diag.span(diag.Kind.OPTIMIZER):
-            time.sleep(0.01)
+            pass  # the span is recorded however short it is: its name is what is checked
     finally:
         session.close()
     names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]]

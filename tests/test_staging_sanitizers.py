@@ -15,17 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import peer_stagers as peers
 import pytest
 from helpers import make_tree, start_session
-from peer_stagers import (
-    FILES,
-    assert_copies_are_the_sources,
-    fetch,
-    serving_home,
-    start,
-    status,
-    write_plan,
-)
 
 from hpcdl.staging.status import StatusView
 
@@ -131,20 +123,20 @@ def test_the_sanitized_peer_tier_serves_fetches_and_refuses_clean(sanitized, tmp
     monkeypatch.setenv("HPCDL_STAGE_BIN", str(sanitized.build / "hpcdl-stage"))
     for name, value in sanitized.env.items():
         monkeypatch.setenv(name, value)
-    with serving_home(tmp_path) as (ds, address, secret, home):
+    with peers.serving_home(tmp_path) as (ds, address, secret, home):
         host, port = address.split(":")
         with socket.create_connection((host, int(port))) as stranger:
             stranger.sendall(b"HPCDLPH2")  # and never the rest
-            view, err = fetch(ds, tmp_path, address, secret)
-            assert view.field("peer_files") == FILES and view.field("pfs_opens") == 0, err
+            view, err = peers.fetch(ds, tmp_path, address, secret)
+            assert view.field("peer_files") == peers.FILES and view.field("pfs_opens") == 0, err
             other = tmp_path / "other"
-            write_plan(ds, other, 1, address)
-            refused = start(other, secrets.token_hex(32), None, "--once")
+            peers.write_plan(ds, other, 1, address)
+            refused = peers.start(other, secrets.token_hex(32), None, "--once")
             _, refused_err = refused.communicate(timeout=120)
         home.send_signal(signal.SIGUSR1)
         _, home_err = home.communicate(timeout=60)
-    assert_copies_are_the_sources(ds, tmp_path / "b")
-    assert refused.returncode == 0 and status(other).field("peer_files") == 0, refused_err
+    peers.assert_copies_are_the_sources(ds, tmp_path / "b")
+    assert refused.returncode == 0 and peers.status(other).field("peer_files") == 0, refused_err
     assert home.returncode == 0, home_err
     for text in (err, refused_err, home_err):
         assert "Sanitizer" not in text and "runtime error" not in text, text[-3000:]
