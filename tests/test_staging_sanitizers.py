@@ -11,13 +11,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import peer_stagers as peers
 import pytest
-from helpers import make_tree, start_session
+from helpers import make_tree, start_session, wait_until
 
 from hpcdl.staging.status import StatusView
 
@@ -107,7 +106,10 @@ def test_sanitizer_build_runs_clean(sanitized, tmp_path, monkeypatch):
     for epoch in range(3):
         for step in range(10):
             session.consumed(epoch, step + 1)
-            time.sleep(0.01)  # pacing, as a trainer's steps: the asserts below wait on nothing
+            if (epoch, step) == (1, 5):  # files behind the cursor are done: evict, copy more
+                wait_until(lambda: status.field("evictions") > 0
+                           and status.field("files_staged") > 14, timeout=60,
+                           what="evictions and copies past the capacity")  # fmt: skip
     staged = status.field("files_staged")
     proc = session.stager.proc
     session.close()
