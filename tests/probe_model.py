@@ -13,6 +13,9 @@ that watches the training batches. Lives in tests/ only; the product has no such
   0) writes its temporary file whole, then creates DIR/holding and waits there, never
   publishing it, until the test kills it: a loss during a checkpoint write, at a known point.
   Once per job: a process that finds DIR/holding writes on.
+- HPCDL_PROBE_HOLD_RECOVERY=DIR: a survivor of a lost rank (--on-node-loss continue), after
+  its shrink, creates DIR/recovering-R (R: its OMPI_COMM_WORLD_RANK) and waits for DIR/go
+  before it builds the new world: the test kills one more rank while the survivors recover.
 
 The probe has no parameters, so the model trains bit for bit as the same MLP without it.
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl import checkpoint
+from hpcdl.comm import ulfm
 from hpcdl.nn.layers import Flatten, Layer, Linear, ReLU
 
 
@@ -49,6 +53,9 @@ class Probe(Layer):
         if hold and not isinstance(checkpoint._write_h5, HeldWrite):
             step, directory = hold.split(":", 1)
             checkpoint._write_h5 = HeldWrite(checkpoint._write_h5, int(step), Path(directory))
+        recovery = os.environ.get("HPCDL_PROBE_HOLD_RECOVERY")
+        if recovery and not isinstance(ulfm.build_world, HeldRecovery):
+            ulfm.build_world = HeldRecovery(ulfm.build_world, Path(recovery))
 
     def forward(self, x, train=True):
         if train and self.record is not None:
@@ -61,6 +68,22 @@ class Probe(Layer):
 
     def backward(self, dy, ready=None):
         return dy
+
+
+class HeldRecovery:
+    """hpcdl.comm.ulfm.build_world that waits in a recovery (HPCDL_PROBE_HOLD_RECOVERY)."""
+
+    def __init__(self, build, directory: Path) -> None:
+        self.build, self.directory, self.held = build, directory, False
+
+    def __call__(self, comm):
+        if not self.held:  # the first recovery only
+            self.held = True
+            rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+            (self.directory / f"recovering-{rank}").touch()
+            while not (self.directory / "go").exists():
+                time.sleep(0.01)
+        return self.build(comm)
 
 
 class HeldWrite:

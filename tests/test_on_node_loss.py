@@ -184,6 +184,36 @@ def test_a_second_loss_after_a_recovery_is_recovered_again(tmp_path):
     assert_bitwise(out / "ckpt", ref)
 
 
+def test_a_rank_lost_while_the_survivors_recover_is_recovered_with_it(tmp_path):
+    """Rank 2 killed; ranks 0 and 1 shrink, and the probe holds them there
+    (HPCDL_PROBE_HOLD_RECOVERY) until rank 1 is killed too: rank 0 shrinks again and goes on
+    alone, with one line for both losses, bitwise as a stop + --resume auto on 1 rank."""
+    from helpers import wait_until  # noqa: PLC0415
+
+    data, out = sample_index_h5(tmp_path / "idx.h5", N), tmp_path / "continue"
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    env = probe_env(tmp_path / "a", f"0.3:{out / 'ckpt'}", HPCDL_PROBE_HOLD_RECOVERY=str(hold))
+    cmd = train_cmd(3, data, out / "ckpt", "--on-node-loss", "continue")
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as job:  # fmt: skip
+        wait_for_step(job, tmp_path / "a", 2, 7)
+        assert kill(rank_pid(str(tmp_path / "a"), 2))
+        both = [hold / "recovering-0", hold / "recovering-1"]
+        wait_until(lambda: all(p.exists() for p in both) or job.poll() is not None, 60, "hold")
+        assert kill(rank_pid(str(tmp_path / "a"), 1))
+        (hold / "go").touch()
+        output, _ = job.communicate(timeout=180)
+    assert job.returncode == 0, output[-3000:]
+    (recovered,) = recovered_lines(output)
+    assert recovered.startswith("hpcdl: lost ranks 1, 2 (on "), recovered
+    assert recovered.endswith("training goes on on 1 rank on 1 node, from the latest checkpoint "
+                              "(--on-node-loss continue)"), recovered  # fmt: skip
+    (done,) = resumed_at(output)
+    ref = stop_and_resume(tmp_path, data, [(3, done), (1, 0)])
+    assert_bitwise(out / "ckpt", ref)
+
+
 def test_the_last_rank_lost_ends_the_job_non_zero(tmp_path):
     """2 ranks: rank 1 killed (recovered: rank 0 goes on alone), then rank 0, the last one. No
     rank is left to finish: hpcdl.launch's one line, exit 5, and no process of the job left."""
