@@ -190,14 +190,10 @@ def one_round(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     same_start = cont["resumed_step"] == resume["resumed_step"]
     final = [checkpoint.load(checkpoint.latest(work / d / "ckpt")).params for d in ("c", "s")]
     c_done, r_done = cont["resumed_step"], resume["resumed_step"]
+    jobs = dict(continue_=cont, stop=stop, resume=resume, plain_stop=plain["stop"],
+                plain_continue=plain["continue"])  # fmt: skip
     return dict(
-        status=dict(
-            continue_=cont["status"],
-            stop=stop["status"],
-            resume=resume["status"],
-            plain_stop=plain["stop"]["status"],
-            plain_continue=plain["continue"]["status"],
-        ),  # fmt: skip
+        status={name: job["status"] for name, job in jobs.items()},
         killed_after_s=cont.get("killed"),
         resumed_step=dict(continue_=c_done, restart=r_done),
         exactly_once=dict(
@@ -208,15 +204,9 @@ def one_round(a: argparse.Namespace, work: Path) -> dict[str, Any]:
         bitwise_equal=(final[0].tobytes() == final[1].tobytes()) if same_start else None,
         lost_s=dict(continue_=lost_c, restart=lost_r),
         lost_ratio=lost_c / lost_r if lost_c is not None and lost_r else None,
-        recovery_s=cont["resumed"] - cont["killed"] if "resumed" in cont else None,
+        recovery_s=cont["resumed"] - cont["killed"] if {"resumed", "killed"} <= set(cont) else None,
         new_world_s=cont["new_world_s"],
-        wall_s=dict(
-            continue_=cont["wall_s"],
-            stop=stop["wall_s"],
-            resume=resume["wall_s"],
-            plain_stop=plain["stop"]["wall_s"],
-            plain_continue=plain["continue"]["wall_s"],
-        ),  # fmt: skip
+        wall_s={name: job["wall_s"] for name, job in jobs.items()},
         step_s=dict(stop=mean_step(work / "stop"), continue_=mean_step(work / "continue")),
     )
 
