@@ -1,6 +1,6 @@
-"""What the tests of lost ranks share (tests/test_on_node_loss.py, tests/test_node_loss.py, the
-on-node-loss bench's tests): the probe model's environment, waiting for a rank's Nth training
-step while its job runs, and killing processes outright. No test module imports another."""
+"""What the tests of lost ranks share (tests/test_on_node_loss.py, tests/test_node_loss.py): the
+probe model's environment, waiting for a rank's Nth training step while its job runs, and
+killing processes outright. No test module imports another."""
 
 from __future__ import annotations
 

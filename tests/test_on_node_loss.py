@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from helpers import rank_pid, read_events
+from helpers import job_pids, mpirun_cmd, rank_pid, read_events, wait_until
 from lost_ranks import kill, probe_env, wait_for_step
 from probe_model import recorded_steps, sample_index_h5
 
@@ -33,8 +33,6 @@ NOT_FINISHED = (
 
 
 def train_cmd(ranks: int, data: Path, ckpt: Path, *more: str) -> list[str]:
-    from helpers import mpirun_cmd  # noqa: PLC0415
-
     return [sys.executable, "-m", "hpcdl.launch", *mpirun_cmd(ranks), "--with-ft", "ulfm",
             sys.executable, "-m", "hpcdl.train", "--data", str(data), "--model", PROBE,
             "--epochs", "2", "--batch-size", str(BATCH), "--lr", "0.001", "--workers", "1",
@@ -188,8 +186,6 @@ def test_a_rank_lost_while_the_survivors_recover_is_recovered_with_it(tmp_path):
     """Rank 2 killed; ranks 0 and 1 shrink, and the probe holds them there
     (HPCDL_PROBE_HOLD_RECOVERY) until rank 1 is killed too: rank 0 shrinks again and goes on
     alone, with one line for both losses, bitwise as a stop + --resume auto on 1 rank."""
-    from helpers import wait_until  # noqa: PLC0415
-
     data, out = sample_index_h5(tmp_path / "idx.h5", N), tmp_path / "continue"
     hold = tmp_path / "hold"
     hold.mkdir()
@@ -217,8 +213,6 @@ def test_a_rank_lost_while_the_survivors_recover_is_recovered_with_it(tmp_path):
 def test_the_last_rank_lost_ends_the_job_non_zero(tmp_path):
     """2 ranks: rank 1 killed (recovered: rank 0 goes on alone), then rank 0, the last one. No
     rank is left to finish: hpcdl.launch's one line, exit 5, and no process of the job left."""
-    from helpers import job_pids, wait_until  # noqa: PLC0415
-
     data, out = sample_index_h5(tmp_path / "idx.h5", N), tmp_path / "continue"
     env = probe_env(tmp_path / "a", "0.3:")
     cmd = train_cmd(2, data, out / "ckpt", "--on-node-loss", "continue")
@@ -240,8 +234,6 @@ def test_a_loss_while_the_checkpoint_is_written_resumes_from_the_one_before(tmp_
     cmd = train_cmd(3, data, out / "ckpt", "--on-node-loss", "continue")
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env) as job:  # fmt: skip
-        from helpers import wait_until  # noqa: PLC0415
-
         wait_until(lambda: (hold / "holding").exists() or job.poll() is not None, 120, "hold")
         assert job.poll() is None, job.communicate()
         assert checkpoint.latest(out / "ckpt").name == checkpoint.checkpoint_name(0, 6)
