@@ -11,10 +11,12 @@ nothing: PRRTE 3 ends the job on a lost daemon whatever the fault-tolerance mode
 "exit 0 only when the run says it finished" cannot live inside the job; it lives here, around
 the launcher, as it does in hpcdl.jobs' batch scripts (which read the --metrics record):
 
-- this process runs the launcher with HPCDL_OUTCOME naming a file (beside the job, in the
-  working directory, so rank 0 sees it on any node; mpirun gets `-x HPCDL_OUTCOME`), and
-  forwards the signals a batch system or a user sends (SIGINT, SIGTERM, SIGUSR1, SIGUSR2,
-  SIGHUP);
+- this process runs the launcher with HPCDL_OUTCOME naming a file in the run's own directory
+  (--checkpoint-dir, else the directory of --metrics, as flags or in the --config file: where
+  rank 0 writes anyway, so it sees the file on any node), else in a private temporary
+  directory that it removes (then rank 0 must run on this node, as mpirun and a batch script
+  place it by default); mpirun gets `-x HPCDL_OUTCOME`. It forwards the signals a batch
+  system or a user sends (SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGHUP);
 - hpcdl.train's rank 0 writes `started` there as it starts and `finished` as it ends with
   nothing left to train (record_outcome);
 - the launcher's status is passed on, except a 0 after `started` without `finished`: one line
@@ -26,11 +28,14 @@ the launcher, as it does in hpcdl.jobs' batch scripts (which read the --metrics 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hpcdl.config import ConfigError, load_toml, resolve_paths
 
 ENV = "HPCDL_OUTCOME"
 EXIT_NOT_FINISHED = 5
@@ -59,13 +64,66 @@ def launcher_argv(argv: list[str]) -> list[str]:
     return list(argv)
 
 
-def outcome_file() -> Path:
-    """A fresh file name for the outcome: in the working directory (shared by the nodes on a
-    cluster), else in the temporary directory."""
-    for where in (Path.cwd(), Path(tempfile.gettempdir())):
-        if os.access(where, os.W_OK):
-            return where / f".hpcdl-outcome-{os.getpid()}"
-    return Path(tempfile.gettempdir()) / f".hpcdl-outcome-{os.getpid()}"
+def run_directory(argv: list[str]) -> Path | None:
+    """The launched run's own directory: its --checkpoint-dir, else the directory of its
+    --metrics (flags first, then the keys of its --config file); None when it names neither."""
+    flags = _flag_values(argv, ("--config", "--checkpoint-dir", "--metrics"))
+    values: dict = {}
+    if "--config" in flags:
+        try:
+            values = resolve_paths(load_toml(flags["--config"]), flags["--config"])
+        except ConfigError:
+            values = {}  # hpcdl.train says so in its own line
+    values = {key.replace("-", "_"): value for key, value in values.items()}
+    checkpoint_dir = flags.get("--checkpoint-dir") or values.get("checkpoint_dir")
+    metrics = flags.get("--metrics") or values.get("metrics")
+    if isinstance(checkpoint_dir, str) and checkpoint_dir:
+        return Path(checkpoint_dir)
+    if isinstance(metrics, str) and metrics:
+        return Path(metrics).parent
+    return None
+
+
+def _flag_values(argv: list[str], names: tuple[str, ...]) -> dict[str, str]:
+    """The last value of each flag in names, as `--flag value` or `--flag=value`."""
+    found = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in names and eq:
+            found[name] = value
+        elif arg in names and i + 1 < len(argv):
+            found[arg] = argv[i + 1]
+    return found
+
+
+def outcome_file(argv: list[str]) -> tuple[Path, Path | None]:
+    """A fresh file name for the outcome, and a temporary directory to remove at the end (None
+    when the file lies in the run's directory, module notes)."""
+    directory = run_directory(argv)
+    if directory is not None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)  # hpcdl.train would make it too
+            if os.access(directory, os.W_OK):
+                return directory / f".hpcdl-outcome-{os.getpid()}", None
+        except OSError:
+            pass  # hpcdl.train names the directory in its own line
+    private = Path(tempfile.mkdtemp(prefix="hpcdl-launch-"))
+    return private / "outcome", private
+
+
+def run_launcher(args: list[str], path: Path) -> tuple[int | None, str | None]:
+    """Run the launcher with the outcome file named, forwarding signals; its status (None when
+    it cannot start: one line said so) and the outcome the run wrote."""
+    path.unlink(missing_ok=True)
+    try:
+        child = subprocess.Popen(launcher_argv(args), env={**os.environ, ENV: str(path)})
+    except OSError as exc:
+        print(f"hpcdl.launch: error: cannot start {args[0]}: {exc.strerror}", file=sys.stderr)
+        return None, None
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    status = child.wait()
+    return status, path.read_text().strip() if path.exists() else None
 
 
 def decide(launcher_status: int, outcome: str | None) -> tuple[int, str | None]:
@@ -87,20 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hpcdl.launch LAUNCHER [ARGS...]  (e.g. mpirun -np 4 python -m "
               "hpcdl.train ...)", file=sys.stderr)  # fmt: skip
         return 2
-    path = outcome_file()
-    path.unlink(missing_ok=True)
+    path, private = outcome_file(args)
     try:
-        child = subprocess.Popen(launcher_argv(args), env={**os.environ, ENV: str(path)})
-    except OSError as exc:
-        print(f"hpcdl.launch: error: cannot start {args[0]}: {exc.strerror}", file=sys.stderr)
-        return 127
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-    try:
-        status = child.wait()
-        outcome = path.read_text().strip() if path.exists() else None
+        status, outcome = run_launcher(args, path)
     finally:
         path.unlink(missing_ok=True)
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+    if status is None:
+        return 127
     status = 128 - status if status < 0 else status  # killed by a signal: as a shell says it
     status, line = decide(status, outcome)
     if line:

@@ -52,31 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     if world.is_root:
         launch.record_outcome(launch.STARTED)  # for `python -m hpcdl.launch` (a lost node)
     try:
-        status = train_through_lost_ranks(cfg, world)
-    except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
-        if world.is_root:
-            print(exc.message, flush=True)
-            record_finished(cfg, exc.message)
-            launch.record_outcome(launch.FINISHED)
-        world.comm.Barrier()  # the line is out before any rank exits
-        return 0
-    except SystemExitWithMessage as exc:
-        return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
+        return train_through_lost_ranks(cfg, world)
     except (DataError, LoaderFault) as exc:  # mid-run: one line from this rank (comm.failure)
         status = EXIT_DATA_ERROR if isinstance(exc, DataError) else EXIT_LOADER_FAULT
         status = EXIT_LOADER_TIMEOUT if isinstance(exc, LoaderTimeout) else status
         raise UserError(str(exc), status) from None
-    if world.is_root and status == 0:
-        launch.record_outcome(launch.FINISHED)
-    return status
 
 
 def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
-    """train(); with --on-node-loss continue, again on the survivors after a rank is lost,
-    from the latest checkpoint (NOTE [recovering from lost ranks] in hpcdl/comm/ulfm.py)."""
+    """train_to_the_end(); with --on-node-loss continue, again on the survivors after a rank is
+    lost, from the latest checkpoint (NOTE [recovering from lost ranks] in hpcdl/comm/ulfm.py)."""
     while True:
         try:
-            return ulfm.exiting(train(cfg, world))
+            return ulfm.exiting(train_to_the_end(cfg, world))
         except Exception as exc:
             if cfg.on_node_loss != "continue" or not lost_ranks(exc):
                 raise
@@ -86,6 +74,24 @@ def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
         install_abort_on_exception(world.comm, world.rank)
         atexit.register(ulfm.leave_without_finalize, world.comm)
         cfg = replace(cfg, resume="auto")
+
+
+def train_to_the_end(cfg: TrainConfig, world: World) -> int:
+    """train() on this world, whose rank 0 (after a recovery: the survivors') says how the run
+    ended: `finished` for hpcdl.launch when it did, the one line when it had nothing to do."""
+    try:
+        status = train(cfg, world)
+    except resume.NothingToTrain as exc:  # every rank: the resumed run is already done
+        if world.is_root:
+            print(exc.message, flush=True)
+            record_finished(cfg, exc.message)
+        world.comm.Barrier()  # the line is out before any rank exits
+        status = 0
+    except SystemExitWithMessage as exc:
+        return startup.fail_once(exc.message and f"hpcdl.train: error: {exc.message}", world.comm)
+    if world.is_root and status == 0:
+        launch.record_outcome(launch.FINISHED)
+    return status
 
 
 def record_finished(cfg: TrainConfig, line: str) -> None:

@@ -7,7 +7,15 @@ that watches the training batches. Lives in tests/ only; the product has no such
   trained on, step by step.
 - HPCDL_PROBE_SLOW=SECONDS:CKPT_DIR: every training forward sleeps SECONDS, but only in a run
   that started while CKPT_DIR held no checkpoint. The first job of a chain is then certainly
-  cut by its time limit, and the jobs that resume it run at full speed.
+  cut by its time limit, and the jobs that resume it run at full speed. Without CKPT_DIR
+  (`HPCDL_PROBE_SLOW=SECONDS:`) every run sleeps.
+- HPCDL_PROBE_HOLD=STEP:DIR: the process that writes the checkpoint of global step STEP (rank
+  0) writes its temporary file whole, then creates DIR/holding and waits there, never
+  publishing it, until the test kills it: a loss during a checkpoint write, at a known point.
+  Once per job: a process that finds DIR/holding writes on.
+- HPCDL_PROBE_HOLD_RECOVERY=DIR: a survivor of a lost rank (--on-node-loss continue), after
+  its shrink, creates DIR/recovering-R (R: its OMPI_COMM_WORLD_RANK) and waits for DIR/go
+  before it builds the new world: the test kills one more rank while the survivors recover.
 
 The probe has no parameters, so the model trains bit for bit as the same MLP without it.
 """
@@ -21,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl import checkpoint
+from hpcdl.comm import ulfm
 from hpcdl.nn.layers import Flatten, Layer, Linear, ReLU
 
 
@@ -38,7 +47,15 @@ class Probe(Layer):
         slow = os.environ.get("HPCDL_PROBE_SLOW")
         if slow:
             seconds, ckpt_dir = slow.split(":", 1)
-            self.sleep_s = float(seconds) if not checkpoint.list_checkpoints(ckpt_dir) else 0.0
+            first = not ckpt_dir or not checkpoint.list_checkpoints(ckpt_dir)
+            self.sleep_s = float(seconds) if first else 0.0
+        hold = os.environ.get("HPCDL_PROBE_HOLD")
+        if hold and not isinstance(checkpoint._write_h5, HeldWrite):
+            step, directory = hold.split(":", 1)
+            checkpoint._write_h5 = HeldWrite(checkpoint._write_h5, int(step), Path(directory))
+        recovery = os.environ.get("HPCDL_PROBE_HOLD_RECOVERY")
+        if recovery and not isinstance(ulfm.build_world, HeldRecovery):
+            ulfm.build_world = HeldRecovery(ulfm.build_world, Path(recovery))
 
     def forward(self, x, train=True):
         if train and self.record is not None:
@@ -51,6 +68,37 @@ class Probe(Layer):
 
     def backward(self, dy, ready=None):
         return dy
+
+
+class HeldRecovery:
+    """hpcdl.comm.ulfm.build_world that waits in a recovery (HPCDL_PROBE_HOLD_RECOVERY)."""
+
+    def __init__(self, build, directory: Path) -> None:
+        self.build, self.directory, self.held = build, directory, False
+
+    def __call__(self, comm):
+        if not self.held:  # the first recovery only
+            self.held = True
+            rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+            (self.directory / f"recovering-{rank}").touch()
+            while not (self.directory / "go").exists():
+                time.sleep(0.01)
+        return self.build(comm)
+
+
+class HeldWrite:
+    """hpcdl.checkpoint._write_h5 that holds at one checkpoint (HPCDL_PROBE_HOLD, module notes)."""
+
+    def __init__(self, write, step: int, directory: Path) -> None:
+        self.write, self.step, self.holding = write, step, directory / "holding"
+
+    def __call__(self, path: str, ckpt) -> None:
+        self.write(path, ckpt)
+        if ckpt.global_step != self.step or self.holding.exists():
+            return
+        self.holding.write_text(path)
+        while True:  # the test's SIGKILL ends it
+            time.sleep(1)
 
 
 def probe_mlp(input_shape, num_classes):

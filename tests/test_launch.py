@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from hpcdl.launch import launcher_argv
 
 
-def launch(script: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpcdl.launch", "sh", "-c", script],
+def launch(script: str, cwd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m hpcdl.launch sh -c script sh args...` in cwd."""
+    return subprocess.run([sys.executable, "-m", "hpcdl.launch", "sh", "-c", script, "sh", *args],
                           capture_output=True, text=True, timeout=60, cwd=cwd)  # fmt: skip
 
 
@@ -41,6 +44,43 @@ def test_a_run_that_started_and_never_finished_does_not_exit_0(tmp_path):
         "node?, see the lines above); exit status 5. Resume with --resume auto"
     ]
     assert list(tmp_path.iterdir()) == []
+
+
+SAY_WHERE = 'echo "$HPCDL_OUTCOME" > "$0.where"; echo started > "$HPCDL_OUTCOME"'
+
+
+@pytest.mark.parametrize(
+    ("flags", "directory"),
+    [
+        (["--checkpoint-dir", "{run}/ckpt", "--metrics", "{run}/m/metrics.jsonl"], "ckpt"),
+        (["--metrics={run}/m/metrics.jsonl"], "m"),
+        (["--config", "{run}/job.toml"], "ckpt"),  # checkpoint_dir = "ckpt", beside the file
+    ],
+)
+def test_the_outcome_file_lies_in_the_runs_own_directory(flags, directory, tmp_path):
+    run, cwd = tmp_path / "run", tmp_path / "cwd"
+    run.mkdir()
+    cwd.mkdir()
+    (run / "job.toml").write_text('data = "x"\ncheckpoint_dir = "ckpt"\n')
+    done = launch(SAY_WHERE.replace("$0", str(tmp_path / "seen")), cwd,
+                  *(flag.format(run=run) for flag in flags))  # fmt: skip
+    assert done.returncode == 5, done.stderr
+    seen = Path((tmp_path / "seen.where").read_text().strip())
+    assert seen.parent == run / directory and seen.name.startswith(".hpcdl-outcome-")
+    assert not seen.exists() and list(seen.parent.iterdir()) == []  # removed at the end
+    assert list(cwd.iterdir()) == []  # nothing in the working directory
+
+
+def test_without_a_run_directory_the_outcome_lies_in_a_temporary_directory_removed_after(
+    tmp_path,
+):
+    (tmp_path / "cwd").mkdir()
+    done = launch(SAY_WHERE.replace("$0", str(tmp_path / "seen")), tmp_path / "cwd")
+    assert done.returncode == 5, done.stderr
+    seen = Path((tmp_path / "seen.where").read_text().strip())
+    assert seen.parent.parent == Path(tempfile.gettempdir()), seen
+    assert not seen.parent.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "seen.where"]
 
 
 def test_mpirun_is_told_to_pass_the_outcome_file_to_every_node():

@@ -10,10 +10,8 @@ the 2-rank sampler. The next job on node 2 removes what the dead job left in its
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import mpi_env, wait_until
+from lost_ranks import is_rank, kill, probe_env, wait_for_step
 from probe_model import recorded_steps, sample_index_h5
 
 from hpcdl import checkpoint
@@ -58,11 +57,6 @@ def train(
     return cluster.argv(1 if slots[0] else 2, wrapper + command)
 
 
-def probe_env(record: Path, slow: str = "") -> dict[str, str]:
-    record.mkdir()
-    return {**mpi_env(), "HPCDL_PROBE_RECORD": str(record), "HPCDL_PROBE_SLOW": slow}
-
-
 def test_a_killed_node_ends_the_job_and_the_survivors_finish_the_epoch_once(cluster, tmp_path):
     data, out = sample_index_h5(tmp_path / "idx.h5", N), tmp_path
     # 0.3 s a step until the first checkpoint exists... and after: the probe slows only a run
@@ -70,14 +64,8 @@ def test_a_killed_node_ends_the_job_and_the_survivors_finish_the_epoch_once(clus
     env = probe_env(tmp_path / "a", f"0.3:{out / 'ckpt'}")
     with subprocess.Popen(train(cluster, [2, 2], data, out, launch=True), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env) as job:  # fmt: skip
-        rank0 = tmp_path / "a" / "rank-0.txt"
-
-        def mid_epoch() -> bool:  # rank 0 has taken 7 steps; the job must not end before
-            assert job.poll() is None, job.communicate()
-            return rank0.exists() and len(rank0.read_text().splitlines()) >= 7
-
-        wait_until(mid_epoch, 120, "rank 0's 7th step")
-        killed = [pid for pid in cluster.pids(2) if _kill(pid)]
+        wait_for_step(job, tmp_path / "a", 0, 7)
+        killed = [pid for pid in cluster.pids(2) if kill(pid)]
         assert len(killed) >= 6  # agent, daemon, 2 ranks, stager, 2 loader workers
         at = time.monotonic()
         stdout, stderr = job.communicate(timeout=60)
@@ -132,14 +120,6 @@ def test_a_killed_node_ends_the_job_and_the_survivors_finish_the_epoch_once(clus
     assert not (cluster.node(2).local / "stage").exists()
 
 
-def _kill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_a_cut_link_is_named_in_the_job_log_and_the_job_ends_non_zero(tmp_path):
     """Issue 49: 2 nodes x 1 rank whose names do not resolve, the job's output in a log file
     (`> log 2>&1`, as a batch script writes it); node 2's link is cut, its processes alive.
@@ -154,10 +134,7 @@ def test_a_cut_link_is_named_in_the_job_log_and_the_job_ends_non_zero(tmp_path):
         job = subprocess.Popen(["sh", "-c", f"{command} > {log} 2>&1"],
                                env=probe_env(tmp_path / "a", f"0.3:{out / 'ckpt'}"))  # fmt: skip
         try:
-            rank0, deadline = tmp_path / "a" / "rank-0.txt", time.monotonic() + 120
-            while not rank0.exists() or len(rank0.read_text().splitlines()) < 5:
-                assert job.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.02)
+            wait_for_step(job, tmp_path / "a", 0, 5)
             subprocess.run(["ip", "-n", cluster.switch, "link", "set", "p2", "down"], check=True)
             job.wait(timeout=90)  # no hang
         finally:
@@ -188,12 +165,15 @@ def test_ulfm_does_not_survive_a_lost_node(cluster, tmp_path):
         job = subprocess.Popen(cluster.argv(1, command), stdout=out, stderr=subprocess.STDOUT,
                                env=mpi_env())  # fmt: skip
     try:
-        pids, deadline = [tmp_path / f"rank-{r}.pid" for r in range(4)], time.monotonic() + 60
-        while not all(p.exists() and p.read_text() for p in pids):
-            assert job.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+        pids = [tmp_path / f"rank-{r}.pid" for r in range(4)]
+
+        def started() -> bool:
+            assert job.poll() is None, log.read_text()
+            return all(p.exists() and p.read_text() for p in pids)
+
+        wait_until(started, 60, "the probe's 4 ranks")
         for pid in cluster.pids(2):
-            _kill(pid)
+            kill(pid)
         job.wait(timeout=60)
     finally:
         if job.poll() is None:
@@ -218,14 +198,11 @@ def test_ranks_killed_on_a_node_that_stays_up_are_survived_with_continue(cluster
     argv = train(cluster, [2, 2], data, out, "--on-node-loss", "continue", ulfm=True)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env) as job:  # fmt: skip
-        rank0, deadline = tmp_path / "a" / "rank-0.txt", time.monotonic() + 120
-        while not rank0.exists() or len(rank0.read_text().splitlines()) < 7:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.02)
-        ranks = [pid for pid in cluster.pids(2) if _is_rank(pid)]
+        wait_for_step(job, tmp_path / "a", 0, 7)
+        ranks = [pid for pid in cluster.pids(2) if is_rank(pid)]
         assert len(ranks) == 2
         for pid in ranks:
-            _kill(pid)
+            kill(pid)
         output, _ = job.communicate(timeout=180)
     assert job.returncode == 0, output[-3000:]
     assert (
@@ -255,17 +232,6 @@ def test_ranks_killed_on_a_node_that_stays_up_are_survived_with_continue(cluster
         assert mine[len(mine) - len(after) :] == after
 
 
-def _is_rank(pid: int) -> bool:
-    """An MPI rank of hpcdl.train (not its loader workers or stager, which have no rank)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    named = any(e.startswith(b"OMPI_COMM_WORLD_RANK=") for e in environ)
-    return named and b"hpcdl.train" in cmdline
-
-
 def test_a_killed_node_with_continue_is_named_and_the_job_ends_non_zero(cluster, tmp_path):
     """`--on-node-loss continue` cannot survive a lost node (test_ulfm_does_not_survive_a_lost_
     node): the job still ends with the node watch's one line and, under hpcdl.launch, exit 5."""
@@ -274,12 +240,9 @@ def test_a_killed_node_with_continue_is_named_and_the_job_ends_non_zero(cluster,
     argv = train(cluster, [2, 2], data, out, "--on-node-loss", "continue", launch=True, ulfm=True)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env) as job:  # fmt: skip
-        rank0, deadline = tmp_path / "a" / "rank-0.txt", time.monotonic() + 120
-        while not rank0.exists() or len(rank0.read_text().splitlines()) < 5:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            time.sleep(0.02)
+        wait_for_step(job, tmp_path / "a", 0, 5)
         for pid in cluster.pids(2):
-            _kill(pid)
+            kill(pid)
         stdout, stderr = job.communicate(timeout=60)
     text = (stdout + stderr).replace("\0", "")
     ours = [line.strip() for line in text.splitlines() if line.startswith("hpcdl: node vnode2")]

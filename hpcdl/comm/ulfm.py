@@ -11,6 +11,9 @@ default error handler (MPI.ERRORS_RETURN) turns a failure into an exception. The
    on it gets MPI_ERR_REVOKED and unwinds the same way.
 3. Every survivor calls MPI_Comm_shrink: a communicator of the survivors, agreed among them
    (the shrink runs an agreement, so all see the same membership, whatever each one saw).
+   A rank lost after the shrink, while the survivors build the new world (step 4), fails
+   them there; each revokes what it built and the survivors' communicator, and they shrink
+   that one again (recover's loop): one recovery, one line for all the lost ranks.
 4. The survivors build a new World on it (split by node again) and start the run again with
    --resume auto: from the newest checkpoint in --checkpoint-dir, with the resume path's rule
    for another world size (the global batch kept, the rest of the checkpoint's epoch read once
@@ -36,6 +39,7 @@ import time
 from typing import Any
 
 from hpcdl.comm.world import World, build_world
+from hpcdl.mpi_errors import lost_ranks, revoke_quietly
 
 
 def recover(world: World, failed_at: float) -> World:
@@ -44,13 +48,21 @@ def recover(world: World, failed_at: float) -> World:
     survivors."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    revoke_quietly(world.comm)
-    survivors = world.comm.Shrink()
+    comm = world.comm
+    while True:
+        revoke_quietly(comm)
+        survivors = comm.Shrink()
+        try:
+            new = build_world(survivors)  # revokes what it built if a rank is lost meanwhile
+            started = survivors.allreduce(failed_at, op=MPI.MIN)
+            break
+        except MPI.Exception as exc:
+            if not lost_ranks(exc):
+                raise
+            comm = survivors  # one more rank lost while the survivors recovered: again
     kept = MPI.Group.Translate_ranks(
         survivors.Get_group(), list(range(survivors.Get_size())), world.comm.Get_group()
     )
-    new = build_world(survivors)
-    started = survivors.allreduce(failed_at, op=MPI.MIN)
     if new.is_root:
         lost = sorted(set(range(world.size)) - set(kept))
         where = sorted({world.hosts[r] for r in lost}) if world.hosts else []
@@ -64,16 +76,6 @@ def recover(world: World, failed_at: float) -> World:
             flush=True,
         )
     return new
-
-
-def revoke_quietly(comm: Any) -> None:
-    """Revoke comm so that survivors still waiting on it leave their collective (step 2)."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    try:
-        comm.Revoke()
-    except MPI.Exception:
-        pass
 
 
 def leave_without_finalize(comm: Any) -> None:

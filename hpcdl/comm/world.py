@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.mpi_errors import lost_ranks, revoke_quietly
+
 
 @dataclass
 class World:
@@ -114,18 +116,28 @@ def build_world(comm: Any) -> World:
     from mpi4py import MPI  # noqa: PLC0415
 
     thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-    local_rank = node_comm.rank
-    leaders_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.rank)
-    if leaders_comm == MPI.COMM_NULL:
-        leaders_comm = None
-    node_index = leaders_comm.rank if leaders_comm is not None else 0
-    num_nodes = leaders_comm.size if leaders_comm is not None else 0
-    node_index = node_comm.bcast(node_index, root=0)
-    num_nodes = node_comm.bcast(num_nodes, root=0)
-    node_ranks = tuple(node_comm.allgather(comm.rank))
-    ranks_by_node = tuple(leaders_comm.allgather(node_ranks)) if leaders_comm is not None else ()
-    ranks_by_node = node_comm.bcast(ranks_by_node, root=0)
+    made = [comm]
+    try:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        made.append(node_comm)
+        local_rank = node_comm.rank
+        leaders_comm = comm.Split(0 if local_rank == 0 else MPI.UNDEFINED, key=comm.rank)
+        if leaders_comm == MPI.COMM_NULL:
+            leaders_comm = None
+        else:
+            made.append(leaders_comm)
+        node_index = leaders_comm.rank if leaders_comm is not None else 0
+        num_nodes = leaders_comm.size if leaders_comm is not None else 0
+        node_index = node_comm.bcast(node_index, root=0)
+        num_nodes = node_comm.bcast(num_nodes, root=0)
+        node_ranks = tuple(node_comm.allgather(comm.rank))
+        by_leader = leaders_comm.allgather(node_ranks) if leaders_comm is not None else ()
+        ranks_by_node = node_comm.bcast(tuple(by_leader), root=0)
+    except MPI.Exception as exc:
+        if lost_ranks(exc):  # a rank lost meanwhile (ULFM): ranks waiting on any of these leave
+            for built in made:
+                revoke_quietly(built)
+        raise
     return World(
         comm=comm,
         node_comm=node_comm,

@@ -68,6 +68,7 @@ class DiagSession:
         run_id = comm.bcast(time.time(), root=0)
         flight.PLAN.directory = Path(options.run_dir) if options.run_dir else None
         flight.PLAN.rank, flight.PLAN.world_size, flight.PLAN.run_id = rank, comm.Get_size(), run_id
+        flight.PLAN.dumped = False  # a new run (the survivors', after a recovery) records its end
         try:
             session.table = heartbeat.open_on_node(node_comm)
         except OSError as exc:

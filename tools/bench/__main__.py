@@ -17,6 +17,7 @@ HARNESSES = {
     "memory": "tools.bench.memory",
     "finetune": "tools.bench.finetune",
     "peer-staging": "tools.bench.peer_staging",
+    "on-node-loss": "tools.bench.on_node_loss",
     "torch-sync-nodes": "tools.bench.torch_sync_nodes",
 }
 PROG = "python -m tools.bench"
