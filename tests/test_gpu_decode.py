@@ -107,6 +107,33 @@ def test_the_pixels_match_the_cpu_path_within_the_resampling_tolerance(folder):
     assert np.abs(flipped).max() > 4 * TOLERANCE
 
 
+def ramp(h: int, w: int, k: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    return np.stack([255 * xx / w, 255 * yy / h, np.full_like(xx, 7.0 * k)], -1).astype(np.uint8)
+
+
+def test_a_batch_of_images_of_many_sizes_is_cropped_in_one_pass_as_on_the_cpu(tmp_path):
+    """crop_normalise_batch packs images of any sizes into one buffer: each sample's pixels
+    come from its own image, box and flip, and the grey levels match the CPU path's."""
+    root = tmp_path / "data" / "c0"
+    root.mkdir(parents=True)
+    sizes = [(80, 80), (64, 96), (100, 72), (56, 120), (90, 60), (72, 72)]
+    for k, (h, w) in enumerate(sizes):
+        (root / f"{k:02d}.jpg").write_bytes(jpeg(ramp(h, w, k)))
+    ds = open_dataset(tmp_path / "data")
+    indices = np.arange(len(ds))[::-1].copy()
+    offsets, data, labels = read_bytes(ds, indices)
+    decoder = GpuBatchDecoder(ds, parse_augment(AUG), SEED, np, PillowDecoder())
+    for epoch in (0, 1, 2):
+        got, _ = decoder.build(indices, offsets, data, labels, epoch)
+        want, _ = cpu_path(ds, indices, epoch)
+        diff = np.abs(grey_levels(got, ds) - grey_levels(want, ds))
+        assert diff.max() <= TOLERANCE, (epoch, diff.max())
+    blue = grey_levels(got, ds)[:, 2].mean(axis=(1, 2))  # 7 * k: each sample its own image
+    k = [int((ds.root / ds.files.relpath(int(i))).stem) for i in indices]
+    np.testing.assert_allclose(blue, 7.0 * np.array(k), atol=TOLERANCE)
+
+
 def test_workers_move_the_files_bytes_only(folder):
     ds = open_dataset(folder)
     indices = np.array([5, 0, 40, 17])
