@@ -86,7 +86,8 @@ class Loader:
     pin_memory: None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
     excepthook handlers inside a `with` block only, True for the loader's life, False never
     (NOTE [process-wide handlers]). Rank and world come from torch.distributed, else MPI,
-    else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime].
+    else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime]. The workers
+    go on into the epoch the script will likely read next (_next_epoch).
     """
 
     def __init__(
