@@ -173,6 +173,21 @@ class RefusesCmyk(PillowDecoder):
         return super().decode([blob])[0]
 
 
+def test_byte_slots_built_ahead_for_the_next_epoch_are_used_not_dropped(folder):
+    """hpcdl.data.pool NOTE [the next epoch] with decode gpu: the decoding thread runs the
+    pool's iteration to its end, so the next epoch's byte slots built ahead are taken, none
+    read twice (one TASK and one REPLY per batch read, one READY per worker)."""
+    from hpcdl.data.pool import Upcoming
+
+    ds = open_dataset(folder)
+    epochs = [[np.arange(k, k + 8) + e for k in range(0, 32, 8)] for e in (0, 1)]
+    with Loader(ds, 8, workers=2, prefetch=4, seed=SEED, augment=AUG, decode="gpu") as loader:
+        first = list(loader.iterate(epochs[0], 0, then=Upcoming(epochs[1], 1, True)))
+        second = list(loader.iterate(epochs[1], 1))
+        assert loader.stats()["control_messages"] == 2 * 8 + 2
+    assert len(first) == len(second) == 4
+
+
 def test_an_image_the_decoder_refuses_is_decoded_on_the_cpu_and_counted(tmp_path):
     root = tmp_path / "data"
     (root / "c0").mkdir(parents=True)

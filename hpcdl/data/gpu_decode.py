@@ -188,16 +188,20 @@ class GpuBatchDecoder:
         stream on a GPU (see __init__); yields (images, labels) as build() does."""
         from hpcdl.data.ahead import Ahead  # noqa: PLC0415
 
+        # host first: zip then runs host to its end, where the pool keeps what it built ahead
+        # for the next epoch (hpcdl.data.pool NOTE [the next epoch]); batches first would
+        # leave host at its last batch, and closing it there drops them
+        items = zip(host, batches)
         if self._side is None:
 
             def work(item):
-                b, ((offsets, data), labels) = item
+                ((offsets, data), labels), b = item
                 return self.build(b, offsets, data, labels, epoch, train)
 
-            return Ahead(zip(batches, host), work, 1, "hpcdl-decode")
+            return Ahead(items, work, 1, "hpcdl-decode")
 
         def work_on_side(item):
-            b, ((offsets, data), labels) = item
+            ((offsets, data), labels), b = item
             self.xp.cuda.Device(self._device).use()  # the current device is per thread
             with self._side:
                 self._side.wait_event(self._taken)
@@ -213,7 +217,7 @@ class GpuBatchDecoder:
             self._taken.record(compute)
             return images, labels
 
-        return Ahead(zip(batches, host), work_on_side, 1, "hpcdl-decode", take)
+        return Ahead(items, work_on_side, 1, "hpcdl-decode", take)
 
     def _decoded(self, indices: np.ndarray, blobs: list[np.ndarray]) -> list[Any]:
         """Each image decoded: by the decoder, else by Pillow (counted), else None (bad)."""
