@@ -153,17 +153,12 @@ LOADER_IMAGES=$([ "$DEVICE" = gpu ] && echo 1024 || echo 64)
 phase loader 90 "$PY" -m hpcdl.bench loader --data "$WORK/jpeg256" --make-jpegs "$LOADER_IMAGES" \
     --max-images "$LOADER_IMAGES" --workers 8 --augment rrc224+flip --skip-hdf5 --json
 
-# -- input (issue 48): the step alone, torch's DataLoader and hpcdl.torch.Loader with default
-# slots on one JPEG folder; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
+# -- input (issue 48): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's
+# DataLoader and hpcdl.torch.Loader with default slots at 8 and 15 workers, GPU decode with 2;
+# one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
 echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"
-if [ "$DEVICE" = gpu ]; then
-    INPUT_ARGS=(--make-jpegs 2048 --image-size 448 --batch-size 128 --workers 8,15 --steps 40)
-else
-    INPUT_ARGS=(--make-jpegs 64 --image-size 256 --batch-size 8 --workers 2 --steps 4
-        --warmup 1 --model sleep:20)
-fi
-phase input 240 "$PY" -m hpcdl.bench input --device "$DEVICE" "${INPUT_ARGS[@]}" \
-    --json "$OUT/input.jsonl"
+phase input 300 env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIMEOUT=190 bash scripts/gpu-check-input.sh \
+    "$OUT" "$DEVICE"
 # -- end of the input block
 
 # ---- issue 47: the opt-in kernels (--gpu-kernels: cuDNN graphs, Philox dropout, CUDA graph of

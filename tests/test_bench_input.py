@@ -44,6 +44,20 @@ def test_an_explicit_slot_count_is_recorded_as_such(tmp_path):
     assert row["slots"] == 3 and not row["slots_default"] and row["precision"] == "none"
 
 
+def test_a_data_folder_that_does_not_exist_is_written_and_then_reused(tmp_path):
+    data = tmp_path / "jpegs"
+    args = ["--data", str(data), "--make-jpegs", "16", "--image-size", "80", "--augment",
+            "rrc64", "--batch-size", "8", "--workers", "1", "--steps", "1", "--warmup", "1",
+            "--model", "sleep:1", "--rows", "hpcdl"]  # fmt: skip
+    assert bench_input.main(args) == 0
+    files = sorted(data.rglob("*.jpg"))
+    assert len(files) == 16
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert bench_input.main([*args[:3], "99", *args[4:]]) == 0  # kept, not rewritten
+    assert sorted(data.rglob("*.jpg")) == files
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+
+
 def test_the_gpu_rows_model_is_a_resnet50_with_1000_classes():
     """bench input's resnet50 (torchvision's, or the compute bench's peer without it): the
     model the GPU rows time; a wrong import here broke the first GPU run of the bench."""

@@ -107,6 +107,33 @@ def test_the_pixels_match_the_cpu_path_within_the_resampling_tolerance(folder):
     assert np.abs(flipped).max() > 4 * TOLERANCE
 
 
+def ramp(h: int, w: int, k: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    return np.stack([255 * xx / w, 255 * yy / h, np.full_like(xx, 7.0 * k)], -1).astype(np.uint8)
+
+
+def test_a_batch_of_images_of_many_sizes_is_cropped_in_one_pass_as_on_the_cpu(tmp_path):
+    """crop_normalise_batch packs images of any sizes into one buffer: each sample's pixels
+    come from its own image, box and flip, and the grey levels match the CPU path's."""
+    root = tmp_path / "data" / "c0"
+    root.mkdir(parents=True)
+    sizes = [(80, 80), (64, 96), (100, 72), (56, 120), (90, 60), (72, 72)]
+    for k, (h, w) in enumerate(sizes):
+        (root / f"{k:02d}.jpg").write_bytes(jpeg(ramp(h, w, k)))
+    ds = open_dataset(tmp_path / "data")
+    indices = np.arange(len(ds))[::-1].copy()
+    offsets, data, labels = read_bytes(ds, indices)
+    decoder = GpuBatchDecoder(ds, parse_augment(AUG), SEED, np, PillowDecoder())
+    for epoch in (0, 1, 2):
+        got, _ = decoder.build(indices, offsets, data, labels, epoch)
+        want, _ = cpu_path(ds, indices, epoch)
+        diff = np.abs(grey_levels(got, ds) - grey_levels(want, ds))
+        assert diff.max() <= TOLERANCE, (epoch, diff.max())
+    blue = grey_levels(got, ds)[:, 2].mean(axis=(1, 2))  # 7 * k: each sample its own image
+    k = [int((ds.root / ds.files.relpath(int(i))).stem) for i in indices]
+    np.testing.assert_allclose(blue, 7.0 * np.array(k), atol=TOLERANCE)
+
+
 def test_workers_move_the_files_bytes_only(folder):
     ds = open_dataset(folder)
     indices = np.array([5, 0, 40, 17])
@@ -144,6 +171,21 @@ class RefusesCmyk(PillowDecoder):
 
     def one(self, blob):
         return super().decode([blob])[0]
+
+
+def test_byte_slots_built_ahead_for_the_next_epoch_are_used_not_dropped(folder):
+    """hpcdl.data.pool NOTE [the next epoch] with decode gpu: the decoding thread runs the
+    pool's iteration to its end, so the next epoch's byte slots built ahead are taken, none
+    read twice (one TASK and one REPLY per batch read, one READY per worker)."""
+    from hpcdl.data.pool import Upcoming
+
+    ds = open_dataset(folder)
+    epochs = [[np.arange(k, k + 8) + e for k in range(0, 32, 8)] for e in (0, 1)]
+    with Loader(ds, 8, workers=2, prefetch=4, seed=SEED, augment=AUG, decode="gpu") as loader:
+        first = list(loader.iterate(epochs[0], 0, then=Upcoming(epochs[1], 1, True)))
+        second = list(loader.iterate(epochs[1], 1))
+        assert loader.stats()["control_messages"] == 2 * 8 + 2
+    assert len(first) == len(second) == 4
 
 
 def test_an_image_the_decoder_refuses_is_decoded_on_the_cpu_and_counted(tmp_path):

@@ -81,6 +81,25 @@ def test_a_batch_is_its_slot_no_copy_valid_until_the_next_request(shards):
         batches.close()
 
 
+def test_the_workers_go_on_into_the_epoch_the_script_will_ask_for_next(shards):
+    """hpcdl.data.pool NOTE [the next epoch]: with set_epoch before each epoch, the last batches
+    of one epoch are taken while the workers build the next one's first; without set_epoch the
+    same epoch comes again. One TASK and one REPLY per batch built, one READY per worker."""
+    n, workers = 400 // BATCH, 2
+    with Loader(shards, BATCH, epochs=2, workers=workers, seed=SEED, augment=AUG) as loader:
+        loader.set_epoch(0)
+        got = [(x.clone(), y.clone()) for x, y in loader]
+        assert loader.stats()["control_messages"] > 2 * n + workers  # epoch 1 is under way
+        loader.set_epoch(1)
+        got += [(x.clone(), y.clone()) for x, y in loader]
+        assert loader.stats()["control_messages"] == 2 * 2 * n + workers  # none built twice
+    with Loader(shards, BATCH, epochs=2, workers=workers, seed=SEED, augment=AUG) as loader:
+        again = [(x.clone(), y.clone()) for _ in range(2) for x, y in loader]
+    want = numpy_batches(shards, 0) + numpy_batches(shards, 1)
+    for (x, y), (wx, wy) in zip(got + again, want + numpy_batches(shards, 0) * 2, strict=True):
+        assert np.array_equal(x.numpy(), wx) and np.array_equal(y.numpy(), wy)
+
+
 def test_torch_dataloader_in_hpcdls_order_yields_the_same_batches(shards):
     samples = HpcdlSamples(str(shards), AUG, SEED)
     sampler = HpcdlSampler(len(samples), BATCH, rank=0, world_size=1, seed=SEED)

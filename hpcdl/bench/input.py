@@ -16,7 +16,8 @@ in a real script), so a wait there is host time while the GPU still has queued w
 Models: resnet50 (torchvision's, hpcdl.bench.torch_models; bf16 autocast and channels_last on a
 GPU), linear (one dense layer: next to nothing), or sleep:MS (the host waits MS milliseconds
 without using a core, like a queued GPU step: the CPU stand-in for a fast GPU, and the default
-with --device cpu). `--json F` appends one JSON line per row (docs/PERFORMANCE.md, issue 48).
+with --device cpu). `--json F` appends one JSON line per row as it is timed (docs/PERFORMANCE.md,
+issue 48).
 Needs torch (the bench extra).
 """
 
@@ -44,8 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where the step runs")
-    p.add_argument("--data", help="JPEG folder root/<class>/<file> (default: a temporary one)")
-    p.add_argument("--make-jpegs", type=int, default=512, help="JPEGs to write without --data")
+    p.add_argument(
+        "--data",
+        help="JPEG folder root/<class>/<file>; written there (--make-jpegs) where it does not "
+        "exist, so that several runs share it (default: a temporary one)",
+    )
+    p.add_argument("--make-jpegs", type=int, default=512, help="JPEGs to write")
     p.add_argument("--image-size", type=int, default=320, help="side of the JPEGs it writes")
     p.add_argument("--workers", default="2", help="loader workers per row, comma-separated")
     p.add_argument("--batch-size", type=int, default=32, help="images per step")
@@ -242,6 +247,9 @@ def rows(args, data: str) -> list[dict[str, Any]]:
                    slots_default=default, batch=args.batch_size, model=name,
                    precision=precision, device=device_name, **timing)  # fmt: skip
         out.append(row)
+        if args.json:  # row by row: a run cut short by a time limit keeps the rows it timed
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
         print(
             f"{loader:10} decode {decode:4} workers {workers!s:>3} slots {slots!s:>4}: "
             f"{row['images_per_s']:9.1f} images/s, data wait {100 * row['data_wait_share']:5.1f} %",
@@ -287,13 +295,8 @@ def _repeat(x, y):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-input-") as tmp:
-        data = args.data
-        if data is None:
-            data = str(Path(tmp) / "jpegs")
+        data = args.data or str(Path(tmp) / "jpegs")
+        if not Path(data).exists():
             make_jpegs(Path(data), args.make_jpegs, size=args.image_size)
-        out = rows(args, data)
-    if args.json:
-        with open(args.json, "a") as f:
-            for row in out:
-                f.write(json.dumps(row) + "\n")
+        rows(args, data)
     return 0

@@ -17,7 +17,8 @@ H100 eats 3,600 (issue 48). So with `--decode gpu` the loader workers only read 
   resize to the output size (half-pixel centres, no antialiasing: Pillow's BILINEAR filter
   widens when it shrinks, so pixels differ from the CPU path's by a resampling tolerance), the
   flip and the normalisation are array code on the array module of the decoded images: CuPy
-  kernels on a GPU, NumPy on the CPU, one code path.
+  kernels on a GPU, NumPy on the CPU, one code path, a fixed number of calls per batch
+  (crop_normalise_batch; done per image, about 40 CuPy calls each, thousands a batch).
 - A thread decodes one batch ahead of the step (GpuBatchDecoder.ahead, hpcdl.data.ahead), on a
   side stream on a GPU, with an event each way (see GpuBatchDecoder.__init__).
 Validation batches (train=False) are not decoded here: hpcdl.train's validation loader decodes
@@ -166,17 +167,19 @@ class GpuBatchDecoder:
         images = self._decoded(indices, blobs)
         boxes = self.boxes(indices, epoch)
         xp = self.xp
-        out = xp.empty((n, *self.shape), xp.float32)
         ok = [img is not None for img in images]
-        for i, img in enumerate(images):
-            if img is not None:
-                scale = (img.shape[0] / self.ds.heights[indices[i]],
-                         img.shape[1] / self.ds.widths[indices[i]])  # fmt: skip
-                out[i] = crop_normalise(xp, img, boxes, i, scale, self.mean, self.std)
+        good = [i for i in range(n) if ok[i]]
+        if not good:
+            _substitutes(ok, indices)  # raises: every sample of the batch is bad
+        indexed_hw = np.stack([self.ds.heights[indices], self.ds.widths[indices]], 1)
+        out = crop_normalise_batch(
+            xp, [images[i] for i in good], _select(boxes, good), indexed_hw[good],
+            self.mean, self.std,
+        )  # fmt: skip
         labels = np.array(labels[:n], np.int64)
-        if not all(ok):
+        if len(good) < n:  # bad samples: the nearest good one stands in (hpcdl.data.batch)
             take = _substitutes(ok, indices)
-            out = out[xp.asarray(take)]
+            out = out[xp.asarray([good.index(t) for t in take])]
             labels = labels[take]
         return out, xp.asarray(labels)
 
@@ -185,16 +188,20 @@ class GpuBatchDecoder:
         stream on a GPU (see __init__); yields (images, labels) as build() does."""
         from hpcdl.data.ahead import Ahead  # noqa: PLC0415
 
+        # host first: zip then runs host to its end, where the pool keeps what it built ahead
+        # for the next epoch (hpcdl.data.pool NOTE [the next epoch]); batches first would
+        # leave host at its last batch, and closing it there drops them
+        items = zip(host, batches)
         if self._side is None:
 
             def work(item):
-                b, ((offsets, data), labels) = item
+                ((offsets, data), labels), b = item
                 return self.build(b, offsets, data, labels, epoch, train)
 
-            return Ahead(zip(batches, host), work, 1, "hpcdl-decode")
+            return Ahead(items, work, 1, "hpcdl-decode")
 
         def work_on_side(item):
-            b, ((offsets, data), labels) = item
+            ((offsets, data), labels), b = item
             self.xp.cuda.Device(self._device).use()  # the current device is per thread
             with self._side:
                 self._side.wait_event(self._taken)
@@ -210,7 +217,7 @@ class GpuBatchDecoder:
             self._taken.record(compute)
             return images, labels
 
-        return Ahead(zip(batches, host), work_on_side, 1, "hpcdl-decode", take)
+        return Ahead(items, work_on_side, 1, "hpcdl-decode", take)
 
     def _decoded(self, indices: np.ndarray, blobs: list[np.ndarray]) -> list[Any]:
         """Each image decoded: by the decoder, else by Pillow (counted), else None (bad)."""
@@ -232,33 +239,62 @@ class GpuBatchDecoder:
         return images
 
 
-def crop_normalise(xp: Any, img, boxes: Boxes, i: int, scale: tuple[float, float], mean, std):
-    """Sample i's box of img (h, w, C) uint8 resized (bilinear) to the output size, flipped
-    where drawn, normalised: (C, oh, ow) float32 on xp. scale: decoded / indexed size."""
+def crop_normalise_batch(xp: Any, images: list, boxes: Boxes, indexed_hw: np.ndarray, mean, std):
+    """Each image's box resized (bilinear) to the output size, flipped where drawn, normalised:
+    (n, C, oh, ow) float32 on xp, in a fixed number of array calls whatever n (issue 48: done
+    per image, a batch of 128 took thousands of CuPy calls).
+
+    images: n decoded (h_i, w_i, C) uint8 arrays on xp, any sizes; boxes: theirs, in indexed
+    coordinates; indexed_hw: (n, 2) the sizes the boxes were drawn on (a decoder may return a
+    reduced size). The images are packed into one flat buffer; the taps of every output pixel
+    become indices into it, so the crop, resize and flip are four gathers and a blend."""
     if boxes.pad:
         p = boxes.pad
-        img = xp.pad(img, ((p, p), (p, p), (0, 0)))
+        images = [xp.pad(img, ((p, p), (p, p), (0, 0))) for img in images]
+        indexed_hw = indexed_hw + 2 * p
     oh, ow = boxes.out_hw
-    sy, sx = scale
-    y0, x0 = float(boxes.y0[i]) * sy, float(boxes.x0[i]) * sx
-    h, w = float(boxes.h[i]) * sy, float(boxes.w[i]) * sx
-    ys = _taps(xp, y0, h, oh, img.shape[0])
-    xs = _taps(xp, x0, w, ow, img.shape[1])
-    if boxes.flip[i]:
-        xs = tuple(t[::-1] for t in xs)
+    c = images[0].shape[2]
+    hw = np.array([img.shape[:2] for img in images], np.int64)  # (n, 2) decoded sizes
+    scale = hw / indexed_hw
+    ys = _taps(boxes.y0 * scale[:, 0], boxes.h * scale[:, 0], oh, hw[:, 0])
+    xs = _taps(boxes.x0 * scale[:, 1], boxes.w * scale[:, 1], ow, hw[:, 1])
+    flip = np.asarray(boxes.flip, bool)
+    xs = tuple(np.where(flip[:, None], t[:, ::-1], t) for t in xs)
     (y_lo, y_hi, wy), (x_lo, x_hi, wx) = ys, xs
-    f = img.astype(xp.float32)
-    wx = wx[None, :, None]
-    top = f[y_lo][:, x_lo] * (1 - wx) + f[y_lo][:, x_hi] * wx
-    bottom = f[y_hi][:, x_lo] * (1 - wx) + f[y_hi][:, x_hi] * wx
-    region = top * (1 - wy[:, None, None]) + bottom * wy[:, None, None]  # (oh, ow, C)
-    return ((region - mean) / std).transpose(2, 0, 1)
+    sizes = hw[:, 0] * hw[:, 1] * c
+    base = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # where image i starts in `flat`
+    flat = xp.concatenate([img.reshape(-1) for img in images])
+    row = c * hw[:, 1:2]  # (n, 1) elements per image row: C x its width
+
+    def index(y: np.ndarray, x: np.ndarray):  # (n, oh, ow, C) into flat
+        rows = xp.asarray(base[:, None] + y * row)[:, :, None, None]
+        cols = xp.asarray(c * x)[:, None, :, None]
+        return rows + cols + xp.arange(c)[None, None, None, :]
+
+    def pixels(y: np.ndarray, x: np.ndarray):
+        return flat[index(y, x)].astype(xp.float32)
+
+    wx = xp.asarray(wx)[:, None, :, None]
+    wy = xp.asarray(wy)[:, :, None, None]
+    top = pixels(y_lo, x_lo) * (1 - wx) + pixels(y_lo, x_hi) * wx
+    bottom = pixels(y_hi, x_lo) * (1 - wx) + pixels(y_hi, x_hi) * wx
+    region = top * (1 - wy) + bottom * wy  # (n, oh, ow, C)
+    return xp.ascontiguousarray(((region - mean) / std).transpose(0, 3, 1, 2))
 
 
-def _taps(xp: Any, start: float, length: float, out: int, size: int):
-    """Bilinear source taps along one axis: (low index, high index, weight of high) (out,)."""
-    centres = start + (xp.arange(out, dtype=xp.float32) + 0.5) * (length / out) - 0.5
-    centres = xp.clip(centres, 0, size - 1)
-    lo = xp.floor(centres).astype(xp.int64)
-    hi = xp.minimum(lo + 1, size - 1)
-    return lo, hi, (centres - lo).astype(xp.float32)
+def _select(boxes: Boxes, keep: list[int]) -> Boxes:
+    """The boxes of the samples `keep`."""
+    return Boxes(boxes.y0[keep], boxes.x0[keep], boxes.h[keep], boxes.w[keep],
+                 boxes.flip[keep], boxes.out_hw, boxes.pad)  # fmt: skip
+
+
+def _taps(start: np.ndarray, length: np.ndarray, out: int, size: np.ndarray):
+    """Bilinear source taps along one axis, per image (half-pixel centres): (low index, high
+    index, weight of high), each (n, out). start, length, size: (n,) per image. On the host:
+    n x out numbers, small next to the pixels."""
+    step = (np.asarray(length, np.float64) / out)[:, None]
+    centres = np.asarray(start, np.float64)[:, None] + (np.arange(out) + 0.5) * step - 0.5
+    centres = np.clip(centres, 0, (size - 1)[:, None])
+    lo = np.floor(centres).astype(np.int64)
+    hi = np.minimum(lo + 1, (size - 1)[:, None])
+    return lo, hi, (centres - lo).astype(np.float32)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from hpcdl.data.dataset import Locate
 from hpcdl.data.file_bytes import FileBytesReader, byte_capacity, check_gpu_decode
 from hpcdl.data.gpu_decode import GpuBatchDecoder
 from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir
+
+if TYPE_CHECKING:
+    from hpcdl.data.pool import Upcoming
 
 # How long a worker may stay silent on a batch the trainer waits for (--loader-timeout): well
 # above a slow parallel file system read (tens of seconds) or a Lustre/GPFS server failover
@@ -162,19 +165,22 @@ class Loader:
         epoch: int,
         train: bool = True,
         stop_requested: Callable[[], bool] | None = None,
+        then: Upcoming | None = None,
     ):
         """Yield (images (n, C, H, W) float32, labels (n,) int64) for each batch of indices.
 
         The arrays are views of a buffer the loader reuses: valid until the next iteration
         (decode gpu: images are new arrays of the xp given, labels NumPy).
-        stop_requested: see the module notes (polled only while waiting for a worker)."""
+        stop_requested: see the module notes (polled only while waiting for a worker).
+        then: what the next iterate() will be asked for, so that the workers go on into it
+        while this one's last batches are used (hpcdl.data.pool NOTE [the next epoch])."""
         batches = list(batches)
-        for b in batches:
+        for b in batches + (list(then.batches) if then is not None else []):
             if not 0 < len(b) <= self.batch_size:
                 raise ValueError(
                     f"a batch of {len(b)} samples does not fit batch_size {self.batch_size}"
                 )
-        host = self._host_batches(batches, epoch, train, stop_requested)
+        host = self._host_batches(batches, epoch, train, stop_requested, then)
         if self._gpu is None:
             return (yield from host)
         decoded = iter(self._gpu.ahead(batches, host, epoch, train))  # one batch ahead
@@ -184,10 +190,10 @@ class Loader:
             decoded.close()  # the thread stops and closes host
             host.close()
 
-    def _host_batches(self, batches: list, epoch: int, train: bool, stop_requested):
+    def _host_batches(self, batches: list, epoch: int, train: bool, stop_requested, then):
         """The batches as the workers (or this process) build them: pixels, or byte slots."""
         if self._builder is None:
-            delivered = yield from self._pool.iterate(batches, epoch, train, stop_requested)
+            delivered = yield from self._pool.iterate(batches, epoch, train, stop_requested, then)
             if delivered == len(batches):
                 return
             self._build_here()  # the pool closed itself; this loader builds from now on

@@ -23,6 +23,18 @@ Stop requests: `iterate(..., stop_requested)` is polled while waiting. Once it a
 trainer caught Slurm's SIGTERM), the pool stops depending on its workers: it closes them and
 returns the number of batches delivered, and the Loader builds the rest in its own process. A
 stalled worker thus cannot keep the trainer from reaching its checkpoint.
+
+NOTE [the next epoch]
+Issue 48: each iteration used to start with every slot free and end with the workers idle, so
+every epoch waited for a batch built from scratch before its first step, the workers with the
+epoch's last batches worked while the others idled, and an epoch of fewer batches than workers
+kept some idle throughout (`bench input` on an H100: 768 JPEGs in batches of 128 are 6 batches
+for 8 workers; DataLoader's row there never ends an epoch). So a caller that knows what it will
+ask for next passes it as `then` (an Upcoming): once this iteration's batches are all given out,
+the free slots get the next one's first batches. The next iterate() takes those it was built
+for (same epoch, train flag and indices) as they are; any other order first waits for the
+workers to finish them and drops them (their slots are being written). Batches travel under a
+ticket, a number unique to the pool, so the same epoch's batch k can be in flight twice.
 """
 
 from __future__ import annotations
@@ -116,6 +128,15 @@ class WorkerOptions:
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class Upcoming:
+    """What the next iterate() will be asked for (NOTE [the next epoch])."""
+
+    batches: list
+    epoch: int
+    train: bool
+
+
 class WorkerPool:
     """K worker processes and `prefetch` slots for one Loader. Not thread-safe."""
 
@@ -144,14 +165,19 @@ class WorkerPool:
         self.control_bytes = 0
         self.control_messages = 0
         self.closed = False
-        # State of the current iterate(): finished batches (number -> slot), each worker's
-        # batches in flight (oldest first), since when each worker has been silent
-        # (time.monotonic()), and the batches whose stall was warned about.
+        # Batches travel under tickets (NOTE [the next epoch]): finished ones (ticket -> slot),
+        # each worker's tickets in flight (oldest first), what each ticket is (epoch, batch
+        # number: for messages), the slots free to give out, and the batches built ahead for
+        # the next iteration (its Upcoming, their tickets). Since when each worker has been
+        # silent (time.monotonic()), and the tickets whose stall was warned about.
         self._done: dict[int, int] = {}
         self._owner: dict[int, deque] = {w: deque() for w in range(options.workers)}
+        self._what: dict[int, tuple[int, int]] = {}
+        self._free: deque = deque(range(layout.count))
+        self._ahead: tuple[Upcoming, list[int]] | None = None
+        self._next_ticket = 0
         self._silent_since: list[float] = []
         self._warned: set[int] = set()
-        self._epoch = 0
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.socks, self.ring)
         try:
             env = worker_env()
@@ -177,40 +203,67 @@ class WorkerPool:
         self.selector.register(parent_end, selectors.EVENT_READ, w)
 
     def iterate(
-        self, batches, epoch: int, train: bool, stop_requested: Callable[[], bool] | None = None
+        self,
+        batches,
+        epoch: int,
+        train: bool,
+        stop_requested: Callable[[], bool] | None = None,
+        then: Upcoming | None = None,
     ):
         """Yield (images (n, C, H, W) float32, labels (n,) int64) slot views in batch order.
 
-        Returns the number of batches yielded: fewer than len(batches) when stop_requested()
-        answered True while the pool waited (it is closed then; see the module notes)."""
+        then: what the next iterate() will be asked for (NOTE [the next epoch]). Returns the
+        number of batches yielded: fewer than len(batches) when stop_requested() answered True
+        while the pool waited (it is closed then; see the module notes)."""
         if self.closed:
             raise RuntimeError("this loader was closed (after close() or a worker failure)")
         batches = [np.asarray(b, np.int64) for b in batches]
-        free = deque(range(self.layout.count))
-        self._done = {}
-        self._owner = {w: deque() for w in range(len(self.procs))}
+        tickets = self._adopt(batches, epoch, train)
+        ahead: list[int] = []
         self._warned = set()
-        self._epoch = epoch
-        issued, held = 0, None
+        held = None
         ok = False
         try:
             for b in range(len(batches)):
                 if held is not None:  # the trainer has moved on from the previous batch
-                    free.append(held)
+                    self._free.append(held)
                     held = None
-                while free and issued < len(batches):
-                    self._issue(free.popleft(), issued, batches[issued], epoch, train)
-                    issued += 1
-                if not self._wait_for(b, stop_requested):
+                while self._free and len(tickets) < len(batches):
+                    k = len(tickets)
+                    tickets.append(self._issue(epoch, k, batches[k], train))
+                while then is not None and self._free and len(ahead) < len(then.batches):
+                    k = len(ahead)
+                    ahead.append(self._issue(then.epoch, k, then.batches[k], then.train))
+                if not self._wait_for(tickets[b], stop_requested):
                     self.close()
                     return b
-                held = self._done.pop(b)
+                held = self._done.pop(tickets[b])
+                del self._what[tickets[b]]
                 yield self._views(held, len(batches[b]))
             ok = True
         finally:
-            if not ok and not self.closed:
+            if held is not None:
+                self._free.append(held)
+            if ok:
+                self._ahead = (then, ahead) if ahead else None
+            elif not self.closed:
                 self._drain_or_close(stop_requested)
         return len(batches)
+
+    def _adopt(self, batches: list, epoch: int, train: bool) -> list[int]:
+        """The tickets built ahead for these batches (NOTE [the next epoch]); batches built
+        ahead for another order are waited for and their slots freed."""
+        if self._ahead is None:
+            return []
+        (up, tickets), self._ahead = self._ahead, None
+        if (up.epoch, up.train) == (epoch, train) and len(tickets) <= len(batches):
+            if all(np.array_equal(batches[k], up.batches[k]) for k in range(len(tickets))):
+                return tickets
+        for t in tickets:
+            self._wait_for(t, None)
+            self._free.append(self._done.pop(t))
+            del self._what[t]
+        return []
 
     def _views(self, slot: int, n: int):
         """(images (n, C, H, W) float32, labels (n,) int64) of a slot; a byte slot's images are
@@ -221,29 +274,33 @@ class WorkerPool:
         _, labels, images = slot_views(self.ring.mm, self.layout, slot, n)
         return images, labels
 
-    def _wait_for(self, b: int, stop_requested: Callable[[], bool] | None) -> bool:
-        """Receive replies until batch b is done (True) or a stop is requested (False)."""
+    def _wait_for(self, ticket: int, stop_requested: Callable[[], bool] | None) -> bool:
+        """Receive replies until a ticket's batch is done (True) or a stop is requested (False)."""
         with diag.span(diag.Kind.DATA_WAIT):  # the stall inspector sees this wait
-            while b not in self._done:
+            while ticket not in self._done:
                 if stop_requested is not None and stop_requested():
                     return False
                 self._receive()
-                if b not in self._done:
-                    self._watch(b)
+                if ticket not in self._done:
+                    self._watch(ticket)
             return True
 
-    def _watch(self, b: int) -> None:
+    def _building(self, ticket: int) -> str:
+        epoch, b = self._what[ticket]
+        return f"while building batch {b} of epoch {epoch}"
+
+    def _watch(self, ticket: int) -> None:
         """The watchdog: warn once at half the timeout, raise LoaderTimeout at the timeout,
-        when the worker that owns batch b has been silent that long."""
-        w = next(k for k, owned in self._owner.items() if b in owned)
+        when the worker that owns the ticket's batch has been silent that long."""
+        w = next(k for k, owned in self._owner.items() if ticket in owned)
         silent = time.monotonic() - self._silent_since[w]
-        if silent < self.timeout_s / 2 or (silent < self.timeout_s and b in self._warned):
+        if silent < self.timeout_s / 2 or (silent < self.timeout_s and ticket in self._warned):
             return
         pid = self.procs[w].pid
         state = _process_state(pid)
-        where = f"while building batch {b} of epoch {self._epoch} (process state: {state})"
+        where = f"{self._building(ticket)} (process state: {state})"
         if silent < self.timeout_s:
-            self._warned.add(b)
+            self._warned.add(ticket)
             messages.warn(
                 f"loader worker pid {pid} has not answered for {self.timeout_s / 2:g} s {where}; "
                 f"the loader gives up at {self.timeout_s:g} s (--loader-timeout)"
@@ -256,15 +313,20 @@ class WorkerPool:
             "the usual cause; raise --loader-timeout if one batch can really take this long"
         )
 
-    def _issue(self, slot: int, batch: int, indices: np.ndarray, epoch: int, train: bool) -> None:
+    def _issue(self, epoch: int, batch: int, indices: np.ndarray, train: bool) -> int:
+        """Give batch `batch` of `epoch` a free slot and the least busy worker; its ticket."""
+        slot = self._free.popleft()
+        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+        self._what[ticket] = (epoch, batch)
         w = min(self._owner, key=lambda k: len(self._owner[k]))
         idx, _, _ = slot_views(self.ring.mm, self.layout, slot, len(indices))
         idx[:] = indices
-        msg = TASK.pack(OP_BUILD, slot, epoch, batch, len(indices), int(train))
+        msg = TASK.pack(OP_BUILD, slot, epoch, ticket, len(indices), int(train))
         self._send(w, msg)
         if not self._owner[w]:
             self._silent_since[w] = time.monotonic()  # an idle worker's silence starts now
-        self._owner[w].append(batch)
+        self._owner[w].append(ticket)
+        return ticket
 
     def _send(self, w: int, msg: bytes) -> None:
         try:
@@ -288,7 +350,7 @@ class WorkerPool:
             if not head:
                 self._died(w)
             self._silent_since[w] = time.monotonic()
-            op, slot, batch, local, pfs, bad, text_len = REPLY.unpack(head)
+            op, slot, ticket, local, pfs, bad, text_len = REPLY.unpack(head)
             text = recv_exact(self.socks[w], text_len).decode() if text_len else ""
             self.control_bytes += REPLY.size + text_len
             self.control_messages += 1
@@ -297,8 +359,8 @@ class WorkerPool:
             if op != OP_DONE:
                 self.close()
                 raise (DataError if op == OP_DATA_ERROR else WorkerFailed)(text)
-            self._owner[w].remove(batch)
-            self._done[batch] = slot
+            self._owner[w].remove(ticket)
+            self._done[ticket] = slot
             self.counts["local_reads"] += local
             self.counts["pfs_reads"] += pfs
             self.counts["bad_samples"] += bad
@@ -310,9 +372,7 @@ class WorkerPool:
         except subprocess.TimeoutExpired:
             code = None
         pending = self._owner.get(w)
-        what = (
-            f"while building batch {pending[0]} of epoch {self._epoch}" if pending else "while idle"
-        )
+        what = self._building(pending[0]) if pending else "while idle"
         oom = (
             " Out of memory is the usual cause of SIGKILL (check `dmesg`, lower --workers or "
             "--prefetch);"
@@ -339,6 +399,10 @@ class WorkerPool:
             pass
         if any(self._owner.values()):
             self.close()
+            return
+        # every batch given out is finished and nobody reads it: all slots are free again
+        self._done, self._what, self._ahead = {}, {}, None
+        self._free = deque(range(self.layout.count))
 
     def close(self) -> None:
         if self.closed:

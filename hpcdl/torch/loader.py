@@ -52,7 +52,7 @@ from hpcdl.comm.failure import SystemExitWithMessage
 from hpcdl.config import STAGE_NICE, STAGE_THREADS, ConfigError, TrainConfig, validate
 from hpcdl.data.dataset import DataError
 from hpcdl.data.loader import LOADER_TIMEOUT_S
-from hpcdl.data.pool import LoaderFault
+from hpcdl.data.pool import LoaderFault, Upcoming
 from hpcdl.staging.ownership import StageDirError
 from hpcdl.torch.pinning import PinnedAhead
 from hpcdl.torch.world import NotInitialised, current_world
@@ -86,7 +86,8 @@ class Loader:
     pin_memory: None pins when CUDA is available. handle_signals: None installs SIGTERM, atexit and
     excepthook handlers inside a `with` block only, True for the loader's life, False never
     (NOTE [process-wide handlers]). Rank and world come from torch.distributed, else MPI,
-    else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime].
+    else a world of one (hpcdl.torch.world). Valid batches: NOTE [slot lifetime]. The workers
+    go on into the epoch the script will likely read next (_next_epoch).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class Loader:
         self.cfg = cfg
         self.pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.epoch = 0
+        self._epoch_given = False  # set_epoch since the last iteration: the next is epoch + 1
         self.closed = False
         self._iteration: Iterator | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -181,6 +183,7 @@ class Loader:
             last = self.cfg.epochs - 1
             raise ValueError(f"epoch {epoch} is outside the loader's epochs 0..{last}")
         self.epoch = int(epoch)
+        self._epoch_given = True
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
@@ -210,7 +213,7 @@ class Loader:
                 )
         if self._iteration is not None:
             self._iteration.close()  # an epoch left early: its batches in flight are drained
-        self._iteration = self._batches(self.epoch)
+        self._iteration = self._batches(self.epoch, self._next_epoch())
         return self._iteration
 
     def stats(self) -> dict[str, Any]:
@@ -240,9 +243,21 @@ class Loader:
 
     # ------------------------------------------------------------------ internals
 
-    def _batches(self, epoch: int) -> Iterator[tuple[Any, Any]]:
+    def _next_epoch(self) -> int | None:
+        """The epoch the iteration after this one will likely read, for the workers to go on
+        into (hpcdl.data.pool NOTE [the next epoch]): a script that called set_epoch before
+        this epoch calls it with epoch + 1 next; one that never does reads the same epoch
+        again. None after the last epoch. A wrong guess costs the batches built ahead."""
+        epoch = self.epoch + 1 if self._epoch_given else self.epoch
+        self._epoch_given = False
+        return epoch if epoch < self.cfg.epochs else None
+
+    def _batches(self, epoch: int, next_epoch: int | None) -> Iterator[tuple[Any, Any]]:
         order = self.sampler.batches(epoch, self.cfg.batch_size)
-        host = self._loader.iterate(order, epoch, train=True)
+        then = None
+        if next_epoch is not None:
+            then = Upcoming(self.sampler.batches(next_epoch, self.cfg.batch_size), next_epoch, True)
+        host = self._loader.iterate(order, epoch, train=True, then=then)
         if self.cfg.decode == "gpu":  # decoded on the device (or in this process): no copy
             batches = (_as_tensors(self._torch, x, y) for x, y in host)
         elif self.pin:  # copied into pinned memory in a thread (NOTE [slot lifetime])
