@@ -32,6 +32,7 @@ from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.device import on_device
 from hpcdl.data.epoch_order import EpochOrder
+from hpcdl.data.pool import Upcoming
 from hpcdl.data.sampler import DistributedSampler
 from hpcdl.metrics import MetricsWriter, Progress
 from hpcdl.nn.schedule import LrSchedule
@@ -127,17 +128,24 @@ class Run:
         if self.staging and not self.resharded(epoch):
             self.staging.consumed(epoch, step)
 
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's sample indices of each step of epoch, in order."""
+        if self.resharded(epoch):
+            return self.rest.batches
+        return self.sampler.batches(epoch, self.cfg.batch_size)
+
     def batches(self, epoch: int, first: int = 0) -> Iterator[tuple[Any, Any]]:
         """This rank's training batches of epoch from step `first`, on the device:
         images (B, C, H, W) float32, labels (B,) int64, valid until the next one."""
-        every = (
-            self.rest.batches
-            if self.resharded(epoch)
-            else self.sampler.batches(epoch, self.cfg.batch_size)
-        )
-        order = every[first:]
+        order = self.epoch_batches(epoch)[first:]
+        # the workers go on into the next epoch while the last steps of this one run
+        then = None
+        if epoch + 1 < self.cfg.epochs:
+            then = Upcoming(self.epoch_batches(epoch + 1), epoch + 1, train=True)
         # a stop signal while waiting on a stalled worker: the loader builds the batch itself
-        host = self.loader.iterate(order, epoch, train=True, stop_requested=self.stop.requested)
+        host = self.loader.iterate(
+            order, epoch, train=True, stop_requested=self.stop.requested, then=then
+        )
         if self.loader.decode == "gpu":  # decoded onto the device by the loader itself
             return host
         return on_device(host, self.xp)
