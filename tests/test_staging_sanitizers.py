@@ -103,6 +103,10 @@ def test_sanitizer_build_runs_clean(sanitized, tmp_path, monkeypatch):
         monkeypatch.setenv(name, value)
     session = start_session(ds, tmp_path / "stage", epochs=(0, 3), capacity=30_000, verify=True)
     status = StatusView(session.meta / "status")
+    # 14 files of about 2,003 bytes fit in 30,000: staged before the trainer moves, so that files
+    # lie behind the cursor when it jumps (a stager that starts after the jump, as one under TSan
+    # beside busy cores did, stages what lies ahead and has nothing to evict)
+    wait_until(lambda: status.field("files_staged") >= 14, timeout=120, what="capacity filled")
     for epoch in range(3):
         for step in range(10):
             session.consumed(epoch, step + 1)
