@@ -88,6 +88,8 @@ def test_no_test_sleeps_before_an_assert():
 def test_the_check_catches_what_it_is_for():
     """A sleep then an assert is caught, directly or after its loop; a poll, a wait in between
     and a comment are not."""
+    # Source text for the check to read, never run: its sleeps are the shapes under test, so no
+    # comment may go on them (a comment is what lets a sleep pass).
     caught = """
 def test_a():
     start()
