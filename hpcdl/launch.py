@@ -97,24 +97,28 @@ def _flag_values(argv: list[str], names: tuple[str, ...]) -> dict[str, str]:
 
 
 def outcome_file(argv: list[str]) -> tuple[Path, Path | None]:
-    """A fresh file name for the outcome, and a temporary directory to remove at the end (None
-    when the file lies in the run's directory, module notes)."""
+    """A new, empty outcome file that this process created (never a name that existed: a file
+    of the user's, or another launch's in a shared directory, is left alone), and a temporary
+    directory to remove at the end (None when the file lies in the run's directory, module
+    notes)."""
     directory = run_directory(argv)
     if directory is not None:
         try:
             directory.mkdir(parents=True, exist_ok=True)  # hpcdl.train would make it too
-            if os.access(directory, os.W_OK):
-                return directory / f".hpcdl-outcome-{os.getpid()}", None
+            fd, name = tempfile.mkstemp(prefix=".hpcdl-outcome-", dir=directory)
+            os.close(fd)
+            return Path(name), None
         except OSError:
             pass  # hpcdl.train names the directory in its own line
     private = Path(tempfile.mkdtemp(prefix="hpcdl-launch-"))
-    return private / "outcome", private
+    path = private / "outcome"
+    path.touch(exist_ok=False)
+    return path, private
 
 
 def run_launcher(args: list[str], path: Path) -> tuple[int | None, str | None]:
     """Run the launcher with the outcome file named, forwarding signals; its status (None when
-    it cannot start: one line said so) and the outcome the run wrote."""
-    path.unlink(missing_ok=True)
+    it cannot start: one line said so) and the outcome the run wrote (None for none)."""
     try:
         child = subprocess.Popen(launcher_argv(args), env={**os.environ, ENV: str(path)})
     except OSError as exc:
@@ -123,7 +127,10 @@ def run_launcher(args: list[str], path: Path) -> tuple[int | None, str | None]:
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     status = child.wait()
-    return status, path.read_text().strip() if path.exists() else None
+    try:
+        return status, path.read_text().strip() or None
+    except OSError:
+        return status, None
 
 
 def decide(launcher_status: int, outcome: str | None) -> tuple[int, str | None]:

@@ -104,3 +104,28 @@ def test_a_finished_training_run_under_mpirun_exits_0(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "did not finish" not in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["idx.h5"]
+
+
+def test_a_file_of_the_users_with_the_outcome_files_old_name_is_left_alone(tmp_path):
+    """The outcome file is created afresh (never a name that exists); a file of the same name,
+    a user's or another launch's (a PID seen on another node sharing the checkpoint directory)
+    is neither truncated nor removed."""
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    from hpcdl.launch import FORWARDED, main  # noqa: PLC0415
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    theirs = ckpt / f".hpcdl-outcome-{os.getpid()}"  # the name this process used to take
+    theirs.write_text("theirs\n")
+    handlers = {sig: signal.getsignal(sig) for sig in FORWARDED}  # main() forwards these
+    try:
+        status = main(["sh", "-c", 'echo finished > "$HPCDL_OUTCOME"', "sh",
+                       "--checkpoint-dir", str(ckpt)])  # fmt: skip
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert status == 0
+    assert theirs.read_text() == "theirs\n"
+    assert list(ckpt.iterdir()) == [theirs]  # its own file is gone, theirs stays
