@@ -317,3 +317,39 @@ def test_hdf5_data_has_no_index_record(digits_dir):
 
     ds = open_dataset(digits_dir / "train")
     assert index_record(ds, None) == {"train": None, "val": None}
+
+
+@pytest.mark.parametrize("change", ["added", "removed"])
+def test_loader_workers_read_the_index_the_data_set_was_opened_with(tmp_path, change):
+    """A folder that changes after the run opened it (a copy still arriving, a file removed) is
+    read through the index the run opened, in the workers too: sample i is the same file in the
+    training process and in every worker, never a neighbour's pixels under another label."""
+    make_folder(tmp_path / "d", per_class=4)
+    ds = open_dataset(tmp_path / "d")
+    order = [np.arange(len(ds))]
+    with Loader(ds, len(ds), workers=0, augment="none") as loader:
+        want = [(x.copy(), y.copy()) for x, y in loader.iterate(order, 0, train=False)]
+    if change == "added":  # sorted between cat/0 and cat/1: every later index would move
+        Image.fromarray(np.zeros((16, 20, 3), np.uint8)).save(tmp_path / "d" / "cat" / "0a.png")
+    else:
+        (tmp_path / "d" / "cat" / "3.png").rename(tmp_path / "elsewhere.png")
+    with Loader(ds, len(ds), workers=2, augment="none") as loader:
+        if change == "removed":  # the file the index names is gone: that sample is bad
+            with pytest.raises(DataError, match=r"sample 3 in .*cat/3\.png"):
+                list(loader.iterate(order, 0, train=False))
+            return
+        got = [(x.copy(), y.copy()) for x, y in loader.iterate(order, 0, train=False)]
+    np.testing.assert_array_equal(got[0][1], want[0][1])
+    np.testing.assert_array_equal(got[0][0], want[0][0])
+
+
+def test_a_folder_changed_after_its_index_was_removed_stops_the_workers_with_a_clear_error(
+    tmp_path,
+):
+    make_folder(tmp_path / "d", per_class=4)
+    ds = open_dataset(tmp_path / "d")
+    ds.index_path.unlink()  # a cache cleaned while the run reads (this process keeps its map)
+    Image.fromarray(np.zeros((16, 20, 3), np.uint8)).save(tmp_path / "d" / "cat" / "0a.png")
+    with Loader(ds, len(ds), workers=2, augment="none") as loader:
+        with pytest.raises(DataError, match=r"/d: the folder changed .* start the run again"):
+            list(loader.iterate([np.arange(len(ds))], 0, train=False))

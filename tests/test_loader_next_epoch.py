@@ -80,3 +80,29 @@ def test_leaving_an_epoch_early_drops_the_batches_built_ahead(h5data):
                 break
         got = [(x.copy(), y.copy()) for x, y in ld.iterate(order(h5data, 1), 1)]
     assert same(got, reference(h5data, 1))
+
+
+def test_a_bad_file_in_the_next_epoch_stops_that_epoch_not_this_one(tmp_path):
+    """A batch built ahead for the next epoch that cannot be read is reported when that batch is
+    asked for: this epoch ends whole (its checkpoint is written) before the error stops the run.
+    The good images are big (slow to decode), the bad one is cut short before its header ends
+    (fails at once), so its error reaches the pool while this epoch's last batches are awaited."""
+    from helpers import make_folder  # noqa: PLC0415
+
+    from hpcdl.data import DataError  # noqa: PLC0415
+
+    make_folder(tmp_path / "d", per_class=8, size=(1200, 1200), fmt="jpg")
+    cut = tmp_path / "d" / "dog" / "7.jpg"
+    cut.write_bytes(cut.read_bytes()[:20])
+    ds = open_dataset(tmp_path / "d")
+    bad = [f.relpath for f in ds.files].index("dog/7.jpg")
+    good = [i for i in range(len(ds)) if i != bad]
+    this_epoch = [np.array(good[k : k + 2]) for k in range(0, 12, 2)]
+    next_epoch = [np.array([bad, good[0]]), np.array(good[1:3])]
+    for trial in range(3):  # the race is the pool's to lose, so give it three chances
+        with Loader(ds, 2, workers=2, prefetch=4, augment="none") as ld:
+            then = Upcoming(next_epoch, 1, True)
+            got = [y.copy() for _, y in ld.iterate(this_epoch, 0, then=then)]
+            assert len(got) == len(this_epoch), trial
+            with pytest.raises(DataError, match=r"dog/7\.jpg"):
+                list(ld.iterate(next_epoch, 1))

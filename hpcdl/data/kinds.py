@@ -21,6 +21,37 @@ def open_dataset(path: str | Path, index_in_data_root: bool = False):
     return ImageFolderDataset(path, index_in_data_root)
 
 
+def reopen_spec(ds) -> dict:
+    """What another process (a loader worker) needs to open ds as this one did: reopen()."""
+    spec = {"source": str(ds.source)}
+    if ds.kind == "folder":
+        spec.update(index_path=ds.index_path and str(ds.index_path), key=ds.index.meta["key"])
+    return spec
+
+
+def reopen(spec: dict):
+    """The data set another process opened (reopen_spec). An image folder is read through the
+    very index that process read, even where the folder has changed since (files added,
+    removed): sample i is the same file in every process. DataError when that index is gone."""
+    if "key" not in spec:
+        return open_dataset(spec["source"])
+    if spec["index_path"]:
+        ds = ImageFolderDataset.from_index_file(
+            spec["source"], Path(spec["index_path"]), spec["key"]
+        )
+        if ds is not None:
+            return ds
+    ds = open_dataset(spec["source"])
+    if ds.index.meta["key"] != spec["key"]:
+        raise DataError(
+            f"{spec['source']}: the folder changed (files added, removed or renamed) after this "
+            "run indexed it, and that index can no longer be read, so a loader worker would "
+            "number the samples differently; leave the folder unchanged during a run, and start "
+            "the run again"
+        )
+    return ds
+
+
 def open_listing(path: str | Path):
     """What a stage-only run needs of a data set: its files, sizes and samples. For an image
     folder that is a FolderListing (no image is opened); an HDF5 set is opened as usual."""

@@ -34,7 +34,10 @@ ask for next passes it as `then` (an Upcoming): once this iteration's batches ar
 the free slots get the next one's first batches. The next iterate() takes those it was built
 for (same epoch, train flag and indices) as they are; any other order first waits for the
 workers to finish them and drops them (their slots are being written). Batches travel under a
-ticket, a number unique to the pool, so the same epoch's batch k can be in flight twice.
+ticket, a number unique to the pool, so the same epoch's batch k can be in flight twice. A
+batch that cannot be built (DataError: a bad file) is reported when it is asked for, not when
+its worker says so: an epoch whose own batches are good ends whole, its checkpoint written,
+before a bad file among the next epoch's first batches stops the run.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import numpy as np
 
 from hpcdl import diag, messages
 from hpcdl.data.dataset import DataError
+from hpcdl.data.kinds import reopen_spec
 from hpcdl.data.slots import (
     OP_BUILD,
     OP_DATA_ERROR,
@@ -147,7 +151,7 @@ class WorkerPool:
         try:
             config = pickle.dumps(
                 dict(
-                    source=str(ds.source),
+                    dataset=reopen_spec(ds),
                     seed=options.seed,
                     augment=options.augment,
                     locate=options.locate,
@@ -178,6 +182,8 @@ class WorkerPool:
         self._next_ticket = 0
         self._silent_since: list[float] = []
         self._warned: set[int] = set()
+        self._failed: dict[int, str] = {}  # ticket -> DataError text, raised when asked for
+        self._ready: set[int] = set()  # workers that said READY (errors before it: start-up)
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.socks, self.ring)
         try:
             env = worker_env()
@@ -239,6 +245,9 @@ class WorkerPool:
                     return b
                 held = self._done.pop(tickets[b])
                 del self._what[tickets[b]]
+                if tickets[b] in self._failed:
+                    self.close()
+                    raise DataError(self._failed.pop(tickets[b]))
                 yield self._views(held, len(batches[b]))
             ok = True
         finally:
@@ -263,6 +272,7 @@ class WorkerPool:
             self._wait_for(t, None)
             self._free.append(self._done.pop(t))
             del self._what[t]
+            self._failed.pop(t, None)  # a bad batch nobody asks for
         return []
 
     def _views(self, slot: int, n: int):
@@ -355,7 +365,12 @@ class WorkerPool:
             self.control_bytes += REPLY.size + text_len
             self.control_messages += 1
             if op == OP_READY:
+                self._ready.add(w)
                 continue
+            if op == OP_DATA_ERROR and w in self._ready and ticket in self._owner[w]:
+                self._failed[ticket] = text  # raised when its batch is asked for (notes)
+                op = OP_DONE
+                local = pfs = bad = 0
             if op != OP_DONE:
                 self.close()
                 raise (DataError if op == OP_DATA_ERROR else WorkerFailed)(text)
@@ -401,7 +416,7 @@ class WorkerPool:
             self.close()
             return
         # every batch given out is finished and nobody reads it: all slots are free again
-        self._done, self._what, self._ahead = {}, {}, None
+        self._done, self._what, self._ahead, self._failed = {}, {}, None, {}
         self._free = deque(range(self.layout.count))
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder
 from hpcdl.data.dataset import DataError
 from hpcdl.data.file_bytes import FileBytesReader
-from hpcdl.data.kinds import open_dataset
+from hpcdl.data.kinds import reopen
 from hpcdl.data.slots import (
     OP_DATA_ERROR,
     OP_DONE,
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     mm = mmap.mmap(shm_fd, layout.total_bytes)
     os.close(shm_fd)
     try:
-        ds = open_dataset(cfg["source"])
+        ds = reopen(cfg["dataset"])  # the index the pool read, not a new one
         if layout.byte_capacity:  # --decode gpu: files into byte slots, the rank decodes
             builder = FileBytesReader(ds, cfg["locate"], cfg["skip_bad"])
         else:
