@@ -29,6 +29,7 @@ from PIL import Image
 
 from hpcdl import checkpoint
 from hpcdl.clustermodel import calibration
+from hpcdl.config import STAGE_THREADS
 from hpcdl.data import open_dataset
 from hpcdl.staging.binary import find_stager_binary
 from hpcdl.staging.status import CounterFile, StatusView
@@ -102,7 +103,12 @@ def assert_each_file_has_one_pfs_reader(with_peers: list[dict[str, int]]) -> Non
     opens, fell_back = total(with_peers, "pfs_opens"), total(with_peers, "peer_fallbacks")
     assert opens - fell_back <= FILES, with_peers
     assert fell_back <= total(with_peers, "misses"), with_peers
-    assert total(with_peers, "peer_files") == total(with_peers, "files_served"), with_peers
+    # Every file a stager counts as fetched was served by its home. A home counts a file served
+    # once its last byte is in the socket, so a fetch its client then gives up (cancelled: the
+    # job ended, or the file was not wanted any more) is served and not fetched: at most one
+    # per client copy thread (run 4 beside two CPU burners: 57 served, 56 fetched).
+    unlanded = total(with_peers, "files_served") - total(with_peers, "peer_files")
+    assert 0 <= unlanded <= STAGE_THREADS * len(with_peers), with_peers
 
 
 def test_global_shuffle_opens_each_file_once_and_trains_the_same(cluster, folder, tmp_path):
