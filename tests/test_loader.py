@@ -131,6 +131,24 @@ def test_killed_worker_raises_within_seconds_and_leaves_nothing_behind(h5data, m
     assert shm_in_use() == []
 
 
+def test_a_worker_that_died_idle_is_named_with_the_batch_it_was_being_given(h5data):
+    """A worker killed while it had nothing to build is found dead when the next batch is sent
+    to it: the line names that batch (it failed run 5 beside two CPU burners, where a worker
+    had finished its batches before the test's kill, as "while idle")."""
+    from helpers import wait_until  # noqa: PLC0415
+
+    def dead(pid: int) -> bool:  # a zombie: its socket is closed, its parent has not reaped it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    with Loader(h5data, 32, workers=2, prefetch=2, seed=1) as loader:
+        pid = loader.worker_pids[1]
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: dead(pid), 10, "the killed worker to exit")
+        died = rf"loader worker pid {pid} died \(killed by SIGKILL\) while building batch 1 of"
+        with pytest.raises(WorkerDied, match=died):
+            list(loader.iterate(epoch_batches(h5data), 0))
+
+
 def test_exception_in_the_training_loop_shuts_everything_down(h5data):
     before = children()
     with pytest.raises(KeyboardInterrupt):

@@ -332,10 +332,10 @@ class WorkerPool:
         idx, _, _ = slot_views(self.ring.mm, self.layout, slot, len(indices))
         idx[:] = indices
         msg = TASK.pack(OP_BUILD, slot, epoch, ticket, len(indices), int(train))
-        self._send(w, msg)
         if not self._owner[w]:
             self._silent_since[w] = time.monotonic()  # an idle worker's silence starts now
-        self._owner[w].append(ticket)
+        self._owner[w].append(ticket)  # before the send: a worker found dead by it is named so
+        self._send(w, msg)
         return ticket
 
     def _send(self, w: int, msg: bytes) -> None:
