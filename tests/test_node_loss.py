@@ -72,10 +72,13 @@ def test_a_killed_node_ends_the_job_and_the_survivors_finish_the_epoch_once(clus
     assert time.monotonic() - at < 60
     # mpirun itself exits 0 here (NOTE [a lost node exits 0] in hpcdl/launch.py)
     assert job.returncode == 5, (job.returncode, stderr[-3000:])
-    assert stderr.rstrip().endswith(
-        "hpcdl: the launcher exited 0, but the run did not finish (it never said so: a lost "
-        "node?, see the lines above); exit status 5. Resume with --resume auto"
-    ), stderr[-3000:]
+    # hpcdl.launch's one line, once. The survivors' own line may come after it: their stderr is
+    # the job's, and mpirun exits (0) before their daemon has stopped them (a quiet suite run
+    # saw the node watch's line last).
+    said = "hpcdl: the launcher exited 0, but the run did not finish (it never said so: a lost "
+    said += "node?, see the lines above); exit status 5. Resume with --resume auto"
+    assert len([line for line in stderr.replace("\0", "").splitlines() if said in line]) == 1
+    assert stderr.count("did not finish") == 1, stderr
     # (Open MPI's framed report before it may end with a space and no newline, or leave a NUL
     # byte at the start of the next line)
     text = (stdout + stderr).replace("\0", "")
