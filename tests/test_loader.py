@@ -11,7 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import children
+from helpers import children, wait_until
 from loader_hooks import SlowLocate
 
 from hpcdl.data import DataError, Loader, open_dataset
@@ -135,15 +135,12 @@ def test_a_worker_that_died_idle_is_named_with_the_batch_it_was_being_given(h5da
     """A worker killed while it had nothing to build is found dead when the next batch is sent
     to it: the line names that batch (it failed run 5 beside two CPU burners, where a worker
     had finished its batches before the test's kill, as "while idle")."""
-    from helpers import wait_until  # noqa: PLC0415
-
-    def dead(pid: int) -> bool:  # a zombie: its socket is closed, its parent has not reaped it
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-
     with Loader(h5data, 32, workers=2, prefetch=2, seed=1) as loader:
         pid = loader.worker_pids[1]
+        assert pid in children()
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: dead(pid), 10, "the killed worker to exit")
+        # children() leaves out zombies: exited, its socket closed, not yet reaped by the pool
+        wait_until(lambda: pid not in children(), 10, "the killed worker to exit")
         died = rf"loader worker pid {pid} died \(killed by SIGKILL\) while building batch 1 of"
         with pytest.raises(WorkerDied, match=died):
             list(loader.iterate(epoch_batches(h5data), 0))
