@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.dir is not None and not Path(a.dir).is_dir():
+        why = "does not exist" if not Path(a.dir).exists() else "is not a directory"
+        print(f"tools.bench staging: --dir {a.dir} {why}; give an existing directory for the "
+              "scratch trees, or leave --dir out for a temporary one", file=sys.stderr)  # fmt: skip
+        return 2
     options = SlowFSOptions(a.latency_ms, a.mbps)
     results: dict = {"files": a.files, "size": a.size, "slow_fs": vars(options), "copy": []}
     results["sweep"] = []
