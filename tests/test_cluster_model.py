@@ -90,7 +90,8 @@ def test_allreduce_hidden_behind_a_long_backward_is_not_exposed():
     last_bucket = equations.allreduce_s(CAL.network, 2, 2, 4_000_000 - 3 * (1 << 20))
     # only the bucket that becomes ready at the end of backward is left to wait for
     assert step.exposed_s == pytest.approx(last_bucket["hierarchical"], rel=1e-6)
-    assert step.step_s == pytest.approx(step.compute_s + step.exposed_s + step.check_s)
+    # no per-step loss check: the loss flags ride with the gradients (hpcdl.nn.step)
+    assert step.step_s == pytest.approx(step.compute_s + step.exposed_s)
     alone = equations.step_time(CAL, replace(shape, nodes=1, ranks_per_node=1))
     assert alone.step_s == CAL.compute.step_s(8)
 

@@ -36,10 +36,11 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
 - Checkpoint (hpcdl.bench.calibrate_checkpoint, world rank 0 alone, only with
   --checkpoint-dir): the checkpoint hpcdl.train writes of --model, saved a few times into a
   temporary directory inside --checkpoint-dir; the median.
-- The trainer's step: the batch built, train_step with the gradient reducer, then the trainer's
-  8-byte loss check, back to back on every rank (the mean step, the slowest rank; the median of
-  three windows of --steps steps); the factor on the allreduce formula is set so that the
-  model's step (hpcdl.clustermodel.step_time, with --workers 0) equals it (fit_to_trainer_step).
+- The trainer's step: the batch built, train_step with the gradient reducer inside the
+  trainer's stop agreement, back to back on every rank (the mean step, the slowest rank; the
+  median of three windows of --steps steps); the factor on the allreduce formula is set so that
+  the model's step (hpcdl.clustermodel.step_time, with --workers 0) equals it
+  (fit_to_trainer_step).
 """
 
 from __future__ import annotations
@@ -86,7 +87,6 @@ from hpcdl.clustermodel.calibration import (
     PfsFigures,
 )
 from hpcdl.comm import blas_threads
-from hpcdl.comm.collectives import allreduce_sum
 from hpcdl.comm.failure import StopAgreement, UserError, install_abort_on_exception
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.step import train_step
@@ -286,7 +286,8 @@ def measure_trainer_step(
     """hpcdl.train's step as --workers 0 runs it, slowest rank: the batch built from node-local
     copies of --data (samples: hpcdl.bench.calibrate_input; None: no data, no building), then
     train_step with the gradient reducer (--bucket-mb buckets on its thread, overlapping
-    backward), the trainer's 8-byte loss check and its stop agreement (a nonblocking allreduce
+    backward; the loss's finiteness flag rides in the last bucket, as in hpcdl.train, so no
+    collective of its own), inside the trainer's stop agreement (a nonblocking allreduce
     begun before the step and waited for after it), back to back on every rank. The mean over
     the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing). Timed
     in QUIET_WINDOWS windows of --steps steps one after the other, and the median window's mean
@@ -312,7 +313,7 @@ def measure_trainer_step(
     try:
         windows = []  # (step, building) of each quiet window, slowest rank
         for _ in range(QUIET_WINDOWS):
-            quiet, _, _ = _timed_steps(parts, x, y, world.comm, stop, args.steps, build)
+            quiet, _, _ = _timed_steps(parts, x, y, stop, args.steps, build)
             windows.append((slowest_rank_mean(world.comm, [whole for _, whole in quiet]),
                             slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build
                             else 0.0))  # fmt: skip
@@ -323,8 +324,7 @@ def measure_trainer_step(
         if contention is not None and not stop.signal_name:
 
             def timed(beside) -> Window:
-                loaded, began, ended = _timed_steps(parts, x, y, world.comm, stop, args.steps,
-                                                    build, beside)  # fmt: skip
+                loaded, began, ended = _timed_steps(parts, x, y, stop, args.steps, build, beside)
                 return Window([whole for _, whole in loaded], began, ended)
 
             copies = contention(step_s, timed)
@@ -343,14 +343,13 @@ def measure_trainer_step(
 
 
 def _timed_steps(
-    parts: Any, x: Any, y: Any, comm: Any, stop: StopAgreement, steps: int, build, beside=None
+    parts: Any, x: Any, y: Any, stop: StopAgreement, steps: int, build, beside=None
 ) -> tuple[list[tuple[float, float]], float, float]:
     """(seconds building the batch, seconds of the whole step) of each step after 3 warm-up
     ones, and when the timed steps began and ended (beside.start() is called just before
     them, beside.stop() just after). The step trains on the fixed batch x, y: what was built
     only costs its time. Each step runs inside stop's agreement, as hpcdl.train's do; the
     steps end early, on every rank at once, when it says to stop (a signal)."""
-    flag = np.zeros(1)
     times = []
     began = time.time()
     for k in range(steps + 3):  # 3 warm-up steps
@@ -364,7 +363,6 @@ def _timed_steps(
         t1 = time.perf_counter()
         stop.start_step()
         train_step(parts, x, y, 0.01)
-        allreduce_sum(comm, flag)  # the loss check's 8 bytes
         stopped = stop.should_stop()
         times.append((t1 - t0, time.perf_counter() - t0))
         if stopped:
@@ -380,7 +378,7 @@ def fit_to_trainer_step(
     """cal with network.algorithm_factor set so that the model's step (clustermodel.step_time)
     at this calibration's shape equals the trainer's measured step. The raw allreduce sweep
     chose the algorithm; what hpcdl's reducer adds on top of MPI (its thread, two buckets,
-    the ranks' skew that the loss check waits for) goes into the factor. Unchanged with one
+    the ranks' skew that the stop agreement waits for) goes into the factor. Unchanged with one
     node (no inter-node formula to scale), or when the measured step leaves no communication
     exposed to fit (all of it hidden behind backward)."""
     from hpcdl.clustermodel.equations import JobShape, step_time  # noqa: PLC0415
@@ -520,7 +518,7 @@ def describe(
         "  input (the rank builds its batch, --workers 0): "
         + (f"{c.input_s_per_sample * 1e3:.3f} ms per sample ({timed})" if c.input_s_per_sample
            else timed),
-        f"  trainer step (input, compute, reducer, loss check, all ranks; mean): "
+        f"  trainer step (input, compute, reducer, stop agreement, all ranks; mean): "
         f"{trained.step_s * 1e3:.1f} ms (the median of quiet windows of {trained.quiet_note} ms)",
         f"  contention: training loses {c.contention_s_per_file * 1e3:.2f} ms per file a node "
         f"copies ({trained.contention_note})",

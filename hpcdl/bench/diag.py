@@ -49,9 +49,10 @@ def event_cost_us(n: int = 200_000) -> float:
 
 
 def step_recording_us(buckets: int = 2, n: int = 20_000) -> float:
-    """Microseconds of what one step of a multi-rank run records, alone: the data wait, the
-    loss check and stop agreement (spans), forward, backward, the comm wait (entered, then
-    recorded), the optimizer, and `buckets` allreduces from the comm thread's side."""
+    """Microseconds of what one step of a multi-rank run records, alone: the data wait, two
+    collective spans (the stop agreement, and the loss check that a logged step adds: an
+    upper bound for the others), forward, backward, the comm wait (entered, then recorded),
+    the optimizer, and `buckets` allreduces from the comm thread's side."""
     ring, K = diag.Recorder(), diag.Kind
     t0 = time.perf_counter()
     for step in range(n):

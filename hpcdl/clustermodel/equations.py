@@ -38,7 +38,6 @@ from hpcdl.clustermodel.calibration import Calibration, NetworkFigures, PfsFigur
 from hpcdl.comm.reducer import plan_buckets
 
 GRADIENT_ITEMSIZE = 4  # float32 gradients: the reducer's buckets are counted in elements
-CHECK_BYTES = 8  # hpcdl.train's blocking allreduce per step: is any rank's loss not finite?
 
 
 @dataclass(frozen=True)
@@ -232,7 +231,6 @@ class StepTime:
     compute_s: float  # forward + backward + update, one rank (b / v0 + t)
     allreduce_s: dict[str, float]  # all buckets back to back, per algorithm
     exposed_s: float  # communication left after backward, with the calibrated algorithm
-    check_s: float  # the 8-byte loss check every step
     step_s: float
     input_s: float = 0.0  # of step_s, waiting for the batch (input_time)
 
@@ -251,7 +249,8 @@ def input_time(cal: Calibration, shape: JobShape, busy_s: float) -> float:
 def step_time(cal: Calibration, shape: JobShape) -> StepTime:
     """One step: the batch (input_time), then buckets become ready as backward proceeds
     (uniformly over its share of the step) and one thread reduces them in order; the step
-    waits for the last one, then for the trainer's 8-byte loss check."""
+    waits for the last one. No collective of its own after that: the loss's finiteness flag
+    rides in the last bucket (hpcdl.nn.step, NOTE [device scalars])."""
     compute = cal.compute.step_s(shape.batch_size)
     elements = max(1, cal.compute.gradient_bytes // GRADIENT_ITEMSIZE)
     buckets = plan_buckets(elements, GRADIENT_ITEMSIZE, shape.bucket_mb)
@@ -267,13 +266,11 @@ def step_time(cal: Calibration, shape: JobShape) -> StepTime:
         done = max(done, ready) + times[cal.network.algorithm]
     if shape.ranks == 1:
         wait = input_time(cal, shape, compute)
-        return StepTime(compute, per_algo, 0.0, 0.0, compute + wait, wait)
+        return StepTime(compute, per_algo, 0.0, compute + wait, wait)
     exposed = max(0.0, done - compute)
-    check = allreduce_s(cal.network, shape.nodes, shape.ranks_per_node, CHECK_BYTES)
-    check_s = check[cal.network.algorithm]
-    busy = compute + exposed + check_s
+    busy = compute + exposed
     wait = input_time(cal, shape, busy)
-    return StepTime(compute, per_algo, exposed, check_s, busy + wait, wait)
+    return StepTime(compute, per_algo, exposed, busy + wait, wait)
 
 
 # ---------------------------------------------------------------------- 4. the job
