@@ -2,7 +2,9 @@
 # Issue 48's goal rows in one call (docs/PERFORMANCE.md, "Issue 48"): the step alone, torch's
 # DataLoader (pin_memory, persistent workers, prefetch_factor 2 and 4) and hpcdl.torch.Loader
 # with its default slots, at 8 and at 15 workers; then hpcdl.torch.Loader with decode="gpu" and
-# 2 workers. torchvision's resnet50 bf16, batch 128, on one JPEG folder made once.
+# 2 workers, and that decoding alone (the `decoder` row: decode_images_per_s is nvImageCodec
+# alone, images_per_s with the crops). torchvision's resnet50 bf16, batch 128, on one JPEG
+# folder made once.
 #
 #   bash scripts/gpu-check-input.sh OUT [DEVICE]       # DEVICE gpu (default) or cpu (a try here)
 #
@@ -39,7 +41,7 @@ run() {
 }
 run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers "$WORKERS" --rows none,dataloader,hpcdl \
     --json "$OUT/input.jsonl"
-run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers 2 --rows hpcdl-gpu \
+run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers 2 --rows hpcdl-gpu,decoder \
     --json "$OUT/input.jsonl"
 grep "images/s" "$OUT/input.log"
 exit "$rc"

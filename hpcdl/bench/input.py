@@ -9,6 +9,9 @@ torch's `dataloader` (pin_memory where CUDA is, persistent workers, prefetch_fac
 sample built by hpcdl's own per-sample code, so the decode work is the same), and
 `hpcdl.torch.Loader` with default slots, decode `cpu` (`hpcdl`) and `gpu` (`hpcdl-gpu`: the
 workers read bytes, the script's process decodes: nvImageCodec on a GPU, Pillow on the CPU).
+A last row, `decoder`, times that decoding alone (no workers, no step): the batches' files read
+beforehand, then decoded by the decoder alone and decoded, cropped, flipped and normalised as
+`hpcdl-gpu` does, each until the device is done: whether the GPU path could keep the step fed.
 Per row: images/s over `--steps` steps after `--warmup`, and the data-wait share: the time the
 script spent inside next() over the timed wall time. A GPU step is not synchronised per step (as
 in a real script), so a wait there is host time while the GPU still has queued work.
@@ -64,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rows",
-        default="none,dataloader,hpcdl,hpcdl-gpu",
+        default="none,dataloader,hpcdl,hpcdl-gpu,decoder",
         help="which rows to time, comma-separated (hpcdl-gpu: --decode gpu; with --device gpu "
-        "only where nvImageCodec is available, with --device cpu the rank decodes with Pillow)",
+        "only where nvImageCodec is available, with --device cpu the rank decodes with Pillow; "
+        "decoder: --decode gpu's decoding and cropping alone, no workers and no step)",
     )
     p.add_argument(
         "--prefetch", type=int, help="batch slots of the hpcdl rows (default: hpcdl's default)"
@@ -224,6 +228,61 @@ def hpcdl_feed(
     return loader, _epochs(epoch)
 
 
+def decoder_timing(data: str, batch: int, augment: str, gpu: bool, warmup: int, steps: int):
+    """The rank's side of --decode gpu alone, without workers or a step: up to 16 batches' files
+    read into byte slots (untimed), then `steps` batches after `warmup` decoded by the decoder
+    alone, and built by GpuBatchDecoder.build (decode, crop, flip, normalise), each timed
+    until the device is done. {"images_per_s": built, "decode_images_per_s": decoded alone,
+    "decoder": its name}. On the CPU the decoder is Pillow in this process."""
+    from hpcdl.data import open_dataset  # noqa: PLC0415
+    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
+    from hpcdl.data.file_bytes import FileBytesReader, byte_capacity  # noqa: PLC0415
+    from hpcdl.data.gpu_decode import GpuBatchDecoder  # noqa: PLC0415
+    from hpcdl.data.sampler import DistributedSampler  # noqa: PLC0415
+
+    xp: Any = np
+    if gpu:
+        import cupy as xp  # noqa: PLC0415
+    ds = open_dataset(data)
+    order = DistributedSampler(len(ds), seed=0).batches(0, batch)[:16]
+    if not order:
+        raise SystemExit(f"--rows decoder: {data} holds fewer than one batch of {batch} images")
+    reader, slots = FileBytesReader(ds), []
+    try:
+        for indices in order:
+            offsets, labels = np.empty(batch + 1, np.int64), np.empty(batch, np.int64)
+            buffer = np.empty(byte_capacity(ds, batch), np.uint8)
+            reader.read(indices, labels, offsets, buffer)
+            slots.append((indices, offsets, buffer, labels))
+    finally:
+        reader.close()
+    gpu_decoder = GpuBatchDecoder(ds, parse_augment(augment), 0, xp)
+
+    def rate(work: Callable[[tuple], Any]) -> float:
+        for k in range(warmup + steps):
+            if k == warmup:
+                if gpu:
+                    xp.cuda.Device().synchronize()
+                t0 = time.perf_counter()
+            work(slots[k % len(slots)])
+        if gpu:
+            xp.cuda.Device().synchronize()
+        return steps * batch / (time.perf_counter() - t0)
+
+    def decode(slot: tuple) -> Any:
+        indices, offsets, buffer, _ = slot
+        blobs = [buffer[offsets[i] : offsets[i + 1]] for i in range(len(indices))]
+        return gpu_decoder.decoder.decode(blobs)
+
+    def build(slot: tuple) -> Any:
+        indices, offsets, buffer, labels = slot
+        return gpu_decoder.build(indices, offsets, buffer, labels, epoch=0)
+
+    decoded = rate(decode)
+    return {"images_per_s": rate(build), "data_wait_share": 0.0,
+            "decode_images_per_s": decoded, "decoder": gpu_decoder.decoder.name}  # fmt: skip
+
+
 # ------------------------------------------------------------------ the rows
 
 
@@ -284,6 +343,15 @@ def rows(args, data: str) -> list[dict[str, Any]]:
                 timing = timed_steps(batches, step, args.warmup, args.steps, sync)
                 default = args.prefetch is None
                 record("hpcdl", decode, workers, loader.slots, default, timing)
+    if "decoder" in wanted and not (gpu and not gpu_decode_available()[0]):
+        name, precision = "-", "-"  # no step: the decoder alone
+        timing = decoder_timing(data, args.batch_size, args.augment, gpu, args.warmup, args.steps)
+        record("decoder", "gpu", 0, None, False, timing)
+        print(
+            f"{'':10} {timing['decoder']} alone: {timing['decode_images_per_s']:9.1f} images/s "
+            "decoded; the line above: decoded, cropped, flipped, normalised",
+            flush=True,
+        )
     return out
 
 

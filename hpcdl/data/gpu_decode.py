@@ -220,8 +220,9 @@ class GpuBatchDecoder:
         return Ahead(items, work_on_side, 1, "hpcdl-decode", take)
 
     def _decoded(self, indices: np.ndarray, blobs: list[np.ndarray]) -> list[Any]:
-        """Each image decoded: by the decoder, else by Pillow (counted), else None (bad)."""
-        images = self.decoder.decode(blobs, self._side)
+        """Each image decoded: by the decoder, else by Pillow (counted), else None (bad). On
+        the current stream, where the crops that follow run: the side stream inside ahead()."""
+        images = self.decoder.decode(blobs)
         for i, img in enumerate(images):
             if img is not None:
                 continue
