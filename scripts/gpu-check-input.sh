@@ -4,7 +4,9 @@
 # with its default slots, at 8 and at 15 workers; then hpcdl.torch.Loader with decode="gpu" and
 # 2 workers, and that decoding alone (the `decoder` row: decode_images_per_s is nvImageCodec
 # alone, images_per_s with the crops). torchvision's resnet50 bf16, batch 128, on one JPEG
-# folder made once.
+# folder made once. Last, the goal's hpcdl.train row: hpcdl's own resnet50 step alone
+# (`bench compute`), then `hpcdl.train --decode gpu` with 2 workers on the same folder
+# (scripts/gpu_check_train_rows.py turns the two into rows loader none / hpcdl.train).
 #
 #   bash scripts/gpu-check-input.sh OUT [DEVICE]       # DEVICE gpu (default) or cpu (a try here)
 #
@@ -29,19 +31,36 @@ if [ "$DEVICE" = gpu ]; then
     COMMON=(--device gpu --data "$JPEGS" --make-jpegs 2048 --image-size 448 --batch-size 128
         --steps 40 --warmup 5)
     WORKERS=8,15
+    OWN=(--model resnet50 --batch-size 128 --precision bf16)
+    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_EPOCHS=3 OWN_STEPS=20
 else  # the same rows, small: checks the script, not the speed
     COMMON=(--device cpu --data "$JPEGS" --make-jpegs 48 --image-size 128 --batch-size 8
         --augment rrc64+flip --steps 3 --warmup 1 --model sleep:5)
     WORKERS=2
+    OWN=(--model resnet18 --batch-size 8 --precision fp32)
+    OWN_SHAPE=3,64,64 OWN_AUGMENT=rrc64+flip OWN_EPOCHS=2 OWN_STEPS=2
 fi
 rc=0
+LOG="$OUT/input.log"
 run() {
     printf '%s\n' "$*" >>"$OUT/input-commands.txt"
-    timeout -k 5 "$LIMIT" "$@" >>"$OUT/input.log" 2>&1 || rc=$?
+    timeout -k 5 "$LIMIT" "$@" >>"$LOG" 2>&1 || rc=$?
 }
 run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers "$WORKERS" --rows none,dataloader,hpcdl \
     --json "$OUT/input.jsonl"
 run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers 2 --rows hpcdl-gpu,decoder \
     --json "$OUT/input.jsonl"
+LOG="$OUT/input-own-step.log"
+run "$PY" -m hpcdl.bench compute --device "$DEVICE" "${OWN[@]}" --input-shape "$OWN_SHAPE" \
+    --steps "$OWN_STEPS" --no-torch --json
+LOG="$OUT/input-train.log"
+rm -f "$OUT/input-train.jsonl"
+run mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" --decode gpu --workers 2 --data "$JPEGS" \
+    --augment "$OWN_AUGMENT" --epochs "$OWN_EPOCHS" "${OWN[@]}" --seed 0 \
+    --metrics "$OUT/input-train.jsonl"
+LOG="$OUT/input.log"
+NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'gpu' else 'cpu')")"
+run "$PY" scripts/gpu_check_train_rows.py "$OUT/input-own-step.log" "$OUT/input-train.jsonl" \
+    "$OUT/input-train.log" "$OUT/input.jsonl" 2 "$NAME"
 grep "images/s" "$OUT/input.log"
 exit "$rc"

@@ -130,7 +130,8 @@ def loader_section(raw: Path, out: Path, compute: dict) -> list[str]:
 
 def input_lines(rows: list[dict]) -> list[str]:
     """Issue 48's rows (OUT/input.jsonl) and its goal ratios: hpcdl with default slots against
-    the better DataLoader at each worker count, and GPU decode against the step alone."""
+    the better DataLoader at each worker count, and GPU decode (hpcdl.torch.Loader's and
+    hpcdl.train's) against the same model's step alone."""
     if not rows:
         return ["input: no rows (see input.log)"]
     lines = ["input (issue 48: images/s, data wait)"]
@@ -142,7 +143,7 @@ def input_lines(rows: list[dict]) -> list[str]:
         lines.append(
             f"  {what:<44} {r['images_per_s']:8.0f}  {100 * r['data_wait_share']:5.1f} %{extra}"
         )
-    alone = [r["images_per_s"] for r in rows if r["loader"] == "none"]
+    alone = {r.get("model"): r["images_per_s"] for r in rows if r["loader"] == "none"}
     for workers in sorted({r["workers"] for r in rows if r["loader"] == "dataloader"}):
         best = max(r["images_per_s"] for r in rows
                    if r["loader"] == "dataloader" and r["workers"] == workers)  # fmt: skip
@@ -152,9 +153,10 @@ def input_lines(rows: list[dict]) -> list[str]:
                 lines.append(f"  {workers} workers: hpcdl / best DataLoader {ratio:.2f} "
                              "(goal >= 1.0, wait <= 5 %)")  # fmt: skip
     for r in rows:
-        if alone and (r["loader"], r["decode"]) == ("hpcdl", "gpu"):
-            lines.append(f"  decode gpu, {r['workers']} workers: / the step alone "
-                         f"{r['images_per_s'] / alone[0]:.2f} (goal >= 0.95)")  # fmt: skip
+        step = alone.get(r.get("model"))
+        if step and r["loader"] in ("hpcdl", "hpcdl.train") and r["decode"] == "gpu":
+            lines.append(f"  {r['loader']} decode gpu, {r['workers']} workers: / the step alone "
+                         f"{r['images_per_s'] / step:.2f} (goal >= 0.95)")  # fmt: skip
     return lines
 
 

@@ -114,24 +114,60 @@ def test_the_gpu_rows_model_is_a_resnet50_with_1000_classes():
 def test_the_gpu_checks_summary_puts_each_goal_ratio_beside_the_rows():
     """scripts/gpu_check_summary.py's input lines: hpcdl with default slots over the better of
     the two DataLoader rows at the same workers, GPU decode over the step alone."""
-    import importlib.util
-    from pathlib import Path
+    summary = script("gpu_check_summary")
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_summary.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_summary", path)
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
-
-    def row(loader, decode, workers, rate, **extra):
-        return dict(loader=loader, decode=decode, workers=workers, slots=None,
+    def row(loader, decode, workers, rate, model="resnet50", **extra):
+        return dict(loader=loader, decode=decode, workers=workers, slots=None, model=model,
                     images_per_s=rate, data_wait_share=0.1, **extra)  # fmt: skip
 
     rows = [row("none", "-", None, 4000.0), row("dataloader", "cpu", 8, 1000.0),
             row("dataloader", "cpu", 8, 1600.0), row("hpcdl", "cpu", 8, 2000.0),
             row("hpcdl", "gpu", 2, 3000.0), row("decoder", "gpu", 0, 9000.0,
-            decode_images_per_s=12000.0, decoder="nvimgcodec")]  # fmt: skip
+            decode_images_per_s=12000.0, decoder="nvimgcodec"),
+            row("none", "-", None, 1000.0, "hpcdl resnet50"),
+            row("hpcdl.train", "gpu", 2, 960.0, "hpcdl resnet50")]  # fmt: skip
     text = "\n".join(summary.input_lines(rows))
     assert "8 workers: hpcdl / best DataLoader 1.25" in text
-    assert "decode gpu, 2 workers: / the step alone 0.75" in text
+    assert "hpcdl decode gpu, 2 workers: / the step alone 0.75" in text
+    assert "hpcdl.train decode gpu, 2 workers: / the step alone 0.96" in text
     assert "nvimgcodec alone 12000" in text
     assert summary.input_lines([]) == ["input: no rows (see input.log)"]
+
+
+def test_the_gpu_checks_train_rows_take_the_later_epochs_and_the_start_lines_slots():
+    """scripts/gpu_check_train_rows.py: hpcdl.train --decode gpu against hpcdl's step alone."""
+    rows_of = script("gpu_check_train_rows").train_rows
+    compute = {"model": "resnet50", "hpcdl_images_per_s": 1000.0}
+    metrics = [
+        {"event": "epoch", "images_per_s": 100.0, "seconds": 10.0},  # the first: start-up
+        {"event": "epoch", "images_per_s": 900.0, "seconds": 2.0},
+        {"event": "epoch", "images_per_s": 1000.0, "seconds": 2.0},
+        {"event": "summary", "global_batch": 256, "world_size": 2, "precision": "bf16",
+         "mean_step": {"t_data": 0.01, "t_step": 0.2}},
+    ]  # fmt: skip
+    log = "hpcdl: loader: 2 worker(s) per rank, 4 batch slots (auto), files decoded in the rank"
+    alone, fed = rows_of(compute, metrics, log, 2, "H100")
+    assert set(alone) == set(fed) == FIELDS
+    assert alone["images_per_s"] == 1000.0 and alone["loader"] == "none"
+    assert fed["images_per_s"] == pytest.approx(950.0)
+    assert fed["data_wait_share"] == pytest.approx(0.05)
+    assert (fed["slots"], fed["slots_default"], fed["batch"]) == (4, True, 128)
+    assert fed["model"] == alone["model"] == "hpcdl resnet50"
+    explicit = log.replace("(auto)", "(--prefetch)")
+    assert rows_of(compute, metrics, explicit, 2, "H100")[1]["slots_default"] is False
+    with pytest.raises(ValueError, match="no start line"):
+        rows_of(compute, metrics, "", 2, "H100")
+    with pytest.raises(ValueError, match="no epoch or summary"):
+        rows_of(compute, metrics[-1:], log, 2, "H100")
+
+
+def script(name: str):
+    """A module of scripts/ (not a package), loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
