@@ -52,16 +52,15 @@ def train_rows(
 
 def main(argv: list[str]) -> int:
     compute_log, metrics_path, train_log, out, workers, device = argv
-    compute = last_json(Path(compute_log).read_text())
-    if compute is None:
-        print(f"gpu_check_train_rows: no JSON line in {compute_log}", file=sys.stderr)
-        return 1
-    metrics = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x.strip()]
     try:
-        log = Path(train_log).read_text()
-        rows = train_rows(compute, metrics, log, int(workers), device)
-    except (ValueError, KeyError) as exc:
-        print(f"gpu_check_train_rows: {metrics_path}: {exc}", file=sys.stderr)
+        compute = last_json(Path(compute_log).read_text())
+        if compute is None:
+            raise ValueError(f"no JSON line in {compute_log} (see it: the step alone failed)")
+        text = Path(metrics_path).read_text()  # missing where the training run failed
+        metrics = [json.loads(x) for x in text.splitlines() if x.strip()]
+        rows = train_rows(compute, metrics, Path(train_log).read_text(), int(workers), device)
+    except (OSError, ValueError, KeyError) as exc:  # a row it cannot make: said, not a traceback
+        print(f"gpu_check_train_rows: no rows: {exc} ({metrics_path})", file=sys.stderr)
         return 1
     with open(out, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
