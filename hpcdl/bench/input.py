@@ -31,6 +31,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -286,6 +287,32 @@ def decoder_timing(data: str, batch: int, augment: str, gpu: bool, warmup: int, 
 # ------------------------------------------------------------------ the rows
 
 
+@dataclass
+class Table:
+    """The rows timed so far; each is written (--json) and printed as it is timed, so a run cut
+    short by a time limit keeps the rows it timed. model, precision and device: the step's."""
+
+    args: Any
+    out: list[dict[str, Any]] = field(default_factory=list)
+    model: str = "-"
+    precision: str = "-"
+    device: str = "cpu"
+
+    def record(self, loader: str, decode: str, workers, slots, default: bool, timing: dict):
+        row = dict(loader=loader, decode=decode, workers=workers, slots=slots,
+                   slots_default=default, batch=self.args.batch_size, model=self.model,
+                   precision=self.precision, device=self.device, **timing)  # fmt: skip
+        self.out.append(row)
+        if self.args.json:
+            with open(self.args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        print(
+            f"{loader:10} decode {decode:4} workers {workers!s:>3} slots {slots!s:>4}: "
+            f"{row['images_per_s']:9.1f} images/s, data wait {100 * row['data_wait_share']:5.1f} %",
+            flush=True,
+        )
+
+
 def rows(args, data: str) -> list[dict[str, Any]]:
     """Time each requested row; one dict per row with the issue's JSON fields."""
     import torch  # noqa: PLC0415
@@ -298,28 +325,14 @@ def rows(args, data: str) -> list[dict[str, Any]]:
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device gpu: torch sees no CUDA device")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
-    out: list[dict[str, Any]] = []
-    shape: tuple[int, int, int] | None = None
-
-    def record(loader: str, decode: str, workers, slots, default: bool, timing: dict) -> None:
-        row = dict(loader=loader, decode=decode, workers=workers, slots=slots,
-                   slots_default=default, batch=args.batch_size, model=name,
-                   precision=precision, device=device_name, **timing)  # fmt: skip
-        out.append(row)
-        if args.json:  # row by row: a run cut short by a time limit keeps the rows it timed
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        print(
-            f"{loader:10} decode {decode:4} workers {workers!s:>3} slots {slots!s:>4}: "
-            f"{row['images_per_s']:9.1f} images/s, data wait {100 * row['data_wait_share']:5.1f} %",
-            flush=True,
-        )
-
+    table = Table(args, device=torch.cuda.get_device_name() if gpu else "cpu")
+    record = table.record
     for workers in (int(w) for w in args.workers.split(",")):
         dl, shape = dataloader_feed(data, args.batch_size, max(workers, 1), 2, args.augment, gpu)
-        step, name, precision, dev = make_step(model, args.device, args.batch_size, shape)
-        device_name = torch.cuda.get_device_name() if gpu else "cpu"
-        if "none" in wanted and not any(r["loader"] == "none" for r in out):
+        step, table.model, table.precision, dev = make_step(
+            model, args.device, args.batch_size, shape
+        )
+        if "none" in wanted and not any(r["loader"] == "none" for r in table.out):
             x, y = next(iter(dl))
             x, y = x.to(dev), y.to(dev)
             record("none", "-", None, None, False,
@@ -344,15 +357,21 @@ def rows(args, data: str) -> list[dict[str, Any]]:
                 default = args.prefetch is None
                 record("hpcdl", decode, workers, loader.slots, default, timing)
     if "decoder" in wanted and not (gpu and not gpu_decode_available()[0]):
-        name, precision = "-", "-"  # no step: the decoder alone
-        timing = decoder_timing(data, args.batch_size, args.augment, gpu, args.warmup, args.steps)
-        record("decoder", "gpu", 0, None, False, timing)
-        print(
-            f"{'':10} {timing['decoder']} alone: {timing['decode_images_per_s']:9.1f} images/s "
-            "decoded; the line above: decoded, cropped, flipped, normalised",
-            flush=True,
-        )
-    return out
+        decoder_row(table, data, gpu)
+    return table.out
+
+
+def decoder_row(table: Table, data: str, gpu: bool) -> None:
+    """The `decoder` row (decoder_timing): no step, so no model or precision."""
+    a = table.args
+    table.model, table.precision = "-", "-"
+    timing = decoder_timing(data, a.batch_size, a.augment, gpu, a.warmup, a.steps)
+    table.record("decoder", "gpu", 0, None, False, timing)
+    print(
+        f"{'':10} {timing['decoder']} alone: {timing['decode_images_per_s']:9.1f} images/s "
+        "decoded; the line above: decoded, cropped, flipped, normalised",
+        flush=True,
+    )
 
 
 def _repeat(x, y):
