@@ -18,11 +18,6 @@ import sys
 from pathlib import Path
 
 
-def last_json(text: str) -> dict | None:
-    lines = [x for x in text.splitlines() if x.startswith("{")]
-    return json.loads(lines[-1]) if lines else None
-
-
 def train_rows(
     compute: dict, metrics: list[dict], log: str, workers: int, device: str
 ) -> list[dict]:
@@ -51,9 +46,11 @@ def train_rows(
 
 
 def main(argv: list[str]) -> int:
+    from gpu_check_summary import last_json  # noqa: PLC0415  (beside this file in scripts/)
+
     compute_log, metrics_path, train_log, out, workers, device = argv
     try:
-        compute = last_json(Path(compute_log).read_text())
+        compute = last_json(Path(compute_log))
         if compute is None:
             raise ValueError(f"no JSON line in {compute_log} (see it: the step alone failed)")
         text = Path(metrics_path).read_text()  # missing where the training run failed

@@ -325,6 +325,7 @@ def rows(args, data: str) -> list[dict[str, Any]]:
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--device gpu: torch sees no CUDA device")
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    gpu_decode = not gpu or gpu_decode_available()[0]  # with --device cpu: Pillow in the rank
     table = Table(args, device=torch.cuda.get_device_name() if gpu else "cpu")
     record = table.record
     for workers in (int(w) for w in args.workers.split(",")):
@@ -347,7 +348,7 @@ def rows(args, data: str) -> list[dict[str, Any]]:
                 record("dataloader", "cpu", workers, factor * workers, False, timing)
                 del dl
         for decode, row in (("cpu", "hpcdl"), ("gpu", "hpcdl-gpu")):
-            if row not in wanted or (decode == "gpu" and gpu and not gpu_decode_available()[0]):
+            if row not in wanted or (decode == "gpu" and not gpu_decode):
                 continue
             loader, batches = hpcdl_feed(
                 data, args.batch_size, workers, args.augment, args.prefetch, decode
@@ -356,7 +357,7 @@ def rows(args, data: str) -> list[dict[str, Any]]:
                 timing = timed_steps(batches, step, args.warmup, args.steps, sync)
                 default = args.prefetch is None
                 record("hpcdl", decode, workers, loader.slots, default, timing)
-    if "decoder" in wanted and not (gpu and not gpu_decode_available()[0]):
+    if "decoder" in wanted and gpu_decode:
         decoder_row(table, data, gpu)
     return table.out
 
