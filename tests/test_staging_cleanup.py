@@ -5,8 +5,12 @@ remover left. Asserts on files, not on time (NOTE [clean-up off the job's path])
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from hpcdl.stage import main as stage_main
 from hpcdl.staging import trash
@@ -156,3 +160,39 @@ def test_a_tidy_that_waited_on_the_lock_while_another_tidied_leaves_no_stage_dir
     assert not waiter.is_alive()
     assert raised == []
     assert not stage.exists()  # the waiter found the lock gone: nothing left for it to tidy
+
+
+def test_the_remover_starts_on_the_standard_library_alone(tmp_path):
+    """The detached remover runs while the job's processes end, on the same cores: it imports
+    what removing needs (os, fcntl: hpcdl.staging.trash, layout, manifest), not the staging
+    session, the data sets or NumPy, which cost half a second of CPU before the first unlink,
+    and is not imported twice (runpy's warning when the package imports it first)."""
+    probe = (
+        "import runpy, sys; sys.argv = ['trash', sys.argv[1]]\n"
+        "try:\n    runpy.run_module('hpcdl.staging.trash', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith(('hpcdl', 'numpy')))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", probe, str(tmp_path / "no-stage")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert {"hpcdl.staging.layout", "hpcdl.staging.manifest"} <= loaded  # the remover's own
+    assert not {m for m in loaded if m.startswith("numpy")}, loaded
+    assert not loaded & {"hpcdl.staging.session", "hpcdl.data", "hpcdl.config"}, loaded
+
+
+def test_every_name_the_staging_package_lists_is_there():
+    """hpcdl.staging imports its names when asked (the remover above); each one it lists must
+    resolve, to the object its module defines."""
+    import hpcdl.staging  # noqa: PLC0415
+    from hpcdl.staging import session  # noqa: PLC0415
+
+    assert len(hpcdl.staging.__all__) == 18
+    for name in hpcdl.staging.__all__:
+        assert getattr(hpcdl.staging, name) is not None, name
+    assert hpcdl.staging.StagingSession is session.StagingSession
+    with pytest.raises(AttributeError, match="no_such_name"):
+        hpcdl.staging.no_such_name  # noqa: B018
