@@ -19,7 +19,9 @@ then puts back where it was what is left (not hpcdl's: a user's file in a staged
 then removes the manifest and the entry.
 Who removes: the releasing job itself when the manifest is at most INLINE_MANIFEST_BYTES
 (about 4,000 files, well under a second); else a detached process (`python -m
-hpcdl.staging.trash STAGE_DIR`, its own session, stdio closed) that outlives the job. Every
+hpcdl.staging.trash STAGE_DIR`, its own session, stdio closed) that outlives the job; it runs
+while the job's processes end, so it imports the standard library and its own two modules only
+(hpcdl.staging's names load when asked for; tests/test_staging_cleanup.py). Every
 StageDirLease.acquire starts one when an entry is unclaimed (its lock free), so what a killed
 remover left goes with the next job on the node that uses the stage dir; a Slurm epilog can run
 the same command. The last remover out (no live session, no manifest, no trash) removes hpcdl's
