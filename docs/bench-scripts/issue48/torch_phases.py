@@ -1,5 +1,5 @@
 """Issue 48: where examples/torch_ddp.py's time goes with hpcdl.torch behind the slow file system
-(docs/PERFORMANCE.md, "hpcdl.train and hpcdl.torch behind the slow FS, old against main").
+(docs/PERFORMANCE.md, "hpcdl.train and hpcdl.torch behind the slow FS, 68caa3e against main").
 
 Mounts the data behind the slow file system (5 ms per open, 200 MB/s) as `tools.bench train
 --torch-loader` does, builds each side's index once, then runs the example (hpcdl.torch.Loader,
