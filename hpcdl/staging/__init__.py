@@ -11,7 +11,6 @@ the session, the data sets and NumPy first cost it half a second of CPU.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 # name -> the module that defines it
 _LAZY = {
@@ -35,46 +34,7 @@ _LAZY = {
     "parse_capacity": "hpcdl.staging.session",
 }
 
-__all__ = [
-    "FileEntry",
-    "FileTable",
-    "FileTreeDataset",
-    "Locator",
-    "NodePlan",
-    "PfsEmulation",
-    "PlanError",
-    "StageOptions",
-    "StagerNotFound",
-    "StagingSession",
-    "dataset_fingerprint",
-    "default_capacity",
-    "find_stager_binary",
-    "open_source",
-    "parse_capacity",
-    "plan_for_node",
-    "stager_version",
-    "write_plan",
-]  # the keys of _LAZY
-
-if TYPE_CHECKING:
-    from hpcdl.data.dataset import FileEntry, FileTable
-    from hpcdl.data.pfs import PfsEmulation, open_source
-    from hpcdl.staging.binary import StagerNotFound, find_stager_binary, stager_version
-    from hpcdl.staging.plan import (
-        FileTreeDataset,
-        NodePlan,
-        PlanError,
-        dataset_fingerprint,
-        plan_for_node,
-        write_plan,
-    )
-    from hpcdl.staging.session import (
-        Locator,
-        StageOptions,
-        StagingSession,
-        default_capacity,
-        parse_capacity,
-    )
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):

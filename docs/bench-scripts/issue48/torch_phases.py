@@ -6,7 +6,8 @@ Mounts the data behind the slow file system (5 ms per open, 200 MB/s) as `tools.
 staging on, --model linear, 3 epochs, 2 workers, batch 32) under `mpirun -np 1`, the sides
 alternated, and prints the wall seconds and the seconds since start at each phase: torch and
 hpcdl imported, the process group, Loader(), DistributedDataParallel(), each epoch's first
-batch and end.
+batch and end; at DistributedDataParallel()'s start and end also the CPU seconds so far of the
+rank's busy threads (T:) and of its children (C:, the stager and the loader workers), from /proc.
 
     python docs/bench-scripts/issue48/torch_phases.py ROUNDS DATA OLD_PYTHON OLD_TREE OLD_STAGER
 
@@ -30,8 +31,34 @@ T0 = time.perf_counter()
 REPO = Path(__file__).resolve().parents[3]
 
 
-def stamp(what: str) -> None:
-    print(f"PHASE {what} {time.perf_counter() - T0:.3f}", file=sys.stderr, flush=True)
+def _cpu(stat: Path) -> tuple[str, int, float]:
+    """(name, parent pid, user + system CPU seconds) from a /proc stat file."""
+    head, rest = stat.read_text().rsplit(")", 1)
+    fields = rest.split()
+    ticks = int(fields[11]) + int(fields[12])
+    return head.split("(", 1)[1], int(fields[1]), ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_so_far() -> str:
+    """CPU seconds of this process's threads that used over 0.05 s, and of its children."""
+    me, out = os.getpid(), []
+    for task in Path(f"/proc/{me}/task").iterdir():
+        name, _, seconds = _cpu(task / "stat")
+        if seconds > 0.05:
+            out.append(f"T:{name}={seconds:.2f}")
+    for proc in Path("/proc").iterdir():
+        try:
+            name, parent, seconds = _cpu(proc / "stat") if proc.name.isdigit() else ("", 0, 0)
+        except OSError:  # ended meanwhile
+            continue
+        if parent == me:
+            out.append(f"C:{name}={seconds:.2f}")
+    return " ".join(out)
+
+
+def stamp(what: str, cpu: bool = False) -> None:
+    extra = f" [{cpu_so_far()}]" if cpu else ""
+    print(f"PHASE {what} {time.perf_counter() - T0:.3f}{extra}", file=sys.stderr, flush=True)
 
 
 def wrapped(script: str, argv: list[str]) -> None:
@@ -44,20 +71,20 @@ def wrapped(script: str, argv: list[str]) -> None:
 
     stamp("hpcdl.torch imported")
 
-    def around(owner, name: str, label: str) -> None:
+    def around(owner, name: str, label: str, cpu: bool = False) -> None:
         inner = getattr(owner, name)
 
         def timed(*a, **k):
-            stamp(f"{label} start")
+            stamp(f"{label} start", cpu)
             out = inner(*a, **k)
-            stamp(f"{label} end")
+            stamp(f"{label} end", cpu)
             return out
 
         setattr(owner, name, timed)
 
     around(dist, "init_process_group", "process group")
     around(hpcdl.torch.Loader, "__init__", "Loader()")
-    around(parallel.DistributedDataParallel, "__init__", "DDP()")
+    around(parallel.DistributedDataParallel, "__init__", "DDP()", cpu=True)
     epochs = hpcdl.torch.Loader.__iter__
 
     def iterate(self):
