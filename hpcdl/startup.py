@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl import backend, diag, messages
-from hpcdl.comm import blas_threads, collectives, cuda_aware, failure
+from hpcdl.comm import blas_threads, collectives, cuda_aware
 from hpcdl.comm.failure import StopAgreement, agree_on_errors
 from hpcdl.comm.node_watch import NodeWatch
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
-from hpcdl.data.dataset import DataError, index_record
+from hpcdl.data.dataset import index_record
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.nn.step import StepParts
@@ -30,6 +30,7 @@ from hpcdl.nn.step_graph import StepGraph
 from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
 from hpcdl.run import Run, own
 from hpcdl.startup_checks import check_outputs, check_stage_dir, verify_same_run
+from hpcdl.startup_input import loader_line, open_input
 
 
 def env_rank() -> int:
@@ -213,10 +214,10 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
         scaler = loss_scaler(cfg, world, stack)
         cfg, start, rest = resume_point(cfg, world, spec, (model, optimizer, scaler), say)
-        staging = start_staging(cfg, world, stack, train_ds, spec, start.epoch)
+        staging, loader, val_loader = open_input(cfg, world, stack, (train_ds, val_ds), spec,
+                                                 start.epoch, xp)  # fmt: skip
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
-        loader, val_loader = open_loaders(cfg, world, stack, train_ds, val_ds, staging, xp)
         say(loader_line(loader))
         parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
         say_settings(cfg, say)
@@ -493,94 +494,3 @@ def loss_scaler(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
         any_rank = collectives.AnyRank(world.comm)
         own(stack, any_rank.close, None)
     return nn.precision.LossScaler(any_rank)
-
-
-def start_staging(
-    cfg: TrainConfig,
-    world: World,
-    stack: ExitStack,
-    train_ds: Any,
-    spec: SamplerSpec,
-    first_epoch: int,
-) -> Any:
-    """The node's stager session with --stage-dir (None without): owned by the run, and
-    abandoned from the failure-notice thread when another rank fails."""
-    if not cfg.stage_dir:
-        return None
-    from hpcdl.staging import StageOptions, StagingSession  # noqa: PLC0415
-
-    options = StageOptions(
-        cfg.stage_dir,
-        threads=cfg.stage_threads,
-        nice=cfg.stage_nice,
-        capacity=cfg.stage_capacity,
-        keep=cfg.keep_staged,
-        verify=cfg.stage_verify,
-        protect={"--data": cfg.data, "--val-data": cfg.val_data},
-        peers=cfg.peer_staging,
-    )
-    staging = StagingSession.start(
-        world, train_ds, spec, cfg.batch_size, (first_epoch, cfg.epochs), options
-    )
-    own(stack, staging.close, staging.abandon)
-    stack.enter_context(failure.cleanup_on_stand_down(staging.abandon))
-    return staging
-
-
-def open_loaders(
-    cfg: TrainConfig,
-    world: World,
-    stack: ExitStack,
-    train_ds: Any,
-    val_ds: Any,
-    staging: Any,
-    xp: Any = None,
-) -> tuple[Any, Any]:
-    """(training loader, validation loader or None), owned by the run. xp: the array module
-    that --decode gpu decodes onto (None: NumPy)."""
-    from hpcdl.data import Loader, default_workers  # noqa: PLC0415
-
-    workers = (
-        default_workers(ranks_per_node=world.local_size) if cfg.workers is None else cfg.workers
-    )
-    loader, error = None, None
-    try:
-        loader = Loader(
-            train_ds,
-            cfg.batch_size,
-            workers=workers,
-            prefetch=None if cfg.prefetch == "auto" else int(cfg.prefetch),
-            seed=cfg.seed,
-            augment=cfg.augment,
-            locate=staging.locator() if staging else None,
-            skip_bad_samples=cfg.skip_bad_samples,
-            timeout_s=cfg.loader_timeout,
-            ranks_per_node=world.local_size,
-            decode=cfg.decode,
-            **({} if xp is None else {"xp": xp}),
-        )
-        own(stack, loader.close, loader.close)
-    except DataError as exc:  # /dev/shm too small for the batch slots: one line, not one per rank
-        error = str(exc)
-    agree_on_errors(world.comm, world.rank, error)
-    val_loader = None
-    if val_ds is not None:
-        # the same --augment: validation takes its centre crops (torchvision's), so shapes agree
-        val_loader = Loader(val_ds, cfg.batch_size, workers=0, seed=cfg.seed, augment=cfg.augment)
-        own(stack, val_loader.close, val_loader.close)
-    return loader, val_loader
-
-
-def loader_line(loader: Any) -> str:
-    """The start line about the loader: workers and batch slots per rank, with a warning where
-    the slots leave workers idle (hpcdl.data.loader NOTE [default slots])."""
-    from hpcdl.data.loader import slot_warning  # noqa: PLC0415
-
-    if loader.workers == 0:
-        return "hpcdl: loader: batches built in the training process (--workers 0)"
-    how = "auto" if loader.slots_default else "--prefetch"
-    line = f"hpcdl: loader: {loader.workers} worker(s) per rank, {loader.slots} batch slots ({how})"
-    if loader.decode == "gpu":
-        line += f", files decoded in the rank ({loader.decoder_name})"
-    warning = slot_warning(loader.workers, loader.slots)
-    return line + (f"; warning: {warning}" if warning else "")

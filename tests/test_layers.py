@@ -49,7 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # what a run writes and what predicts it
     ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),
     ("hpcdl.run", "hpcdl.resume", "hpcdl.export"),  # a run's resources; checkpoint in and out
-    ("hpcdl.startup", "hpcdl.startup_checks"),  # builds a Run from a TrainConfig
+    ("hpcdl.startup", "hpcdl.startup_checks", "hpcdl.startup_input"),  # a Run from a TrainConfig
     # commands (every package's __main__ counts here, at least)
     (
         "hpcdl.train",

@@ -24,7 +24,7 @@ from hpcdl.data.loader import (
 )
 from hpcdl.data.slots import SlotLayout
 from hpcdl.doctor import probes
-from hpcdl.startup import loader_line
+from hpcdl.startup_input import loader_line
 
 MIB = 1 << 20
 PLENTY = 1 << 40  # free shared memory that bounds nothing
@@ -95,14 +95,15 @@ def test_prefetch_from_toml_as_a_number(tmp_path):
 
 
 def test_the_start_line_says_the_slots_and_warns():
-    auto = SimpleNamespace(workers=8, slots=16, slots_default=True, decode="cpu")
+    auto = SimpleNamespace(workers=8, slots=16, slots_default=True, decode="cpu", cores=None)
     assert loader_line(auto) == "hpcdl: loader: 8 worker(s) per rank, 16 batch slots (auto)"
-    few = loader_line(SimpleNamespace(workers=8, slots=4, slots_default=False, decode="cpu"))
+    few = SimpleNamespace(workers=8, slots=4, slots_default=False, decode="cpu", cores=None)
+    few = loader_line(few)
     assert "4 batch slots (--prefetch); warning: 4 batch slots for 8 loader workers" in few
-    here = SimpleNamespace(workers=0, slots=0, slots_default=True, decode="cpu")
+    here = SimpleNamespace(workers=0, slots=0, slots_default=True, decode="cpu", cores=None)
     assert "--workers 0" in loader_line(here)
     gpu = SimpleNamespace(workers=2, slots=4, slots_default=True, decode="gpu",
-                          decoder_name="nvimgcodec")  # fmt: skip
+                          decoder_name="nvimgcodec", cores=None)  # fmt: skip
     assert loader_line(gpu).endswith("(auto), files decoded in the rank (nvimgcodec)")
 
 

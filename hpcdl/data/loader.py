@@ -41,6 +41,7 @@ from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir
 
 if TYPE_CHECKING:
     from hpcdl.data.pool import Upcoming
+    from hpcdl.data.worker_cores import WorkerCores
 
 # How long a worker may stay silent on a batch the trainer waits for (--loader-timeout): well
 # above a slow parallel file system read (tens of seconds) or a Lustre/GPFS server failover
@@ -89,7 +90,8 @@ class Loader:
     """Minibatches in sampler order, built by `workers` processes into shared-memory slots.
 
     prefetch: batch slots (None: NOTE [default slots]; the count used is `slots`, and
-    `slots_default` says whether it was the default). workers=0 builds in this process."""
+    `slots_default` says whether it was the default). workers=0 builds in this process.
+    cores: where the workers run (hpcdl.data.worker_cores; None: where this process does)."""
 
     def __init__(
         self,
@@ -105,6 +107,7 @@ class Loader:
         ranks_per_node: int = 1,
         decode: str = "cpu",
         xp: Any = np,
+        cores: WorkerCores | None = None,
     ) -> None:
         if decode not in ("cpu", "gpu"):
             raise ValueError(f"decode must be cpu or gpu, got {decode!r}")
@@ -117,6 +120,7 @@ class Loader:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
         self.ds, self.batch_size, self.workers = ds, batch_size, workers
+        self.cores = cores
         self.aug = parse_augment(augment)
         check_augment(ds, self.aug)
         self.sample_shape = output_shape(ds, self.aug)  # (C, H, W) of delivered images
@@ -139,9 +143,8 @@ class Loader:
             from hpcdl.data.pool import WorkerOptions, WorkerPool  # noqa: PLC0415
 
             layout = dataclasses.replace(self._layout, count=self.slots)
-            options = WorkerOptions(
-                workers, seed, augment or "none", locate, skip_bad_samples, timeout_s
-            )
+            options = WorkerOptions(workers, seed, augment or "none", locate, skip_bad_samples,
+                                    timeout_s, cores.cores if cores else None)  # fmt: skip
             self._pool = WorkerPool(ds, layout, options)
 
     def _default_slots(self, ranks_per_node: int) -> int:

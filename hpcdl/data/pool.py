@@ -76,6 +76,7 @@ from hpcdl.data.slots import (
     recv_exact,
     slot_views,
 )
+from hpcdl.data.worker_cores import spawning_on
 
 _LAUNCHER_ENV_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "MPI_LOCALRANKID", "I_MPI_")
 _POLL_S = 0.5
@@ -121,7 +122,8 @@ class WorkerOptions:
     """How a WorkerPool's processes build batches: every field but the slots and the data set.
 
     locate: picklable file_id -> Path (staging's Locator) or None. timeout_s: a worker silent
-    this long on a batch the trainer waits for raises LoaderTimeout.
+    this long on a batch the trainer waits for raises LoaderTimeout. cores: the CPUs the
+    workers run on (None: this process's; hpcdl.data.worker_cores NOTE [worker cores]).
     """
 
     workers: int
@@ -130,6 +132,7 @@ class WorkerOptions:
     locate: Callable[[int], Any] | None
     skip_bad: bool
     timeout_s: float
+    cores: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class WorkerPool:
     def __init__(self, ds, layout: SlotLayout, options: WorkerOptions) -> None:
         self.layout = layout  # layout.count slots: the batches in flight at most
         self.timeout_s = options.timeout_s  # silent this long on a batch awaited: LoaderTimeout
+        self.cores = options.cores  # where the workers run (None: where this process does)
         self.ring = SlotRing(layout)
         try:
             config = pickle.dumps(
@@ -195,12 +199,14 @@ class WorkerPool:
 
     def _start(self, w: int, config: bytes, env: dict[str, str]) -> None:
         parent_end, child_end = socket.socketpair()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hpcdl.data.worker", str(child_end.fileno()), str(self.ring.fd)],
-            pass_fds=(child_end.fileno(), self.ring.fd),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        with spawning_on(self.cores):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hpcdl.data.worker", str(child_end.fileno()),
+                 str(self.ring.fd)],
+                pass_fds=(child_end.fileno(), self.ring.fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )  # fmt: skip
         child_end.close()
         self.procs.append(proc)
         self.socks.append(parent_end)

@@ -8,6 +8,7 @@ import socket
 import sys
 from typing import Any
 
+from hpcdl.data import worker_cores
 from hpcdl.doctor import probes
 from hpcdl.doctor.findings import ERROR, EXIT_ERRORS, WARNING, merge, rank_ranges
 from hpcdl.doctor.stagedir import check_stage_dir, default_stage_dir, read_mounts
@@ -68,10 +69,9 @@ def rank_report(world: Any, stage_dir: str | None, args: Any = None) -> dict[str
     add("blas", probes.blas(world.node_comm))
     args = args or build_parser().parse_args([])
     shape = tuple(int(v) for v in args.sample_shape.split(","))
-    add(
-        "loader",
-        probes.loader(args.workers, args.prefetch, args.batch_size, shape, world.local_size),
-    )
+    cores = worker_cores.for_rank(world.node_comm, world.local_rank)
+    add("loader", probes.loader(args.workers, args.prefetch, args.batch_size, shape,
+                                world.local_size, cores))  # fmt: skip
     add("stager", probes.stager())
     add("slurm", probes.slurm(world.size, world.num_nodes, facts["blas"]["cores"]))
     # one rank per node makes and removes the probe files; the others take its answer
@@ -133,13 +133,7 @@ def describe(name: str, v: dict[str, Any]) -> str:
             f"{env or 'OMP_NUM_THREADS unset'}"
         )
     if name == "loader":
-        how = "auto" if v["slots_default"] else "--prefetch"
-        return (
-            f"{v['workers']} worker(s) per rank, {v['slots']} batch slots ({how}) of "
-            f"{_size(v['slot_bytes'])} (batch {v['batch']} x {'x'.join(map(str, v['shape']))}); "
-            f"{_size(v['shm_free_bytes'])} free in {v['shm_dir']}; --decode gpu on the GPU: "
-            f"{'yes' if v['gpu_decode'] else 'no'} ({v['gpu_decode_reason']})"
-        )
+        return _loader_text(v)
     if name == "stager":
         return f"{v['path']} ({v['version']})" if v["path"] else "not found"
     if name == "stage_dir":
@@ -160,6 +154,20 @@ def describe(name: str, v: dict[str, Any]) -> str:
             f"SLURM_CPUS_PER_TASK={v['cpus_per_task']}"
         )
     return json.dumps(v)
+
+
+def _loader_text(v: dict) -> str:
+    """The loader fact: workers (and their cores), slots, shared memory, GPU decode."""
+    how = "auto" if v["slots_default"] else "--prefetch"
+    where = ""
+    if "worker_cores" in v:
+        where = f" on cores {v['worker_cores']} (the rank's: {v['rank_cores']})"
+    return (
+        f"{v['workers']} worker(s) per rank{where}, {v['slots']} batch slots ({how}) of "
+        f"{_size(v['slot_bytes'])} (batch {v['batch']} x {'x'.join(map(str, v['shape']))}); "
+        f"{_size(v['shm_free_bytes'])} free in {v['shm_dir']}; --decode gpu on the GPU: "
+        f"{'yes' if v['gpu_decode'] else 'no'} ({v['gpu_decode_reason']})"
+    )
 
 
 def render(merged: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from hpcdl import backend
 from hpcdl.comm import blas_threads, cuda_aware
+from hpcdl.data.worker_cores import WorkerCores, cpu_list
 from hpcdl.doctor.findings import ERROR, WARNING, Problem
 from hpcdl.nn import kernels
 from hpcdl.nn.kernels import cudnn_graphs
@@ -160,15 +161,23 @@ def blas(node_comm: Any) -> Found:
     return facts, problems
 
 
-def loader(workers: int | None, prefetch: str, batch: int, shape: tuple, local_size: int) -> Found:
+def loader(
+    workers: int | None,
+    prefetch: str,
+    batch: int,
+    shape: tuple,
+    local_size: int,
+    cores: WorkerCores | None = None,
+) -> Found:
     """Loader workers and batch slots per rank, as hpcdl.train would choose them for a batch of
-    `batch` samples of shape (C, H, W) (hpcdl.data.loader NOTE [default slots]); a warning where
-    the slots leave workers idle."""
+    `batch` samples of shape (C, H, W) (hpcdl.data.loader NOTE [default slots]), and the cores
+    the workers run on (cores: hpcdl.data.worker_cores; None: the default workers of an unbound
+    rank); a warning where the slots leave workers idle."""
     from hpcdl.data.loader import default_slots, default_workers, slot_warning  # noqa: PLC0415
     from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir  # noqa: PLC0415
 
     if workers is None:
-        workers = default_workers(ranks_per_node=local_size)
+        workers = cores.default_workers if cores else default_workers(ranks_per_node=local_size)
     one = SlotLayout(1, batch, shape).slot_bytes
     free = free_bytes(shm_dir())
     auto = prefetch == "auto"
@@ -183,6 +192,8 @@ def loader(workers: int | None, prefetch: str, batch: int, shape: tuple, local_s
         "shm_dir": shm_dir(),
         "shm_free_bytes": free,
     }
+    if cores is not None:  # the rank's mask, and its workers' (wider where cores were free)
+        facts["rank_cores"], facts["worker_cores"] = cpu_list(cores.bound), cpu_list(cores.cores)
     from hpcdl.data.gpu_decode import gpu_decode_available  # noqa: PLC0415
 
     facts["gpu_decode"], facts["gpu_decode_reason"] = gpu_decode_available()

@@ -91,7 +91,8 @@ class StageOptions:
 
     capacity: bytes, '200G', '80%', 0 (stage nothing) or None (the stager's default: free space
     minus a margin). protect: flag -> data path the stage dir must not overlap (None: the data
-    set root). keep: leave the copies (and the status map) at close.
+    set root). keep: leave the copies (and the status map) at close. cores: the CPUs the stager
+    runs on (None: the starting rank's; hpcdl.data.worker_cores NOTE [worker cores]).
     """
 
     stage_dir: str | Path
@@ -102,6 +103,7 @@ class StageOptions:
     verify: bool = False
     protect: dict[str, Any] | None = field(default=None, hash=False)
     peers: str = "auto"  # --peer-staging: auto, on, off (hpcdl.staging.peer_tier)
+    cores: frozenset[int] | None = None
 
 
 class Locator:
@@ -484,7 +486,8 @@ class StagingSession:
         threads, verify = options.threads, options.verify
         tier = self.peer_tier if peer_lines or self._serves() else None
         self.stager = StagerProcess.launch(binary, lease.stage_dir, lease.session, threads, cap,
-                                           verify, tier, nice=options.nice)  # fmt: skip
+                                           verify, tier, nice=options.nice,
+                                           cores=options.cores)  # fmt: skip
         ok, why = self.stager.wait_running(files.status)
         return replace(
             info, ok=ok, why=why, steps=plan.steps_per_epoch, fingerprint=self.plan.fingerprint

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from hpcdl.config import STAGE_NICE, STAGE_NICE_LATER
+from hpcdl.data.worker_cores import spawning_on
 from hpcdl.staging.peer_tier import PeerTier
 from hpcdl.staging.status import StatusView, stager_alive
 
@@ -54,10 +55,12 @@ class StagerProcess:
         once: bool = False,
         quiet: bool = False,
         nice: str = STAGE_NICE,
+        cores: frozenset[int] | None = None,
     ) -> StagerProcess:
         """Start hpcdl-stage for `session` in stage_dir; with `peer`, the job's secret goes to
         its stdin (a pipe) and its listening socket is inherited (docs/staging.md, "Peer
-        tier"). capacity None: the stager's default. once: stage the plan and exit."""
+        tier"). capacity None: the stager's default. once: stage the plan and exit. cores: the
+        CPUs it runs on (None: this thread's; hpcdl.data.worker_cores.spawning_on)."""
         cmd = [str(binary), "--stage-dir", str(stage_dir), "--session", session]
         cmd += ["--threads", str(int(threads)), "--parent-pid", str(os.getpid())]
         cmd += nice_flags(nice)
@@ -67,9 +70,11 @@ class StagerProcess:
             if on:
                 cmd.append(flag)
         if peer is None:
-            return cls(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+            with spawning_on(cores):
+                return cls(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
         args, fds = peer.stager_args()
-        proc = subprocess.Popen(cmd + args, stdin=subprocess.PIPE, pass_fds=fds)
+        with spawning_on(cores):
+            proc = subprocess.Popen(cmd + args, stdin=subprocess.PIPE, pass_fds=fds)
         try:
             proc.stdin.write(peer.secret_hex.encode() + b"\n")
             proc.stdin.close()

@@ -1,7 +1,7 @@
 """hpcdl.torch.Loader: hpcdl's sampler -> worker pool -> shared-memory slots, and the node's
 stager, for a PyTorch training script. The same start-up functions as hpcdl.train build it
-(hpcdl.startup: open_datasets, sampler_spec, start_staging, open_loaders): there is no second
-loader.
+(hpcdl.startup: open_datasets, sampler_spec; hpcdl.startup_input: open_input): there is no
+second loader.
 
 NOTE [slot lifetime]
 A batch's images are a torch tensor over the shared-memory slot the loader worker wrote
@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
-from hpcdl import messages, startup
+from hpcdl import messages, startup, startup_input
 from hpcdl.comm.failure import SystemExitWithMessage
 from hpcdl.config import STAGE_NICE, STAGE_THREADS, ConfigError, TrainConfig, validate
 from hpcdl.data.dataset import DataError
@@ -167,9 +167,10 @@ class Loader:
             with ExitStack() as stack:  # an error half way closes what was made (this rank)
                 dataset, _ = startup.open_datasets(cfg, world)
                 spec = startup.sampler_spec(cfg, world, len(dataset))
-                staging = startup.start_staging(cfg, world, stack, dataset, spec, 0)
                 xp = _decode_xp(self._torch) if cfg.decode == "gpu" else None
-                loader, _ = startup.open_loaders(cfg, world, stack, dataset, None, staging, xp)
+                staging, loader, _ = startup_input.open_input(
+                    cfg, world, stack, (dataset, None), spec, 0, xp
+                )
                 return dataset, spec.for_rank(world.rank), staging, loader, stack.pop_all()
         except SystemExitWithMessage as exc:  # agreed by every rank; printed once
             raise _start_error(exc.message, world.rank == 0) from None

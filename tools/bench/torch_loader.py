@@ -13,7 +13,10 @@ on the same data, workers, batch and ranks:
   folder's index is built once before (tools.bench.peers.index_cost) and cached off the mount,
   so neither side pays for it.
 Defaults: issue 14's setup (6,000 synthetic 32x32 JPEGs, 5 ms per open, 200 MB/s, 3 epochs,
-2 workers, batch 32, 1 rank). Needs torch and the repository's examples/ directory.
+2 workers, batch 32, 1 rank). The DataLoader runs get `--bind-to none`: mpirun binds one or two
+ranks to a core each, and torch's workers would inherit that core where hpcdl.torch's get the
+node's free ones (hpcdl.data.worker_cores); unbound, they get every core, as under torchrun.
+Needs torch and the repository's examples/ directory.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ def run_script(args: argparse.Namespace, data: str, extra: list[str]) -> dict[st
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = mpirun_command(args.ranks) + [
+    launch = mpirun_command(args.ranks)
+    if "--dataloader" in extra:  # every core for torch's workers, as torchrun gives them
+        launch += ["--bind-to", "none"]
+    cmd = launch + [
         sys.executable, str(EXAMPLE), "--data", data, "--epochs", str(args.epochs),
         "--batch-size", str(args.batch_size), "--workers", str(args.workers),
         "--augment", args.augment, *MODEL, *extra,
