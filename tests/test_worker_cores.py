@@ -110,7 +110,7 @@ def test_the_job_cores_are_the_nearest_cgroup_cpuset(tmp_path):
     assert job_cores(root, v2, online) == frozenset({4, 5, 6, 7, 12})
     # cgroup v1: the cpuset hierarchy of its own
     write(root / "cpuset" / "slurm" / "job_8" / "cpuset.effective_cpus", "2-3\n")
-    v1 = write(tmp_path / "v1", "4:memory:/slurm/job_8\n3:cpuset:/slurm/job_8\n")
+    v1 = write(tmp_path / "v1", "not a cgroup line\n4:memory:/slurm/job_8\n3:cpuset:/slurm/job_8\n")
     assert job_cores(root, v1, online) == frozenset({2, 3})
     # no cpuset anywhere: every online CPU
     none = write(tmp_path / "none", "4:memory:/x\n")

@@ -5,9 +5,10 @@ Open MPI's mpirun binds each rank to one core when it starts two ranks or fewer 
 package above that), and every process a rank starts inherits the rank's mask. So under a
 plain `mpirun -np 1` or `-np 2` the rank's loader workers and its node's stager all ran on the
 rank's one core while the node's other cores idled: on a 2-core VM `mpirun -np 1 python -m
-hpcdl.train --workers 2` built 269-319 images/s where `--bind-to none` built 559-561
-(docs/PERFORMANCE.md, "Issue 48: the workers' cores"); on a 16-core GPU node one core feeds a
-step that eats eleven. horovodrun passes `--bind-to none` for this; torchrun binds nothing.
+hpcdl.train --workers 2` built 279-311 images/s, 572-620 with this rule and 465-513 with
+`--bind-to none` (docs/PERFORMANCE.md, "Issue 48: the workers' cores"); on a 16-core GPU node
+one core fed a step that eats eleven. horovodrun passes `--bind-to none` for this; torchrun
+binds nothing.
 The rule, from facts the ranks of a node gather once (plan(), a pure function):
 1. the job's cores on this node: the cpuset of this process's cgroup (what Slurm or a container
    gave the job; v2 `cpuset.cpus.effective`, else v1 `cpuset.effective_cpus`), else every
@@ -91,12 +92,6 @@ def for_rank(node_comm, local_rank: int) -> WorkerCores:
     return plan(mine, node_comm.allgather(mine), local_rank, job_cores())
 
 
-def alone() -> WorkerCores:
-    """plan() for a process that is the only rank of its node (no MPI)."""
-    mine = affinity()
-    return plan(mine, [mine], 0, job_cores())
-
-
 def job_cores(
     root: Path = Path("/sys/fs/cgroup"),
     proc: Path = Path("/proc/self/cgroup"),
@@ -116,7 +111,10 @@ def _cgroup_cpus(root: Path, proc: Path) -> frozenset[int] | None:
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # cgroup v2's one hierarchy
             base, name = root, "cpuset.cpus.effective"
         elif "cpuset" in controllers.split(","):
