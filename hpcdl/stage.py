@@ -34,6 +34,7 @@ from hpcdl.clustermodel.equations import staged_at, staging_rate
 from hpcdl.config import STAGE_THREADS, TrainConfig
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
+from hpcdl.data.worker_cores import whole_node
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.fskind import copy_threads, path_kind
@@ -470,6 +471,7 @@ def stage_only(args: argparse.Namespace) -> int:
         raise UsageError(f"--node {node} outside 0..{nodes - 1}")
     layout = gathered or rank_layout([per] * nodes, args.placement)
     ds = open_data(args, samples=False)  # the copy opens each file once; the index would too
+    args.stage_cores = whole_node()  # not the one core mpirun bound this rank to
     args.threads_why = choose_threads(args, ds.root)
     check_no_overlap(args.stage_dir, {"--data": args.data})
     lease = StageDirLease.acquire(args.stage_dir)
@@ -481,14 +483,14 @@ def stage_only(args: argparse.Namespace) -> int:
 
 def choose_threads(args: argparse.Namespace, root: Any) -> str:
     """Without --stage-threads (flag or config), stage-only's copy threads follow the source:
-    a local file system is bound by the cores, a network or parallel one by each open's
-    latency (staging.fskind.copy_threads). Sets args.stage_threads; returns the start line's
-    account of the choice."""
+    a local file system is bound by the cores the stager runs on (args.stage_cores, else this
+    process's), a network or parallel one by each open's latency (staging.fskind.copy_threads).
+    Sets args.stage_threads; returns the start line's account of the choice."""
     kind, fstype = path_kind(root)
     where = f"({fstype}, a {kind} file system)"
     if args.stage_threads_given:
         return f"{where} with {args.stage_threads} copy threads (--stage-threads)"
-    cores = len(os.sched_getaffinity(0))
+    cores = len(args.stage_cores or os.sched_getaffinity(0))
     args.stage_threads = copy_threads(kind, cores)
     return (
         f"{where} with {args.stage_threads} copy threads ({cores} cores; --stage-threads to choose)"
@@ -524,6 +526,7 @@ def _stage_with(
         bool(args.stage_verify),
         once=True,
         quiet=bool(args.quiet),
+        cores=args.stage_cores,
     ).proc
     status = StatusView(files.status)
     show_progress(proc, status, node, bool(args.quiet))

@@ -4,12 +4,12 @@ open's latency, which more threads hide."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from helpers import make_tree, stage_cli
 
 from hpcdl.config import STAGE_THREADS
+from hpcdl.data.worker_cores import job_cores
 from hpcdl.staging.fskind import copy_threads, path_kind, source_kind
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_stage_only_says_the_threads_it_chose_and_why(tmp_path):
                      "--files-only", "--batch-size", "4", cwd=REPO)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     kind, fstype = path_kind(tmp_path / "data")
-    cores = len(os.sched_getaffinity(0))
+    cores = len(job_cores())  # the stager runs on the job's cores (NOTE [worker cores])
     threads = copy_threads(kind, cores)
     start = [line for line in proc.stderr.splitlines() if "copy threads" in line]
     assert start == [

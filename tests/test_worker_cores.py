@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import job_pids, mpi_env, mpirun_cmd, wait_until
+from helpers import job_pids, make_tree, mpi_env, mpirun_cmd, wait_until
 
 from hpcdl.data import Loader, open_dataset
 from hpcdl.data.worker_cores import (
@@ -23,6 +23,7 @@ from hpcdl.data.worker_cores import (
     parse_cpu_list,
     plan,
     spawning_on,
+    whole_node,
 )
 
 EIGHT = frozenset(range(8))
@@ -242,3 +243,27 @@ def test_the_doctor_gives_the_rank_and_worker_cores(tmp_path):
     assert len(parse_cpu_list(loader["rank_cores"])) == 1, loader
     assert parse_cpu_list(loader["worker_cores"]) == job_cores(), loader
     assert loader["workers"] == len(job_cores()) - 1  # the rank keeps one core
+
+
+@two_cores
+def test_stage_only_under_a_bound_mpirun_stages_on_the_job_cores(tmp_path):
+    """hpcdl.stage's stager works alone on its node: it gets the job's cores, and a local
+    source's copy threads are chosen for them, not for the one core mpirun bound the rank to."""
+    make_tree(tmp_path / "data", 12, 100)
+    cmd = [*mpirun_cmd(1), "--bind-to", "hwthread", sys.executable, "-m", "hpcdl.stage",
+           "--data", str(tmp_path / "data"), "--stage-dir", str(tmp_path / "s"),
+           "--files-only", "--batch-size", "4"]  # fmt: skip
+    proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"({len(job_cores())} cores; --stage-threads to choose)" in proc.stderr
+    inherited = subprocess.run(cmd, env={**mpi_env(), ENV: "inherit"}, capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+    assert "(1 cores; --stage-threads to choose)" in inherited.stderr, inherited.stderr
+
+
+def test_whole_node_is_none_where_nothing_would_change(monkeypatch):
+    monkeypatch.setenv(ENV, "inherit")
+    assert whole_node() is None
+    monkeypatch.delenv(ENV)
+    assert whole_node() in (None, job_cores())
+    assert (whole_node() is None) == (job_cores() <= HERE)

@@ -21,8 +21,9 @@ Where the ranks' masks already cover the job's cores (`--bind-to none`, srun wit
 `--cpus-per-task`, `--map-by slot:PE=N` filling the node, more ranks than cores) nothing
 changes. The default worker count is the rank's cores less one for the rank itself: its own
 mask divided among the ranks that share it, plus its share of the free cores
-(hpcdl.comm.blas_threads counts sharers the same way). HPCDL_WORKER_CORES=inherit keeps the
-workers on the rank's mask (a site that places them deliberately).
+(hpcdl.comm.blas_threads counts sharers the same way). `python -m hpcdl.stage`'s stager, alone
+at work on its node, gets all of the job's cores (whole_node()). HPCDL_WORKER_CORES=inherit
+keeps workers and stagers on the rank's mask (a site that places them deliberately).
 """
 
 from __future__ import annotations
@@ -90,6 +91,16 @@ def for_rank(node_comm, local_rank: int) -> WorkerCores:
     """plan() for this rank with its node's masks; collective on node_comm (mpi4py)."""
     mine = affinity()
     return plan(mine, node_comm.allgather(mine), local_rank, job_cores())
+
+
+def whole_node() -> frozenset[int] | None:
+    """The cores for a process that works alone on its node (`hpcdl.stage`'s stager: the
+    command's other ranks only wait): the job's, where this process is bound to fewer; None
+    where nothing would change, or with HPCDL_WORKER_CORES=inherit."""
+    if os.environ.get(ENV, "").strip() == "inherit":
+        return None
+    job = job_cores()
+    return job if job - affinity() else None
 
 
 def job_cores(
