@@ -30,7 +30,7 @@ def open_input(
     run: the workers' cores placed first (mpirun's one-core binding must not confine them),
     then the node's stager, then the loaders. datasets: (training, validation or None).
     Collective."""
-    cores = place_workers(world)
+    cores = for_rank(world.node_comm, world.local_rank)  # collective on the node
     staging = start_staging(cfg, world, stack, datasets[0], spec, first_epoch, cores)
     loader, val_loader = open_loaders(cfg, world, stack, *datasets, staging, xp, cores)
     return staging, loader, val_loader
@@ -43,11 +43,11 @@ def start_staging(
     train_ds: Any,
     spec: SamplerSpec,
     first_epoch: int,
-    cores: WorkerCores | None = None,
+    cores: WorkerCores,
 ) -> Any:
     """The node's stager session with --stage-dir (None without): owned by the run, and
-    abandoned from the failure-notice thread when another rank fails. cores: local rank 0's
-    place_workers(); the stager runs where that rank's workers do."""
+    abandoned from the failure-notice thread when another rank fails. cores: this rank's
+    (hpcdl.data.worker_cores); local rank 0 starts the stager, where its workers run."""
     if not cfg.stage_dir:
         return None
     from hpcdl.staging import StageOptions, StagingSession  # noqa: PLC0415
@@ -61,7 +61,7 @@ def start_staging(
         verify=cfg.stage_verify,
         protect={"--data": cfg.data, "--val-data": cfg.val_data},
         peers=cfg.peer_staging,
-        cores=cores.cores if cores else None,
+        cores=cores.cores,
     )
     staging = StagingSession.start(
         world, train_ds, spec, cfg.batch_size, (first_epoch, cfg.epochs), options
@@ -71,13 +71,6 @@ def start_staging(
     return staging
 
 
-def place_workers(world: World) -> WorkerCores:
-    """Where this rank's loader workers run, and on local rank 0 the node's stager: the rank's
-    cores plus its share of the node's cores that no rank is bound to (hpcdl.data.worker_cores
-    NOTE [worker cores]). Collective on the node."""
-    return for_rank(world.node_comm, world.local_rank)
-
-
 def open_loaders(
     cfg: TrainConfig,
     world: World,
@@ -85,20 +78,15 @@ def open_loaders(
     train_ds: Any,
     val_ds: Any,
     staging: Any,
-    xp: Any = None,
-    cores: WorkerCores | None = None,
+    xp: Any,
+    cores: WorkerCores,
 ) -> tuple[Any, Any]:
     """(training loader, validation loader or None), owned by the run. xp: the array module
-    that --decode gpu decodes onto (None: NumPy). cores: place_workers() (None: the workers
-    run where this rank does, and --workers defaults to its share of the node)."""
-    from hpcdl.data import Loader, default_workers  # noqa: PLC0415
+    that --decode gpu decodes onto (None: NumPy). cores: where the workers run, and what
+    --workers defaults to (hpcdl.data.worker_cores NOTE [worker cores])."""
+    from hpcdl.data import Loader  # noqa: PLC0415
 
-    if cfg.workers is not None:
-        workers = cfg.workers
-    elif cores is not None:
-        workers = cores.default_workers
-    else:
-        workers = default_workers(ranks_per_node=world.local_size)
+    workers = cores.default_workers if cfg.workers is None else cfg.workers
     loader, error = None, None
     try:
         loader = Loader(
@@ -137,9 +125,9 @@ def loader_line(loader: Any) -> str:
         return "hpcdl: loader: batches built in the training process (--workers 0)"
     how = "auto" if loader.slots_default else "--prefetch"
     line = f"hpcdl: loader: {loader.workers} worker(s) per rank, {loader.slots} batch slots ({how})"
-    placed = loader.cores.describe() if loader.cores is not None else ""
-    line += f"; rank 0's {placed}" if placed else ""
     if loader.decode == "gpu":
         line += f", files decoded in the rank ({loader.decoder_name})"
+    placed = loader.cores.describe() if loader.cores is not None else ""
+    line += f"; rank 0's {placed}" if placed else ""
     warning = slot_warning(loader.workers, loader.slots)
     return line + (f"; warning: {warning}" if warning else "")

@@ -159,6 +159,7 @@ def mask_of(pid: int) -> frozenset[int]:
     raise AssertionError(f"no Cpus_allowed_list for {pid}")
 
 
+@two_cores
 def test_the_loader_workers_run_on_the_cores_given(digits_dir):
     ds = open_dataset(digits_dir / "train")
     cores = one(max(HERE))
