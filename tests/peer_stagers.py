@@ -5,11 +5,14 @@ fetching through the plan's peer section."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import secrets
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 from helpers import make_tree, wait_until, write_peer_plan
@@ -95,3 +98,46 @@ def assert_copies_are_the_sources(ds, stage: Path) -> None:
         assert copy.read_bytes() == source.read_bytes(), f.relpath
         assert copy.stat().st_mtime_ns == source.stat().st_mtime_ns, f.relpath
     assert not [p for p in (stage / ".hpcdl" / "sessions" / SESSION).iterdir() if "tmp." in p.name]
+
+
+def flood_silently(port: int, rate: int, hold: int = 512) -> float:
+    """A stranger at 127.0.0.1:port: `rate` new connections a second that never send a byte,
+    the last `hold` of them kept open, until SIGTERM; the connections a second it opened."""
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
+    held: collections.deque[socket.socket] = collections.deque()
+    opened, began = 0, time.monotonic()
+    print("flooding", flush=True)
+    while not stopped:
+        due = int((time.monotonic() - began) * rate)
+        while opened < due and not stopped:
+            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            conn.setblocking(False)
+            conn.connect_ex(("127.0.0.1", port))  # in progress, or done: never written to
+            held.append(conn)
+            opened += 1
+            if len(held) > hold:
+                held.popleft().close()
+        time.sleep(0.001)
+    return opened / (time.monotonic() - began)
+
+
+@contextlib.contextmanager
+def silent_flood(port: int, rate: int):
+    """flood_silently in a process of its own (this file run as a script) for the with block,
+    from its first connection on; yields a dict whose "rate", after the block, is the
+    connections a second it achieved."""
+    cmd = [sys.executable, __file__, "flood", str(port), str(rate)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    achieved: dict[str, float] = {}
+    try:
+        assert proc.stdout.readline() == "flooding\n", "the flood did not start"
+        yield achieved
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    achieved["rate"] = float(out.split()[-1])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["flood"]:
+    print(f"{flood_silently(int(sys.argv[2]), int(sys.argv[3])):.0f}", flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -16,11 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import make_tree
 from peer_stagers import (
     FILES,
     assert_copies_are_the_sources,
     fetch,
     serving_home,
+    silent_flood,
     start,
     status,
     write_plan,
@@ -254,4 +257,133 @@ def test_a_trickling_peer_is_given_up_within_the_deadline_and_the_pfs_gives_the_
     view = status(tmp_path / "b")
     assert view.field("peer_files") == 0 and view.field("pfs_opens") == FILES, err
     assert "deadline" in err and "is not asked again" in err, err
+    assert_copies_are_the_sources(ds, tmp_path / "b")
+
+
+FLOOD_RATE = 6000  # new silent connections a second: issue 62 measured 5,000-8,000
+FLOOD_ROUNDS = 5  # fetches under one flood: one lost handshake lost a whole fetch before
+
+
+def test_a_flood_of_silent_strangers_leaves_a_real_peer_its_files(home, tmp_path, capsys):
+    """Issue 62: a stranger opens thousands of connections a second to the home and never sends
+    a byte, while a real peer fetches every file from it, FLOOD_ROUNDS times. The fetcher's
+    connections sent their hello with their connect: the home reads it at the accept and
+    queues them apart from the silent ones, which evict only their own kind; a handshake the
+    flood still breaks is tried again. Each time at least 90 % of the files come from the home
+    (before: the first lost handshake gave the home up, and 0-1 of 24 came from it)."""
+    ds, address, secret, _ = home
+    got = []
+    with silent_flood(int(address.split(":")[1]), FLOOD_RATE) as flood:
+        for k in range(FLOOD_ROUNDS):
+            view, err = fetch(ds, tmp_path / f"round{k}", address, secret)
+            got.append((view.field("peer_files"), err))
+            assert view.field("peer_files") + view.field("pfs_opens") == FILES, err
+            assert_copies_are_the_sources(ds, tmp_path / f"round{k}" / "b")
+    with capsys.disabled():
+        print(f"\nflood of {flood['rate']:.0f} silent connections/s: files from the home, of "
+              f"{FILES}, per fetch: {[n for n, _ in got]}")  # fmt: skip
+    assert flood["rate"] >= 1000, "the flood was too slow to test anything"
+    for from_peer, err in got:
+        assert from_peer >= 0.9 * FILES, err
+
+
+class ProvingPeer(FakePeer):
+    """A Python peer that holds the job's secret: it proves it, then answers each request on the
+    connection with reply(request, number, nonces) (the bytes to send), counting connections
+    and requests. The first `drop` connections it closes at once, unread."""
+
+    def __init__(self, ds, secret: str, drop: int = 0):
+        self.ds, self.key, self.drop = ds, bytes.fromhex(secret), drop
+        self.connections = self.requests = 0
+        self.lock = threading.Lock()
+        super().__init__()
+
+    def serve(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            with self.lock:
+                self.connections += 1
+                if self.connections <= self.drop:
+                    return
+            conn.settimeout(5)
+            hello = conn.recv(40, socket.MSG_WAITALL)
+            nonces = hello[8:] + os.urandom(32)
+            signed = b"hpcdl-peer server\0" + nonces + self.address.encode()
+            proof = hmac.new(self.key, signed, "sha256").digest()
+            conn.sendall(b"HPCDLPS2" + nonces[32:] + proof)
+            request = conn.recv(32 + 24, socket.MSG_WAITALL)[32:]
+            number = 0
+            while len(request) == 24:
+                with self.lock:
+                    self.requests += 1
+                conn.sendall(self.reply(request, number, nonces))
+                number += 1
+                request = conn.recv(24, socket.MSG_WAITALL)
+
+    def header_and_body(self, request: bytes) -> tuple[bytes, bytes]:
+        """A served reply's header (the source's identity) and the source's bytes."""
+        file_id, _, size = struct.unpack_from("<IIQ", request, 8)
+        source = self.ds.root / self.ds.files[file_id].relpath
+        st = source.stat()
+        header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                             st.st_dev, 0)  # fmt: skip
+        return b"HPCDLPA2" + header, source.read_bytes()
+
+    def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
+        """The honest reply: the bytes and their MAC (docs/staging.md, "Handshake")."""
+        header, body = self.header_and_body(request)
+        signed = b"hpcdl-peer reply\0" + nonces + struct.pack("<Q", number) + request
+        return header + body + hmac.new(self.key, signed + header + body, "sha256").digest()
+
+
+class ForgingPeer(ProvingPeer):
+    """A peer that proves the job's secret (a damaged node, or one with the secret that lies)
+    and answers every request with the source's metadata, forged bytes and a MAC that is not
+    theirs."""
+
+    def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
+        header, body = self.header_and_body(request)
+        return header + b"F" * len(body) + os.urandom(32)
+
+
+@pytest.mark.parametrize("drop", [4, 10**6])
+def test_a_handshake_lost_is_tried_again_then_the_peer_given_up(tmp_path, drop):
+    """Issue 62: a home that closes a fetcher's first connections (4: one per copy thread, as a
+    flood of strangers did) is tried again after a backoff, and gives every file; one that
+    closes them all is given up after 3 tries (kPeerHandshakeTries) per copy thread, said once,
+    and the PFS gives the files (before: one lost handshake gave the home up for the run)."""
+    ds = make_tree(tmp_path / "pfs", FILES, 3000)
+    secret = secrets.token_hex(32)
+    peer = ProvingPeer(ds, secret, drop)
+    try:
+        view, err = fetch(ds, tmp_path, peer.address, secret)
+    finally:
+        peer.close()
+    assert_copies_are_the_sources(ds, tmp_path / "b")
+    if drop == 4:
+        assert view.field("peer_files") == FILES and view.field("pfs_opens") == 0, err
+        assert peer.requests == FILES and "not asked again" not in err, err
+        return
+    assert view.field("peer_files") == 0 and view.field("pfs_opens") == FILES, err
+    assert 3 <= peer.connections <= 4 * 3, (peer.connections, err)
+    given_up = [line for line in err.splitlines() if "is not asked again" in line]
+    assert len(given_up) == 1 and "(3 tries)" in given_up[0], err
+
+
+def test_a_peer_whose_replies_fail_their_mac_is_given_up_after_a_few(tmp_path):
+    """Issue 62: a reply that fails its MAC counts against its peer; after 3 (kPeerMaxBadReplies,
+    and at most one more in flight on each other copy thread) the peer is down for the run, said
+    once in one line naming it, and the PFS gives every file (before: it was asked for every
+    file, each failure a line of its own)."""
+    ds = make_tree(tmp_path / "pfs", FILES, 3000)
+    secret = secrets.token_hex(32)
+    forger = ForgingPeer(ds, secret)
+    try:
+        view, err = fetch(ds, tmp_path, forger.address, secret)
+    finally:
+        forger.close()
+    assert 3 <= forger.requests <= 3 + 3, (forger.requests, err)
+    assert view.field("peer_files") == 0 and view.field("pfs_opens") == FILES, err
+    given_up = [line for line in err.splitlines() if "is not asked again" in line]
+    assert len(given_up) == 1 and forger.address in given_up[0], err
+    assert "failed their check" in given_up[0], err
     assert_copies_are_the_sources(ds, tmp_path / "b")

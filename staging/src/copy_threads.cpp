@@ -119,8 +119,10 @@ CopyThreads::Done CopyThreads::run(const Job& job, std::vector<char>& buffer, un
   return done;
 }
 
-// One peer fetch; a peer that cannot be reached or stays silent is down for the rest of the
-// run (one line), so a lost node costs each copy thread one bounded wait, then the PFS.
+// One peer fetch; a peer that cannot be reached or stays silent (after its handshake tries),
+// or whose replies failed their check kPeerMaxBadReplies times, is down for the rest of the run
+// (one line), so a lost node costs each copy thread one bounded wait and a forging one a few
+// fetches, then the PFS.
 CopyResult CopyThreads::fetch_from(const PeerAddress& peer, const Job& job,
                                    std::vector<char>& buffer, unsigned tag,
                                    PeerOutcome* outcome) {
@@ -128,20 +130,28 @@ CopyResult CopyThreads::fetch_from(const PeerAddress& peer, const Job& job,
   CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.size, job.source,
                                 job.dest, verify_, buffer, tag, cancel_, &how);
   if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
-  if (how == PeerOutcome::Unreachable || how == PeerOutcome::Refused) {
-    bool first = false;
-    {
-      std::lock_guard<std::mutex> lock(peer_mu_);
-      first = down_.insert(peer.node).second;
-    }
-    if (first) {
-      log_(r.message + "; node " + std::to_string(peer.node) +
-           " is not asked again, its files are read from the PFS");
-    }
-  } else if (how != PeerOutcome::Ok && how != PeerOutcome::Cancelled &&
-             !(how == PeerOutcome::NotHere && job.may_wait) &&
-             logged_peer_failures_.fetch_add(1) < kMaxLoggedFailures) {
+  const bool lost = how == PeerOutcome::Unreachable || how == PeerOutcome::Refused;
+  unsigned bad = 0;
+  bool first = false;
+  if (lost || how == PeerOutcome::Bad) {
+    std::lock_guard<std::mutex> lock(peer_mu_);
+    if (how == PeerOutcome::Bad) bad = ++bad_replies_[peer.node];
+    if (lost || bad >= kPeerMaxBadReplies) first = down_.insert(peer.node).second;
+  }
+  const std::string gone = "node " + std::to_string(peer.node) +
+                           " is not asked again, its files are read from the PFS";
+  if (first && lost) {
+    log_(r.message + "; " + gone);
+    return r;
+  }
+  if (how != PeerOutcome::Ok && how != PeerOutcome::Cancelled &&
+      !(how == PeerOutcome::NotHere && job.may_wait) &&
+      logged_peer_failures_.fetch_add(1) < kMaxLoggedFailures) {
     log_(r.message + "; " + stage_dir_ + "/" + job.dest + " is read from the PFS instead");
+  }
+  if (first) {
+    log_("peer " + peer.host + ":" + std::to_string(peer.port) + " sent " + std::to_string(bad) +
+         " replies that failed their check (MAC or source checksum): damaged or forged; " + gone);
   }
   return r;
 }

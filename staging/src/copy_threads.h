@@ -4,7 +4,7 @@
 // jobs and takes what is done; a Job carries copies of all its thread needs, so a copy thread
 // never reads the plan or the status map. Its calls are the coordinator's (one thread); what
 // they share with the copy threads is under mu_ (queue, done, stopping) or peer_mu_ (the down
-// peers), or atomic.
+// peers and each peer's failed checks), or atomic.
 #pragma once
 
 #include <atomic>
@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -63,7 +64,8 @@ class CopyThreads {
   std::vector<Done> take_done();          // what they finished since the last call
   void wait_done(std::chrono::milliseconds most);  // until something is done, at most `most`
 
-  // A peer that could not be reached or refused us: not asked again this run.
+  // A peer that could not be reached or refused us (after its handshake tries), or whose
+  // replies failed their check kPeerMaxBadReplies times: not asked again this run.
   bool peer_down(uint32_t node);
   uint64_t pfs_opens() const { return pfs_opens_.load(); }  // copies started from the PFS
 
@@ -84,6 +86,7 @@ class CopyThreads {
 
   std::mutex peer_mu_;
   std::unordered_set<uint32_t> down_;  // peers not asked again (by node), under peer_mu_
+  std::unordered_map<uint32_t, unsigned> bad_replies_;  // by node: failed checks, under peer_mu_
 
   // Shared between the coordinator and the copy threads, under mu_.
   std::mutex mu_;

@@ -85,7 +85,7 @@ void PeerServer::refused(const Conn& conn, const std::string& why) {
 }
 
 void PeerServer::accept_new() {
-  for (;;) {
+  for (size_t accepted = 0; accepted < kPeerAcceptBatch && !stop_.load(); ++accepted) {
     struct sockaddr_in from {}, local {};
     socklen_t len = sizeof from, local_len = sizeof local;
     UniqueFd conn(::accept4(listen_.get(), reinterpret_cast<struct sockaddr*>(&from), &len,
@@ -100,27 +100,38 @@ void PeerServer::accept_new() {
     c.client = host;
     c.address = address_text(local);
     c.since = Clock::now();
-    std::lock_guard<std::mutex> lock(mu_);
-    auto oldest = [&](bool authenticated) {
-      auto found = conns_.end();
-      for (auto it = conns_.begin(); it != conns_.end(); ++it) {
-        if (it->authenticated == authenticated && (found == conns_.end() || it->since < found->since)) {
-          found = it;
-        }
-      }
-      return found;
-    };
-    const size_t pending = static_cast<size_t>(std::count_if(
-        conns_.begin(), conns_.end(), [](const Conn& x) { return !x.authenticated; }));
-    if (pending >= kPeerMaxPending) {
-      conns_.erase(oldest(false));  // a stranger's, most likely: a real handshake takes one RTT
-    } else if (conns_.size() >= 4 * kPeerMaxIdle) {
-      const auto idle = oldest(true);  // its client replaces it if it comes back
-      conns_.erase(idle != conns_.end() ? idle : oldest(false));
-    }
-    c.serial = ++next_serial_;
-    conns_.push_back(std::move(c));
+    // A real client's hello is usually here already: read now, it queues as greeted, out of
+    // the strangers' reach. One that sent nothing yet queues with them.
+    if (handshake_step(c)) enqueue(std::move(c));
   }
+}
+
+// Into conns_: a full queue of its kind (silent, or greeted and waiting for its proof) closes
+// its oldest; beyond 4 * kPeerMaxIdle connections in all, the oldest idle one goes first (its
+// client replaces it if it comes back), else the oldest silent one.
+void PeerServer::enqueue(Conn c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto close_oldest = [&](auto&& kind) {
+    auto found = conns_.end();
+    for (auto it = conns_.begin(); it != conns_.end(); ++it) {
+      if (kind(*it) && (found == conns_.end() || it->since < found->since)) found = it;
+    }
+    if (found == conns_.end()) return false;
+    conns_.erase(found);
+    return true;
+  };
+  const bool greeted = c.greeted();
+  auto same_kind = [&](const Conn& x) { return !x.authenticated && x.greeted() == greeted; };
+  while (static_cast<size_t>(std::count_if(conns_.begin(), conns_.end(), same_kind)) >=
+         kPeerMaxPending) {
+    close_oldest(same_kind);
+  }
+  if (conns_.size() >= 4 * kPeerMaxIdle &&
+      !close_oldest([](const Conn& x) { return x.authenticated; })) {
+    close_oldest([](const Conn& x) { return !x.greeted(); });
+  }
+  c.serial = ++next_serial_;
+  conns_.push_back(std::move(c));
 }
 
 // Idle connections past kPeerIdleCloseMs and handshakes past the deadline are closed.
@@ -185,7 +196,7 @@ void PeerServer::serve() {
         if (n > 0) conn.since = Clock::now();
       }
       std::lock_guard<std::mutex> lock(mu_);
-      conns_.push_back(std::move(conn));
+      conns_.push_back(std::move(conn));  // back in: it held its place while claimed
     }
   }
 }
@@ -321,6 +332,7 @@ PeerFetch client_handshake(PeerClient::Session& session, const std::string& addr
   if (err == 0) err = recv_all(session.fd.get(), hello, kServerHelloBytes, deadline, cancel);
   if (err != 0) {
     result.outcome = err == ECANCELED ? PeerOutcome::Cancelled : PeerOutcome::Unreachable;
+    result.err = err;
     result.message = "peer " + address + " did not finish the handshake: " +
                      (err == ETIMEDOUT ? "no answer within the " +
                                              std::to_string(kPeerRequestDeadlineMs / 1000) +
@@ -470,6 +482,54 @@ void PeerClient::give_back(const std::string& key, Session session) {
   ++idle_count_;
 }
 
+namespace {
+
+// A failed try that may go better a moment later: the home closed or reset the connection (a
+// flood of strangers took its place) or refused it (its listening queue was full). A timeout
+// has spent the deadline; a wrong proof is no accident.
+bool worth_another_try(const PeerFetch& failed) {
+  return failed.outcome == PeerOutcome::Unreachable && failed.err != ETIMEDOUT;
+}
+
+// Sleeps `ms`, or less when `cancel` is set or the deadline comes first: false then.
+bool back_off(int ms, Clock::time_point deadline, const std::atomic<bool>& cancel) {
+  const auto until = Clock::now() + std::chrono::milliseconds(ms);
+  if (until >= deadline) return false;
+  while (Clock::now() < until) {
+    if (cancel.load()) return false;
+    std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(),
+                                                          std::chrono::milliseconds(kPollSliceMs)));
+  }
+  return !cancel.load();
+}
+
+}  // namespace
+
+PeerFetch PeerClient::open_session(const PeerAddress& peer, const std::string& key,
+                                   Session* session, PeerMac* ours, Clock::time_point deadline,
+                                   const std::atomic<bool>& cancel) {
+  PeerFetch shook;
+  for (int tries = 1, wait_ms = kPeerRetryMs;; ++tries, wait_ms *= 4) {
+    session->fd = UniqueFd(connect_bounded(peer.host, peer.port));
+    if (!session->fd.valid()) {
+      const int err = errno;
+      shook = PeerFetch();
+      shook.outcome = PeerOutcome::Unreachable;
+      shook.err = err;
+      shook.message = "cannot reach peer " + key + ": " + errno_text(err);
+    } else {
+      opened_.fetch_add(1);
+      shook = client_handshake(*session, key, secret_, deadline, cancel, ours);
+      if (shook.outcome == PeerOutcome::Ok) return shook;
+    }
+    if (!worth_another_try(shook)) return shook;
+    if (tries >= kPeerHandshakeTries || !back_off(wait_ms, deadline, cancel)) {
+      shook.message += " (" + std::to_string(tries) + (tries == 1 ? " try" : " tries") + ")";
+      return shook;
+    }
+  }
+}
+
 PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
                             int out_fd, std::vector<char>& buffer,
                             const std::atomic<bool>& cancel) {
@@ -481,15 +541,7 @@ PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t 
     const bool reused = session.fd.valid();
     PeerMac ours{};
     if (!reused) {
-      session.fd = UniqueFd(connect_bounded(peer.host, peer.port));
-      if (!session.fd.valid()) {
-        PeerFetch failed;
-        failed.outcome = PeerOutcome::Unreachable;
-        failed.message = "cannot reach peer " + key + ": " + errno_text(errno);
-        return failed;
-      }
-      opened_.fetch_add(1);
-      PeerFetch shook = client_handshake(session, key, secret_, deadline, cancel, &ours);
+      PeerFetch shook = open_session(peer, key, &session, &ours, deadline, cancel);
       if (shook.outcome != PeerOutcome::Ok) return shook;
     }
     bool stale = false;
@@ -522,7 +574,7 @@ CopyResult copy_from_peer(CopyEngine& engine, PeerClient& client, const PeerAddr
   };
   CopyResult result = engine.receive(source, dest, size, fill, tag);
   if (result.outcome != CopyOutcome::Ok && *outcome == PeerOutcome::Ok) {
-    *outcome = PeerOutcome::Bad;  // received whole, but not publishable (size, link)
+    *outcome = PeerOutcome::Unpublished;  // received whole, but not publishable (size, link)
   }
   return result;
 }

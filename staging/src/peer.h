@@ -35,7 +35,23 @@ constexpr int kPeerConnectTimeoutMs = 2000;  // a dead node: then the PFS
 constexpr int kPeerRequestDeadlineMs = 5000;
 constexpr uint64_t kPeerMinRate = 1u << 20;  // bytes/s: a peer slower than this is given up
 constexpr unsigned kPeerServeThreads = 4;    // serving threads per stager
-constexpr size_t kPeerMaxPending = 64;       // handshakes in progress; the oldest makes room
+// Handshakes in progress, two queues: at most kPeerMaxPending connections that have not sent a
+// whole hello (the oldest of them makes room for a new one), and at most kPeerMaxPending that
+// sent a valid hello and wait for their proof (the oldest of those makes room for one more of
+// them). A flood of silent strangers evicts only its own kind, never a real peer whose hello is
+// in: a real client sends its hello with its connect, and the server reads it at the accept.
+constexpr size_t kPeerMaxPending = 64;
+constexpr size_t kPeerAcceptBatch = 256;     // a thread accepts at most this many, then serves
+// A fetcher's connect and handshake: a try that fails fast (reset, closed, refused: a home busy
+// with strangers, or restarting) is tried again after kPeerRetryMs, then 4x that, within the
+// fetch's deadline; after kPeerHandshakeTries the home is down for the run (one line). A
+// timeout is not tried again: the deadline is spent.
+constexpr int kPeerHandshakeTries = 3;
+constexpr int kPeerRetryMs = 50;
+// Replies that fail their check (the MAC, the source checksum, a malformed header) after which
+// a peer is down for the run (one line naming it): a damaged or forging peer costs a few
+// fetches, not one per file.
+constexpr unsigned kPeerMaxBadReplies = 3;
 constexpr int kPeerIdleCloseMs = 60000;      // the server closes a connection idle this long
 constexpr int kPeerIdleReuseMs = 30000;      // the client reuses one idle at most this long
 // Idle connections kept, so that descriptors stay bounded at 1,024 nodes (a node fetches from
@@ -64,7 +80,9 @@ class PeerServer {
   // Threads: each one polls the listening socket and every connection; a handshake step only
   // reads what has arrived (never blocks), so strangers never hold a serving thread; a thread
   // blocks only for an authenticated request, at most kPeerRequestDeadlineMs plus its reply's
-  // bytes at kPeerMinRate. mu_ guards served_, refused_, conns_ and next_serial_.
+  // bytes at kPeerMinRate. The thread that accepts a connection takes its first handshake step
+  // before it queues it (outside mu_: nobody else knows it yet). mu_ guards served_, refused_,
+  // conns_ and next_serial_.
   PeerServer(int listen_fd, std::string secret, StageTree& tree, unsigned threads,
              std::function<void(const std::string&)> log);
   ~PeerServer();
@@ -86,6 +104,7 @@ class PeerServer {
     std::string address;  // ours as the client dialed it ("ip:port"), which the proofs name
     uint64_t serial = 0;
     bool authenticated = false;
+    bool greeted() const { return have >= wire::kClientHelloBytes; }  // its hello was valid
     unsigned char hello[40] = {};  // the handshake's bytes so far (a hello, then a proof)
     size_t have = 0;
     unsigned char nonces[64] = {};  // the client's, then ours
@@ -94,6 +113,7 @@ class PeerServer {
   };
   void serve();
   void accept_new();
+  void enqueue(Conn conn);  // into conns_, evicting by the kPeerMaxPending rules
   void sweep();
   bool claim(int fd, uint64_t serial, Conn* out);
   bool handshake_step(Conn& conn);                     // false: close the connection
@@ -117,14 +137,18 @@ class PeerServer {
   std::vector<std::thread> threads_;
 };
 
-enum class PeerOutcome { Ok, NotHere, Refused, Unreachable, Bad, Cancelled, WriteError };
+// Bad: the peer's reply failed a check (counts against it, kPeerMaxBadReplies); Unpublished:
+// received whole and checked, but this node could not publish it (not the peer's fault).
+enum class PeerOutcome {
+  Ok, NotHere, Refused, Unreachable, Bad, Unpublished, Cancelled, WriteError
+};
 
 struct PeerFetch {
   PeerOutcome outcome = PeerOutcome::Ok;
   FileIdentity source_id;    // the home's record of the PFS original
   bool has_checksum = false; // with verify: the source checksum the bytes matched
   uint64_t checksum = 0;
-  int err = 0;               // errno of a WriteError
+  int err = 0;               // errno of a WriteError, or of an Unreachable connect or handshake
   std::string message;       // why, when not Ok
 };
 
@@ -139,8 +163,9 @@ class PeerClient {
   // Fetches file `file_id` of `size` bytes from `peer` into `out_fd` (at its current offset).
   // verify: ask for the source checksum and compare the received bytes with it. Never waits
   // more than kPeerRequestDeadlineMs plus `size` at kPeerMinRate in all (a pooled connection
-  // the peer has closed is replaced by a new one, before any byte is written), and notices
-  // `cancel` within 100 ms.
+  // the peer has closed is replaced by a new one, before any byte is written; a new one whose
+  // connect or handshake fails fast is tried again, kPeerHandshakeTries in all, within that
+  // deadline), and notices `cancel` within 100 ms.
   PeerFetch fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
                   int out_fd, std::vector<char>& buffer, const std::atomic<bool>& cancel);
   uint64_t connections_opened() const { return opened_.load(); }
@@ -156,6 +181,11 @@ class PeerClient {
 
  private:
   Session take(const std::string& key);  // an idle session to key, or one without a descriptor
+  // A new authenticated-to-be session to peer `key`: connected and through the server's half of
+  // the handshake (our proof in *ours), tried again by the kPeerHandshakeTries rule; else why.
+  PeerFetch open_session(const PeerAddress& peer, const std::string& key, Session* session,
+                         PeerMac* ours, std::chrono::steady_clock::time_point deadline,
+                         const std::atomic<bool>& cancel);
   void give_back(const std::string& key, Session session);
 
   std::string secret_;

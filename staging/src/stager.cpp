@@ -81,8 +81,9 @@ PlanFileId plan_file_id(const std::string& path) {
 //   Job carries copies of what its thread needs (source, dest, size, peer), so a copy thread
 //   never reads the plan, the status map or copies_. Between the two they use engine_
 //   (CopyEngine: thread-safe, see copy_engine.h; the coordinator's evict() removes files while
-//   copies run), client_ (PeerClient: thread-safe, its own lock), the down peers under the
-//   CopyThreads' peer_mu_ (written by copy threads, read by the coordinator's dispatch), and
+//   copies run), client_ (PeerClient: thread-safe, its own lock), the down peers and each
+//   peer's failed reply checks under the CopyThreads' peer_mu_ (written by copy threads; the
+//   down set read by the coordinator's dispatch), and
 //   the atomics cancel_ and the CopyThreads' counters.
 // - The server threads (kPeerServeThreads, owned by server_) serve peers. The coordinator
 //   reaches them only through PeerServer::offer/withdraw (under the server's own lock) and its
