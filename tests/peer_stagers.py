@@ -100,9 +100,11 @@ def assert_copies_are_the_sources(ds, stage: Path) -> None:
     assert not [p for p in (stage / ".hpcdl" / "sessions" / SESSION).iterdir() if "tmp." in p.name]
 
 
-def flood_silently(port: int, rate: int, hold: int = 512) -> float:
-    """A stranger at 127.0.0.1:port: `rate` new connections a second that never send a byte,
-    the last `hold` of them kept open, until SIGTERM; the connections a second it opened."""
+def flood(port: int, rate: int, source: str, hello: bool, hold: int = 512) -> float:
+    """A stranger at `source` (a loopback address) flooding 127.0.0.1:port with `rate` new
+    connections a second, the last `hold` of them kept open, until SIGTERM: silent ones, or
+    ones that send a valid hello (anyone can: it holds no secret) and then nothing. Returns the
+    connections a second it opened."""
     stopped = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     held: collections.deque[socket.socket] = collections.deque()
@@ -112,8 +114,12 @@ def flood_silently(port: int, rate: int, hold: int = 512) -> float:
         due = int((time.monotonic() - began) * rate)
         while opened < due and not stopped:
             conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            conn.setblocking(False)
-            conn.connect_ex(("127.0.0.1", port))  # in progress, or done: never written to
+            conn.bind((source, 0))
+            conn.settimeout(0.05 if hello else 0.0)
+            with contextlib.suppress(OSError):  # in progress, refused or timed out: go on
+                conn.connect(("127.0.0.1", port))
+                if hello:
+                    conn.sendall(b"HPCDLPH2" + secrets.token_bytes(32))
             held.append(conn)
             opened += 1
             if len(held) > hold:
@@ -123,11 +129,11 @@ def flood_silently(port: int, rate: int, hold: int = 512) -> float:
 
 
 @contextlib.contextmanager
-def silent_flood(port: int, rate: int):
-    """flood_silently in a process of its own (this file run as a script) for the with block,
-    from its first connection on; yields a dict whose "rate", after the block, is the
-    connections a second it achieved."""
-    cmd = [sys.executable, __file__, "flood", str(port), str(rate)]
+def flooding(port: int, rate: int, source: str = "127.0.0.1", hello: bool = False):
+    """flood() in a process of its own (this file run as a script) for the with block, from its
+    first connection on; yields a dict whose "rate", after the block, is the connections a
+    second it achieved."""
+    cmd = [sys.executable, __file__, "flood", str(port), str(rate), source, str(int(hello))]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     achieved: dict[str, float] = {}
     try:
@@ -140,4 +146,5 @@ def silent_flood(port: int, rate: int):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["flood"]:
-    print(f"{flood_silently(int(sys.argv[2]), int(sys.argv[3])):.0f}", flush=True)
+    port, rate, source, hello = sys.argv[2:6]
+    print(f"{flood(int(port), int(rate), source, hello == '1'):.0f}", flush=True)

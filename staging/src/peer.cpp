@@ -107,8 +107,9 @@ void PeerServer::accept_new() {
 }
 
 // Into conns_: a full queue of its kind (silent, or greeted and waiting for its proof) closes
-// its oldest; beyond 4 * kPeerMaxIdle connections in all, the oldest idle one goes first (its
-// client replaces it if it comes back), else the oldest silent one.
+// the oldest connection of the address that holds most of that queue, so that a stranger's
+// flood from one host evicts its own; beyond 4 * kPeerMaxIdle connections in all, the oldest
+// idle one goes first (its client replaces it if it comes back), else the oldest silent one.
 void PeerServer::enqueue(Conn c) {
   std::lock_guard<std::mutex> lock(mu_);
   auto close_oldest = [&](auto&& kind) {
@@ -122,9 +123,18 @@ void PeerServer::enqueue(Conn c) {
   };
   const bool greeted = c.greeted();
   auto same_kind = [&](const Conn& x) { return !x.authenticated && x.greeted() == greeted; };
-  while (static_cast<size_t>(std::count_if(conns_.begin(), conns_.end(), same_kind)) >=
-         kPeerMaxPending) {
-    close_oldest(same_kind);
+  for (;;) {
+    std::unordered_map<std::string, size_t> held;  // the queue's connections, by address
+    const std::string* most = &c.client;
+    size_t queued = 0;
+    for (const Conn& x : conns_) {
+      if (!same_kind(x)) continue;
+      ++queued;
+      if (++held[x.client] > held[*most]) most = &x.client;
+    }
+    if (queued < kPeerMaxPending) break;
+    const std::string heaviest = *most;
+    close_oldest([&](const Conn& x) { return same_kind(x) && x.client == heaviest; });
   }
   if (conns_.size() >= 4 * kPeerMaxIdle &&
       !close_oldest([](const Conn& x) { return x.authenticated; })) {
