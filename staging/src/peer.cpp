@@ -46,6 +46,9 @@ PeerServer::PeerServer(int listen_fd, std::string secret, StageTree& tree, unsig
     : listen_(listen_fd), secret_(std::move(secret)), tree_(tree), log_(std::move(log)) {
   // Non-blocking: threads that race for one connection get EAGAIN, not a hang.
   ::fcntl(listen_.get(), F_SETFL, ::fcntl(listen_.get(), F_GETFL) | O_NONBLOCK);
+  // The longest accept queue the system allows (its somaxconn), not the leader's 128: a flood
+  // of strangers must not fill it between two accepts and drop a real peer's connect.
+  ::listen(listen_.get(), SOMAXCONN);
   for (unsigned t = 0; t < std::max(1u, threads); ++t) threads_.emplace_back([this] { serve(); });
 }
 
@@ -494,11 +497,10 @@ void PeerClient::give_back(const std::string& key, Session session) {
 
 namespace {
 
-// A failed try that may go better a moment later: the home closed or reset the connection (a
-// flood of strangers took its place) or refused it (its listening queue was full). A timeout
-// has spent the deadline; a wrong proof is no accident.
-bool worth_another_try(const PeerFetch& failed) {
-  return failed.outcome == PeerOutcome::Unreachable && failed.err != ETIMEDOUT;
+// A connect's wait: kPeerConnectTimeoutMs, or what is left before the deadline (at least 1 ms).
+int connect_wait_ms(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::clamp<int64_t>(left.count(), 1, kPeerConnectTimeoutMs));
 }
 
 // Sleeps `ms`, or less when `cancel` is set or the deadline comes first: false then.
@@ -520,7 +522,7 @@ PeerFetch PeerClient::open_session(const PeerAddress& peer, const std::string& k
                                    const std::atomic<bool>& cancel) {
   PeerFetch shook;
   for (int tries = 1, wait_ms = kPeerRetryMs;; ++tries, wait_ms *= 4) {
-    session->fd = UniqueFd(connect_bounded(peer.host, peer.port));
+    session->fd = UniqueFd(connect_bounded(peer.host, peer.port, connect_wait_ms(deadline)));
     if (!session->fd.valid()) {
       const int err = errno;
       shook = PeerFetch();
@@ -532,7 +534,10 @@ PeerFetch PeerClient::open_session(const PeerAddress& peer, const std::string& k
       shook = client_handshake(*session, key, secret_, deadline, cancel, ours);
       if (shook.outcome == PeerOutcome::Ok) return shook;
     }
-    if (!worth_another_try(shook)) return shook;
+    // Another try may go better: the home closed or reset the connection (a flood of strangers
+    // took its place), or its accept queue was full (refused, or a connect that timed out).
+    // A wrong proof is no accident; a handshake that timed out has spent the deadline.
+    if (shook.outcome != PeerOutcome::Unreachable) return shook;
     if (tries >= kPeerHandshakeTries || !back_off(wait_ms, deadline, cancel)) {
       shook.message += " (" + std::to_string(tries) + (tries == 1 ? " try" : " tries") + ")";
       return shook;

@@ -42,10 +42,11 @@ constexpr unsigned kPeerServeThreads = 4;    // serving threads per stager
 // in: a real client sends its hello with its connect, and the server reads it at the accept.
 constexpr size_t kPeerMaxPending = 64;
 constexpr size_t kPeerAcceptBatch = 256;     // a thread accepts at most this many, then serves
-// A fetcher's connect and handshake: a try that fails fast (reset, closed, refused: a home busy
-// with strangers, or restarting) is tried again after kPeerRetryMs, then 4x that, within the
-// fetch's deadline; after kPeerHandshakeTries the home is down for the run (one line). A
-// timeout is not tried again: the deadline is spent.
+// A fetcher's connect and handshake: a try that fails (reset, closed or refused by a home busy
+// with strangers, or a connect that timed out in its full accept queue) is tried again after
+// kPeerRetryMs, then 4x that, within the fetch's deadline (each connect waits at most
+// kPeerConnectTimeoutMs, and never past it; a handshake that timed out has spent it); after
+// kPeerHandshakeTries the home is down for the run (one line).
 constexpr int kPeerHandshakeTries = 3;
 constexpr int kPeerRetryMs = 50;
 // Replies that fail their check (the MAC, the source checksum, a malformed header) after which

@@ -120,7 +120,7 @@ std::string address_text(const struct sockaddr_in& addr) {
   return std::string(host) + ":" + std::to_string(ntohs(addr.sin_port));
 }
 
-int connect_bounded(const std::string& host, uint16_t port) {
+int connect_bounded(const std::string& host, uint16_t port, int timeout_ms) {
   struct sockaddr_in addr {};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
@@ -133,7 +133,7 @@ int connect_bounded(const std::string& host, uint16_t port) {
   if (::connect(fd.get(), reinterpret_cast<struct sockaddr*>(&addr), sizeof addr) != 0) {
     if (errno != EINPROGRESS) return -1;
     struct pollfd p {fd.get(), POLLOUT, 0};
-    const int ready = ::poll(&p, 1, kPeerConnectTimeoutMs);
+    const int ready = ::poll(&p, 1, timeout_ms);
     int err = 0;
     socklen_t len = sizeof err;
     if (ready == 0) err = ETIMEDOUT;

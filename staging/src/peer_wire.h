@@ -86,8 +86,9 @@ Reply reply_of(ReplyStatus status);
 uint64_t mtime_ns_of(const struct stat& st);
 std::string address_text(const struct sockaddr_in& addr);  // "ip:port"
 
-// Connects with a bounded wait (kPeerConnectTimeoutMs); -1 with errno set on failure.
-int connect_bounded(const std::string& host, uint16_t port);
+// Connects with a bounded wait (timeout_ms: kPeerConnectTimeoutMs, or less where a deadline
+// comes first); -1 with errno set on failure.
+int connect_bounded(const std::string& host, uint16_t port, int timeout_ms);
 
 }  // namespace wire
 }  // namespace hpcdl
