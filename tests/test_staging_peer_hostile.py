@@ -374,6 +374,7 @@ def test_a_handshake_lost_is_tried_again_then_the_peer_given_up(tmp_path, drop):
     assert 3 <= peer.connections <= 4 * 3, (peer.connections, err)
     given_up = [line for line in err.splitlines() if "is not asked again" in line]
     assert len(given_up) == 1 and "(3 tries)" in given_up[0], err
+    assert "is read from the PFS instead" not in err, err  # one line for the peer, none per file
 
 
 def test_a_peer_whose_replies_fail_their_mac_is_given_up_after_a_few(tmp_path):

@@ -140,8 +140,8 @@ CopyResult CopyThreads::fetch_from(const PeerAddress& peer, const Job& job,
   }
   const std::string gone = "node " + std::to_string(peer.node) +
                            " is not asked again, its files are read from the PFS";
-  if (first && lost) {
-    log_(r.message + "; " + gone);
+  if (lost) {  // one line for the peer, none per file
+    if (first) log_(r.message + "; " + gone);
     return r;
   }
   if (how != PeerOutcome::Ok && how != PeerOutcome::Cancelled &&
