@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from PIL import Image
@@ -177,3 +180,18 @@ def test_encoded_and_pixel_shards_do_not_mix(folder, tmp_path):
     )
     with pytest.raises(DataError, match="part-00001.h5: holds encoded image files but the first"):
         open_dataset(tmp_path / "mixed" / "train")
+
+
+def test_training_on_encoded_shards_ends_with_the_folders_parameters(folder, tmp_path):
+    """hpcdl.train, one process, two loader workers: same seed and --augment, same bits."""
+    convert(folder, tmp_path / "enc", "--encoded", "--shard-size", "7")
+    params = []
+    for data, run in ((folder, "folder"), (tmp_path / "enc" / "train", "encoded")):
+        cmd = [sys.executable, "-m", "hpcdl.train", "--data", str(data), "--model", "cnn"]
+        cmd += ["--augment", AUG, "--batch-size", "6", "--epochs", "2", "--workers", "2"]
+        cmd += ["--seed", str(SEED), "--checkpoint-dir", str(tmp_path / run), "--quiet"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        (last,) = sorted((tmp_path / run).glob("ckpt-e00002-*.h5"))
+        with h5py.File(last) as f:
+            params.append(f["params"][()])
+    assert params[0].dtype == params[1].dtype and np.array_equal(params[0], params[1])
