@@ -195,3 +195,10 @@ def test_training_on_encoded_shards_ends_with_the_folders_parameters(folder, tmp
         with h5py.File(last) as f:
             params.append(f["params"][()])
     assert params[0].dtype == params[1].dtype and np.array_equal(params[0], params[1])
+
+
+def test_shard_size_in_bytes_for_decoded_pixels(tmp_path):
+    """Digits: 8 x 8 x 1 bytes a sample, 1,438 training samples; 40kB -> 625 per shard."""
+    assert main(["convert", "digits", str(tmp_path / "d"), "--shard-size", "40kB"]) == 0
+    shards = sorted((tmp_path / "d" / "train").glob("*.h5"))
+    assert [len(h5py.File(p)["labels"]) for p in shards] == [625, 625, 188]
