@@ -202,3 +202,38 @@ def test_shard_size_in_bytes_for_decoded_pixels(tmp_path):
     assert main(["convert", "digits", str(tmp_path / "d"), "--shard-size", "40kB"]) == 0
     shards = sorted((tmp_path / "d" / "train").glob("*.h5"))
     assert [len(h5py.File(p)["labels"]) for p in shards] == [625, 625, 188]
+
+
+def test_encoded_shards_read_staged_copies_and_fall_back_to_the_pfs(folder, tmp_path):
+    convert(folder, tmp_path / "enc", "--encoded", "--shard-size", "10")
+    pfs, local = tmp_path / "enc" / "train", tmp_path / "local"
+    enc = open_dataset(pfs)
+    local.mkdir()
+    (local / "part-00001.h5").write_bytes((pfs / "part-00001.h5").read_bytes())
+    (local / "part-00002.h5").write_bytes(b"truncated copy")  # unusable: read the PFS's
+
+    def locate(fid: int) -> Path:
+        return (local if fid else pfs) / enc.files.relpath(fid)
+
+    order = [np.array([0, 12, 21])]
+    with Loader(enc, 3, seed=SEED, augment=AUG, locate=locate) as loader:
+        got = [(x.copy(), y.copy()) for x, y in loader.iterate(order, 0)]
+        assert loader.stats()["local_reads"] == 1 and loader.stats()["pfs_reads"] == 2
+    assert_same(got, batches(open_dataset(folder), order, 0, True))
+
+
+def test_damaged_encoded_shards_name_the_shard(folder, tmp_path):
+    convert(folder, tmp_path / "enc", "--encoded", "--shard-size", "10")
+    shard = tmp_path / "enc" / "train" / "part-00001.h5"
+    reader = open_dataset(shard.parent).reader()
+    reader.decode(10)  # the shard is open
+    with open(shard, "r+b") as f:  # and shrinks while the job reads it
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(BadSample, match=r"sample 19 in .*part-00001.h5 cannot be read: row 9 "):
+        reader.decode(19)
+    reader.close()
+    (tmp_path / "enc" / "train" / "part-00001.h5").unlink()
+    with h5py.File(tmp_path / "enc" / "train" / "part-00000.h5", "r+") as f:
+        f["encoded_offsets"][3] = 10**9
+    with pytest.raises(DataError, match="part-00000.h5: field 'encoded_offsets' must rise"):
+        open_dataset(shard.parent)
