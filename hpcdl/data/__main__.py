@@ -2,6 +2,9 @@
 
 convert digits OUT [--val-fraction 0.2] [--shard-size N] [--seed S]
 convert folder SRC OUT [--resize S] [--val-fraction F] [--shard-size N] [--seed S]
+convert folder SRC OUT --encoded [--shard-size N|256MB] [--val-fraction F] [--seed S]
+                                            (HDF5 shards of the image files' bytes)
+convert folder SRC OUT --to tar [--shard-size N|256MB]  (WebDataset tar shards, classes.json)
 convert cifar SRC OUT [--shard-size N]      (CIFAR-10/100 python pickle batches)
 convert npz SRC.npz OUT [--val-fraction F] [--shard-size N] [--seed S]
 inspect PATH                                (HDF5 file or shards, or image folder)
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.data import convert
+from hpcdl.data import convert, convert_files
 from hpcdl.data.dataset import DataError
 from hpcdl.data.kinds import open_dataset
 from hpcdl.helpformat import HelpFormatter
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "convert",
-        help="write HDF5 shards (OUT/train, OUT/val)",
+        help="write HDF5 shards (OUT/train, OUT/val) or tar shards",
         allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
@@ -52,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of the samples held out for OUT/val (default: digits 0.2, others 0)",
     )
     c.add_argument(
-        "--shard-size", type=int, default=convert.DEFAULT_SHARD_SIZE, help="samples per shard file"
+        "--shard-size",
+        default=str(convert.DEFAULT_SHARD_SIZE),
+        help="samples per shard file (1000), or bytes per shard (256MB, 1GiB)",
     )
+    add_file_bytes_options(c)
     c.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     c.add_argument(
         "--resize",
@@ -72,29 +78,75 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_file_bytes_options(c: argparse.ArgumentParser) -> None:
+    """convert folder's options for shards that keep each image file's bytes."""
+    c.add_argument(
+        "--encoded",
+        action="store_true",
+        help="folder: HDF5 shards of each image file's original bytes, decoded at load "
+        "(no decode, no resize now)",
+    )
+    c.add_argument(
+        "--to",
+        choices=("hdf5", "tar"),
+        default="hdf5",
+        help="folder: tar writes WebDataset tar shards OUT/shard-NNNNNN.tar (KEY.jpg + KEY.cls) "
+        "and OUT/classes.json, keeping each file's bytes",
+    )
+
+
 def run_convert(args) -> list[Path]:
     want = 1 if args.kind == "digits" else 2
     if len(args.paths) != want:
         usage = "OUT" if want == 1 else "SRC OUT"
         raise DataError(f"convert {args.kind} takes {usage}, got {' '.join(args.paths)}")
     out = Path(args.paths[-1])
+    size = convert_files.parse_shard_size(args.shard_size)
     default_val = 0.2 if args.kind == "digits" else 0.0
     val_fraction = default_val if args.val_fraction is None else args.val_fraction
+    if args.encoded or args.to == "tar":
+        return convert_file_bytes(args, size, val_fraction)
     if args.kind == "cifar":
         splits, classes = convert.cifar_arrays(args.paths[0])
-        return convert.write_dataset(out, splits, classes, args.shard_size)
+        return convert.write_dataset(out, splits, classes, _rows(size, splits))
     if args.kind == "npz":
         splits, classes = convert.npz_arrays(args.paths[0])
         if "val" in splits or not val_fraction:
-            return convert.write_dataset(out, splits, classes, args.shard_size)
+            return convert.write_dataset(out, splits, classes, _rows(size, splits))
         images, labels = splits["train"]
     elif args.kind == "digits":
         images, labels, classes = convert.digits_arrays()
     else:
+        convert_files.folder_files(args.paths[0], out)  # refuses an output inside the folder
         images, labels, classes = convert.folder_arrays(args.paths[0], args.resize)
     train, val = convert.split(images, labels, val_fraction, args.seed)
     splits = {"train": train} if val is None else {"train": train, "val": val}
-    return convert.write_dataset(out, splits, classes, args.shard_size)
+    return convert.write_dataset(out, splits, classes, _rows(size, splits))
+
+
+def _rows(size: convert_files.ShardSize, splits: dict) -> int:
+    """Samples per shard of decoded pixels."""
+    return size.rows(splits["train"][0][0].nbytes)
+
+
+def convert_file_bytes(args, size: convert_files.ShardSize, val_fraction: float) -> list[Path]:
+    """--encoded and --to tar: shards of an image folder's file bytes."""
+    what = "--to tar" if args.to == "tar" else "--encoded"
+    if args.kind != "folder":
+        raise DataError(
+            f"{what} converts an image folder (convert folder SRC OUT), not {args.kind}"
+        )
+    if args.resize:
+        raise DataError(f"{what} keeps each image file's bytes; --resize needs decoded shards")
+    folder = convert_files.folder_files(args.paths[0], args.paths[1])
+    if args.to == "hdf5":
+        return convert_files.write_encoded(folder, args.paths[1], size, val_fraction, args.seed)
+    if val_fraction:
+        raise DataError(
+            "--to tar writes one split; make a folder per split and convert each, instead of "
+            "--val-fraction"
+        )
+    return convert_files.write_tar(folder, args.paths[1], size)
 
 
 def describe(path: str | Path) -> str:
@@ -108,8 +160,13 @@ def describe(path: str | Path) -> str:
         f"  samples:      {len(ds)} in {len(ds.files)} file(s), {total} bytes "
         f"({total / (1 << 20):.1f} MiB)",
         f"  sample shape: {tuple(ds.sample_shape)} (C, H, W) model input",
-        f"  stored as:    {getattr(ds, 'dtype', np.uint8)} {ds.layout}"
-        + (f" {tuple(ds.stored_shape)}" if hasattr(ds, "stored_shape") else ""),
+        "  stored as:    "
+        + (
+            "image files (encoded), decoded at load"
+            if getattr(ds, "encoded", False)
+            else f"{getattr(ds, 'dtype', np.uint8)} {ds.layout}"
+            + (f" {tuple(ds.stored_shape)}" if hasattr(ds, "stored_shape") else "")
+        ),
         f"  classes:      {ds.num_classes} ({names}{more})",
         f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}",
     ]
@@ -122,7 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             print(describe(args.path))
         else:
-            for d in run_convert(args):
+            written = run_convert(args)
+            if args.to == "tar":
+                print(
+                    f"wrote {len(written)} tar shard(s) {written[0].name} ... {written[-1].name} "
+                    f"and {convert_files.CLASSES_NAME} in {args.paths[-1]}"
+                )
+            for d in [] if args.to == "tar" else written:
                 print(f"wrote {d}")
                 print(describe(d))
     except DataError as exc:

@@ -13,6 +13,8 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
@@ -66,16 +68,10 @@ def write_dataset(
     for name, (x, y) in splits.items():
         if x.dtype != np.uint8 or x.ndim != 4 or len(x) != len(y) or len(y) == 0:
             raise DataError(f"{name} split: need (N, H, W, C) uint8 images and N labels, N > 0")
-        existing = out / name
-        if existing.exists() and (not existing.is_dir() or any(existing.iterdir())):
-            raise DataError(f"{existing} already exists; remove it or choose another output")
-    out.mkdir(parents=True, exist_ok=True)
     mean, std = channel_stats(splits["train"][0])
-    tmp = out / f".hpcdl-convert-{os.getpid()}"
-    written = []
-    try:
+    with converted_into(out, list(splits)) as tmp:
         for name, (x, y) in splits.items():
-            (tmp / name).mkdir(parents=True)
+            (tmp / name).mkdir()
             for k, start in enumerate(range(0, len(y), shard_size)):
                 path = tmp / name / f"part-{k:05d}.h5"
                 _write_shard(
@@ -87,16 +83,36 @@ def write_dataset(
                     std,
                 )
             fsync_path(tmp / name)
-        for name in splits:
-            target = out / name
-            if target.exists():
+    return [out / name for name in splits]
+
+
+@contextmanager
+def converted_into(out: Path, names: list[str], pattern: str = "") -> Iterator[Path]:
+    """A new temporary directory inside out; when the block ends without an error, each of its
+    entries is renamed into out, else it is removed with everything in it.
+
+    DataError first when out already holds one of names (a file, or a directory that is not
+    empty) or, with a pattern, a file matching it."""
+    for name in names:
+        existing = out / name
+        if existing.exists() and (not existing.is_dir() or any(existing.iterdir())):
+            raise DataError(f"{existing} already exists; remove it or choose another output")
+    found = sorted(out.glob(pattern)) if pattern and out.is_dir() else []
+    if found:
+        raise DataError(f"{found[0]} already exists; remove it or choose another output")
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".hpcdl-convert-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        yield tmp
+        for entry in sorted(tmp.iterdir()):
+            target = out / entry.name
+            if target.is_dir():
                 target.rmdir()  # empty (checked above)
-            os.replace(tmp / name, target)
-            written.append(target)
+            os.replace(entry, target)
         fsync_path(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return written
 
 
 def _write_shard(path: Path, x, y, classes, mean, std) -> None:

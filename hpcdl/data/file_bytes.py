@@ -14,14 +14,18 @@ from hpcdl.data.dataset import BadSample, DataError, Locate
 
 
 def byte_capacity(ds, batch_size: int) -> int:
-    """Bytes a byte slot needs: batch_size times the data set's largest file."""
-    sizes = np.asarray(ds.files.sizes)
-    return int(batch_size * (sizes.max() if len(sizes) else 0)) or 1
+    """Bytes a byte slot needs: batch_size times the data set's largest image file (in shards
+    of files: largest_sample_bytes)."""
+    largest = getattr(ds, "largest_sample_bytes", None)
+    if largest is None:
+        sizes = np.asarray(ds.files.sizes)
+        largest = sizes.max() if len(sizes) else 0
+    return int(batch_size * largest) or 1
 
 
 def check_gpu_decode(ds) -> None:
     """--decode gpu decodes RGB image files; anything else is refused in one line."""
-    if ds.kind != "folder":
+    if ds.kind == "hdf5":
         raise DataError(
             f"--decode gpu decodes image files; {ds.source} holds decoded pixels (HDF5): "
             "use --decode cpu"

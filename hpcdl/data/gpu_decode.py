@@ -230,7 +230,8 @@ class GpuBatchDecoder:
                 img = pillow_decode(blobs[i])
             if img is None:
                 if not self.skip_bad:
-                    path = self.ds.root / self.ds.files.relpath(int(indices[i]))
+                    fid = int(self.ds.file_ids(indices[i : i + 1])[0])
+                    path = self.ds.root / self.ds.files.relpath(fid)
                     raise BadSample(path, int(indices[i]), "not a decodable image")
                 self.bad += 1
                 continue

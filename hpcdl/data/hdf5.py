@@ -5,6 +5,11 @@ Optional attributes on the file root: `classes` (JSON list of names), `mean` and
 per channel, in the units of the stored pixels). Without them uint8 pixels are scaled to 0..1
 and float32 pixels are used as they are. Only the first shard's attributes are read.
 
+Shards of encoded image files (`encoded` bytes + `encoded_offsets`, hpcdl.data.hdf5_encoded)
+are kind "hdf5-encoded": the batch builder decodes them as it decodes an image folder's files
+(same decode, same crop boxes from the stored heights and widths, the folder's default mean and
+std), and `--decode gpu` gets each row's bytes. All shards of a data set are of one kind.
+
 Reads: an uncompressed contiguous `images` dataset is read with pread at its file offset, one
 system call per run of consecutive indices (no h5py call per sample); anything else is read by
 h5py in the same runs. Handles are opened lazily by the reading process. Not a memory map: a
@@ -14,9 +19,11 @@ native crash dump naming no file, where a short pread is a BadSample naming the 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -31,45 +38,37 @@ from hpcdl.data.dataset import (
     check_link_inside,
     file_ids_from_offsets,
 )
+from hpcdl.data.hdf5_encoded import ENCODED, EncodedShard, check_encoded_shard, is_encoded
+from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, BadSampleAt, decode_image
 from hpcdl.data.pfs import open_latency, throttle
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
 
 
 class HDF5Dataset:
-    kind = "hdf5"
+    """HDF5 shards of decoded pixels (kind "hdf5") or of encoded image files (kind
+    "hdf5-encoded", hpcdl.data.hdf5_encoded: decoded at load like an image folder's files)."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         self.source = path
         self.root, shards = _list_shards(path)
-        relpaths, sizes, labels, counts = [], [], [], []
-        first_shape = None
-        for shard in shards:
-            shape, dtype, lab = _check_shard(shard)
-            if first_shape is None:
-                first_shape, self.dtype = shape, dtype
-                self._read_metadata(shard)
-            elif (shape, dtype) != (first_shape, self.dtype):
-                raise DataError(
-                    f"{shard}: images are {dtype}{list(shape)} per sample but {shards[0]} has "
-                    f"{self.dtype}{list(first_shape)}; all shards must agree"
-                )
-            relpaths.append(shard.relative_to(self.root).as_posix())
-            sizes.append(_size(shard))
-            labels.append(lab)
-            counts.append(len(lab))
-        self.files = FileTable.from_entries(relpaths, sizes)  # the shards: the image folders' API
-        self.stored_shape = first_shape  # per sample, as stored: (H, W, C) or (C, H, W)
-        self.layout = "CHW" if self.dtype == np.float32 else "HWC"
-        self.labels = np.concatenate(labels).astype(np.int64)  # (N,)
+        self.encoded = _is_encoded(shards[0])
+        self.kind = "hdf5-encoded" if self.encoded else "hdf5"
+        self._read_metadata(shards[0])
+        counts = self._open_encoded(shards) if self.encoded else self._open_pixels(shards)
+        relpaths = [shard.relative_to(self.root).as_posix() for shard in shards]
+        self.files = FileTable.from_entries(relpaths, [_size(s) for s in shards])  # the shards
         self.offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         if self.classes is None:
             k = int(self.labels.max()) + 1 if len(self.labels) else 0
             self.classes = [str(i) for i in range(k)]
         self.check_labels(len(self.classes))
         c = self.sample_shape[0]
-        if self.mean is None:
+        if self.mean is None and self.encoded:  # an image folder's statistics
+            self.mean = np.array(IMAGENET_MEAN if c == 3 else [127.5], np.float32)
+            self.std = np.array(IMAGENET_STD if c == 3 else [127.5], np.float32)
+        elif self.mean is None:
             self.mean = np.zeros(c, np.float32)
             self.std = np.full(c, 255.0 if self.dtype == np.uint8 else 1.0, np.float32)
         for name in ("mean", "std"):
@@ -80,6 +79,53 @@ class HDF5Dataset:
                     + (" > 0" if name == "std" else "")
                     + f", got {value.tolist()}"
                 )
+
+    def _open_pixels(self, shards: list[Path]) -> list[int]:
+        """Check shards of decoded pixels; set labels, dtype, stored_shape; samples per shard."""
+        labels = []
+        first_shape = None
+        for shard in shards:
+            shape, dtype, lab = _check_shard(shard)
+            if first_shape is None:
+                first_shape, self.dtype = shape, dtype
+            elif (shape, dtype) != (first_shape, self.dtype):
+                raise DataError(
+                    f"{shard}: images are {dtype}{list(shape)} per sample but {shards[0]} has "
+                    f"{self.dtype}{list(first_shape)}; all shards must agree"
+                )
+            labels.append(lab)
+        self.stored_shape = first_shape  # per sample, as stored: (H, W, C) or (C, H, W)
+        self.layout = "CHW" if self.dtype == np.float32 else "HWC"
+        self.labels = np.concatenate(labels).astype(np.int64)  # (N,)
+        return [len(lab) for lab in labels]
+
+    def _open_encoded(self, shards: list[Path]) -> list[int]:
+        """Check encoded shards; set labels, heights, widths (N,) int64 as an image folder's
+        index has them, the sample shape and the largest file's bytes; samples per shard."""
+        infos = []
+        for shard in shards:
+            with _open_file(shard) as f:
+                if not is_encoded(f):
+                    raise DataError(
+                        f"{shard}: holds decoded 'images' but {shards[0]} holds encoded image "
+                        "files; all shards must agree"
+                    )
+                infos.append(check_encoded_shard(shard, f))
+        self.dtype, self.layout = np.uint8, "HWC"
+        self.labels = np.concatenate([i.labels for i in infos])
+        self.heights = np.concatenate([i.heights for i in infos])
+        self.widths = np.concatenate([i.widths for i in infos])
+        self.largest_sample_bytes = max(i.largest for i in infos)
+        readable = self.heights > 0
+        if not readable.any():
+            raise DataError(f"{self.source}: none of the {len(self.labels)} images can be read")
+        channels = 1 if all(i.grey for i in infos) else 3
+        self._encoded_shape = (
+            channels,
+            int(self.heights[readable].min()),
+            int(self.widths[readable].min()),
+        )
+        return [len(i.labels) for i in infos]
 
     def check_labels(self, num_classes: int, whose: str = "") -> None:
         """DataError naming the file and sample of the first label outside 0..num_classes-1."""
@@ -112,7 +158,9 @@ class HDF5Dataset:
 
     @property
     def sample_shape(self) -> tuple[int, int, int]:
-        """Model input (C, H, W)."""
+        """Model input (C, H, W): for encoded files (C, smallest height, smallest width)."""
+        if self.encoded:
+            return self._encoded_shape
         s = self.stored_shape
         return tuple(s) if self.layout == "CHW" else (s[2], s[0], s[1])
 
@@ -123,8 +171,8 @@ class HDF5Dataset:
     def file_ids(self, indices) -> np.ndarray:
         return file_ids_from_offsets(self.offsets, indices, len(self))
 
-    def reader(self, locate: Locate | None = None) -> HDF5Reader:
-        return HDF5Reader(self, locate)
+    def reader(self, locate: Locate | None = None) -> HDF5Reader | EncodedHDF5Reader:
+        return EncodedHDF5Reader(self, locate) if self.encoded else HDF5Reader(self, locate)
 
 
 def _list_shards(path: Path) -> tuple[Path, list[Path]]:
@@ -149,13 +197,26 @@ def _size(p: Path) -> int:
     return p.stat().st_size
 
 
-def _check_shard(shard: Path) -> tuple[tuple[int, ...], np.dtype, np.ndarray]:
-    """(per-sample shape as stored, dtype, labels) of one shard, or a DataError naming it."""
+def _open_file(shard: Path) -> h5py.File:
     try:
-        f = h5py.File(shard, "r")
+        return h5py.File(shard, "r")
     except OSError as exc:
         raise DataError(f"{shard}: not a readable HDF5 file ({exc})") from None
-    with f:
+
+
+def _is_encoded(shard: Path) -> bool:
+    with _open_file(shard) as f:
+        return is_encoded(f)
+
+
+def _check_shard(shard: Path) -> tuple[tuple[int, ...], np.dtype, np.ndarray]:
+    """(per-sample shape as stored, dtype, labels) of one shard, or a DataError naming it."""
+    with _open_file(shard) as f:
+        if is_encoded(f):
+            raise DataError(
+                f"{shard}: holds encoded image files but the first shard holds decoded "
+                "'images'; all shards must agree"
+            )
         for field in ("images", "labels"):
             if field not in f or not isinstance(f[field], h5py.Dataset):
                 raise DataError(f"{shard}: no '{field}' dataset (found: {sorted(f.keys())})")
@@ -237,16 +298,20 @@ class _Shard:
         self.file.close()
 
 
-class HDF5Reader(SourceReader):
-    """Reads minibatches in the process that owns it; file handles opened on first use."""
+class _ShardReader(SourceReader):
+    """What both readers share: shards opened on first use by the process that reads, from the
+    staged copy, else (missing or unusable copy) from the PFS."""
 
     def __init__(self, ds: HDF5Dataset, locate: Locate | None) -> None:
         super().__init__(ds, locate)
-        self._open: dict[int, _Shard] = {}
+        self._shards: dict[int, Any] = {}
 
-    def _shard(self, fid: int, first_index: int) -> _Shard:
+    def _open_shard(self, path: Path) -> Any:
+        raise NotImplementedError
+
+    def _shard(self, fid: int, first_index: int) -> Any:
         path = Path(self.locate(fid))
-        shard = self._open.get(fid)
+        shard = self._shards.get(fid)
         if shard is not None and shard.path == path:
             return shard
         if shard is not None:
@@ -255,17 +320,29 @@ class HDF5Reader(SourceReader):
         try:
             if path == pfs:
                 open_latency(self.emulation)
-            shard = _Shard(path, self.ds)
+            shard = self._open_shard(path)
         except (OSError, KeyError) as exc:
             if path == pfs:
                 raise BadSample(path, first_index, str(exc)) from None
             try:  # the staged copy is unusable: read the PFS original
                 open_latency(self.emulation)
-                shard = _Shard(pfs, self.ds)
+                shard = self._open_shard(pfs)
             except (OSError, KeyError) as exc2:
                 raise BadSample(pfs, first_index, str(exc2)) from None
-        self._open[fid] = shard
+        self._shards[fid] = shard
         return shard
+
+    def close(self) -> None:
+        for shard in self._shards.values():
+            shard.close()
+        self._shards.clear()
+
+
+class HDF5Reader(_ShardReader):
+    """Reads minibatches of decoded pixels in the process that owns it."""
+
+    def _open_shard(self, path: Path) -> _Shard:
+        return _Shard(path, self.ds)
 
     def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(images (B, *stored_shape) stored dtype, labels (B,) int64) for sample indices."""
@@ -288,7 +365,48 @@ class HDF5Reader(SourceReader):
                 self.counts.local += len(sel)
         return out, ds.labels[indices]
 
-    def close(self) -> None:
-        for shard in self._open.values():
-            shard.close()
-        self._open.clear()
+
+class EncodedHDF5Reader(_ShardReader):
+    """Decodes the encoded image files of shards in the process that owns it, with the image
+    folder's decode (imagefolder.decode_image), or hands their bytes to `--decode gpu`
+    (file_bytes.FileBytesReader reads _open)."""
+
+    def __init__(self, ds: HDF5Dataset, locate: Locate | None) -> None:
+        super().__init__(ds, locate)
+        self.mode = "L" if ds.sample_shape[0] == 1 else "RGB"
+
+    def _open_shard(self, path: Path) -> EncodedShard:
+        return EncodedShard(path)
+
+    def _row(self, index: int) -> tuple[bytes, BadSampleAt]:
+        """(file bytes of sample index, where they lie), counted as local or PFS reads."""
+        fid = int(self.ds.file_ids([index])[0])
+        shard = self._shard(fid, index)
+        row = index - int(self.ds.offsets[fid])
+        where = BadSampleAt(shard.path, index, f"row {row} of '{ENCODED}': ")
+        try:
+            data = shard.row(row)
+        except (OSError, ValueError) as exc:
+            raise where.error(str(exc)) from None
+        if shard.path == self.pfs(fid):
+            throttle(len(data), self.emulation)
+            self.counts.pfs += 1
+        else:
+            self.counts.local += 1
+        return data, where
+
+    def _open(self, index: int) -> tuple[io.BytesIO, Path]:
+        """(the sample's file bytes as an open file, its shard): the image folder reader's API."""
+        data, where = self._row(index)
+        return io.BytesIO(data), where.path
+
+    def decode(
+        self,
+        index: int,
+        draft: tuple[int, int] | None = None,
+        box: tuple[int, int, int, int] | None = None,
+    ) -> tuple[np.ndarray, tuple[float, float]]:
+        """(image (h, w, C) uint8, (h / indexed h, w / indexed w)): ImageFolderReader.decode."""
+        data, where = self._row(index)
+        indexed_hw = (int(self.ds.heights[index]), int(self.ds.widths[index]))
+        return decode_image(io.BytesIO(data), self.mode, indexed_hw, draft, box, where)
