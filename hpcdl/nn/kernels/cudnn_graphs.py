@@ -74,6 +74,30 @@ class Plan:
     graph: Any
     tensors: dict[str, Any]
     workspace_bytes: int
+    by_value: frozenset[str] = frozenset()  # host scalars: their pack value is a host address
+
+
+def device_pointer(array: Any) -> int:
+    """The device address cuDNN's variant pack takes for a device (CuPy) array."""
+    if not is_device_array(array):
+        raise TypeError(f"cuDNN reads device memory; got a {type(array).__name__} (a host array)")
+    return int(array.data.ptr)
+
+
+def host_address(array: Any) -> int:
+    """The host address of a pass-by-value scalar: one C-contiguous NumPy element, which must
+    stay alive until the execute that reads it returns (cuDNN reads it at launch)."""
+    if not isinstance(array, np.ndarray) or array.size != 1 or not array.flags.c_contiguous:
+        raise TypeError(f"a pass-by-value scalar is one NumPy element; got {type(array).__name__}")
+    return int(array.ctypes.data)
+
+
+def current_stream() -> int:
+    """CuPy's current stream: the one cuDNN's handle is set to before each execute, so that its
+    kernels join the step's stream (and a CUDA graph capture on it)."""
+    import cupy  # noqa: PLC0415 - only on the device path
+
+    return int(cupy.cuda.get_current_stream().ptr)
 
 
 @dataclass
@@ -82,9 +106,9 @@ class Runtime:
     tests give a stand-in module and NumPy arrays."""
 
     cudnn: Any
-    # device arrays go in as raw pointers; host arrays (pass-by-value scalars) as themselves
-    pointer: Callable[[Any], Any] = lambda a: a.data.ptr if is_device_array(a) else a
+    pointer: Callable[[Any], int] = device_pointer  # device tensors; scalars: host_address
     is_device: Callable[[Any], bool] = is_device_array
+    stream: Callable[[], int] = current_stream
     handle: Any = None
     work: Workspaces = field(default_factory=Workspaces)
 
@@ -109,7 +133,7 @@ class Runtime:
         return graph.tensor(name=name, dim=dim, stride=stride, data_type=self.data_type(dtype))
 
     def scalar(self, graph: Any, name: str) -> Any:
-        """A float32 scalar passed by value (a host (1, 1, 1, 1) array in the variant pack)."""
+        """A float32 scalar passed by value: its variant-pack value is a host address."""
         return graph.tensor(
             name=name,
             dim=[1, 1, 1, 1],
@@ -123,20 +147,26 @@ class Runtime:
         dim, stride = layout
         tensor.set_output(True).set_dim(dim).set_stride(stride).set_data_type(self.data_type(dtype))
 
-    def finish(self, graph: Any, tensors: dict[str, Any]) -> Plan:
-        """Validate and build the plans of a described graph (the frontend's sequence)."""
+    def finish(self, graph: Any, tensors: dict[str, Any], by_value: tuple[str, ...] = ()) -> Plan:
+        """Validate and build the plans of a described graph (the frontend's sequence);
+        by_value names the tensors made by scalar()."""
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([self.cudnn.heur_mode.A, self.cudnn.heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
-        return Plan(graph, tensors, int(graph.get_workspace_size()))
+        return Plan(graph, tensors, int(graph.get_workspace_size()), frozenset(by_value))
 
     def run(self, plan: Plan, arrays: dict[str, Any], xp: Any) -> None:
-        """Execute plan with arrays by tensor name, on the current stream."""
-        pack = {plan.tensors[name]: self.pointer(a) for name, a in arrays.items()}
+        """Execute plan with arrays by tensor name on the current stream: device arrays as
+        device pointers, pass-by-value scalars as host addresses (NOTE [cuDNN graphs])."""
+        pack = {
+            plan.tensors[name]: host_address(a) if name in plan.by_value else self.pointer(a)
+            for name, a in arrays.items()
+        }
         size = max(plan.workspace_bytes, 1)
         workspace = self.work.at_least("cudnn_workspace", (size,), np.uint8, xp)
+        self.cudnn.set_stream(handle=self.handle, stream=self.stream())
         plan.graph.execute(pack, self.pointer(workspace), handle=self.handle)
 
 
