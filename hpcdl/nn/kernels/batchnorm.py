@@ -72,6 +72,8 @@ class CudnnBatchNorm:
             "in_var": layer.b["running_var"],
             "out_mean": layer.b["running_mean"],  # updated in place, as the frontend allows
             "out_var": layer.b["running_var"],
+            # host scalars, passed by value: the pack gets their host addresses, read by cuDNN
+            # at execute (a CUDA graph capture keeps the values, constant per layer)
             "epsilon": np.full((1, 1, 1, 1), layer.eps, np.float32),
             "momentum": np.full((1, 1, 1, 1), layer.momentum, np.float32),
             "mean": mean,
@@ -121,6 +123,7 @@ class CudnnBatchNorm:
             rt.output(t["y"], nhwc(x_shape), io)
             for name in ("mean", "inv_var", "out_mean", "out_var"):
                 rt.output(t[name], nhwc(c_shape), _FLOAT32)
+            return rt.finish(g, t, by_value=("epsilon", "momentum"))
         else:
             t = {name: rt.tensor(g, name, nhwc(x_shape), io) for name in ("dy", "x")}
             t.update({name: vec(name) for name in ("scale", "mean", "inv_var")})

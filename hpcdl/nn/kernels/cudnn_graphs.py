@@ -5,6 +5,12 @@ NOTE [cuDNN graphs]
 - The module is NVIDIA's `nvidia-cudnn-frontend` (import name `cudnn`, the gpu extras). CuPy 14
   dropped its own cuDNN module; the frontend's Python graphs run on CuPy memory because the
   variant pack and the workspace are raw device pointers (`array.data.ptr`).
+- Variant pack: a device tensor's value is its device address (device_pointer); a host array
+  there is refused. A pass-by-value scalar (BatchNorm's epsilon and momentum) is a host
+  float32 whose host address goes in (host_address), as the frontend's own tests pass host
+  tensors; a NumPy array itself would reach DLPack with a stream and fail. The handle is set
+  to CuPy's current stream before each execute, so cuDNN's kernels join the step's stream and
+  a CUDA graph capture of it.
 - Layout: hpcdl's activations are NHWC and contiguous. cuDNN names dimensions in NCHW order
   and takes the layout from the strides, so an (N, H, W, C) array is dim [N, C, H, W] with
   strides [H*W*C, 1, W*C, C]. Filters are stored (kh, kw, C_in, C_out) in the flat parameter
