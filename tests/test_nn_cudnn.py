@@ -148,6 +148,45 @@ def test_a_shape_cudnn_refuses_falls_back_to_the_reference_and_says_so_once(
     assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
 
 
+def test_a_missing_half_plan_runs_that_op_alone_in_float32_said_once_in_one_line(
+    fake, monkeypatch, capsys
+):
+    """The H100 run's second fault: no bf16 plan for the 7x7 stem's weight gradient with 3 input
+    channels. That op alone runs a float32 plan; the forward stays bf16 in cuDNN, one line."""
+    fake.refuse = lambda op, dims, dtype: (
+        op == "conv_wgrad" and dtype == "BFLOAT16" and dims[1] == 3
+    )
+    fast, ref = conv_pair(monkeypatch, 3, 4, 7, 2, 3, bias=False, precision="bf16")
+    x = np.random.default_rng(6).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    nn.precision.round_in_place(x, "bf16")
+    for _ in range(2):
+        y, _, grads = run(fast, x, input_grad=False)
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)  # the layer stayed on cuDNN
+    types = {(g.ops[0][0].op, g.ops[0][0].inputs[next(iter(g.ops[0][0].inputs))].data_type)
+             for g in fake.graphs if "build" in g.built}  # fmt: skip
+    assert types == {("conv_fprop", "BFLOAT16"), ("conv_wgrad", "FLOAT")}
+    y_ref, _, grads_ref = reference(ref, x, input_grad=False)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(grads["W"], grads_ref["W"], rtol=1e-4, atol=1e-4)  # float32 sums
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1, lines
+    assert "conv_wgrad" in lines[0] and "bfloat16" in lines[0]
+    assert lines[0].endswith("that op runs in float32"), lines[0]
+
+
+def test_a_missing_half_batchnorm_plan_runs_in_float32(fake_bn, capsys):
+    fake_bn.refuse = lambda op, dims, dtype: op == "batchnorm_backward" and dtype == "BFLOAT16"
+    fast, ref = bn_pair(precision="bf16")
+    x = np.random.default_rng(7).standard_normal((4, 6, 6, 5)).astype(np.float32)
+    nn.precision.round_in_place(x, "bf16")
+    y, dx, grads = run(fast, x)
+    assert isinstance(fast.seam.kernel, bn_kernels.CudnnBatchNorm)
+    y_ref, dx_ref, grads_ref = reference(ref, x)
+    np.testing.assert_allclose(dx, dx_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(grads["gamma"], grads_ref["gamma"], rtol=2e-2, atol=2e-2)
+    assert capsys.readouterr().err.count("that op runs in float32") == 1
+
+
 @pytest.mark.parametrize(("precision", "name"), [("bf16", "BFLOAT16"), ("fp16", "HALF")])
 def test_half_precision_runs_the_formats_arrays_and_sums_weight_gradients_in_float32(
     fake, monkeypatch, precision, name
