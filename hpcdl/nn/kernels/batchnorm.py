@@ -58,7 +58,8 @@ class CudnnBatchNorm:
             scale = layer.p["gamma"] * inv_std
             return (x - layer.b["running_mean"]) * scale + layer.p["beta"]
         rt, c = cudnn_graphs.runtime(), layer.channels
-        io = cudnn_graphs.io_dtype(layer.precision)
+        train_plan = self.cache.get(self.keys(layer, x.shape)["bn_train"])
+        io = train_plan.io  # the layer's format, or float32 where cuDNN had no half plan
         xs = layer._work.get("cudnn_x", x.shape, io, xp)  # kept for backward
         xs[...] = x
         mean = layer._work.get("cudnn_mean", (c,), _FLOAT32, xp)
@@ -80,16 +81,17 @@ class CudnnBatchNorm:
             "inv_var": inv_var,
             "y": y,
         }
-        rt.run(self.cache.get(self.keys(layer, x.shape)["bn_train"]), arrays, xp)
+        rt.run(train_plan, arrays, xp)
         return y if io == _FLOAT32 else y.astype(_FLOAT32)
 
     def backward(self, layer: Any, dy: Any) -> Any:
         rt, xp = cudnn_graphs.runtime(), array_module(dy)
         work = layer._work
-        xs = work.last("cudnn_x")
-        dys = work.get("cudnn_dy", dy.shape, xs.dtype, xp)
+        plan = self.cache.get(self.keys(layer, dy.shape)["bn_backward"])
+        xs = cudnn_graphs.in_dtype(work, "cudnn_x", work.last("cudnn_x"), plan.io, xp)
+        dys = work.get("cudnn_dy", dy.shape, plan.io, xp)
         dys[...] = dy
-        dx = xp.empty(dy.shape, dtype=xs.dtype)
+        dx = xp.empty(dy.shape, dtype=plan.io)
         arrays = {
             "dy": dys,
             "x": xs,
@@ -100,7 +102,7 @@ class CudnnBatchNorm:
             "dscale": layer.g["gamma"],  # float32, straight into the flat gradient buffer
             "dbias": layer.g["beta"],
         }
-        rt.run(self.cache.get(self.keys(layer, dy.shape)["bn_backward"]), arrays, xp)
+        rt.run(plan, arrays, xp)
         if not layer.input_grad:
             return None
         return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)

@@ -20,8 +20,10 @@ NOTE [cuDNN graphs]
 - Plans: building one (validate, operation graph, heuristics A then FALLBACK, support check,
   plans) costs milliseconds, so each is built once per PlanKey (operation, shapes, dtypes,
   padding, stride) and cached per process. A key cuDNN refuses (cudnnGraphNotSupportedError or
-  any error while building) is remembered as refused: the kernel stops applying to it and the
-  layer's reference runs, said once.
+  any error while building) is remembered as refused. In bf16/fp16 that op alone then runs the
+  same op's float32 plan (its half inputs copied to float32, exact; the H100 had no bf16 plan
+  for resnet50's 7x7 stem weight gradient over 3 channels); with none in float32 either the
+  kernel stops applying and the layer's reference runs. Said once, in one line.
 - Workspace: one byte buffer from CuPy's memory pool, grown to the largest plan's need
   (hpcdl.nn.workspace), so no step allocates.
 - Dtypes (hpcdl.nn.dtypes): I/O in the layer's format (float32, or bf16/fp16 arrays of the
@@ -33,7 +35,7 @@ stand-in module that executes the graphs in NumPy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,7 @@ class Plan:
     tensors: dict[str, Any]
     workspace_bytes: int
     by_value: frozenset[str] = frozenset()  # host scalars: their pack value is a host address
+    io: np.dtype = np.dtype(np.float32)  # the I/O dtype it was built for (PlanCache sets it)
 
 
 def device_pointer(array: Any) -> int:
@@ -177,15 +180,31 @@ class Runtime:
 
 
 class PlanCache:
-    """Plans by PlanKey, each built once; a key cuDNN refused stays refused (said once)."""
+    """Plans by PlanKey, each built once. A key cuDNN refused stays refused; in a half format the
+    same op's float32 plan stands in for it (that op alone, NOTE [cuDNN graphs]); either way the
+    refusal is said once, in one line."""
 
     def __init__(self, build: Callable[[PlanKey], Plan]) -> None:
         self._build = build
         self._plans: dict[PlanKey, Plan] = {}
-        self.refused: set[PlanKey] = set()
+        self.refused: dict[PlanKey, str] = {}  # key -> cuDNN's reason, its first line
         self.builds = 0  # plans built so far (each key once)
 
     def get(self, key: PlanKey) -> Plan | None:
+        """key's plan; else, for a half format, the float32 one; else None (the reference)."""
+        plan = self._built(key)
+        if plan is not None:
+            return plan
+        wide = self._built(replace(key, io="float32")) if key.io != "float32" else None
+        then = "that op runs in float32" if wide else "that layer runs hpcdl's own kernels"
+        why = self.refused[key]
+        say_once(
+            f"cudnn-refused:{key}",
+            f"cuDNN has no plan for {key.op} {key.shapes} in {key.io} ({why}); {then}",
+        )
+        return wide
+
+    def _built(self, key: PlanKey) -> Plan | None:
         if key in self.refused:
             return None
         plan = self._plans.get(key)
@@ -194,14 +213,21 @@ class PlanCache:
             try:
                 plan = self._plans[key] = self._build(key)
             except Exception as exc:  # noqa: BLE001 - any refusal means: the reference runs
-                self.refused.add(key)
-                say_once(
-                    f"cudnn-refused:{key}",
-                    f"cuDNN has no plan for {key.op} {key.shapes} {key.io} "
-                    f"({type(exc).__name__}: {exc}); that layer runs hpcdl's own kernels",
-                )
+                first = (str(exc).strip().splitlines() or [""])[0][:160]
+                self.refused[key] = f"{type(exc).__name__}: {first}"
                 return None
+            plan.io = dtype_named(key.io)
         return plan
+
+
+def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> Any:
+    """array as dtype: itself, or its copy in workspace name (an op whose plan fell back to
+    float32 reads the half arrays of the ops around it; exact, half values are float32's)."""
+    if array.dtype == dtype:
+        return array
+    copy = work.get(f"{name}:{np.dtype(dtype).name}", array.shape, dtype, xp)
+    copy[...] = array
+    return copy
 
 
 def io_dtype(precision: str) -> np.dtype:
