@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from hpcdl import nn
-from hpcdl.bench import compute, profile
+from hpcdl.bench import compute, compute_setup, profile
 from hpcdl.bench.profile import LayerTimes, pair_rows
+from hpcdl.nn.step import train_step
 
 TINY = ["--batch-size", "4", "--input-shape", "3,8,8", "--steps", "2"]
 PARAM_KINDS = ("Conv2d", "BatchNorm", "Linear")
@@ -61,9 +62,63 @@ def test_profile_json_has_one_row_per_leaf(capsys):
     ours = result["profile"]["hpcdl"]
     assert result["profile"]["torch"] is None
     assert len(ours["rows"]) == len(list(nn.build_model("cnn", (3, 8, 8), 10).body.leaves()))
-    assert set(ours["rows"][0]) == {"name", "kind", "forward_ms", "backward_ms"}
-    for key in ("loss_ms", "update_ms", "other_ms", "step_ms", "plain_step_ms"):
+    assert set(ours["rows"][0]) == {
+        "name", "kind", "forward_ms", "backward_ms", "forward_gpu_ms", "backward_gpu_ms"
+    }  # fmt: skip
+    for key in ("loss_ms", "update_ms", "other_ms", "step_ms", "plain_step_ms", "layers_ms"):
         assert ours[key] > 0
+    # off a GPU there is no device time: the columns are there, empty
+    assert ours["layers_gpu_ms"] is None and ours["rows"][0]["forward_gpu_ms"] is None
+    assert result["gpu_kernels"] is False
+
+
+class _Event:
+    """A stand-in CUDA event at a fixed device time (torch.cuda.Event's two methods)."""
+
+    def __init__(self, t: float) -> None:
+        self.t, self.waited = t, False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert end.waited, "the end event is waited for before it is read"
+        return (end.t - self.t) * 1e3  # ms, as CUDA reports
+
+
+def test_device_times_from_events_fill_every_row_and_their_mean():
+    """The GPU side's arithmetic on CPU: each forward / backward is bracketed by two events
+    (a device clock that advances 2 ms per mark here), summed per step and averaged."""
+    ticks = iter(range(10**6))
+    clock = profile.GpuClock(lambda: _Event(next(ticks) * 2e-3))
+    args = tiny_args("cnn")
+    parts, x, y = compute_setup.hpcdl_setup(args)
+    with profile.timed_leaves(parts.model, np, clock) as (rows, _):
+        totals = profile.quiet_mean(
+            rows, lambda: (0.0, 0.0, float(train_step(parts, x, y, 0.01).times.t_step)), 2
+        )
+    assert totals[2] > 0
+    assert len(rows) == len(list(parts.model.body.leaves()))
+    for row in rows:
+        assert row.forward_gpu_s == pytest.approx(2e-3)  # one call a step: two marks apart
+        if row.kind in PARAM_KINDS:
+            assert row.backward_gpu_s == pytest.approx(2e-3)
+    b = profile.Breakdown("hpcdl", rows, 0.0, 0.0, 1.0, 1.0)
+    assert b.as_json()["layers_gpu_ms"] == pytest.approx(sum(
+        (r.forward_gpu_s + (r.backward_gpu_s or 0)) * 1e3 for r in rows))  # fmt: skip
+
+
+def test_profile_with_gpu_kernels_times_the_layers_eagerly(capsys):
+    """--gpu-kernels builds a CUDA graph of the step; the instrumented steps run without it
+    (a replay calls no layer), so every row is still timed."""
+    argv = ["--model", "cnn", *TINY, "--profile", "--json", "--no-torch", "--gpu-kernels"]
+    try:
+        assert compute.main(argv) == 0
+    finally:
+        nn.kernels.enable(False)
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["gpu_kernels"] is True
+    assert all(row["forward_ms"] > 0 for row in result["profile"]["hpcdl"]["rows"])
 
 
 def test_pair_rows_pairs_by_kind_and_leaves_functional_layers_blank():
