@@ -155,3 +155,67 @@ def test_torch_side_profiles_a_model_with_in_place_relus():
     kinds = [row.kind for row in theirs.rows]
     assert kinds.count("ReLU") >= 1 and all(row.forward_s > 0 for row in theirs.rows)
     assert torch.is_grad_enabled()
+
+
+def summary_script():
+    """scripts/gpu_check_summary.py (not a package), loaded from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_summary.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(name, kind, fwd, bwd, gfwd=None, gbwd=None):
+    return dict(name=name, kind=kind, forward_ms=fwd, backward_ms=bwd,
+                forward_gpu_ms=gfwd, backward_gpu_ms=gbwd)  # fmt: skip
+
+
+def test_the_gpu_checks_summary_says_where_device_and_host_time_go():
+    ours = {"rows": [_row("0.Conv2d", "Conv2d", 2.0, 3.0, 0.5, 1.0),
+                     _row("1.ReLU", "ReLU", 0.4, 0.4, 0.1, 0.1)],
+            "layers_ms": 5.8, "layers_gpu_ms": 1.7, "plain_step_ms": 9.7}  # fmt: skip
+    theirs = {"rows": [_row("conv", "Conv2d", 1.0, 1.0, 0.4, 0.6),
+                       _row("relu", "ReLU", 0.1, 0.1, 0.1, 0.1)],
+              "layers_ms": 2.2, "layers_gpu_ms": 1.2, "plain_step_ms": 3.4}  # fmt: skip
+    lines = summary_script().profile_lines(
+        "gk-cnn-fp32", {"profile": {"hpcdl": ours, "torch": theirs}}
+    )
+    assert "hpcdl layers 5.80 ms, device 1.70; step 9.70" in lines[0]
+    assert "torch layers 2.20, device 1.20; step 3.40" in lines[0]
+    assert lines[1] == "    most host time: 0.Conv2d 3.50, 1.ReLU 0.60"
+    assert lines[2] == "    most device time over torch: 0.Conv2d +0.50, 1.ReLU +0.00"
+    # off a GPU: no device figures, no gap lines
+    cpu = {**ours, "rows": [_row("0.Conv2d", "Conv2d", 2.0, 3.0)], "layers_gpu_ms": None}
+    assert summary_script().profile_lines("cnn", {"profile": {"hpcdl": cpu, "torch": None}}) == [
+        "  cnn                hpcdl layers 5.80 ms, device -; step 9.70"
+    ]
+
+
+def test_the_gpu_checks_summary_puts_every_goal_beside_its_figure():
+    compute = [
+        dict(model="cnn", precision="fp32", gpu_kernels=True, ratio=2.84,
+             hpcdl_peak_mib=430.0, torch_peak_mib=418.0),
+        dict(model="cnn", precision="fp32", gpu_kernels=False, ratio=0.9,
+             hpcdl_peak_mib=1219.0, torch_peak_mib=418.0),
+        dict(model="resnet50", precision="bf16", gpu_kernels=False, ratio=0.95),
+    ]  # fmt: skip
+    status = {"compute-cnn-fp32": ("0", "9"), "tests": ("0", "50"), "loader": ("124", "90"),
+              "input": ("skipped", "0")}  # fmt: skip
+    train = [{"run": "cnn-gpu-1", "val_accuracy": 0.95},
+             {"run": "ref-cnn-cpu-1", "val_accuracy": 0.955}]  # fmt: skip
+    facts = {"compute": compute, "input": [], "train": train, "status": status, "profiles": {}}
+    lines = summary_script().goal_lines(facts)
+    text = "\n".join(lines)
+    assert lines[0] == "goals (issue 60)" and len(lines) <= 20  # one screen
+    assert "MISS compute: every ratio hpcdl/torch <= 1.0" in text
+    assert "worst 2.84 (cnn fp32 gk); 1 of 3 miss" in text
+    assert "MISS compute, graph on (gk): cnn, resnet20 <= 0.8" in text
+    assert "worst 2.92 (cnn fp32); 1 of 2 miss" in text  # memory: 1219 / 418
+    assert "n/a  input: default slots" in text
+    assert "met  seeded run within 1 point" in text
+    assert "MISS cnn slowdown with graphs: per-op GPU timing" in text
+    assert "MISS no phase failed" in text and "loader" in text.splitlines()[-1]
