@@ -288,7 +288,7 @@ def _input_goals(rows: list[dict]) -> list[tuple[str, str, str]]:
         [(train[0] / max(best.values()), "hpcdl.train / best DataLoader")] if train and best else []
     )
     return [
-        ("end to end: hpcdl.train resnet50 bf16 >= 1.0x torchvision+DataLoader",
+        ("end to end: hpcdl.train rn50 bf16 >= 1.0x torch+DataLoader",
          *_worst(e2e, 1.0, above=False)),
         ("input: default slots >= 1.0x DataLoader (8, 15 workers)", *_worst(slots, 1.0, False)),
         ("input: data wait <= 5 % (default slots)", *_worst(waits, 5.0)),
@@ -306,19 +306,17 @@ def _other_goals(facts: dict) -> list[tuple[str, str, str]]:
         if not run.startswith("ref-") and acc is not None and base is not None:
             gaps.append((abs(acc - base) * 100, run))
     gk = facts["profiles"].get("gk-cnn-fp32", {}).get("profile", {}).get("hpcdl")
-    timing = (
-        "not recorded"
-        if gk is None
-        else (
-            f"gk cnn layers {_ms(gk['layers_ms'])} ms wall, {_ms(gk.get('layers_gpu_ms'))} device"
-        )
-    )
+    timing, timed = "not recorded", "MISS"
+    if gk is not None:
+        device = gk.get("layers_gpu_ms")
+        timing = f"gk cnn layers {_ms(gk['layers_ms'])} ms wall, {_ms(device)} device"
+        timed = "n/a " if device is None else "met "
     return [
         ("correctness: GPU tests (float64 check, graph = plain)",
          "met " if tests and all(rc == "0" for rc in tests.values()) else "MISS",
          ", ".join(f"{k} exit {rc}" for k, rc in tests.items()) or "not run"),
-        ("seeded run within 1 point of the CPU run's val acc", *_worst(gaps, 1.0)),
-        ("cnn slowdown with graphs: per-op GPU timing", "met " if gk else "MISS", timing),
+        ("seeded run: val acc within 1 point of the CPU run's", *_worst(gaps, 1.0)),
+        ("cnn slowdown with graphs: per-op device time", timed, timing),
         ("no phase failed", "MISS" if failed else "met ", ", ".join(failed) or "all exit 0"),
     ]  # fmt: skip
 
@@ -326,7 +324,10 @@ def _other_goals(facts: dict) -> list[tuple[str, str, str]]:
 def goal_lines(facts: dict) -> list[str]:
     """Issue 60's goals, one line each: met / MISS / n/a, the goal, its figure."""
     goals = _compute_goals(facts["compute"]) + _input_goals(facts["input"]) + _other_goals(facts)
-    return ["goals (issue 60)"] + [f"  {mark} {goal:<66} {figure}" for goal, mark, figure in goals]
+    head = "goals (issue 60)"
+    if {r.get("device") for r in facts["compute"]} == {"cpu"}:
+        head += ": a CPU dry run, so the figures check the script, not the goals"
+    return [head] + [f"  {mark} {goal:<60} {figure}" for goal, mark, figure in goals]
 
 
 def main() -> int:

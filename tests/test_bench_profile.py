@@ -216,6 +216,6 @@ def test_the_gpu_checks_summary_puts_every_goal_beside_its_figure():
     assert "MISS compute, graph on (gk): cnn, resnet20 <= 0.8" in text
     assert "worst 2.92 (cnn fp32); 1 of 2 miss" in text  # memory: 1219 / 418
     assert "n/a  input: default slots" in text
-    assert "met  seeded run within 1 point" in text
-    assert "MISS cnn slowdown with graphs: per-op GPU timing" in text
+    assert "met  seeded run: val acc within 1 point" in text
+    assert "MISS cnn slowdown with graphs: per-op device time" in text
     assert "MISS no phase failed" in text and "loader" in text.splitlines()[-1]
