@@ -174,6 +174,23 @@ def test_a_missing_half_plan_runs_that_op_alone_in_float32_said_once_in_one_line
     assert lines[0].endswith("that op runs in float32"), lines[0]
 
 
+@pytest.mark.parametrize("op", ["conv_fprop", "conv_dgrad", "conv_wgrad"])
+def test_any_refused_half_convolution_op_runs_alone_in_float32(fake, monkeypatch, capsys, op):
+    fake.refuse = lambda o, dims, dtype: o == op and dtype == "BFLOAT16"
+    fast, ref = conv_pair(monkeypatch, 3, 4, 3, 1, 1, precision="bf16")
+    x = np.random.default_rng(8).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    nn.precision.round_in_place(x, "bf16")
+    y, dx, grads = run(fast, x)
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+    built = {g.ops[0][0].op: g.options["io_data_type"] for g in fake.graphs if "build" in g.built}
+    assert built == {o: "FLOAT" if o == op else "BFLOAT16"
+                     for o in ("conv_fprop", "conv_dgrad", "conv_wgrad")}  # fmt: skip
+    y_ref, dx_ref, grads_ref = reference(ref, x)
+    for got, want in ((y, y_ref), (dx, dx_ref), (grads["W"], grads_ref["W"])):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    assert capsys.readouterr().err.count("that op runs in float32") == 1
+
+
 def test_a_missing_half_batchnorm_plan_runs_in_float32(fake_bn, capsys):
     fake_bn.refuse = lambda op, dims, dtype: op == "batchnorm_backward" and dtype == "BFLOAT16"
     fast, ref = bn_pair(precision="bf16")
