@@ -73,10 +73,10 @@ class CudnnBatchNorm:
             "in_var": layer.b["running_var"],
             "out_mean": layer.b["running_mean"],  # updated in place, as the frontend allows
             "out_var": layer.b["running_var"],
-            # host scalars, passed by value: the pack gets their host addresses, read by cuDNN
-            # at execute (a CUDA graph capture keeps the values, constant per layer)
-            "epsilon": np.full((1, 1, 1, 1), layer.eps, np.float32),
-            "momentum": np.full((1, 1, 1, 1), layer.momentum, np.float32),
+            # host scalars, passed by value: the pack gets their host addresses, which cuDNN
+            # reads at execute; kept with the layer, so a captured step never reads freed memory
+            "epsilon": host_scalar(layer, "cudnn_epsilon", layer.eps),
+            "momentum": host_scalar(layer, "cudnn_momentum", layer.momentum),
             "mean": mean,
             "inv_var": inv_var,
             "y": y,
@@ -136,6 +136,13 @@ class CudnnBatchNorm:
             rt.output(t["dscale"], nhwc(c_shape), _FLOAT32)
             rt.output(t["dbias"], nhwc(c_shape), _FLOAT32)
         return rt.finish(g, t)
+
+
+def host_scalar(layer: Any, name: str, value: float) -> np.ndarray:
+    """A float32 (1, 1, 1, 1) host array holding value, kept in the layer's workspaces."""
+    scalar = layer._work.get(name, (1, 1, 1, 1), _FLOAT32, np)
+    scalar.fill(value)
+    return scalar
 
 
 KERNELS: list[Any] = [CudnnBatchNorm()]
