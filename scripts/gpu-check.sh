@@ -106,15 +106,16 @@ fi
 # -- compute first (issue 60: the open goals' order): the rows against PyTorch eager on the same
 # GPU, plain and with --gpu-kernels (compute.jsonl holds both, "gpu_kernels": false / true; the
 # gk rows are named compute-gk-*), then the per-layer profiles with each layer's device time
-# (CUDA events: profile.jsonl, the summary's profile lines), plain and --gpu-kernels, to find
-# where cnn's step with cuDNN graphs loses against the plain kernels.
+# (CUDA events: profile.jsonl, the summary's profile lines), plain and --gpu-kernels: cnn fp32,
+# to find where its step with cuDNN graphs loses against the plain kernels, and resnet50 bf16,
+# the row furthest from its goal.
 echo "== compute: hpcdl vs PyTorch eager, same device, same run"
 if [ "$DEVICE" = gpu ]; then
     ROWS=("cnn 256 3,32,32 30" "resnet20 128 3,32,32 30" "resnet50 64 3,224,224 10")
-    PROFILES=("cnn 256 3,32,32 10" "resnet50 64 3,224,224 4")
+    PROFILES=("cnn 256 3,32,32 10 fp32" "resnet50 64 3,224,224 4 bf16")
 else  # one model: each command once, small (the dry run checks the script, not the speed)
     ROWS=("cnn 16 3,32,32 3")
-    PROFILES=("cnn 16 3,32,32 2")
+    PROFILES=("cnn 16 3,32,32 2 fp32")
 fi
 for row in "${ROWS[@]}"; do
     read -r model batch shape steps <<<"$row"
@@ -127,16 +128,15 @@ for row in "${ROWS[@]}"; do
     done
 done
 for row in "${PROFILES[@]}"; do
-    read -r model batch shape steps <<<"$row"
+    read -r model batch shape steps precision <<<"$row"
     for gk in "" "--gpu-kernels"; do
-        phase "profile-${gk:+gk-}$model-fp32" 60 "$PY" -m hpcdl.bench compute --device "$DEVICE" \
-            --model "$model" --batch-size "$batch" --input-shape "$shape" --steps "$steps" \
-            --profile $gk --json
+        phase "profile-${gk:+gk-}$model-$precision" 60 "$PY" -m hpcdl.bench compute \
+            --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
+            --steps "$steps" --precision "$precision" --profile $gk --json
     done
 done
 
-# -- input (issue 48, the open one, so first and alone on the machine: nothing else runs
-# beside it): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's DataLoader
+# -- input (issue 48; alone on the machine: nothing else runs beside it): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's DataLoader
 # and hpcdl.torch.Loader with default slots at 8 and 15 workers, GPU decode with 2 workers,
 # and the GPU decoding alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
 echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"

@@ -214,7 +214,7 @@ def _paired(ours: list[dict], theirs: list[dict]) -> list[dict | None]:
 
 
 def profile_section(raw: Path, out: Path) -> tuple[list[str], dict]:
-    lines = ["profile (fp32 ms per step; device = CUDA events around each layer)"]
+    lines = ["profile (ms per step; device = CUDA events around each layer)"]
     results = {}
     for path in sorted(raw.glob("profile-*.log")):
         name = path.stem.removeprefix("profile-")

@@ -145,6 +145,26 @@ def test_torch_rows_pair_with_hpcdl_rows(model):
     assert sum(r.forward_s + r.backward_s for r in theirs.rows) <= theirs.step_s
 
 
+def test_a_bf16_profile_times_both_sides_in_bf16(monkeypatch):
+    """resnet50's goal rows are bf16: hpcdl's step in its bf16 format, PyTorch's under autocast
+    (as bench compute times them)."""
+    torch = pytest.importorskip("torch")
+    args = tiny_args("cnn", "--precision", "bf16")
+    ours = profile.profile_hpcdl(args)
+    assert all(r.forward_s > 0 for r in ours.rows)
+    seen = []
+    real = torch.autocast
+
+    def spy(*a, **kw):
+        seen.append(kw.get("dtype"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "autocast", spy)
+    theirs = profile.profile_torch(args)
+    assert theirs is not None and all(r.forward_s > 0 for r in theirs.rows)
+    assert seen and set(seen) == {torch.bfloat16}
+
+
 def test_torch_side_profiles_a_model_with_in_place_relus():
     """torchvision's ResNets use ReLU(inplace=True), which PyTorch forbids on the output of a
     module with a full backward hook; the profile times them out of place (the same math)."""

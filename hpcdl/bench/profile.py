@@ -371,15 +371,17 @@ def profile_torch(args: argparse.Namespace) -> Breakdown | None:
     if t is None:
         return None
     model, opt, x, y, loss_fn, sync = t.model, t.opt, t.x, t.y, t.loss_fn, t.sync
+    half = t.torch.bfloat16 if t.precision == "bf16" else None  # autocast, as bench compute
 
     def step(clocks: list[_ModuleClock] | None = None) -> tuple[float, float, float]:
         """One step; (loss s, update s, step s)."""
         sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        logits = model(x)
-        t1 = time.perf_counter()
-        loss = loss_fn(logits, y)
+        with t.torch.autocast(t.device, dtype=half, enabled=half is not None):
+            logits = model(x)
+            t1 = time.perf_counter()
+            loss = loss_fn(logits, y)
         marks: list[float] = []
         logits.register_hook(lambda _: marks.append(time.perf_counter()))
         sync()
@@ -487,7 +489,8 @@ def main_profile(args: argparse.Namespace) -> int:
     time.sleep(0.3)  # let hpcdl's BLAS threads stop spin-waiting before torch's start
     theirs = None if args.no_torch else profile_torch(args)
     print(
-        f"{args.model} batch {args.batch_size} input {args.input_shape} on {args.device}: "
+        f"{args.model} batch {args.batch_size} input {args.input_shape} {args.precision} on "
+        f"{args.device}: "
         f"per-layer profile, mean of the faster half of {args.steps} steps after {WARMUP} "
         "warm-up steps"
     )
