@@ -136,9 +136,10 @@ for row in "${PROFILES[@]}"; do
     done
 done
 
-# -- input (issue 48; alone on the machine: nothing else runs beside it): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's DataLoader
-# and hpcdl.torch.Loader with default slots at 8 and 15 workers, GPU decode with 2 workers,
-# and the GPU decoding alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
+# -- input (issue 48; alone on the machine: nothing else runs beside it): the goal rows
+# (scripts/gpu-check-input.sh): the step alone, torch's DataLoader and hpcdl.torch.Loader
+# with default slots at 8 and 15 workers, GPU decode with 2 workers, and the GPU decoding
+# alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
 echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"
 phase input 330 env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIMEOUT=190 bash scripts/gpu-check-input.sh \
     "$OUT" "$DEVICE"
