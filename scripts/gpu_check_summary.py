@@ -1,5 +1,6 @@
 """The table that ends scripts/gpu-check.sh, from its raw/ folder; also writes the top-level
-tests.log, compute.jsonl, train.jsonl and loader.json beside it.
+tests.log, compute.jsonl, profile.jsonl, train.jsonl and loader.json beside it. It ends with
+issue 60's goals, each beside its figure (goal_lines).
 
     python scripts/gpu_check_summary.py RAW_DIR OUT_DIR
 """
@@ -166,6 +167,169 @@ def input_section(out: Path) -> list[str]:
     return input_lines(rows)
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def profile_lines(name: str, result: dict) -> list[str]:
+    """One profile run (`bench compute --profile --json`): the layers' wall and device time on
+    each side, then where hpcdl's device time most exceeds PyTorch's and where its host time
+    (wall minus device: launches, the cuDNN frontend's execute) is largest."""
+    ours, theirs = result["profile"]["hpcdl"], result["profile"].get("torch")
+    line = (f"  {name:18s} hpcdl layers {_ms(ours['layers_ms'])} ms, device "
+            f"{_ms(ours.get('layers_gpu_ms'))}; step {_ms(ours['plain_step_ms'])}")  # fmt: skip
+    if theirs:
+        device, step = _ms(theirs.get("layers_gpu_ms")), _ms(theirs["plain_step_ms"])
+        line += f" | torch layers {_ms(theirs['layers_ms'])}, device {device}; step {step}"
+    lines = [line]
+
+    def gpu(row: dict | None) -> float | None:
+        if row is None or row.get("forward_gpu_ms") is None:
+            return None
+        return row["forward_gpu_ms"] + (row.get("backward_gpu_ms") or 0.0)
+
+    host = sorted(((r["forward_ms"] + r["backward_ms"] - gpu(r), r["name"])
+                   for r in ours["rows"] if gpu(r) is not None), reverse=True)  # fmt: skip
+    if host:
+        lines.append("    most host time: " + ", ".join(f"{n} {t:.2f}" for t, n in host[:3]))
+    if theirs:
+        pairs = list(zip(ours["rows"], _paired(ours["rows"], theirs["rows"]), strict=True))
+        gaps = sorted(((gpu(a) - gpu(b), a["name"]) for a, b in pairs
+                       if gpu(a) is not None and gpu(b) is not None), reverse=True)  # fmt: skip
+        if gaps:
+            lines.append("    most device time over torch: "
+                         + ", ".join(f"{n} +{t:.2f}" for t, n in gaps[:3]))  # fmt: skip
+    return lines
+
+
+def _paired(ours: list[dict], theirs: list[dict]) -> list[dict | None]:
+    """For each of our rows, torch's row of the same kind in forward order, or None."""
+    out: list[dict | None] = []
+    at = 0
+    for row in ours:
+        match = next((i for i in range(at, len(theirs)) if theirs[i]["kind"] == row["kind"]), None)
+        out.append(None if match is None else theirs[match])
+        at = at if match is None else match + 1
+    return out
+
+
+def profile_section(raw: Path, out: Path) -> tuple[list[str], dict]:
+    lines = ["profile (ms per step; device = CUDA events around each layer)"]
+    results = {}
+    for path in sorted(raw.glob("profile-*.log")):
+        name = path.stem.removeprefix("profile-")
+        result = last_json(path)
+        if result is None or "profile" not in result:
+            lines.append(f"  {name:18s} (no result: see raw/{path.name})")
+            continue
+        results[name] = result
+        lines += profile_lines(name, result)
+    (out / "profile.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results.values()))
+    return lines, results
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+
+
+def load_facts(out: Path, status: dict, profiles: dict) -> dict:
+    """What the goals are judged from: the files this summary wrote, the phases, the profiles."""
+    return {
+        "compute": _jsonl(out / "compute.jsonl"),
+        "input": _jsonl(out / "input.jsonl"),
+        "train": _jsonl(out / "train.jsonl"),
+        "status": status,
+        "profiles": profiles,
+    }
+
+
+def _row_name(r: dict) -> str:
+    return f"{r['model']} {r['precision']}" + (" gk" if r.get("gpu_kernels") else "")
+
+
+def _worst(pairs: list[tuple[float, str]], goal: float, above: bool = True) -> tuple[str, str]:
+    """(mark, figure) for figures that must stay at or under goal (above=False: at or over)."""
+    if not pairs:
+        return "n/a ", "no figure"
+    value, name = max(pairs) if above else min(pairs)
+    missed = sum(1 for v, _ in pairs if (v > goal if above else v < goal))
+    mark = "MISS" if missed else "met "
+    return mark, f"worst {value:.2f} ({name}); {missed} of {len(pairs)} miss"
+
+
+def _compute_goals(rows: list[dict]) -> list[tuple[str, str, str]]:
+    ratios = [(r["ratio"], _row_name(r)) for r in rows if r.get("ratio")]
+    graph = [(v, n) for v, n in ratios if n.endswith(" gk") and n.split()[0] in ("cnn", "resnet20")]
+    memory = [(r["hpcdl_peak_mib"] / r["torch_peak_mib"], _row_name(r)) for r in rows
+              if r.get("hpcdl_peak_mib") and r.get("torch_peak_mib")]  # fmt: skip
+    return [
+        ("compute: every ratio hpcdl/torch <= 1.0", *_worst(ratios, 1.0)),
+        ("compute, graph on (gk): cnn, resnet20 <= 0.8", *_worst(graph, 0.8)),
+        ("compute: peak memory <= 1.2x torch's", *_worst(memory, 1.2)),
+    ]
+
+
+def _input_goals(rows: list[dict]) -> list[tuple[str, str, str]]:
+    loaders = [r for r in rows if r["loader"] == "dataloader"]
+    best = {w: max(r["images_per_s"] for r in loaders if r["workers"] == w)
+            for w in {r["workers"] for r in loaders}}  # fmt: skip
+    own = [r for r in rows if (r["loader"], r["decode"]) == ("hpcdl", "cpu")]
+    slots = [(r["images_per_s"] / best[r["workers"]], f"{r['workers']} workers") for r in own
+             if r["workers"] in best]  # fmt: skip
+    waits = [(r["data_wait_share"] * 100, f"{r['workers']} workers") for r in own]
+    alone = {r.get("model"): r["images_per_s"] for r in rows if r["loader"] == "none"}
+    decode = [(r["images_per_s"] / alone[r.get("model")], r["loader"]) for r in rows
+              if r["decode"] == "gpu" and r["loader"] in ("hpcdl", "hpcdl.train")
+              and alone.get(r.get("model"))]  # fmt: skip
+    train = [r["images_per_s"] for r in rows if r["loader"] == "hpcdl.train"]
+    e2e = (
+        [(train[0] / max(best.values()), "hpcdl.train / best DataLoader")] if train and best else []
+    )
+    return [
+        ("end to end: hpcdl.train rn50 bf16 >= 1.0x torch+DataLoader",
+         *_worst(e2e, 1.0, above=False)),
+        ("input: default slots >= 1.0x DataLoader (8, 15 workers)", *_worst(slots, 1.0, False)),
+        ("input: data wait <= 5 % (default slots)", *_worst(waits, 5.0)),
+        ("input: --decode gpu >= 0.95x the step alone", *_worst(decode, 0.95, above=False)),
+    ]  # fmt: skip
+
+
+def _other_goals(facts: dict) -> list[tuple[str, str, str]]:
+    status, train = facts["status"], {r["run"]: r.get("val_accuracy") for r in facts["train"]}
+    tests = {k: rc for k, (rc, _) in status.items() if k.startswith("tests")}
+    failed = sorted(k for k, (rc, _) in status.items() if rc not in ("0", "skipped"))
+    gaps = []
+    for run, acc in train.items():
+        base = train.get("ref-" + re.sub(r"-(gpu|cpu)-", "-cpu-", run))
+        if not run.startswith("ref-") and acc is not None and base is not None:
+            gaps.append((abs(acc - base) * 100, run))
+    gk = facts["profiles"].get("gk-cnn-fp32", {}).get("profile", {}).get("hpcdl")
+    timing, timed = "not recorded", "MISS"
+    if gk is not None:
+        device = gk.get("layers_gpu_ms")
+        timing = f"gk cnn layers {_ms(gk['layers_ms'])} ms wall, {_ms(device)} device"
+        timed = "n/a " if device is None else "met "
+    return [
+        ("correctness: GPU tests (float64 check, graph = plain)",
+         "met " if tests and all(rc == "0" for rc in tests.values()) else "MISS",
+         ", ".join(f"{k} exit {rc}" for k, rc in tests.items()) or "not run"),
+        ("seeded run: val acc within 1 point of the CPU run's", *_worst(gaps, 1.0)),
+        ("cnn slowdown with graphs: per-op device time", timed, timing),
+        ("no phase failed", "MISS" if failed else "met ", ", ".join(failed) or "all exit 0"),
+    ]  # fmt: skip
+
+
+def goal_lines(facts: dict) -> list[str]:
+    """Issue 60's goals, one line each: met / MISS / n/a, the goal, its figure."""
+    goals = _compute_goals(facts["compute"]) + _input_goals(facts["input"]) + _other_goals(facts)
+    head = "goals (issue 60)"
+    if {r.get("device") for r in facts["compute"]} == {"cpu"}:
+        head += ": a CPU dry run, so the figures check the script, not the goals"
+    return [head] + [f"  {mark} {goal:<60} {figure}" for goal, mark, figure in goals]
+
+
 def main() -> int:
     raw, out = Path(sys.argv[1]), Path(sys.argv[2])
     status = phases(raw)
@@ -175,7 +339,9 @@ def main() -> int:
         *train_section(raw, out, status),
     ]
     compute_lines, compute = compute_section(raw, out)
-    lines += compute_lines + loader_section(raw, out, compute) + input_section(out)
+    profile_text, profiles = profile_section(raw, out)
+    lines += compute_lines + profile_text + loader_section(raw, out, compute) + input_section(out)
+    lines += goal_lines(load_facts(out, status, profiles))
     print("\n".join(lines))
     return 0
 

@@ -1,14 +1,35 @@
-"""A stand-in for NVIDIA's cuDNN frontend module (`cudnn`) that executes its graphs in NumPy.
+"""A strict stand-in for NVIDIA's cuDNN frontend module (`cudnn`) that executes its graphs in NumPy.
 
-It reads every tensor through the dim and stride the kernel declared (cuDNN's NCHW-ordered
-names over hpcdl's NHWC / KRSC memory), so a wrong layout gives wrong numbers, and it records
-what was built. Used with hpcdl.nn.kernels.cudnn_graphs.Runtime(pointer=identity) on NumPy
-arrays: the "pointers" are the arrays themselves.
+It refuses what the real frontend (nvidia-cudnn-frontend 1.32, its `python/` bindings and
+`test/python/` tests) refuses, so that a CPU test fails where a GPU run would:
+- enum arguments (data types, heuristic modes) that are not the module's own members, and
+  dims / strides / padding that are not lists of ints of the right length;
+- a variant-pack value that is not a pointer: the real one takes an int address, a tensor with
+  data_ptr() or a CuPy array (.data.ptr), and hands anything else to DLPack with a stream,
+  which a NumPy array refuses ("NumPy only supports stream=None.");
+- a tensor of the graph missing from the variant pack, or a pack keyed by a foreign tensor;
+- a pass-by-value tensor (host scalar) that is not [1, 1, 1, 1], or whose pack value is a
+  device pointer; BatchNorm's epsilon and momentum not passed by value (as the frontend's own
+  BatchNorm test passes them: host tensors);
+- operands of one convolution in different data types, statistics not in FLOAT (no engine:
+  cudnnGraphNotSupportedError at check_support), and `refuse(op, dims, data_type)` for a shape
+  cuDNN has no engine for;
+- the build steps out of order, executing an unbuilt graph, a workspace smaller than asked,
+  a handle that create_handle did not make.
+It is stricter than the backend in one way, to catch layout bugs: a device pointer must be one
+`pointer()` handed out, and a declared dim / stride must fit inside that array and its dtype
+must be the declared one (the backend would read whatever bytes lie there).
+
+Device memory is NumPy: `pointer(array)` registers an array as device memory and returns its
+address, which is what hpcdl.nn.kernels.cudnn_graphs.Runtime(pointer=module.pointer) puts in the
+variant pack. Every tensor is read through the dim and stride the kernel declared (cuDNN's
+NCHW-ordered names over hpcdl's NHWC / KRSC memory), so a wrong layout gives wrong numbers.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import ctypes
+import enum
 
 import numpy as np
 
@@ -17,126 +38,285 @@ class cudnnGraphNotSupportedError(Exception):  # noqa: N801 - the frontend's own
     pass
 
 
-data_type = SimpleNamespace(FLOAT="FLOAT", HALF="HALF", BFLOAT16="BFLOAT16")
-heur_mode = SimpleNamespace(A="A", FALLBACK="FALLBACK")
+class data_type(str, enum.Enum):  # noqa: N801 - the frontend's own name
+    FLOAT = "FLOAT"
+    HALF = "HALF"
+    BFLOAT16 = "BFLOAT16"
+    INT64 = "INT64"
+
+
+class heur_mode(str, enum.Enum):  # noqa: N801
+    A = "A"
+    B = "B"
+    FALLBACK = "FALLBACK"
+
+
+_NUMPY = {data_type.FLOAT: "float32", data_type.HALF: "float16", data_type.BFLOAT16: "bfloat16"}
+_HOST_SCALARS = {data_type.FLOAT: ctypes.c_float, data_type.INT64: ctypes.c_int64}
+_BUILD_ORDER = ("validate", "operation_graph", "plans", "support", "build")
+
+
+class Handle:
+    def __init__(self) -> None:
+        self.stream = 0  # a fresh handle runs on the legacy default stream
+
+
+def _ints(value, length, what):
+    if not isinstance(value, (list, tuple)) or (length and len(value) != length):
+        raise TypeError(f"{what} must be a list of {length or 'some'} ints, got {value!r}")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{what} must hold ints, got {value!r}")
+    return [int(v) for v in value]
+
+
+def _enum(value, kind, what):
+    if not isinstance(value, kind):
+        raise TypeError(f"{what}: expected cudnn.{kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 class Tensor:
-    def __init__(self, name, dim=None, stride=None, data_type=None, op=None, inputs=None):
-        self.name, self.dim, self.stride, self.data_type = name, dim, stride, data_type
-        self.op, self.inputs, self.is_output = op, inputs or {}, False
+    def __init__(self, graph, name, dim=None, stride=None, dtype=None, by_value=False, op=None):
+        self.graph, self.name, self.dim, self.stride = graph, name, dim, stride
+        self.data_type, self.is_pass_by_value = dtype, by_value
+        self.op, self.inputs, self.is_output = op, {}, False
 
     def set_output(self, flag):
-        self.is_output = flag
+        self.is_output = bool(flag)
         return self
 
     def set_dim(self, dim):
-        self.dim = list(dim)
+        self.dim = _ints(dim, 0, "dim")
         return self
 
     def set_stride(self, stride):
-        self.stride = list(stride)
+        self.stride = _ints(stride, len(self.dim or ()), "stride")
         return self
 
     def set_data_type(self, dt):
-        self.data_type = dt
+        self.data_type = _enum(dt, data_type, "set_data_type")
         return self
 
 
 class Module:
-    """The module: pygraph, create_handle, data_type, heur_mode; refuse(op, x_dim) -> bool
-    makes building such a graph fail as cuDNN does for a shape it has no engine for."""
+    """The module: pygraph, create_handle, set_stream, data_type, heur_mode, and pointer() for
+    its NumPy device memory. refuse(op, x_dim, x_data_type) -> bool makes check_support fail as
+    cuDNN does for a shape it has no engine for."""
 
     cudnnGraphNotSupportedError = cudnnGraphNotSupportedError
     data_type, heur_mode = data_type, heur_mode
 
-    def __init__(self, refuse=lambda op, dims: False):
+    def __init__(self, refuse=lambda op, dims, dtype: False):
         self.refuse, self.graphs, self.executions = refuse, [], 0
+        self.memory: dict[int, np.ndarray] = {}  # address -> the array there ("device" memory)
+        self.streams: list[int] = []  # the handle's stream at each execute
 
     def create_handle(self):
-        return "handle"
+        return Handle()
 
-    def pygraph(self, **kwargs):
-        graph = Graph(self, kwargs)
+    def set_stream(self, handle, stream):
+        if not isinstance(handle, Handle):
+            raise TypeError(f"cudnn.set_stream expects a cudnn.Handle, got {type(handle).__name__}")
+        if not isinstance(stream, int):
+            raise TypeError(f"cudnn.set_stream expects a stream address (int), got {stream!r}")
+        handle.stream = stream
+
+    def pygraph(self, io_data_type, intermediate_data_type, compute_data_type, handle):
+        for what, dt in (("io", io_data_type), ("intermediate", intermediate_data_type),
+                         ("compute", compute_data_type)):  # fmt: skip
+            _enum(dt, data_type, f"pygraph {what}_data_type")
+        if not isinstance(handle, Handle):
+            raise TypeError(f"pygraph handle: expected a cudnn handle, got {type(handle).__name__}")
+        graph = Graph(self, {"io_data_type": io_data_type, "compute_data_type": compute_data_type})
         self.graphs.append(graph)
         return graph
 
     def backend_version(self):
         return 91900
 
+    def pointer(self, array) -> int:
+        """Put a C-contiguous NumPy array on the stand-in's device: its address."""
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            raise TypeError("the stand-in's device memory is C-contiguous NumPy arrays")
+        address = array.__array_interface__["data"][0]
+        self.memory[address] = array
+        return address
+
+    def device_view(self, address, tensor):
+        """The registered array at address as cuDNN reads it: dim over stride, bounds checked."""
+        array = self.memory.get(address) if type(address) is int else None
+        if array is None:
+            raise ValueError(f"{tensor.name}: {address!r} is no device pointer")
+        if array.dtype.name != _NUMPY.get(tensor.data_type, "?"):
+            raise TypeError(f"{tensor.name}: declared {tensor.data_type}, memory is {array.dtype}")
+        extent = 1 + sum((d - 1) * s for d, s in zip(tensor.dim, tensor.stride, strict=True))
+        if extent > array.size:
+            raise ValueError(f"{tensor.name}: dim/stride reach {extent} elements of {array.size}")
+        flat = array.reshape(-1)
+        strides = [s * flat.itemsize for s in tensor.stride]
+        return np.lib.stride_tricks.as_strided(flat, shape=tensor.dim, strides=strides)
+
 
 class Graph:
     def __init__(self, module, options):
         self.module, self.options, self.ops, self.built = module, options, [], []
+        self.inputs: list[Tensor] = []
 
-    def tensor(self, name, dim, stride, data_type, is_pass_by_value=False):
-        return Tensor(name, list(dim), list(stride), data_type)
+    def tensor(self, name, dim, stride, data_type, is_pass_by_value=False):  # noqa: A002
+        t = Tensor(self, name, _ints(dim, 0, f"{name} dim"), None,
+                   _enum(data_type, globals()["data_type"], f"{name} data_type"),
+                   bool(is_pass_by_value))  # fmt: skip
+        t.stride = _ints(stride, len(t.dim), f"{name} stride")
+        if t.is_pass_by_value and t.dim != [1, 1, 1, 1]:
+            raise ValueError(f"{name}: a pass-by-value tensor is a scalar, [1, 1, 1, 1]")
+        self.inputs.append(t)
+        return t
 
-    def _op(self, op, outputs=1, **inputs):
-        outs = [Tensor(f"{op}:{i}", op=op, inputs=inputs) for i in range(outputs)]
+    def _op(self, op, outputs, **inputs):
+        for key, t in inputs.items():
+            if isinstance(t, Tensor) and t.graph is not self:
+                raise ValueError(f"{op} {key}: a tensor of another graph")
+        outs = [Tensor(self, f"{op}:{i}", op=op) for i in range(outputs)]
+        outs[0].inputs = inputs
         self.ops.append(outs)
         return outs[0] if outputs == 1 else outs
 
-    def batchnorm(self, name, input, scale, bias, in_running_mean, in_running_var, **kw):  # noqa: A002
-        return self._op(
-            "batchnorm", 5, x=input, scale=scale, bias=bias, rm=in_running_mean,
-            rv=in_running_var, eps=kw["epsilon"], momentum=kw["momentum"],
-        )  # fmt: skip
+    def batchnorm(self, name, input, scale, bias, in_running_mean, in_running_var, epsilon,  # noqa: A002
+                  momentum, peer_stats=None):  # fmt: skip
+        for what, t in (("epsilon", epsilon), ("momentum", momentum)):
+            if not (isinstance(t, Tensor) and t.is_pass_by_value):
+                raise TypeError(f"batchnorm {what}: a pass-by-value tensor (a host scalar)")
+        return self._op("batchnorm", 5, x=input, scale=scale, bias=bias, rm=in_running_mean,
+                        rv=in_running_var, eps=epsilon, momentum=momentum)  # fmt: skip
 
     def batchnorm_backward(self, name, grad, input, scale, mean, inv_variance):  # noqa: A002
         return self._op(
             "batchnorm_backward", 3, dy=grad, x=input, scale=scale, mean=mean, inv_var=inv_variance
         )
 
+    def _conv(self, op, a, b, names, padding, stride, dilation):
+        conv = {k: _ints(v, 2, f"{op} {k}") for k, v in
+                (("padding", padding), ("stride", stride), ("dilation", dilation))}  # fmt: skip
+        return self._op(op, 1, **{names[0]: a, names[1]: b}, **conv)
+
     def conv_fprop(self, image, weight, padding, stride, dilation):
-        return self._op("conv_fprop", x=image, w=weight, padding=padding, stride=stride)
+        return self._conv("conv_fprop", image, weight, ("x", "w"), padding, stride, dilation)
 
     def conv_dgrad(self, loss, filter, padding, stride, dilation):  # noqa: A002
-        return self._op("conv_dgrad", dy=loss, w=filter, padding=padding, stride=stride)
+        return self._conv("conv_dgrad", loss, filter, ("dy", "w"), padding, stride, dilation)
 
     def conv_wgrad(self, image, loss, padding, stride, dilation):
-        return self._op("conv_wgrad", x=image, dy=loss, padding=padding, stride=stride)
+        return self._conv("conv_wgrad", image, loss, ("x", "dy"), padding, stride, dilation)
+
+    def _step(self, name):
+        expected = _BUILD_ORDER[len(self.built)] if len(self.built) < len(_BUILD_ORDER) else None
+        if name != expected:
+            raise RuntimeError(f"{name} called out of order; the graph is at {self.built}")
 
     def validate(self):
-        self.built.append("validate")
+        self._step("validate")
         for outs in self.ops:
-            first = next(t for t in outs[0].inputs.values() if isinstance(t, Tensor))
-            if self.module.refuse(outs[0].op, first.dim):
-                raise cudnnGraphNotSupportedError(f"no engine for {outs[0].op} {first.dim}")
+            for out in outs:
+                if out.is_output and (out.dim is None or out.stride is None):
+                    raise ValueError(f"{out.name}: an output needs its dim and stride")
+        self.built.append("validate")
 
     def build_operation_graph(self):
+        self._step("operation_graph")
         self.built.append("operation_graph")
 
     def create_execution_plans(self, modes):
-        self.built.append(("plans", tuple(modes)))
+        self._step("plans")
+        for mode in modes:
+            _enum(mode, heur_mode, "create_execution_plans")
+        self.built.append(("plans", tuple(m.value for m in modes)))
 
     def check_support(self):
+        self._step("support")
+        for outs in self.ops:
+            _support(self.module, outs[0])
         self.built.append("support")
 
     def build_plans(self):
+        self._step("build")
         self.built.append("build")
 
     def get_workspace_size(self):
         return 64
 
     def execute(self, pack, workspace, handle):
+        if "build" not in self.built:
+            raise RuntimeError("execute before build_plans")
+        if not isinstance(handle, Handle):
+            raise TypeError(f"execute handle: expected a cudnn handle, got {type(handle).__name__}")
+        values = self._pointers(pack)
+        space = self.module.memory.get(workspace) if type(workspace) is int else None
+        if space is None or space.nbytes < self.get_workspace_size():
+            raise ValueError(f"workspace: {workspace!r} is no device buffer of >= 64 bytes")
         self.module.executions += 1
+        self.module.streams.append(handle.stream)
         for outs in self.ops:
-            args = {
-                k: (_view(pack[t], t) if isinstance(t, Tensor) else t)
-                for k, t in outs[0].inputs.items()
-            }
+            args = {k: (_read(values[t], t) if isinstance(t, Tensor) else t)
+                    for k, t in outs[0].inputs.items()}  # fmt: skip
             results = globals()[f"_{outs[0].op}"](args, outs[0].dim)
             for out, result in zip(outs, results if len(outs) > 1 else [results], strict=True):
-                target = _view(pack[out], out)
-                target[...] = result.astype(target.dtype)
+                if out.is_output:
+                    target = self.module.device_view(values[out], out)
+                    target[...] = result.astype(target.dtype)
+
+    def _pointers(self, pack):
+        """tensor -> address, refusing what the frontend's variant-pack normalisation refuses."""
+        needed = self.inputs + [t for outs in self.ops for t in outs if t.is_output]
+        for key, value in pack.items():
+            if not isinstance(key, Tensor) or key.graph is not self:
+                raise ValueError(f"variant pack key {key!r} is no tensor of this graph")
+            if isinstance(value, np.ndarray):  # DLPack with a stream, as the frontend asks
+                raise ValueError("NumPy only supports stream=None.")
+            if type(value) is not int:
+                raise TypeError(f"{key.name}: a variant-pack value is an address, got {value!r}")
+        for t in needed:
+            if t not in pack:
+                raise ValueError(f"the variant pack is missing a buffer for tensor {t.name!r}")
+        return {t: (_Host(pack[t], t, self.module) if t.is_pass_by_value else pack[t])
+                for t in needed}  # fmt: skip
 
 
-def _view(array, tensor):
-    """The array as cuDNN reads it: the declared dim (NCHW order) over the declared strides."""
-    flat = array.reshape(-1)
-    strides = [s * flat.itemsize for s in tensor.stride]
-    return np.lib.stride_tricks.as_strided(flat, shape=tensor.dim, strides=strides)
+class _Host:
+    """A pass-by-value operand: the backend reads the scalar at a host address at execute."""
+
+    def __init__(self, address, tensor, module):
+        if address in module.memory:
+            raise ValueError(f"{tensor.name}: pass-by-value takes a host address, got a device one")
+        if address < 4096 or tensor.data_type not in _HOST_SCALARS:
+            raise ValueError(f"{tensor.name}: {address} is no host {tensor.data_type} scalar")
+        self.value = _HOST_SCALARS[tensor.data_type].from_address(address).value
+
+
+def _read(value, tensor):
+    if isinstance(value, _Host):
+        return np.full((1, 1, 1, 1), value.value)
+    return tensor.graph.module.device_view(value, tensor)
+
+
+def _support(module, out):
+    """Refuse a graph no engine runs: mixed I/O types, non-FLOAT statistics, refuse()."""
+    tensors = {k: t for k, t in out.inputs.items() if isinstance(t, Tensor)}
+    first = next(iter(tensors.values()))
+    if out.op.startswith("conv"):
+        io = {t.data_type for t in tensors.values()}
+        if len(io) > 1:
+            raise cudnnGraphNotSupportedError(
+                f"{out.op}: operands in {sorted(d.value for d in io)}"
+            )
+    else:
+        stats = [t for k, t in tensors.items() if k not in ("x", "dy", "eps", "momentum")]
+        if any(t.data_type != data_type.FLOAT for t in stats):
+            raise cudnnGraphNotSupportedError(f"{out.op}: statistics must be FLOAT")
+    if module.refuse(out.op, first.dim, first.data_type.value):
+        raise cudnnGraphNotSupportedError(
+            f"no engine for {out.op} {first.dim}\nWarning: CUDNN_STATUS_NOT_SUPPORTED; Reason: "
+            "finalize_internal()"
+        )
 
 
 def _padded(x, padding):
@@ -183,11 +363,7 @@ def _conv_wgrad(a, w_dim):
 def _batchnorm(a, _):
     """(y, mean, inv_var, running mean, running var) over (N, C, H, W), PyTorch's rule: the
     running variance takes the unbiased batch variance."""
-    x, eps, mom = (
-        a["x"].astype(np.float64),
-        float(a["eps"][0, 0, 0, 0]),
-        float(a["momentum"][0, 0, 0, 0]),
-    )
+    x, eps, mom = a["x"].astype(np.float64), float(a["eps"].flat[0]), float(a["momentum"].flat[0])
     m = x.size // x.shape[1]
     mean, var = x.mean(axis=(0, 2, 3), keepdims=True), x.var(axis=(0, 2, 3), keepdims=True)
     inv = 1.0 / np.sqrt(var + eps)

@@ -40,8 +40,8 @@ def test_compute_benchmark_runs_reduced_precision_and_says_so(capsys):
         assert result["precision"] == precision and result["hpcdl_ms_per_step"] > 0
 
 
-def test_compute_benchmark_profiles_fp32_only(capsys):
+def test_compute_benchmark_profiles_fp32_and_bf16_not_fp16(capsys):
     with pytest.raises(SystemExit) as exc:
-        compute.main(["--profile", "--precision", "bf16", "--no-torch"])
+        compute.main(["--profile", "--precision", "fp16", "--no-torch"])
     assert exc.value.code == 2
-    assert "--profile times fp32 steps only" in capsys.readouterr().err
+    assert "--profile times fp32 and bf16 steps" in capsys.readouterr().err

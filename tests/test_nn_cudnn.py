@@ -2,6 +2,7 @@
 fallback and the seam's choice, on CPU with a stand-in cudnn module that runs the graphs in
 NumPy (tests/fake_cudnn.py); against the NumPy reference on a GPU where one exists."""
 
+import fake_cudnn
 import numpy as np
 import pytest
 from fake_cudnn import Module
@@ -13,12 +14,16 @@ from hpcdl.nn.kernels import batchnorm as bn_kernels
 from hpcdl.nn.kernels import conv as conv_kernels
 from hpcdl.nn.kernels import cudnn_graphs
 
+STREAM = 0x5EED  # the stand-in runtime's "current stream"
+
 
 @pytest.fixture
 def fake(monkeypatch):
     """The stand-in module as the process's cuDNN, on NumPy arrays, kernels on."""
     module = Module()
-    runtime = cudnn_graphs.Runtime(module, pointer=lambda a: a, is_device=lambda a: True)
+    runtime = cudnn_graphs.Runtime(
+        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: STREAM
+    )
     monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
     monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
     monkeypatch.setattr(conv_kernels, "KERNELS", [conv_kernels.CudnnConv()])
@@ -127,7 +132,7 @@ def test_layouts_are_nhwc_activations_and_krsc_filters_named_in_nchw_order(fake,
 def test_a_shape_cudnn_refuses_falls_back_to_the_reference_and_says_so_once(
     fake, monkeypatch, capsys
 ):
-    fake.refuse = lambda op, dims: op == "conv_wgrad" and dims[0] == 7
+    fake.refuse = lambda op, dims, dtype: op == "conv_wgrad" and dims[0] == 7
     fast, ref = conv_pair(monkeypatch, 3, 4, 3, 1, 1)
     x = np.random.default_rng(2).standard_normal((7, 9, 9, 3)).astype(np.float32)
     for _ in range(2):
@@ -141,6 +146,62 @@ def test_a_shape_cudnn_refuses_falls_back_to_the_reference_and_says_so_once(
     assert "runs hpcdl's own kernels" in err
     run(fast, np.ones((2, 9, 9, 3), np.float32))  # another shape still takes cuDNN
     assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+
+
+def test_a_missing_half_plan_runs_that_op_alone_in_float32_said_once_in_one_line(
+    fake, monkeypatch, capsys
+):
+    """The H100 run's second fault: no bf16 plan for the 7x7 stem's weight gradient with 3 input
+    channels. That op alone runs a float32 plan; the forward stays bf16 in cuDNN, one line."""
+    fake.refuse = lambda op, dims, dtype: (
+        op == "conv_wgrad" and dtype == "BFLOAT16" and dims[1] == 3
+    )
+    fast, ref = conv_pair(monkeypatch, 3, 4, 7, 2, 3, bias=False, precision="bf16")
+    x = np.random.default_rng(6).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    nn.precision.round_in_place(x, "bf16")
+    for _ in range(2):
+        y, _, grads = run(fast, x, input_grad=False)
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)  # the layer stayed on cuDNN
+    types = {(g.ops[0][0].op, g.ops[0][0].inputs[next(iter(g.ops[0][0].inputs))].data_type)
+             for g in fake.graphs if "build" in g.built}  # fmt: skip
+    assert types == {("conv_fprop", "BFLOAT16"), ("conv_wgrad", "FLOAT")}
+    y_ref, _, grads_ref = reference(ref, x, input_grad=False)
+    np.testing.assert_allclose(y, y_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(grads["W"], grads_ref["W"], rtol=1e-4, atol=1e-4)  # float32 sums
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1, lines
+    assert "conv_wgrad" in lines[0] and "bfloat16" in lines[0]
+    assert lines[0].endswith("that op runs in float32"), lines[0]
+
+
+@pytest.mark.parametrize("op", ["conv_fprop", "conv_dgrad", "conv_wgrad"])
+def test_any_refused_half_convolution_op_runs_alone_in_float32(fake, monkeypatch, capsys, op):
+    fake.refuse = lambda o, dims, dtype: o == op and dtype == "BFLOAT16"
+    fast, ref = conv_pair(monkeypatch, 3, 4, 3, 1, 1, precision="bf16")
+    x = np.random.default_rng(8).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    nn.precision.round_in_place(x, "bf16")
+    y, dx, grads = run(fast, x)
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+    built = {g.ops[0][0].op: g.options["io_data_type"] for g in fake.graphs if "build" in g.built}
+    assert built == {o: "FLOAT" if o == op else "BFLOAT16"
+                     for o in ("conv_fprop", "conv_dgrad", "conv_wgrad")}  # fmt: skip
+    y_ref, dx_ref, grads_ref = reference(ref, x)
+    for got, want in ((y, y_ref), (dx, dx_ref), (grads["W"], grads_ref["W"])):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    assert capsys.readouterr().err.count("that op runs in float32") == 1
+
+
+def test_a_missing_half_batchnorm_plan_runs_in_float32(fake_bn, capsys):
+    fake_bn.refuse = lambda op, dims, dtype: op == "batchnorm_backward" and dtype == "BFLOAT16"
+    fast, ref = bn_pair(precision="bf16")
+    x = np.random.default_rng(7).standard_normal((4, 6, 6, 5)).astype(np.float32)
+    nn.precision.round_in_place(x, "bf16")
+    y, dx, grads = run(fast, x)
+    assert isinstance(fast.seam.kernel, bn_kernels.CudnnBatchNorm)
+    y_ref, dx_ref, grads_ref = reference(ref, x)
+    np.testing.assert_allclose(dx, dx_ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(grads["gamma"], grads_ref["gamma"], rtol=2e-2, atol=2e-2)
+    assert capsys.readouterr().err.count("that op runs in float32") == 1
 
 
 @pytest.mark.parametrize(("precision", "name"), [("bf16", "BFLOAT16"), ("fp16", "HALF")])
@@ -205,10 +266,10 @@ def fake_bn(fake, monkeypatch):
     return fake
 
 
-def bn_pair(channels=5, precision="fp32"):
+def bn_pair(channels=5, precision="fp32", **options):
     layers = []
     for _ in range(2):
-        bn = nn.BatchNorm(channels)
+        bn = nn.BatchNorm(channels, **options)
         model = nn.Model("b", [bn], (channels, 6, 6), 10, seed=2)
         model._compute_params[...] = np.random.default_rng(9).uniform(0.5, 1.5, model.params.size)
         if precision != "fp32":
@@ -255,6 +316,186 @@ def test_batchnorm_plans_declare_float32_statistics_and_pass_epsilon_by_value(fa
     assert {t.data_type for t in (mean, inv_var, out_mean, out_var)} == {"FLOAT"}
     assert (y.dim, y.stride) == ([2, 5, 6, 6], [6 * 6 * 5, 1, 6 * 5, 5])
     assert train.ops[0][0].inputs["scale"].dim == [1, 5, 1, 1]
+
+
+def test_batchnorm_hands_epsilon_and_momentum_to_cudnn_as_host_scalars(fake_bn):
+    """The H100 run's fault: epsilon and momentum went into the variant pack as NumPy arrays,
+    which the frontend hands to DLPack with a stream. They are pass-by-value tensors: their
+    values are host addresses, read at execute (the stand-in reads them there too)."""
+    fast, ref = bn_pair(eps=1e-2, momentum=0.3)
+    x = (np.random.default_rng(5).standard_normal((4, 6, 6, 5)) * 2).astype(np.float32)
+    y, _, _ = run(fast, x)
+    y_ref, _, _ = reference(ref, x)
+    assert isinstance(fast.seam.kernel, bn_kernels.CudnnBatchNorm)
+    train = next(g for g in fake_bn.graphs if g.ops[0][0].op == "batchnorm")
+    inputs = train.ops[0][0].inputs
+    assert inputs["eps"].is_pass_by_value and inputs["momentum"].is_pass_by_value
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)  # epsilon 1e-2 was read
+    np.testing.assert_allclose(fast.b["running_var"], ref.b["running_var"], rtol=1e-5)
+
+
+def test_every_execute_runs_on_the_current_stream(fake_bn):
+    """cuDNN's handle is set to CuPy's current stream before each execute, so its kernels join
+    the step's stream and a CUDA graph capture on it (else they run on the legacy stream)."""
+    fast, _ = bn_pair()
+    run(fast, np.ones((2, 6, 6, 5), np.float32))
+    assert fake_bn.executions == 2 and set(fake_bn.streams) == {STREAM}
+
+
+# --- the stand-in refuses what the real frontend refuses (tests/fake_cudnn.py) -------------
+
+
+def conv_graph(module, x_type="FLOAT", w_type="FLOAT", w_dim=(4, 3, 3, 3)):
+    """A built conv_fprop graph over (2, 3, 5, 5) NHWC: (graph, x, w, y)."""
+    dt = module.data_type
+    g = module.pygraph(io_data_type=dt.FLOAT, intermediate_data_type=dt.FLOAT,
+                       compute_data_type=dt.FLOAT, handle=module.create_handle())  # fmt: skip
+    x = g.tensor(name="x", dim=[2, 3, 5, 5], stride=[75, 1, 15, 3], data_type=dt[x_type])
+    k, c, r, s = w_dim
+    w = g.tensor(name="w", dim=list(w_dim), stride=[r * s * c, 1, s * c, c], data_type=dt[w_type])
+    y = g.conv_fprop(image=x, weight=w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    y.set_output(True).set_dim([2, 4, 5, 5]).set_stride([100, 1, 20, 4]).set_data_type(dt.FLOAT)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([module.heur_mode.A])
+    g.check_support()
+    g.build_plans()
+    return g, x, w, y
+
+
+def conv_pack(module, tx, tw, ty, **arrays):
+    """The variant pack of conv_graph with device arrays (NumPy on the stand-in's device)."""
+    a = {"x": np.ones((2, 5, 5, 3), np.float32), "w": np.ones((4, 3, 3, 3), np.float32),
+         "y": np.zeros((2, 5, 5, 4), np.float32), **arrays}  # fmt: skip
+    return {t: module.pointer(a[n]) if isinstance(a[n], np.ndarray) else a[n]
+            for t, n in ((tx, "x"), (tw, "w"), (ty, "y")) if a[n] is not None}  # fmt: skip
+
+
+def execute(module, graph, pack):
+    workspace = module.pointer(np.zeros(64, np.uint8))
+    graph.execute(pack, workspace, handle=module.create_handle())
+
+
+def test_the_stand_in_runs_a_well_formed_graph():
+    module = Module()
+    g, x, w, y = conv_graph(module)
+    out = np.zeros((2, 5, 5, 4), np.float32)
+    execute(module, g, conv_pack(module, x, w, y, y=out))
+    assert out[0, 2, 2, 0] == 27 and out[0, 0, 0, 0] == 12  # 3x3x3 ones, a corner 2x2x3
+
+
+def test_the_stand_in_refuses_enums_that_are_not_its_own():
+    module = Module()
+    with pytest.raises(TypeError, match="io_data_type"):
+        dt = module.data_type
+        module.pygraph(io_data_type="FLOAT", intermediate_data_type=dt.FLOAT,
+                       compute_data_type=dt.FLOAT, handle=module.create_handle())  # fmt: skip
+    g, *_ = conv_graph(module)
+    with pytest.raises(TypeError, match="data_type"):
+        g.tensor(name="t", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=np.float32)
+
+
+def test_the_stand_in_refuses_dims_and_strides_that_are_not_lists_of_ints():
+    module = Module()
+    g, *_ = conv_graph(module)
+    with pytest.raises(TypeError, match="ints"):
+        g.tensor(
+            name="t", dim=[2.0, 3, 1, 1], stride=[3, 1, 1, 1], data_type=module.data_type.FLOAT
+        )
+    with pytest.raises(TypeError, match="stride"):
+        g.tensor(name="t", dim=[2, 3, 1, 1], stride=[3, 1, 1], data_type=module.data_type.FLOAT)
+
+
+def test_the_stand_in_refuses_numpy_arrays_in_the_variant_pack_as_the_frontend_does():
+    module = Module()
+    g, x, w, y = conv_graph(module)
+    pack = conv_pack(module, x, w, y, w=np.ones((4, 3, 3, 3), np.float32))
+    pack[w] = np.ones((4, 3, 3, 3), np.float32)  # the array itself, not its address
+    with pytest.raises(ValueError, match="NumPy only supports stream=None"):
+        execute(module, g, pack)
+    pack[w] = 3.5
+    with pytest.raises(TypeError, match="address"):
+        execute(module, g, pack)
+
+
+def test_the_stand_in_refuses_a_variant_pack_missing_a_tensor():
+    module = Module()
+    g, x, w, y = conv_graph(module)
+    with pytest.raises(ValueError, match="missing a buffer for tensor 'w'"):
+        execute(module, g, conv_pack(module, x, w, y, w=None))
+
+
+def test_the_stand_in_refuses_layouts_beyond_the_memory_and_other_dtypes():
+    module = Module()
+    g, x, w, y = conv_graph(module)
+    with pytest.raises(ValueError, match="reach"):  # declared 2x5x5x3, given one image
+        execute(module, g, conv_pack(module, x, w, y, x=np.ones((1, 5, 5, 3), np.float32)))
+    with pytest.raises(TypeError, match="declared"):
+        execute(module, g, conv_pack(module, x, w, y, x=np.ones((2, 5, 5, 3), np.float64)))
+    with pytest.raises(ValueError, match="no device pointer"):
+        execute(module, g, {**conv_pack(module, x, w, y), x: 12345})
+
+
+def test_the_stand_in_refuses_convolution_operands_of_two_dtypes():
+    with pytest.raises(fake_cudnn.cudnnGraphNotSupportedError, match="operands"):
+        conv_graph(Module(), x_type="BFLOAT16", w_type="FLOAT")
+
+
+def test_the_stand_in_refuses_scalars_not_passed_by_value():
+    module = Module()
+    dt = module.data_type
+    g, *_ = conv_graph(module)
+    with pytest.raises(ValueError, match="scalar"):
+        g.tensor(name="eps", dim=[1, 2, 1, 1], stride=[2, 1, 1, 1], data_type=dt.FLOAT,
+                 is_pass_by_value=True)  # fmt: skip
+    g = module.pygraph(io_data_type=dt.FLOAT, intermediate_data_type=dt.FLOAT,
+                       compute_data_type=dt.FLOAT, handle=module.create_handle())  # fmt: skip
+    vec = lambda n: g.tensor(name=n, dim=[1, 3, 1, 1], stride=[3, 1, 3, 3], data_type=dt.FLOAT)  # noqa: E731
+    x = g.tensor(name="x", dim=[2, 3, 4, 4], stride=[48, 1, 12, 3], data_type=dt.FLOAT)
+    one = g.tensor(name="one", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+    with pytest.raises(TypeError, match="epsilon: a pass-by-value tensor"):
+        g.batchnorm(name="bn", input=x, scale=vec("s"), bias=vec("b"), in_running_mean=vec("m"),
+                    in_running_var=vec("v"), epsilon=one, momentum=one)  # fmt: skip
+
+
+def test_the_stand_in_refuses_a_device_pointer_for_a_pass_by_value_scalar():
+    module = Module()
+    host = np.full((1, 1, 1, 1), 0.25, np.float32)
+    device = np.full((1, 1, 1, 1), 0.25, np.float32)
+    module.pointer(device)
+    g, *_ = conv_graph(module)
+    t = g.tensor(name="eps", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
+                 data_type=module.data_type.FLOAT, is_pass_by_value=True)  # fmt: skip
+    assert fake_cudnn._Host(int(host.ctypes.data), t, module).value == 0.25
+    with pytest.raises(ValueError, match="host address"):
+        fake_cudnn._Host(int(device.ctypes.data), t, module)
+
+
+def test_the_stand_in_refuses_steps_out_of_order_and_a_small_workspace():
+    module = Module()
+    dt = module.data_type
+    g = module.pygraph(io_data_type=dt.FLOAT, intermediate_data_type=dt.FLOAT,
+                       compute_data_type=dt.FLOAT, handle=module.create_handle())  # fmt: skip
+    with pytest.raises(RuntimeError, match="out of order"):
+        g.build_plans()
+    with pytest.raises(RuntimeError, match="before build_plans"):
+        g.execute({}, 0, handle=module.create_handle())
+    g, x, w, y = conv_graph(module)
+    with pytest.raises(ValueError, match="workspace"):
+        g.execute(conv_pack(module, x, w, y), module.pointer(np.zeros(8, np.uint8)),
+                  handle=module.create_handle())  # fmt: skip
+    with pytest.raises(TypeError, match="handle"):
+        g.execute(conv_pack(module, x, w, y), module.pointer(np.zeros(64, np.uint8)), handle=7)
+
+
+def test_the_runtime_refuses_a_host_array_for_a_device_tensor():
+    """The real runtime's pointers: a NumPy array is no device memory (one clear TypeError,
+    not the frontend's DLPack error deep in execute)."""
+    with pytest.raises(TypeError, match="device memory"):
+        cudnn_graphs.device_pointer(np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="one NumPy element"):
+        cudnn_graphs.host_address(np.ones(3, np.float32))
+    assert cudnn_graphs.host_address(np.ones(1, np.float32)) > 0
 
 
 @pytest.mark.gpu

@@ -30,6 +30,13 @@ forward order (Conv2d with Conv2d, BatchNorm2d with BatchNorm, ...); a layer one
 the other computes functionally gets a blank on that side. On GPU every timestamp is taken
 after synchronising the device, which serialises the step: the rows show where time goes, the
 un-instrumented step of `bench compute` how fast the step is.
+
+GPU time per layer: on a GPU each interval is also bracketed by CUDA events on the current
+stream (GpuClock: CuPy's for hpcdl, torch.cuda's for PyTorch), so a row has its device time
+beside its wall time; wall minus device is what the host spends launching (Python, the cuDNN
+frontend's execute, allocations). Off a GPU the device columns are None. With --gpu-kernels
+the instrumented steps run the layers eagerly (no CUDA graph of the step: a graph replay never
+calls a layer); the un-instrumented median keeps the graph.
 """
 
 from __future__ import annotations
@@ -73,6 +80,62 @@ class LayerTimes:
     kind: str  # hpcdl class name (torch modules: the hpcdl kind they pair with, else their own)
     forward_s: float = 0.0
     backward_s: float = 0.0
+    forward_gpu_s: float | None = None  # CUDA-event device time; None off a GPU
+    backward_gpu_s: float | None = None
+
+    def add(self, attr: str, wall_s: float, gpu_s: float | None) -> None:
+        """Add one interval to forward or backward (attr "forward_s" / "backward_s")."""
+        setattr(self, attr, getattr(self, attr) + wall_s)
+        if gpu_s is not None:
+            gpu = attr.replace("_s", "_gpu_s")
+            setattr(self, gpu, (getattr(self, gpu) or 0.0) + gpu_s)
+
+
+class GpuClock:
+    """CUDA events on the current stream, for the device time of an interval; off a GPU every
+    mark is None and so is every interval."""
+
+    def __init__(self, events: Callable[[], Any] | None = None) -> None:
+        self._event = events  # () -> a recorded event, or None: no device
+
+    @classmethod
+    def for_array_module(cls, xp: Any) -> GpuClock:
+        if xp is np:
+            return cls()
+
+        def cupy_event() -> Any:
+            event = xp.cuda.Event()
+            event.record()
+            return event
+
+        return cls(cupy_event)
+
+    @classmethod
+    def for_torch(cls, torch: Any, device: str) -> GpuClock:
+        if device != "cuda":
+            return cls()
+
+        def torch_event() -> Any:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+
+        return cls(torch_event)
+
+    def mark(self) -> Any:
+        return None if self._event is None else self._event()
+
+    @staticmethod
+    def seconds(start: Any, end: Any) -> float | None:
+        """Device seconds from start to end (waits for end), or None without events."""
+        if start is None or end is None:
+            return None
+        end.synchronize()
+        if hasattr(start, "elapsed_time"):  # torch.cuda.Event
+            return start.elapsed_time(end) / 1e3
+        import cupy  # noqa: PLC0415 - only with CuPy's events
+
+        return cupy.cuda.get_elapsed_time(start, end) / 1e3
 
 
 @dataclass
@@ -91,7 +154,14 @@ class Breakdown:
         layers = sum(r.forward_s + r.backward_s for r in self.rows)
         return self.step_s - layers - self.loss_s - self.update_s
 
+    @property
+    def layers_gpu_s(self) -> float | None:
+        """The rows' device time, or None off a GPU."""
+        times = [t for r in self.rows for t in (r.forward_gpu_s, r.backward_gpu_s)]
+        return None if any(t is None for t in times) or not times else sum(times)
+
     def as_json(self) -> dict[str, Any]:
+        ms = lambda s: None if s is None else s * 1e3  # noqa: E731
         return {
             "rows": [
                 {
@@ -99,9 +169,13 @@ class Breakdown:
                     "kind": r.kind,
                     "forward_ms": r.forward_s * 1e3,
                     "backward_ms": r.backward_s * 1e3,
+                    "forward_gpu_ms": ms(r.forward_gpu_s),
+                    "backward_gpu_ms": ms(r.backward_gpu_s),
                 }
                 for r in self.rows
             ],
+            "layers_ms": sum(r.forward_s + r.backward_s for r in self.rows) * 1e3,
+            "layers_gpu_ms": ms(self.layers_gpu_s),
             "loss_ms": self.loss_s * 1e3,
             "update_ms": self.update_s * 1e3,
             "other_ms": self.other_s * 1e3,
@@ -135,13 +209,16 @@ def leaf_names(root: nn.Layer) -> dict[int, str]:
     return names
 
 
-def _timed(fn: Callable, row: LayerTimes, attr: str, sync: Callable, order: list) -> Callable:
+def _timed(
+    fn: Callable, row: LayerTimes, attr: str, sync: Callable, order: list, clock: GpuClock
+) -> Callable:
     def timed(*args: Any, **kwargs: Any) -> Any:
         sync()
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), clock.mark()
         out = fn(*args, **kwargs)
+        end = clock.mark()
         sync()
-        setattr(row, attr, getattr(row, attr) + time.perf_counter() - t0)
+        row.add(attr, time.perf_counter() - t0, clock.seconds(start, end))
         if attr == "forward_s" and row not in order:
             order.append(row)
         return out
@@ -150,11 +227,14 @@ def _timed(fn: Callable, row: LayerTimes, attr: str, sync: Callable, order: list
 
 
 @contextmanager
-def timed_leaves(model: nn.Model, xp: Any) -> Iterator[tuple[list[LayerTimes], LayerTimes]]:
+def timed_leaves(
+    model: nn.Model, xp: Any, clock: GpuClock | None = None
+) -> Iterator[tuple[list[LayerTimes], LayerTimes]]:
     """Time every leaf's forward/backward and the loss while inside; ([rows], loss row).
 
     Rows are listed in the order of their first forward call; the originals are back on exit."""
     sync = lambda: backend.synchronize(xp)  # noqa: E731
+    clock = clock or GpuClock.for_array_module(xp)
     names = leaf_names(model.body)
     order: list[LayerTimes] = []
     loss = LayerTimes("loss", "loss")
@@ -162,7 +242,8 @@ def timed_leaves(model: nn.Model, xp: Any) -> Iterator[tuple[list[LayerTimes], L
         for leaf in model.body.leaves():
             row = LayerTimes(names[id(leaf)], type(leaf).__name__)
             for method, attr in (("forward", "forward_s"), ("backward", "backward_s")):
-                setattr(leaf, method, _timed(getattr(leaf, method), row, attr, sync, order))
+                timed = _timed(getattr(leaf, method), row, attr, sync, order, clock)
+                setattr(leaf, method, timed)
                 undo.callback(delattr, leaf, method)  # the class's method shows through again
         yield order, loss
 
@@ -170,7 +251,8 @@ def timed_leaves(model: nn.Model, xp: Any) -> Iterator[tuple[list[LayerTimes], L
 def timed_loss(parts: StepParts, row: LayerTimes) -> StepParts:
     """parts with its loss timed into row.forward_s (the step is given its loss)."""
     sync = lambda: backend.synchronize(parts.xp)  # noqa: E731
-    return replace(parts, loss=_timed(parts.loss, row, "forward_s", sync, []))
+    clock = GpuClock.for_array_module(parts.xp)
+    return replace(parts, loss=_timed(parts.loss, row, "forward_s", sync, [], clock))
 
 
 def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
@@ -183,7 +265,7 @@ def profile_hpcdl(args: argparse.Namespace) -> Breakdown:
         train_step(parts, x, y, 0.01)
         plain.append(time.perf_counter() - t0)
     with timed_leaves(model, xp) as (rows, loss):
-        parts = timed_loss(parts, loss)
+        parts = timed_loss(replace(parts, graph=None), loss)  # layers run: no graph replay
         for _ in range(WARMUP):
             train_step(parts, x, y, 0.01)
 
@@ -206,16 +288,21 @@ def quiet_mean(
     update s, step s). The quieter half are the steps no slower than the median step: on a
     shared machine a burst of other work lands in a few steps and would inflate whichever rows
     it hits. One set of steps for every row keeps the rows adding up to the step."""
+    fields = ("forward_s", "backward_s", "forward_gpu_s", "backward_gpu_s")
     samples = []
     for _ in range(steps):
         for row in rows:
             row.forward_s = row.backward_s = 0.0
+            row.forward_gpu_s = row.backward_gpu_s = None
         totals = step()
-        samples.append([v for r in rows for v in (r.forward_s, r.backward_s)] + list(totals))
-    table = np.array(samples)  # (steps, 2 * rows + 3) seconds
+        values = [getattr(r, f) for r in rows for f in fields]
+        samples.append([np.nan if v is None else v for v in values] + list(totals))
+    table = np.array(samples)  # (steps, 4 * rows + 3) seconds; NaN: no device time
     mean = table[table[:, -1] <= np.median(table[:, -1])].mean(axis=0)
     for i, row in enumerate(rows):
-        row.forward_s, row.backward_s = float(mean[2 * i]), float(mean[2 * i + 1])
+        for j, name in enumerate(fields):
+            value = float(mean[len(fields) * i + j])
+            setattr(row, name, None if np.isnan(value) else value)
     return float(mean[-3]), float(mean[-2]), float(mean[-1])
 
 
@@ -224,50 +311,58 @@ def quiet_mean(
 
 @dataclass
 class _ModuleClock:
-    """Forward seconds and the open backward intervals of one torch module in one step."""
+    """Forward and the open backward intervals of one torch module in one step: (perf_counter
+    time, CUDA event or None) at each end."""
 
     row: LayerTimes
-    starts: list[float] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)
-    backward_starts: list[float] = field(default_factory=list)
-    backward_ends: list[float] = field(default_factory=list)
+    starts: list[tuple] = field(default_factory=list)
+    ends: list[tuple] = field(default_factory=list)
+    backward_starts: list[tuple] = field(default_factory=list)
+    backward_ends: list[tuple] = field(default_factory=list)
 
     def close_step(self) -> None:
         """Add this step's intervals to the row and clear them."""
-        self.row.forward_s += sum(e - s for s, e in zip(self.starts, self.ends))
-        self.row.backward_s += sum(e - s for s, e in zip(self.backward_starts, self.backward_ends))
+        intervals = (
+            ("forward_s", self.starts, self.ends),
+            ("backward_s", self.backward_starts, self.backward_ends),
+        )
+        for attr, starts, ends in intervals:
+            for (t0, e0), (t1, e1) in zip(starts, ends):
+                self.row.add(attr, t1 - t0, GpuClock.seconds(e0, e1))
         for times in (self.starts, self.ends, self.backward_starts, self.backward_ends):
             times.clear()
 
 
-def _hook_module(name: str, module: Any, sync: Callable, order: list) -> _ModuleClock:
+def _hook_module(
+    name: str, module: Any, sync: Callable, order: list, clock: GpuClock
+) -> _ModuleClock:
     kind = type(module).__name__
-    clock = _ModuleClock(LayerTimes(name, TORCH_KINDS.get(kind, kind)))
+    mc = _ModuleClock(LayerTimes(name, TORCH_KINDS.get(kind, kind)))
 
-    def now() -> float:
+    def now() -> tuple:
         sync()
-        return time.perf_counter()
+        return time.perf_counter(), clock.mark()
 
     def pre(*_: Any) -> None:
-        if clock.row not in order:
-            order.append(clock.row)
-        clock.starts.append(now())
+        if mc.row not in order:
+            order.append(mc.row)
+        mc.starts.append(now())
 
     def backward_end(*_: Any) -> None:
         # Overwrites: a module's backward ends at its last event (input grad or weight grad).
-        clock.backward_ends[len(clock.backward_starts) - 1] = now()
+        mc.backward_ends[len(mc.backward_starts) - 1] = now()
 
     def backward_pre(*_: Any) -> None:
-        clock.backward_starts.append(now())
-        clock.backward_ends.append(clock.backward_starts[-1])
+        mc.backward_starts.append(now())
+        mc.backward_ends.append(mc.backward_starts[-1])
 
     module.register_forward_pre_hook(pre)
-    module.register_forward_hook(lambda *_: clock.ends.append(now()))
+    module.register_forward_hook(lambda *_: mc.ends.append(now()))
     module.register_full_backward_pre_hook(backward_pre)
     module.register_full_backward_hook(backward_end)
     for p in module.parameters(recurse=False):
         p.register_post_accumulate_grad_hook(backward_end)
-    return clock
+    return mc
 
 
 def profile_torch(args: argparse.Namespace) -> Breakdown | None:
@@ -276,15 +371,17 @@ def profile_torch(args: argparse.Namespace) -> Breakdown | None:
     if t is None:
         return None
     model, opt, x, y, loss_fn, sync = t.model, t.opt, t.x, t.y, t.loss_fn, t.sync
+    half = t.torch.bfloat16 if t.precision == "bf16" else None  # autocast, as bench compute
 
     def step(clocks: list[_ModuleClock] | None = None) -> tuple[float, float, float]:
         """One step; (loss s, update s, step s)."""
         sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        logits = model(x)
-        t1 = time.perf_counter()
-        loss = loss_fn(logits, y)
+        with t.torch.autocast(t.device, dtype=half, enabled=half is not None):
+            logits = model(x)
+            t1 = time.perf_counter()
+            loss = loss_fn(logits, y)
         marks: list[float] = []
         logits.register_hook(lambda _: marks.append(time.perf_counter()))
         sync()
@@ -309,7 +406,8 @@ def profile_torch(args: argparse.Namespace) -> Breakdown | None:
             module.inplace = False
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        clocks = [_hook_module(name, m, sync, order) for name, m in leaves]
+        gpu = GpuClock.for_torch(t.torch, t.device)
+        clocks = [_hook_module(name, m, sync, order, gpu) for name, m in leaves]
         for _ in range(WARMUP):
             step(clocks)
         totals = quiet_mean(order, lambda: step(clocks), args.steps)
@@ -339,10 +437,19 @@ def _ms(value: float | None) -> str:
     return f"{value * 1e3:9.2f}" if value is not None else f"{'':>9}"
 
 
+def _gpu(row: LayerTimes | None) -> float | None:
+    if row is None or row.forward_gpu_s is None:
+        return None
+    return row.forward_gpu_s + (row.backward_gpu_s or 0.0)
+
+
 def print_table(ours: Breakdown, theirs: Breakdown | None) -> None:
-    """The per-layer table and the totals, hpcdl's and (when measured) PyTorch's columns."""
+    """The per-layer table and the totals, hpcdl's and (when measured) PyTorch's columns; on a
+    GPU two more: each side's device time (forward + backward, CUDA events)."""
+    gpu = ours.layers_gpu_s is not None
+    extra = f" {'hpcdl gpu':>9} {'torch gpu':>9}" if gpu else ""
     print(f"{'layer (hpcdl / torch module)':<38} {'hpcdl fwd':>9} {'hpcdl bwd':>9} "
-          f"{'torch fwd':>9} {'torch bwd':>9}  (ms per step)")  # fmt: skip
+          f"{'torch fwd':>9} {'torch bwd':>9}{extra}  (ms per step)")  # fmt: skip
     for a, b in pair_rows(ours.rows, theirs.rows if theirs else []):
         name = a.name if a else f"(torch) {b.name}"
         if a and b:
@@ -350,9 +457,10 @@ def print_table(ours: Breakdown, theirs: Breakdown | None) -> None:
         print(
             f"{name[:38]:<38} {_ms(a and a.forward_s)} {_ms(a and a.backward_s)} "
             f"{_ms(b and b.forward_s)} {_ms(b and b.backward_s)}"
+            + (f" {_ms(_gpu(a))} {_ms(_gpu(b))}" if gpu else "")
         )
 
-    def line(label: str, get: Callable[[Breakdown], float]) -> None:
+    def line(label: str, get: Callable[[Breakdown], float | None]) -> None:
         print(f"{label:<38} {_ms(get(ours)):>19} {'':9} {_ms(get(theirs) if theirs else None)}")
 
     def sides(b: Breakdown) -> tuple[float, float]:
@@ -360,6 +468,8 @@ def print_table(ours: Breakdown, theirs: Breakdown | None) -> None:
 
     print(f"{'layers, sum':<38} {_ms(sides(ours)[0])} {_ms(sides(ours)[1])} "
           f"{_ms(theirs and sides(theirs)[0])} {_ms(theirs and sides(theirs)[1])}")  # fmt: skip
+    if gpu:
+        line("layers, device time (CUDA events)", lambda b: b.layers_gpu_s)
     line("loss (forward + backward)", lambda b: b.loss_s)
     line("optimizer update", lambda b: b.update_s)
     line("other (outside leaf layers)", lambda b: b.other_s)
@@ -379,7 +489,8 @@ def main_profile(args: argparse.Namespace) -> int:
     time.sleep(0.3)  # let hpcdl's BLAS threads stop spin-waiting before torch's start
     theirs = None if args.no_torch else profile_torch(args)
     print(
-        f"{args.model} batch {args.batch_size} input {args.input_shape} on {args.device}: "
+        f"{args.model} batch {args.batch_size} input {args.input_shape} {args.precision} on "
+        f"{args.device}: "
         f"per-layer profile, mean of the faster half of {args.steps} steps after {WARMUP} "
         "warm-up steps"
     )
@@ -387,6 +498,7 @@ def main_profile(args: argparse.Namespace) -> int:
     if args.json:
         result = {
             **run_config(args),
+            "gpu_kernels": args.gpu_kernels,
             "profile": {"hpcdl": ours.as_json(), "torch": theirs and theirs.as_json()},
         }
         print(json.dumps(result))

@@ -58,7 +58,8 @@ class CudnnBatchNorm:
             scale = layer.p["gamma"] * inv_std
             return (x - layer.b["running_mean"]) * scale + layer.p["beta"]
         rt, c = cudnn_graphs.runtime(), layer.channels
-        io = cudnn_graphs.io_dtype(layer.precision)
+        train_plan = self.cache.get(self.keys(layer, x.shape)["bn_train"])
+        io = train_plan.io  # the layer's format, or float32 where cuDNN had no half plan
         xs = layer._work.get("cudnn_x", x.shape, io, xp)  # kept for backward
         xs[...] = x
         mean = layer._work.get("cudnn_mean", (c,), _FLOAT32, xp)
@@ -72,22 +73,25 @@ class CudnnBatchNorm:
             "in_var": layer.b["running_var"],
             "out_mean": layer.b["running_mean"],  # updated in place, as the frontend allows
             "out_var": layer.b["running_var"],
-            "epsilon": np.full((1, 1, 1, 1), layer.eps, np.float32),
-            "momentum": np.full((1, 1, 1, 1), layer.momentum, np.float32),
+            # host scalars, passed by value: the pack gets their host addresses, which cuDNN
+            # reads at execute; kept with the layer, so a captured step never reads freed memory
+            "epsilon": host_scalar(layer, "cudnn_epsilon", layer.eps),
+            "momentum": host_scalar(layer, "cudnn_momentum", layer.momentum),
             "mean": mean,
             "inv_var": inv_var,
             "y": y,
         }
-        rt.run(self.cache.get(self.keys(layer, x.shape)["bn_train"]), arrays, xp)
+        rt.run(train_plan, arrays, xp)
         return y if io == _FLOAT32 else y.astype(_FLOAT32)
 
     def backward(self, layer: Any, dy: Any) -> Any:
         rt, xp = cudnn_graphs.runtime(), array_module(dy)
         work = layer._work
-        xs = work.last("cudnn_x")
-        dys = work.get("cudnn_dy", dy.shape, xs.dtype, xp)
+        plan = self.cache.get(self.keys(layer, dy.shape)["bn_backward"])
+        xs = cudnn_graphs.in_dtype(work, "cudnn_x", work.last("cudnn_x"), plan.io, xp)
+        dys = work.get("cudnn_dy", dy.shape, plan.io, xp)
         dys[...] = dy
-        dx = xp.empty(dy.shape, dtype=xs.dtype)
+        dx = xp.empty(dy.shape, dtype=plan.io)
         arrays = {
             "dy": dys,
             "x": xs,
@@ -98,7 +102,7 @@ class CudnnBatchNorm:
             "dscale": layer.g["gamma"],  # float32, straight into the flat gradient buffer
             "dbias": layer.g["beta"],
         }
-        rt.run(self.cache.get(self.keys(layer, dy.shape)["bn_backward"]), arrays, xp)
+        rt.run(plan, arrays, xp)
         if not layer.input_grad:
             return None
         return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
@@ -121,6 +125,7 @@ class CudnnBatchNorm:
             rt.output(t["y"], nhwc(x_shape), io)
             for name in ("mean", "inv_var", "out_mean", "out_var"):
                 rt.output(t[name], nhwc(c_shape), _FLOAT32)
+            return rt.finish(g, t, by_value=("epsilon", "momentum"))
         else:
             t = {name: rt.tensor(g, name, nhwc(x_shape), io) for name in ("dy", "x")}
             t.update({name: vec(name) for name in ("scale", "mean", "inv_var")})
@@ -131,6 +136,13 @@ class CudnnBatchNorm:
             rt.output(t["dscale"], nhwc(c_shape), _FLOAT32)
             rt.output(t["dbias"], nhwc(c_shape), _FLOAT32)
         return rt.finish(g, t)
+
+
+def host_scalar(layer: Any, name: str, value: float) -> np.ndarray:
+    """A float32 (1, 1, 1, 1) host array holding value, kept in the layer's workspaces."""
+    scalar = layer._work.get(name, (1, 1, 1, 1), _FLOAT32, np)
+    scalar.fill(value)
+    return scalar
 
 
 KERNELS: list[Any] = [CudnnBatchNorm()]

@@ -3,7 +3,8 @@
 CudnnConv: forward, data gradient and weight gradient as three cuDNN frontend graphs in NHWC
 (NOTE [cuDNN graphs] in hpcdl/nn/kernels/cudnn_graphs.py), on CuPy arrays with --gpu-kernels.
 It applies to a layer and input shape once all three plans are built (the data gradient's
-only where the layer computes one); a shape cuDNN refuses stays with Conv2d's im2col path.
+only where the layer computes one); in bf16/fp16 an op cuDNN has no plan for runs its float32
+plan alone (PlanCache); a shape refused in float32 too stays with Conv2d's im2col path.
 Where none applies, Conv2d runs its own im2col / Winograd code.
 """
 
@@ -46,14 +47,16 @@ class CudnnConv:
     def forward(self, layer: Any, x: Any, train: bool) -> Any:
         rt, xp = cudnn_graphs.runtime(), array_module(x)
         keys = self.keys(layer, x.shape)
-        io = cudnn_graphs.io_dtype(layer.precision)
+        fprop = self.cache.get(keys["conv_fprop"])
+        io = cudnn_graphs.io_dtype(layer.precision)  # the layer's format (fprop may be float32)
         xs = layer._buffers.get("cudnn_x", x.shape, io, xp)  # kept for the weight gradient
         xs[...] = x  # exact: an emulated activation holds values of the format
         wk = layer._buffers.get("cudnn_w_krsc", _krsc_shape(layer), io, xp)
         wk[...] = layer.p["W"].transpose(3, 0, 1, 2)  # (kh, kw, C_in, C_out) -> KRSC
-        y = xp.empty(keys["conv_fprop"].shapes[2], dtype=io)
-        rt.run(self.cache.get(keys["conv_fprop"]), {"x": xs, "w": wk, "y": y}, xp)
-        y = y if io == _FLOAT32 else y.astype(_FLOAT32)
+        y = xp.empty(keys["conv_fprop"].shapes[2], dtype=fprop.io)
+        inputs = {"x": xs, "w": wk}
+        rt.run(fprop, {**self._as(layer, inputs, fprop.io, xp), "y": y}, xp)
+        y = y if y.dtype == _FLOAT32 else y.astype(_FLOAT32)
         if layer.has_bias:
             y += layer.p["b"]
         layer.x_shape = x.shape
@@ -70,13 +73,23 @@ class CudnnConv:
             ones = layer._workspace("ones", (rows.shape[0],), dy.dtype, xp, fill=1)
             xp.matmul(ones, rows, out=layer.g["b"])
         dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), _FLOAT32, xp)
-        rt.run(self.cache.get(keys["conv_wgrad"]), {"x": xs, "dy": dys, "dw": dwk}, xp)
+        wgrad = self.cache.get(keys["conv_wgrad"])
+        rt.run(wgrad, {**self._as(layer, {"x": xs, "dy": dys}, wgrad.io, xp), "dw": dwk}, xp)
         layer.g["W"][...] = dwk.transpose(1, 2, 3, 0)  # KRSC -> (kh, kw, C_in, C_out)
         if not layer.input_grad:
             return None
-        dx = xp.empty(layer.x_shape, dtype=xs.dtype)
-        rt.run(self.cache.get(keys["conv_dgrad"]), {"dy": dys, "w": wk, "dx": dx}, xp)
+        dgrad = self.cache.get(keys["conv_dgrad"])
+        dx = xp.empty(layer.x_shape, dtype=dgrad.io)
+        rt.run(dgrad, {**self._as(layer, {"dy": dys, "w": wk}, dgrad.io, xp), "dx": dx}, xp)
         return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
+
+    @staticmethod
+    def _as(layer: Any, arrays: dict[str, Any], dtype: Any, xp: Any) -> dict[str, Any]:
+        """arrays in a plan's I/O dtype (copies where it fell back to float32)."""
+        work = layer._buffers
+        return {
+            n: cudnn_graphs.in_dtype(work, f"cudnn_{n}", a, dtype, xp) for n, a in arrays.items()
+        }
 
     def _build(self, key: PlanKey) -> Plan:
         rt = cudnn_graphs.runtime()

@@ -5,6 +5,12 @@ NOTE [cuDNN graphs]
 - The module is NVIDIA's `nvidia-cudnn-frontend` (import name `cudnn`, the gpu extras). CuPy 14
   dropped its own cuDNN module; the frontend's Python graphs run on CuPy memory because the
   variant pack and the workspace are raw device pointers (`array.data.ptr`).
+- Variant pack: a device tensor's value is its device address (device_pointer); a host array
+  there is refused. A pass-by-value scalar (BatchNorm's epsilon and momentum) is a host
+  float32 whose host address goes in (host_address), as the frontend's own tests pass host
+  tensors; a NumPy array itself would reach DLPack with a stream and fail. The handle is set
+  to CuPy's current stream before each execute, so cuDNN's kernels join the step's stream and
+  a CUDA graph capture of it.
 - Layout: hpcdl's activations are NHWC and contiguous. cuDNN names dimensions in NCHW order
   and takes the layout from the strides, so an (N, H, W, C) array is dim [N, C, H, W] with
   strides [H*W*C, 1, W*C, C]. Filters are stored (kh, kw, C_in, C_out) in the flat parameter
@@ -14,8 +20,10 @@ NOTE [cuDNN graphs]
 - Plans: building one (validate, operation graph, heuristics A then FALLBACK, support check,
   plans) costs milliseconds, so each is built once per PlanKey (operation, shapes, dtypes,
   padding, stride) and cached per process. A key cuDNN refuses (cudnnGraphNotSupportedError or
-  any error while building) is remembered as refused: the kernel stops applying to it and the
-  layer's reference runs, said once.
+  any error while building) is remembered as refused. In bf16/fp16 that op alone then runs the
+  same op's float32 plan (its half inputs copied to float32, exact; the H100 had no bf16 plan
+  for resnet50's 7x7 stem weight gradient over 3 channels); with none in float32 either the
+  kernel stops applying and the layer's reference runs. Said once, in one line.
 - Workspace: one byte buffer from CuPy's memory pool, grown to the largest plan's need
   (hpcdl.nn.workspace), so no step allocates.
 - Dtypes (hpcdl.nn.dtypes): I/O in the layer's format (float32, or bf16/fp16 arrays of the
@@ -27,7 +35,7 @@ stand-in module that executes the graphs in NumPy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -74,6 +82,31 @@ class Plan:
     graph: Any
     tensors: dict[str, Any]
     workspace_bytes: int
+    by_value: frozenset[str] = frozenset()  # host scalars: their pack value is a host address
+    io: np.dtype = np.dtype(np.float32)  # the I/O dtype it was built for (PlanCache sets it)
+
+
+def device_pointer(array: Any) -> int:
+    """The device address cuDNN's variant pack takes for a device (CuPy) array."""
+    if not is_device_array(array):
+        raise TypeError(f"cuDNN reads device memory; got a {type(array).__name__} (a host array)")
+    return int(array.data.ptr)
+
+
+def host_address(array: Any) -> int:
+    """The host address of a pass-by-value scalar: one C-contiguous NumPy element, which must
+    stay alive until the execute that reads it returns (cuDNN reads it at launch)."""
+    if not isinstance(array, np.ndarray) or array.size != 1 or not array.flags.c_contiguous:
+        raise TypeError(f"a pass-by-value scalar is one NumPy element; got {type(array).__name__}")
+    return int(array.ctypes.data)
+
+
+def current_stream() -> int:
+    """CuPy's current stream: the one cuDNN's handle is set to before each execute, so that its
+    kernels join the step's stream (and a CUDA graph capture on it)."""
+    import cupy  # noqa: PLC0415 - only on the device path
+
+    return int(cupy.cuda.get_current_stream().ptr)
 
 
 @dataclass
@@ -82,9 +115,9 @@ class Runtime:
     tests give a stand-in module and NumPy arrays."""
 
     cudnn: Any
-    # device arrays go in as raw pointers; host arrays (pass-by-value scalars) as themselves
-    pointer: Callable[[Any], Any] = lambda a: a.data.ptr if is_device_array(a) else a
+    pointer: Callable[[Any], int] = device_pointer  # device tensors; scalars: host_address
     is_device: Callable[[Any], bool] = is_device_array
+    stream: Callable[[], int] = current_stream
     handle: Any = None
     work: Workspaces = field(default_factory=Workspaces)
 
@@ -109,7 +142,7 @@ class Runtime:
         return graph.tensor(name=name, dim=dim, stride=stride, data_type=self.data_type(dtype))
 
     def scalar(self, graph: Any, name: str) -> Any:
-        """A float32 scalar passed by value (a host (1, 1, 1, 1) array in the variant pack)."""
+        """A float32 scalar passed by value: its variant-pack value is a host address."""
         return graph.tensor(
             name=name,
             dim=[1, 1, 1, 1],
@@ -123,33 +156,55 @@ class Runtime:
         dim, stride = layout
         tensor.set_output(True).set_dim(dim).set_stride(stride).set_data_type(self.data_type(dtype))
 
-    def finish(self, graph: Any, tensors: dict[str, Any]) -> Plan:
-        """Validate and build the plans of a described graph (the frontend's sequence)."""
+    def finish(self, graph: Any, tensors: dict[str, Any], by_value: tuple[str, ...] = ()) -> Plan:
+        """Validate and build the plans of a described graph (the frontend's sequence);
+        by_value names the tensors made by scalar()."""
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([self.cudnn.heur_mode.A, self.cudnn.heur_mode.FALLBACK])
         graph.check_support()
         graph.build_plans()
-        return Plan(graph, tensors, int(graph.get_workspace_size()))
+        return Plan(graph, tensors, int(graph.get_workspace_size()), frozenset(by_value))
 
     def run(self, plan: Plan, arrays: dict[str, Any], xp: Any) -> None:
-        """Execute plan with arrays by tensor name, on the current stream."""
-        pack = {plan.tensors[name]: self.pointer(a) for name, a in arrays.items()}
+        """Execute plan with arrays by tensor name on the current stream: device arrays as
+        device pointers, pass-by-value scalars as host addresses (NOTE [cuDNN graphs])."""
+        pack = {
+            plan.tensors[name]: host_address(a) if name in plan.by_value else self.pointer(a)
+            for name, a in arrays.items()
+        }
         size = max(plan.workspace_bytes, 1)
         workspace = self.work.at_least("cudnn_workspace", (size,), np.uint8, xp)
+        self.cudnn.set_stream(handle=self.handle, stream=self.stream())
         plan.graph.execute(pack, self.pointer(workspace), handle=self.handle)
 
 
 class PlanCache:
-    """Plans by PlanKey, each built once; a key cuDNN refused stays refused (said once)."""
+    """Plans by PlanKey, each built once. A key cuDNN refused stays refused; in a half format the
+    same op's float32 plan stands in for it (that op alone, NOTE [cuDNN graphs]); either way the
+    refusal is said once, in one line."""
 
     def __init__(self, build: Callable[[PlanKey], Plan]) -> None:
         self._build = build
         self._plans: dict[PlanKey, Plan] = {}
-        self.refused: set[PlanKey] = set()
+        self.refused: dict[PlanKey, str] = {}  # key -> cuDNN's reason, its first line
         self.builds = 0  # plans built so far (each key once)
 
     def get(self, key: PlanKey) -> Plan | None:
+        """key's plan; else, for a half format, the float32 one; else None (the reference)."""
+        plan = self._built(key)
+        if plan is not None:
+            return plan
+        wide = self._built(replace(key, io="float32")) if key.io != "float32" else None
+        then = "that op runs in float32" if wide else "that layer runs hpcdl's own kernels"
+        why = self.refused[key]
+        say_once(
+            f"cudnn-refused:{key}",
+            f"cuDNN has no plan for {key.op} {key.shapes} in {key.io} ({why}); {then}",
+        )
+        return wide
+
+    def _built(self, key: PlanKey) -> Plan | None:
         if key in self.refused:
             return None
         plan = self._plans.get(key)
@@ -158,14 +213,21 @@ class PlanCache:
             try:
                 plan = self._plans[key] = self._build(key)
             except Exception as exc:  # noqa: BLE001 - any refusal means: the reference runs
-                self.refused.add(key)
-                say_once(
-                    f"cudnn-refused:{key}",
-                    f"cuDNN has no plan for {key.op} {key.shapes} {key.io} "
-                    f"({type(exc).__name__}: {exc}); that layer runs hpcdl's own kernels",
-                )
+                first = (str(exc).strip().splitlines() or [""])[0][:160]
+                self.refused[key] = f"{type(exc).__name__}: {first}"
                 return None
+            plan.io = dtype_named(key.io)
         return plan
+
+
+def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> Any:
+    """array as dtype: itself, or its copy in workspace name (an op whose plan fell back to
+    float32 reads the half arrays of the ops around it; exact, half values are float32's)."""
+    if array.dtype == dtype:
+        return array
+    copy = work.get(f"{name}:{np.dtype(dtype).name}", array.shape, dtype, xp)
+    copy[...] = array
+    return copy
 
 
 def io_dtype(precision: str) -> np.dtype:
