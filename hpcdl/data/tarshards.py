@@ -1,0 +1,395 @@
+"""WebDataset tar shards read in place: `--data DIR` of *.tar, or `shards-{000000..001023}.tar`.
+
+NOTE [tar shards]. A sample is the members of a shard that share a key (hpcdl.data.tarindex):
+one image (.jpg, .jpeg, .png, .webp) and a label (.cls: an integer class index; .json: an
+object with a "label" or "cls" field, integer or class name; .txt: a class name; the first of
+.cls, .json, .txt found is used). Samples are numbered in shard-name order, then in the order of
+their first member in the shard: shards written in an image folder's order (sorted classes,
+sorted files) give the folder's sample numbers, so its sampler order, bitwise.
+
+- Classes: classes.json beside the shards (a JSON list of names; a label is an index into it,
+  or one of its names), else the sorted set of the label names, else (integer labels only)
+  "0".."max"; the start says which in one line.
+- The index (what the folder's NOTE [the index] in hpcdl/data/imagefolder.py says of its index
+  holds here too: built once per job by rank 0, shared, mapped, cached outside the data root,
+  never written into it): per shard its name, size and mtime (the stager stages whole shards:
+  ds.files lists them); per sample the image member's name, offset and length, label, height,
+  width and flaw. Built with seeks: tar headers, label members and image headers are read,
+  never the image data. The cache key is every shard's name, size and mtime and classes.json's.
+- Reads: one pread per sample from the shard's open descriptor; each reading process keeps up
+  to MAX_OPEN_SHARDS descriptors open (least recently used closed first). A shard whose size
+  (or, on the PFS, mtime) is not the index's, or shorter than a member, is a BadSample naming
+  the shard and the member, as is a sample with a flaw: the data-error rules then apply
+  (--skip-bad-samples trains on without it).
+- Compressed shards (.tar.gz, ...) cannot be read in place: one line says to decompress them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl.data.dataset import (
+    BadSample,
+    DataError,
+    FileTable,
+    Locate,
+    check_table,
+    file_ids_from_offsets,
+)
+from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, INDEX_THREADS, ImageFolderReader
+from hpcdl.data.indexfile import index_bytes, map_index_file, write_index_file
+from hpcdl.data.pfs import open_latency, throttle
+from hpcdl.data.tarindex import (
+    FLAW_REASONS,
+    LABEL_RANGE,
+    ShardContents,
+    list_shards,
+    read_shard,
+    shard_root,
+)
+
+CLASSES_NAME = "classes.json"
+MAX_OPEN_SHARDS = 64
+_INDEX_VERSION = 1
+_SAMPLE_COLUMNS = ("labels", "heights", "widths", "flaws", "data_at", "data_len")
+
+
+@dataclass(frozen=True)
+class TarIndex:
+    """A tar data set's index: columns (mapped when path is set) and meta."""
+
+    columns: dict[str, np.ndarray]
+    meta: dict[str, Any]
+    path: Path | None = None
+
+    def to_bytes(self) -> bytes:
+        return index_bytes(self.columns, self.meta)
+
+
+def _classes_file(source: Path) -> Path:
+    return shard_root(source) / CLASSES_NAME
+
+
+def index_key(source: Path, root: Path, names: list[str]) -> str:
+    """Every shard's name, size and mtime and classes.json's: any change makes a new index."""
+    h = hashlib.sha256(f"tar{_INDEX_VERSION}:{Path(os.path.realpath(source))}".encode())
+    for path in [*(root / n for n in names), _classes_file(source)]:
+        try:
+            st = os.stat(path)
+            h.update(f"\n{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        except OSError:
+            h.update(f"\n{path.name}:-".encode())
+    return h.hexdigest()
+
+
+def cache_paths(source: Path) -> list[Path]:
+    """Where the index is cached, in the order tried: the user's cache, the node's temporary
+    directory (never the data root)."""
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcdl"
+    node = Path(tempfile.gettempdir()) / f"hpcdl-{os.getuid()}"
+    digest = hashlib.sha256(str(Path(os.path.realpath(source))).encode()).hexdigest()[:16]
+    name = f"tar-index-{digest}.hpcdl-index"
+    return [user / name, node / name]
+
+
+def map_tar_index(path: Path, key: str) -> TarIndex | None:
+    """The index file at path, mapped, when it is a tar index holding key."""
+    found = map_index_file(path)
+    if found is None or found[1].get("key") != key or found[1].get("kind") != "tar":
+        return None
+    columns = found[0]
+    n = len(columns.get("labels", ()))
+    if any(len(columns.get(c, ())) != n for c in _SAMPLE_COLUMNS):
+        return None
+    return TarIndex(columns, found[1], path)
+
+
+def save_tar_index(source: Path, index: TarIndex) -> TarIndex:
+    """The index written to the first cache that takes it and mapped from there; as it was
+    (held by this process) when none does."""
+    data = index.to_bytes()
+    for path in cache_paths(source):
+        if write_index_file(path, data):
+            mapped = map_tar_index(path, index.meta["key"])
+            if mapped is not None:
+                return mapped
+    return index
+
+
+def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> TarIndex:
+    """Read every shard (INDEX_THREADS at a time) and resolve the labels into classes."""
+    with ThreadPoolExecutor(max(1, min(INDEX_THREADS, len(names)))) as pool:
+        shards = list(pool.map(read_shard, (root / n for n in names)))
+    for shard in shards:
+        if shard.warning:
+            print(f"hpcdl: warning: {shard.warning}", file=sys.stderr)
+    classes, named, origin, labels, flaws = resolve_classes(source, names, shards)
+    samples = [s for shard in shards for s in shard.samples]
+    readable = flaws == 0
+    heights = np.array([s.height for s in samples], np.int64)
+    widths = np.array([s.width for s in samples], np.int64)
+    table = FileTable.from_entries(names, [s.size for s in shards])
+    members = FileTable.from_entries([s.image[0] for s in samples], [s.image[2] for s in samples])
+    columns = {
+        "names": table.names,
+        "starts": table.starts,
+        "sizes": table.sizes,
+        "mtimes": np.array([s.mtime_ns for s in shards], np.int64),
+        "first_sample": np.cumsum([0] + [len(s.samples) for s in shards[:-1]]).astype(np.int64),
+        "member_names": members.names,
+        "member_starts": members.starts,
+        "data_at": np.array([s.image[1] for s in samples], np.int64),
+        "data_len": members.sizes,
+        "labels": labels,
+        "heights": heights,
+        "widths": widths,
+        "flaws": flaws,
+    }
+    grey = all(s.grey for s, ok in zip(samples, readable) if ok)
+    min_hw = [int(heights[readable].min()), int(widths[readable].min())] if readable.any() else []
+    meta = dict(
+        kind="tar", key=key, classes=classes, named_classes=named, classes_from=origin,
+        grey=grey, min_hw=min_hw, readable=int(readable.sum()),
+    )  # fmt: skip
+    return TarIndex(columns, meta)
+
+
+def resolve_classes(
+    source: Path, names: list[str], shards: list[ShardContents]
+) -> tuple[list[str], bool, str, np.ndarray, np.ndarray]:
+    """(classes, named, where they came from, labels, flaws) of every sample."""
+    samples = [(n, s) for n, shard in zip(names, shards) for s in shard.samples]
+    raw = [s.label for _, s in samples]
+    classes_file = _classes_file(source)
+    if classes_file.is_file():
+        classes = _read_classes_file(classes_file)
+        named, origin = True, str(classes_file)
+    else:
+        texts = sorted({v for v in raw if isinstance(v, str)})
+        ints = [v for v in raw if isinstance(v, int)]
+        if texts and ints:
+            first = next((n, s) for n, s in samples if isinstance(s.label, int))
+            raise DataError(
+                f"{source}: labels mix class names (.txt, .json strings) and class indices "
+                f"(.cls, .json integers), e.g. {first[0]} member {first[1].key}; give "
+                f"{classes_file} (a JSON list of class names) to relate them"
+            )
+        named = bool(texts)
+        classes = texts if named else [str(i) for i in range(max(ints, default=-1) + 1)]
+        origin = "the labels' sorted names" if named else "the labels' integers"
+    position = {name: i for i, name in enumerate(classes)}
+    labels = np.zeros(len(samples), np.int64)
+    flaws = np.array([s.flaw for _, s in samples], np.int8)
+    for i, value in enumerate(raw):
+        if flaws[i]:
+            continue
+        index = position.get(value, -1) if isinstance(value, str) else int(value)
+        if 0 <= index < len(classes):
+            labels[i] = index
+        else:
+            flaws[i] = LABEL_RANGE
+    return classes, named, origin, labels, flaws
+
+
+def _read_classes_file(path: Path) -> list[str]:
+    try:
+        classes = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable JSON list of class names ({exc})") from None
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise DataError(f"{path}: must be a JSON list of class names (strings)")
+    if len(set(classes)) != len(classes) or not classes:
+        raise DataError(f"{path}: class names must be distinct, and at least one")
+    return classes
+
+
+class TarShardDataset:
+    kind = "tar"
+    layout = "HWC"
+    dtype = np.uint8
+
+    def __init__(
+        self, source: str | Path, index: TarIndex | None = None, announce: bool = True
+    ) -> None:
+        """Open the shards at source: map the cached index or build and cache it. `index` is
+        taken as it is. announce: say in one line where the classes came from."""
+        self.source = Path(source)
+        self.index_source = "given"  # or "cache", "built"
+        t0 = time.perf_counter()
+        self.root = shard_root(self.source)
+        if index is None:
+            index = self._load_or_build()
+        self.index, self.index_path = index, index.path
+        cols, meta = index.columns, index.meta
+        mapped = None if index.path is None else (index.path, meta["key"])
+        self.files = FileTable(cols["names"], cols["starts"], cols["sizes"], mapped)
+        check_table(self.root, self.files, self.index_path)
+        self.offsets = cols["first_sample"]
+        self.labels, self.heights, self.widths = cols["labels"], cols["heights"], cols["widths"]
+        self.classes = list(meta["classes"])
+        self.named_classes = bool(meta["named_classes"])
+        if not meta["readable"]:
+            raise DataError(f"{self.source}: none of the {len(self)} samples can be read")
+        self.index_seconds = time.perf_counter() - t0
+        channels = 1 if meta["grey"] else 3
+        self.min_hw = (int(meta["min_hw"][0]), int(meta["min_hw"][1]))
+        self._shape = (channels, *self.min_hw)
+        self.mean = np.array(IMAGENET_MEAN[:channels] if channels == 3 else [127.5], np.float32)
+        self.std = np.array(IMAGENET_STD[:channels] if channels == 3 else [127.5], np.float32)
+        if announce:
+            print(self.describe(), file=sys.stderr, flush=True)
+
+    def describe(self) -> str:
+        """The start's line about the shards and where their classes came from."""
+        return (
+            f"hpcdl: data: {len(self.files)} tar shard(s) in {self.root}, {len(self)} samples, "
+            f"{len(self.classes)} classes from {self.index.meta['classes_from']}"
+        )
+
+    @classmethod
+    def from_index_file(cls, source: str | Path, path: Path, key: str) -> TarShardDataset | None:
+        """The data set whose index another process cached at path; None when it cannot be
+        mapped here or no longer holds key."""
+        index = map_tar_index(Path(path), key)
+        return None if index is None else cls(source, index=index, announce=False)
+
+    def _load_or_build(self) -> TarIndex:
+        _, names = list_shards(self.source)
+        key = index_key(self.source, self.root, names)
+        for path in cache_paths(self.source):
+            found = map_tar_index(path, key)
+            if found is not None:
+                self.index_source = "cache"
+                return found
+        self.index_source = "built"
+        return save_tar_index(self.source, build_tar_index(self.source, self.root, names, key))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        return self._shape
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    def file_ids(self, indices) -> np.ndarray:
+        return file_ids_from_offsets(self.offsets, indices, len(self))
+
+    def member(self, index: int) -> str:
+        """The image member of sample index, as the shard names it."""
+        cols = self.index.columns
+        begin, end = cols["member_starts"][index], cols["member_starts"][index + 1] - 1
+        return bytes(cols["member_names"][begin:end]).decode()
+
+    def where(self, index: int, shard: Path | None = None) -> str:
+        """'<shard> (member <name>)' of a sample, for messages."""
+        fid = int(self.file_ids([index])[0])
+        return f"{shard or self.root / self.files.relpath(fid)} (member {self.member(index)})"
+
+    def check_labels(self, num_classes: int, whose: str = "") -> None:
+        """DataError naming the shard and member of the first label outside 0..num_classes-1."""
+        ok = self.index.columns["flaws"] == 0
+        bad = np.nonzero(ok & ((self.labels < 0) | (self.labels >= num_classes)))[0]
+        if bad.size:
+            raise DataError(
+                f"{self.where(int(bad[0]))}: label {self.labels[bad[0]]} is outside "
+                f"0..{num_classes - 1} ({num_classes} classes{' ' + whose if whose else ''})"
+            )
+
+    def reader(self, locate: Locate | None = None) -> TarShardReader:
+        return TarShardReader(self, locate)
+
+
+class TarShardReader(ImageFolderReader):
+    """Decodes samples in the process that owns it (the image folder's decode), each read with
+    one pread from the shard's descriptor, kept open (MAX_OPEN_SHARDS, least recently used
+    closed first)."""
+
+    def __init__(self, ds: TarShardDataset, locate: Locate | None) -> None:
+        super().__init__(ds, locate)
+        self._fds: OrderedDict[int, tuple[int, Path]] = OrderedDict()
+
+    def _open(self, index: int):
+        """(the sample's image bytes as a file, '<shard> (member <name>)'); BadSample when the
+        sample is flawed or its shard cannot be read."""
+        ds, cols = self.ds, self.ds.index.columns
+        flaw = int(cols["flaws"][index])
+        if flaw:
+            raise BadSample(ds.where(index), index, FLAW_REASONS[flaw])
+        fid = int(ds.file_ids([index])[0])
+        fd, path = self._shard(fid, index)
+        at, length = int(cols["data_at"][index]), int(cols["data_len"][index])
+        data = os.pread(fd, length, at)
+        if len(data) < length:
+            raise BadSample(
+                ds.where(index, path), index,
+                f"the shard is {os.fstat(fd).st_size} bytes now, and the member ends at byte "
+                f"{at + length}: it was truncated after it was indexed; restore it",
+            )  # fmt: skip
+        if path == self.pfs(fid):
+            throttle(length, self.emulation)
+            self.counts.pfs += 1
+        else:
+            self.counts.local += 1
+        return io.BytesIO(data), ds.where(index, path)
+
+    def _shard(self, fid: int, index: int) -> tuple[int, Path]:
+        """(open descriptor, path) of shard fid: its staged copy, else the PFS original."""
+        path, pfs = Path(self.locate(fid)), self.pfs(fid)
+        held = self._fds.get(fid)
+        if held is not None and held[1] == path:
+            self._fds.move_to_end(fid)
+            return held
+        if held is not None:
+            os.close(self._fds.pop(fid)[0])
+        fd = self._open_checked(path, pfs, fid, index) if path != pfs else None
+        if fd is None:
+            path, fd = pfs, self._open_checked(pfs, pfs, fid, index)
+        self._fds[fid] = (fd, path)
+        while len(self._fds) > MAX_OPEN_SHARDS:
+            os.close(self._fds.popitem(last=False)[1][0])
+        return fd, path
+
+    def _open_checked(self, path: Path, pfs: Path, fid: int, index: int) -> int | None:
+        """A descriptor of path when it is the indexed shard; for a staged copy (path != pfs)
+        None instead of BadSample (the original is read)."""
+        size, mtime = int(self.ds.files.sizes[fid]), int(self.ds.index.columns["mtimes"][fid])
+        try:
+            if path == pfs:
+                open_latency(self.emulation)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if path != pfs:
+                return None
+            raise BadSample(self.ds.where(index, path), index, exc.strerror or str(exc)) from None
+        st = os.fstat(fd)
+        if st.st_size == size and (path != pfs or st.st_mtime_ns == mtime):
+            return fd
+        os.close(fd)
+        if path != pfs:
+            return None
+        raise BadSample(
+            self.ds.where(index, path), index,
+            f"the shard changed since its index was built ({size} bytes then, {st.st_size} "
+            "now, or a new mtime); restore it, or start a new run to index it again",
+        )  # fmt: skip
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1][0])
