@@ -267,3 +267,11 @@ def test_an_index_file_whose_header_grows_a_digit_still_maps_its_columns(pad):
     found, meta = parse_index(index_bytes(columns, {"pad": "x" * pad}))
     assert bytes(found["b"]) == b"x.tar" and found["a"].tolist() == [0, 1, 2]
     assert meta == {"pad": "x" * pad}
+
+
+def test_decode_gpu_on_tar_shards_is_one_line_saying_so(tmp_path):
+    from hpcdl.data.file_bytes import check_gpu_decode  # noqa: PLC0415
+
+    make_shards(tmp_path / "d", shards=1, per_shard=2)
+    with pytest.raises(DataError, match=r"holds tar shards: use --decode cpu"):
+        check_gpu_decode(open_dataset(tmp_path / "d"))
