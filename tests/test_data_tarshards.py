@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -96,9 +97,10 @@ def test_labels_from_txt_json_and_a_classes_file_said_in_one_line(tmp_path, caps
         open_dataset(tmp_path / "m")
 
 
-def test_long_member_names_in_gnu_and_pax_headers_are_keys(tmp_path):
-    deep = "d" * 120 + "/" + "n" * 110  # over the 100 bytes of a plain header
-    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+def test_long_member_names_in_ustar_gnu_and_pax_headers_are_keys(tmp_path):
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        # over the 100 bytes of a plain header's name (ustar: split into its prefix)
+        deep = "d" * 120 + "/" + "n" * (60 if fmt == tarfile.USTAR_FORMAT else 110)
         root = tmp_path / str(fmt)
         write_tar(root / "x.tar", [(f"{deep}.jpg", jpeg_bytes(4)), (f"{deep}.cls", b"0")], fmt)
         ds = open_dataset(root)
@@ -275,3 +277,33 @@ def test_decode_gpu_on_tar_shards_is_one_line_saying_so(tmp_path):
     make_shards(tmp_path / "d", shards=1, per_shard=2)
     with pytest.raises(DataError, match=r"holds tar shards: use --decode cpu"):
         check_gpu_decode(open_dataset(tmp_path / "d"))
+
+
+def test_a_damaged_header_is_one_warning_and_a_non_tar_is_one_error(tmp_path, capsys):
+    make_shards(tmp_path / "d", shards=1, per_shard=3)
+    shard = tmp_path / "d" / "s-0000.tar"
+    with tarfile.open(shard) as tar:
+        second = tar.getmember("k00001.jpg")
+    with open(shard, "r+b") as f:  # one byte of the second image's header name
+        f.seek(second.offset + 3)
+        f.write(b"#")
+    ds = open_dataset(tmp_path / "d")
+    assert len(ds) == 1 and ds.member(0) == "k00000.jpg"
+    err = capsys.readouterr().err
+    assert f"{shard} is truncated or damaged at byte {second.offset}" in err
+    (tmp_path / "n").mkdir()
+    (tmp_path / "n" / "x.tar").write_bytes(b"just some text" * 100)
+    with pytest.raises(DataError, match=r"x\.tar: not a tar file"):
+        open_dataset(tmp_path / "n")
+
+
+def test_jpeg_frames_parsed_by_hand_are_what_pillow_reads(tmp_path):
+    from PIL import Image  # noqa: PLC0415
+
+    from hpcdl.data.tarindex import jpeg_frame  # noqa: PLC0415
+
+    for size, grey in (((20, 16), False), ((33, 7), True), ((300, 200), False)):
+        data = jpeg_bytes(1, size, grey)
+        with Image.open(io.BytesIO(data)) as im:
+            assert jpeg_frame(data) == (im.height, im.width, im.mode == "L")
+    assert jpeg_frame(b"\x89PNG\r\n") is None and jpeg_frame(jpeg_bytes(2)[:40]) is None

@@ -62,13 +62,20 @@ def test_a_folder_and_its_shards_train_to_bitwise_the_same_parameters(data, tmp_
     assert cached.stat().st_size > 0  # built once, by rank 0, outside the data root
 
 
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
 def test_a_staged_two_rank_run_on_shards_stages_whole_shards_and_matches(data, tmp_path):
+    """Staged, through a brace pattern, with --index-in-data-root (which a tar index ignores):
+    the parameters of the plain run, and the data directory left as it was."""
+    before = snapshot(data / "tar")
     args = ("--epochs", 2, "--workers", 1)
     train(tmp_path, "plain", data / "tar", *args)
-    metrics = tmp_path / "m.jsonl"
-    stage = tmp_path / "stage"
-    train(tmp_path, "staged", data / "tar", *args, "--stage-dir", stage, "--metrics", metrics,
-          "--keep-staged")  # fmt: skip
+    metrics, stage = tmp_path / "m.jsonl", tmp_path / "stage"
+    pattern = data / "tar" / "shard-{000000..000004}.tar"
+    train(tmp_path, "staged", pattern, *args, "--stage-dir", stage, "--metrics", metrics,
+          "--keep-staged", "--index-in-data-root")  # fmt: skip
     np.testing.assert_array_equal(
         final_params(tmp_path / "plain"), final_params(tmp_path / "staged")
     )
@@ -76,6 +83,7 @@ def test_a_staged_two_rank_run_on_shards_stages_whole_shards_and_matches(data, t
     assert staging["files_staged"] > 0 and staging["hits"] > 0, staging
     staged = {p.name for p in stage.rglob("*") if p.is_file() and p.suffix == ".tar"}
     assert staged and staged <= {p.name for p in (data / "tar").iterdir()}
+    assert snapshot(data / "tar") == before
 
 
 def test_kill_and_resume_auto_on_shards_is_bitwise_the_uninterrupted_run(data, tmp_path):

@@ -136,63 +136,60 @@ def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> Tar
     for shard in shards:
         if shard.warning:
             print(f"hpcdl: warning: {shard.warning}", file=sys.stderr)
-    classes, named, origin, labels, flaws = resolve_classes(source, names, shards)
-    samples = [s for shard in shards for s in shard.samples]
-    readable = flaws == 0
-    heights = np.array([s.height for s in samples], np.int64)
-    widths = np.array([s.width for s in samples], np.int64)
     table = FileTable.from_entries(names, [s.size for s in shards])
-    members = FileTable.from_entries([s.image[0] for s in samples], [s.image[2] for s in samples])
+    members = FileTable.from_entries(
+        [name for s in shards for name in s.images], np.zeros(sum(len(s.images) for s in shards))
+    )
     columns = {
         "names": table.names,
         "starts": table.starts,
         "sizes": table.sizes,
         "mtimes": np.array([s.mtime_ns for s in shards], np.int64),
-        "first_sample": np.cumsum([0] + [len(s.samples) for s in shards[:-1]]).astype(np.int64),
+        "first_sample": np.cumsum([0] + [len(s.images) for s in shards[:-1]]).astype(np.int64),
         "member_names": members.names,
         "member_starts": members.starts,
-        "data_at": np.array([s.image[1] for s in samples], np.int64),
-        "data_len": members.sizes,
-        "labels": labels,
-        "heights": heights,
-        "widths": widths,
-        "flaws": flaws,
     }
-    grey = all(s.grey for s, ok in zip(samples, readable) if ok)
-    min_hw = [int(heights[readable].min()), int(widths[readable].min())] if readable.any() else []
+    for name in ("data_at", "data_len", "heights", "widths", "flaws"):
+        columns[name] = np.concatenate([s.columns[name] for s in shards])
+    for shard in shards:
+        shard.columns = {}  # copied into columns: freed before the labels are resolved
+    classes, named, origin = resolve_classes(source, names, shards, columns)
+    readable = columns["flaws"] == 0
+    heights, widths = columns["heights"][readable], columns["widths"][readable]
     meta = dict(
         kind="tar", key=key, classes=classes, named_classes=named, classes_from=origin,
-        grey=grey, min_hw=min_hw, readable=int(readable.sum()),
+        grey=all(s.grey for s in shards), readable=int(readable.sum()),
+        min_hw=[int(heights.min()), int(widths.min())] if readable.any() else [],
     )  # fmt: skip
     return TarIndex(columns, meta)
 
 
 def resolve_classes(
-    source: Path, names: list[str], shards: list[ShardContents]
-) -> tuple[list[str], bool, str, np.ndarray, np.ndarray]:
-    """(classes, named, where they came from, labels, flaws) of every sample."""
-    samples = [(n, s) for n, shard in zip(names, shards) for s in shard.samples]
-    raw = [s.label for _, s in samples]
+    source: Path, names: list[str], shards: list[ShardContents], columns: dict[str, np.ndarray]
+) -> tuple[list[str], bool, str]:
+    """(classes, named, where they came from); sets columns["labels"] and flags the labels
+    outside the classes in columns["flaws"]."""
+    raw = [label for shard in shards for label in shard.labels]
     classes_file = _classes_file(source)
     if classes_file.is_file():
         classes = _read_classes_file(classes_file)
         named, origin = True, str(classes_file)
     else:
         texts = sorted({v for v in raw if isinstance(v, str)})
-        ints = [v for v in raw if isinstance(v, int)]
-        if texts and ints:
-            first = next((n, s) for n, s in samples if isinstance(s.label, int))
+        top = max((v for v in raw if isinstance(v, int)), default=None)
+        if texts and top is not None:
+            i = next(i for i, v in enumerate(raw) if isinstance(v, int))
+            fid = int(np.searchsorted(columns["first_sample"], i, side="right")) - 1
             raise DataError(
                 f"{source}: labels mix class names (.txt, .json strings) and class indices "
-                f"(.cls, .json integers), e.g. {first[0]} member {first[1].key}; give "
-                f"{classes_file} (a JSON list of class names) to relate them"
+                f"(.cls, .json integers), e.g. {names[fid]} member {_member(columns, i)}; "
+                f"give {classes_file} (a JSON list of class names) to relate them"
             )
         named = bool(texts)
-        classes = texts if named else [str(i) for i in range(max(ints, default=-1) + 1)]
+        classes = texts if named else [str(i) for i in range((top if top is not None else -1) + 1)]
         origin = "the labels' sorted names" if named else "the labels' integers"
     position = {name: i for i, name in enumerate(classes)}
-    labels = np.zeros(len(samples), np.int64)
-    flaws = np.array([s.flaw for _, s in samples], np.int8)
+    labels, flaws = np.zeros(len(raw), np.int64), columns["flaws"]
     for i, value in enumerate(raw):
         if flaws[i]:
             continue
@@ -201,7 +198,14 @@ def resolve_classes(
             labels[i] = index
         else:
             flaws[i] = LABEL_RANGE
-    return classes, named, origin, labels, flaws
+    columns["labels"] = labels
+    return classes, named, origin
+
+
+def _member(columns: dict[str, np.ndarray], index: int) -> str:
+    """The image member name of sample index in an index's columns."""
+    begin, end = columns["member_starts"][index], columns["member_starts"][index + 1] - 1
+    return bytes(columns["member_names"][begin:end]).decode()
 
 
 def _read_classes_file(path: Path) -> list[str]:
@@ -293,9 +297,7 @@ class TarShardDataset:
 
     def member(self, index: int) -> str:
         """The image member of sample index, as the shard names it."""
-        cols = self.index.columns
-        begin, end = cols["member_starts"][index], cols["member_starts"][index + 1] - 1
-        return bytes(cols["member_names"][begin:end]).decode()
+        return _member(self.index.columns, index)
 
     def where(self, index: int, shard: Path | None = None) -> str:
         """'<shard> (member <name>)' of a sample, for messages."""
