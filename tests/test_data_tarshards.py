@@ -307,3 +307,40 @@ def test_jpeg_frames_parsed_by_hand_are_what_pillow_reads(tmp_path):
         with Image.open(io.BytesIO(data)) as im:
             assert jpeg_frame(data) == (im.height, im.width, im.mode == "L")
     assert jpeg_frame(b"\x89PNG\r\n") is None and jpeg_frame(jpeg_bytes(2)[:40]) is None
+
+
+def test_a_staged_copy_evicted_while_open_is_closed_at_the_next_sweep(tmp_path):
+    """An open descriptor keeps an evicted copy's blocks on the stage disk: the reader lets go
+    of it within SWEEP_EVERY shard opens, and reads that shard from the PFS again."""
+    from hpcdl.data.tarshards import SWEEP_EVERY  # noqa: PLC0415
+
+    make_shards(tmp_path / "d", shards=SWEEP_EVERY + 2, per_shard=1)
+    ds = open_dataset(tmp_path / "d")
+    staged = tmp_path / "stage" / "s-0000.tar"
+    staged.parent.mkdir()
+    staged.write_bytes((tmp_path / "d" / "s-0000.tar").read_bytes())
+    evicted = set()
+
+    def locate(fid: int) -> Path:
+        return staged if fid == 0 and not evicted else ds.root / ds.files.relpath(fid)
+
+    def held_deleted() -> list[str]:
+        held = []
+        for n in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{n}"))
+            except FileNotFoundError:
+                continue  # the listing's own descriptor, closed by now
+        return [link for link in held if link.startswith(str(staged))]
+
+    with closing(ds.reader(locate)) as reader:
+        reader._open(0)
+        assert reader.counts.local == 1
+        staged.unlink()
+        evicted.add(0)
+        assert held_deleted() != []
+        for i in range(1, SWEEP_EVERY + 1):
+            reader._open(i)
+        assert held_deleted() == []
+        reader._open(0)
+        assert reader.counts.pfs == SWEEP_EVERY + 1

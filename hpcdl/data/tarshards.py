@@ -17,7 +17,8 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
   width and flaw. Built with seeks: tar headers, label members and image headers are read,
   never the image data. The cache key is every shard's name, size and mtime and classes.json's.
 - Reads: one pread per sample from the shard's open descriptor; each reading process keeps up
-  to MAX_OPEN_SHARDS descriptors open (least recently used closed first). A shard whose size
+  to MAX_OPEN_SHARDS descriptors open (least recently used closed first; a staged copy the
+  stager has evicted is closed at the next sweep, every SWEEP_EVERY opens). A shard whose size
   (or, on the PFS, mtime) is not the index's, or shorter than a member, is a BadSample naming
   the shard and the member, as is a sample with a flaw: the data-error rules then apply
   (--skip-bad-samples trains on without it).
@@ -63,6 +64,7 @@ from hpcdl.data.tarindex import (
 
 CLASSES_NAME = "classes.json"
 MAX_OPEN_SHARDS = 64
+SWEEP_EVERY = 16  # shard opens between checks for evicted staged copies held open
 _INDEX_VERSION = 1
 _SAMPLE_COLUMNS = ("labels", "heights", "widths", "flaws", "data_at", "data_len")
 
@@ -326,6 +328,7 @@ class TarShardReader(ImageFolderReader):
     def __init__(self, ds: TarShardDataset, locate: Locate | None) -> None:
         super().__init__(ds, locate)
         self._fds: OrderedDict[int, tuple[int, Path]] = OrderedDict()
+        self._opened = 0
 
     def _open(self, index: int):
         """(the sample's image bytes as a file, '<shard> (member <name>)'); BadSample when the
@@ -360,6 +363,9 @@ class TarShardReader(ImageFolderReader):
             return held
         if held is not None:
             os.close(self._fds.pop(fid)[0])
+        self._opened += 1
+        if self._opened % SWEEP_EVERY == 0:
+            self._close_evicted()
         fd = self._open_checked(path, pfs, fid, index) if path != pfs else None
         if fd is None:
             path, fd = pfs, self._open_checked(pfs, pfs, fid, index)
@@ -367,6 +373,14 @@ class TarShardReader(ImageFolderReader):
         while len(self._fds) > MAX_OPEN_SHARDS:
             os.close(self._fds.popitem(last=False)[1][0])
         return fd, path
+
+    def _close_evicted(self) -> None:
+        """Close the staged copies the stager has evicted since they were opened: an open
+        descriptor keeps an unlinked file's blocks on the stage disk, beyond its capacity."""
+        for fid, (fd, path) in list(self._fds.items()):
+            if path != self.pfs(fid) and Path(self.locate(fid)) != path:
+                os.close(fd)
+                del self._fds[fid]
 
     def _open_checked(self, path: Path, pfs: Path, fid: int, index: int) -> int | None:
         """A descriptor of path when it is the indexed shard; for a staged copy (path != pfs)
