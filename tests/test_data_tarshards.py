@@ -344,3 +344,19 @@ def test_a_staged_copy_evicted_while_open_is_closed_at_the_next_sweep(tmp_path):
         assert held_deleted() == []
         reader._open(0)
         assert reader.counts.pfs == SWEEP_EVERY + 1
+
+
+def test_validation_shards_take_the_training_classes_by_name_or_index(tmp_path):
+    from hpcdl.data.dataset import align_classes  # noqa: PLC0415
+
+    make_folder(tmp_path / "train", per_class=2, classes=("cat", "dog", "emu"))
+    j = jpeg_bytes
+    write_tar(tmp_path / "named" / "v.tar", [("a.jpg", j(1)), ("a.txt", b"emu"),
+                                             ("b.jpg", j(2)), ("b.txt", b"cat")])  # fmt: skip
+    train, val = open_dataset(tmp_path / "train"), open_dataset(tmp_path / "named")
+    align_classes(val, train)
+    assert val.labels.tolist() == [2, 0] and val.classes == ["cat", "dog", "emu"]
+    write_tar(tmp_path / "ints" / "v.tar", [("a.jpg", j(1)), ("a.cls", b"1"),
+                                            ("b.jpg", j(2)), ("b.cls", b"3")])  # fmt: skip
+    with pytest.raises(DataError, match=r"v\.tar \(member b\.jpg\): label 3 is outside 0\.\.2"):
+        align_classes(open_dataset(tmp_path / "ints"), train)

@@ -113,6 +113,25 @@ def test_kill_and_resume_auto_on_shards_is_bitwise_the_uninterrupted_run(data, t
     np.testing.assert_array_equal(resumed.params, final_params(tmp_path / "ref"))
 
 
+@pytest.mark.multinode
+def test_a_node_that_cannot_see_rank_0s_tar_index_caches_its_own_copy(data, cluster, tmp_path):
+    """Two emulated nodes, each index cache on its own /local: node 2 gets rank 0's index as
+    bytes and writes it to its cache (hpcdl.startup.share_index); training is as on one node."""
+    from tools.bench.cluster import LOCAL  # noqa: PLC0415
+
+    args = ["--data", data / "tar", *COMMON, "--epochs", 1, "--workers", 1]
+    train(tmp_path, "one", data / "tar", *args[2:])
+    program = [sys.executable, "-m", "hpcdl.train", *map(str, args)]
+    program += ["--checkpoint-dir", str(tmp_path / "two")]
+    extra = ("-x", f"XDG_CACHE_HOME={LOCAL / 'cache'}", "--mca", "coll", "^han")
+    proc = cluster.run(1, cluster.mpirun([1, 1], *program, extra=extra), env=mpi_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    copies = [list((n.local / "cache" / "hpcdl").glob("tar-index-*")) for n in cluster.nodes]
+    assert [len(c) for c in copies] == [1, 1], copies
+    assert copies[0][0].read_bytes() == copies[1][0].read_bytes()
+    np.testing.assert_array_equal(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
+
+
 def bad_member_shards(root: Path) -> Path:
     """root/bad/: 2 shards of 8 good samples each; the second also holds 'nolabel.jpg'."""
     for s in range(2):
