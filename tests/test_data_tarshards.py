@@ -20,7 +20,8 @@ from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder
 from hpcdl.data.kinds import kind_of, reopen, reopen_spec
 from hpcdl.data.sampler import DistributedSampler
-from hpcdl.data.tarshards import MAX_OPEN_SHARDS, TarShardDataset
+from hpcdl.data.tarshards import TarShardDataset
+from hpcdl.data.tarshards_reader import MAX_OPEN_SHARDS
 
 
 @pytest.fixture(autouse=True)
@@ -312,7 +313,7 @@ def test_jpeg_frames_parsed_by_hand_are_what_pillow_reads(tmp_path):
 def test_a_staged_copy_evicted_while_open_is_closed_at_the_next_sweep(tmp_path):
     """An open descriptor keeps an evicted copy's blocks on the stage disk: the reader lets go
     of it within SWEEP_EVERY shard opens, and reads that shard from the PFS again."""
-    from hpcdl.data.tarshards import SWEEP_EVERY  # noqa: PLC0415
+    from hpcdl.data.tarshards_reader import SWEEP_EVERY  # noqa: PLC0415
 
     make_shards(tmp_path / "d", shards=SWEEP_EVERY + 2, per_shard=1)
     ds = open_dataset(tmp_path / "d")
@@ -360,3 +361,17 @@ def test_validation_shards_take_the_training_classes_by_name_or_index(tmp_path):
                                             ("b.jpg", j(2)), ("b.cls", b"3")])  # fmt: skip
     with pytest.raises(DataError, match=r"v\.tar \(member b\.jpg\): label 3 is outside 0\.\.2"):
         align_classes(open_dataset(tmp_path / "ints"), train)
+
+
+def test_loader_workers_map_the_tar_index_shared_not_copied(tmp_path):
+    from tools.bench.memory import mapping  # noqa: PLC0415
+
+    make_shards(tmp_path / "d", shards=4, per_shard=50)
+    ds = open_dataset(tmp_path / "d")
+    with Loader(ds, 8, workers=2, augment="rcrop12") as loader:
+        batches = [np.arange(i, 200, 25) for i in range(4)]
+        assert sum(len(y) for _, y in loader.iterate(batches, 0)) == 32
+        for pid in [os.getpid(), *loader.worker_pids]:
+            m = mapping(pid, str(ds.index_path))
+            assert m is not None, f"process {pid} does not map {ds.index_path}"
+            assert m["Rss"] > 0 and m["Private_Dirty"] == 0 and m["Anonymous"] == 0

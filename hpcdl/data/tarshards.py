@@ -16,9 +16,8 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
   ds.files lists them); per sample the image member's name, offset and length, label, height,
   width and flaw. Built with seeks: tar headers, label members and image headers are read,
   never the image data. The cache key is every shard's name, size and mtime and classes.json's.
-- Reads: one pread per sample from the shard's open descriptor; each reading process keeps up
-  to MAX_OPEN_SHARDS descriptors open (least recently used closed first; a staged copy the
-  stager has evicted is closed at the next sweep, every SWEEP_EVERY opens). A shard whose size
+- Reads (hpcdl.data.tarshards_reader): one pread per sample from the shard's open descriptor,
+  a bounded number of descriptors kept open per reading process. A shard whose size
   (or, on the PFS, mtime) is not the index's, or shorter than a member, is a BadSample naming
   the shard and the member, as is a sample with a flaw: the data-error rules then apply
   (--skip-bad-samples trains on without it).
@@ -28,13 +27,11 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import sys
 import tempfile
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,28 +40,24 @@ from typing import Any
 import numpy as np
 
 from hpcdl.data.dataset import (
-    BadSample,
     DataError,
     FileTable,
     Locate,
     check_table,
     file_ids_from_offsets,
 )
-from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, INDEX_THREADS, ImageFolderReader
+from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, INDEX_THREADS
 from hpcdl.data.indexfile import index_bytes, map_index_file, write_index_file
-from hpcdl.data.pfs import open_latency, throttle
 from hpcdl.data.tarindex import (
-    FLAW_REASONS,
     LABEL_RANGE,
     ShardContents,
     list_shards,
     read_shard,
     shard_root,
 )
+from hpcdl.data.tarshards_reader import TarShardReader
 
 CLASSES_NAME = "classes.json"
-MAX_OPEN_SHARDS = 64
-SWEEP_EVERY = 16  # shard opens between checks for evicted staged copies held open
 _INDEX_VERSION = 1
 _SAMPLE_COLUMNS = ("labels", "heights", "widths", "flaws", "data_at", "data_len")
 
@@ -318,94 +311,3 @@ class TarShardDataset:
 
     def reader(self, locate: Locate | None = None) -> TarShardReader:
         return TarShardReader(self, locate)
-
-
-class TarShardReader(ImageFolderReader):
-    """Decodes samples in the process that owns it (the image folder's decode), each read with
-    one pread from the shard's descriptor, kept open (MAX_OPEN_SHARDS, least recently used
-    closed first)."""
-
-    def __init__(self, ds: TarShardDataset, locate: Locate | None) -> None:
-        super().__init__(ds, locate)
-        self._fds: OrderedDict[int, tuple[int, Path]] = OrderedDict()
-        self._opened = 0
-
-    def _open(self, index: int):
-        """(the sample's image bytes as a file, '<shard> (member <name>)'); BadSample when the
-        sample is flawed or its shard cannot be read."""
-        ds, cols = self.ds, self.ds.index.columns
-        flaw = int(cols["flaws"][index])
-        if flaw:
-            raise BadSample(ds.where(index), index, FLAW_REASONS[flaw])
-        fid = int(ds.file_ids([index])[0])
-        fd, path = self._shard(fid, index)
-        at, length = int(cols["data_at"][index]), int(cols["data_len"][index])
-        data = os.pread(fd, length, at)
-        if len(data) < length:
-            raise BadSample(
-                ds.where(index, path), index,
-                f"the shard is {os.fstat(fd).st_size} bytes now, and the member ends at byte "
-                f"{at + length}: it was truncated after it was indexed; restore it",
-            )  # fmt: skip
-        if path == self.pfs(fid):
-            throttle(length, self.emulation)
-            self.counts.pfs += 1
-        else:
-            self.counts.local += 1
-        return io.BytesIO(data), ds.where(index, path)
-
-    def _shard(self, fid: int, index: int) -> tuple[int, Path]:
-        """(open descriptor, path) of shard fid: its staged copy, else the PFS original."""
-        path, pfs = Path(self.locate(fid)), self.pfs(fid)
-        held = self._fds.get(fid)
-        if held is not None and held[1] == path:
-            self._fds.move_to_end(fid)
-            return held
-        if held is not None:
-            os.close(self._fds.pop(fid)[0])
-        self._opened += 1
-        if self._opened % SWEEP_EVERY == 0:
-            self._close_evicted()
-        fd = self._open_checked(path, pfs, fid, index) if path != pfs else None
-        if fd is None:
-            path, fd = pfs, self._open_checked(pfs, pfs, fid, index)
-        self._fds[fid] = (fd, path)
-        while len(self._fds) > MAX_OPEN_SHARDS:
-            os.close(self._fds.popitem(last=False)[1][0])
-        return fd, path
-
-    def _close_evicted(self) -> None:
-        """Close the staged copies the stager has evicted since they were opened: an open
-        descriptor keeps an unlinked file's blocks on the stage disk, beyond its capacity."""
-        for fid, (fd, path) in list(self._fds.items()):
-            if path != self.pfs(fid) and Path(self.locate(fid)) != path:
-                os.close(fd)
-                del self._fds[fid]
-
-    def _open_checked(self, path: Path, pfs: Path, fid: int, index: int) -> int | None:
-        """A descriptor of path when it is the indexed shard; for a staged copy (path != pfs)
-        None instead of BadSample (the original is read)."""
-        size, mtime = int(self.ds.files.sizes[fid]), int(self.ds.index.columns["mtimes"][fid])
-        try:
-            if path == pfs:
-                open_latency(self.emulation)
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            if path != pfs:
-                return None
-            raise BadSample(self.ds.where(index, path), index, exc.strerror or str(exc)) from None
-        st = os.fstat(fd)
-        if st.st_size == size and (path != pfs or st.st_mtime_ns == mtime):
-            return fd
-        os.close(fd)
-        if path != pfs:
-            return None
-        raise BadSample(
-            self.ds.where(index, path), index,
-            f"the shard changed since its index was built ({size} bytes then, {st.st_size} "
-            "now, or a new mtime); restore it, or start a new run to index it again",
-        )  # fmt: skip
-
-    def close(self) -> None:
-        while self._fds:
-            os.close(self._fds.popitem()[1][0])
