@@ -375,3 +375,12 @@ def test_loader_workers_map_the_tar_index_shared_not_copied(tmp_path):
             m = mapping(pid, str(ds.index_path))
             assert m is not None, f"process {pid} does not map {ds.index_path}"
             assert m["Rss"] > 0 and m["Private_Dirty"] == 0 and m["Anonymous"] == 0
+
+
+def test_shards_without_samples_are_one_line_saying_what_a_sample_is(tmp_path):
+    write_tar(tmp_path / "d" / "x.tar", [("a.txt", b"a caption"), ("b.json", b"{}")])
+    with pytest.raises(DataError, match=r"no samples in its 1 tar shard\(s\) \(a sample is an"):
+        open_dataset(tmp_path / "d")
+    write_tar(tmp_path / "e" / "x.tar", [("a.jpg", b"junk"), ("a.cls", b"0")])
+    with pytest.raises(DataError, match=r"none of the 1 samples can be read"):
+        open_dataset(tmp_path / "e")

@@ -170,6 +170,16 @@ def test_stage_dry_run_plans_the_shards(data, tmp_path):
     assert sum(n["run_files"] for n in report["nodes"]) == 5, report["nodes"]
 
 
+def test_stage_only_copies_whole_shards_byte_for_byte(data, tmp_path):
+    stage = tmp_path / "stage"
+    args = ("--data", data / "tar", "--batch-size", 4, "--epochs", 1, "--stage-dir", stage)
+    proc = stage_cli(*args, env=mpi_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    copies = [p for p in stage.rglob("*.tar") if p.is_file()]
+    assert len(copies) == 5, copies
+    assert all(p.read_bytes() == (data / "tar" / p.name).read_bytes() for p in copies)
+
+
 def test_hpcdl_torch_loader_reads_the_shards_as_the_folder(data):
     torch = pytest.importorskip("torch")
     from hpcdl.torch import Loader  # noqa: PLC0415

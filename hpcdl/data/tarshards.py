@@ -240,6 +240,11 @@ class TarShardDataset:
         self.labels, self.heights, self.widths = cols["labels"], cols["heights"], cols["widths"]
         self.classes = list(meta["classes"])
         self.named_classes = bool(meta["named_classes"])
+        if not len(self):
+            raise DataError(
+                f"{self.source}: no samples in its {len(self.files)} tar shard(s) (a sample is an "
+                "image member, .jpg, .jpeg, .png or .webp, with a label member of the same key)"
+            )
         if not meta["readable"]:
             raise DataError(f"{self.source}: none of the {len(self)} samples can be read")
         self.index_seconds = time.perf_counter() - t0
