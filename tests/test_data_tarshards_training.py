@@ -191,6 +191,12 @@ def test_hpcdl_torch_loader_reads_the_shards_as_the_folder(data):
     assert len(got["tar"]) == 4
     for (a, la), (b, lb) in zip(got["folder"], got["tar"], strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
+    from hpcdl.torch import HpcdlSamples  # noqa: PLC0415
+
+    folder, tar = (HpcdlSamples(str(data / k), "rrc16+flip", seed=4) for k in ("folder", "tar"))
+    for item in ((0, 0), (1, 13), (2, 31)):
+        (a, la), (b, lb) = folder[item], tar[item]
+        assert torch.equal(a, b) and la == lb
 
 
 if __name__ == "__main__":
