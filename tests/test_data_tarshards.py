@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import tarfile
 from contextlib import closing
 from pathlib import Path
@@ -319,7 +320,7 @@ def test_a_staged_copy_evicted_while_open_is_closed_at_the_next_sweep(tmp_path):
     ds = open_dataset(tmp_path / "d")
     staged = tmp_path / "stage" / "s-0000.tar"
     staged.parent.mkdir()
-    staged.write_bytes((tmp_path / "d" / "s-0000.tar").read_bytes())
+    shutil.copy2(tmp_path / "d" / "s-0000.tar", staged)  # bytes and mtime, as the stager copies
     evicted = set()
 
     def locate(fid: int) -> Path:
@@ -384,3 +385,22 @@ def test_shards_without_samples_are_one_line_saying_what_a_sample_is(tmp_path):
     write_tar(tmp_path / "e" / "x.tar", [("a.jpg", b"junk"), ("a.cls", b"0")])
     with pytest.raises(DataError, match=r"none of the 1 samples can be read"):
         open_dataset(tmp_path / "e")
+
+
+def test_a_staged_copy_that_is_not_the_indexed_shard_is_passed_over_for_the_original(tmp_path):
+    """Same size, other bytes and mtime (the shard was rewritten, then staged, then restored):
+    the stager keeps the source's mtime on its copies, so the copy is not the indexed shard."""
+    members = make_shards(tmp_path / "d", shards=1, per_shard=2)
+    ds = open_dataset(tmp_path / "d")
+    staged = tmp_path / "stage" / "s-0000.tar"
+    staged.parent.mkdir()
+    original = (tmp_path / "d" / "s-0000.tar").read_bytes()
+    at = int(ds.index.columns["data_at"][0]) + 200
+    staged.write_bytes(original[:at] + bytes([original[at] ^ 0xFF]) + original[at + 1 :])
+    with closing(ds.reader(lambda fid: staged)) as reader:
+        f, _ = reader._open(0)
+        assert f.read() == members[0][0][1] and reader.counts.pfs == 1
+    os.utime(staged, ns=(0, (tmp_path / "d" / "s-0000.tar").stat().st_mtime_ns))
+    with closing(ds.reader(lambda fid: staged)) as reader:
+        reader._open(0)
+        assert reader.counts.local == 1  # the stager's copy, as the stager leaves it

@@ -17,9 +17,10 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
   width and flaw. Built with seeks: tar headers, label members and image headers are read,
   never the image data. The cache key is every shard's name, size and mtime and classes.json's.
 - Reads (hpcdl.data.tarshards_reader): one pread per sample from the shard's open descriptor,
-  a bounded number of descriptors kept open per reading process. A shard whose size
-  (or, on the PFS, mtime) is not the index's, or shorter than a member, is a BadSample naming
-  the shard and the member, as is a sample with a flaw: the data-error rules then apply
+  a bounded number of descriptors kept open per reading process. A shard whose size or mtime
+  is not the index's (staged copies keep the original's mtime; one that does not match is
+  passed over for the original), or shorter than a member, is a BadSample naming the shard
+  and the member, as is a sample with a flaw: the data-error rules then apply
   (--skip-bad-samples trains on without it).
 - Compressed shards (.tar.gz, ...) cannot be read in place: one line says to decompress them.
 """

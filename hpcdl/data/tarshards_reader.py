@@ -101,7 +101,7 @@ class TarShardReader(ImageFolderReader):
                 return None
             raise BadSample(self.ds.where(index, path), index, exc.strerror or str(exc)) from None
         st = os.fstat(fd)
-        if st.st_size == size and (path != pfs or st.st_mtime_ns == mtime):
+        if st.st_size == size and st.st_mtime_ns == mtime:  # the stager keeps the mtime
             return fd
         os.close(fd)
         if path != pfs:
