@@ -404,3 +404,40 @@ def test_a_staged_copy_that_is_not_the_indexed_shard_is_passed_over_for_the_orig
     with closing(ds.reader(lambda fid: staged)) as reader:
         reader._open(0)
         assert reader.counts.local == 1  # the stager's copy, as the stager leaves it
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_tar_headers_parsed_by_hand_list_what_tarfile_lists(fmt, tmp_path):
+    """Directories, links, long and non-ASCII names, empty and multi-block members."""
+    from hpcdl.data.tarheaders import tar_members  # noqa: PLC0415
+
+    rng = np.random.default_rng(fmt)
+    path = tmp_path / "x.tar"
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for i in range(40):
+            if i % 7 == 3:
+                info = tarfile.TarInfo(f"dir{i}")
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+                continue
+            if i % 11 == 5:
+                info = tarfile.TarInfo(f"link{i}")
+                info.type, info.linkname = (
+                    tarfile.SYMTYPE,
+                    "x" * (40 if fmt == tarfile.USTAR_FORMAT else 120),
+                )
+                tar.addfile(info)
+                continue
+            stem = ("ü" if fmt != tarfile.USTAR_FORMAT else "u") + "n" * int(rng.integers(1, 90))
+            name = f"{'d' * int(rng.integers(0, 60))}/{stem}.{i}.jpg".lstrip("/")
+            data = bytes(rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8))
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with tarfile.open(path) as tar:
+        want = [(m.name, m.offset_data, m.size) for m in tar.getmembers() if m.isfile()]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert tar_members(fd, os.fstat(fd).st_size) == (want, None)
+    finally:
+        os.close(fd)
