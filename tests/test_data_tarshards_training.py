@@ -132,6 +132,20 @@ def test_a_node_that_cannot_see_rank_0s_tar_index_caches_its_own_copy(data, clus
     np.testing.assert_array_equal(final_params(tmp_path / "one"), final_params(tmp_path / "two"))
 
 
+def test_behind_a_slow_read_only_file_system_each_reader_opens_each_shard_once(data, tmp_path):
+    """FUSE, 5 ms per open, read-only: the index (rank 0) and the two loader workers each open
+    a shard once over two epochs; the run trains as on the local disk."""
+    from slowfs import slow_mount  # noqa: PLC0415
+
+    args = ("--epochs", 2, "--workers", 1)
+    train(tmp_path, "local", data / "tar", *args)
+    with slow_mount(data / "tar", tmp_path / "pfs", latency_ms=5) as pfs:
+        train(tmp_path, "slow", pfs.mountpoint, *args)
+        stats = pfs.stats()
+    assert stats["files_opened"] == 5 and stats["max_opens_of_one_file"] <= 3, stats
+    np.testing.assert_array_equal(final_params(tmp_path / "local"), final_params(tmp_path / "slow"))
+
+
 def bad_member_shards(root: Path) -> Path:
     """root/bad/: 2 shards of 8 good samples each; the second also holds 'nolabel.jpg'."""
     for s in range(2):
