@@ -118,6 +118,9 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
     if error is None and val_ds is not None:
         _, error = _local_error(lambda: align_classes(val_ds, train_ds))
     agree_on_errors(world.comm, world.rank, error)  # also: every node's cache is written
+    for ds in (train_ds, val_ds) if world.is_root and not cfg.quiet else ():
+        if ds is not None and ds.kind == "tar":  # a start line: where the classes came from
+            print(ds.describe(), flush=True)
     return train_ds, val_ds
 
 

@@ -50,7 +50,7 @@ def reopen(spec: dict):
         if ds is not None:
             return ds
     if spec.get("kind") == "tar":
-        ds = TarShardDataset(spec["source"], announce=False)
+        ds = TarShardDataset(spec["source"])
     else:
         ds = open_dataset(spec["source"])
     if ds.index.meta["key"] != spec["key"]:
@@ -87,7 +87,7 @@ def dataset_of_index(source: str | Path, data: bytes, path: Path | None, key: st
         return ds
     columns, meta = parse_index(data)
     if meta.get("kind") == "tar":
-        return TarShardDataset(source, index=TarIndex(columns, meta), announce=False)
+        return TarShardDataset(source, index=TarIndex(columns, meta))
     return ImageFolderDataset(source, index=FolderIndex(columns, meta))
 
 

@@ -9,7 +9,7 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
 
 - Classes: classes.json beside the shards (a JSON list of names; a label is an index into it,
   or one of its names), else the sorted set of the label names, else (integer labels only)
-  "0".."max"; the start says which in one line.
+  "0".."max"; the start says which in one line (describe(), printed by hpcdl.startup).
 - The index (what the folder's NOTE [the index] in hpcdl/data/imagefolder.py says of its index
   holds here too: built once per job by rank 0, shared, mapped, cached outside the data root,
   never written into it): per shard its name, size and mtime (the stager stages whole shards:
@@ -221,11 +221,9 @@ class TarShardDataset:
     layout = "HWC"
     dtype = np.uint8
 
-    def __init__(
-        self, source: str | Path, index: TarIndex | None = None, announce: bool = True
-    ) -> None:
+    def __init__(self, source: str | Path, index: TarIndex | None = None) -> None:
         """Open the shards at source: map the cached index or build and cache it. `index` is
-        taken as it is. announce: say in one line where the classes came from."""
+        taken as it is. describe() is the start's line about them."""
         self.source = Path(source)
         self.index_source = "given"  # or "cache", "built"
         t0 = time.perf_counter()
@@ -254,8 +252,6 @@ class TarShardDataset:
         self._shape = (channels, *self.min_hw)
         self.mean = np.array(IMAGENET_MEAN[:channels] if channels == 3 else [127.5], np.float32)
         self.std = np.array(IMAGENET_STD[:channels] if channels == 3 else [127.5], np.float32)
-        if announce:
-            print(self.describe(), file=sys.stderr, flush=True)
 
     def describe(self) -> str:
         """The start's line about the shards and where their classes came from."""
@@ -269,7 +265,7 @@ class TarShardDataset:
         """The data set whose index another process cached at path; None when it cannot be
         mapped here or no longer holds key."""
         index = map_tar_index(Path(path), key)
-        return None if index is None else cls(source, index=index, announce=False)
+        return None if index is None else cls(source, index=index)
 
     def _load_or_build(self) -> TarIndex:
         _, names = list_shards(self.source)
