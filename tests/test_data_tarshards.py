@@ -114,6 +114,9 @@ def test_compressed_shards_are_one_line_saying_to_decompress(tmp_path):
     (tmp_path / "z" / "s-0.tar.gz").write_bytes(b"\x1f\x8b" + b"\0" * 600)
     with pytest.raises(DataError, match=r"s-0\.tar\.gz: a compressed tar shard.*gunzip"):
         open_dataset(tmp_path / "z")
+    make_shards(tmp_path / "z", shards=1, per_shard=1)  # plain ones beside it: still refused
+    with pytest.raises(DataError, match=r"s-0\.tar\.gz: a compressed tar shard"):
+        open_dataset(tmp_path / "z")
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "s-0.tar").write_bytes(b"\x1f\x8b" + b"\0" * 600)  # gzip named .tar
     with pytest.raises(DataError, match=r"s-0\.tar: a compressed tar shard"):

@@ -96,10 +96,10 @@ def list_shards(source: str | Path) -> tuple[Path, list[str]]:
         root = source
         entries = sorted(e.name for e in os.scandir(root) if e.is_file())
         names = [n for n in entries if n.lower().endswith(".tar")]
+        compressed = [n for n in entries if is_compressed_name(n)]
+        if compressed:  # beside plain ones too: its samples would be left out unsaid
+            raise recompress_error(root / compressed[0])
         if not names:
-            compressed = [n for n in entries if is_compressed_name(n)]
-            if compressed:
-                raise recompress_error(root / compressed[0])
             raise DataError(f"{root}: no tar shards (*.tar) in this directory")
     else:
         root, names = source.parent, [source.name]
