@@ -203,7 +203,7 @@ def bad_shards(tmp_path: Path) -> Path:
     [
         ("nolabel.jpg", "no label member (.cls, .json or .txt)"),
         ("twice.png", "two image members share this sample's key"),
-        ("range.jpg", "its label is outside the data set's classes"),
+        ("range.jpg", "its label is outside the data set's classes (2 classes, from the labels"),
         ("junk.jpg", "its image header cannot be parsed"),
         ("word.jpg", "its label member holds no usable label"),
         ("cut.jpg", "the shard ends inside this sample's members (truncated)"),

@@ -2,7 +2,8 @@
 
 A shard is read with seeks: each member's header is parsed (hpcdl.data.tarheaders: ustar, GNU
 long names, pax) and its data skipped. Only the label members and the first bytes of each
-image (enough for Pillow to parse its header) are read. WebDataset's rule groups the members
+image (its header: a JPEG's frame header found by hand, anything else parsed by Pillow) are
+read. WebDataset's rule groups the members
 into samples: the key is the member's path up to the first dot of its base name, the extension
 the rest ("a/x.seg.png": key "a/x", extension "seg.png").
 """

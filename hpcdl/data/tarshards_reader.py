@@ -19,7 +19,7 @@ from typing import Any
 from hpcdl.data.dataset import BadSample, Locate
 from hpcdl.data.imagefolder import ImageFolderReader
 from hpcdl.data.pfs import open_latency, throttle
-from hpcdl.data.tarindex import FLAW_REASONS
+from hpcdl.data.tarindex import FLAW_REASONS, LABEL_RANGE
 
 MAX_OPEN_SHARDS = 64
 SWEEP_EVERY = 16  # shard opens between checks for evicted staged copies held open
@@ -42,7 +42,10 @@ class TarShardReader(ImageFolderReader):
         ds, cols = self.ds, self.ds.index.columns
         flaw = int(cols["flaws"][index])
         if flaw:
-            raise BadSample(ds.where(index), index, FLAW_REASONS[flaw])
+            reason = FLAW_REASONS[flaw]
+            if flaw == LABEL_RANGE:
+                reason += f" ({ds.num_classes} classes, from {ds.index.meta['classes_from']})"
+            raise BadSample(ds.where(index), index, reason)
         fid = int(ds.file_ids([index])[0])
         fd, path = self._shard(fid, index)
         at, length = int(cols["data_at"][index]), int(cols["data_len"][index])
