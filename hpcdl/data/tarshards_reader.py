@@ -49,7 +49,10 @@ class TarShardReader(ImageFolderReader):
         fid = int(ds.file_ids([index])[0])
         fd, path = self._shard(fid, index)
         at, length = int(cols["data_at"][index]), int(cols["data_len"][index])
-        data = os.pread(fd, length, at)
+        try:
+            data = _read_at(fd, length, at)
+        except OSError as exc:
+            raise BadSample(ds.where(index, path), index, exc.strerror or str(exc)) from None
         if len(data) < length:
             raise BadSample(
                 ds.where(index, path), index,
@@ -118,3 +121,15 @@ class TarShardReader(ImageFolderReader):
     def close(self) -> None:
         while self._fds:
             os.close(self._fds.popitem()[1][0])
+
+
+def _read_at(fd: int, length: int, at: int) -> bytes:
+    """length bytes at offset at, fewer only at the end of the file: one pread, more only where
+    the file system returns part of a read."""
+    data = os.pread(fd, length, at)
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), at + len(data))
+        if not more:
+            break
+        data += more
+    return data
