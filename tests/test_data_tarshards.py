@@ -443,3 +443,11 @@ def test_tar_headers_parsed_by_hand_list_what_tarfile_lists(fmt, tmp_path):
         assert tar_members(fd, os.fstat(fd).st_size) == (want, None)
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
+def test_a_shard_that_cannot_be_read_is_one_line_naming_it(tmp_path):
+    make_shards(tmp_path / "d", shards=2, per_shard=1)
+    (tmp_path / "d" / "s-0001.tar").chmod(0)
+    with pytest.raises(DataError, match=r"s-0001\.tar: cannot be read to index it"):
+        open_dataset(tmp_path / "d")

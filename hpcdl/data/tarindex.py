@@ -148,7 +148,15 @@ def split_member(name: str) -> tuple[str, str]:
 
 
 def read_shard(path: Path) -> ShardContents:
-    """The samples of one shard (see the module docstring); DataError when it is not a tar."""
+    """The samples of one shard (see the module docstring); DataError when it is not a tar or
+    cannot be read."""
+    try:
+        return _read_shard(path)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read to index it ({exc.strerror or exc})") from None
+
+
+def _read_shard(path: Path) -> ShardContents:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
