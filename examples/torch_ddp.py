@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True, help="HDF5 shards or an image folder (required)")
+    ap.add_argument(
+        "--data", required=True, help="HDF5 or tar shards, or an image folder (required)"
+    )
     ap.add_argument("--epochs", type=int, default=3, help="passes over the data")
     ap.add_argument("--stage-dir", help="node-local directory to stage into (default: none)")
     ap.add_argument("--keep-staged", action="store_true", help="leave the staged copies")

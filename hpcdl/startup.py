@@ -89,11 +89,11 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
     error, refs = world.comm.bcast(shared, root=0)
 
     def receive(path: str, ref: tuple | None) -> Any:
-        from hpcdl.data.imagefolder import ImageFolderDataset  # noqa: PLC0415
+        from hpcdl.data.kinds import from_index_file  # noqa: PLC0415
 
         if ref is None:
             return open_dataset(path)
-        return None if ref[0] is None else ImageFolderDataset.from_index_file(path, *ref)
+        return None if ref[0] is None else from_index_file(path, *ref)
 
     if not world.is_root and error is None:
         found, error = _local_error(lambda: [receive(*pr) for pr in zip(paths, refs)])
@@ -118,12 +118,16 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
     if error is None and val_ds is not None:
         _, error = _local_error(lambda: align_classes(val_ds, train_ds))
     agree_on_errors(world.comm, world.rank, error)  # also: every node's cache is written
+    for ds in (train_ds, val_ds) if world.is_root and not cfg.quiet else ():
+        if ds is not None and ds.kind == "tar":  # a start line: where the classes came from
+            print(ds.describe(), flush=True)
     return train_ds, val_ds
 
 
 def _index_ref(ds: Any) -> tuple[Path | None, str] | None:
-    """(where rank 0's index file is, its key) of an image folder; None for other kinds."""
-    return (ds.index_path, ds.index.meta["key"]) if ds.kind == "folder" else None
+    """(where rank 0's index file is, its key) of an image folder or tar shards; None for
+    other kinds."""
+    return (ds.index_path, ds.index.meta["key"]) if ds.kind in ("folder", "tar") else None
 
 
 def share_index(world: World, ds: Any, root: str, key: str, in_data_root: bool) -> Any:
@@ -131,13 +135,7 @@ def share_index(world: World, ds: Any, root: str, key: str, in_data_root: bool) 
     built from rank 0's index, which the node's first rank writes to the node's cache for
     every rank and loader worker of the node to map. Collective; the bytes go over MPI only
     when some rank lacks them."""
-    from hpcdl.data.imagefolder import (  # noqa: PLC0415
-        FolderIndex,
-        ImageFolderDataset,
-        map_index,
-        save_index,
-    )
-    from hpcdl.data.indexfile import parse_index  # noqa: PLC0415
+    from hpcdl.data.kinds import dataset_of_index, save_shared_index  # noqa: PLC0415
 
     if not any(world.comm.allgather(ds is None)):
         return ds
@@ -146,14 +144,13 @@ def share_index(world: World, ds: Any, root: str, key: str, in_data_root: bool) 
     if any(world.node_comm.allgather(ds is None)):
         if world.local_rank == 0:
             if ds is None:
-                path = save_index(Path(root), FolderIndex(*parse_index(data)), in_data_root).path
+                path = save_shared_index(root, data, in_data_root)
             else:
                 path = ds.index_path
         path = world.node_comm.bcast(path, root=0)
     if ds is not None:
         return ds
-    index = map_index(path, key) if path is not None else None
-    return ImageFolderDataset(root, index=index or FolderIndex(*parse_index(data)))
+    return dataset_of_index(root, data, path, key)
 
 
 def input_shape(cfg: TrainConfig, ds: Any) -> tuple[int, int, int]:

@@ -25,6 +25,10 @@ def byte_capacity(ds, batch_size: int) -> int:
 
 def check_gpu_decode(ds) -> None:
     """--decode gpu decodes RGB image files; anything else is refused in one line."""
+    if ds.kind == "tar":
+        raise DataError(
+            f"--decode gpu reads image files; {ds.source} holds tar shards: use --decode cpu"
+        )
     if ds.kind == "hdf5":
         raise DataError(
             f"--decode gpu decodes image files; {ds.source} holds decoded pixels (HDF5): "

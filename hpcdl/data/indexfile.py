@@ -33,9 +33,12 @@ def _layout(columns: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[bytes
     """(header bytes, {name: offset}) with offsets counted from the start of the file."""
     specs: dict[str, list] = {}
     offsets: dict[str, int] = {}
-    header = b""
-    for _ in range(2):  # the header's length moves the offsets; two passes settle it
-        at = _aligned(len(MAGIC) + 8 + len(header))
+    header, first = b"", -1
+    # The header's length moves the offsets, which it holds: repeat until the first column
+    # starts where the header written from those offsets ends (an offset gaining a digit can
+    # push the header over a 64-byte boundary).
+    while first != _aligned(len(MAGIC) + 8 + len(header)):
+        at = first = _aligned(len(MAGIC) + 8 + len(header))
         for name, col in columns.items():
             offsets[name] = at
             specs[name] = [col.dtype.newbyteorder("<").str, int(col.size), at]
