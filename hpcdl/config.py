@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.nn.models import MODELS
-from hpcdl.nn.user_models import is_user_model, load_builder
+from hpcdl.nn.user_models import is_torchvision, is_user_model, load_builder
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -478,16 +479,24 @@ def _validate_resume(cfg: TrainConfig) -> None:
 
 
 def _validate_model(model: str) -> None:
-    """A built-in name, or a user's builder that imports (called later, with the data's shape)."""
-    if is_user_model(model):
+    """A built-in name, a user's builder that imports (called later, with the data's shape), or
+    torchvision:NAME with torch and torchvision installed (the name is looked up later)."""
+    if is_torchvision(model):
+        for package, install in (("torch", "'hpcdl[torch]'"), ("torchvision", "torchvision")):
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(
+                    f"--model {model} needs {package}, which is not installed: pip install "
+                    f"{install}"
+                )
+    elif is_user_model(model):
         try:
             load_builder(model)
         except ValueError as exc:
             raise ConfigError(f"--{exc}") from None
     elif model not in MODELS:
         raise ConfigError(
-            f"--model must be one of {', '.join(MODELS)} or package.module:function / "
-            f"path/to/file.py:function, got {model!r}"
+            f"--model must be one of {', '.join(MODELS)}, package.module:function / "
+            f"path/to/file.py:function, or torchvision:NAME, got {model!r}"
         )
 
 
