@@ -1,0 +1,163 @@
+"""hpcdl.train with a torch.nn.Module (hpcdl.torch_engine, NOTE [the engine seam]): real
+2-rank runs under mpirun on the digits data; the model is tests/torch_models.py's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import mpi_env, read_events, run_train
+
+from hpcdl import checkpoint
+
+torch = pytest.importorskip("torch")
+
+MODELS = Path(__file__).parent / "torch_models.py"
+CNN = f"{MODELS}:small_cnn"
+
+
+def args(digits: Path, *more) -> list:
+    return ["--data", digits / "train", "--model", CNN, "--batch-size", 16, "--lr", 0.05,
+            "--workers", 0, "--seed", 3, "--progress", "none", *more]  # fmt: skip
+
+
+def final_state(ckpt_dir: Path) -> checkpoint.Checkpoint:
+    return checkpoint.load(checkpoint.latest(ckpt_dir))
+
+
+def test_two_ranks_train_a_torch_module_to_identical_parameters(digits_dir, tmp_path):
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    done = run_train(2, *args(digits_dir, "--epochs", 2, "--val-data", digits_dir / "val",
+                              "--metrics", tmp_path / "m.jsonl", "--checkpoint-dir",
+                              tmp_path / "ck"),
+                     env={**mpi_env(), "HPCDL_TORCH_DIGESTS": str(digests)},
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1].startswith("hpcdl.train: final val_acc "), done.stdout
+    assert float(lines[-1].split()[3]) > 0.8, done.stdout  # it learned: digits at 2 epochs
+    finals = [(digests / f"rank-{r}.txt").read_text().split()[-1] for r in range(2)]
+    assert finals[0] == finals[1]  # parameters and BatchNorm statistics, bit for bit
+    epochs = read_events(tmp_path / "m.jsonl", "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1] and all("val_acc" in e for e in epochs)
+    steps = read_events(tmp_path / "m.jsonl", "step")
+    assert steps and all(s["lr"] == 0.05 and np.isfinite(s["loss"]) for s in steps)
+    saved = final_state(tmp_path / "ck")
+    assert saved.model == "torch_models:small_cnn" and saved.global_step == 2 * 44
+    assert sorted(saved.optimizer) == ["momentum_buffer", "updates"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupted_run(
+    digits_dir, tmp_path, optimizer
+):
+    """Stopped at step 7 with checkpoints every 5 steps: the resumed run retrains steps 6 and
+    7 from step 5's checkpoint (model, optimizer, dropout generators, BatchNorm counters) and
+    ends with the parameters and optimizer state of a run that was never stopped, bit for bit."""
+    common = ("--epochs", 2, "--optimizer", optimizer, "--weight-decay", 1e-4,
+              "--checkpoint-every", 5, "--lr-decay", "cosine", "--warmup-epochs", 0.5)  # fmt: skip
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    first = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", whole), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stopped = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--max-steps", 7),
+                        timeout=300)  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert final_state(cut).global_step == 5
+    resumed = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--resume", "auto"),
+                        timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "hpcdl: resumed at epoch 1, step 5 (auto)" in resumed.stdout
+    a, b = final_state(whole), final_state(cut)
+    assert a.global_step == b.global_step == 88
+    assert a.params.tobytes() == b.params.tobytes()
+    # BatchNorm's running statistics are not bitwise: a checkpoint holds rank 0's (as with
+    # hpcdl's own models), so rank 1 resumed from rank 0's at step 5; they never enter the
+    # training forward, and the epoch-end averaging brings them within rounding
+    np.testing.assert_allclose(a.buffers, b.buffers, rtol=1e-3, atol=1e-4)
+    assert sorted(a.optimizer) == sorted(b.optimizer)
+    for key in a.optimizer:
+        assert np.asarray(a.optimizer[key]).tobytes() == np.asarray(b.optimizer[key]).tobytes()
+    assert a.rng_states == b.rng_states
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("hpcdl.train: error")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        (["--sync", "params:2"], "--sync params:2 is not supported with a torch model"),
+        (["--precision", "fp16"], "--precision fp16 is not supported with a torch model"),
+        (["--sync-bn"], "--sync-bn is not supported with a torch model"),
+    ],
+)
+def test_a_flag_the_torch_engine_does_not_serve_is_refused_in_one_line(digits_dir, flag, said):
+    done = run_train(2, *args(digits_dir, "--epochs", 1, *flag), timeout=120)
+    assert said in one_line_error(done)
+
+
+def test_a_builder_returning_neither_kind_of_model_is_one_line(digits_dir):
+    spec = f"{MODELS}:not_a_model"
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--model", spec), timeout=120)
+    assert "the builder returned a str; it must be a function(" in one_line_error(done)
+    assert "or a torch.nn.Module" in done.stderr
+
+
+def test_init_from_a_state_dict_that_does_not_fit_is_one_line(digits_dir, tmp_path):
+    weights = tmp_path / "other.pth"
+    torch.save({"conv.weight": torch.zeros(8, 1, 5, 5), "extra": torch.zeros(2)}, weights)
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--init-from", weights), timeout=120)
+    line = one_line_error(done)
+    assert f"--init-from {weights} does not fit --model's state dict: missing " in line
+    assert "unexpected extra" in line
+    assert "conv.weight is (8, 1, 5, 5) in the file, (8, 1, 3, 3) in the model" in line
+
+
+def test_init_from_a_fitting_state_dict_starts_from_its_weights(digits_dir, tmp_path):
+    import torch_models  # noqa: PLC0415 (tests/ is on the path, as helpers is)
+
+    module = torch_models.small_cnn((1, 8, 8), 10)
+    with torch.no_grad():
+        for i, p in enumerate(module.parameters()):
+            p.fill_(0.01 * (i + 1))
+    weights = tmp_path / "mine.pth"
+    torch.save(module.state_dict(), weights)
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--init-from", weights, "--lr", 0,
+                              "--max-steps", 1, "--checkpoint-every", 1, "--checkpoint-dir",
+                              tmp_path / "ck"), timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = final_state(tmp_path / "ck")
+    offset = 0
+    for name, shape in saved.layout:  # --lr 0: the parameters are the file's
+        n = int(np.prod(shape))
+        expected = module.state_dict()[name].numpy().reshape(-1)
+        assert np.array_equal(saved.params[offset : offset + n], expected), name
+        offset += n
+
+
+def test_torchvision_names_without_torchvision_say_what_to_install(digits_dir):
+    try:
+        import torchvision  # noqa: F401, PLC0415
+
+        pytest.skip("torchvision is installed here")
+    except ImportError:
+        pass
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcdl.train", *map(str, args(digits_dir, "--model",
+                                                             "torchvision:resnet18"))],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert (
+        "--model torchvision:resnet18 needs torchvision, which is not installed: pip install "
+        "torchvision"
+    ) in done.stderr
