@@ -8,6 +8,7 @@ a start-up that fails half way closes what it had made.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl import backend, diag, messages
-from hpcdl.comm import blas_threads, cuda_aware
+from hpcdl.comm import blas_threads, cuda_aware, ulfm
 from hpcdl.comm.failure import StopAgreement, agree_on_errors
 from hpcdl.comm.node_watch import NodeWatch
 from hpcdl.comm.world import World
@@ -201,6 +202,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware
         say(start_line(cfg, world, aware))
+        warn_if_not_fault_tolerant(cfg, world)
         # a lost node is named, in one line (comm.node_watch); lost ranks may be MPI's to handle
         watch = NodeWatch(world, closed_is_lost=cfg.on_node_loss == "stop")
         own(stack, watch.close, watch.abandon)
@@ -270,6 +272,14 @@ def start_line(cfg: TrainConfig, world: World, aware: Any) -> str:
         f"hpcdl: {world.size} rank(s) on {world.num_nodes} node(s), device {cfg.device}, "
         f"CUDA-aware MPI: {'yes' if aware.aware else 'no'} ({aware.reason})"
     )
+
+
+def warn_if_not_fault_tolerant(cfg: TrainConfig, world: World) -> None:
+    """--on-node-loss continue where MPI cannot survive a lost rank: one line on rank 0, also
+    with --quiet (hpcdl.comm.ulfm.not_fault_tolerant_line)."""
+    line = ulfm.not_fault_tolerant_line(os.environ, world.size)
+    if cfg.on_node_loss == "continue" and line and world.is_root:
+        print(line, file=sys.stderr, flush=True)
 
 
 def say_settings(cfg: TrainConfig, say: Any) -> None:
