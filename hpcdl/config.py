@@ -157,7 +157,8 @@ _HELP = {
     "(required; no default)",
     "val_data": "validation data (same kinds as --data) (default: none, no validation)",
     "model": f"{', '.join(MODELS)}, or your own: package.module:function or "
-    "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md)",
+    "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md) or a torch.nn.Module, "
+    "or torchvision:NAME (docs/torch.md)",
     "epochs": "passes over the training data",
     "batch_size": "minibatch size per rank, in samples (global batch = ranks x this)",
     "lr": "base learning rate (before --lr-scaling)",
@@ -483,7 +484,7 @@ def _validate_model(model: str) -> None:
     torchvision:NAME with torch and torchvision installed (the name is looked up later)."""
     if is_torchvision(model):
         for package, install in (("torch", "'hpcdl[torch]'"), ("torchvision", "torchvision")):
-            if importlib.util.find_spec(package) is None:
+            if not _installed(package):
                 raise ConfigError(
                     f"--model {model} needs {package}, which is not installed: pip install "
                     f"{install}"
@@ -498,6 +499,14 @@ def _validate_model(model: str) -> None:
             f"--model must be one of {', '.join(MODELS)}, package.module:function / "
             f"path/to/file.py:function, or torchvision:NAME, got {model!r}"
         )
+
+
+def _installed(package: str) -> bool:
+    """package can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or one blocked in sys.modules
+        return False
 
 
 def _validate_models_io(cfg: TrainConfig) -> None:

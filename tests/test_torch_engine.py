@@ -161,3 +161,17 @@ def test_torchvision_names_without_torchvision_say_what_to_install(digits_dir):
         "--model torchvision:resnet18 needs torchvision, which is not installed: pip install "
         "torchvision"
     ) in done.stderr
+
+
+@pytest.mark.parametrize("model", [CNN, "torchvision:resnet18"])
+def test_a_torch_model_without_torch_installed_names_the_extra(digits_dir, model):
+    """torch hidden from the process (as if not installed): one line naming hpcdl[torch]."""
+    argv = ["hpcdl.train", *map(str, args(digits_dir, "--model", model))]
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.argv = " + repr(argv) + "; "
+        "from hpcdl.train import main; sys.exit(main())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "torch, which is not installed: pip install 'hpcdl[torch]'" in done.stderr
