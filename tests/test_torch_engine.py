@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import mpi_env, read_events, run_train
+from helpers import mpi_env, rank_pid, read_events, run_train, train_cmd, wait_until
 
 from hpcdl import checkpoint
 
@@ -82,6 +84,45 @@ def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupte
     for key in a.optimizer:
         assert np.asarray(a.optimizer[key]).tobytes() == np.asarray(b.optimizer[key]).tobytes()
     assert a.rng_states == b.rng_states
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_resume_auto_after_a_signal_to_one_rank_is_bitwise_an_uninterrupted_run(
+    digits_dir, tmp_path, sig
+):
+    """SIGTERM to rank 1: the job stops with a checkpoint at the agreed step (exit 3).
+    SIGKILL to rank 1 once step 10's checkpoint exists: the job ends, the checkpoint stays.
+    Either way `--resume auto` ends with the uninterrupted run's parameters, bit for bit."""
+    common = ("--epochs", 2, "--checkpoint-every", 10, "--metrics-every", 1)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    first = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", whole), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    env = {**mpi_env(), "HPCDL_TORCH_SLOW": "0.05", "HPCDL_TEST_MARKER": str(cut)}
+    metrics = tmp_path / "cut.jsonl"
+    cmd = train_cmd(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--metrics", metrics))
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env)  # fmt: skip
+    try:
+        wait_until(lambda: checkpoint.latest(cut) is not None and metrics.exists()
+                   and len(read_events(metrics, "step")) >= 13, timeout=120,
+                   what="step 13, after step 10's checkpoint")  # fmt: skip
+        os.kill(rank_pid(str(cut), 1), sig)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    if sig == signal.SIGTERM:
+        assert "hpcdl.train: stopped by signal SIGTERM, checkpoint at" in out, out + err
+    stopped_at = final_state(cut).global_step
+    assert 10 <= stopped_at < 88
+    resumed = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--resume", "auto"),
+                        timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = final_state(whole), final_state(cut)
+    assert a.global_step == b.global_step == 88
+    assert a.params.tobytes() == b.params.tobytes()
+    for key in a.optimizer:
+        assert np.asarray(a.optimizer[key]).tobytes() == np.asarray(b.optimizer[key]).tobytes()
 
 
 def one_line_error(done: subprocess.CompletedProcess) -> str:

@@ -5,6 +5,8 @@
 - HPCDL_TORCH_DIGESTS=DIR: every inference forward (the zero-sample check at start-up, each
   validation batch) appends a digest of the module's parameters and buffers to DIR/rank-R.txt
   (R: OMPI_COMM_WORLD_RANK), so the last line is what the rank finished with.
+- HPCDL_TORCH_SLOW=SECONDS: every training forward sleeps SECONDS, so a test can signal or
+  kill a run while it trains (no effect on what it computes).
 - not_a_model: returns a string, which is neither kind of model.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +32,8 @@ class SmallCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             self.record()
+        elif os.environ.get("HPCDL_TORCH_SLOW"):
+            time.sleep(float(os.environ["HPCDL_TORCH_SLOW"]))
         y = nn.functional.adaptive_avg_pool2d(torch.relu(self.norm(self.conv(x))), 4)
         return self.head(self.dropout(torch.flatten(y, 1)))
 
