@@ -53,6 +53,21 @@ def test_two_ranks_train_a_torch_module_to_identical_parameters(digits_dir, tmp_
     assert sorted(saved.optimizer) == ["momentum_buffer", "updates"]
 
 
+def test_the_learning_rate_of_every_step_is_the_hpcdl_engines(digits_dir, tmp_path):
+    """The same schedule flags give the same learning rate at every step with either engine."""
+    flags = ("--epochs", 2, "--max-steps", 60, "--metrics-every", 1, "--warmup-epochs", 0.5,
+             "--lr-decay", "cosine", "--lr-scaling", "linear", "--base-batch", 8)  # fmt: skip
+    rates = {}
+    for model in (CNN, "mlp"):
+        metrics = tmp_path / f"{model[-3:]}.jsonl"
+        done = run_train(2, *args(digits_dir, *flags, "--model", model, "--metrics", metrics),
+                         timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        rates[model] = [s["lr"] for s in read_events(metrics, "step")]
+    assert len(rates[CNN]) == 60 and rates[CNN] == rates["mlp"]
+    assert len(set(rates[CNN])) > 30  # warm-up and decay: it changes step by step
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupted_run(
     digits_dir, tmp_path, optimizer
