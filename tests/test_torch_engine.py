@@ -53,6 +53,20 @@ def test_two_ranks_train_a_torch_module_to_identical_parameters(digits_dir, tmp_
     assert sorted(saved.optimizer) == ["momentum_buffer", "updates"]
 
 
+def test_sync_params_k_ends_with_identical_parameters_on_every_rank(digits_dir, tmp_path):
+    """--sync params:4: local steps, the parameters averaged every 4th; at step 8 equal."""
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--sync", "params:4", "--max-steps", 8,
+                              "--val-data", digits_dir / "val"),
+                     env={**mpi_env(), "HPCDL_TORCH_DIGESTS": str(digests)},
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    finals = [(digests / f"rank-{r}.txt").read_text().split() for r in range(2)]
+    assert finals[0][-1] == finals[1][-1]  # after the averaging at step 8
+    assert finals[0][0] != finals[0][-1]  # it trained
+
+
 def test_the_learning_rate_of_every_step_is_the_hpcdl_engines(digits_dir, tmp_path):
     """The same schedule flags give the same learning rate at every step with either engine."""
     flags = ("--epochs", 2, "--max-steps", 60, "--metrics-every", 1, "--warmup-epochs", 0.5,
@@ -151,7 +165,7 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize(
     ("flag", "said"),
     [
-        (["--sync", "params:2"], "--sync params:2 is not supported with a torch model"),
+        (["--gpu-kernels"], "--gpu-kernels is not supported with a torch model"),
         (["--precision", "fp16"], "--precision fp16 is not supported with a torch model"),
         (["--sync-bn"], "--sync-bn is not supported with a torch model"),
     ],

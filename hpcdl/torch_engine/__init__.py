@@ -94,6 +94,8 @@ class TorchEngine:
         t2 = time.perf_counter()
         diag.record(diag.Kind.COMM_WAIT, t1, t2)
         self.optimizer.step(lr)
+        if mix_params:  # --sync params:K: the mean of the ranks' parameters every K steps
+            collectives.allreduce_mean(self.world.comm, model.params, False)
         t3 = time.perf_counter()
         diag.record(diag.Kind.OPTIMIZER, t2, t3)
         times = StepTimes(t0 - start, t1 - t0, t2 - t1, t3 - t2, t3 - start)
@@ -143,8 +145,8 @@ def build(
     verify_same_run(world, cfg, shapes(model))
     collectives.broadcast(world.comm, model.params)
     collectives.broadcast(world.comm, model.buffers)
-    reducer = None
-    if world.size > 1:
+    reducer = None  # one rank, or --sync params:K (TorchEngine.step averages the parameters)
+    if world.size > 1 and cfg.params_sync_every == 0:
         reducer = GradientReducer(
             world.comm, model.grads_and_flags.numpy(), cfg.bucket_mb, prescaled=True
         )

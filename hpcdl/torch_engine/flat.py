@@ -84,7 +84,8 @@ class _ReadyPrefix:
     def __init__(self, params: list[Any], offsets: list[int]) -> None:
         self.index = {p: i for i, p in enumerate(params)}
         self.offsets = offsets
-        self.ready = [False] * len(params)
+        self.frozen = [not p.requires_grad for p in params]  # final at once: zero gradients
+        self.ready = list(self.frozen)
         self.prefix = 0
         self.mark_ready: Callable[[int], None] | None = None
         for p in params:
@@ -92,7 +93,7 @@ class _ReadyPrefix:
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def begin(self, mark_ready: Callable[[int], None] | None) -> None:
-        self.ready = [False] * len(self.ready)
+        self.ready = list(self.frozen)
         self.prefix = 0
         self.mark_ready = mark_ready
 

@@ -25,7 +25,6 @@ def refused(cfg: TrainConfig) -> str | None:
         (cfg.gpu_kernels, "--gpu-kernels"),
         (cfg.decode != "cpu", f"--decode {cfg.decode}"),
         (cfg.precision != "fp32", f"--precision {cfg.precision}"),
-        (cfg.params_sync_every > 0, f"--sync {cfg.sync}"),
         (cfg.sync_bn, "--sync-bn"),
         (cfg.nesterov and not cfg.momentum, "--nesterov with --momentum 0"),
     ]  # fmt: skip
