@@ -52,6 +52,16 @@ class ArrayEngine:
         return self.parts.scaler
 
     @property
+    def precision_line(self) -> str:
+        precision = self.model.precision
+        scaling = ", dynamic loss scaling" if precision == "fp16" else ""
+        return (
+            f"hpcdl: precision {precision}: activations and gradients rounded to {precision}, "
+            f"float32 master weights{scaling} (float32 arrays: {precision}'s accuracy, not its "
+            "speed)"
+        )
+
+    @property
     def flags_agreed(self) -> bool:
         reducer = self.parts.reducer
         return reducer is not None and reducer.grads.size > self.model.grads.size

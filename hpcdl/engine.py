@@ -44,6 +44,11 @@ class Engine(Protocol):
     scaler: Any  # --precision fp16: hpcdl.nn.precision.LossScaler; else None
 
     @property
+    def precision_line(self) -> str:
+        """What --precision bf16 or fp16 does in this engine: said at start."""
+        ...
+
+    @property
     def flags_agreed(self) -> bool:
         """The gradient allreduce carries every rank's non-finite-loss flag (no collective of
         its own is needed to agree on a NaN loss)."""

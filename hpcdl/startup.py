@@ -23,6 +23,7 @@ from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import index_record
 from hpcdl.data.sampler import SamplerSpec
+from hpcdl.engine import Engine
 from hpcdl.engines import build_engine
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.resume import continue_epoch, restore, stop_if_finished
@@ -219,7 +220,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
         say(loader_line(loader))
-        say_settings(cfg, say)
+        say_settings(cfg, engine, say)
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
@@ -282,10 +283,10 @@ def warn_if_not_fault_tolerant(cfg: TrainConfig, world: World) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def say_settings(cfg: TrainConfig, say: Any) -> None:
+def say_settings(cfg: TrainConfig, engine: Engine, say: Any) -> None:
     """The start-up lines for settings a user should see: the precision, an --lr of 0."""
     if cfg.precision != "fp32":
-        say(precision_line(cfg.precision))
+        say(engine.precision_line)
     if cfg.lr == 0:
         say("hpcdl: --lr 0: the parameters will not change")
 
@@ -371,11 +372,3 @@ def lr_schedule(cfg: TrainConfig, world: World, steps_per_epoch: int) -> Any:
             cfg.lr, cfg.batch_size * world.size, cfg.base_batch or cfg.batch_size
         )
     return nn.schedule.LrSchedule(lr, steps_per_epoch, cfg.warmup_epochs, cfg.lr_decay, cfg.epochs)
-
-
-def precision_line(precision: str) -> str:
-    scaling = ", dynamic loss scaling" if precision == "fp16" else ""
-    return (
-        f"hpcdl: precision {precision}: activations and gradients rounded to {precision}, "
-        f"float32 master weights{scaling} (float32 arrays: {precision}'s accuracy, not its speed)"
-    )

@@ -67,6 +67,20 @@ def test_sync_params_k_ends_with_identical_parameters_on_every_rank(digits_dir, 
     assert finals[0][0] != finals[0][-1]  # it trained
 
 
+def test_bf16_trains_under_autocast_to_identical_parameters(digits_dir, tmp_path):
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--precision", "bf16", "--val-data",
+                              digits_dir / "val", "--progress", "epoch"),
+                     env={**mpi_env(), "HPCDL_TORCH_DIGESTS": str(digests)},
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hpcdl: precision bf16: forward and loss under torch.autocast" in done.stdout
+    assert float(done.stdout.splitlines()[-1].split()[3]) > 0.5, done.stdout  # val_acc
+    finals = [(digests / f"rank-{r}.txt").read_text().split()[-1] for r in range(2)]
+    assert finals[0] == finals[1]
+
+
 def test_the_learning_rate_of_every_step_is_the_hpcdl_engines(digits_dir, tmp_path):
     """The same schedule flags give the same learning rate at every step with either engine."""
     flags = ("--epochs", 2, "--max-steps", 60, "--metrics-every", 1, "--warmup-epochs", 0.5,

@@ -20,6 +20,7 @@ second, and each parameter's .grad a view of a third that ends with the step's f
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from contextlib import ExitStack
@@ -59,6 +60,14 @@ class TorchEngine:
     kind: str = "torch"
     xp: Any = np  # the step's loss and flags are NumPy views of CPU tensors
     scaler: Any = None  # fp16 is refused (specs.refused)
+    autocast: Any = None  # --precision bf16: torch.autocast's bfloat16 on the CPU; else None
+
+    @property
+    def precision_line(self) -> str:
+        return (
+            "hpcdl: precision bf16: forward and loss under torch.autocast (bfloat16 matrix "
+            "products and convolutions), float32 parameters and gradients"
+        )
 
     @property
     def flags_agreed(self) -> bool:
@@ -76,8 +85,9 @@ class TorchEngine:
         start = t0 if waited_since is None else waited_since
         model, reducer = self.model, self.reducer
         model.grads_and_flags.zero_()
-        logits = model.module(images)
-        loss = F.cross_entropy(logits, labels)
+        with self._precision():
+            logits = model.module(images)
+            loss = F.cross_entropy(logits.float(), labels)
         model.flags[FLAG_LOSS] = (~torch.isfinite(loss.detach())).float()
         tf = time.perf_counter()
         diag.record(diag.Kind.FORWARD, t0, tf)
@@ -109,12 +119,19 @@ class TorchEngine:
         module = self.model.module
         module.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._precision():
                 logits = module(images)
-                loss = F.cross_entropy(logits, labels)
+                loss = F.cross_entropy(logits.float(), labels)
         finally:
             module.train()
         return float(loss), int(self.correct(logits, labels))
+
+    def _precision(self) -> Any:
+        """--precision bf16: forward and loss under autocast (float32 parameters and
+        gradients, bfloat16 matrix products and convolutions); fp32: nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast)
 
     def average_buffers(self) -> None:
         collectives.allreduce_mean(self.world.comm, self.model.buffers, False)
@@ -151,4 +168,5 @@ def build(
             world.comm, model.grads_and_flags.numpy(), cfg.bucket_mb, prescaled=True
         )
         own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
-    return TorchEngine(model, FlatOptimizer(cfg, model), world, reducer)
+    autocast = torch.bfloat16 if cfg.precision == "bf16" else None
+    return TorchEngine(model, FlatOptimizer(cfg, model), world, reducer, autocast=autocast)
