@@ -30,6 +30,36 @@ def final_state(ckpt_dir: Path) -> checkpoint.Checkpoint:
     return checkpoint.load(checkpoint.latest(ckpt_dir))
 
 
+def test_backward_hands_growing_gradient_prefixes_to_the_reducer_as_it_goes():
+    """FlatModule: autograd writes into the flat gradient vector (the reducer's buffer), and
+    the hooks report final prefixes while backward runs, not only at its end."""
+    import copy  # noqa: PLC0415
+
+    import torch_models  # noqa: PLC0415 (tests/ is on the path, as helpers is)
+
+    from hpcdl.config import TrainConfig  # noqa: PLC0415
+    from hpcdl.torch_engine.flat import FlatModule  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    module = torch_models.small_cnn((1, 8, 8), 10)
+    reference = copy.deepcopy(module)
+    flat = FlatModule(module, TrainConfig(data="x", model=CNN), (1, 8, 8), 10)
+    x, y = torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,))
+    marks: list[int] = []
+    flat.begin_backward(marks.append)
+    torch.manual_seed(1)
+    torch.nn.functional.cross_entropy(module(x), y).backward()
+    torch.manual_seed(1)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    total = flat.params.size
+    assert marks == sorted(marks) and len(set(marks)) > 1 and marks[-1] == total
+    assert marks[0] < total  # the last layer's gradients were final before backward ended
+    grads = dict(reference.named_parameters())
+    for (name, shape, offset), size in zip(flat.layout(), map(np.prod, flat.shapes)):
+        got = flat.grads_and_flags[offset : offset + int(size)].view(shape)
+        assert torch.equal(got, grads[name].grad), name
+
+
 def test_two_ranks_train_a_torch_module_to_identical_parameters(digits_dir, tmp_path):
     digests = tmp_path / "digests"
     digests.mkdir()
