@@ -258,6 +258,32 @@ def test_init_from_a_fitting_state_dict_starts_from_its_weights(digits_dir, tmp_
         offset += n
 
 
+def test_init_from_weights_of_another_class_count_re_initialises_the_head(digits_dir, tmp_path):
+    """A fine-tune: the file's classifier has 1000 classes, the data 10; the rest is loaded."""
+    import torch_models  # noqa: PLC0415 (tests/ is on the path, as helpers is)
+
+    module = torch_models.small_cnn((1, 8, 8), 1000)
+    with torch.no_grad():
+        module.conv.weight.fill_(0.5)
+    weights = tmp_path / "pretrained.pth"
+    torch.save(module.state_dict(), weights)
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--init-from", weights, "--lr", 0,
+                              "--max-steps", 1, "--checkpoint-every", 1, "--checkpoint-dir",
+                              tmp_path / "ck"), timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        f"hpcdl: {weights}: head.weight is (1000, 128) there, (10, 128) here: the final layer is "
+        "re-initialised for 10 classes"
+    ) in done.stdout.splitlines(), done.stdout
+    saved = final_state(tmp_path / "ck")
+    offset = 0
+    for name, shape in saved.layout:
+        n = int(np.prod(shape))
+        if name == "conv.weight":
+            assert np.all(saved.params[offset : offset + n] == 0.5)
+        offset += n
+
+
 def test_torchvision_names_without_torchvision_say_what_to_install(digits_dir):
     try:
         import torchvision  # noqa: F401, PLC0415

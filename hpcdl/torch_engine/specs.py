@@ -58,30 +58,38 @@ def torchvision_model(cfg: TrainConfig, num_classes: int) -> Any:
 
 
 def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
-    """--init-from for a torch module: rank 0 loads the state dict (strict: every key and
-    shape must fit), build() then broadcasts it. One line if it does not fit. Collective."""
+    """--init-from for a torch module: rank 0 loads the state dict (every key and shape must
+    fit but the final Linear layer's class count: load_state_dict), build() then broadcasts
+    it. One line if it does not fit. Collective."""
     from hpcdl.nn import weights_io  # noqa: PLC0415
     from hpcdl.resume import find_resume_checkpoint  # noqa: PLC0415
 
     if not cfg.init_from or find_resume_checkpoint(cfg) is not None:
         return
-    error = None
+    error, lines = None, []
     if world.is_root:
         try:
-            load_state_dict(model.module, weights_io.read_state(cfg.init_from), cfg.init_from)
+            state = weights_io.read_state(cfg.init_from)
+            lines = load_state_dict(model.module, state, cfg.init_from)
         except ValueError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
     if world.is_root and not cfg.quiet:
-        print(f"hpcdl: weights from {cfg.init_from}", flush=True)
+        for line in [f"weights from {cfg.init_from}", *lines]:
+            print(f"hpcdl: {line}", flush=True)
 
 
-def load_state_dict(module: Any, state: dict[str, np.ndarray], source: str) -> None:
-    """Copy state into module in place; ValueError naming the keys or shapes that do not fit."""
+def load_state_dict(module: Any, state: dict[str, np.ndarray], source: str) -> list[str]:
+    """Copy state into module in place; ValueError naming the keys or shapes that do not fit.
+    The final Linear layer of another class count (a fine-tune) keeps its fresh values, and
+    the returned line says so, as for hpcdl's models."""
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     wrong = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    head = _head_keys(module)
+    fresh = [k for k in wrong if k in head and state[k].shape[1:] == tuple(own[k].shape[1:])]
+    wrong = [k for k in wrong if k not in fresh]
     if missing or unexpected or wrong:
         parts = [
             f"missing {_some(missing)}" if missing else "",
@@ -95,7 +103,24 @@ def load_state_dict(module: Any, state: dict[str, np.ndarray], source: str) -> N
         )
     with torch.no_grad():
         for key, tensor in own.items():
-            tensor.copy_(torch.from_numpy(np.asarray(state[key])).to(tensor.dtype))
+            if key not in fresh:
+                tensor.copy_(torch.from_numpy(np.asarray(state[key])).to(tensor.dtype))
+    if not fresh:
+        return []
+    key = fresh[0]
+    return [
+        f"{source}: {key} is {tuple(state[key].shape)} there, {tuple(own[key].shape)} here: the "
+        f"final layer is re-initialised for {own[key].shape[0]} classes"
+    ]
+
+
+def _head_keys(module: Any) -> set[str]:
+    """The state-dict keys of the module's last Linear layer (its classifier)."""
+    linears = [name for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    if not linears:
+        return set()
+    prefix = f"{linears[-1]}." if linears[-1] else ""
+    return {f"{prefix}weight", f"{prefix}bias"}
 
 
 def _some(keys: list[str]) -> str:
