@@ -11,7 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import mpi_env, rank_pid, read_events, run_train, train_cmd, wait_until
+from helpers import (
+    make_folder,
+    mpi_env,
+    rank_pid,
+    read_events,
+    run_train,
+    train_cmd,
+    wait_until,
+)
 
 from hpcdl import checkpoint
 
@@ -315,3 +323,19 @@ def test_a_torch_model_without_torch_installed_names_the_extra(digits_dir, model
                           timeout=120)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "torch, which is not installed: pip install 'hpcdl[torch]'" in done.stderr
+
+
+def test_torchvision_names_train_and_an_unknown_one_is_one_line(tmp_path):
+    """Needs torchvision beside torch (not in the default test venv: docs/torch.md). A
+    torchvision builder trains on a folder of small RGB images; a name torchvision.models
+    lacks is one line."""
+    pytest.importorskip("torchvision")
+    folder = tmp_path / "imgs"
+    make_folder(folder, per_class=16, size=(32, 32))
+    common = ["--data", folder, "--batch-size", 4, "--workers", 0, "--epochs", 1,
+              "--progress", "none"]  # fmt: skip
+    done = run_train(2, *common, "--model", "torchvision:resnet18", "--max-steps", 2,
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_train(2, *common, "--model", "torchvision:resnet19", timeout=120)
+    assert "torchvision.models has no model 'resnet19'" in one_line_error(done)
