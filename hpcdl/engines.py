@@ -30,7 +30,7 @@ def build_engine(
     built, error = None, None
     if is_user_model(cfg.model):
         if "torch" in sys.modules:  # a torch builder initialises from --seed
-            seed_torch(cfg.seed)
+            seed_torch(cfg.seed)  # (every rank; rank 0's values are broadcast anyway)
         try:
             built = call_builder(cfg.model, input_shape, num_classes, seed=cfg.seed, xp=xp)
         except ValueError as exc:
@@ -48,6 +48,8 @@ def build_engine(
 
 
 def seed_torch(seed: int) -> None:
+    """torch's generator from --seed before a user's builder runs; called only where torch is
+    loaded already (the builder's file imported it), so hpcdl's models never import it."""
     from hpcdl import torch_engine  # noqa: PLC0415
 
     torch_engine.seed_all(seed)
