@@ -339,3 +339,14 @@ def test_torchvision_names_train_and_an_unknown_one_is_one_line(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     done = run_train(2, *common, "--model", "torchvision:resnet19", timeout=120)
     assert "torchvision.models has no model 'resnet19'" in one_line_error(done)
+
+
+def test_a_run_of_hpcdls_own_model_never_imports_torch(digits_dir):
+    argv = [str(a) for a in args(digits_dir, "--model", "mlp", "--max-steps", 2)]
+    code = (
+        f"import sys; from hpcdl.train import main; status = main({argv!r}); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(status)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=mpi_env(), timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
