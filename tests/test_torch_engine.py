@@ -350,3 +350,24 @@ def test_a_run_of_hpcdls_own_model_never_imports_torch(digits_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=mpi_env(), timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_folder_of_images_with_augment_and_staging_trains_bitwise_as_without(tmp_path):
+    """The input side is the engine's business no more than hpcdl's: image folder, --augment,
+    loader workers and --stage-dir give a torch model the same batches, so the parameters
+    are bitwise those of the same run without staging."""
+    folder = tmp_path / "imgs"
+    make_folder(folder, per_class=24, size=(20, 20))
+    common = ["--data", folder, "--model", CNN, "--augment", "rcrop16+flip", "--epochs", 2,
+              "--batch-size", 4, "--workers", 1, "--seed", 3, "--quiet"]  # fmt: skip
+    plain = run_train(2, *common, "--checkpoint-dir", tmp_path / "plain", timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    metrics = tmp_path / "staged.jsonl"
+    staged = run_train(2, *common, "--checkpoint-dir", tmp_path / "staged", "--stage-dir",
+                       tmp_path / "stage", "--metrics", metrics, timeout=300)  # fmt: skip
+    assert staged.returncode == 0, staged.stderr[-3000:]
+    a, b = final_state(tmp_path / "plain"), final_state(tmp_path / "staged")
+    assert a.global_step == b.global_step == 2 * 6
+    assert a.params.tobytes() == b.params.tobytes()
+    staging = read_events(metrics, "summary")[0]["staging"]
+    assert staging["files_staged"] > 0 and staging["hits"] > 0, staging
