@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.nn.models import MODELS
-from hpcdl.nn.user_models import is_user_model, load_builder
+from hpcdl.nn.user_models import is_torchvision, is_user_model, load_builder
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,7 +157,8 @@ _HELP = {
     "(required; no default)",
     "val_data": "validation data (same kinds as --data) (default: none, no validation)",
     "model": f"{', '.join(MODELS)}, or your own: package.module:function or "
-    "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md)",
+    "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md) or a torch.nn.Module, "
+    "or torchvision:NAME (docs/torch.md)",
     "epochs": "passes over the training data",
     "batch_size": "minibatch size per rank, in samples (global batch = ranks x this)",
     "lr": "base learning rate (before --lr-scaling)",
@@ -478,17 +480,33 @@ def _validate_resume(cfg: TrainConfig) -> None:
 
 
 def _validate_model(model: str) -> None:
-    """A built-in name, or a user's builder that imports (called later, with the data's shape)."""
-    if is_user_model(model):
+    """A built-in name, a user's builder that imports (called later, with the data's shape), or
+    torchvision:NAME with torch and torchvision installed (the name is looked up later)."""
+    if is_torchvision(model):
+        for package, install in (("torch", "'hpcdl[torch]'"), ("torchvision", "torchvision")):
+            if not _installed(package):
+                raise ConfigError(
+                    f"--model {model} needs {package}, which is not installed: pip install "
+                    f"{install}"
+                )
+    elif is_user_model(model):
         try:
             load_builder(model)
         except ValueError as exc:
             raise ConfigError(f"--{exc}") from None
     elif model not in MODELS:
         raise ConfigError(
-            f"--model must be one of {', '.join(MODELS)} or package.module:function / "
-            f"path/to/file.py:function, got {model!r}"
+            f"--model must be one of {', '.join(MODELS)}, package.module:function / "
+            f"path/to/file.py:function, or torchvision:NAME, got {model!r}"
         )
+
+
+def _installed(package: str) -> bool:
+    """package can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken install, or one blocked in sys.modules
+        return False
 
 
 def _validate_models_io(cfg: TrainConfig) -> None:

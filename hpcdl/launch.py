@@ -58,10 +58,31 @@ def record_outcome(word: str) -> None:
 
 def launcher_argv(argv: list[str]) -> list[str]:
     """argv with `-x HPCDL_OUTCOME` after an Open MPI launcher's name (mpirun forwards only the
-    variables it is told to the other nodes); other launchers (srun) export the environment."""
+    variables it is told to the other nodes), and `--with-ft ulfm` when the run asks for
+    --on-node-loss continue and the command does not choose a mode itself (wants_ulfm); other
+    launchers (srun) export the environment and are left as they are."""
     if argv and Path(argv[0]).name.startswith(MPIRUNS):
-        return [argv[0], "-x", ENV, *argv[1:]]
+        ft = ["--with-ft", "ulfm"] if wants_ulfm(argv) else []
+        return [argv[0], "-x", ENV, *ft, *argv[1:]]
     return list(argv)
+
+
+def wants_ulfm(argv: list[str]) -> bool:
+    """The launched run asks for --on-node-loss continue (flag or --config key), which needs
+    Open MPI's fault-tolerant mode, and the command names no --with-ft of its own
+    (docs/reliability.md, "Training on through lost ranks")."""
+    if any(arg == "--with-ft" or arg.startswith("--with-ft=") for arg in argv):
+        return False
+    flags = _flag_values(argv, ("--config", "--on-node-loss"))
+    if "--on-node-loss" in flags:
+        return flags["--on-node-loss"] == "continue"
+    if "--config" in flags:
+        try:
+            values = load_toml(flags["--config"])
+        except ConfigError:
+            return False  # hpcdl.train says so in its own line
+        return values.get("on_node_loss", values.get("on-node-loss")) == "continue"
+    return False
 
 
 def run_directory(argv: list[str]) -> Path | None:
@@ -119,8 +140,12 @@ def outcome_file(argv: list[str]) -> tuple[Path, Path | None]:
 def run_launcher(args: list[str], path: Path) -> tuple[int | None, str | None]:
     """Run the launcher with the outcome file named, forwarding signals; its status (None when
     it cannot start: one line said so) and the outcome the run wrote (None for none)."""
+    argv = launcher_argv(args)
+    if "--with-ft" in argv and "--with-ft" not in args:
+        print("hpcdl.launch: added --with-ft ulfm to the launcher: --on-node-loss continue "
+              "needs MPI's fault-tolerant mode", file=sys.stderr, flush=True)  # fmt: skip
     try:
-        child = subprocess.Popen(launcher_argv(args), env={**os.environ, ENV: str(path)})
+        child = subprocess.Popen(argv, env={**os.environ, ENV: str(path)})
     except OSError as exc:
         print(f"hpcdl.launch: error: cannot start {args[0]}: {exc.strerror}", file=sys.stderr)
         return None, None

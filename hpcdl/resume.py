@@ -181,8 +181,10 @@ def _load_loss_scale(scaler: Any, ckpt: checkpoint.Checkpoint, path: Path) -> No
 @diag.spanned(diag.Kind.CHECKPOINT)
 def save(run: Run, at: Position) -> Path | None:
     """Collective: gather every rank's RNG state; rank 0 writes the checkpoint of the run's
-    model and optimizer, to continue at `at`. Returns its path on every rank."""
-    cfg, world, model, optimizer = run.cfg, run.world, run.model, run.optimizer
+    model and optimizer (either engine's: hpcdl.engine.Checkpointable), to continue at `at`.
+    Returns its path on every rank."""
+    cfg, world, model, optimizer = run.cfg, run.world, run.engine.model, run.engine.optimizer
+    scaler = run.engine.scaler
     rng_states = world.comm.gather(model.get_rng_state(), root=0)
     path = None
     if world.is_root:
@@ -199,7 +201,7 @@ def save(run: Run, at: Position) -> Path | None:
             rng_states=rng_states,
             config=json.loads(cfg.to_json()),
             world_size=world.size,
-            loss_scale=run.step_parts.scaler.state_dict() if run.step_parts.scaler else None,
+            loss_scale=scaler.state_dict() if scaler else None,
             epoch_order=run.epoch_order(at).to_json(),
         )
         path = checkpoint.save(cfg.checkpoint_dir, ckpt)

@@ -30,13 +30,12 @@ import numpy as np
 from hpcdl.comm.failure import StopAgreement, SystemExitWithMessage
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
-from hpcdl.data.device import on_device
 from hpcdl.data.epoch_order import EpochOrder
 from hpcdl.data.pool import Upcoming
 from hpcdl.data.sampler import DistributedSampler
+from hpcdl.engine import Engine
 from hpcdl.metrics import MetricsWriter, Progress
 from hpcdl.nn.schedule import LrSchedule
-from hpcdl.nn.step import StepParts
 
 
 def own(stack: ExitStack, close: Callable[[], None], abandon: Callable[[], None] | None) -> None:
@@ -86,10 +85,8 @@ class Run:
     train_ds: Any  # hpcdl.data data set
     val_ds: Any | None
     sampler: DistributedSampler  # this rank's view of the job's SamplerSpec
-    model: Any  # hpcdl.nn.Model
-    optimizer: Any
+    engine: Engine  # the model, its optimizer and its step (NOTE [the engine seam])
     schedule: LrSchedule
-    step_parts: StepParts  # what hpcdl.nn.step.train_step works on (model, optimizer, reducer)
     start: Position  # from --resume, else the beginning
     rest: RestOfEpoch | None  # finishing an epoch another world size began, else None
     loader: Any  # hpcdl.data.Loader of the training data
@@ -135,8 +132,8 @@ class Run:
         return self.sampler.batches(epoch, self.cfg.batch_size)
 
     def batches(self, epoch: int, first: int = 0) -> Iterator[tuple[Any, Any]]:
-        """This rank's training batches of epoch from step `first`, on the device:
-        images (B, C, H, W) float32, labels (B,) int64, valid until the next one."""
+        """This rank's training batches of epoch from step `first`, as the engine's step takes
+        them: images (B, C, H, W) float32, labels (B,) int64, valid until the next one."""
         order = self.epoch_batches(epoch)[first:]
         # the workers go on into the next epoch while the last steps of this one run
         then = None
@@ -148,7 +145,7 @@ class Run:
         )
         if self.loader.decode == "gpu":  # decoded onto the device by the loader itself
             return host
-        return on_device(host, self.xp)
+        return self.engine.batches(host)
 
     def __enter__(self) -> Run:
         return self

@@ -8,28 +8,27 @@ a start-up that fails half way closes what it had made.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from hpcdl import backend, diag, messages
-from hpcdl.comm import blas_threads, collectives, cuda_aware
+from hpcdl.comm import blas_threads, cuda_aware, ulfm
 from hpcdl.comm.failure import StopAgreement, agree_on_errors
 from hpcdl.comm.node_watch import NodeWatch
-from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.dataset import index_record
 from hpcdl.data.sampler import SamplerSpec
+from hpcdl.engine import Engine
+from hpcdl.engines import build_engine
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
-from hpcdl.nn.step import StepParts
-from hpcdl.nn.step_graph import StepGraph
-from hpcdl.resume import continue_epoch, find_resume_checkpoint, restore, shapes, stop_if_finished
+from hpcdl.resume import continue_epoch, restore, stop_if_finished
 from hpcdl.run import Run, own
-from hpcdl.startup_checks import check_outputs, check_stage_dir, verify_same_run
+from hpcdl.startup_checks import check_outputs, check_stage_dir
 from hpcdl.startup_input import loader_line, open_input
 
 
@@ -201,6 +200,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware
         say(start_line(cfg, world, aware))
+        warn_if_not_fault_tolerant(cfg, world)
         # a lost node is named, in one line (comm.node_watch); lost ranks may be MPI's to handle
         watch = NodeWatch(world, closed_is_lost=cfg.on_node_loss == "stop")
         own(stack, watch.close, watch.abandon)
@@ -208,16 +208,16 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         train_ds, val_ds = open_datasets(cfg, world)
         spec = sampler_spec(cfg, world, len(train_ds))
         sampler = spec.for_rank(world.rank)
-        model, optimizer = build_model(cfg, world, train_ds, xp, host_staged)
-        scaler = loss_scaler(cfg, world, stack)
-        cfg, start, rest = resume_point(cfg, world, spec, (model, optimizer, scaler), say)
+        engine = build_engine(cfg, world, stack, input_shape(cfg, train_ds),
+                              train_ds.num_classes, xp, host_staged)  # fmt: skip
+        state = (engine.model, engine.optimizer, engine.scaler)
+        cfg, start, rest = resume_point(cfg, world, spec, state, say)
         staging, loader, val_loader = open_input(cfg, world, stack, (train_ds, val_ds), spec,
                                                  start.epoch, xp)  # fmt: skip
         if staging and world.is_node_leader:  # --timeline: the node's stager as rates
             diagnostics.add_counters("stager", staging.counter_sample)
         say(loader_line(loader))
-        parts = step_parts(cfg, world, stack, model, optimizer, xp, host_staged, scaler)
-        say_settings(cfg, say)
+        say_settings(cfg, engine, say)
         stop = StopAgreement(world.comm)
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
@@ -234,10 +234,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
             train_ds=train_ds,
             val_ds=val_ds,
             sampler=sampler,
-            model=model,
-            optimizer=optimizer,
+            engine=engine,
             schedule=lr_schedule(cfg, world, steps_per_epoch),
-            step_parts=parts,
             start=start,
             rest=rest,
             loader=loader,
@@ -274,10 +272,18 @@ def start_line(cfg: TrainConfig, world: World, aware: Any) -> str:
     )
 
 
-def say_settings(cfg: TrainConfig, say: Any) -> None:
+def warn_if_not_fault_tolerant(cfg: TrainConfig, world: World) -> None:
+    """--on-node-loss continue where MPI cannot survive a lost rank: one line on rank 0, also
+    with --quiet (hpcdl.comm.ulfm.not_fault_tolerant_line)."""
+    line = ulfm.not_fault_tolerant_line(os.environ, world.size)
+    if cfg.on_node_loss == "continue" and line and world.is_root:
+        print(line, file=sys.stderr, flush=True)
+
+
+def say_settings(cfg: TrainConfig, engine: Engine, say: Any) -> None:
     """The start-up lines for settings a user should see: the precision, an --lr of 0."""
     if cfg.precision != "fp32":
-        say(precision_line(cfg.precision))
+        say(engine.precision_line)
     if cfg.lr == 0:
         say("hpcdl: --lr 0: the parameters will not change")
 
@@ -338,73 +344,6 @@ def set_cpu_threads(world: World, say: Any) -> list[int]:
     return by_rank
 
 
-def build_model(cfg: TrainConfig, world: World, train_ds: Any, xp: Any, host_staged: bool):
-    """(model, optimizer), the same on every rank: --model for the shape the loaders yield
-    (input_shape); rank 0's parameters and BatchNorm statistics are broadcast after the ranks
-    agreed on configuration and shapes. A builder that fails (a user's, `module:function`)
-    stops every rank with one line."""
-    from hpcdl import nn  # noqa: PLC0415
-
-    model, error = None, None
-    if cfg.gpu_kernels:
-        nn.kernels.enable(True)
-    try:
-        model = nn.build_model(
-            cfg.model, input_shape(cfg, train_ds), train_ds.num_classes, seed=cfg.seed, xp=xp
-        )
-        model.set_precision(cfg.precision)
-    except ValueError as exc:
-        error = f"--{exc}"
-    agree_on_errors(world.comm, world.rank, error)
-    init_from(cfg, world, model)
-    model.set_rng_state(nn.rank_rng_state(cfg.seed, world.rank))
-    verify_same_run(world, cfg, shapes(model))
-    collectives.broadcast(world.comm, model.params, host_staged=host_staged)
-    collectives.broadcast(world.comm, model.buffers, host_staged=host_staged)
-    optimizer = nn.make_optimizer(
-        cfg.optimizer,
-        model.params,
-        model.grads,
-        momentum=cfg.momentum,
-        nesterov=cfg.nesterov,
-        weight_decay=cfg.weight_decay,
-        decay_mask=None if cfg.decay_bias_norm else model.decay_mask(),
-    )
-    return model, optimizer
-
-
-# --- models in and out (issue 27): --init-from, --tensorboard ---
-
-
-def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
-    """--init-from: rank 0 reads the weights into its model, which build_model then broadcasts.
-    A file that does not fit the model stops every rank with rank 0's one line; a classifier
-    of another class count is re-initialised, and rank 0 says so. A run that resumes takes its
-    weights from the checkpoint instead, and the file is not read. Collective."""
-    if not cfg.init_from:
-        return
-    resuming = find_resume_checkpoint(cfg)
-    if resuming is not None:
-        if world.is_root and not cfg.quiet:
-            print(
-                f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}", flush=True
-            )
-        return
-    from hpcdl.nn import weights_io  # noqa: PLC0415
-
-    error, lines = None, []
-    if world.is_root:
-        source = f"--init-from {cfg.init_from}"
-        try:
-            lines = weights_io.load_state(model, weights_io.read_state(cfg.init_from), source)
-        except ValueError as exc:
-            error = str(exc)
-    agree_on_errors(world.comm, world.rank, error)
-    if world.is_root and not cfg.quiet:
-        for line in [f"weights from {cfg.init_from}", *lines]:
-            print(f"hpcdl: {line}", flush=True)
-
-
 def tensorboard_events(cfg: TrainConfig, world: World) -> Any:
     """--tensorboard's event writer on rank 0 (hpcdl.tensorboard_events), else None."""
     if not (cfg.tensorboard and world.is_root):
@@ -430,64 +369,3 @@ def lr_schedule(cfg: TrainConfig, world: World, steps_per_epoch: int) -> Any:
             cfg.lr, cfg.batch_size * world.size, cfg.base_batch or cfg.batch_size
         )
     return nn.schedule.LrSchedule(lr, steps_per_epoch, cfg.warmup_epochs, cfg.lr_decay, cfg.epochs)
-
-
-def step_parts(
-    cfg: TrainConfig,
-    world: World,
-    stack: ExitStack,
-    model: Any,
-    optimizer: Any,
-    xp: Any,
-    host_staged: bool,
-    scaler: Any = None,
-) -> StepParts:
-    """The step's reducers: gradient buckets (--sync grad), or parameter averaging (--sync
-    params:K); with --sync-bn, BatchNorm sums its batch statistics over the ranks. scaler:
-    --precision fp16's loss scaler (loss_scaler)."""
-    if cfg.sync_bn and world.size > 1:
-        bn_stats = collectives.SumReducer(world.comm, host_staged=host_staged)
-        own(stack, bn_stats.close, None)  # alone: its communicator is left to MPI_Abort
-        model.set_stat_reducer(bn_stats)
-    reducer = None
-    if world.size > 1 and cfg.params_sync_every == 0:
-        reducer = GradientReducer(
-            world.comm,
-            model.grads_and_flags,
-            cfg.bucket_mb,
-            host_staged=host_staged,
-            prescaled=True,
-        )
-        own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
-
-    def average_params() -> None:
-        collectives.allreduce_mean(world.comm, model.params, host_staged)
-
-    graph = StepGraph() if cfg.gpu_kernels else None  # NOTE [step graphs]
-    return StepParts(model, optimizer, xp, reducer, average_params, scaler, graph=graph)
-
-
-def precision_line(precision: str) -> str:
-    scaling = ", dynamic loss scaling" if precision == "fp16" else ""
-    return (
-        f"hpcdl: precision {precision}: activations and gradients rounded to {precision}, "
-        f"float32 master weights{scaling} (float32 arrays: {precision}'s accuracy, not its speed)"
-    )
-
-
-def loss_scaler(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
-    """--precision fp16: the dynamic loss scaler, agreeing on overflows over the ranks."""
-    from hpcdl import nn  # noqa: PLC0415
-
-    if cfg.precision != "fp16":
-        return None
-    # Overflows are expected at fp16 (the scaler skips those steps and counts them in the
-    # summary): NumPy's warnings about them would only alarm.
-    warnings.filterwarnings(
-        "ignore", message="(overflow|invalid value) encountered", category=RuntimeWarning
-    )
-    any_rank = None  # the gradient allreduce carries the overflow flag, but not with params:K
-    if world.size > 1 and cfg.params_sync_every:
-        any_rank = collectives.AnyRank(world.comm)
-        own(stack, any_rank.close, None)
-    return nn.precision.LossScaler(any_rank)

@@ -2,9 +2,10 @@
 
 Read top to bottom: main (configuration, MPI), then train: the loop. Start-up (device, data,
 model, resume, staging, loaders) builds a Run (hpcdl.startup, hpcdl.run) that owns every resource
-and closes them on every exit path; the step itself is hpcdl.nn.step.train_step, which averages
-the gradients with a bucketed allreduce that overlaps with backward (hpcdl.comm.reducer). Every
-rank runs this file; rank 0 prints and writes metrics.
+and closes them on every exit path. The step is the run's engine's (hpcdl.engine: hpcdl's own
+models or a torch.nn.Module; the loop does not know which), which averages the gradients with a
+bucketed allreduce that overlaps with backward (hpcdl.comm.reducer). Every rank runs this file;
+rank 0 prints and writes metrics.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl import diag, launch, nn, resume, startup
+from hpcdl import diag, launch, resume, startup
 from hpcdl.comm import collectives, ulfm
 from hpcdl.comm.failure import (
     SystemExitWithMessage,
@@ -27,13 +28,12 @@ from hpcdl.comm.failure import (
 from hpcdl.comm.world import World, init_world
 from hpcdl.config import ConfigError, TrainConfig, parse_args
 from hpcdl.data.dataset import DataError
-from hpcdl.data.device import on_device
 from hpcdl.data.pool import LoaderFault, LoaderTimeout
 from hpcdl.data.sampler import eval_indices
 from hpcdl.metrics import MetricsWriter, RunningMean
 from hpcdl.mpi_errors import lost_ranks
 from hpcdl.nn.loss_watch import LossWatch
-from hpcdl.nn.step import StepResult, train_step
+from hpcdl.nn.step import StepResult
 from hpcdl.run import Position, Run
 
 EXIT_STOPPED_BY_SIGNAL = 3
@@ -107,7 +107,7 @@ def record_finished(cfg: TrainConfig, line: str) -> None:
 def train(cfg: TrainConfig, world: World) -> int:
     """The loop. Every rank runs it; rank 0 prints and writes metrics. Returns the exit status."""
     with startup.start_run(cfg, world) as run:  # closes every resource, however the run ends
-        totals, history, watch = RunningMean(), {}, LossWatch(run.xp)
+        totals, history, watch = RunningMean(), {}, LossWatch(run.engine.xp)
         global_step, stopped_by, checkpoint_path = run.start.global_step, None, None
         run_start = time.perf_counter()
         for epoch in range(run.start.epoch, cfg.epochs):
@@ -121,12 +121,10 @@ def train(cfg: TrainConfig, world: World) -> int:
                 lr = run.schedule(global_step)
                 mix = bool(cfg.params_sync_every) and (global_step + 1) % cfg.params_sync_every == 0
                 logged = (global_step + 1) % cfg.metrics_every == 0
-                result = train_step(
-                    run.step_parts, images, labels, lr, mix, waited_since=t_wait, timed=logged
-                )
+                result = run.engine.step(images, labels, lr, mix, t_wait, timed=logged)
                 # loss, flag and count stay on the device (NOTE [device scalars])
                 watch.note(result.nonfinite_ranks, result.loss, global_step, epoch)
-                correct = nn.accuracy_count(result.logits, labels)
+                correct = run.engine.correct(result.logits, labels)
                 for stats in (epoch_stats, totals):
                     stats.add(result.times, result.loss, correct, len(labels))
                 step, global_step = step + 1, global_step + 1
@@ -169,7 +167,7 @@ def checkpoint_due(
 
 def log_step(run: Run, global_step: int, epoch: int, result: StepResult, lr: float) -> None:
     """A `step` metrics record and, on rank 0 with staging, how far staging runs ahead."""
-    scaler = run.step_parts.scaler  # --precision fp16
+    scaler = run.engine.scaler  # --precision fp16
     run.metrics.write(
         "step",
         step=global_step,
@@ -189,7 +187,7 @@ def end_epoch(
     run: Run, epoch: int, steps: int, epoch_stats: RunningMean, seconds: float
 ) -> dict[str, float]:
     """Average BatchNorm statistics, evaluate, report the epoch; returns its metrics."""
-    collectives.allreduce_mean(run.world.comm, run.model.buffers, run.host_staged)
+    run.engine.average_buffers()
     history = evaluate(run, epoch_stats)
     values = {k: history[k] for k in ("loss", "acc", "val_loss", "val_acc") if k in history}
     run.progress.end_epoch(steps, values)
@@ -235,7 +233,7 @@ def write_summary(
         staging_nodes=staging_nodes(world, stage_stats),
         bad_samples=bad,
         precision=run.cfg.precision,
-        skipped_steps=run.step_parts.scaler.skipped if run.step_parts.scaler else 0,
+        skipped_steps=run.engine.scaler.skipped if run.engine.scaler else 0,
         stopped_by_signal=stopped_by is not None,
         checkpoint=str(checkpoint_path) if checkpoint_path else None,
     )
@@ -282,8 +280,7 @@ def stop_if_loss_not_finite(run: Run, watch: LossWatch) -> None:
     The gradient allreduce carried each step's flag (hpcdl.nn.step), so every rank holds the
     same count; with --sync params:K, or no reducer, one allreduce here sums the ranks' own."""
     world, flag = run.world, np.array([watch.any_rank_count()])
-    reducer = run.step_parts.reducer
-    if world.size > 1 and (reducer is None or reducer.grads.size == run.model.grads.size):
+    if world.size > 1 and not run.engine.flags_agreed:
         collectives.allreduce_sum(world.comm, flag)
     if not flag[0]:
         return
@@ -326,11 +323,9 @@ def evaluate(run: Run, epoch_stats: RunningMean) -> dict[str, float]:
         idx = eval_indices(len(run.val_ds), world.size, world.rank)
         batches = [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
         host = run.val_loader.iterate(batches, 0, train=False)
-        for images, labels in on_device(host, run.xp):  # (B, C, H, W) float32, (B,) int64
-            logits = run.model.forward(images, train=False)
-            loss, _ = nn.softmax_cross_entropy(logits, labels)
-            correct = int(nn.accuracy_count(logits, labels))
-            sums[4:] += (float(loss) * len(labels), correct, len(labels))
+        for images, labels in run.engine.batches(host):  # (B, C, H, W) float32, (B,) int64
+            loss, correct = run.engine.evaluate(images, labels)
+            sums[4:] += (loss * len(labels), correct, len(labels))
     collectives.allreduce_sum(world.comm, sums)
     result = {"loss": sums[0] / max(1, sums[1]), "acc": sums[2] / max(1, sums[3])}
     if run.val_loader is not None and sums[6]:

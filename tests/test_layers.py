@@ -3,7 +3,8 @@
 Every import of every module under hpcdl/ and tools/ is read with ast, the ones inside
 functions (lazy) included, so an import that only runs later still counts. There must be no
 import cycle between modules and no import from a lower layer to a higher one; PyTorch is
-imported only in the layers that may (hpcdl.torch, hpcdl.bench above it, and tools/).
+imported only in the layers that may (hpcdl.torch, hpcdl.torch_engine: hpcdl.train's torch
+engine, hpcdl.bench above it, and tools/).
 tools/, the developer harnesses, sits above the package: it may import hpcdl, and hpcdl never
 imports it.
 """
@@ -48,8 +49,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcdl.staging",),  # the stage dir, plans, the stager session
     # what a run writes and what predicts it
     ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),
-    ("hpcdl.run", "hpcdl.resume", "hpcdl.export"),  # a run's resources; checkpoint in and out
-    ("hpcdl.startup", "hpcdl.startup_checks", "hpcdl.startup_input"),  # a Run from a TrainConfig
+    # a run's resources; checkpoint in and out; the seam to its engine (hpcdl.engine)
+    ("hpcdl.run", "hpcdl.resume", "hpcdl.export", "hpcdl.engine"),
+    # a Run from a TrainConfig, and the two engines behind the seam (hpcdl.engines picks one)
+    (
+        "hpcdl.startup",
+        "hpcdl.startup_checks",
+        "hpcdl.startup_input",
+        "hpcdl.engines",
+        "hpcdl.array_engine",
+        "hpcdl.torch_engine",
+    ),  # fmt: skip
     # commands (every package's __main__ counts here, at least)
     (
         "hpcdl.train",
@@ -66,7 +76,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 COMMANDS = next(i for i, names in enumerate(LAYERS) if "hpcdl.train" in names)
 # The only places that may import PyTorch (NOTE in hpcdl/torch/__init__.py).
-TORCH_IMPORTERS = ("hpcdl.torch", "hpcdl.bench", "tools")
+TORCH_IMPORTERS = ("hpcdl.torch", "hpcdl.torch_engine", "hpcdl.bench", "tools")
 # Dynamic imports of an optional package by a literal name count as imports of it.
 DYNAMIC_IMPORTS = ("import_module", "optional_import", "__import__")
 

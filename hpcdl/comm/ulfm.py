@@ -36,10 +36,28 @@ silent node.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from hpcdl.comm.world import World, build_world
 from hpcdl.mpi_errors import lost_ranks, revoke_quietly
+
+FT_ENABLE = "OMPI_MCA_mpi_ft_enable"  # what `mpirun --with-ft ulfm` sets in every rank
+
+
+def not_fault_tolerant_line(environ: Mapping[str, str], world_size: int) -> str | None:
+    """The start-up line for --on-node-loss continue in a job Open MPI's mpirun started
+    without its fault-tolerant mode (no `--with-ft ulfm`, no mpi_ft_enable): a lost rank ends
+    such a job however hpcdl is configured. None where continue can work, where the job has
+    one rank, or where the launcher is not Open MPI's (srun: its mode cannot be read here)."""
+    under_open_mpi = "OMPI_COMM_WORLD_SIZE" in environ
+    enabled = environ.get(FT_ENABLE, "").lower() in ("1", "true", "yes", "on")
+    if world_size < 2 or not under_open_mpi or enabled:
+        return None
+    return (
+        "hpcdl: --on-node-loss continue needs `mpirun --with-ft ulfm` (or hpcdl.launch, which "
+        "adds it); this job was started without it, so a lost rank will end this job"
+    )
 
 
 def recover(world: World, failed_at: float) -> World:

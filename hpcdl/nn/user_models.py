@@ -41,11 +41,17 @@ CONTRACT = (
     "function(input_shape, num_classes) returning a list of hpcdl.nn layers or an hpcdl.nn.Model"
 )
 MODEL_KEYWORDS = ("seed", "xp", "dtype")
+TORCHVISION = "torchvision:"  # `--model torchvision:NAME`: hpcdl's torch engine builds it
 
 
 def is_user_model(name: str) -> bool:
     """True for 'module:function' and 'file.py:function' specs (built-in names have no colon)."""
-    return ":" in name
+    return ":" in name and not is_torchvision(name)
+
+
+def is_torchvision(name: str) -> bool:
+    """True for 'torchvision:NAME': a torchvision.models builder (hpcdl.torch_engine)."""
+    return name.startswith(TORCHVISION)
 
 
 def load_builder(spec: str) -> Callable[..., Any]:
@@ -72,26 +78,63 @@ def build_user_model(
     dtype: Any = np.float32,
 ) -> Model:
     """Call the builder spec names, wrap a list of layers into a Model, check the result."""
+    built = call_builder(spec, input_shape, num_classes, seed=seed, xp=xp, dtype=dtype)
+    return as_model(spec, built, input_shape, num_classes, seed=seed, xp=xp, dtype=dtype)
+
+
+def call_builder(
+    spec: str,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int = 0,
+    xp: ModuleType = np,
+    dtype: Any = np.float32,
+) -> Any:
+    """What the builder spec names returns for (input_shape, num_classes), unchecked: an hpcdl
+    model (as_model), or a torch.nn.Module (is_torch_module) for hpcdl's torch engine."""
     builder = load_builder(spec)
-    shape = tuple(input_shape)
     offered = {"seed": seed, "xp": xp, "dtype": dtype}
     taken = _keywords_taken(builder)
     try:
-        built = builder(shape, num_classes, **{k: v for k, v in offered.items() if k in taken})
+        return builder(
+            tuple(input_shape), num_classes, **{k: v for k, v in offered.items() if k in taken}
+        )
     except Exception as exc:  # the user's code: report it in one line, whatever it raised
         raise ValueError(f"model {spec!r}: the builder raised {error_line(exc)}") from None
+
+
+def is_torch_module(built: Any) -> bool:
+    """built is a torch.nn.Module, told by its type without importing torch."""
+    return any(
+        (cls.__module__, cls.__name__) == ("torch.nn.modules.module", "Module")
+        for cls in type(built).__mro__
+    )
+
+
+def as_model(
+    spec: str,
+    built: Any,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+    seed: int = 0,
+    xp: ModuleType = np,
+    dtype: Any = np.float32,
+) -> Model:
+    """The Model a builder's result is: a list of layers wrapped, a Model checked."""
+    shape = tuple(input_shape)
     if isinstance(built, (list, tuple)):
         _check_layers(spec, built)
         model = Model(
             model_name(spec), list(built), shape, num_classes, seed=seed, xp=xp, dtype=dtype
         )
     elif isinstance(built, Model):
+        taken = _keywords_taken(load_builder(spec))
         _check_model(spec, built, taken, shape, num_classes, xp, dtype)
         model = built
     else:
         raise ValueError(
             f"model {spec!r}: the builder returned a {type(built).__name__}; it must be a "
-            f"{CONTRACT}"
+            f"{CONTRACT}, or a torch.nn.Module"
         )
     _check_output(spec, model)
     return model
@@ -210,5 +253,10 @@ def _load_file(spec: str, path: Path) -> ModuleType:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "torch":
+            raise ValueError(
+                f"model {spec!r}: {path} imports torch, which is not installed: "
+                "pip install 'hpcdl[torch]'"
+            ) from None
         raise ValueError(f"model {spec!r}: loading {path} raised {error_line(exc)}") from None
     return module

@@ -1,0 +1,172 @@
+"""hpcdl.train's torch engine (NOTE [the engine seam] in hpcdl/engine.py): a torch.nn.Module
+trained by hpcdl's loop, the only module of a run that imports torch.
+
+NOTE [a module in flat vectors]
+The module's parameters become views of one float32 vector, in reverse registration order
+(backward finishes the last layers first), its float buffers (BatchNorm statistics) views of a
+second, and each parameter's .grad a view of a third that ends with the step's flags
+(hpcdl.nn.model.FLAG_LOSS, FLAG_OVERFLOW), as hpcdl's own Model lays them out. So:
+- hpcdl.comm.reducer.GradientReducer, the reducer hpcdl.torch and hpcdl's engine use, averages
+  that third vector's NumPy view (torch.from_numpy shares memory on the CPU) bucket by bucket:
+  a post-accumulate-grad hook marks the longest prefix whose gradients are final, and the
+  reducer's thread reduces the buckets inside it while backward goes on; the non-finite-loss
+  flag rides in the last bucket, so every rank sees every rank's;
+- autograd accumulates into the existing .grad in place (it is zeroed before each backward),
+  so the gradients land in the reducer's buffer with no copy;
+- checkpoints hold the parameters, buffers and the torch.optim state as flat vectors in
+  hpcdl.checkpoint's file (model layout by parameter name), and `--resume auto` restores them
+  bit for bit: the optimizer's per-parameter state tensors are rebuilt from their slices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hpcdl import diag
+from hpcdl.comm import collectives
+from hpcdl.comm.failure import agree_on_errors
+from hpcdl.comm.reducer import GradientReducer
+from hpcdl.comm.world import World
+from hpcdl.config import TrainConfig
+from hpcdl.nn.model import FLAG_LOSS
+from hpcdl.nn.step import StepResult, StepTimes
+from hpcdl.resume import shapes
+from hpcdl.run import own
+from hpcdl.startup_checks import verify_same_run
+from hpcdl.torch_engine.flat import FlatModule
+from hpcdl.torch_engine.optim import FlatOptimizer
+from hpcdl.torch_engine.specs import init_from, refused, seed_all, torchvision_model
+
+__all__ = ["TorchEngine", "build", "seed_all"]
+
+
+@dataclass
+class TorchEngine:
+    """A torch.nn.Module in flat vectors (FlatModule), torch.optim over it, hpcdl's reducer."""
+
+    model: FlatModule
+    optimizer: FlatOptimizer
+    world: World
+    reducer: GradientReducer | None
+    kind: str = "torch"
+    xp: Any = np  # the step's loss and flags are NumPy views of CPU tensors
+    scaler: Any = None  # fp16 is refused (specs.refused)
+    autocast: Any = None  # --precision bf16: torch.autocast's bfloat16 on the CPU; else None
+
+    @property
+    def precision_line(self) -> str:
+        return (
+            "hpcdl: precision bf16: forward and loss under torch.autocast (bfloat16 matrix "
+            "products and convolutions), float32 parameters and gradients"
+        )
+
+    @property
+    def flags_agreed(self) -> bool:
+        return self.reducer is not None
+
+    def batches(self, host: Iterable) -> Iterable:
+        """The loader's NumPy batches as CPU tensors sharing their memory (no copy)."""
+        return ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in host)
+
+    def step(
+        self, images: Any, labels: Any, lr: float, mix_params: bool, waited_since: float,
+        timed: bool,
+    ) -> StepResult:  # fmt: skip
+        t0 = time.perf_counter()
+        start = t0 if waited_since is None else waited_since
+        model, reducer = self.model, self.reducer
+        model.grads_and_flags.zero_()
+        with self._precision():
+            logits = model.module(images)
+            loss = F.cross_entropy(logits.float(), labels)
+        model.flags[FLAG_LOSS] = (~torch.isfinite(loss.detach())).float()
+        tf = time.perf_counter()
+        diag.record(diag.Kind.FORWARD, t0, tf)
+        if reducer is not None:
+            reducer.begin_step()
+        model.begin_backward(reducer.mark_ready if reducer is not None else None)
+        # gradients of loss / N: their sum over the ranks is the average
+        (loss * (1.0 / self.world.size) if reducer is not None else loss).backward()
+        t1 = time.perf_counter()
+        diag.record(diag.Kind.BACKWARD, tf, t1)
+        if reducer is not None:
+            diag.RECORDER.enter(diag.Kind.COMM_WAIT, t1)  # the stall inspector sees this wait
+            reducer.wait()
+        t2 = time.perf_counter()
+        diag.record(diag.Kind.COMM_WAIT, t1, t2)
+        self.optimizer.step(lr)
+        if mix_params:  # --sync params:K: the mean of the ranks' parameters every K steps
+            collectives.allreduce_mean(self.world.comm, model.params, False)
+        t3 = time.perf_counter()
+        diag.record(diag.Kind.OPTIMIZER, t2, t3)
+        times = StepTimes(t0 - start, t1 - t0, t2 - t1, t3 - t2, t3 - start)
+        flags = model.flags_host[FLAG_LOSS].copy()
+        return StepResult(loss.detach().numpy(), logits.detach(), times, True, flags)
+
+    def correct(self, logits: Any, labels: Any) -> Any:
+        return (logits.argmax(dim=1) == labels).sum().numpy()
+
+    def evaluate(self, images: Any, labels: Any) -> tuple[float, int]:
+        module = self.model.module
+        module.eval()
+        try:
+            with torch.no_grad(), self._precision():
+                logits = module(images)
+                loss = F.cross_entropy(logits.float(), labels)
+        finally:
+            module.train()
+        return float(loss), int(self.correct(logits, labels))
+
+    def _precision(self) -> Any:
+        """--precision bf16: forward and loss under autocast (float32 parameters and
+        gradients, bfloat16 matrix products and convolutions); fp32: nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast)
+
+    def average_buffers(self) -> None:
+        collectives.allreduce_mean(self.world.comm, self.model.buffers, False)
+
+
+def build(
+    cfg: TrainConfig,
+    world: World,
+    stack: ExitStack,
+    built: Any,
+    input_shape: tuple[int, int, int],
+    num_classes: int,
+) -> TorchEngine:
+    """The torch engine for --model, the same on every rank; collective. built: the module a
+    user's builder returned, None for `torchvision:NAME` (built here). Flags it cannot serve
+    yet, a module it cannot train and a torchvision name that does not exist stop every rank
+    with one line."""
+    model, error = None, refused(cfg)
+    if error is None:
+        try:
+            module = built if built is not None else torchvision_model(cfg, num_classes)
+            model = FlatModule(module, cfg, input_shape, num_classes)
+        except ValueError as exc:
+            error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
+    init_from(cfg, world, model)
+    model.set_rng_state(model.seeded_rng_state(cfg.seed + world.rank))  # dropout: per rank
+    verify_same_run(world, cfg, shapes(model))
+    collectives.broadcast(world.comm, model.params)
+    collectives.broadcast(world.comm, model.buffers)
+    reducer = None  # one rank, or --sync params:K (TorchEngine.step averages the parameters)
+    if world.size > 1 and cfg.params_sync_every == 0:
+        reducer = GradientReducer(
+            world.comm, model.grads_and_flags.numpy(), cfg.bucket_mb, prescaled=True
+        )
+        own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
+    autocast = torch.bfloat16 if cfg.precision == "bf16" else None
+    return TorchEngine(model, FlatOptimizer(cfg, model), world, reducer, autocast=autocast)
