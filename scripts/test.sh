@@ -2,6 +2,7 @@
 # Create/refresh the environment and run the whole test suite:
 #   1. ruff (lint and format check)   2. pytest, single-process tests (includes the real-Slurm tests)
 #   3. pytest under `mpirun -np 2` for the tests marked mpi
+#   4. the tests marked torchvision, in .venv-torchvision (scripts/torchvision-tests.sh)
 # Extra arguments go to both pytest runs (e.g. -x, -k name).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO"
@@ -12,14 +13,19 @@ ruff format --check hpcdl tests tools scripts
 
 echo "== pytest (single process)"
 status=0
-python -m pytest -m "not mpi" "$@" tests || status=$?
+python -m pytest -m "not mpi and not torchvision" "$@" tests || status=$?
 
 echo "== pytest under mpirun -np 2 (tests marked mpi)"
 mpi_status=0
 mpirun -np 2 python -m pytest --with-mpi -m mpi -q -p no:cacheprovider "$@" tests || mpi_status=$?
 
-if [ "$status" -ne 0 ] || [ "$mpi_status" -ne 0 ]; then
-    echo "hpcdl: tests FAILED (single-process exit $status, MPI exit $mpi_status)" >&2
+echo "== pytest with torchvision (torch 2.14.1 + torchvision 0.29.1 in .venv-torchvision)"
+tv_status=0
+bash "$REPO/scripts/torchvision-tests.sh" -q "$@" || tv_status=$?
+
+if [ "$status" -ne 0 ] || [ "$mpi_status" -ne 0 ] || [ "$tv_status" -ne 0 ]; then
+    echo "hpcdl: tests FAILED (single-process exit $status, MPI exit $mpi_status," \
+        "torchvision exit $tv_status)" >&2
     exit 1
 fi
 echo "hpcdl: all tests passed"

@@ -325,6 +325,7 @@ def test_a_torch_model_without_torch_installed_names_the_extra(digits_dir, model
     assert "torch, which is not installed: pip install 'hpcdl[torch]'" in done.stderr
 
 
+@pytest.mark.torchvision
 def test_torchvision_names_train_and_an_unknown_one_is_one_line(tmp_path):
     """Needs torchvision beside torch (not in the default test venv: docs/torch.md). A
     torchvision builder trains on a folder of small RGB images; a name torchvision.models
