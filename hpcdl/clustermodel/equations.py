@@ -20,6 +20,7 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 7. each later epoch's start: the ranks draw its sample order, and each node's local rank 0
    rewrites its plan while the others wait (boundary_s);
 8. the job's checkpoints: each epoch's, at a measured cost each (checkpoints_per_epoch).
+(Section 6, a data set as shards, is hpcdl.clustermodel.packed, built on these functions.)
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
