@@ -150,7 +150,9 @@ def predict(request: PredictionRequest) -> list[Prediction]:
             checkpoint_every=request.checkpoint_every,
         )
         if layout is not None:
-            tier = peer_tier_wanted(request.peer_staging, nodes, request.shuffle)
+            # ranges from the homes: a global shuffle's (with node, a node reads its own block)
+            wanted = peer_tier_wanted(request.peer_staging, nodes, request.shuffle)
+            tier = wanted and request.shuffle == "global"
             out.append(packed.predict_packed(request.calibration, shape, layout, tier))
             continue
         reads = node_reads(request, shape)
