@@ -118,8 +118,10 @@ def test_dry_run_compares_folder_and_shards_per_node_count():
     at = lines.index("folder vs shards:1024 (each column: folder, then shards):")
     row = lines[at + 3].split()
     assert row[:3] == ["128", "2559119", "2048"] and row[3] == "12.8"
-    rows = json.loads(lines[-1])["predictions"]
-    assert [r["layout"] for r in rows] == ["shards:1024", "shards:1024"]
+    out = json.loads(lines[-1])
+    assert [r["layout"] for r in out["predictions"]] == ["shards:1024", "shards:1024"]
+    assert [r["layout"] for r in out["folder_predictions"]] == ["folder", "folder"]
+    assert out["folder_predictions"][1]["epoch1_s"] == pytest.approx(12.8, abs=0.05)
 
 
 @pytest.mark.parametrize(

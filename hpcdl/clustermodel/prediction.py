@@ -243,11 +243,14 @@ def print_predictions(request: PredictionRequest, as_json: bool) -> int:
             f"  {p.nodes} nodes: epoch 1 is input-bound from step {p.first_late_step}: "
             f"{p.epoch1_input_bound_s:.3g} s of {p.epoch1_s:.3g} s wait for staging"
         )
-    if request.shards is not None:
-        print(layout_comparison(predict(replace(request, shards=None)), predictions))
+    out: dict[str, Any] = {"calibration": cal.to_json(),
+                           "predictions": [p.to_json() for p in predictions]}  # fmt: skip
+    if request.shards is not None:  # the same job on the data set as a folder, beside it
+        folder = predict(replace(request, shards=None))
+        print(layout_comparison(folder, predictions))
+        out["folder_predictions"] = [p.to_json() for p in folder]
     if as_json:
-        print(json.dumps({"calibration": cal.to_json(),
-                          "predictions": [p.to_json() for p in predictions]}))  # fmt: skip
+        print(json.dumps(out))
     return 0
 
 
