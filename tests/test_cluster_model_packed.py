@@ -142,3 +142,12 @@ def test_a_bad_shards_value_is_one_clear_line(args, line):
                      IMAGENET[1], "--nodes", 8, *flags, cwd=REPO)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"hpcdl.stage: error: {line}"]
+
+
+def test_a_data_set_under_one_batch_of_every_rank_gives_a_row_of_no_steps():
+    ds = prediction.described_dataset(1000, 1e8)  # 128 x 8 ranks x 32: no step
+    rows = prediction.predict(request((1, 128), 10, dataset=ds, epochs=3))
+    assert rows[1].steps_per_epoch == 0 and rows[1].epoch1_s == 0.0
+    assert rows[1].pfs_opens_per_epoch == [10, 0, 0]  # the index only
+    (folder,) = prediction.predict(request((128,), None, dataset=ds, epochs=3))
+    assert folder.steps_per_epoch == 0 and folder.epoch1_s == 0.0

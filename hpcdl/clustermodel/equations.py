@@ -191,7 +191,8 @@ def step_clock(
             late = s
         clock = max(clock, at) + step_s
     seconds = clock - lead_s
-    last_step = int(np.searchsorted(reads.first_needed, reads.first_needed[-1]))
+    last = reads.first_needed[-1] if len(reads.first_needed) else 0  # no step: nothing read
+    last_step = int(np.searchsorted(reads.first_needed, last))
     return EpochOne(
         seconds=seconds,
         input_bound_s=max(0.0, seconds - reads.steps_per_epoch * step_s),

@@ -80,12 +80,18 @@ def shards_touched(layout: PackedLayout, shape: JobShape, read: np.ndarray) -> n
     return shards * (1.0 - (1.0 - taken) ** layout.per_shard)
 
 
+def samples_per_epoch(samples: NodeReads) -> int:
+    """F: the samples a node reads in an epoch (0 where the data set is under one batch of
+    every rank, and no step runs)."""
+    return int(samples.first_needed[-1]) if len(samples.first_needed) else 0
+
+
 def node_splits(
     layout: PackedLayout, shape: JobShape, samples: NodeReads, peer_tier: bool
 ) -> list[peers.PeerSplit]:
     """Every node's copies per epoch, busiest first: shards from the PFS (files: whole shards)
     and, with the peer tier, its samples' byte ranges fetched from the shards' homes."""
-    read = samples.first_needed[-1]  # F, the node's samples per epoch
+    read = samples_per_epoch(samples)  # F
     m, epochs, nodes = layout.per_shard, shape.epochs, shape.nodes
     if peer_tier:
         # a shard no node touched in e epochs is new, to one home: S q^(m e) (1 - q^m) in all
@@ -138,7 +144,7 @@ def ready_at(
     the whole epoch's). Without the peer tier: the shards they touch, copied whole at the
     shard rate in first-touch order. With it: the node's home_shards (S / N) and every other
     home's, then the node's fetches of its samples' ranges up to there."""
-    need = np.append(samples.first_needed, samples.first_needed[-1])
+    need = np.append(samples.first_needed, samples_per_epoch(samples))
     if not peer_tier:
         return shards_staged_at(rate, np.ceil(shards_touched(layout, shape, need)))
     homes = float(shards_staged_at(rate, home_shards))

@@ -272,8 +272,12 @@ def layout_comparison(folder: list[Prediction], shards: list[Prediction]) -> str
         rows.append(
             f"{f.nodes:>6} {f.pfs_opens_per_epoch[0]:>9} {s.pfs_opens_per_epoch[0]:>9} "
             f"{f.epoch1_s:>7.1f} {s.epoch1_s:>7.1f} {f.later_epoch_s:>7.1f} "
-            f"{s.later_epoch_s:>7.1f} {f.epoch1_s / f.later_epoch_s:>7.2f} "
-            f"{s.epoch1_s / s.later_epoch_s:>7.2f} {_duration(f.time_to_last_epoch_s):>9} "
+            f"{s.later_epoch_s:>7.1f} {_ratio(f.epoch1_s, f.later_epoch_s):>7} "
+            f"{_ratio(s.epoch1_s, s.later_epoch_s):>7} {_duration(f.time_to_last_epoch_s):>9} "
             f"{_duration(s.time_to_last_epoch_s):>9}"
         )
     return "\n".join(rows)
+
+
+def _ratio(first: float, later: float) -> str:
+    return f"{first / later:.2f}" if later > 0 else "-"
