@@ -152,6 +152,8 @@ def add_model_flags(a: Callable[..., Any]) -> None:
     )
     a("--dataset-files", type=int, help="with --calibration and no --data: the data set's files")
     a("--dataset-bytes", type=float, help="with --dataset-files: the data set's bytes in all")
+    a("--shards", type=int, help="with --calibration: predict the data set stored as this many "
+      "shard files (tar or HDF5), beside it as a folder")  # fmt: skip
 
 
 DEFAULTS: dict[str, Any] = dict(
@@ -201,6 +203,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     out.nodes = out.node_counts[0] if out.node_counts else None
     if len(out.node_counts) > 1 and not (out.dry_run and out.calibration):
         raise UsageError("--nodes takes a list (2,4,8) only with --dry-run --calibration")
+    if out.shards is not None and not (out.dry_run and out.calibration):
+        raise UsageError("--shards (the data set as shards) is for --dry-run --calibration only")
     return out
 
 
@@ -321,6 +325,7 @@ def model_dry_run(args: argparse.Namespace) -> int:
         workers=loader_workers(args, per_node),
         checkpoint=bool(args.checkpoint_dir),
         checkpoint_every=int(args.checkpoint_every or 0),
+        shards=args.shards,
     )
     return prediction.print_predictions(request, bool(args.json))
 

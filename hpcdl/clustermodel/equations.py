@@ -20,6 +20,7 @@ Every equation is written out in docs/cluster-model.md, in the order of the func
 7. each later epoch's start: the ranks draw its sample order, and each node's local rank 0
    rewrites its plan while the others wait (boundary_s);
 8. the job's checkpoints: each epoch's, at a measured cost each (checkpoints_per_epoch).
+(Section 6, a data set as shards, is hpcdl.clustermodel.packed, built on these functions.)
 
 The speed model v(b) = b / (b / v0 + t) (hpcdl.clustermodel.speed) is the compute term: one
 rank's step without communication takes b / v0 + t.
@@ -174,17 +175,28 @@ class EpochOne:
 def epoch_one(reads: NodeReads, rate: StagingRate, step_s: float, lead_s: float) -> EpochOne:
     """Step clock against staging: step s starts when step s-1 ends and its files are staged."""
     ready = np.asarray(staged_at(rate, reads.first_needed), dtype=np.float64)  # (steps,)
+    finish = float(staged_at(rate, reads.new_files[0]))
+    return step_clock(ready, reads, step_s, lead_s, finish)
+
+
+def step_clock(
+    ready: np.ndarray, reads: NodeReads, step_s: float, lead_s: float, finish_s: float
+) -> EpochOne:
+    """Epoch 1 of steps that wait for their data: step s starts at max(end of step s-1,
+    ready[s]), ready[s] being when everything steps <= s first read is on the node (the
+    folder's staged_at, or the packed layout's, hpcdl.clustermodel.packed)."""
     clock, late = lead_s, None
     for s, at in enumerate(ready.tolist()):
         if at > clock and late is None:
             late = s
         clock = max(clock, at) + step_s
     seconds = clock - lead_s
-    last_step = int(np.searchsorted(reads.first_needed, reads.new_files[0]))
+    last = reads.first_needed[-1] if len(reads.first_needed) else 0  # no step: nothing read
+    last_step = int(np.searchsorted(reads.first_needed, last))
     return EpochOne(
         seconds=seconds,
         input_bound_s=max(0.0, seconds - reads.steps_per_epoch * step_s),
-        staging_finish_s=float(staged_at(rate, reads.new_files[0])),
+        staging_finish_s=finish_s,
         needed_by_s=lead_s + last_step * step_s,
         first_late_step=late,
     )
@@ -316,6 +328,7 @@ class Prediction:
     epoch_s: list[float] | None = None  # epoch 1 (from the first step) and every later one
     input_wait_s: float = 0.0  # of step_s, waiting for the batch (--workers, [compute] input)
     epoch_start_s: float = 0.0  # of a later epoch: its sample order and the plan's rewrite
+    layout: str = "folder"  # the data set's files: folder (one per sample) or shards:S (packed)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -403,7 +416,7 @@ def epoch_times(
     rate: StagingRate,
     step_s: float,
     pfs_shares: list[float] | None,
-) -> tuple[Any, float, list[float]]:
+) -> tuple[EpochOne, float, list[float]]:
     """(epoch_one's figures, epoch 1's seconds, each later epoch's seconds) of the busiest
     node at its staging rate, the copies' contention and the checkpoints included."""
     compute_epoch = reads.steps_per_epoch * step_s
@@ -447,8 +460,28 @@ def predict_shape(
     peer tier, all from the PFS)."""
     rate = staging_rate_for(cal, shape, reads.mean_file_bytes)
     step = step_time(cal, shape)
-    one, epoch1_s, later = epoch_times(cal, shape, reads, rate, step.step_s, pfs_shares)
+    timing = epoch_times(cal, shape, reads, rate, step.step_s, pfs_shares)
     nodes = [split_reads(r, pfs_shares) for r in (every_node or [reads] * shape.nodes)]
+    peer_tier = pfs_shares is not None
+    return assemble(cal, shape, reads, every_node, nodes, rate, step, timing, peer_tier)
+
+
+def assemble(
+    cal: Calibration,
+    shape: JobShape,
+    reads: NodeReads,
+    every_node: list[NodeReads] | None,
+    nodes: list[peers.PeerSplit],
+    rate: StagingRate,
+    step: StepTime,
+    timing: tuple[EpochOne, float, list[float]],
+    peer_tier: bool,
+    layout: str = "folder",
+) -> Prediction:
+    """The Prediction of one job shape from its parts: the busiest node's reads (its PFS
+    files per epoch), every node's split between the PFS and peers, the staging rate, the
+    step, and epoch_times' (epoch 1's figures, epoch 1's seconds, the later epochs')."""
+    one, epoch1_s, later = timing
     index_s = shape.index_files * cal.pfs.open_latency_s / max(shape.index_threads, 1)
     images = shape.ranks * shape.batch_size / step.step_s
     return Prediction(
@@ -479,8 +512,9 @@ def predict_shape(
         later_epoch_s=float(np.mean(later)),
         index_s=index_s,
         time_to_last_epoch_s=index_s + epoch1_s + float(sum(later[: shape.epochs - 1])),
-        peer_tier=pfs_shares is not None,
+        peer_tier=peer_tier,
         epoch_s=[epoch1_s, *later[: shape.epochs - 1]],
         input_wait_s=step.input_s,
         epoch_start_s=boundary_s(cal, shape, reads.new_files[0], replan=shape.epochs > 2),
+        layout=layout,
     )

@@ -13,10 +13,10 @@ gives one Prediction per node count.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from hpcdl.clustermodel import equations, peers
+from hpcdl.clustermodel import equations, packed, peers
 from hpcdl.clustermodel.calibration import Calibration
 from hpcdl.clustermodel.equations import JobShape, NodeReads, Prediction
 from hpcdl.data.sampler import SamplerSpec, rank_layout
@@ -67,6 +67,7 @@ class PredictionRequest:
     workers: int = 1  # the job's loader workers per rank (--workers; 0: the rank loads)
     checkpoint: bool = False  # the job has a --checkpoint-dir: every epoch ends with a checkpoint
     checkpoint_every: int = 0  # the job's --checkpoint-every (steps; 0: each epoch's end only)
+    shards: int | None = None  # --shards: the data set stored as this many files (None: as is)
 
 
 def dataset_figures(ds: Any) -> tuple[int, int]:
@@ -126,9 +127,13 @@ def node_reads(request: PredictionRequest, shape: JobShape) -> list[NodeReads]:
 
 
 def predict(request: PredictionRequest) -> list[Prediction]:
-    """One Prediction per entry of request.node_counts (the dry run's --nodes)."""
-    files, _ = dataset_figures(request.dataset)
-    index_files = files if getattr(request.dataset, "index_source", "cache") == "built" else 0
+    """One Prediction per entry of request.node_counts (the dry run's --nodes); with
+    request.shards, of the data set as that many shards (clustermodel.packed)."""
+    files, nbytes = dataset_figures(request.dataset)
+    shards = request.shards
+    layout = None if shards is None else packed.packed_layout(shards, files, nbytes)
+    built = getattr(request.dataset, "index_source", "cache") == "built"
+    index_files = (layout.shards if layout else files) if built else 0  # the index opens each
     out = []
     for nodes in request.node_counts:
         shape = JobShape(
@@ -144,6 +149,12 @@ def predict(request: PredictionRequest) -> list[Prediction]:
             checkpoint=request.checkpoint,
             checkpoint_every=request.checkpoint_every,
         )
+        if layout is not None:
+            # ranges from the homes: a global shuffle's (with node, a node reads its own block)
+            wanted = peer_tier_wanted(request.peer_staging, nodes, request.shuffle)
+            tier = wanted and request.shuffle == "global"
+            out.append(packed.predict_packed(request.calibration, shape, layout, tier))
+            continue
         reads = node_reads(request, shape)
         every_node = reads if len(reads) == nodes else None
         shares = pfs_shares(request, shape)
@@ -212,7 +223,7 @@ def print_predictions(request: PredictionRequest, as_json: bool) -> int:
     print(
         f"cluster model ({request.source}): {cal.compute.model}, batch {request.batch_size} per "
         f"rank, {request.ranks_per_node} ranks/node, {request.epochs} epochs, "
-        f"{dataset_figures(request.dataset)[0]} files; staging limited by "
+        f"{dataset_figures(request.dataset)[0]} {_stored(request)}; staging limited by "
         f"{predictions[0].staging_limit}; allreduce {cal.network.algorithm}; peer tier "
         f"{_peer_state(request, predictions)}"
     )
@@ -232,7 +243,41 @@ def print_predictions(request: PredictionRequest, as_json: bool) -> int:
             f"  {p.nodes} nodes: epoch 1 is input-bound from step {p.first_late_step}: "
             f"{p.epoch1_input_bound_s:.3g} s of {p.epoch1_s:.3g} s wait for staging"
         )
+    out: dict[str, Any] = {"calibration": cal.to_json(),
+                           "predictions": [p.to_json() for p in predictions]}  # fmt: skip
+    if request.shards is not None:  # the same job on the data set as a folder, beside it
+        folder = predict(replace(request, shards=None))
+        print(layout_comparison(folder, predictions))
+        out["folder_predictions"] = [p.to_json() for p in folder]
     if as_json:
-        print(json.dumps({"calibration": cal.to_json(),
-                          "predictions": [p.to_json() for p in predictions]}))  # fmt: skip
+        print(json.dumps(out))
     return 0
+
+
+def _stored(request: PredictionRequest) -> str:
+    """How the header names the data set: its files, or its samples in --shards shards."""
+    return "files" if request.shards is None else f"samples in {request.shards} shards"
+
+
+def layout_comparison(folder: list[Prediction], shards: list[Prediction]) -> str:
+    """The same job on the data set as a folder (one file per sample) and as shards, per node
+    count, each figure as a pair (folder, shards): PFS opens of epoch 1 (the index's
+    included), epoch 1's seconds, a later epoch's, their ratio, and the total."""
+    rows = [
+        f"folder vs {shards[0].layout} (each column: folder, then shards):",
+        f"{'nodes':>6} {'PFS opens e1':>19} {'epoch1 s':>15} {'later s':>15} {'e1/later':>15} "
+        f"{'total':>19}",
+    ]
+    for f, s in zip(folder, shards):
+        rows.append(
+            f"{f.nodes:>6} {f.pfs_opens_per_epoch[0]:>9} {s.pfs_opens_per_epoch[0]:>9} "
+            f"{f.epoch1_s:>7.1f} {s.epoch1_s:>7.1f} {f.later_epoch_s:>7.1f} "
+            f"{s.later_epoch_s:>7.1f} {_ratio(f.epoch1_s, f.later_epoch_s):>7} "
+            f"{_ratio(s.epoch1_s, s.later_epoch_s):>7} {_duration(f.time_to_last_epoch_s):>9} "
+            f"{_duration(s.time_to_last_epoch_s):>9}"
+        )
+    return "\n".join(rows)
+
+
+def _ratio(first: float, later: float) -> str:
+    return f"{first / later:.2f}" if later > 0 else "-"
