@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcdl.backend import array_module
+from hpcdl.nn.dtypes import FLOAT32
 from hpcdl.nn.kernels import Seam
 from hpcdl.nn.layers import Layer, ParamSpec
 from hpcdl.nn.threads import run_split, split_parts
@@ -38,6 +39,9 @@ class BatchNorm(Layer):
     + beta is one scale and one shift, and backward folds inv_std into per-channel factors:
     dx = (dy - sum(dy)/M) * gamma * inv_std - xc * gamma * inv_std^3 * sum(dy * xc)/M.
 
+    Real half arrays (hpcdl.nn.dtypes) without a fast kernel (SyncBatchNorm, CPU tests): the
+    reference runs on a float32 copy of x and of dy, the format's arrays in and out.
+
     Threads (hpcdl.nn.threads): every pass is split by rows over the compute threads; the
     per-channel sums are made per part and added in part order, so a thread count repeats
     bitwise. Forward makes three split passes (sums; centring + squared sums; scale + shift),
@@ -64,11 +68,16 @@ class BatchNorm(Layer):
         self.seam = Seam("batchnorm")  # fast kernels come first (hpcdl.nn.kernels)
 
     def forward(self, x, train=True):
-        xp = array_module(x)
         if x.shape[-1] != self.channels:
             raise ValueError(f"BatchNorm expects {self.channels} channels, got shape {x.shape}")
         if self.seam.take(self, x):
             return self.seam.kernel.forward(self, x, train)
+        if x.dtype.itemsize == 2:  # real half arrays (hpcdl.nn.dtypes): statistics in float32
+            return self._reference_forward(x.astype(FLOAT32), train).astype(x.dtype)
+        return self._reference_forward(x, train)
+
+    def _reference_forward(self, x: Any, train: bool) -> Any:
+        xp = array_module(x)
         reps = _row_reps(x)
         xc = self._centered_buffer(xp, x)
         y = xp.empty_like(x)
@@ -99,6 +108,12 @@ class BatchNorm(Layer):
             dx = self.seam.kernel.backward(self, dy)
             self._done(ready)
             return dx
+        if dy.dtype.itemsize == 2:  # as forward: the reference in float32, dx in the format
+            dx = self._reference_backward(dy.astype(FLOAT32), ready)
+            return None if dx is None else dx.astype(dy.dtype)
+        return self._reference_backward(dy, ready)
+
+    def _reference_backward(self, dy: Any, ready: Any) -> Any:
         xp = array_module(dy)
         reps, c = _row_reps(dy), self.channels
         xc, inv_std = self.xc, self.inv_std

@@ -3,7 +3,9 @@
 CudnnBatchNorm: training forward (batch statistics, running statistics updated in place with
 PyTorch's momentum rule) and backward (dx, d gamma, d beta) as cuDNN frontend graphs in NHWC
 (NOTE [cuDNN graphs] in hpcdl/nn/kernels/cudnn_graphs.py), on CuPy arrays with --gpu-kernels.
-Statistics and the parameter gradients are float32; x, y, dy and dx are in the layer's format.
+Statistics and the parameter gradients are float32; the plans' x, y, dy and dx are in the
+layer's format, and y and dx come back in the dtype of x and dy (float32 emulated, the
+format's with real half arrays, hpcdl.nn.dtypes).
 Not with --sync-bn: cuDNN's fused graph cannot put the ranks' allreduce between the statistics
 and the normalisation, so SyncBatchNorm keeps the reference. Evaluation is one elementwise pass
 with the running statistics. Fusing the ReLU and the residual add that follow a BatchNorm
@@ -56,7 +58,8 @@ class CudnnBatchNorm:
         if not train:
             inv_std = 1.0 / xp.sqrt(layer.b["running_var"] + layer.eps)
             scale = layer.p["gamma"] * inv_std
-            return (x - layer.b["running_mean"]) * scale + layer.p["beta"]
+            y = (x - layer.b["running_mean"]) * scale + layer.p["beta"]
+            return y.astype(x.dtype, copy=False)
         rt, c = cudnn_graphs.runtime(), layer.channels
         train_plan = self.cache.get(self.keys(layer, x.shape)["bn_train"])
         io = train_plan.io  # the layer's format, or float32 where cuDNN had no half plan
@@ -82,7 +85,7 @@ class CudnnBatchNorm:
             "y": y,
         }
         rt.run(train_plan, arrays, xp)
-        return y if io == _FLOAT32 else y.astype(_FLOAT32)
+        return y if io == x.dtype else y.astype(x.dtype)  # x's: float32 or the format's
 
     def backward(self, layer: Any, dy: Any) -> Any:
         rt, xp = cudnn_graphs.runtime(), array_module(dy)
@@ -105,7 +108,7 @@ class CudnnBatchNorm:
         rt.run(plan, arrays, xp)
         if not layer.input_grad:
             return None
-        return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
+        return dx if dx.dtype == dy.dtype else dx.astype(dy.dtype)
 
     def _build(self, key: PlanKey) -> Plan:
         rt = cudnn_graphs.runtime()
