@@ -66,6 +66,10 @@ class BatchNorm(Layer):
         # xc's storage, reused while the input shape stays the same; (M,) ones for the GEMV sums
         self._work = Workspaces()
         self.seam = Seam("batchnorm")  # fast kernels come first (hpcdl.nn.kernels)
+        # A fused BN -> [add ->] ReLU asked for by a container (forward_relu), for this forward
+        self.fuse_relu = False
+        self.residual: Any = None  # the add's other operand, the shortcut's output
+        self.residual_grad: Any = None  # after a fused backward with a residual: its gradient
 
     def forward(self, x, train=True):
         if x.shape[-1] != self.channels:
@@ -102,6 +106,21 @@ class BatchNorm(Layer):
         run_split(len(y_rows), normalise, y)
         self.xc, self.inv_std, self.train = xc, inv_std, train
         return y
+
+    def forward_relu(self, x: Any, train: bool, residual: Any = None) -> Any:
+        """relu(self(x) [+ residual]) by a fused kernel (hpcdl.nn.kernels.batchnorm), or None
+        when none takes it: then the caller runs forward and the ReLU itself. Training only;
+        backward then takes the ReLU's output gradient and leaves residual's in residual_grad.
+        """
+        if not train or x.shape[-1] != self.channels:
+            return None
+        self.fuse_relu, self.residual, self.residual_grad = True, residual, None
+        fused = self.seam.take(self, x) and getattr(self.seam.kernel, "fuses_relu", False)
+        z = self.seam.kernel.forward(self, x, train) if fused else None
+        self.fuse_relu, self.residual = False, residual if fused else None
+        if not fused:
+            self.seam.kernel = None
+        return z
 
     def backward(self, dy, ready=None):
         if self.seam.kernel is not None:
