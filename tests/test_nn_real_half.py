@@ -61,9 +61,15 @@ def relative(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+@pytest.mark.parametrize("gpu_kernels", [False, True], ids=["reference", "gpu-kernels"])
 @pytest.mark.parametrize(("name", "shape"), MODELS)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_activations_and_their_gradients_are_half_arrays_between_layers(name, shape, precision):
+def test_activations_and_their_gradients_are_half_arrays_between_layers(
+    monkeypatch, name, shape, precision, gpu_kernels
+):
+    """With the fast kernels on, those that run on NumPy (Philox dropout) and the containers'
+    fusion attempts keep the format too."""
+    monkeypatch.setattr(nn.kernels, "_enabled", gpu_kernels)
     half = dtypes.half_dtype(precision)
     model, opt, logits, loss, _, seen = step(name, shape, precision, real=True)
     assert model.dtypes.real and model.dtypes.activations == half
