@@ -11,6 +11,8 @@ It refuses what the real frontend (nvidia-cudnn-frontend 1.32, its `python/` bin
 - a pass-by-value tensor (host scalar) that is not [1, 1, 1, 1], or whose pack value is a
   device pointer; BatchNorm's epsilon and momentum not passed by value (as the frontend's own
   BatchNorm test passes them: host tensors);
+- pointwise ops (add, relu, relu_backward: the frontend's names and keywords) on anything
+  but the graph's tensors, a compute_data_type that is no cudnn.data_type, clips not floats;
 - operands of one convolution in different data types, statistics not in FLOAT (no engine:
   cudnnGraphNotSupportedError at check_support), and `refuse(op, dims, data_type)` for a shape
   cuDNN has no engine for;
@@ -53,6 +55,7 @@ class heur_mode(str, enum.Enum):  # noqa: N801
 
 _NUMPY = {data_type.FLOAT: "float32", data_type.HALF: "float16", data_type.BFLOAT16: "bfloat16"}
 _HOST_SCALARS = {data_type.FLOAT: ctypes.c_float, data_type.INT64: ctypes.c_int64}
+_POINTWISE = ("add", "relu", "relu_backward")
 _BUILD_ORDER = ("validate", "operation_graph", "plans", "support", "build")
 
 
@@ -194,6 +197,33 @@ class Graph:
             "batchnorm_backward", 3, dy=grad, x=input, scale=scale, mean=mean, inv_var=inv_variance
         )
 
+    def _pointwise(self, op, compute_data_type, clips=(), **inputs):
+        """The frontend's pointwise ops: tensor operands, an optional data_type compute type,
+        and (relu) clips that are floats or None."""
+        for key, t in inputs.items():
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{op} {key}: expected a cudnn tensor, got {type(t).__name__}")
+        if compute_data_type is not None:
+            _enum(compute_data_type, data_type, f"{op} compute_data_type")
+        if any(c is not None and not isinstance(c, (int, float)) for c in clips):
+            raise TypeError(f"{op}: clips are floats or None, got {clips!r}")
+        if clips and clips[0] not in (None, 0, 0.0):
+            raise NotImplementedError(f"{op}: the stand-in models lower_clip 0 only")
+        return self._op(op, 1, **inputs)
+
+    def add(self, a, b, compute_data_type=None, name=""):
+        return self._pointwise("add", compute_data_type, a=a, b=b)
+
+    def relu(self, input, compute_data_type=None, lower_clip=None, upper_clip=None,  # noqa: A002
+             lower_clip_slope=None, name=""):  # fmt: skip
+        clips = (lower_clip, upper_clip, lower_clip_slope)
+        return self._pointwise("relu", compute_data_type, clips, input=input)
+
+    def relu_backward(self, loss, input, compute_data_type=None, lower_clip=None,  # noqa: A002
+                      upper_clip=None, lower_clip_slope=None, name=""):  # fmt: skip
+        clips = (lower_clip, upper_clip, lower_clip_slope)
+        return self._pointwise("relu_backward", compute_data_type, clips, loss=loss, input=input)
+
     def _conv(self, op, a, b, names, padding, stride, dilation):
         conv = {k: _ints(v, 2, f"{op} {k}") for k, v in
                 (("padding", padding), ("stride", stride), ("dilation", dilation))}  # fmt: skip
@@ -255,11 +285,13 @@ class Graph:
             raise ValueError(f"workspace: {workspace!r} is no device buffer of >= 64 bytes")
         self.module.executions += 1
         self.module.streams.append(handle.stream)
+        virtual = {}  # an op's results that the next ops read (no memory of their own)
         for outs in self.ops:
-            args = {k: (_read(values[t], t) if isinstance(t, Tensor) else t)
+            args = {k: (_operand(t, values, virtual) if isinstance(t, Tensor) else t)
                     for k, t in outs[0].inputs.items()}  # fmt: skip
             results = globals()[f"_{outs[0].op}"](args, outs[0].dim)
             for out, result in zip(outs, results if len(outs) > 1 else [results], strict=True):
+                virtual[out] = result
                 if out.is_output:
                     target = self.module.device_view(values[out], out)
                     target[...] = result.astype(target.dtype)
@@ -292,6 +324,15 @@ class _Host:
         self.value = _HOST_SCALARS[tensor.data_type].from_address(address).value
 
 
+def _operand(tensor, values, virtual):
+    """An op's operand: a graph input or output read from memory, or an earlier op's result."""
+    if tensor in values:
+        return _read(values[tensor], tensor)
+    if tensor in virtual:
+        return virtual[tensor]
+    raise ValueError(f"{tensor.name}: an operand that is neither in the pack nor computed")
+
+
 def _read(value, tensor):
     if isinstance(value, _Host):
         return np.full((1, 1, 1, 1), value.value)
@@ -301,7 +342,13 @@ def _read(value, tensor):
 def _support(module, out):
     """Refuse a graph no engine runs: mixed I/O types, non-FLOAT statistics, refuse()."""
     tensors = {k: t for k, t in out.inputs.items() if isinstance(t, Tensor)}
-    first = next(iter(tensors.values()))
+    declared = [t for t in tensors.values() if t.dim is not None and t.data_type is not None]
+    if out.op in _POINTWISE:  # refuse(op, None, None) where no operand is declared
+        dims, dtype = (declared[0].dim, declared[0].data_type.value) if declared else (None, None)
+        if module.refuse(out.op, dims, dtype):
+            raise cudnnGraphNotSupportedError(f"no engine fuses {out.op} here")
+        return
+    first = declared[0]
     if out.op.startswith("conv"):
         io = {t.data_type for t in tensors.values()}
         if len(io) > 1:
@@ -310,7 +357,7 @@ def _support(module, out):
             )
     else:
         stats = [t for k, t in tensors.items() if k not in ("x", "dy", "eps", "momentum")]
-        if any(t.data_type != data_type.FLOAT for t in stats):
+        if any(t.data_type not in (data_type.FLOAT, None) for t in stats):
             raise cudnnGraphNotSupportedError(f"{out.op}: statistics must be FLOAT")
     if module.refuse(out.op, first.dim, first.data_type.value):
         raise cudnnGraphNotSupportedError(
@@ -382,3 +429,16 @@ def _batchnorm_backward(a, _):
     m = x.size // x.shape[1]
     dx = a["scale"] * a["inv_var"] * (dy - dbias / m - xhat * dscale / m)
     return dx, dscale, dbias
+
+
+def _add(a, _):
+    return a["a"].astype(np.float64) + a["b"]
+
+
+def _relu(a, _):
+    return np.maximum(a["input"].astype(np.float64), 0.0)
+
+
+def _relu_backward(a, _):
+    """The loss where the forward input was > 0 (lower_clip 0), else 0."""
+    return np.where(a["input"] > 0, a["loss"].astype(np.float64), 0.0)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hpcdl.backend import array_module
+from hpcdl.nn import kernels
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.layers import Layer, ReLU
 from hpcdl.nn.norm import BatchNorm
@@ -22,6 +23,7 @@ class Sequential(Layer):
         super().__init__()
         self.layers = list(layers)
         self.rounding: Callable[[Any], None] | None = None
+        self.fused: set[int] = set()  # ReLUs fused into their BatchNorm by the last forward
         for prev, layer in zip(self.layers, self.layers[1:]):
             if isinstance(layer, ReLU) and prev.fresh_output:
                 layer.inplace = True
@@ -38,19 +40,45 @@ class Sequential(Layer):
         return [(str(i), layer) for i, layer in enumerate(self.layers)]
 
     def forward(self, x, train=True):
-        for layer in self.layers:
-            x = layer.forward(x, train)
+        return self.forward_to(len(self.layers), x, train)
+
+    def forward_to(self, end: int, x: Any, train: bool = True) -> Any:
+        """Forward through layers[:end]. With the fast kernels (hpcdl.nn.kernels), a BatchNorm
+        followed by a ReLU asks for the two fused (BatchNorm.forward_relu); the ReLU is then
+        skipped, here and in backward."""
+        self.fused = set()  # indices of the ReLUs fused into their BatchNorm this forward
+        for i, layer in enumerate(self.layers[:end]):
+            if i in self.fused:
+                continue
+            y = self._fused_pair(i, x, train, end) if kernels.enabled() else None
+            x = layer.forward(x, train) if y is None else y
             if self.rounding is not None and not layer.keeps_precision:
                 self.rounding(x)
         return x
 
+    def _fused_pair(self, i: int, x: Any, train: bool, end: int) -> Any:
+        """relu(bn(x)) for layers[i:i+2] = BatchNorm, ReLU in one kernel, or None."""
+        layer = self.layers[i]
+        if i + 1 >= end or not isinstance(layer, BatchNorm):
+            return None
+        if not isinstance(self.layers[i + 1], ReLU):
+            return None
+        y = layer.forward_relu(x, train)
+        if y is not None:
+            self.fused.add(i + 1)
+        return y
+
     def backward(self, dy, ready=None):
         return self.backward_from(0, dy, ready)
 
-    def backward_from(self, first: int, dy: Any, ready=None) -> Any:
-        """Backward through layers[first:] only (the model skips what precedes its first
+    def backward_from(self, first: int, dy: Any, ready=None, end: int | None = None) -> Any:
+        """Backward through layers[first:end] only (the model skips what precedes its first
         parameterised layer); the input gradient of layers[first]."""
-        for layer in reversed(self.layers[first:]):
+        end = len(self.layers) if end is None else end
+        for i in reversed(range(first, end)):
+            if i in self.fused:  # its BatchNorm's fused backward applies the ReLU's mask
+                continue
+            layer = self.layers[i]
             dy = layer.backward(dy, ready)
             if self.rounding is not None and not layer.keeps_precision and dy is not None:
                 self.rounding(dy)
@@ -123,12 +151,41 @@ class ResidualBlock(Layer):
         return [("branch", self.branch), ("shortcut", self.shortcut)]
 
     def forward(self, x, train=True):
+        self.fused = False
+        if kernels.enabled() and train and isinstance(self.branch.layers[-1], BatchNorm):
+            z = self._fused_forward(x, train)
+            if z is not None:
+                return z
         y = self.branch.forward(x, train)  # a fresh array: BatchNorm's output
         return self.relu.forward(y, train, residual=self.shortcut.forward(x, train))
 
+    def _fused_forward(self, x: Any, train: bool) -> Any:
+        """relu(bn(h) + shortcut(x)) with the branch's last BatchNorm, the add and the ReLU in
+        one kernel (BatchNorm.forward_relu), or None: then the reference ran no part of it."""
+        last = len(self.branch.layers) - 1
+        h = self.branch.forward_to(last, x, train)
+        residual = self.shortcut.forward(x, train)
+        z = self.branch.layers[last].forward_relu(h, train, residual=residual)
+        if z is None:  # the branch's last layer and the ReLU, unfused
+            y = self.branch.layers[last].forward(h, train)
+            if self.branch.rounding is not None:
+                self.branch.rounding(y)
+            return self.relu.forward(y, train, residual=residual)
+        self.fused = True
+        return z
+
     def backward(self, dy, ready=None):
-        dy = self.relu.backward(dy, ready)
-        dx = self.branch.backward(dy, ready)  # a fresh array: a convolution's input gradient
+        if getattr(self, "fused", False):  # the ReLU and the add are the BatchNorm's
+            bn = self.branch.layers[-1]
+            dy_bn = bn.backward(dy, ready)
+            dy = bn.residual_grad
+            if self.branch.rounding is not None:  # emulated: as Sequential rounds them
+                for grad in (dy_bn, dy):
+                    self.branch.rounding(grad)
+            dx = self.branch.backward_from(0, dy_bn, ready, end=len(self.branch.layers) - 1)
+        else:
+            dy = self.relu.backward(dy, ready)
+            dx = self.branch.backward(dy, ready)  # a fresh array: a convolution's input grad
         shortcut_dx = self.shortcut.backward(dy, ready)
 
         def add(first: int, count: int, part: int) -> None:

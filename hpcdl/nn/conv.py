@@ -53,6 +53,7 @@ from typing import Any
 from hpcdl import backend
 from hpcdl.backend import array_module
 from hpcdl.nn import conv_winograd
+from hpcdl.nn.dtypes import matmul
 from hpcdl.nn.kernels import Seam
 from hpcdl.nn.layers import Layer, ParamSpec, _pair
 from hpcdl.nn.threads import run_parts
@@ -122,6 +123,7 @@ class Conv2d(Layer):
         self._buffers = Workspaces()  # reused workspaces (im2col matrices)
         self.seam = Seam("conv")  # fast kernels come first (hpcdl.nn.kernels)
         self.x_shape: tuple[int, ...] = ()  # (N, H, W, C_in) of the last forward
+        self.x_dtype: Any = None  # its dtype: float32, or the format's with real half arrays
         self.chunk = 0  # images per chunk in the last forward; 0: one whole-batch GEMM
         self.x_pad: Any = None  # chunked: the padded input, (N, Hp, Wp, C_in), for backward
         self.winograd = False  # the last forward took the Winograd path (uses_winograd)
@@ -168,9 +170,9 @@ class Conv2d(Layer):
             pad_shape = (n, h + 2 * self.ph, w + 2 * self.pw, c)
             xpad = self._workspace("x_pad", pad_shape, x.dtype, xp, zeroed=True)
             xpad[:, self.ph : self.ph + h, self.pw : self.pw + w, :] = x
-        self.x_shape, self.chunk = x.shape, self.chunk_images(x)
+        self.x_shape, self.x_dtype, self.chunk = x.shape, x.dtype, self.chunk_images(x)
         self.x_pad = xpad if self.chunk else None
-        w2 = self.p["W"].reshape(-1, self.c_out)  # (kh*kw*C_in, C_out)
+        w2 = self.p["W"].reshape(-1, self.c_out).astype(x.dtype, copy=False)  # (kh*kw*C_in, C_out)
         y = xp.empty((n * ho * wo, self.c_out), dtype=x.dtype)
         b_row = self._tiled("b_row", self.p["b"], wo, xp) if self.has_bias else None
 
@@ -227,7 +229,7 @@ class Conv2d(Layer):
         grad_w = self.g["W"].reshape(-1, f)  # (kh*kw*C_in, C_out), in the flat gradient buffer
         if self.has_bias:  # a GEMV with ones: multithreaded, unlike a sum over axis 0
             ones = self._workspace("ones", (dy2.shape[0],), dy2.dtype, xp, fill=1)
-            xp.matmul(ones, dy2, out=self.g["b"])
+            matmul(ones, dy2, out=self.g["b"])
         if self.winograd:
             dx = conv_winograd.backward(self, dy)
             self._done(ready)
@@ -247,7 +249,7 @@ class Conv2d(Layer):
                 if not fresh:
                     total += part
             else:
-                xp.matmul(self._workspace("cols").reshape(n * ho * wo, -1).T, dy2, out=grad_w)
+                matmul(self._workspace("cols").reshape(n * ho * wo, -1).T, dy2, out=grad_w)
             if dx is not None:
                 images = slice(first, first + count)
                 if self.col2im_input_grad:
@@ -268,15 +270,15 @@ class Conv2d(Layer):
         only: views of a and out whatever their strides."""
         block = SMALL_GEMM // (a.shape[1] * b.shape[1])
         if not self.chunk or block < MIN_BLOCK_ROWS or block >= a.shape[0]:
-            xp.matmul(a, b, out=out)
+            matmul(a, b, out=out)
             return
         full = a.shape[0] // block * block
         # One stacked call for the full blocks: NumPy loops over them in C with the GIL
         # released, where a Python loop would hand the GIL between the chunk threads per block.
         stacked_out = out[:full].reshape(-1, block, out.shape[1])
-        xp.matmul(a[:full].reshape(-1, block, a.shape[1]), b, out=stacked_out)
+        matmul(a[:full].reshape(-1, block, a.shape[1]), b, out=stacked_out)
         if full < a.shape[0]:
-            xp.matmul(a[full:], b, out=out[full:])
+            matmul(a[full:], b, out=out[full:])
 
     def _gemm_weight_grad(self, cols: Any, dy: Any, out: Any, slot: int) -> None:
         """out (K, C_out) = cols.T @ dy for one chunk, cols (rows, K), dy (rows, C_out).
@@ -292,21 +294,21 @@ class Conv2d(Layer):
         if MIN_K_BLOCK_WEIGHT_GRAD <= k_block < k:
             full = k // k_block * k_block
             cols_t = cols[:, :full].reshape(rows, -1, k_block).transpose(1, 2, 0)
-            xp.matmul(cols_t, dy, out=out[:full].reshape(-1, k_block, f))
+            matmul(cols_t, dy, out=out[:full].reshape(-1, k_block, f))
             if full < k:
-                xp.matmul(cols[:, full:].T, dy, out=out[full:])
+                matmul(cols[:, full:].T, dy, out=out[full:])
         elif MIN_ROW_BLOCK_WEIGHT_GRAD <= row_block < rows:
             full = rows // row_block * row_block
             blocks = self._workspace(f"dW_blocks:{slot}", (full // row_block, k, f), out.dtype, xp)
             cols_t = cols[:full].reshape(-1, row_block, k).transpose(0, 2, 1)
-            xp.matmul(cols_t, dy[:full].reshape(-1, row_block, f), out=blocks)
+            matmul(cols_t, dy[:full].reshape(-1, row_block, f), out=blocks)
             xp.sum(blocks, axis=0, out=out)
             if full < rows:
                 rest = self._workspace(f"dW_rest:{slot}", out.shape, out.dtype, xp)
-                xp.matmul(cols[full:].T, dy[full:], out=rest)
+                matmul(cols[full:].T, dy[full:], out=rest)
                 out += rest
         else:
-            xp.matmul(cols.T, dy, out=out)
+            matmul(cols.T, dy, out=out)
 
     def _slot_ws(self, name: str, like: Any, slot: int) -> Any:
         """A workspace shaped like `like`, one per slot."""
@@ -334,9 +336,10 @@ class Conv2d(Layer):
         small-matrix kernel (SMALL_GEMM) runs at 45-80% speed on a transposed view.
         Dilated: the flipped kernel, (kh*kw*C_out, C_in), a contiguous copy by construction."""
         if self.col2im_input_grad:
-            w_t = self.p["W"].reshape(-1, self.c_out).T
+            w_t = self.p["W"].reshape(-1, self.c_out).T.astype(self.x_dtype, copy=False)
             return xp.ascontiguousarray(w_t) if self.chunk else w_t
-        return self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, self.c_in)
+        w_flip = self.p["W"][::-1, ::-1].transpose(0, 1, 3, 2).reshape(-1, self.c_in)
+        return w_flip.astype(self.x_dtype, copy=False)
 
     def _input_grad_col2im(self, xp: Any, dy: Any, dx: Any, w_t: Any, slot: int = 0) -> None:
         """dx (n, H, W, C_in), zeroed, += the kh*kw blocks of dy @ w_t at their input positions,

@@ -91,8 +91,8 @@ def applies(conv: ChunkedConv, x: Any) -> bool:
     """Whether conv.forward(x) takes the Winograd path: a 3x3 stride-1 layer of a size where it
     measured faster (WINOGRAD_MIN_CHANNELS and the constants after it), on the
     one-BLAS-thread NumPy (chunked) path."""
-    if backend.blas_threads() != 1 or backend.is_device_array(x):
-        return False
+    if backend.blas_threads() != 1 or backend.is_device_array(x) or x.dtype.itemsize == 2:
+        return False  # real half arrays (hpcdl.nn.dtypes) take im2col
     if (conv.kh, conv.kw, conv.sh, conv.sw) != (3, 3, 1, 1):
         return False
     channels = min(conv.c_in, conv.c_out)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module
+from hpcdl.nn.dtypes import matmul, sum_dtype
 from hpcdl.nn.init import check_initialiser
 from hpcdl.nn.kernels import Seam
 from hpcdl.nn.threads import run_split, split_multiply
@@ -112,11 +113,11 @@ class Linear(Layer):
     def forward(self, x, train=True):
         xp = array_module(x)
         self.x = x
-        w = self.p["W"]
+        w = self.p["W"].astype(x.dtype, copy=False)  # real half arrays: the format's weights
         y = xp.empty((x.shape[0], self.n_out), dtype=xp.result_type(x, w))  # (N, out)
 
         def rows(first: int, count: int, part: int) -> None:
-            xp.matmul(x[first : first + count], w, out=y[first : first + count])
+            matmul(x[first : first + count], w, out=y[first : first + count])
             y[first : first + count] += self.p["b"]
 
         run_split(len(x), rows, w)  # the GEMM's cost scales with W's size
@@ -124,20 +125,20 @@ class Linear(Layer):
 
     def backward(self, dy, ready=None):
         xp = array_module(dy)
-        x, w, grad_w = self.x, self.p["W"], self.g["W"]
+        x, w, grad_w = self.x, self.p["W"].astype(dy.dtype, copy=False), self.g["W"]
 
         def grad_rows(first: int, count: int, part: int) -> None:  # dW rows = x columns
             inputs = slice(first, first + count)
-            xp.matmul(x[:, inputs].T, dy, out=grad_w[inputs])
+            matmul(x[:, inputs].T, dy, out=grad_w[inputs])
 
         run_split(self.n_in, grad_rows, w)
-        dy.sum(axis=0, out=self.g["b"])
+        dy.sum(axis=0, out=self.g["b"], dtype=sum_dtype(dy))
         dx = None
         if self.input_grad:
             dx = xp.empty(x.shape, dtype=xp.result_type(dy, w))  # (N, in)
 
             def input_rows(first: int, count: int, part: int) -> None:
-                xp.matmul(dy[first : first + count], w.T, out=dx[first : first + count])
+                matmul(dy[first : first + count], w.T, out=dx[first : first + count])
 
             run_split(len(dy), input_rows, w)
         self._done(ready)
@@ -345,8 +346,8 @@ class GlobalAvgPool(Layer):
     """(N, H, W, C) -> (N, C): mean over the spatial positions."""
 
     def forward(self, x, train=True):
-        self.x_shape = x.shape
-        return x.mean(axis=(1, 2))
+        self.x_shape = x.shape  # half arrays: summed in float32, the mean in the format
+        return x.mean(axis=(1, 2), dtype=sum_dtype(x)).astype(x.dtype, copy=False)
 
     def backward(self, dy, ready=None):
         xp = array_module(dy)

@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.backend import array_module
+from hpcdl.backend import array_module, is_device_array
+from hpcdl.nn import kernels
 from hpcdl.nn.blocks import Sequential
+from hpcdl.nn.dtypes import StepDtypes, step_dtypes
 from hpcdl.nn.init import initial_values
 from hpcdl.nn.layers import Dropout, Layer
 from hpcdl.nn.norm import BatchNorm
@@ -62,6 +64,7 @@ class Model:
         # (set_precision).
         self._compute_params = self.params
         self.precision = "fp32"
+        self.dtypes: StepDtypes = step_dtypes("fp32", real=False)  # what the step's arrays hold
         self._round: Callable[[Any], None] | None = None
         # The first parameterised layer's input is data: skip its input gradient (and any
         # parameter-free layers before it) in backward.
@@ -81,12 +84,17 @@ class Model:
     def num_params(self) -> int:
         return int(self.params.size)
 
-    def set_precision(self, precision: str) -> None:
+    def set_precision(self, precision: str, real: bool | None = None) -> None:
         """Compute in bf16 or fp16 (hpcdl.nn.precision); fp32: as built.
 
         self.params becomes a new float32 array, the master the optimizer updates (so call this
         before an optimizer takes self.params); the layers keep their views of the old buffer,
-        which every forward refills with the masters rounded to the format."""
+        which every forward refills with the masters rounded to the format.
+
+        real: activations and their gradients are arrays of the format from layer to layer
+        (hpcdl.nn.dtypes), not float32 rounded to it. None: real with the fast kernels
+        (--gpu-kernels) on a device, emulated otherwise; True on NumPy runs the same dtype
+        logic through ml_dtypes (tests)."""
         check_precision(precision)
         if precision == self.precision:
             return
@@ -95,16 +103,20 @@ class Model:
                 f"precision {precision} needs a float32 model at fp32, got {self.dtype} at "
                 f"{self.precision}"
             )
+        if real is None:
+            real = kernels.enabled() and is_device_array(self.params)
+        self.dtypes = step_dtypes(precision, real)
         self.precision, self._round = precision, rounding(precision)
         self.params = self._compute_params.copy()  # the float32 master the optimizer updates
         for leaf in self.body.leaves():  # a fast kernel may take the format's arrays
             leaf.precision = precision
         for layer in _containers(self.body):
-            if isinstance(layer, Sequential):
-                layer.rounding = self._round
+            if isinstance(layer, Sequential):  # real arrays hold the format: nothing to round
+                layer.rounding = None if self.dtypes.real else self._round
 
     def forward(self, x: Any, train: bool = True) -> Any:
-        """x (N, C, H, W) -> logits (N, num_classes) in the model's dtype."""
+        """x (N, C, H, W) -> logits (N, num_classes) in the model's dtype (float32 logits with
+        real half arrays: the loss sums in float32)."""
         if x.ndim != 4 or tuple(x.shape[1:]) != self.input_shape:
             c, h, w = self.input_shape
             raise ValueError(
@@ -112,17 +124,24 @@ class Model:
                 f"got {tuple(x.shape)}"
             )
         xp = array_module(x)
-        h = xp.ascontiguousarray(x.transpose(0, 2, 3, 1), dtype=self.dtype)  # (N, H, W, C)
+        held = self.dtypes.activations if self.dtypes.real else self.dtype
+        h = xp.ascontiguousarray(x.transpose(0, 2, 3, 1), dtype=held)  # (N, H, W, C)
         if self._round is not None:
-            if xp.may_share_memory(h, x):  # never round the caller's batch in place
-                h = h.copy()
-            self._round(h)
+            if h.dtype == self.dtype and xp.may_share_memory(h, x):  # never round the
+                h = h.copy()  # caller's batch in place
+            if h.dtype == self.dtype:
+                self._round(h)
             self._compute_params[...] = self.params  # this step's weights, rounded
             self._round(self._compute_params)
-        return self.body.forward(h, train)
+        logits = self.body.forward(h, train)
+        return logits.astype(self.dtype, copy=False)
 
     def backward(self, dlogits: Any, grad_ready: Callable[[int], None] | None = None) -> None:
         """Write d(loss)/d(params) into self.grads; grad_ready(n) when grads[:n] are final."""
+        if self.dtypes.real:  # (N, K): the format's array from here down
+            dy = dlogits.astype(self.dtypes.activations)
+            self.body.backward_from(self._first, dy, grad_ready)
+            return
         dy = dlogits.astype(self.dtype, copy=False)
         if self._round is not None:
             dy = dy.copy() if dy is dlogits else dy  # the caller's array stays as it was

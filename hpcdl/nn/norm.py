@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcdl.backend import array_module
+from hpcdl.nn.dtypes import FLOAT32
 from hpcdl.nn.kernels import Seam
 from hpcdl.nn.layers import Layer, ParamSpec
 from hpcdl.nn.threads import run_split, split_parts
@@ -38,6 +39,9 @@ class BatchNorm(Layer):
     + beta is one scale and one shift, and backward folds inv_std into per-channel factors:
     dx = (dy - sum(dy)/M) * gamma * inv_std - xc * gamma * inv_std^3 * sum(dy * xc)/M.
 
+    Real half arrays (hpcdl.nn.dtypes) without a fast kernel (SyncBatchNorm, CPU tests): the
+    reference runs on a float32 copy of x and of dy, the format's arrays in and out.
+
     Threads (hpcdl.nn.threads): every pass is split by rows over the compute threads; the
     per-channel sums are made per part and added in part order, so a thread count repeats
     bitwise. Forward makes three split passes (sums; centring + squared sums; scale + shift),
@@ -62,13 +66,22 @@ class BatchNorm(Layer):
         # xc's storage, reused while the input shape stays the same; (M,) ones for the GEMV sums
         self._work = Workspaces()
         self.seam = Seam("batchnorm")  # fast kernels come first (hpcdl.nn.kernels)
+        # A fused BN -> [add ->] ReLU asked for by a container (forward_relu), for this forward
+        self.fuse_relu = False
+        self.residual: Any = None  # the add's other operand, the shortcut's output
+        self.residual_grad: Any = None  # after a fused backward with a residual: its gradient
 
     def forward(self, x, train=True):
-        xp = array_module(x)
         if x.shape[-1] != self.channels:
             raise ValueError(f"BatchNorm expects {self.channels} channels, got shape {x.shape}")
         if self.seam.take(self, x):
             return self.seam.kernel.forward(self, x, train)
+        if x.dtype.itemsize == 2:  # real half arrays (hpcdl.nn.dtypes): statistics in float32
+            return self._reference_forward(x.astype(FLOAT32), train).astype(x.dtype)
+        return self._reference_forward(x, train)
+
+    def _reference_forward(self, x: Any, train: bool) -> Any:
+        xp = array_module(x)
         reps = _row_reps(x)
         xc = self._centered_buffer(xp, x)
         y = xp.empty_like(x)
@@ -94,11 +107,32 @@ class BatchNorm(Layer):
         self.xc, self.inv_std, self.train = xc, inv_std, train
         return y
 
+    def forward_relu(self, x: Any, train: bool, residual: Any = None) -> Any:
+        """relu(self(x) [+ residual]) by a fused kernel (hpcdl.nn.kernels.batchnorm), or None
+        when none takes it: then the caller runs forward and the ReLU itself. Training only;
+        backward then takes the ReLU's output gradient and leaves residual's in residual_grad.
+        """
+        if not train or x.shape[-1] != self.channels:
+            return None
+        self.fuse_relu, self.residual, self.residual_grad = True, residual, None
+        fused = self.seam.take(self, x) and getattr(self.seam.kernel, "fuses_relu", False)
+        z = self.seam.kernel.forward(self, x, train) if fused else None
+        self.fuse_relu, self.residual = False, residual if fused else None
+        if not fused:
+            self.seam.kernel = None
+        return z
+
     def backward(self, dy, ready=None):
         if self.seam.kernel is not None:
             dx = self.seam.kernel.backward(self, dy)
             self._done(ready)
             return dx
+        if dy.dtype.itemsize == 2:  # as forward: the reference in float32, dx in the format
+            dx = self._reference_backward(dy.astype(FLOAT32), ready)
+            return None if dx is None else dx.astype(dy.dtype)
+        return self._reference_backward(dy, ready)
+
+    def _reference_backward(self, dy: Any, ready: Any) -> Any:
         xp = array_module(dy)
         reps, c = _row_reps(dy), self.channels
         xc, inv_std = self.xc, self.inv_std

@@ -3,12 +3,20 @@
 CudnnBatchNorm: training forward (batch statistics, running statistics updated in place with
 PyTorch's momentum rule) and backward (dx, d gamma, d beta) as cuDNN frontend graphs in NHWC
 (NOTE [cuDNN graphs] in hpcdl/nn/kernels/cudnn_graphs.py), on CuPy arrays with --gpu-kernels.
-Statistics and the parameter gradients are float32; x, y, dy and dx are in the layer's format.
+Statistics and the parameter gradients are float32; the plans' x, y, dy and dx are in the
+layer's format, and y and dx come back in the dtype of x and dy (float32 emulated, the
+format's with real half arrays, hpcdl.nn.dtypes).
 Not with --sync-bn: cuDNN's fused graph cannot put the ranks' allreduce between the statistics
 and the normalisation, so SyncBatchNorm keeps the reference. Evaluation is one elementwise pass
-with the running statistics. Fusing the ReLU and the residual add that follow a BatchNorm
-(cuDNN's BN+ReLU and BN+add+ReLU graphs) needs the blocks to hand the pair to one kernel; not
-done yet. Where none applies, BatchNorm runs its own GEMV-sum code.
+with the running statistics. Where none applies, BatchNorm runs its own GEMV-sum code.
+
+CudnnBatchNormRelu: the same training BatchNorm with the ReLU that follows it, and the residual
+add before that ReLU (a ResNet block's end), in one forward graph (batchnorm, add, relu) and
+one backward graph (relu_backward, batchnorm_backward; the add's gradient, the relu's, is an
+output for the shortcut). A container asks for it (BatchNorm.forward_relu) on a BN -> ReLU or
+BN -> add -> ReLU pattern in training; cuDNN takes the fused graph or refuses it per shape
+(PlanCache), and a refused shape runs CudnnBatchNorm, then the ReLU, as before. Not for
+SyncBatchNorm: its split (statistics, allreduce, finalize) stays the reference's.
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ class CudnnBatchNorm:
         if not train:
             inv_std = 1.0 / xp.sqrt(layer.b["running_var"] + layer.eps)
             scale = layer.p["gamma"] * inv_std
-            return (x - layer.b["running_mean"]) * scale + layer.p["beta"]
+            y = (x - layer.b["running_mean"]) * scale + layer.p["beta"]
+            return y.astype(x.dtype, copy=False)
         rt, c = cudnn_graphs.runtime(), layer.channels
         train_plan = self.cache.get(self.keys(layer, x.shape)["bn_train"])
         io = train_plan.io  # the layer's format, or float32 where cuDNN had no half plan
@@ -82,7 +91,7 @@ class CudnnBatchNorm:
             "y": y,
         }
         rt.run(train_plan, arrays, xp)
-        return y if io == _FLOAT32 else y.astype(_FLOAT32)
+        return y if io == x.dtype else y.astype(x.dtype)  # x's: float32 or the format's
 
     def backward(self, layer: Any, dy: Any) -> Any:
         rt, xp = cudnn_graphs.runtime(), array_module(dy)
@@ -105,7 +114,7 @@ class CudnnBatchNorm:
         rt.run(plan, arrays, xp)
         if not layer.input_grad:
             return None
-        return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
+        return dx if dx.dtype == dy.dtype else dx.astype(dy.dtype)
 
     def _build(self, key: PlanKey) -> Plan:
         rt = cudnn_graphs.runtime()
@@ -145,4 +154,121 @@ def host_scalar(layer: Any, name: str, value: float) -> np.ndarray:
     return scalar
 
 
-KERNELS: list[Any] = [CudnnBatchNorm()]
+class CudnnBatchNormRelu(CudnnBatchNorm):
+    """relu(batchnorm(x) [+ residual]) in training through fused cuDNN graphs (module doc)."""
+
+    name = "cudnn-bn-relu"
+    fuses_relu = True
+
+    def __init__(self) -> None:
+        self.cache = PlanCache(self._build, refused="BatchNorm and its ReLU run unfused")
+
+    def keys(self, layer: Any, x_shape: tuple[int, ...]) -> dict[str, PlanKey]:
+        tail = "bn_add_relu" if layer.residual is not None else "bn_relu"
+        io = cudnn_graphs.io_dtype(layer.precision).name
+        shapes = (tuple(x_shape), (layer.channels,))
+        return {op: PlanKey(f"{tail}_{op}", shapes, io) for op in ("train", "backward")}
+
+    def applies(self, layer: Any, x: Any) -> bool:
+        if not layer.fuse_relu or layer.residual is not None and layer.residual.shape != x.shape:
+            return False
+        return super().applies(layer, x)
+
+    def forward(self, layer: Any, x: Any, train: bool) -> Any:
+        xp = array_module(x)
+        rt, c, train_plan = cudnn_graphs.runtime(), layer.channels, self._plan(layer, x, "train")
+        io = train_plan.io
+        arrays = {
+            "x": _kept(layer, "cudnn_x", x, io, xp),
+            "scale": layer.p["gamma"],
+            "bias": layer.p["beta"],
+            "in_mean": layer.b["running_mean"],
+            "in_var": layer.b["running_var"],
+            "out_mean": layer.b["running_mean"],
+            "out_var": layer.b["running_var"],
+            "epsilon": host_scalar(layer, "cudnn_epsilon", layer.eps),
+            "momentum": host_scalar(layer, "cudnn_momentum", layer.momentum),
+            "mean": layer._work.get("cudnn_mean", (c,), _FLOAT32, xp),
+            "inv_var": layer._work.get("cudnn_inv_var", (c,), _FLOAT32, xp),
+            "z": layer._work.get("cudnn_z", x.shape, io, xp),  # kept: relu_backward's mask
+        }
+        if layer.residual is not None:
+            arrays["residual"] = cudnn_graphs.in_dtype(
+                layer._work, "cudnn_residual", layer.residual, io, xp
+            )
+        layer.train = train
+        rt.run(train_plan, arrays, xp)
+        return arrays["z"].astype(x.dtype)  # a fresh array, x's dtype
+
+    def backward(self, layer: Any, dy: Any) -> Any:
+        rt, xp, work = cudnn_graphs.runtime(), array_module(dy), layer._work
+        plan = self._plan(layer, dy, "backward")
+        arrays = {
+            "dz": _kept(layer, "cudnn_dy", dy, plan.io, xp),
+            "z": work.last("cudnn_z"),
+            "x": work.last("cudnn_x"),
+            "scale": layer.p["gamma"],
+            "mean": work.last("cudnn_mean"),
+            "inv_var": work.last("cudnn_inv_var"),
+            "dx": xp.empty(dy.shape, dtype=plan.io),
+            "dscale": layer.g["gamma"],
+            "dbias": layer.g["beta"],
+        }
+        if layer.residual is not None:
+            arrays["dpre"] = xp.empty(dy.shape, dtype=plan.io)
+        rt.run(plan, arrays, xp)
+        if layer.residual is not None:  # the shortcut's gradient: the add's, the relu's
+            layer.residual_grad = arrays["dpre"].astype(dy.dtype, copy=False)
+        layer.residual = None
+        if not layer.input_grad:
+            return None
+        return arrays["dx"].astype(dy.dtype, copy=False)
+
+    def _plan(self, layer: Any, x: Any, op: str) -> Plan:
+        return self.cache.get(self.keys(layer, x.shape)[op])
+
+    def _build(self, key: PlanKey) -> Plan:
+        rt = cudnn_graphs.runtime()
+        (x_shape, c_shape), io = key.shapes, cudnn_graphs.dtype_named(key.io)
+        x_layout, c_layout, residual = nhwc(x_shape), nhwc(c_shape), key.op.startswith("bn_add")
+        g, fp32 = rt.graph(io), rt.data_type(_FLOAT32)
+        t = {"x": rt.tensor(g, "x", x_layout, io)}
+        vectors = ("scale",) + (("bias", "in_mean", "in_var") if key.op.endswith("train") else
+                                ("mean", "inv_var"))  # fmt: skip
+        t.update({name: rt.tensor(g, name, c_layout, _FLOAT32) for name in vectors})
+        if key.op.endswith("train"):
+            t.update({name: rt.scalar(g, name) for name in ("epsilon", "momentum")})
+            outs = g.batchnorm(name="bn", **{kw: t[name] for kw, name in _TRAIN_INPUTS})
+            t.update(zip(("y", "mean", "inv_var", "out_mean", "out_var"), outs, strict=True))
+            pre = t["y"]
+            if residual:
+                t["residual"] = rt.tensor(g, "residual", x_layout, io)
+                pre = g.add(a=pre, b=t["residual"], compute_data_type=fp32, name="add")
+            t["z"] = g.relu(input=pre, compute_data_type=fp32, name="relu")
+            rt.output(t["z"], x_layout, io)
+            for name in ("mean", "inv_var", "out_mean", "out_var"):
+                rt.output(t[name], c_layout, _FLOAT32)
+            return rt.finish(g, t, by_value=("epsilon", "momentum"))
+        t.update({name: rt.tensor(g, name, x_layout, io) for name in ("dz", "z")})
+        t["dpre"] = g.relu_backward(loss=t["dz"], input=t["z"], compute_data_type=fp32,
+                                    name="relu_backward")  # fmt: skip
+        if residual:
+            rt.output(t["dpre"], x_layout, io)
+        inputs = {"grad": t["dpre"], "input": t["x"], "scale": t["scale"], "mean": t["mean"],
+                  "inv_variance": t["inv_var"]}  # fmt: skip
+        outs = g.batchnorm_backward(name="bn_backward", **inputs)
+        t.update(zip(("dx", "dscale", "dbias"), outs, strict=True))
+        rt.output(t["dx"], x_layout, io)
+        rt.output(t["dscale"], c_layout, _FLOAT32)
+        rt.output(t["dbias"], c_layout, _FLOAT32)
+        return rt.finish(g, t)
+
+
+def _kept(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:
+    """x copied into the layer's workspace name in dtype (kept for backward)."""
+    kept = layer._work.get(name, x.shape, dtype, xp)
+    kept[...] = x
+    return kept
+
+
+KERNELS: list[Any] = [CudnnBatchNormRelu(), CudnnBatchNorm()]

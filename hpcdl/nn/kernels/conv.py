@@ -5,6 +5,8 @@ CudnnConv: forward, data gradient and weight gradient as three cuDNN frontend gr
 It applies to a layer and input shape once all three plans are built (the data gradient's
 only where the layer computes one); in bf16/fp16 an op cuDNN has no plan for runs its float32
 plan alone (PlanCache); a shape refused in float32 too stays with Conv2d's im2col path.
+y and dx come back in the dtype of x and dy: float32 (emulated) or the format's (real half
+arrays, hpcdl.nn.dtypes), so real arrays never pass through float32 between layers.
 Where none applies, Conv2d runs its own im2col / Winograd code.
 """
 
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module
+from hpcdl.nn.dtypes import matmul
 from hpcdl.nn.kernels import cudnn_graphs
 from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, krsc, nhwc
 
@@ -56,7 +59,7 @@ class CudnnConv:
         y = xp.empty(keys["conv_fprop"].shapes[2], dtype=fprop.io)
         inputs = {"x": xs, "w": wk}
         rt.run(fprop, {**self._as(layer, inputs, fprop.io, xp), "y": y}, xp)
-        y = y if y.dtype == _FLOAT32 else y.astype(_FLOAT32)
+        y = y if y.dtype == x.dtype else y.astype(x.dtype)  # x's: float32 or the format's
         if layer.has_bias:
             y += layer.p["b"]
         layer.x_shape = x.shape
@@ -71,7 +74,7 @@ class CudnnConv:
         if layer.has_bias:  # a GEMV with ones, as the reference
             rows = dy.reshape(-1, dy.shape[-1])
             ones = layer._workspace("ones", (rows.shape[0],), dy.dtype, xp, fill=1)
-            xp.matmul(ones, rows, out=layer.g["b"])
+            matmul(ones, rows, out=layer.g["b"])
         dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), _FLOAT32, xp)
         wgrad = self.cache.get(keys["conv_wgrad"])
         rt.run(wgrad, {**self._as(layer, {"x": xs, "dy": dys}, wgrad.io, xp), "dw": dwk}, xp)
@@ -81,7 +84,7 @@ class CudnnConv:
         dgrad = self.cache.get(keys["conv_dgrad"])
         dx = xp.empty(layer.x_shape, dtype=dgrad.io)
         rt.run(dgrad, {**self._as(layer, {"dy": dys, "w": wk}, dgrad.io, xp), "dx": dx}, xp)
-        return dx if dx.dtype == _FLOAT32 else dx.astype(_FLOAT32)
+        return dx if dx.dtype == dy.dtype else dx.astype(dy.dtype)
 
     @staticmethod
     def _as(layer: Any, arrays: dict[str, Any], dtype: Any, xp: Any) -> dict[str, Any]:

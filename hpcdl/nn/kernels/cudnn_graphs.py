@@ -184,8 +184,11 @@ class PlanCache:
     same op's float32 plan stands in for it (that op alone, NOTE [cuDNN graphs]); either way the
     refusal is said once, in one line."""
 
-    def __init__(self, build: Callable[[PlanKey], Plan]) -> None:
+    def __init__(
+        self, build: Callable[[PlanKey], Plan], refused: str = "that layer runs hpcdl's own kernels"
+    ) -> None:
         self._build = build
+        self._refused_then = refused  # what runs instead, as said
         self._plans: dict[PlanKey, Plan] = {}
         self.refused: dict[PlanKey, str] = {}  # key -> cuDNN's reason, its first line
         self.builds = 0  # plans built so far (each key once)
@@ -196,7 +199,7 @@ class PlanCache:
         if plan is not None:
             return plan
         wide = self._built(replace(key, io="float32")) if key.io != "float32" else None
-        then = "that op runs in float32" if wide else "that layer runs hpcdl's own kernels"
+        then = "that op runs in float32" if wide else self._refused_then
         why = self.refused[key]
         say_once(
             f"cudnn-refused:{key}",

@@ -1,0 +1,184 @@
+"""BatchNorm + ReLU (+ the residual add) fused through cuDNN graphs (hpcdl.nn.kernels.batchnorm
+CudnnBatchNormRelu), on CPU with the strict stand-in (tests/fake_cudnn.py): against the plain
+reference forward and backward, and chosen for the BN -> ReLU and BN -> add -> ReLU patterns
+of ResNet blocks with --gpu-kernels only."""
+
+import numpy as np
+import pytest
+from fake_cudnn import Module
+
+from hpcdl import nn
+from hpcdl.nn import kernels
+from hpcdl.nn.kernels import batchnorm as bn_kernels
+from hpcdl.nn.kernels import conv as conv_kernels
+from hpcdl.nn.kernels import cudnn_graphs
+
+FUSED = bn_kernels.CudnnBatchNormRelu
+
+
+def install(monkeypatch, module):
+    runtime = cudnn_graphs.Runtime(
+        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: 7
+    )
+    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
+    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
+    monkeypatch.setattr(conv_kernels, "KERNELS", [conv_kernels.CudnnConv()])
+    monkeypatch.setattr(bn_kernels, "KERNELS", [FUSED(), bn_kernels.CudnnBatchNorm()])
+    monkeypatch.setattr(kernels, "_enabled", True)
+    return module
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return install(monkeypatch, Module())
+
+
+def bn_layer(precision="fp32", channels=5):
+    bn = nn.BatchNorm(channels)
+    model = nn.Model("b", [bn], (channels, 6, 6), 10, seed=2)
+    model._compute_params[...] = np.random.default_rng(9).uniform(0.5, 1.5, model.params.size)
+    if precision != "fp32":
+        model.set_precision(precision, real=True)
+    bn.input_grad = True
+    return bn
+
+
+def reference(bn, x, residual, dz):
+    """(z, dx, d residual, gamma and beta gradients, running stats): BatchNorm bn, then the add
+    and the ReLU, in NumPy float32, kernels off."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "_enabled", False)
+        relu = nn.ReLU(inplace=True)
+        y = bn.forward(x.astype(np.float32))
+        res = None if residual is None else residual.astype(np.float32)
+        z = relu.forward(y, residual=res)
+        dpre = relu.backward(dz.astype(np.float32))
+        dx = bn.backward(dpre)
+        return z, dx, dpre, dict(bn.g), dict(bn.b)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["bn-relu", "bn-add-relu"])
+@pytest.mark.parametrize(("precision", "tol"), [("fp32", 1e-4), ("bf16", 3e-2), ("fp16", 4e-3)])
+def test_fused_kernel_gives_the_reference_forward_and_backward(fake, with_residual, precision, tol):
+    rng = np.random.default_rng(4)
+    half = nn.dtypes.half_dtype(precision)
+    x = (rng.standard_normal((4, 6, 6, 5)) * 3 + 1).astype(half)
+    residual = rng.standard_normal(x.shape).astype(half) if with_residual else None
+    dz = rng.standard_normal(x.shape).astype(half)
+    bn, bn_ref = bn_layer(precision), bn_layer()
+    for _ in range(2):  # the running statistics move twice, the same way
+        z = bn.forward_relu(x, True, residual=residual)
+        assert isinstance(bn.seam.kernel, FUSED) and z.dtype == half
+        dx = bn.backward(dz)
+        ref = reference(bn_ref, x, residual, dz)
+    z_ref, dx_ref, dpre_ref, grads_ref, stats_ref = ref
+    f32 = np.float32
+    np.testing.assert_allclose(z.astype(f32), z_ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(dx.astype(f32), dx_ref, rtol=tol, atol=tol * 10)
+    for name in ("gamma", "beta"):
+        np.testing.assert_allclose(bn.g[name], grads_ref[name], rtol=tol, atol=tol * 10)
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(bn.b[name], stats_ref[name], rtol=tol, atol=tol)
+    if with_residual:
+        assert bn.residual_grad.dtype == half
+        np.testing.assert_allclose(bn.residual_grad.astype(f32), dpre_ref, rtol=tol, atol=tol)
+    else:
+        assert bn.residual_grad is None
+
+
+def test_the_fused_graph_is_batchnorm_add_relu_with_float32_statistics(fake):
+    bn = bn_layer()
+    x = np.random.default_rng(1).standard_normal((2, 6, 6, 5)).astype(np.float32)
+    bn.forward_relu(x, True, residual=np.ones_like(x))
+    bn.backward(np.ones_like(x))
+    forward, backward = fake.graphs
+    assert [outs[0].op for outs in forward.ops] == ["batchnorm", "add", "relu"]
+    assert [outs[0].op for outs in backward.ops] == ["relu_backward", "batchnorm_backward"]
+    assert forward.ops[1][0].inputs["a"] is forward.ops[0][0]  # bn's y feeds the add, virtual
+    assert not forward.ops[0][0].is_output
+
+
+def watch_outputs(model):
+    """The dtype of every array a leaf layer returns, forward and backward (None: no dx)."""
+    seen = []
+
+    def watched(method, name):
+        def call(x, *args, **kwargs):
+            y = method(x, *args, **kwargs)
+            seen.append((name, x.dtype, None if y is None else y.dtype))
+            return y
+
+        return call
+
+    for leaf in model.body.leaves():
+        name = type(leaf).__name__
+        leaf.forward, leaf.backward = watched(leaf.forward, name), watched(leaf.backward, name)
+    return seen
+
+
+def resnet(monkeypatch, on):
+    monkeypatch.setattr(kernels, "_enabled", on)
+    model = nn.build_model("resnet20", (3, 8, 8), 10, seed=1)
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    labels = np.array([1, 7])
+    _, dlogits = nn.softmax_cross_entropy(model.forward(x), labels)
+    model.backward(dlogits)
+    return model
+
+
+def block_norms(model):
+    """(BN -> ReLU norms, BN -> add -> ReLU norms) of the model's blocks and stem."""
+    blocks = [layer for layer in model.body.layers if isinstance(layer, nn.ResidualBlock)]
+    relu_bns = [model.body.layers[1]] + [b.branch.layers[1] for b in blocks]
+    return relu_bns, [b.branch.layers[-1] for b in blocks]
+
+
+def test_resnet_blocks_use_the_fused_kernel_with_gpu_kernels_and_the_reference_without(
+    fake, monkeypatch
+):
+    fused = resnet(monkeypatch, True)
+    relu_bns, add_bns = block_norms(fused)
+    assert isinstance(fused.body.layers[1], nn.BatchNorm)  # the stem: conv, BN, ReLU
+    assert all(isinstance(bn.seam.kernel, FUSED) for bn in relu_bns + add_bns)
+    plain = resnet(monkeypatch, False)
+    assert all(bn.seam.kernel is None for bn in sum(block_norms(plain), []))
+    np.testing.assert_allclose(fused.grads, plain.grads, rtol=1e-3, atol=1e-4)
+
+
+def test_a_shape_cudnn_cannot_fuse_runs_the_unfused_kernels_said_once_per_shape(
+    monkeypatch, capsys
+):
+    install(monkeypatch, Module(refuse=lambda op, dims, dtype: op == "relu"))
+    fused = resnet(monkeypatch, True)
+    relu_bns, add_bns = block_norms(fused)
+    assert all(type(bn.seam.kernel) is bn_kernels.CudnnBatchNorm for bn in relu_bns + add_bns)
+    said = [line for line in capsys.readouterr().err.splitlines() if "bn_relu_train" in line]
+    assert len(said) == len(set(said)) == 3  # once per shape: 16, 32 and 64 channels
+    assert all(line.endswith("BatchNorm and its ReLU run unfused") for line in said)
+    resnet(monkeypatch, True)
+    assert not [line for line in capsys.readouterr().err.splitlines() if "bn_relu" in line]
+    plain = resnet(monkeypatch, False)
+    np.testing.assert_allclose(fused.grads, plain.grads, rtol=1e-3, atol=1e-4)
+
+
+def test_sync_batchnorm_keeps_its_split(fake):
+    bn = bn_layer()
+    bn.stat_reducer = lambda buf: None
+    x = np.random.default_rng(1).standard_normal((2, 6, 6, 5)).astype(np.float32)
+    assert bn.forward_relu(x, True) is None and bn.seam.kernel is None
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_real_half_arrays_cross_the_fused_and_cudnn_layers(fake, precision):
+    half = nn.dtypes.half_dtype(precision)
+    model = nn.build_model("resnet20", (3, 8, 8), 10, seed=1)
+    model.set_precision(precision, real=True)
+    seen = watch_outputs(model)
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    _, dlogits = nn.softmax_cross_entropy(model.forward(x), np.array([1, 7]))
+    model.backward(dlogits)
+    relu_bns, add_bns = block_norms(model)
+    assert all(isinstance(bn.seam.kernel, FUSED) for bn in relu_bns + add_bns)
+    crossings = [entry for entry in seen if entry[2] is not None]
+    assert crossings and all(entry[1] == entry[2] == half for entry in crossings), crossings
+    assert model.grads.dtype == np.float32 and np.isfinite(model.grads).all()
