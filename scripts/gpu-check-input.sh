@@ -5,10 +5,10 @@
 # 2 workers, and that decoding alone (the `decoder` row: decode_images_per_s is nvImageCodec
 # alone, images_per_s with the crops). torchvision's resnet50 bf16, batch 128, on one JPEG
 # folder made once: 6,400 JPEGs of 500x375 (the issue's own; about 120 KB each, written by one
-# process per core in ~10 s), so 50 batches an epoch, and each row times 60 steps after 8: one
-# epoch boundary in 60 steps, as in training, not one every 6. Last, the goal's hpcdl.train row:
+# process per core in ~5 s), so 50 batches an epoch, and each row times 50 steps after 6: one
+# epoch boundary in 56 steps, as in training, not one every 6. Last, the goal's hpcdl.train row:
 # hpcdl's own resnet50 step alone (`bench compute`), then `hpcdl.train --decode gpu` with 2
-# workers on the same folder, one epoch and 25 steps of the next (its rate: the partial epoch;
+# workers on the same folder, one epoch and 20 steps of the next (its rate: the partial epoch;
 # scripts/gpu_check_train_rows.py turns the two into rows loader none / hpcdl.train).
 #
 #   bash scripts/gpu-check-input.sh OUT [DEVICE]       # DEVICE gpu (default) or cpu (a try here)
@@ -32,10 +32,10 @@ else
 fi
 if [ "$DEVICE" = gpu ]; then
     COMMON=(--device gpu --data "$JPEGS" --make-jpegs 6400 --image-size 500x375
-        --batch-size 128 --steps 60 --warmup 8)
+        --batch-size 128 --steps 50 --warmup 6)
     WORKERS=8,15
     OWN=(--model resnet50 --batch-size 128 --precision bf16)
-    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_STEPS=15 OWN_TRAIN=(--epochs 2 --max-steps 75)
+    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_STEPS=10 OWN_TRAIN=(--epochs 2 --max-steps 70)
 else  # the same rows, small: checks the script, not the speed
     COMMON=(--device cpu --data "$JPEGS" --make-jpegs 48 --image-size 160x120 --batch-size 8
         --augment rrc64+flip --steps 3 --warmup 1 --model sleep:5)

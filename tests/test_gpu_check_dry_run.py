@@ -34,5 +34,21 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(tmp_path):
             ("hpcdl", "gpu", 2), ("hpcdl.train", "gpu", 2)} <= kinds  # fmt: skip
     with tarfile.open(out / "raw.tar.gz") as raw:
         names = raw.getnames()
-    assert "raw/phases.txt" in names and "raw/input.log" not in names  # input.log: in OUT
+    assert {"raw/phases.txt", "raw/input.log", "raw/compute-cnn-fp32.log"} <= set(names)
     assert (out / "input.log").exists() and (out / "compute.jsonl").read_text()
+
+
+def test_the_stager_build_names_carried_headers_that_are_not_there(tmp_path):
+    """scripts/gpu-check-stager.sh with GPU_CHECK_OPENSSL pointing at a folder without OpenSSL's
+    headers: one line saying so, exit 1 (a mistake in what was carried, not a run without the
+    stager that was asked for); nothing written outside its build folder."""
+    carried = tmp_path / "carried"
+    (carried / "include" / "openssl").mkdir(parents=True)
+    build = tmp_path / "build"
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check-stager.sh"), str(build),
+                           str(carried)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == [
+        f"not built: {carried} holds no OpenSSL headers (include/openssl/opensslv.h)"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "carried"]
