@@ -1,7 +1,11 @@
 """`python -m hpcdl.bench input`: does the input pipeline keep a training step fed?
 
-    python -m hpcdl.bench input [--device gpu|cpu] [--data DIR | --make-jpegs N] [--workers 8,15]
-                                [--batch-size B] [--steps 40] [--warmup 5] [--model M] [--json F]
+    python -m hpcdl.bench input [--device gpu|cpu] [--data DIR] [--make-jpegs N]
+                                [--image-size 500x375] [--workers 8,15] [--batch-size B]
+                                [--steps 40] [--warmup 5] [--model M] [--json F]
+
+--make-jpegs writes the folder where --data does not exist yet, one process per core (about
+9 CPU-seconds per 1,000 JPEGs of 500x375, ~120 KB each), and says how long it took.
 
 One run times the same step (`--model`) fed four ways, on the same JPEG folder and augmentation
 (`--augment`, default rrc224+flip): `none` (one batch kept on the device: the step's own rate),
