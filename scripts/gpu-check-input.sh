@@ -4,9 +4,12 @@
 # with its default slots, at 8 and at 15 workers; then hpcdl.torch.Loader with decode="gpu" and
 # 2 workers, and that decoding alone (the `decoder` row: decode_images_per_s is nvImageCodec
 # alone, images_per_s with the crops). torchvision's resnet50 bf16, batch 128, on one JPEG
-# folder made once. Last, the goal's hpcdl.train row: hpcdl's own resnet50 step alone
-# (`bench compute`), then `hpcdl.train --decode gpu` with 2 workers on the same folder
-# (scripts/gpu_check_train_rows.py turns the two into rows loader none / hpcdl.train).
+# folder made once: 6,400 JPEGs of 500x375 (the issue's own; about 120 KB each, written by one
+# process per core in ~5 s), so 50 batches an epoch, and each row times 50 steps after 6: one
+# epoch boundary in 56 steps, as in training, not one every 6. Last, the goal's hpcdl.train row:
+# hpcdl's own resnet50 step alone (`bench compute`), then `hpcdl.train --decode gpu` with 2
+# workers on the same folder, one epoch and 20 steps of the next (its rate: the partial epoch;
+# scripts/gpu_check_train_rows.py turns the two into rows loader none / hpcdl.train).
 #
 #   bash scripts/gpu-check-input.sh OUT [DEVICE]       # DEVICE gpu (default) or cpu (a try here)
 #
@@ -28,17 +31,17 @@ else
     JPEGS="$TMP_JPEGS/jpegs"
 fi
 if [ "$DEVICE" = gpu ]; then
-    COMMON=(--device gpu --data "$JPEGS" --make-jpegs 2048 --image-size 448 --batch-size 128
-        --steps 40 --warmup 5)
+    COMMON=(--device gpu --data "$JPEGS" --make-jpegs 6400 --image-size 500x375
+        --batch-size 128 --steps 50 --warmup 6)
     WORKERS=8,15
     OWN=(--model resnet50 --batch-size 128 --precision bf16)
-    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_EPOCHS=3 OWN_STEPS=20
+    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_STEPS=10 OWN_TRAIN=(--epochs 2 --max-steps 70)
 else  # the same rows, small: checks the script, not the speed
-    COMMON=(--device cpu --data "$JPEGS" --make-jpegs 48 --image-size 128 --batch-size 8
+    COMMON=(--device cpu --data "$JPEGS" --make-jpegs 48 --image-size 160x120 --batch-size 8
         --augment rrc64+flip --steps 3 --warmup 1 --model sleep:5)
-    WORKERS=2
+    WORKERS=2,3
     OWN=(--model resnet18 --batch-size 8 --precision fp32)
-    OWN_SHAPE=3,64,64 OWN_AUGMENT=rrc64+flip OWN_EPOCHS=2 OWN_STEPS=2
+    OWN_SHAPE=3,64,64 OWN_AUGMENT=rrc64+flip OWN_STEPS=2 OWN_TRAIN=(--epochs 2 --max-steps 9)
 fi
 rc=0
 LOG="$OUT/input.log"
@@ -46,8 +49,12 @@ run() {
     printf '%s\n' "$*" >>"$OUT/input-commands.txt"
     timeout -k 5 "$LIMIT" "$@" >>"$LOG" 2>&1 || rc=$?
 }
-run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers "$WORKERS" --rows none,dataloader,hpcdl \
-    --json "$OUT/input.jsonl"
+ROWS=none,dataloader,hpcdl
+for workers in ${WORKERS//,/ }; do  # one call per worker count: a time limit cuts one, not both
+    run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers "$workers" --rows "$ROWS" \
+        --json "$OUT/input.jsonl"
+    ROWS=dataloader,hpcdl
+done
 run "$PY" -m hpcdl.bench input "${COMMON[@]}" --workers 2 --rows hpcdl-gpu,decoder \
     --json "$OUT/input.jsonl"
 LOG="$OUT/input-own-step.log"
@@ -56,7 +63,7 @@ run "$PY" -m hpcdl.bench compute --device "$DEVICE" "${OWN[@]}" --input-shape "$
 LOG="$OUT/input-train.log"
 rm -f "$OUT/input-train.jsonl"
 run mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" --decode gpu --workers 2 --data "$JPEGS" \
-    --augment "$OWN_AUGMENT" --epochs "$OWN_EPOCHS" "${OWN[@]}" --seed 0 \
+    --augment "$OWN_AUGMENT" "${OWN_TRAIN[@]}" "${OWN[@]}" --seed 0 \
     --metrics "$OUT/input-train.jsonl"
 LOG="$OUT/input.log"
 NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'gpu' else 'cpu')")"

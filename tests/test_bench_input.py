@@ -134,6 +134,70 @@ def test_the_gpu_checks_summary_puts_each_goal_ratio_beside_the_rows():
     assert summary.input_lines([]) == ["input: no rows (see input.log)"]
 
 
+def test_image_size_is_a_side_or_width_by_height():
+    import argparse
+
+    assert bench_input.image_size("320") == (320, 320)
+    assert bench_input.image_size("500x375") == (500, 375)
+    for bad in ("500x", "x", "500x375x3", "4x4", "big"):
+        with pytest.raises(argparse.ArgumentTypeError, match="SIDE or WIDTHxHEIGHT"):
+            bench_input.image_size(bad)
+
+
+def test_the_jpegs_are_written_by_several_processes_at_their_size_and_then_renamed(tmp_path):
+    """--make-jpegs N --image-size 500x375: N files of that size in ten class folders, written
+    into a .partial folder by several processes (the device makes 6,400 of them in seconds)."""
+    from PIL import Image
+
+    root = tmp_path / "jpegs"
+    (tmp_path / "jpegs.partial" / "c0").mkdir(parents=True)  # an interrupted run's leftover
+    bench_input.make_jpegs(root, 130, 96, 72, processes=2)
+    files = sorted(root.rglob("*.jpg"))
+    assert len(files) == 130 and len({f.parent.name for f in files}) == 10
+    assert not (tmp_path / "jpegs.partial").exists()
+    with Image.open(files[0]) as first, Image.open(files[-1]) as last:
+        assert first.size == last.size == (96, 72)
+        assert first.tobytes() != last.tobytes()
+    assert (root / "c3" / "000013.jpg").exists()  # image i of class i % 10, named by i
+
+
+def test_the_gpu_checks_goals_judge_each_worker_count_and_each_loader():
+    """Issue 60's input goals in the summary: each worker count and each --decode gpu loader
+    on a line of its own; the data wait judged only where DataLoader's own is <= 5 %."""
+    summary = script("gpu_check_summary")
+
+    def row(loader, decode, workers, rate, wait, model="resnet50"):
+        return dict(loader=loader, decode=decode, workers=workers, slots=None, model=model,
+                    images_per_s=rate, data_wait_share=wait, device="H100")  # fmt: skip
+
+    rows = [row("none", "-", None, 3600.0, 0.0), row("dataloader", "cpu", 8, 1400.0, 0.5),
+            row("dataloader", "cpu", 8, 1450.0, 0.5), row("hpcdl", "cpu", 8, 650.0, 0.8),
+            row("dataloader", "cpu", 15, 2000.0, 0.03), row("hpcdl", "cpu", 15, 2100.0, 0.04),
+            row("hpcdl", "gpu", 2, 3500.0, 0.01),
+            row("none", "-", None, 250.0, 0.0, "hpcdl resnet50"),
+            row("hpcdl.train", "gpu", 2, 200.0, 0.2, "hpcdl resnet50")]  # fmt: skip
+    facts = {"compute": [], "input": rows, "train": [], "status": {}, "profiles": {}}
+    text = "\n".join(summary.goal_lines(facts))
+    assert "MISS input: default slots >= 1.0x DataLoader, 8 workers" in text
+    assert "0.45 (650 vs 1450 images/s)" in text
+    assert "met  input: default slots >= 1.0x DataLoader, 15 workers" in text
+    assert "n/a  input: data wait <= 5 % where DataLoader's is, 8 workers" in text
+    assert "80.0 %, DataLoader 50.0 % (> 5 %: not judged)" in text
+    assert "met  input: data wait <= 5 % where DataLoader's is, 15 workers" in text
+    assert "met  input: --decode gpu in hpcdl >= 0.95x the step alone" in text
+    assert "MISS input: --decode gpu in hpcdl.train >= 0.95x the step alone" in text
+    assert "0.80 (200 vs 250 images/s, 2 workers)" in text
+    assert "MISS end to end: hpcdl.train rn50 bf16" in text
+    # the same rows from a CPU dry run: every goal n/a but whether a phase failed
+    cpu = [{**r, "device": "cpu"} for r in rows]
+    lines = summary.goal_lines({**facts, "input": cpu})
+    assert "a CPU dry run" in lines[0]
+    assert "n/a  input: default slots >= 1.0x DataLoader, 15 workers" in "\n".join(lines)
+    assert [ln for ln in lines[1:] if "met " in ln or "MISS" in ln] == [
+        "  met  no phase failed" + " " * 46 + "all exit 0"
+    ]
+
+
 def test_the_gpu_checks_train_rows_take_the_later_epochs_and_the_start_lines_slots():
     """scripts/gpu_check_train_rows.py: hpcdl.train --decode gpu against hpcdl's step alone."""
     rows_of = script("gpu_check_train_rows").train_rows

@@ -1,0 +1,54 @@
+"""scripts/gpu-check.sh's CPU dry run (GPU_CHECK_DEVICE=cpu), as CI runs it: every phase of the
+prepared device call runs here on small sizes, so that a phase that would fail on a lent GPU for
+a reason visible on CPU fails here first (issue 60 item 7). A few minutes on two cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(tmp_path):
+    out = tmp_path / "gpu-check"
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu"}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (out / "summary.txt").read_text()
+    assert "met  no phase failed" in summary, summary
+    assert "skipped" not in summary.splitlines()[0], summary  # the phases line: none cut short
+    assert summary.splitlines()[1].startswith("stager: ")
+    assert "goals (issue 60): a CPU dry run" in summary
+    goals = summary[summary.index("goals (issue 60)") :].splitlines()[1:]
+    assert [g for g in goals if "met " in g or "MISS" in g] == [
+        g for g in goals if "no phase failed" in g
+    ]
+    rows = [json.loads(x) for x in (out / "input.jsonl").read_text().splitlines()]
+    kinds = {(r["loader"], r["decode"], r["workers"]) for r in rows}
+    assert {("none", "-", None), ("dataloader", "cpu", 2), ("hpcdl", "cpu", 2),
+            ("hpcdl", "gpu", 2), ("hpcdl.train", "gpu", 2)} <= kinds  # fmt: skip
+    with tarfile.open(out / "raw.tar.gz") as raw:
+        names = raw.getnames()
+    assert {"raw/phases.txt", "raw/input.log", "raw/compute-cnn-fp32.log"} <= set(names)
+    assert (out / "input.log").exists() and (out / "compute.jsonl").read_text()
+
+
+def test_the_stager_build_names_carried_headers_that_are_not_there(tmp_path):
+    """scripts/gpu-check-stager.sh with GPU_CHECK_OPENSSL pointing at a folder without OpenSSL's
+    headers: one line saying so, exit 1 (a mistake in what was carried, not a run without the
+    stager that was asked for); nothing written outside its build folder."""
+    carried = tmp_path / "carried"
+    (carried / "include" / "openssl").mkdir(parents=True)
+    build = tmp_path / "build"
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check-stager.sh"), str(build),
+                           str(carried)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stdout.splitlines() == [
+        f"not built: {carried} holds no OpenSSL headers (include/openssl/opensslv.h)"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "carried"]
