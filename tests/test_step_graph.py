@@ -82,3 +82,13 @@ def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(optimizer):
     np.testing.assert_allclose(
         cp.asnumpy(graphed.model.buffers), cp.asnumpy(plain.model.buffers), rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.parametrize(("optimizer", "kept_out"), [("sgd", False), ("adam", True)])
+def test_fp16_decided_on_the_device_may_be_in_the_graph_with_sgd(monkeypatch, optimizer, kept_out):
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    graph = StepGraph()
+    scaler = nn.precision.LossScaler(on_device=True)
+    parts = parts_of(graph=graph, optimizer=optimizer, scaler=scaler)
+    reason = graph.why_not(parts, batch()[0])
+    assert reason == ("fp16's loss scaler decides on the host" if kept_out else None)

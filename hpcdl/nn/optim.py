@@ -19,6 +19,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 class SGD:
     """SGD with momentum, PyTorch form: v = m*v + g; p -= lr * v (Nesterov: lr * (g + m*v))."""
 
+    masks_update = True  # step takes the device "apply" flag (NOTE [device loss scale])
+
     def __init__(
         self, params, grads, momentum=0.0, nesterov=False, weight_decay=0.0, decay_mask=None
     ):
@@ -30,11 +32,16 @@ class SGD:
         xp = array_module(params)
         self.velocity = xp.zeros_like(params)  # (P,) same layout as params
         self._scratch = xp.empty_like(params)
+        self._velocity_next: Any = None  # made on the first masked step (apply given)
         self.seam = Seam("optimizer")  # a fused update comes first (hpcdl.nn.kernels)
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: Any, apply: Any = None) -> None:
+        """One update with learning rate lr (a float, or a 0-d device scalar). apply: None, or
+        a 0-d bool on the params' backend: False leaves params and velocity as they were,
+        decided on the device (fp16's skipped step), with the same bits as the plain update
+        when True."""
         if self.seam.take(self, self.params):
-            return self.seam.kernel.step(self, lr)
+            return self.seam.kernel.step(self, lr, apply)
         d = self._scratch
         if self.weight_decay:
             _decay_term(self.params, self.weight_decay, self.decay_mask, out=d)
@@ -42,15 +49,28 @@ class SGD:
         else:
             d[...] = self.grads
         if self.momentum:
-            v = self.velocity
+            v = self.velocity if apply is None else self._next_velocity()
             v *= self.momentum
             v += d
             if self.nesterov:
                 d += self.momentum * v
             else:
                 d[...] = v
+            if apply is not None:
+                array_module(v).copyto(self.velocity, v, where=apply)
         d *= -lr
-        self.params += d
+        if apply is None:
+            self.params += d
+        else:
+            d += self.params  # params + d, the bits of `params += d`
+            array_module(d).copyto(self.params, d, where=apply)
+
+    def _next_velocity(self) -> Any:
+        """A copy of the velocity to update, kept only where the step applies."""
+        if self._velocity_next is None:
+            self._velocity_next = array_module(self.params).empty_like(self.params)
+        self._velocity_next[...] = self.velocity
+        return self._velocity_next
 
     def state_dict(self) -> dict[str, Any]:
         return {"velocity": self.velocity.copy()}
@@ -63,6 +83,7 @@ class Adam:
     """Adam (Kingma & Ba) with bias correction; weight decay is L2 added to the gradient."""
 
     decoupled = False  # AdamW: decay the parameters directly instead
+    masks_update = False  # its step count is on the host: fp16 decides there (LossScaler)
 
     def __init__(
         self, params, grads, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decay_mask=None
