@@ -92,3 +92,29 @@ def test_fp16_decided_on_the_device_may_be_in_the_graph_with_sgd(monkeypatch, op
     parts = parts_of(graph=graph, optimizer=optimizer, scaler=scaler)
     reason = graph.why_not(parts, batch()[0])
     assert reason == ("fp16's loss scaler decides on the host" if kept_out else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_an_fp16_graph_decides_skip_or_apply_on_the_device_as_the_plain_step():
+    cp = cupy_or_none()
+
+    def fp16_parts(graph):
+        scaler = nn.precision.LossScaler(init_scale=2.0**30, growth_interval=2, on_device=True)
+        model = nn.build_model("resnet20", (3, 8, 8), 10, seed=2, xp=cp)
+        model.set_precision("fp16")  # before the optimizer: its buffers are the masters
+        opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+        return StepParts(model, opt, cp, graph=graph, scaler=scaler)
+
+    graphed, plain = fp16_parts(StepGraph()), fp16_parts(None)
+    applied = []
+    for seed in range(6):
+        x, y = batch(cp, seed)
+        a, b = train_step(graphed, x, y, 0.05), train_step(plain, x, y, 0.05)
+        applied.append((bool(a.applied), bool(b.applied)))
+    assert graphed.graph.graph is not None, "the step was not captured"
+    assert all(a == b for a, b in applied) and (False, False) in applied
+    assert graphed.scaler.state_dict() == plain.scaler.state_dict()
+    np.testing.assert_allclose(
+        cp.asnumpy(graphed.model.params), cp.asnumpy(plain.model.params), rtol=1e-6, atol=1e-6
+    )
