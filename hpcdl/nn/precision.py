@@ -187,7 +187,7 @@ class LossScaler:
             overflows = ~xp.isfinite(grads).all()
         overflow = xp.asarray(overflows).reshape(()) > 0
         apply = xp.asarray(~overflow)  # 0-d on NumPy too, where ~ gives a scalar
-        factor = xp.where(overflow, xp.float32(1.0), xp.float32(1.0) / state["scale"])
+        factor = xp.where(overflow, 1.0, 1.0 / state["scale"])  # 1/scale: float32, exact
         grads *= factor.astype(grads.dtype)
         good = xp.where(overflow, 0, state["good_steps"] + 1)
         grow = good == self.growth_interval

@@ -14,6 +14,9 @@ writes a record. Both flags live in Model.step_flags, after the gradients in the
 reducer averages, so the gradient allreduce the step posts anyway makes every rank see every
 rank's flags: no collective of their own. The step synchronizes the device only when `timed`
 (the caller writes this step's times); on NumPy that is a no-op, so CPU results are unchanged.
+fp16's skip-or-apply reads the overflow flag on the host, unless it is decided on the device
+(--gpu-kernels with SGD: NOTE [device loss scale] in hpcdl/nn/precision.py); then `applied`
+is a 0-d array too, and a step with fp16 needs no host read either.
 
 Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
 hpcdl.nn.fit can use the step without importing hpcdl.comm. The step lives in hpcdl.nn because
