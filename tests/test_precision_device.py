@@ -55,10 +55,13 @@ def test_the_device_decision_follows_gpu_kernels_unless_told(monkeypatch):
     assert LossScaler(lambda flag: flag, on_device=True).decides_on_device(agreed=True)
 
 
-def run_steps(on_device, optimizer="sgd", steps=14, **opt_kw):
+def run_steps(on_device, optimizer="sgd", steps=14, masked=True, **opt_kw):
     model = nn.build_model("resnet20", (3, 8, 8), 10, seed=3)
     model.set_precision("fp16")
-    opt = nn.make_optimizer(optimizer, model.params, model.grads, weight_decay=1e-4, **opt_kw)
+    mask = model.decay_mask() if masked else None  # biases and BatchNorm out of the decay
+    opt = nn.make_optimizer(
+        optimizer, model.params, model.grads, weight_decay=1e-4, decay_mask=mask, **opt_kw
+    )
     # 2**30: the first steps overflow and are skipped, then the scale is low enough;
     # growth_interval 3: it grows again, and overflows again
     scaler = LossScaler(init_scale=2.0**30, growth_interval=3, on_device=on_device)
@@ -73,7 +76,9 @@ def run_steps(on_device, optimizer="sgd", steps=14, **opt_kw):
     return model, opt, scaler, applied
 
 
-@pytest.mark.parametrize("opt_kw", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {}])
+@pytest.mark.parametrize(
+    "opt_kw", [{"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}, {"masked": False}]
+)
 def test_a_run_with_the_device_decision_is_bitwise_the_host_run(opt_kw):
     host_model, host_opt, host_scaler, host_applied = run_steps(False, **opt_kw)
     model, opt, scaler, applied = run_steps(True, **opt_kw)
@@ -95,8 +100,16 @@ def test_the_device_decision_never_reads_the_host(monkeypatch):
     assert scaler._device is not None and len(applied) == 4
 
 
-def test_adam_counts_its_steps_on_the_host_so_fp16_decides_there():
-    host_model, *_ = run_steps(False, "adam", steps=6)
-    model, _, scaler, _ = run_steps(True, "adam", steps=6)
-    assert scaler._device is None  # Adam cannot mask its update: the host rule ran
+@pytest.mark.parametrize(
+    ("optimizer", "masked"), [("adam", True), ("adamw", True), ("adamw", False)]
+)
+def test_adam_with_the_device_decision_is_bitwise_the_host_run(optimizer, masked):
+    host_model, host_opt, host_scaler, host_applied = run_steps(False, optimizer, masked=masked)
+    model, opt, scaler, applied = run_steps(True, optimizer, masked=masked)
+    assert scaler._device is not None and opt._t_device is not None  # decided on the device
+    assert applied == host_applied and False in applied
     np.testing.assert_array_equal(model.params, host_model.params)
+    np.testing.assert_array_equal(opt.m, host_opt.m)
+    np.testing.assert_array_equal(opt.v, host_opt.v)
+    assert opt.t == host_opt.t == applied.count(True)
+    assert int(opt.state_dict()["t"]) == host_opt.t  # the checkpoint's format holds

@@ -15,9 +15,10 @@ memory. So:
   backward kernels, and its allreduce is MPI on a helper thread), fp16's loss scaler when it
   decides on the host, and dropout (its seed is drawn on the host per mask and would repeat);
 - fp16 is in the graph when its skip-or-apply is decided on the device (--gpu-kernels: NOTE
-  [device loss scale] in hpcdl/nn/precision.py) and the optimizer is SGD: the unscale, the
-  scale's update and SGD's update masked by the device "apply" flag are captured after
-  backward, and the step's `applied` is that flag, read when a record is written;
+  [device loss scale] in hpcdl/nn/precision.py): with SGD the unscale, the scale's update and
+  SGD's update masked by the device "apply" flag are captured after backward (with Adam they
+  run after the replay, its step count a device scalar too), and the step's `applied` is
+  that flag, read when a record is written;
 - the optimizer's update is in the graph for SGD, whose learning rate the graph reads from a
   device scalar filled before each replay (a float32, as the plain step's scalar becomes);
   Adam's bias correction counts steps on the host, so its update runs after the replay.
@@ -49,9 +50,9 @@ NOT_ON_A_GPU = "not on a GPU"
 
 
 def _decided_on_device(parts: Any) -> bool:
-    """fp16 may be in the graph: its skip-or-apply is decided on the device and the update
-    that the decision masks (SGD's) is captured with it."""
-    return isinstance(parts.optimizer, SGD) and fp16_decided_on_device(parts, agreed=False)
+    """fp16 may be in the graph: its skip-or-apply is decided on the device (and the update
+    it masks is captured with it, SGD's, or runs after the replay, Adam's)."""
+    return fp16_decided_on_device(parts, agreed=False)
 
 
 class StepGraph:
