@@ -38,7 +38,10 @@ def test_on_the_cpu_the_step_runs_plainly_bitwise_and_quietly(capsys):
     ("change", "reason"),
     [
         ({"reducer": object()}, "a gradient reducer runs between the backward kernels"),
-        ({"scaler": nn.precision.LossScaler()}, "fp16's loss scaler decides on the host"),
+        (
+            {"scaler": nn.precision.LossScaler(on_device=False)},
+            "fp16's loss scaler decides on the host",
+        ),
         ({"model_name": "cnn"}, "dropout draws its seed on the host"),
     ],
 )
