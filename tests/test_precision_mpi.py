@@ -36,10 +36,12 @@ def ranks_step(
     steps: int,
     reduce: bool = True,
     carry: bool = False,
+    on_device: bool = False,
 ):
     """Steps of cnn on every rank's own batch with the real gradient reducer (reduce=False:
     none, as --sync params:K); poison_rank's first batch holds an inf. carry: the reducer sums
     model.grads_and_flags and the scaler has no agreement of its own (what hpcdl.train builds).
+    on_device: fp16 decides on the device (NOTE [device loss scale]).
     Returns (params before, params after, results, scale) on this rank."""
     from hpcdl.comm.collectives import AnyRank
     from hpcdl.comm.reducer import GradientReducer
@@ -52,7 +54,7 @@ def ranks_step(
     grads = model.grads_and_flags if carry else model.grads
     reducer = GradientReducer(comm, grads, bucket_mb=0.05, prescaled=True) if reduce else None
     any_rank = AnyRank(comm)
-    scaler = LossScaler(None if carry else any_rank) if scaler_on else None
+    scaler = LossScaler(None if carry else any_rank, on_device=on_device) if scaler_on else None
     rng = np.random.default_rng(100 + comm.rank)
     before = model.params.copy()
     results = []
@@ -88,6 +90,18 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(reduce, carry
     assert comm.allgather([r.applied for r in results]) == [[False]] * comm.size
     assert comm.allgather(scale) == [2.0**15] * comm.size
     np.testing.assert_array_equal(after, before)
+
+
+def test_decided_on_the_device_one_ranks_overflow_skips_every_rank_and_matches_the_host():
+    """The overflow count the gradient allreduce carried decides on every rank's device."""
+    comm = comm_world()
+    with np.errstate(over="ignore", invalid="ignore"):
+        host = ranks_step("fp16", True, 1, 3, carry=True)
+        device = ranks_step("fp16", True, 1, 3, carry=True, on_device=True)
+    applied = [bool(r.applied) for r in device[2]]
+    assert comm.allgather(applied) == [[False, True, True]] * comm.size
+    assert applied == [r.applied for r in host[2]] and device[3] == host[3] == 2.0**15
+    np.testing.assert_array_equal(device[1], host[1])  # the host rule's bits
 
 
 @pytest.mark.parametrize("carry", [False, True], ids=["own-agreement", "carried"])

@@ -38,7 +38,10 @@ def test_on_the_cpu_the_step_runs_plainly_bitwise_and_quietly(capsys):
     ("change", "reason"),
     [
         ({"reducer": object()}, "a gradient reducer runs between the backward kernels"),
-        ({"scaler": nn.precision.LossScaler()}, "fp16's loss scaler decides on the host"),
+        (
+            {"scaler": nn.precision.LossScaler(on_device=False)},
+            "fp16's loss scaler decides on the host",
+        ),
         ({"model_name": "cnn"}, "dropout draws its seed on the host"),
     ],
 )
@@ -81,4 +84,40 @@ def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(optimizer):
     )
     np.testing.assert_allclose(
         cp.asnumpy(graphed.model.buffers), cp.asnumpy(plain.model.buffers), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize(("optimizer", "kept_out"), [("sgd", False), ("adam", False)])
+def test_fp16_decided_on_the_device_may_be_in_the_graph(monkeypatch, optimizer, kept_out):
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    graph = StepGraph()
+    scaler = nn.precision.LossScaler(on_device=True)
+    parts = parts_of(graph=graph, optimizer=optimizer, scaler=scaler)
+    reason = graph.why_not(parts, batch()[0])
+    assert reason == ("fp16's loss scaler decides on the host" if kept_out else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_an_fp16_graph_decides_skip_or_apply_on_the_device_as_the_plain_step():
+    cp = cupy_or_none()
+
+    def fp16_parts(graph):
+        scaler = nn.precision.LossScaler(init_scale=2.0**30, growth_interval=2, on_device=True)
+        model = nn.build_model("resnet20", (3, 8, 8), 10, seed=2, xp=cp)
+        model.set_precision("fp16")  # before the optimizer: its buffers are the masters
+        opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
+        return StepParts(model, opt, cp, graph=graph, scaler=scaler)
+
+    graphed, plain = fp16_parts(StepGraph()), fp16_parts(None)
+    applied = []
+    for seed in range(6):
+        x, y = batch(cp, seed)
+        a, b = train_step(graphed, x, y, 0.05), train_step(plain, x, y, 0.05)
+        applied.append((bool(a.applied), bool(b.applied)))
+    assert graphed.graph.graph is not None, "the step was not captured"
+    assert all(a == b for a, b in applied) and (False, False) in applied
+    assert graphed.scaler.state_dict() == plain.scaler.state_dict()
+    np.testing.assert_allclose(
+        cp.asnumpy(graphed.model.params), cp.asnumpy(plain.model.params), rtol=1e-6, atol=1e-6
     )

@@ -14,6 +14,9 @@ writes a record. Both flags live in Model.step_flags, after the gradients in the
 reducer averages, so the gradient allreduce the step posts anyway makes every rank see every
 rank's flags: no collective of their own. The step synchronizes the device only when `timed`
 (the caller writes this step's times); on NumPy that is a no-op, so CPU results are unchanged.
+fp16's skip-or-apply reads the overflow flag on the host, unless it is decided on the device
+(--gpu-kernels with SGD: NOTE [device loss scale] in hpcdl/nn/precision.py); then `applied`
+is a 0-d array too, and a step with fp16 needs no host read either.
 
 Nothing here knows about MPI: the reducer and the parameter averaging come in as objects, so
 hpcdl.nn.fit can use the step without importing hpcdl.comm. The step lives in hpcdl.nn because
@@ -117,12 +120,7 @@ def train_step(
         reducer.wait()  # gradients (and flags, when it carries them) are now summed over ranks
     t2 = time.perf_counter()
     diag.record(diag.Kind.COMM_WAIT, t1, t2)
-    agreed = reducer is not None and reducer.grads.size > model.grads.size
-    applied, flags = True, model.step_flags
-    if parts.scaler:
-        applied = parts.scaler.unscale(model.grads, flags[FLAG_OVERFLOW], agreed)
-    if applied and not updated:
-        parts.optimizer.step(lr)
+    applied = _unscale_and_update(parts, lr, updated)
     if mix_params:
         parts.average_params()
     if timed:
@@ -133,12 +131,50 @@ def train_step(
         t_data=t0 - start, t_compute=t1 - t0, t_comm_exposed=t2 - t1, t_update=t3 - t2
     )
     times.t_step = t3 - start
-    return StepResult(loss, logits, times, applied, flags[FLAG_LOSS].copy())
+    return StepResult(loss, logits, times, applied, model.step_flags[FLAG_LOSS].copy())
 
 
-def forward_backward(parts: StepParts, images: Any, labels: Any) -> tuple[Any, Any, float]:
+def _unscale_and_update(parts: StepParts, lr: Any, updated: bool) -> Any:
+    """fp16's unscale (or skip), then the optimizer's update, unless the graph did both;
+    whether it applied: True, False, or with the device loss scale a 0-d bool array (read
+    when a record is written: NOTE [device loss scale] in hpcdl/nn/precision.py)."""
+    model, scaler = parts.model, parts.scaler
+    if updated:  # the graph's replay unscaled and applied (fp16: under its device flag)
+        return parts.graph.applied.copy() if scaler else True
+    agreed = _flags_agreed(parts)
+    overflows = model.step_flags[FLAG_OVERFLOW : FLAG_OVERFLOW + 1]
+    if scaler and fp16_decided_on_device(parts, agreed):
+        apply = scaler.unscale_on_device(model.grads, overflows)
+        parts.optimizer.step(lr, apply)
+        return apply
+    applied = scaler.unscale(model.grads, overflows, agreed) if scaler else True
+    if applied:
+        parts.optimizer.step(lr)
+    return applied
+
+
+def _flags_agreed(parts: StepParts) -> bool:
+    """Whether the reducer sums the step's flags over the ranks with the gradients."""
+    reducer = parts.reducer
+    return reducer is not None and reducer.grads.size > parts.model.grads.size
+
+
+def fp16_decided_on_device(parts: StepParts, agreed: bool) -> bool:
+    """Whether fp16's skip-or-apply is decided on the device: the scaler asks for it and the
+    optimizer can mask its update with the decision."""
+    return parts.scaler.decides_on_device(agreed) and getattr(
+        parts.optimizer, "masks_update", False
+    )
+
+
+def forward_backward(
+    parts: StepParts, images: Any, labels: Any, mark_ready: Callable[[int], None] | None = None
+) -> tuple[Any, Any, float]:
     """Forward, loss, the step's flags and backward (handing buckets to the reducer); returns
-    (loss, logits, perf_counter() once forward was launched). What a CUDA graph captures."""
+    (loss, logits, perf_counter() once forward was launched). What a CUDA graph captures.
+
+    mark_ready: called with n when grads[:n] are final, in place of the reducer's own (a step
+    cut at the bucket boundaries: hpcdl.nn.step_graph.BucketCuts)."""
     t0 = time.perf_counter()
     model, reducer, xp = parts.model, parts.reducer, parts.xp
     logits = model.forward(images, train=True)
@@ -149,13 +185,16 @@ def forward_backward(parts: StepParts, images: Any, labels: Any) -> tuple[Any, A
     tf = time.perf_counter()  # forward ends (asynchronously on a GPU: the launch)
     diag.record(diag.Kind.FORWARD, t0, tf)
     # gradients of loss / N: their sum over the ranks is the average; x the loss scale
-    scale = (parts.scaler.scale if parts.scaler else 1.0) / (reducer.world_size if reducer else 1)
-    if scale != 1.0:
+    ranks = reducer.world_size if reducer else 1
+    if parts.scaler and fp16_decided_on_device(parts, _flags_agreed(parts)):
+        dlogits *= parts.scaler.scale_for(xp, ranks)  # a device scalar: no host read
+    elif (scale := (parts.scaler.scale if parts.scaler else 1.0) / ranks) != 1.0:
         dlogits *= scale
     if reducer:
         reducer.begin_step()
-    ready = OverflowCheck(model, reducer) if parts.scaler else None
-    model.backward(dlogits, grad_ready=ready or (reducer.mark_ready if reducer else None))
+    mark_ready = mark_ready or (reducer.mark_ready if reducer else None)
+    ready = OverflowCheck(model, mark_ready) if parts.scaler else None
+    model.backward(dlogits, grad_ready=ready or mark_ready)
     if ready:
         ready.finish()
     return loss, logits, tf
@@ -166,9 +205,9 @@ class OverflowCheck:
     hold an inf or NaN before handing them on to the reducer (which sums them in place, so
     they must be checked first). finish() checks the rest once backward has ended."""
 
-    def __init__(self, model: Any, reducer: Reducer | None) -> None:
+    def __init__(self, model: Any, mark_ready: Callable[[int], None] | None) -> None:
         self.grads, self.flag = model.grads, model.step_flags[FLAG_OVERFLOW : FLAG_OVERFLOW + 1]
-        self.mark_ready = reducer.mark_ready if reducer else None
+        self.mark_ready = mark_ready  # the reducer's, or None (one rank)
         self.checked = 0  # grads[:checked] are counted
 
     def __call__(self, n: int) -> None:
