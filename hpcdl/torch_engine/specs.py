@@ -24,7 +24,6 @@ def refused(cfg: TrainConfig) -> str | None:
         (cfg.device != "cpu", f"--device {cfg.device}"),
         (cfg.gpu_kernels, "--gpu-kernels"),
         (cfg.decode != "cpu", f"--decode {cfg.decode}"),
-        (cfg.precision == "fp16", "--precision fp16"),
         (cfg.sync_bn, "--sync-bn"),
         (cfg.nesterov and not cfg.momentum, "--nesterov with --momentum 0"),
     ]  # fmt: skip
