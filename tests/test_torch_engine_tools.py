@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_train
+from helpers import mpi_env, read_events, run_train
 
 from hpcdl import checkpoint
 
@@ -101,3 +101,106 @@ def test_export_to_onnx_computes_the_torch_modules_logits(torch_ckpt, tmp_path):
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+OVERFLOWS = f"{Path(__file__).parent / 'torch_overflow_model.py'}:overflows_on_rank_1"
+
+
+def summary_of(metrics: Path) -> dict:
+    return read_events(metrics, "summary")[-1]
+
+
+def test_fp16_skips_on_every_rank_the_steps_whose_gradients_overflowed_on_one(digits_dir, tmp_path):
+    """Rank 1's gradients are inf at its 2nd and 5th steps: both ranks skip those two updates
+    (the overflow count rides the gradient allreduce), count them, halve the scale, and end
+    with identical parameters."""
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", 8, "--model", OVERFLOWS,
+                              "--precision", "fp16", "--metrics", metrics, "--metrics-every", 1,
+                              "--checkpoint-every", 8, "--checkpoint-dir", ck),
+                     env={**mpi_env(), "HPCDL_TORCH_OVERFLOW_STEPS": "2,5"},
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hpcdl: precision fp16: forward and loss under torch.autocast" in done.stdout
+    steps = read_events(metrics, "step")
+    assert [s["applied"] for s in steps] == [True, False, True, True, False, True, True, True]
+    # hpcdl's rule (the record holds the scale after the step): halved at each skip
+    assert [s["loss_scale"] for s in steps] == [2.0**16] + [2.0**15] * 3 + [2.0**14] * 4
+    assert summary_of(metrics)["skipped_steps"] == 2
+    saved = checkpoint.load(checkpoint.latest(ck))
+    assert saved.loss_scale == {"scale": 16384.0, "good_steps": 3}
+    assert saved.optimizer["updates"][0] == 6  # two of eight steps skipped
+    assert np.isfinite(saved.params).all()
+
+
+def test_fp16_trains_a_torch_module_under_autocast_to_identical_parameters(digits_dir, tmp_path):
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    metrics = tmp_path / "m.jsonl"
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--precision", "fp16", "--val-data",
+                              digits_dir / "val", "--metrics", metrics),
+                     env={**mpi_env(), "HPCDL_TORCH_DIGESTS": str(digests)},
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.splitlines()[-1].split()[3]) > 0.5, done.stdout  # val_acc
+    finals = [(digests / f"rank-{r}.txt").read_text().split()[-1] for r in range(2)]
+    assert finals[0] == finals[1]
+    assert summary_of(metrics)["precision"] == "fp16"
+
+
+def run_python(code: str, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True,
+                          text=True, timeout=300, env=mpi_env())  # fmt: skip
+
+
+def job_toml(tmp_path: Path, digits: Path, model: str) -> Path:
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'data = "{digits / "train"}"\nmodel = "{model}"\nepochs = 1\n'
+                    'precision = "fp16"\n')  # fmt: skip
+    return toml
+
+
+@pytest.mark.parametrize("model", [CNN, "torchvision:resnet18"])
+def test_stage_dry_run_of_a_torch_job_plans_without_importing_torch(digits_dir, tmp_path, model):
+    toml = job_toml(tmp_path, digits_dir, model)
+    code = ("import sys; from hpcdl.stage import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)")  # fmt: skip
+    done = run_python(code, "--dry-run", "--config", toml, "--nodes", 2)
+    assert done.returncode == 0, done.stderr
+    assert "samples reach the model as (1, 8, 8)" in done.stdout
+    assert "node 1: 4 files" in done.stdout
+
+
+@pytest.mark.parametrize("model", [CNN, "torchvision:resnet18"])
+def test_jobs_render_train_of_a_torch_model_config(digits_dir, tmp_path, model):
+    toml = job_toml(tmp_path, digits_dir, model)
+    code = ("import sys; from hpcdl.jobs.__main__ import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)")  # fmt: skip
+    done = run_python(code, "render", "train", "--nodes", 2, "--time", "00:10:00", "--config",
+                      toml, "--checkpoint-dir", tmp_path / "ck")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "hpcdl.train" in done.stdout and str(toml) in done.stdout
+
+
+def test_doctor_says_which_torch_models_train_here_without_importing_torch():
+    code = ("import sys; from hpcdl.doctor.__main__ import main; rc = main([]); "
+            "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)")  # fmt: skip
+    done = run_python(code)
+    assert done.returncode in (0, 1), done.stderr  # 1: something else to fix on this machine
+    line = next(x for x in done.stdout.splitlines() if x.strip().startswith("torch "))
+    assert f"torch {torch.__version__}" in line and "--model FILE.py:FN" in line
+
+
+@pytest.mark.parametrize("model", [CNN, "torchvision:resnet18"])
+def test_bench_calibrate_refuses_a_torch_model_in_one_line(tmp_path, model):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "f.bin").write_bytes(b"x" * 1000)
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", tmp_path / "data",
+         "--stage-dir", tmp_path, "--model", model, "--input-shape", "1,8,8"],
+        capture_output=True, text=True, timeout=300, env=mpi_env(),
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"--model {model} is a torch model; calibrate times hpcdl's own" in done.stderr
+    assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # nothing written
