@@ -204,3 +204,14 @@ def test_bench_calibrate_refuses_a_torch_model_in_one_line(tmp_path, model):
     assert done.stderr.count("\n") == 1, done.stderr
     assert f"--model {model} is a torch model; calibrate times hpcdl's own" in done.stderr
     assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # nothing written
+
+
+def test_sync_bn_with_a_torch_model_is_refused_in_one_line_saying_why(digits_dir):
+    """hpcdl.torch's SyncBatchNorm runs on hpcdl.torch's own MPI engine, which hpcdl.train does
+    not start: refused up front, on every rank, with one line (hpcdl/torch_engine/specs.py)."""
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--sync-bn"), timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [x for x in done.stderr.splitlines() if x.startswith("hpcdl.train: error")]
+    assert len(errors) == 1, done.stderr
+    assert "--sync-bn is not supported with a torch model" in errors[0]
+    assert "SyncBatchNorm needs hpcdl.torch's own MPI engine" in errors[0]
