@@ -110,14 +110,17 @@ def summary_of(metrics: Path) -> dict:
     return read_events(metrics, "summary")[-1]
 
 
-def test_fp16_skips_on_every_rank_the_steps_whose_gradients_overflowed_on_one(digits_dir, tmp_path):
+@pytest.mark.parametrize("sync", [[], ["--sync", "params:4"]], ids=["grads", "params4"])
+def test_fp16_skips_on_every_rank_the_steps_whose_gradients_overflowed_on_one(
+    digits_dir, tmp_path, sync
+):
     """Rank 1's gradients are inf at its 2nd and 5th steps: both ranks skip those two updates
-    (the overflow count rides the gradient allreduce), count them, halve the scale, and end
-    with identical parameters."""
+    (the overflow count rides the gradient allreduce; with --sync params:K one agreed
+    allreduce decides), count them and halve the scale (rank 0's record and checkpoint)."""
     metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
     done = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", 8, "--model", OVERFLOWS,
                               "--precision", "fp16", "--metrics", metrics, "--metrics-every", 1,
-                              "--checkpoint-every", 8, "--checkpoint-dir", ck),
+                              "--checkpoint-every", 8, "--checkpoint-dir", ck, *sync),
                      env={**mpi_env(), "HPCDL_TORCH_OVERFLOW_STEPS": "2,5"},
                      timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
