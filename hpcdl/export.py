@@ -95,7 +95,15 @@ def _export_torch_module(ckpt: checkpoint.Checkpoint, request: ExportRequest) ->
         built = call_builder(spec, shape, classes)  # the last layer's output size: classes
         if not is_torch_module(built):
             return None
-    from hpcdl.torch_engine import export as torch_export  # noqa: PLC0415 (imports torch)
+    try:
+        from hpcdl.torch_engine import export as torch_export  # noqa: PLC0415 (imports torch)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise ValueError(
+            f"checkpoint {request.checkpoint}: --model {spec} needs torch, which is not "
+            "installed: pip install 'hpcdl[torch]'"
+        ) from None
 
     module = torch_export.rebuild(ckpt, request.checkpoint, spec, shape, classes, built)
     torch_export.write(module, request.to, request.out, shape)

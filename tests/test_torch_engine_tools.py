@@ -71,6 +71,18 @@ def test_export_to_torch_is_the_state_dict_the_users_module_loads_strictly(torch
     assert again.returncode == 2 and "exists" in again.stderr and "Traceback" not in again.stderr
 
 
+def test_export_of_a_torch_checkpoint_without_torch_installed_names_the_extra(torch_ckpt, tmp_path):
+    """torch hidden from the process (as if not installed): one line, nothing written."""
+    argv = [str(torch_ckpt), "--to", "torch", str(tmp_path / "cnn.pth")]
+    code = ("import sys; sys.modules['torch'] = None; from hpcdl.export import main; "
+            f"sys.exit(main({argv!r}))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "torch, which is not installed: pip install 'hpcdl[torch]'" in done.stderr
+    assert not (tmp_path / "cnn.pth").exists()
+
+
 def test_export_to_safetensors_holds_the_same_tensors(torch_ckpt, tmp_path):
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file  # noqa: PLC0415
