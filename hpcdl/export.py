@@ -10,11 +10,15 @@ from the run's --data and --augment when that data is still readable, else given
   same layers, loads with strict=True; num_batches_tracked holds the checkpoint's global step.
 - safetensors: the same tensors (metadata format=pt), written without PyTorch.
 - onnx: the inference graph of hpcdl.nn.onnx_export.
+A torch engine's checkpoint (a run of a torch.nn.Module: its spec builds one) is exported by
+hpcdl.torch_engine.export instead: the module's own state_dict (parameters and buffers), which
+the user's module loads with load_state_dict (strict), or torch.onnx.export's graph.
 OUT is never replaced (hpcdl.nn.weights_io.write_new_file).
 
-It sits beside hpcdl.checkpoint, above hpcdl.nn and hpcdl.data: it reads a checkpoint and the
-run's data set, which hpcdl.nn (no MPI, no data loading) may not. So the command is its own, not
-a subcommand of `python -m hpcdl.nn`: that would make hpcdl.nn import this module back.
+It is a command, above hpcdl.checkpoint, hpcdl.nn, hpcdl.data and hpcdl.torch_engine: it reads
+a checkpoint and the run's data set, which hpcdl.nn (no MPI, no data loading) may not. So the
+command is its own, not a subcommand of `python -m hpcdl.nn`: that would make hpcdl.nn import
+this module back.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from hpcdl.nn.model import Model
 from hpcdl.nn.models import build_model
 from hpcdl.nn.onnx_export import to_onnx
 from hpcdl.nn.summary import parse_shape
-from hpcdl.nn.user_models import is_user_model
+from hpcdl.nn.user_models import call_builder, is_torch_module, is_torchvision, is_user_model
 from hpcdl.nn.weights_io import optional_import, state_dict, write_new_file, write_state
 
 FORMATS = ("torch", "safetensors", "onnx")
@@ -48,13 +52,25 @@ class ExportRequest:
     model: str | None = None
 
 
-def export(request: ExportRequest) -> Model:
-    """Write request.out; returns the rebuilt model. ValueError (one line) for bad input."""
+@dataclass(frozen=True)
+class Exported:
+    """What was written: the model's name, the input shape it takes, its class count."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def export(request: ExportRequest) -> Exported:
+    """Write request.out; returns what it holds. ValueError (one line) for bad input."""
     if request.to not in FORMATS:
         raise ValueError(f"--to must be one of {', '.join(FORMATS)}, got {request.to!r}")
     if not Path(request.out).parent.is_dir():
         raise ValueError(f"{request.out}: directory {Path(request.out).parent} does not exist")
     ckpt = checkpoint.load(request.checkpoint)  # CheckpointError is a ValueError
+    exported = _export_torch_module(ckpt, request)
+    if exported is not None:
+        return exported
     model = model_of(ckpt, request)
     weights = state_dict(model, batches_tracked=ckpt.global_step)
     if request.to == "onnx":
@@ -63,7 +79,35 @@ def export(request: ExportRequest) -> Model:
         write_new_file(request.out, lambda tmp: onnx.save(proto, tmp))
     else:
         write_state(weights, request.out, request.to)
-    return model
+    return Exported(model.name, tuple(model.input_shape), model.num_classes)
+
+
+def _export_torch_module(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Exported | None:
+    """A torch engine's checkpoint written by hpcdl.torch_engine.export; None for hpcdl's own
+    models (torch is imported only when the spec is a torch model)."""
+    spec = request.model or ckpt.config.get("model") or ckpt.model
+    if not (is_torchvision(spec) or is_user_model(spec)):
+        return None
+    shape = request.input_shape or _input_shape(ckpt, request.checkpoint)
+    built = None
+    classes = int(ckpt.layout[0][1][0]) if ckpt.layout and ckpt.layout[0][1] else 0
+    if not is_torchvision(spec):
+        built = call_builder(spec, shape, classes)  # the last layer's output size: classes
+        if not is_torch_module(built):
+            return None
+    try:
+        from hpcdl.torch_engine import export as torch_export  # noqa: PLC0415 (imports torch)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise ValueError(
+            f"checkpoint {request.checkpoint}: --model {spec} needs torch, which is not "
+            "installed: pip install 'hpcdl[torch]'"
+        ) from None
+
+    module = torch_export.rebuild(ckpt, request.checkpoint, spec, shape, classes, built)
+    torch_export.write(module, request.to, request.out, shape)
+    return Exported(spec, tuple(shape), classes)
 
 
 def model_of(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Model:
@@ -133,13 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         shape = parse_shape(args.input_shape) if args.input_shape else None
-        model = export(ExportRequest(args.checkpoint, args.to, args.out, shape, args.model))
+        done = export(ExportRequest(args.checkpoint, args.to, args.out, shape, args.model))
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     print(
-        f"{PROG}: wrote {args.out} ({args.to}, model {model.name}, input "
-        f"{model.input_shape}, {model.num_classes} classes)"
+        f"{PROG}: wrote {args.out} ({args.to}, model {done.name}, input "
+        f"{done.input_shape}, {done.num_classes} classes)"
     )
     return 0
 

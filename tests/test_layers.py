@@ -49,8 +49,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcdl.staging",),  # the stage dir, plans, the stager session
     # what a run writes and what predicts it
     ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),
-    # a run's resources; checkpoint in and out; the seam to its engine (hpcdl.engine)
-    ("hpcdl.run", "hpcdl.resume", "hpcdl.export", "hpcdl.engine"),
+    # a run's resources; checkpoints in and out of a run; the seam to its engine (hpcdl.engine)
+    ("hpcdl.run", "hpcdl.resume", "hpcdl.engine"),
     # a Run from a TrainConfig, and the two engines behind the seam (hpcdl.engines picks one)
     (
         "hpcdl.startup",
@@ -63,6 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # commands (every package's __main__ counts here, at least)
     (
         "hpcdl.train",
+        "hpcdl.export",
         "hpcdl.stage",
         "hpcdl.report",
         "hpcdl.report_diag",

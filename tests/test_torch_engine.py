@@ -218,7 +218,6 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
     ("flag", "said"),
     [
         (["--gpu-kernels"], "--gpu-kernels is not supported with a torch model"),
-        (["--precision", "fp16"], "--precision fp16 is not supported with a torch model"),
         (["--sync-bn"], "--sync-bn is not supported with a torch model"),
     ],
 )

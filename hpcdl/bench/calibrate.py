@@ -442,6 +442,10 @@ def contention_measure(
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.shape = tuple(int(v) for v in args.input_shape.split(","))
+    refused = torch_model_refused(args)
+    if refused:
+        print(f"python -m hpcdl.bench calibrate: error: {refused}", file=sys.stderr)
+        return 2
     from hpcdl.comm.world import init_world  # noqa: PLC0415
 
     world = init_world()
@@ -482,6 +486,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({**cal.to_json(), "pfs_sweep": rows, "trainer_step_s": trained.step_s}))
     return 0
+
+
+def torch_model_refused(args: argparse.Namespace) -> str | None:
+    """The one line refusing --model when it is a torch model (or its builder fails), else
+    None. calibrate times hpcdl's own engine's step, which the cluster model's step_time is
+    fitted to; a torch engine's step is not measured here."""
+    from hpcdl.nn.user_models import (  # noqa: PLC0415
+        call_builder,
+        is_torch_module,
+        is_torchvision,
+        is_user_model,
+    )
+
+    torch_model = is_torchvision(args.model)
+    if not torch_model and is_user_model(args.model):
+        try:
+            torch_model = is_torch_module(call_builder(args.model, args.shape, args.classes))
+        except ValueError as exc:
+            return f"--{exc}"
+    if not torch_model:
+        return None
+    return (
+        f"--model {args.model} is a torch model; calibrate times hpcdl's own engine's step "
+        "only: give the hpcdl model nearest in size (hpcdl.nn.MODELS, e.g. --model resnet50) "
+        "for its compute figures; the I/O, network and checkpoint figures serve either engine"
+    )
 
 
 def describe(

@@ -21,6 +21,7 @@ LABELS = {
     "blas": "BLAS",
     "loader": "loader",
     "stager": "stager",
+    "torch_engine": "torch",
     "stage_dir": "stage dir",
     "slurm": "Slurm",
 }
@@ -73,6 +74,7 @@ def rank_report(world: Any, stage_dir: str | None, args: Any = None) -> dict[str
     add("loader", probes.loader(args.workers, args.prefetch, args.batch_size, shape,
                                 world.local_size, cores))  # fmt: skip
     add("stager", probes.stager())
+    add("torch_engine", probes.torch_engine())
     add("slurm", probes.slurm(world.size, world.num_nodes, facts["blas"]["cores"]))
     # one rank per node makes and removes the probe files; the others take its answer
     stage = None
@@ -146,6 +148,8 @@ def describe(name: str, v: dict[str, Any]) -> str:
             f"{_size(v['free_bytes'])} free of {_size(v['total_bytes'])}, "
             f"{'writable' if v['writable'] else 'NOT writable'}"
         )
+    if name == "torch_engine":
+        return _torch_engine_text(v)
     if name == "slurm":
         if not v["job_id"]:
             return "not in a Slurm job"
@@ -154,6 +158,23 @@ def describe(name: str, v: dict[str, Any]) -> str:
             f"SLURM_CPUS_PER_TASK={v['cpus_per_task']}"
         )
     return json.dumps(v)
+
+
+def _torch_engine_text(v: dict) -> str:
+    """The torch engine fact: which torch models hpcdl.train can train here."""
+    if not v["torch"]:
+        return (
+            "torch not installed: --model FILE.py:FN of a torch.nn.Module needs pip install torch"
+        )
+    if not v["torchvision"]:
+        return (
+            f"torch {v['torch']}: --model FILE.py:FN of a torch.nn.Module trains; "
+            "torchvision not installed (--model torchvision:NAME needs it)"
+        )
+    return (
+        f"torch {v['torch']}, torchvision {v['torchvision']}: --model FILE.py:FN and "
+        "torchvision:NAME train"
+    )
 
 
 def _loader_text(v: dict) -> str:

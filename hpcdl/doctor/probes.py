@@ -240,6 +240,21 @@ def stager() -> Found:
     return facts, []
 
 
+def torch_engine() -> Found:
+    """The packages hpcdl.train's torch engine needs (`--model FILE.py:FN` returning a
+    torch.nn.Module: torch; `--model torchvision:NAME`: torchvision too), by their installed
+    metadata: torch is not imported. Neither is a problem: hpcdl's own models need neither."""
+    from importlib import metadata  # noqa: PLC0415
+
+    facts: dict[str, Any] = {}
+    for package in ("torch", "torchvision"):
+        try:
+            facts[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            facts[package] = None
+    return facts, []
+
+
 def slurm(world_size: int, num_nodes: int, cores: int) -> Found:
     """Slurm's view of the job against the MPI world this process is in."""
     env = os.environ

@@ -37,7 +37,8 @@ from hpcdl.comm.failure import agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
-from hpcdl.nn.model import FLAG_LOSS
+from hpcdl.nn.model import FLAG_LOSS, FLAG_OVERFLOW
+from hpcdl.nn.precision import LossScaler
 from hpcdl.nn.step import StepResult, StepTimes
 from hpcdl.resume import shapes
 from hpcdl.run import own
@@ -59,11 +60,18 @@ class TorchEngine:
     reducer: GradientReducer | None
     kind: str = "torch"
     xp: Any = np  # the step's loss and flags are NumPy views of CPU tensors
-    scaler: Any = None  # fp16 is refused (specs.refused)
-    autocast: Any = None  # --precision bf16: torch.autocast's bfloat16 on the CPU; else None
+    scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler (loss_scaler)
+    autocast: Any = None  # --precision bf16|fp16: torch.autocast's dtype on the CPU; else None
 
     @property
     def precision_line(self) -> str:
+        if self.scaler is not None:
+            return (
+                "hpcdl: precision fp16: forward and loss under torch.autocast (float16 matrix "
+                "products and convolutions), float32 parameters and gradients; dynamic loss "
+                "scaling, a step whose gradients overflowed on any rank is skipped on every "
+                "rank and counted (skipped_steps)"
+            )
         return (
             "hpcdl: precision bf16: forward and loss under torch.autocast (bfloat16 matrix "
             "products and convolutions), float32 parameters and gradients"
@@ -89,13 +97,22 @@ class TorchEngine:
             logits = model.module(images)
             loss = F.cross_entropy(logits.float(), labels)
         model.flags[FLAG_LOSS] = (~torch.isfinite(loss.detach())).float()
+        model.flags[FLAG_OVERFLOW] = 0.0
         tf = time.perf_counter()
         diag.record(diag.Kind.FORWARD, t0, tf)
         if reducer is not None:
             reducer.begin_step()
-        model.begin_backward(reducer.mark_ready if reducer is not None else None)
-        # gradients of loss / N: their sum over the ranks is the average
-        (loss * (1.0 / self.world.size) if reducer is not None else loss).backward()
+        mark_ready = reducer.mark_ready if reducer is not None else None
+        if self.scaler is not None:  # count overflows before the reducer sums them
+            mark_ready = OverflowCount(model.grads, model.flags, mark_ready)
+        model.begin_backward(mark_ready)
+        # gradients of loss / N: their sum over the ranks is the average; x the loss scale
+        scale = (1.0 / self.world.size if reducer is not None else 1.0) * (
+            self.scaler.scale if self.scaler is not None else 1.0
+        )
+        (loss * scale if scale != 1.0 else loss).backward()
+        if isinstance(mark_ready, OverflowCount):
+            mark_ready.finish()
         t1 = time.perf_counter()
         diag.record(diag.Kind.BACKWARD, tf, t1)
         if reducer is not None:
@@ -103,14 +120,19 @@ class TorchEngine:
             reducer.wait()
         t2 = time.perf_counter()
         diag.record(diag.Kind.COMM_WAIT, t1, t2)
-        self.optimizer.step(lr)
+        applied = True
+        if self.scaler is not None:  # the allreduce summed every rank's overflow count
+            overflows = model.flags_host[FLAG_OVERFLOW]
+            applied = self.scaler.unscale(model.grads_host, overflows, reducer is not None)
+        if applied:
+            self.optimizer.step(lr)
         if mix_params:  # --sync params:K: the mean of the ranks' parameters every K steps
             collectives.allreduce_mean(self.world.comm, model.params, False)
         t3 = time.perf_counter()
         diag.record(diag.Kind.OPTIMIZER, t2, t3)
         times = StepTimes(t0 - start, t1 - t0, t2 - t1, t3 - t2, t3 - start)
         flags = model.flags_host[FLAG_LOSS].copy()
-        return StepResult(loss.detach().numpy(), logits.detach(), times, True, flags)
+        return StepResult(loss.detach().numpy(), logits.detach(), times, applied, flags)
 
     def correct(self, logits: Any, labels: Any) -> Any:
         return (logits.argmax(dim=1) == labels).sum().numpy()
@@ -127,8 +149,8 @@ class TorchEngine:
         return float(loss), int(self.correct(logits, labels))
 
     def _precision(self) -> Any:
-        """--precision bf16: forward and loss under autocast (float32 parameters and
-        gradients, bfloat16 matrix products and convolutions); fp32: nothing."""
+        """--precision bf16|fp16: forward and loss under autocast (float32 parameters and
+        gradients, bfloat16 or float16 matrix products and convolutions); fp32: nothing."""
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=self.autocast)
@@ -168,5 +190,43 @@ def build(
             world.comm, model.grads_and_flags.numpy(), cfg.bucket_mb, prescaled=True
         )
         own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
-    autocast = torch.bfloat16 if cfg.precision == "bf16" else None
-    return TorchEngine(model, FlatOptimizer(cfg, model), world, reducer, autocast=autocast)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    scaler = loss_scaler(cfg, world, stack, reducer)
+    optimizer = FlatOptimizer(cfg, model)
+    return TorchEngine(model, optimizer, world, reducer, scaler=scaler, autocast=autocast)
+
+
+def loss_scaler(
+    cfg: TrainConfig, world: World, stack: ExitStack, reducer: GradientReducer | None
+) -> LossScaler | None:
+    """--precision fp16: hpcdl's dynamic loss scaler (hpcdl.nn.precision), the rules of hpcdl's
+    engine. The overflow count rides the gradient allreduce; with --sync params:K (no
+    gradient allreduce) one agreed collective (AnyRank) decides."""
+    if cfg.precision != "fp16":
+        return None
+    any_rank = None
+    if world.size > 1 and reducer is None:
+        any_rank = collectives.AnyRank(world.comm)
+        own(stack, any_rank.close, None)
+    return LossScaler(any_rank)
+
+
+class OverflowCount:
+    """The hooks' mark_ready for fp16: adds to flags[FLAG_OVERFLOW] whether each newly final
+    gradient range holds an inf or NaN, then hands it on to the reducer (which sums it in
+    place, so it is counted first). finish() counts the rest once backward has ended."""
+
+    def __init__(self, grads: Any, flags: Any, mark_ready: Any) -> None:
+        self.grads, self.flags, self.mark_ready = grads, flags, mark_ready
+        self.checked = 0  # grads[:checked] are counted
+
+    def __call__(self, n: int) -> None:
+        if n > self.checked:
+            finite = bool(torch.isfinite(self.grads[self.checked : n]).all())
+            self.flags[FLAG_OVERFLOW] += 0.0 if finite else 1.0
+            self.checked = n
+        if self.mark_ready is not None:
+            self.mark_ready(n)
+
+    def finish(self) -> None:
+        self(self.grads.numel())

@@ -43,6 +43,8 @@ class FlatModule:
         self.buffers = self.buffers.numpy()
         total = self.offsets[-1]
         self.grads_and_flags = torch.zeros(total + FLAG_OVERFLOW + 1, dtype=torch.float32)
+        self.grads = self.grads_and_flags[:total]
+        self.grads_host = self.grads.numpy()  # shares memory: LossScaler.unscale divides it
         self.flags = self.grads_and_flags[total:]
         self.flags_host = self.flags.numpy()
         for (_, p), lo, hi in zip(named, self.offsets, self.offsets[1:]):
