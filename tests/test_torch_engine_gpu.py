@@ -4,6 +4,8 @@ CUDA) the batches arrive pinned-then-copied on their own stream, equal to the ho
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -74,3 +76,17 @@ def test_on_a_gpu_batches_arrive_channels_last_equal_to_the_hosts():
     torch.cuda.synchronize()
     for (x, y), (wx, wy) in zip(got, copies):
         assert np.array_equal(x, wx) and np.array_equal(y, wy)
+
+
+def test_torchs_cpu_threads_follow_the_mask_and_the_ranks_sharing_it():
+    from mpi4py import MPI
+
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        assert device.use_cpu_threads(MPI.COMM_SELF, env={}) == cores
+        assert torch.get_num_threads() == cores
+        assert device.use_cpu_threads(MPI.COMM_SELF, env={"OMP_NUM_THREADS": "1"}) == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

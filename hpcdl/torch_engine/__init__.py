@@ -159,6 +159,7 @@ def build(
         except ValueError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
+    device.use_cpu_threads(world.node_comm)  # torch's pool follows the CPU mask, not the node
     init_from(cfg, world, model)
     model.set_rng_state(model.seeded_rng_state(cfg.seed + world.rank))  # dropout: per rank
     verify_same_run(world, cfg, shapes(model))

@@ -12,20 +12,38 @@ device tensors last. Images go channels_last where it helps (a GPU and a model w
 convolutions: cuDNN's NHWC kernels, the Tensor Cores' layout under bf16), and the module with
 them (place). precision() is torch.autocast for the device's kind, bf16 on CUDA and on the
 CPU; parameters and gradients stay float32.
+
+On the CPU torch's intra-op pool starts one thread per core of the node, whatever the rank's
+CPU mask; R ranks of a node would run R x cores threads on the same cores. use_cpu_threads sets
+it by hpcdl.comm.blas_threads' rule (the mask, shared by the ranks whose masks overlap; an
+explicit OMP_NUM_THREADS wins, up to the mask), the threads hpcdl's own layers get.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hpcdl.comm import blas_threads
 from hpcdl.data.ahead import Ahead
 
 AHEAD = 2  # pinned batches queued: as hpcdl.torch.pinning (which is a layer above this one)
+
+
+def use_cpu_threads(node_comm: Any, env: Mapping[str, str] | None = None) -> int:
+    """Set torch's intra-op threads for this rank (module notes); collective on node_comm.
+    Returns them."""
+    mine = blas_threads.affinity()
+    choice = blas_threads.choose(
+        mine, node_comm.allgather(mine), os.environ if env is None else env
+    )
+    torch.set_num_threads(choice.threads)
+    return choice.threads
 
 
 def use_channels_last(module: torch.nn.Module, device: torch.device) -> bool:
