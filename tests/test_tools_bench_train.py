@@ -14,7 +14,7 @@ from tools.bench import slowfs, train
 
 
 def test_the_user_benchmark_takes_no_harness_option(capsys):
-    for flag in (["--slow-fs", "5,200"], ["--vs-torch"], ["--torch-loader"]):
+    for flag in (["--slow-fs", "5,200"], ["--vs-torch"], ["--torch-loader"], ["--torch-engine"]):
         with pytest.raises(SystemExit):
             user_bench.parse_args(flag)
         assert "unrecognized arguments" in capsys.readouterr().err
