@@ -73,8 +73,14 @@ def resnet(channels: int, classes: int, blocks: int = 3, width: int = 16) -> nn.
 
 
 def build_model(name: str, shape: tuple, classes: int, blocks: int, width: int) -> nn.Module:
-    """--model resnet, or linear: one dense layer, for input-pipeline benchmarks where the step
-    should cost next to nothing (tools.bench train --torch-loader)."""
+    """--model resnet; linear: one dense layer, for input-pipeline benchmarks where the step
+    should cost next to nothing (tools.bench train --torch-loader); or FILE.py:FN /
+    package.module:FN, a builder FN(input_shape, num_classes) of an nn.Module, as
+    `hpcdl.train --model` takes it (tools.bench train --torch-engine)."""
+    if ":" in name:
+        from hpcdl.nn.user_models import load_builder  # noqa: PLC0415
+
+        return load_builder(name)(tuple(shape), classes)
     if name == "linear":
         return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(shape).prod()), classes))
     return resnet(shape[0], classes, blocks, width)
@@ -122,7 +128,10 @@ def train(args, model, loader, sampler, device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.model not in ("resnet", "linear") and ":" not in args.model:
+        ap.error(f"--model {args.model!r}: give resnet, linear or FILE.py:FN")
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
@@ -173,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--augment", default="none", help="hpcdl.train --augment, e.g. crop4+flip")
     ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     ap.add_argument("--seed", type=int, default=0, help="model initialisation and sample order")
-    ap.add_argument("--model", default="resnet", choices=("resnet", "linear"), help="the network")
+    ap.add_argument(
+        "--model",
+        default="resnet",
+        help="the network: resnet, linear, or FILE.py:FN (a builder of an nn.Module, as "
+        "hpcdl.train --model takes)",
+    )
     ap.add_argument("--blocks", type=int, default=3, help="basic blocks per stage (3: ResNet-20)")
     ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
     ap.add_argument("--dataloader", action="store_true", help="torch's DataLoader instead")

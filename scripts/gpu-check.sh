@@ -175,6 +175,20 @@ phase input "$INPUT_CAP" env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIME
     bash scripts/gpu-check-input.sh "$OUT" "$DEVICE"
 # -- end of the input block
 
+# -- issue 61: hpcdl.train with a torch model (its torch engine): torchvision's resnet50 bf16 on
+# the input phase's JPEGs, batch and crops, 8 workers, against its DataLoader rows at 8 workers
+# (summary: train-tv-resnet50-*). CPU dry run: torch_models' torchvision-free resnet18, small.
+if [ "$DEVICE" = gpu ]; then
+    TV=(--model torchvision:resnet50 --precision bf16 --batch-size 128 --augment rrc224+flip
+        --workers 8 --epochs 3)
+else
+    TV=(--model hpcdl.bench.torch_models:resnet18 --batch-size 8 --augment rrc64+flip
+        --workers 1 --epochs 1)
+fi
+phase "train-tv-resnet50-$DEVICE" 150 mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" \
+    --data "$WORK/input-jpegs" "${TV[@]}" --seed 0 --quiet \
+    --metrics "$RAW/train-tv-resnet50-$DEVICE.jsonl"
+
 DIGITS="$WORK/digits" JPEGS="$WORK/jpegs"
 phase data 60 "$PY" scripts/gpu_check_data.py "$DIGITS" "$JPEGS"
 if [ "$DEVICE" = gpu ]; then EPOCHS=15 JPEG_EPOCHS=6 RANKS="1 2"; else EPOCHS=2 JPEG_EPOCHS=1 RANKS="1"; fi

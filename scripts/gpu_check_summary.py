@@ -345,11 +345,22 @@ def _other_goals(facts: dict) -> list[tuple[str, str, str]]:
     ]  # fmt: skip
 
 
+def _torch_engine_goals(facts: dict) -> list[tuple[str, str, str]]:
+    """Issue 61: hpcdl.train --model torchvision:resnet50 against DataLoader at 8 workers."""
+    ours = [r["images_per_s"] for r in facts["train"]
+            if r["run"].startswith("tv-resnet50-") and r.get("images_per_s")]  # fmt: skip
+    theirs = [r["images_per_s"] for r in facts["input"]
+              if r["loader"] == "dataloader" and r["workers"] == 8]  # fmt: skip
+    pair = [(ours[0] / max(theirs), "torch engine / DataLoader")] if ours and theirs else []
+    return [("61: train --model torchvision:rn50 bf16 >= 1.0x DataLoader", *_worst(pair, 1, False))]
+
+
 def goal_lines(facts: dict) -> list[str]:
     """Issue 60's goals, one line each: met / MISS / n/a, the goal, its figure. A CPU dry run
     (every row's device cpu) marks every goal but "no phase failed" n/a: its figures check the
     script, not the goals."""
     goals = _compute_goals(facts["compute"]) + _input_goals(facts["input"]) + _other_goals(facts)
+    goals += _torch_engine_goals(facts)
     head = "goals (issue 60)"
     devices = {r.get("device") for r in facts["compute"] + facts["input"]}
     if devices == {"cpu"}:

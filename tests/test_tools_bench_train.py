@@ -4,6 +4,7 @@ with the `cp -r` and DataLoader peers; the user benchmark itself takes none of i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from tools.bench import slowfs, train
 
 
 def test_the_user_benchmark_takes_no_harness_option(capsys):
-    for flag in (["--slow-fs", "5,200"], ["--vs-torch"], ["--torch-loader"]):
+    for flag in (["--slow-fs", "5,200"], ["--vs-torch"], ["--torch-loader"], ["--torch-engine"]):
         with pytest.raises(SystemExit):
             user_bench.parse_args(flag)
         assert "unrecognized arguments" in capsys.readouterr().err
@@ -35,3 +36,30 @@ def test_slow_fs_runs_hpcdl_both_ways_and_the_peers_on_one_mount(tmp_path, capsy
     assert peers["index"]["files"] == 48 and peers["index"]["opens"] >= 48
     assert peers["cp"]["total_s"] == pytest.approx(peers["cp"]["copy_s"] + peers["cp"]["train_s"])
     assert len(peers["cp"]["run"]["epoch_seconds"]) == 2
+
+
+def test_torch_engine_runs_hpcdl_and_torchrun_on_the_same_set_and_reports_the_ratios(
+    tmp_path, capsys
+):
+    pytest.importorskip("torch")
+    why = slowfs.unavailable()
+    if why:
+        pytest.skip(why)  # the slow file system's half needs the harness's FUSE mount
+    class_colour_folder(tmp_path / "train", 32, side=8, fmt="jpg")
+    model = str(Path(__file__).parents[1] / "examples" / "torch_model.py") + ":small_cnn"
+    argv = ["--torch-engine", "--data", str(tmp_path / "train"), "--model", model,
+            "--augment", "flip", "--slow-fs", "1,200", "--epochs", "2", "--ranks", "1",
+            "--batch-size", "8", "--workers", "1", "--timeout", "240", "--json"]  # fmt: skip
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["config"]["model"] == model and result["config"]["seed"] == 0
+    for setting in ("local", "slow_fs"):
+        for side in ("torch", "hpcdl"):
+            (run,) = result[setting][side]  # --rounds 1
+            assert run["images_per_s"] > 0 and run["wall_s"] > 0
+            assert len(run["epoch_seconds"]) == 2
+    assert set(result["ratios"]) == {
+        "local images/s (steady)", "local total s", "slow FS total s", "slow FS images/s (steady)"
+    }  # fmt: skip
+    assert "goal >= 1.0" in out and "goal <= 0.5" in out

@@ -10,7 +10,9 @@ ReLU, 3x3 stride-2 max pool; four stages of basic blocks (two 3x3 convolutions) 
 blocks (1x1, 3x3 carrying the stride as in "ResNet v1.5", 1x1 to 4 x width); a 1x1
 convolution + BatchNorm `downsample` where the shape changes; adaptive average pool; a dense
 classifier. Convolutions are Kaiming-normal (fan_out), BatchNorm starts at 1 and 0, as
-torchvision initialises them. With 1000 classes the parameter counts are torchvision's:
+torchvision initialises them. `resnet18` and `resnet50` are builders for `hpcdl.train --model
+hpcdl.bench.torch_models:resnet18` (the torch engine) and for the benchmarks' torch peers. With
+1000 classes the parameter counts are torchvision's:
 11,689,512 and 25,557,032. Needs `torch` (the `bench` extra); hpcdl never imports this module.
 """
 
@@ -110,3 +112,14 @@ def imagenet_resnet(name: str, in_channels: int = 3, num_classes: int = 1000) ->
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
     return model
+
+
+def resnet18(input_shape: tuple[int, int, int], num_classes: int) -> ResNet:
+    """`--model hpcdl.bench.torch_models:resnet18`: torchvision's resnet18 for the input's
+    channels and num_classes (tools.bench train --torch-engine, both sides)."""
+    return imagenet_resnet("resnet18", input_shape[0], num_classes)
+
+
+def resnet50(input_shape: tuple[int, int, int], num_classes: int) -> ResNet:
+    """`--model hpcdl.bench.torch_models:resnet50`: torchvision's resnet50, likewise."""
+    return imagenet_resnet("resnet50", input_shape[0], num_classes)

@@ -20,11 +20,10 @@ second, and each parameter's .grad a view of a third that ends with the step's f
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +42,7 @@ from hpcdl.nn.step import StepResult, StepTimes
 from hpcdl.resume import shapes
 from hpcdl.run import own
 from hpcdl.startup_checks import verify_same_run
+from hpcdl.torch_engine import device
 from hpcdl.torch_engine.flat import FlatModule
 from hpcdl.torch_engine.optim import FlatOptimizer
 from hpcdl.torch_engine.specs import init_from, refused, seed_all, torchvision_model
@@ -61,7 +61,10 @@ class TorchEngine:
     kind: str = "torch"
     xp: Any = np  # the step's loss and flags are NumPy views of CPU tensors
     scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler (loss_scaler)
-    autocast: Any = None  # --precision bf16|fp16: torch.autocast's dtype on the CPU; else None
+    autocast: Any = None  # --precision bf16|fp16: torch.autocast's dtype; else None
+    feed: device.BatchFeed = field(
+        default_factory=lambda: device.BatchFeed(torch.device("cpu"))
+    )  # where batches go (hpcdl/torch_engine/device.py)
 
     @property
     def precision_line(self) -> str:
@@ -82,8 +85,9 @@ class TorchEngine:
         return self.reducer is not None
 
     def batches(self, host: Iterable) -> Iterable:
-        """The loader's NumPy batches as CPU tensors sharing their memory (no copy)."""
-        return ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in host)
+        """The loader's NumPy batches as tensors: on the CPU sharing their memory (no copy),
+        on a GPU pinned and copied on their own stream (device.BatchFeed)."""
+        return self.feed(host)
 
     def step(
         self, images: Any, labels: Any, lr: float, mix_params: bool, waited_since: float,
@@ -151,9 +155,7 @@ class TorchEngine:
     def _precision(self) -> Any:
         """--precision bf16|fp16: forward and loss under autocast (float32 parameters and
         gradients, bfloat16 or float16 matrix products and convolutions); fp32: nothing."""
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.autocast)
+        return device.precision(self.feed.device, self.autocast)
 
     def average_buffers(self) -> None:
         collectives.allreduce_mean(self.world.comm, self.model.buffers, False)
@@ -179,6 +181,7 @@ def build(
         except ValueError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
+    device.use_cpu_threads(world.node_comm)  # torch's pool follows the CPU mask, not the node
     init_from(cfg, world, model)
     model.set_rng_state(model.seeded_rng_state(cfg.seed + world.rank))  # dropout: per rank
     verify_same_run(world, cfg, shapes(model))

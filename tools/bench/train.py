@@ -20,6 +20,10 @@ worker, synthetic HDF5 32x32, crop4+flip).
 `--torch-loader` runs one PyTorch DDP script (examples/torch_ddp.py) with torch's DataLoader
 and with hpcdl.torch, alternated, on local data and behind `--slow-fs`
 (tools.bench.torch_loader).
+
+`--torch-engine` runs hpcdl.train with a torch model (the torch engine) and torchrun + DDP +
+DataLoader on the same model, data, crops, batch, workers, ranks and seed, alternated, on local
+data and behind `--slow-fs` (tools.bench.torch_engine).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from hpcdl.bench import train as user_bench
 from hpcdl.bench.scaling import NO_GPU
 from hpcdl.data.augment import parse_augment
 from tools.bench import peers as peers_
-from tools.bench import torch_loader, vs_torch
+from tools.bench import torch_engine, torch_loader, vs_torch
 from tools.bench.slowfs import SlowFSOptions
 
 PROG = "python -m tools.bench train"
@@ -78,10 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         "2 workers, batch 32, 1 rank. Needs torch (tools.bench.torch_loader)",
     )
     ap.add_argument(
+        "--torch-engine",
+        action="store_true",
+        help="instead: hpcdl.train with a torch model (--model: a torch.nn.Module builder) and "
+        "torchrun + DDP (gloo) + DataLoader, alternated, on local data (images/s, goal >= 1.0x) "
+        "and behind --slow-fs (total time of --epochs epochs, goal <= 0.5x). Defaults then: "
+        "hpcdl.bench.torch_models:resnet18, 2 ranks, batch 32, 2 workers, 1024 synthetic 72x72 "
+        "JPEGs, rcrop64+flip, --slow-fs 5,200, 3 epochs. Needs torch (tools.bench.torch_engine)",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
-        help="--vs-torch, --torch-loader: runs of each side, alternated",
+        help="--vs-torch, --torch-loader, --torch-engine: runs of each side, alternated",
     )
     return ap
 
@@ -92,6 +105,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.set_defaults(**VS_TORCH_DEFAULTS)
     if "--torch-loader" in argv:
         ap.set_defaults(**torch_loader.DEFAULTS)
+    if "--torch-engine" in argv:
+        ap.set_defaults(**torch_engine.DEFAULTS)
     args = user_bench.check_args(ap, ap.parse_args(argv))
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -101,13 +116,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         except ValueError:
             ap.error(f"--slow-fs takes MS,MBPS (e.g. 5,200), got {args.slow_fs!r}")
         args.slow_fs_options = SlowFSOptions(latency_ms, mbps)
-    if args.vs_torch and args.torch_loader:
-        ap.error("--vs-torch and --torch-loader are two benchmarks: give one")
-    if not (args.slow_fs or args.vs_torch or args.torch_loader):
+    if args.vs_torch + args.torch_loader + args.torch_engine > 1:
+        ap.error("--vs-torch, --torch-loader and --torch-engine are three benchmarks: give one")
+    if not (args.slow_fs or args.vs_torch or args.torch_loader or args.torch_engine):
         ap.error("give --slow-fs MS,MBPS, --vs-torch or --torch-loader (the plain staging on vs "
                  "off runs are `python -m hpcdl.bench train`)")  # fmt: skip
-    if args.torch_loader and not args.slow_fs:
-        ap.error("--torch-loader measures behind the slow file system: give --slow-fs MS,MBPS")
+    if (args.torch_loader or args.torch_engine) and not args.slow_fs:
+        ap.error("--torch-loader and --torch-engine measure behind the slow file system too: "
+                 "give --slow-fs MS,MBPS")  # fmt: skip
+    if args.torch_engine and args.device != "cpu":
+        ap.error("--torch-engine compares on CPU (the GPU row is scripts/gpu-check.sh's)")
     if args.vs_torch:
         try:
             aug = parse_augment(args.augment)
@@ -128,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             return vs_torch.compare(args, user_bench.run_training, user_bench.ensure_data)
         if args.torch_loader:
             return torch_loader.compare(args, user_bench.ensure_data)
+        if args.torch_engine:
+            return torch_engine.compare(args, user_bench.run_training, user_bench.ensure_data)
         data = (user_bench.ensure_data(args)[0], args.val_data)  # validation is not the point
     except user_bench.CacheError as exc:
         print(f"tools.bench train: {exc}", file=sys.stderr)

@@ -1,0 +1,118 @@
+"""Where the torch engine's batches and arithmetic run: the host, or a CUDA device.
+
+NOTE [torch engine batches on a device]
+hpcdl's loader yields NumPy batches in its shared-memory slots. On the CPU, BatchFeed hands
+them on as tensors that share that memory (torch.from_numpy: no copy). On a CUDA device, as
+hpcdl.torch.Loader does for scripts (NOTE [pinned hand-off] in hpcdl/torch/pinning.py), a
+thread copies each batch into page-locked memory and frees the slot (hpcdl.data.ahead). The
+feed issues each batch's host-to-device copy on its own CUDA stream one batch ahead, so the
+copy of batch k+1 overlaps step k, and hands batch k over once the step's stream waits for its
+copy (an event, no host sync); record_stream tells the caching allocator which stream uses the
+device tensors last. Images go channels_last where it helps (a GPU and a model with 2-D
+convolutions: cuDNN's NHWC kernels, the Tensor Cores' layout under bf16), and the module with
+them (place). precision() is torch.autocast for the device's kind, bf16 on CUDA and on the
+CPU; parameters and gradients stay float32.
+
+On the CPU torch's intra-op pool starts one thread per core of the node, whatever the rank's
+CPU mask; R ranks of a node would run R x cores threads on the same cores. use_cpu_threads sets
+it by hpcdl.comm.blas_threads' rule (the mask, shared by the ranks whose masks overlap; an
+explicit OMP_NUM_THREADS wins, up to the mask), the threads hpcdl's own layers get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcdl.comm import blas_threads
+from hpcdl.data.ahead import Ahead
+
+AHEAD = 2  # pinned batches queued: as hpcdl.torch.pinning (which is a layer above this one)
+
+
+def use_cpu_threads(node_comm: Any, env: Mapping[str, str] | None = None) -> int:
+    """Set torch's intra-op threads for this rank (module notes); collective on node_comm.
+    Returns them."""
+    mine = blas_threads.affinity()
+    choice = blas_threads.choose(
+        mine, node_comm.allgather(mine), os.environ if env is None else env
+    )
+    torch.set_num_threads(choice.threads)
+    return choice.threads
+
+
+def use_channels_last(module: torch.nn.Module, device: torch.device) -> bool:
+    """channels_last pays on a CUDA device for a model with 2-D convolutions; not on the CPU
+    (the engine's flat parameter views must keep their layout there) nor for a dense model."""
+    if device.type != "cuda":
+        return False
+    return any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
+
+
+def place(module: torch.nn.Module, device: torch.device) -> bool:
+    """Move module to device, channels_last where use_channels_last says; returns that."""
+    last = use_channels_last(module, device)
+    if device.type != "cpu":
+        module.to(device)
+    if last:
+        module.to(memory_format=torch.channels_last)
+    return last
+
+
+def precision(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """torch.autocast of dtype (bfloat16 or float16) for device's kind; None: nothing."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _pinned(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    images, labels = batch
+    return torch.from_numpy(images).pin_memory(), torch.from_numpy(labels).pin_memory()
+
+
+@dataclass
+class BatchFeed:
+    """The loader's (images, labels) NumPy batches as tensors on device (module notes)."""
+
+    device: torch.device
+    channels_last: bool = False
+
+    def __call__(self, host: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.device.type == "cpu":
+            return ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in host)
+        return self._on_device(Ahead(host, _pinned, AHEAD, "hpcdl-pin-memory"))
+
+    def _on_device(self, pinned: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        copies = torch.cuda.Stream(self.device)
+        pending = None
+        for images, labels in pinned:
+            ready = self._copy(images, labels, copies)
+            if pending is not None:
+                yield self._hand_over(*pending)
+            pending = ready
+        if pending is not None:
+            yield self._hand_over(*pending)
+
+    def _copy(self, images: torch.Tensor, labels: torch.Tensor, stream: Any) -> tuple:
+        """Enqueue the batch's copy on stream; (images, labels, event recorded after it)."""
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        with torch.cuda.stream(stream):
+            x = images.to(self.device, non_blocking=True, memory_format=layout)
+            y = labels.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return x, y, done
+
+    def _hand_over(self, x: torch.Tensor, y: torch.Tensor, done: Any) -> tuple:
+        """The step's stream waits for the copy (no host sync) and owns the tensors after."""
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        x.record_stream(current)
+        y.record_stream(current)
+        return x, y
