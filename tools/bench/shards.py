@@ -254,11 +254,11 @@ def run_parts(args: argparse.Namespace, base: Path) -> dict[str, Any]:
                 results["slow_fs_skipped"] = why
             else:
                 (scratch / "pfs").mkdir()
-                pfs = stack.enter_context(mounted(base, scratch / "pfs", args.slow_fs_options))
-                if "train" in args.parts:
-                    results["train"] = train_part(args, pfs.mountpoint, scratch)
-                if "stage" in args.parts:
-                    results["stage"] = stage_part(args, pfs.mountpoint, scratch)
+                with mounted(base, scratch / "pfs", args.slow_fs_options) as pfs:
+                    if "train" in args.parts:
+                        results["train"] = train_part(args, pfs.mountpoint, scratch)
+                    if "stage" in args.parts:
+                        results["stage"] = stage_part(args, pfs.mountpoint, scratch)
         _restore_env("XDG_CACHE_HOME", keep_cache)
         if "local" in args.parts:
             os.environ["XDG_CACHE_HOME"] = str(scratch / "cache-local")
