@@ -13,6 +13,7 @@ HARNESSES = {
     "validate": "tools.bench.validate",
     "interconnect": "tools.bench.interconnect",
     "staging": "tools.bench.staging",
+    "shards": "tools.bench.shards",
     "cleanup": "tools.bench.cleanup",
     "memory": "tools.bench.memory",
     "finetune": "tools.bench.finetune",

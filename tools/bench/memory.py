@@ -24,10 +24,12 @@ mpirun and, for the PyTorch side, `torch` (--skip-torch without it).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +64,34 @@ def make_names_tree(root: Path, files: int, classes: int) -> None:
         os.chmod(first, 0o644)
         for i in range(1, count):
             os.link(first, d / f"c{c:04d}_{i:07d}.JPEG")
+    os.chmod(tmp, 0o755)
+    os.rename(tmp, root)
+
+
+def make_tar_names(root: Path, files: int, classes: int, shards: int) -> None:
+    """root/shard-NNNNNN.tar (WebDataset) and root/classes.json: `shards` hard links to one
+    shard of ceil(files / shards) samples (KEY.jpg, one small JPEG per sample, and KEY.cls,
+    label KEY % classes): an ImageNet-sized shard set whose index reads as much as a real one
+    (every header, every label, each image's first 4 KB). Built beside root, renamed in."""
+    if root.is_dir():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (_IMAGE_SIDE, _IMAGE_SIDE, 3), dtype=np.uint8)
+    jpeg = synthetic.encode(pixels, "jpg", quality=75)
+    first = tmp / "shard-000000.tar"
+    with tarfile.open(first, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key in range(-(-files // shards)):
+            for name, data in (
+                (f"{key:07d}.jpg", jpeg),
+                (f"{key:07d}.cls", b"%d" % (key % classes)),
+            ):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o444
+                tar.addfile(info, io.BytesIO(data))
+    for s in range(1, shards):
+        os.link(first, tmp / f"shard-{s:06d}.tar")
+    (tmp / "classes.json").write_text(json.dumps([f"c{c:04d}" for c in range(classes)]) + "\n")
     os.chmod(tmp, 0o755)
     os.rename(tmp, root)
 
@@ -250,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--steps", type=int, default=20, help="training steps of the hpcdl run")
     a("--batches", type=int, default=100, help="DataLoader batches per process")
     a("--stage-capacity", default="100M", help="--stage-capacity of the hpcdl run")
+    a(
+        "--layout",
+        choices=("folder", "tar"),
+        default="folder",
+        help="folder: trees of names; tar: --shards hard-linked tar shards of as many samples "
+        "(hpcdl only, each run with a fresh index cache: the first job, which builds the index)",
+    )
+    a("--shards", type=int, default=1024, help="--layout tar: shards of the large set")
+    a("--make-only", action="store_true", help="make the data sets in --cache-dir, print them")
     a("--skip-torch", action="store_true", help="only hpcdl (no PyTorch installed)")
     a("--skip-small", action="store_true", help="only the large tree")
     a(
@@ -276,16 +315,20 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     for files, classes in sizes:
-        tree = cache / f"names-{files}x{classes}"
         t0 = time.perf_counter()
-        make_names_tree(tree, files, classes)
+        tree = make_data(a, cache, files, classes)
         row: dict = {"files": files, "tree": str(tree), "tree_s": time.perf_counter() - t0}
+        if a.make_only:
+            print(f"{tree}: made or found in {row['tree_s']:.1f} s")
+            continue
         with tempfile.TemporaryDirectory(prefix="hpcdl-bench-memory-") as tmp:
             log = cache / "last-run.log"  # kept: a failed run's whole output
+            run_env = dict(env, XDG_CACHE_HOME=str(Path(tmp) / "xdg")) if a.layout == "tar" else env
             t0 = time.perf_counter()
-            row["hpcdl"] = summarize(watch(hpcdl_command(a, tree, Path(tmp) / "stage"), env, log))
+            cmd = hpcdl_command(a, tree, Path(tmp) / "stage")
+            row["hpcdl"] = summarize(watch(cmd, run_env, log))
             row["hpcdl_s"] = round(time.perf_counter() - t0, 1)
-            if not a.skip_torch:
+            if not a.skip_torch and a.layout == "folder":
                 t0 = time.perf_counter()
                 row["torch"] = summarize(watch(torch_command(a, tree), env, log))
                 row["torch_s"] = round(time.perf_counter() - t0, 1)
@@ -294,6 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(results))
     return 0
+
+
+def make_data(a: argparse.Namespace, cache: Path, files: int, classes: int) -> Path:
+    """The --layout data set of `files` samples in cache (made once); its path."""
+    if a.layout == "folder":
+        tree = cache / f"names-{files}x{classes}"
+        make_names_tree(tree, files, classes)
+        return tree
+    shards = a.shards if files == a.files else max(1, a.shards * files // a.files)
+    tree = cache / f"tar-names-{files}x{classes}-{shards}"
+    make_tar_names(tree, files, classes, shards)
+    return tree
 
 
 def print_tree(row: dict) -> None:
