@@ -5,9 +5,13 @@ CUDA) the batches arrive pinned-then-copied on their own stream, equal to the ho
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_train
+
+from hpcdl import checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -90,3 +94,71 @@ def test_torchs_cpu_threads_follow_the_mask_and_the_ranks_sharing_it():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+MODEL = f"{Path(__file__).parent / 'torch_models.py'}:small_cnn"
+
+
+def args(digits: Path, *more) -> list:
+    """tests/test_torch_engine.py's run: its small CNN on the digits data."""
+    return ["--data", digits / "train", "--model", MODEL, "--batch-size", 16, "--lr", 0.05,
+            "--workers", 0, "--seed", 3, "--progress", "none", *more]  # fmt: skip
+
+
+def test_a_rank_trains_on_the_cuda_device_of_its_local_rank_modulo_the_visible_ones():
+    """As hpcdl.backend.select binds CuPy, so torch, CuPy and the reducer share one device."""
+    assert [device.cuda_index(rank, 4) for rank in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert [device.cuda_index(rank, 1) for rank in range(3)] == [0, 0, 0]
+
+
+def test_device_cpu_is_the_host_and_binds_nothing():
+    assert device.torch_device("cpu", "m.py:f", 3) == (CPU, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the line for a torch without CUDA")
+def test_device_gpu_where_torch_sees_no_cuda_is_one_line_naming_the_way_out():
+    where, line = device.torch_device("gpu", "m.py:f", 0)
+    assert where == CPU and line is not None and "\n" not in line
+    assert line.startswith("--device gpu with a torch model (--model m.py:f) needs a CUDA")
+    assert "torch.cuda.is_available() is False" in line and "--device cpu" in line
+
+
+def test_device_gpu_is_no_longer_refused_for_a_torch_model():
+    from hpcdl.config import TrainConfig  # noqa: PLC0415
+    from hpcdl.torch_engine.specs import refused  # noqa: PLC0415
+
+    assert refused(TrainConfig(data="x", model="m.py:f", device="gpu")) is None
+    assert "--gpu-kernels" in refused(TrainConfig(data="x", model="m.py:f", gpu_kernels=True))
+
+
+def test_device_gpu_without_a_gpu_stops_every_rank_with_one_line(digits_dir):
+    """Here CuPy's start-up check (no CuPy, or no GPU) or the engine's (torch without CUDA)
+    says why; either way one line, no traceback, no hang."""
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--device", "gpu"), timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("hpcdl.train: error")]
+    assert len(errors) == 1, done.stderr
+    line = errors[0]
+    assert "--device gpu" in line and "--device cpu" in line, line
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_steps_on_cuda_end_near_the_same_two_steps_on_the_cpu(digits_dir, tmp_path):
+    """2 ranks, gradients averaged by the reducer on device buffers (or staged through pinned
+    memory), a checkpoint of CPU copies after step 1 resumed onto the device for step 2: the
+    parameters within float32 tolerance of 2 uninterrupted steps on the CPU."""
+
+    def train(where: str, ckpt: Path, steps: int, *more) -> checkpoint.Checkpoint:
+        done = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", steps, "--device",
+                                  where, "--checkpoint-every", 1, "--checkpoint-dir", ckpt,
+                                  *more), timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return checkpoint.load(checkpoint.latest(ckpt))
+
+    cpu = train("cpu", tmp_path / "cpu", 2)
+    first = train("gpu", tmp_path / "gpu", 1)
+    assert isinstance(first.params, np.ndarray) and not np.array_equal(first.params, cpu.params)
+    gpu = train("gpu", tmp_path / "gpu", 2, "--resume", "auto")
+    np.testing.assert_allclose(gpu.params, cpu.params, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gpu.buffers, cpu.buffers, rtol=1e-4, atol=1e-5)

@@ -16,6 +16,11 @@ second, and each parameter's .grad a view of a third that ends with the step's f
 - checkpoints hold the parameters, buffers and the torch.optim state as flat vectors in
   hpcdl.checkpoint's file (model layout by parameter name), and `--resume auto` restores them
   bit for bit: the optimizer's per-parameter state tensors are rebuilt from their slices.
+With --device gpu the vectors live on the rank's CUDA device and the reducer gets their CuPy
+view, as hpcdl.torch's DistributedOptimizer hands it its flat buffers (device buffers to a
+CUDA-aware MPI, else staged through pinned memory); each mark_ready runs on torch's current
+stream (device.OnTorchStream), so the reducer's per-bucket event follows backward's kernels
+and it reads a bucket only once they have written it. Checkpoints copy the vectors to the host.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from hpcdl import diag
-from hpcdl.comm import collectives
+from hpcdl.backend import array_module
+from hpcdl.comm import collectives, cuda_aware
 from hpcdl.comm.failure import agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
@@ -59,12 +65,13 @@ class TorchEngine:
     world: World
     reducer: GradientReducer | None
     kind: str = "torch"
-    xp: Any = np  # the step's loss and flags are NumPy views of CPU tensors
+    xp: Any = np  # the step's loss and flags: NumPy views of CPU tensors, CuPy on a GPU
     scaler: Any = None  # --precision fp16: hpcdl.nn.precision.LossScaler (loss_scaler)
     autocast: Any = None  # --precision bf16|fp16: torch.autocast's dtype; else None
     feed: device.BatchFeed = field(
         default_factory=lambda: device.BatchFeed(torch.device("cpu"))
     )  # where batches go (hpcdl/torch_engine/device.py)
+    host_staged: bool = False  # --device gpu, MPI not CUDA-aware: collectives through the host
 
     @property
     def precision_line(self) -> str:
@@ -107,6 +114,8 @@ class TorchEngine:
         if reducer is not None:
             reducer.begin_step()
         mark_ready = reducer.mark_ready if reducer is not None else None
+        if mark_ready is not None and model.device.type == "cuda":
+            mark_ready = device.OnTorchStream(mark_ready, model.device)
         if self.scaler is not None:  # count overflows before the reducer sums them
             mark_ready = OverflowCount(model.grads, model.flags, mark_ready)
         model.begin_backward(mark_ready)
@@ -131,15 +140,16 @@ class TorchEngine:
         if applied:
             self.optimizer.step(lr)
         if mix_params:  # --sync params:K: the mean of the ranks' parameters every K steps
-            collectives.allreduce_mean(self.world.comm, model.params, False)
+            collectives.allreduce_mean(self.world.comm, model.params, self.host_staged)
         t3 = time.perf_counter()
         diag.record(diag.Kind.OPTIMIZER, t2, t3)
         times = StepTimes(t0 - start, t1 - t0, t2 - t1, t3 - t2, t3 - start)
         flags = model.flags_host[FLAG_LOSS].copy()
-        return StepResult(loss.detach().numpy(), logits.detach(), times, applied, flags)
+        loss = device.as_array(loss.detach())  # a GPU's: read when the metrics are written
+        return StepResult(loss, logits.detach(), times, applied, flags)
 
     def correct(self, logits: Any, labels: Any) -> Any:
-        return (logits.argmax(dim=1) == labels).sum().numpy()
+        return device.as_array((logits.argmax(dim=1) == labels).sum())
 
     def evaluate(self, images: Any, labels: Any) -> tuple[float, int]:
         module = self.model.module
@@ -158,7 +168,7 @@ class TorchEngine:
         return device.precision(self.feed.device, self.autocast)
 
     def average_buffers(self) -> None:
-        collectives.allreduce_mean(self.world.comm, self.model.buffers, False)
+        collectives.allreduce_mean(self.world.comm, self.model.buffers, self.host_staged)
 
 
 def build(
@@ -174,10 +184,12 @@ def build(
     yet, a module it cannot train and a torchvision name that does not exist stop every rank
     with one line."""
     model, error = None, refused(cfg)
+    where, no_device = device.torch_device(cfg.device, cfg.model, world.local_rank)
+    error = error or no_device
     if error is None:
         try:
             module = built if built is not None else torchvision_model(cfg, num_classes)
-            model = FlatModule(module, cfg, input_shape, num_classes)
+            model = FlatModule(module, cfg, input_shape, num_classes, where)
         except ValueError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
@@ -185,18 +197,25 @@ def build(
     init_from(cfg, world, model)
     model.set_rng_state(model.seeded_rng_state(cfg.seed + world.rank))  # dropout: per rank
     verify_same_run(world, cfg, shapes(model))
-    collectives.broadcast(world.comm, model.params)
-    collectives.broadcast(world.comm, model.buffers)
+    # --device gpu: as hpcdl.torch's DistributedOptimizer, device buffers go to a CUDA-aware
+    # MPI directly, else through pinned host memory (hpcdl.comm.cuda_aware's decision)
+    staged = cfg.device == "gpu" and not cuda_aware.detect(world.comm, cfg.device).aware
+    collectives.broadcast(world.comm, model.params, host_staged=staged)
+    collectives.broadcast(world.comm, model.buffers, host_staged=staged)
     reducer = None  # one rank, or --sync params:K (TorchEngine.step averages the parameters)
     if world.size > 1 and cfg.params_sync_every == 0:
-        reducer = GradientReducer(
-            world.comm, model.grads_and_flags.numpy(), cfg.bucket_mb, prescaled=True
-        )
+        grads = device.as_array(model.grads_and_flags)
+        reducer = GradientReducer(world.comm, grads, cfg.bucket_mb, staged, prescaled=True)
         own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     scaler = loss_scaler(cfg, world, stack, reducer)
     optimizer = FlatOptimizer(cfg, model)
-    return TorchEngine(model, optimizer, world, reducer, scaler=scaler, autocast=autocast)
+    feed = device.BatchFeed(where, device.use_channels_last(model.module, where))
+    xp = np if where.type == "cpu" else array_module(model.params)
+    return TorchEngine(
+        model, optimizer, world, reducer, xp=xp, scaler=scaler, autocast=autocast, feed=feed,
+        host_staged=staged,
+    )  # fmt: skip
 
 
 def loss_scaler(
@@ -224,9 +243,10 @@ class OverflowCount:
         self.checked = 0  # grads[:checked] are counted
 
     def __call__(self, n: int) -> None:
-        if n > self.checked:
-            finite = bool(torch.isfinite(self.grads[self.checked : n]).all())
-            self.flags[FLAG_OVERFLOW] += 0.0 if finite else 1.0
+        if n > self.checked:  # on the device, no host read: 1.0 where a value is not finite
+            self.flags[FLAG_OVERFLOW] += (
+                ~torch.isfinite(self.grads[self.checked : n]).all()
+            ).float()
             self.checked = n
         if self.mark_ready is not None:
             self.mark_ready(n)

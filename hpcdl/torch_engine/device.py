@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,61 @@ def use_cpu_threads(node_comm: Any, env: Mapping[str, str] | None = None) -> int
     )
     torch.set_num_threads(choice.threads)
     return choice.threads
+
+
+NO_CUDA = (
+    "--device gpu with a torch model (--model {model}) needs a CUDA device, and torch sees "
+    "none (torch.cuda.is_available() is False: a CPU build of torch, or no GPU visible on this "
+    "node); run on a GPU node with a CUDA build of torch, or with --device cpu"
+)
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a rank: local_rank % visible devices, as hpcdl.backend.select binds
+    CuPy (so torch, CuPy and the reducer's thread use one device)."""
+    return local_rank % visible
+
+
+def torch_device(asked: str, model: str, local_rank: int) -> tuple[torch.device, str | None]:
+    """(the device this rank trains on, None), or (the CPU, the one line why not) for
+    --device gpu where torch sees no CUDA device. Binds torch's current device."""
+    if asked != "gpu":
+        return torch.device("cpu"), None
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), NO_CUDA.format(model=model)
+    index = cuda_index(local_rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), None
+
+
+def as_array(tensor: torch.Tensor) -> Any:
+    """The array hpcdl's reducer, collectives and checkpoints read: NumPy on the CPU, CuPy on a
+    GPU (DLPack), both sharing the tensor's memory (hpcdl.torch.optimizer's _array)."""
+    if tensor.device.type == "cpu":
+        return tensor.numpy()
+    import cupy  # noqa: PLC0415 (startup's backend.select needed it for --device gpu)
+
+    return cupy.from_dlpack(tensor)
+
+
+class OnTorchStream:
+    """mark_ready called with CuPy's current stream made torch's current one, as
+    hpcdl.torch.optimizer's _Slots.mark does: the reducer's ready event, recorded on CuPy's
+    current stream, then follows the kernels backward queued for the bucket's gradients, so
+    the reducer hands MPI (or the host copy) a bucket only once they have finished."""
+
+    def __init__(self, mark_ready: Callable[[int], None], device: torch.device) -> None:
+        self.mark_ready, self.device = mark_ready, device
+        self._stream: Any = None
+
+    def __call__(self, n: int) -> None:
+        import cupy  # noqa: PLC0415
+
+        stream = torch.cuda.current_stream(self.device)
+        if self._stream is None or self._stream.ptr != stream.cuda_stream:
+            self._stream = cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index)
+        with self._stream:
+            self.mark_ready(n)
 
 
 def use_channels_last(module: torch.nn.Module, device: torch.device) -> bool:

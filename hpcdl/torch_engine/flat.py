@@ -11,6 +11,9 @@ import torch
 from hpcdl.config import TrainConfig
 from hpcdl.nn.model import FLAG_OVERFLOW
 from hpcdl.nn.user_models import model_name
+from hpcdl.torch_engine.device import as_array
+
+CPU = torch.device("cpu")
 
 
 class FlatModule:
@@ -19,9 +22,17 @@ class FlatModule:
     `grads_and_flags`. What hpcdl.resume saves and restores (hpcdl.engine.Checkpointable)."""
 
     def __init__(
-        self, module: Any, cfg: TrainConfig, input_shape: tuple[int, ...], num_classes: int
+        self,
+        module: Any,
+        cfg: TrainConfig,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        where: torch.device = CPU,
     ) -> None:
+        if where.type != "cpu":  # before the views: .to() would give the tensors new memory
+            module.to(where)
         self.module = module.train()
+        self.device = where
         torchvision = cfg.model.startswith("torchvision:")
         self.name = cfg.model if torchvision else model_name(cfg.model)  # as checkpoints say
         named = list(module.named_parameters())[::-1]  # backward finishes the last first
@@ -35,22 +46,24 @@ class FlatModule:
         self.tensors = [p for _, p in named]
         self.shapes = [tuple(p.shape) for _, p in named]
         self.offsets = _offsets([p.numel() for _, p in named])
-        flat = _flatten([p for _, p in named], self.offsets)
-        self.params = flat.numpy()
+        flat = _flatten([p for _, p in named], self.offsets, where)
+        self.params = as_array(flat)  # NumPy on the CPU, CuPy on a GPU: the same memory
         floats = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
         self.counters = [(n, b) for n, b in module.named_buffers() if not b.is_floating_point()]
-        self.buffers = _flatten([b for _, b in floats], _offsets([b.numel() for _, b in floats]))
-        self.buffers = self.buffers.numpy()
+        sizes = _offsets([b.numel() for _, b in floats])
+        self.buffers = as_array(_flatten([b for _, b in floats], sizes, where))
         total = self.offsets[-1]
-        self.grads_and_flags = torch.zeros(total + FLAG_OVERFLOW + 1, dtype=torch.float32)
+        self.grads_and_flags = torch.zeros(
+            total + FLAG_OVERFLOW + 1, dtype=torch.float32, device=where
+        )
         self.grads = self.grads_and_flags[:total]
-        self.grads_host = self.grads.numpy()  # shares memory: LossScaler.unscale divides it
+        self.grads_host = as_array(self.grads)  # shares memory: LossScaler.unscale divides it
         self.flags = self.grads_and_flags[total:]
-        self.flags_host = self.flags.numpy()
+        self.flags_host = as_array(self.flags)  # on a GPU: device scalars, read when logged
         for (_, p), lo, hi in zip(named, self.offsets, self.offsets[1:]):
             p.grad = self.grads_and_flags[lo:hi].view(p.shape)
         self._ready = _ReadyPrefix([p for _, p in named], self.offsets)
-        _check_output(cfg.model, module, input_shape, num_classes)
+        _check_output(cfg.model, module, input_shape, num_classes, where)
 
     def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
         """(name, shape, offset in params) of every parameter, in the vector's order."""
@@ -114,9 +127,10 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _flatten(tensors: list[Any], offsets: list[int]) -> Any:
-    """One float32 vector holding tensors' values; each tensor becomes a view of its slice."""
-    flat = torch.empty(offsets[-1], dtype=torch.float32)
+def _flatten(tensors: list[Any], offsets: list[int], where: torch.device) -> Any:
+    """One float32 vector on where holding tensors' values; each tensor becomes a view of its
+    slice."""
+    flat = torch.empty(offsets[-1], dtype=torch.float32, device=where)
     with torch.no_grad():
         for t, lo, hi in zip(tensors, offsets, offsets[1:]):
             flat[lo:hi].copy_(t.detach().reshape(-1))
@@ -124,12 +138,14 @@ def _flatten(tensors: list[Any], offsets: list[int]) -> Any:
     return flat
 
 
-def _check_output(spec: str, module: Any, input_shape: tuple[int, ...], num_classes: int) -> None:
+def _check_output(
+    spec: str, module: Any, input_shape: tuple[int, ...], num_classes: int, where: torch.device
+) -> None:
     """One zero sample forward (eval mode, no gradient): logits of (num_classes,) per sample."""
     module.eval()
     try:
         with torch.no_grad():
-            out = module(torch.zeros((1, *input_shape), dtype=torch.float32))
+            out = module(torch.zeros((1, *input_shape), dtype=torch.float32, device=where))
     except Exception as exc:  # the user's module: one line, whatever it raised
         text = str(exc).strip().splitlines()
         raise ValueError(

@@ -59,7 +59,7 @@ class FlatOptimizer:
             for p, lo, hi in self._slices():
                 value = self.optimizer.state.get(p, {}).get(key)
                 if value is not None:
-                    flat[lo:hi] = value.detach().reshape(-1).numpy()
+                    flat[lo:hi] = value.detach().reshape(-1).cpu().numpy()  # a CPU copy
             out[key] = flat
         return out
 
@@ -80,7 +80,7 @@ class FlatOptimizer:
         for p, lo, hi in self._slices():
             slot = self.optimizer.state[p]
             for key in self.keys:
-                slot[key] = torch.from_numpy(np.array(state[key][lo:hi])).view(p.shape)
+                slot[key] = torch.from_numpy(np.array(state[key][lo:hi])).view(p.shape).to(p.device)
             if self.adam:
                 slot["step"] = torch.tensor(float(self.updates), dtype=torch.float32)
 

@@ -36,7 +36,6 @@ def refused(cfg: TrainConfig) -> str | None:
     if cfg.sync_bn:
         return SYNC_BN.format(model=cfg.model)
     unsupported = [
-        (cfg.device != "cpu", f"--device {cfg.device}"),
         (cfg.gpu_kernels, "--gpu-kernels"),
         (cfg.decode != "cpu", f"--decode {cfg.decode}"),
         (cfg.nesterov and not cfg.momentum, "--nesterov with --momentum 0"),
