@@ -47,13 +47,6 @@ def test_channels_last_only_for_a_convolutional_model_on_a_gpu():
     assert device.use_channels_last(conv_net(), torch.device("cuda", 0))
 
 
-def test_placing_on_the_cpu_keeps_the_modules_tensors_where_they_are():
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
-    before = net[0].weight.data_ptr()
-    assert device.place(net, CPU) is False
-    assert net[0].weight.data_ptr() == before and net[0].weight.is_contiguous()
-
-
 def test_precision_is_autocast_of_the_devices_kind_or_nothing():
     a = torch.ones(4, 4)
     with device.precision(CPU, torch.bfloat16):
@@ -66,9 +59,9 @@ def test_precision_is_autocast_of_the_devices_kind_or_nothing():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_batches_arrive_channels_last_equal_to_the_hosts():
     cuda = torch.device("cuda", 0)
-    net = conv_net()
-    last = device.place(net, cuda)
-    assert last and net[0].weight.is_cuda
+    net = conv_net().to(cuda)
+    last = device.use_channels_last(net, cuda)
+    assert last
     want = list(host_batches(5))
     copies = [(x.copy(), y.copy()) for x, y in want]  # the feed may reuse nothing of these
     got = []

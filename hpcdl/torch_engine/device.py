@@ -9,9 +9,10 @@ feed issues each batch's host-to-device copy on its own CUDA stream one batch ah
 copy of batch k+1 overlaps step k, and hands batch k over once the step's stream waits for its
 copy (an event, no host sync); record_stream tells the caching allocator which stream uses the
 device tensors last. Images go channels_last where it helps (a GPU and a model with 2-D
-convolutions: cuDNN's NHWC kernels, the Tensor Cores' layout under bf16), and the module with
-them (place). precision() is torch.autocast for the device's kind, bf16 on CUDA and on the
-CPU; parameters and gradients stay float32.
+convolutions: cuDNN's NHWC kernels, the Tensor Cores' layout under bf16); the weights stay
+contiguous, for they are views of the engine's flat vectors (hpcdl/torch_engine/flat.py).
+precision() is torch.autocast for the device's kind, bf16 or fp16, on CUDA and on the CPU;
+parameters and gradients stay float32.
 
 On the CPU torch's intra-op pool starts one thread per core of the node, whatever the rank's
 CPU mask; R ranks of a node would run R x cores threads on the same cores. use_cpu_threads sets
@@ -107,16 +108,6 @@ def use_channels_last(module: torch.nn.Module, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
-
-
-def place(module: torch.nn.Module, device: torch.device) -> bool:
-    """Move module to device, channels_last where use_channels_last says; returns that."""
-    last = use_channels_last(module, device)
-    if device.type != "cpu":
-        module.to(device)
-    if last:
-        module.to(memory_format=torch.channels_last)
-    return last
 
 
 def precision(device: torch.device, dtype: torch.dtype | None) -> Any:
