@@ -70,6 +70,6 @@ def test_a_benchmark_given_missing_data_says_so_in_one_line(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"python -m hpcdl.bench loader: error: {tmp_path / 'missing'}: no such file or directory "
-        "(expected an HDF5 file, a directory of HDF5 shards, or an image folder "
+        "(expected an HDF5 file, a directory of HDF5 or tar shards, or an image folder "
         "root/<class>/<file>)"
     ]
