@@ -81,7 +81,7 @@ from hpcdl.backend import to_host
 write_summary = train.write_summary
 
 def hash_then_write_summary(run, *args, **kwargs):
-    state = to_host(run.model.params).tobytes() + to_host(run.model.buffers).tobytes()
+    state = to_host(run.engine.model.params).tobytes() + to_host(run.engine.model.buffers).tobytes()
     hashes = run.world.comm.allgather(hashlib.sha256(state).hexdigest())
     if run.world.is_root:
         print("state hashes", *hashes, flush=True)

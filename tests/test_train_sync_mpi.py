@@ -75,8 +75,8 @@ def _run_trainer_recording_params(world, tmp, data, sync, monkeypatch):
     real_save, real_mean = resume.save, collectives.allreduce_mean
 
     def save(run, at):
-        models.append(run.model)
-        after_step[at.global_step] = run.model.params.copy()
+        models.append(run.engine.model)
+        after_step[at.global_step] = run.engine.model.params.copy()
         return real_save(run, at)
 
     def allreduce_mean(comm, buf, host_staged=False):

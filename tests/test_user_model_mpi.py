@@ -36,8 +36,9 @@ def test_a_model_from_a_users_file_keeps_bitwise_identical_parameters_on_every_r
     real_save = resume.save
 
     def save(run, at):  # with --checkpoint-every 1, called on every rank after every step
-        names.append(run.model.name)
-        after_step[at.global_step] = (run.model.params.copy(), run.model.buffers.copy())
+        model = run.engine.model
+        names.append(model.name)
+        after_step[at.global_step] = (model.params.copy(), model.buffers.copy())
         return real_save(run, at)
 
     monkeypatch.setattr(resume, "save", save)
