@@ -11,6 +11,11 @@ echo "== ruff"
 ruff check hpcdl tests tools scripts
 ruff format --check hpcdl tests tools scripts
 
+# .venv-torchvision's 5.5 GB install is mostly disk and unzip: it runs beside the first stages
+tv_log="$(mktemp)"
+bash "$REPO/scripts/torchvision-tests.sh" --prepare >"$tv_log" 2>&1 &
+tv_prepare=$!
+
 echo "== pytest (single process)"
 status=0
 python -m pytest -m "not mpi and not torchvision" "$@" tests || status=$?
@@ -21,6 +26,7 @@ mpirun -np 2 python -m pytest --with-mpi -m mpi -q -p no:cacheprovider "$@" test
 
 echo "== pytest with torchvision (torch 2.14.1 + torchvision 0.29.1 in .venv-torchvision)"
 tv_status=0
+wait "$tv_prepare" || cat "$tv_log" # a failed preparation is tried again, in the foreground
 bash "$REPO/scripts/torchvision-tests.sh" -q "$@" || tv_status=$?
 
 if [ "$status" -ne 0 ] || [ "$mpi_status" -ne 0 ] || [ "$tv_status" -ne 0 ]; then

@@ -7,7 +7,8 @@
 # .venv-torchvision, which holds only that pair (and numpy and Pillow at .venv's versions) and
 # reaches everything else (hpcdl's editable install, mpi4py, h5py, pytest) through a .pth line
 # that adds .venv's site-packages after its own: torch 2.14.1 shadows 2.13.0, nothing is built
-# twice. mpi4py finds the wheel's Open MPI through LD_LIBRARY_PATH. Extra arguments go to pytest.
+# twice. mpi4py finds the wheel's Open MPI through LD_LIBRARY_PATH. Extra arguments go to pytest;
+# `--prepare` alone only makes the venv (scripts/test.sh does that beside the other stages).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$REPO"
 TV="${HPCDL_TORCHVISION_VENV:-$REPO/.venv-torchvision}"
@@ -26,6 +27,7 @@ if [ "$(cat "$TV/.hpcdl-inputs" 2>/dev/null)" != "$wanted" ]; then
     echo "import site; site.addsitedir('$(site_of "$VENV")')" >"$(site_of "$TV")/zz-hpcdl-test-venv.pth"
     echo "$wanted" >"$TV/.hpcdl-inputs"
 fi
+[ "${1:-}" = "--prepare" ] && exit 0
 export LD_LIBRARY_PATH="$VENV/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 "$TV/bin/python" -c "import torchvision, hpcdl, mpi4py.MPI" || {
     echo "hpcdl: $TV cannot import torchvision, hpcdl and mpi4py together (see above)" >&2
