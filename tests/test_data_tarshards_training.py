@@ -10,12 +10,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_folder, mpi_env, read_events, run_train, stage_cli, train_cmd
+from helpers import (
+    make_folder,
+    mpi_env,
+    read_events,
+    run_train,
+    stage_cli,
+    train_cmd,
+    wait_until,
+)
 from tarshards_helpers import jpeg_bytes, shards_of_folder, write_tar
 
 from hpcdl import checkpoint
@@ -98,12 +105,14 @@ def test_kill_and_resume_auto_on_shards_is_bitwise_the_uninterrupted_run(data, t
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(),
         start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 240
-    while job.poll() is None and time.monotonic() < deadline:
+
+    def at_step_6_or_ended() -> bool:
         latest = checkpoint.latest(ckpt)
-        if latest is not None and checkpoint.load(latest).global_step >= 6:
-            break
-        time.sleep(0.05)
+        return job.poll() is not None or (
+            latest is not None and checkpoint.load(latest).global_step >= 6
+        )
+
+    wait_until(at_step_6_or_ended, timeout=240, what="a checkpoint at step 6 or more")
     assert job.poll() is None, "the run ended before it could be killed"
     os.killpg(job.pid, signal.SIGKILL)
     job.communicate(timeout=60)
