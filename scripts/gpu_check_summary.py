@@ -359,8 +359,8 @@ def goal_lines(facts: dict) -> list[str]:
     """Issue 60's goals, one line each: met / MISS / n/a, the goal, its figure. A CPU dry run
     (every row's device cpu) marks every goal but "no phase failed" n/a: its figures check the
     script, not the goals."""
-    goals = _compute_goals(facts["compute"]) + _input_goals(facts["input"]) + _other_goals(facts)
-    goals += _torch_engine_goals(facts)
+    goals = _compute_goals(facts["compute"]) + _input_goals(facts["input"])
+    goals += _torch_engine_goals(facts) + _other_goals(facts)  # "no phase failed" ends the table
     head = "goals (issue 60)"
     devices = {r.get("device") for r in facts["compute"] + facts["input"]}
     if devices == {"cpu"}:
