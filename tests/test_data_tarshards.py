@@ -275,12 +275,46 @@ def test_an_index_file_whose_header_grows_a_digit_still_maps_its_columns(pad):
     assert meta == {"pad": "x" * pad}
 
 
-def test_decode_gpu_on_tar_shards_is_one_line_saying_so(tmp_path):
-    from hpcdl.data.file_bytes import check_gpu_decode  # noqa: PLC0415
+def test_decode_gpu_reads_each_members_bytes_and_yields_the_folders_batches(tmp_path):
+    """--decode gpu on tar shards (issue 62 item 2): the workers move each sample's image member
+    (one pread), a byte slot holds the largest member, not a shard; the rank's decode then
+    gives the folder's batches bit for bit (Pillow here; nvImageCodec on a GPU)."""
+    from hpcdl.data.file_bytes import FileBytesReader, byte_capacity  # noqa: PLC0415
 
-    make_shards(tmp_path / "d", shards=1, per_shard=2)
-    with pytest.raises(DataError, match=r"holds tar shards: use --decode cpu"):
-        check_gpu_decode(open_dataset(tmp_path / "d"))
+    make_folder(tmp_path / "f", per_class=5, size=(30, 22), classes=("a", "b", "c"), fmt="jpg")
+    shards_of_folder(tmp_path / "f", tmp_path / "t", per_shard=4)
+    folder, tar = open_dataset(tmp_path / "f"), open_dataset(tmp_path / "t")
+    assert byte_capacity(tar, 3) == byte_capacity(folder, 3)  # the largest member
+    indices = np.array([14, 0, 5, 9])
+    offsets, labels = np.empty(5, np.int64), np.empty(4, np.int64)
+    data = np.empty(byte_capacity(tar, 4), np.uint8)
+    FileBytesReader(tar).read(indices, labels, offsets, data)
+    for i, index in enumerate(indices):
+        want = (tmp_path / "f" / folder.files.relpath(int(index))).read_bytes()
+        assert bytes(data[offsets[i] : offsets[i + 1]]) == want
+    assert np.array_equal(labels, folder.labels[indices])
+    order = [np.arange(k, k + 5) for k in range(0, 15, 5)]
+    got = []
+    for ds, workers in ((folder, 0), (tar, 2)):
+        with Loader(ds, 5, workers=workers, seed=3, augment="rrc16+flip", decode="gpu") as loader:
+            got.append([(x.copy(), y.copy()) for x, y in loader.iterate(order, 1)])
+    assert len(got[0]) == len(got[1]) == 3
+    for (x, y), (tx, ty) in zip(*got):
+        assert np.array_equal(x, tx) and np.array_equal(y, ty)
+
+
+def test_decode_gpu_on_a_flawed_member_follows_the_bad_sample_rules(tmp_path):
+    ds = open_dataset(bad_shards(tmp_path))
+    bad = [ds.member(i) for i in range(len(ds))].index("range.jpg")
+    good = next(i for i in range(len(ds)) if ds.member(i)[0] in "gh")
+    with Loader(ds, 1, workers=1, seed=0, augment="rcrop12", decode="gpu") as loader:
+        with pytest.raises(DataError, match=r"\(member range\.jpg\) cannot be read: its label"):
+            list(loader.iterate([np.array([bad])], 0))
+    with Loader(
+        ds, 2, workers=1, seed=0, augment="rcrop12", decode="gpu", skip_bad_samples=True
+    ) as loader:
+        assert len(list(loader.iterate([np.array([bad, good])], 0))) == 1
+        assert loader.stats()["bad_samples"] == 1
 
 
 def test_a_damaged_header_is_one_warning_and_a_non_tar_is_one_error(tmp_path, capsys):

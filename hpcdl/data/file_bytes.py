@@ -1,8 +1,8 @@
 """Read a minibatch's compressed image files, undecoded, into a byte slot (`--decode gpu`).
 
-The loader workers only move bytes; the rank decodes (hpcdl.data.gpu_decode). A file goes in
-whole, from its staged copy if there is one, else from the PFS (counted as the decoding reader
-counts them). A file that cannot be read is left empty (length 0) under skip_bad, so that the
+The loader workers only move bytes; the rank decodes (hpcdl.data.gpu_decode). A file (or a
+shard's image member: one pread) goes in whole, from its staged copy if there is one, else from
+the PFS (counted as the decoding reader counts them). A file that cannot be read is left empty (length 0) under skip_bad, so that the
 rank's bad-sample rules handle it with the files it cannot decode; otherwise BadSample.
 """
 
@@ -15,7 +15,7 @@ from hpcdl.data.dataset import BadSample, DataError, Locate
 
 def byte_capacity(ds, batch_size: int) -> int:
     """Bytes a byte slot needs: batch_size times the data set's largest image file (in shards
-    of files: largest_sample_bytes)."""
+    of files, tar or encoded HDF5: largest_sample_bytes)."""
     largest = getattr(ds, "largest_sample_bytes", None)
     if largest is None:
         sizes = np.asarray(ds.files.sizes)
@@ -24,11 +24,8 @@ def byte_capacity(ds, batch_size: int) -> int:
 
 
 def check_gpu_decode(ds) -> None:
-    """--decode gpu decodes RGB image files; anything else is refused in one line."""
-    if ds.kind == "tar":
-        raise DataError(
-            f"--decode gpu reads image files; {ds.source} holds tar shards: use --decode cpu"
-        )
+    """--decode gpu decodes RGB image files (a folder's, or the image members of tar shards or
+    of encoded HDF5 shards); anything else is refused in one line."""
     if ds.kind == "hdf5":
         raise DataError(
             f"--decode gpu decodes image files; {ds.source} holds decoded pixels (HDF5): "

@@ -291,6 +291,13 @@ class TarShardDataset:
     def num_classes(self) -> int:
         return len(self.classes)
 
+    @property
+    def largest_sample_bytes(self) -> int:
+        """The largest image member's bytes: what a --decode gpu byte slot holds per sample
+        (hpcdl.data.file_bytes), not a shard."""
+        lengths = self.index.columns["data_len"]
+        return int(lengths.max()) if len(lengths) else 0
+
     def file_ids(self, indices) -> np.ndarray:
         """Shard id of each sample index. Whole epochs (the planner, the dry run: 90 epochs of
         1.28 M indices at ImageNet scale) look up a sample -> shard table, built on first use
