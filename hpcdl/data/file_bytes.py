@@ -2,8 +2,9 @@
 
 The loader workers only move bytes; the rank decodes (hpcdl.data.gpu_decode). A file (or a
 shard's image member: one pread) goes in whole, from its staged copy if there is one, else from
-the PFS (counted as the decoding reader counts them). A file that cannot be read is left empty (length 0) under skip_bad, so that the
-rank's bad-sample rules handle it with the files it cannot decode; otherwise BadSample.
+the PFS (counted as the decoding reader counts them). A file that cannot be read is left empty
+(length 0) under skip_bad, so that the rank's bad-sample rules handle it with the files it
+cannot decode; otherwise BadSample.
 """
 
 from __future__ import annotations
