@@ -4,6 +4,7 @@ the step's own code around it), and (marked gpu) that graph and plain steps give
 parameters, with and without a reducer (one rank: MPI.COMM_SELF)."""
 
 import contextlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -193,8 +194,11 @@ class RecordingStream:
         pass
 
 
+@pytest.mark.parametrize(
+    ("optimizer", "fp16"), [("sgd", False), ("adam", False), ("sgd", True)]
+)  # SGD's update a graph of its own (fp16: with the device unscale), Adam's plain after wait()
 def test_a_step_with_a_reducer_replays_its_segments_each_handing_its_buckets_then_the_update(
-    monkeypatch,
+    monkeypatch, optimizer, fp16
 ):
     """The order a GPU runs (the step's own code, a stand-in only for the CUDA stream): the
     warm-up and the capture hand nothing to the reducer; each replay launches the segments in
@@ -207,10 +211,11 @@ def test_a_step_with_a_reducer_replays_its_segments_each_handing_its_buckets_the
         streams.append(RecordingStream(log))
         return streams[-1]
 
-    parts = parts_of(graph=StepGraph(make_stream=make_stream))
-    parts = StepParts(
-        **{**vars(parts), "reducer": RecordingReducer(log, parts.model.grads_and_flags)}
-    )
+    parts = parts_of(graph=StepGraph(make_stream=make_stream), optimizer=optimizer)
+    if fp16:
+        parts.model.set_precision("fp16")
+        parts = replace(parts, scaler=nn.precision.LossScaler(on_device=True))
+    parts = replace(parts, reducer=RecordingReducer(log, parts.model.grads_and_flags))
     try:
         x, y = batch()
         plan = segment_plan(parts, x, y)
@@ -218,17 +223,20 @@ def test_a_step_with_a_reducer_replays_its_segments_each_handing_its_buckets_the
         assert parts.graph.takes(parts, x) and parts.graph.segments == plan and len(plan) > 1
         np.testing.assert_array_equal(parts.model.buffers, buffers)
         assert not [e for e in log if e.startswith("mark_ready")]  # nothing handed yet
-        assert log.count("begin") == len(plan) + 1  # the segments', the update's
+        updates = 1 if optimizer == "sgd" else 0
+        assert log.count("begin") == len(plan) + updates  # the segments', the update's
         readies = [f"mark_ready {s.ready_upto}" for s in plan]
         replay = ["begin_step", "stream current"]
         for k, ready in enumerate(readies):
             replay += [f"launch g{k}", ready]
-        replay += ["stream released", "wait", f"launch g{len(plan)}"]
+        replay += ["stream released", "wait"] + [f"launch g{len(plan)}"] * updates
         for seed in range(2):
             log.clear()
             parts.graph.takes(parts, x)  # captured: no work here
             result = train_step(parts, *batch(seed=seed), 0.1)
-            assert log == replay and result.applied is True
+            assert log == replay
+            if fp16 and updates:  # the graph's device flag, copied
+                assert result.applied.shape == () and result.applied is not parts.graph.applied
         assert readies[-1] == f"mark_ready {parts.reducer.grads.size}"  # the flags' bucket last
         assert len(streams) == 1
     finally:
@@ -243,8 +251,8 @@ def test_a_capture_that_cuts_elsewhere_than_its_warm_up_falls_back_said_once(mon
     parts = parts_of(graph=StepGraph(make_stream=lambda xp: RecordingStream(log)))
     plain = parts_of()
     reducers = [RecordingReducer(log, p.model.grads_and_flags) for p in (parts, plain)]
-    parts = StepParts(**{**vars(parts), "reducer": reducers[0]})
-    plain = StepParts(**{**vars(plain), "reducer": reducers[1]})
+    parts = replace(parts, reducer=reducers[0])
+    plain = replace(plain, reducer=reducers[1])
     try:
         for seed in range(2):
             x, y = batch(seed=seed)
@@ -270,8 +278,8 @@ def test_a_reducer_with_other_buckets_than_the_captured_ones_gives_plain_steps_s
     reducers = [RecordingReducer(log, parts.model.grads_and_flags, mb) for mb in (0.01, 0.02)]
     try:
         x, _ = batch()
-        assert parts.graph.takes(StepParts(**{**vars(parts), "reducer": reducers[0]}), x)
-        other = StepParts(**{**vars(parts), "reducer": reducers[1]})
+        assert parts.graph.takes(replace(parts, reducer=reducers[0]), x)
+        other = replace(parts, reducer=reducers[1])
         assert not parts.graph.takes(other, x) and not parts.graph.takes(other, x)
     finally:
         for reducer in reducers:
@@ -310,6 +318,9 @@ def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters
             lr = 0.05 / (seed + 1)
             a, b = train_step(graphed, x, y, lr), train_step(plain, x, y, lr)
             np.testing.assert_allclose(float(a.loss), float(b.loss), rtol=1e-6)
+            np.testing.assert_allclose(
+                cp.asnumpy(a.logits), cp.asnumpy(b.logits), rtol=1e-5, atol=1e-5
+            )
             assert float(a.nonfinite_ranks) == float(b.nonfinite_ranks) == 0
             applied.append((bool(a.applied), bool(b.applied)))
         assert graphed.graph.graphs, "the step was not captured"
