@@ -271,15 +271,24 @@ def test_a_capture_that_cuts_elsewhere_than_its_warm_up_falls_back_said_once(mon
 def test_a_reducer_with_other_buckets_than_the_captured_ones_gives_plain_steps_said_once(
     monkeypatch, capsys
 ):
+    """Another reducer with the same buckets (a rebuilt one) is handed this step's buckets;
+    one with others cannot be: plain steps from then on, said once."""
     monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
     monkeypatch.setattr(kernels, "_said", set())
-    log = []
-    parts = parts_of(graph=StepGraph(make_stream=lambda xp: RecordingStream(log)))
-    reducers = [RecordingReducer(log, parts.model.grads_and_flags, mb) for mb in (0.01, 0.02)]
+    logs = [[], [], []]
+    parts = parts_of(graph=StepGraph(make_stream=lambda xp: RecordingStream(logs[0])))
+    reducers = [
+        RecordingReducer(log, parts.model.grads_and_flags, mb)
+        for log, mb in zip(logs, (0.01, 0.01, 0.02))
+    ]
     try:
-        x, _ = batch()
+        x, y = batch()
         assert parts.graph.takes(replace(parts, reducer=reducers[0]), x)
-        other = replace(parts, reducer=reducers[1])
+        train_step(replace(parts, reducer=reducers[1]), x, y, 0.1)
+        assert [e for e in logs[1] if e.startswith("mark_ready")] == [
+            f"mark_ready {s.ready_upto}" for s in parts.graph.segments
+        ]
+        other = replace(parts, reducer=reducers[2])
         assert not parts.graph.takes(other, x) and not parts.graph.takes(other, x)
     finally:
         for reducer in reducers:

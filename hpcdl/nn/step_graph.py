@@ -35,7 +35,10 @@ the capture stream current, so the reducer's event follows graph k and its helpe
 stages or reduces those buckets while graph k+1 runs; train_step then waits for the reducer
 (the flags summed with the last bucket, as in the plain step), and the update runs as a graph
 of its own (SGD, fp16's device unscale with it) or plainly (Adam). tests/test_step_segments.py
-shows on NumPy and 2 ranks that the cut step's gradients are the plain step's, bitwise.
+shows on NumPy and 2 ranks that the cut step's gradients are the plain step's, bitwise;
+tests/test_step_graph.py runs the capture and replay code on NumPy with a recording stand-in
+for GraphStream (all they ask of CUDA), and (marked gpu, not yet run on a GPU) compares graph
+and plain steps with a one-rank reducer.
 A capture that fails for any reason (or cuts elsewhere than its warm-up), and a reducer whose
 buckets are not those it was captured with, give plain steps from then on, said once.
 """
@@ -87,7 +90,7 @@ class StepGraph:
         self._lr: Any = None  # float32 0-d device array SGD's captured update reads; None: none
         self._out: tuple[Any, Any] = (None, None)  # (loss, logits) the graph writes
         self.applied: Any = None  # fp16: the 0-d bool "apply" flag the graph writes
-        self._reducer: Any = None  # the reducer the segments hand their buckets to
+        self._reducer: Any = None  # the reducer the replay hands the buckets to: this step's
         self._bucket_ends: tuple[int, ...] | None = None  # the reducer's, when captured
         self._make_stream = make_stream  # array module -> GraphStream
         self._stream: Any = None
@@ -124,6 +127,7 @@ class StepGraph:
             return False  # another batch shape: plain launches
         if not self.graphs:
             self._capture(parts, images)
+        self._reducer = parts.reducer  # this step's: the segments need only its bucket ends
         return bool(self.graphs)
 
     def replay(self, images: Any, labels: Any, lr: float) -> tuple[Any, Any, bool]:
@@ -190,7 +194,7 @@ class StepGraph:
                 self._capture_update(parts)
                 self.update_graph = self._stream.end()
         self.graphs, self.segments, self._out = graphs, plan, (loss, logits)
-        self._reducer, self._bucket_ends = parts.reducer, _bucket_ends(parts.reducer)
+        self._bucket_ends = _bucket_ends(parts.reducer)
 
     def _capture_update(self, parts: Any) -> None:
         """fp16's device-side unscale, then SGD's update masked by its decision, into the
