@@ -15,7 +15,7 @@ from hpcdl.comm.reducer import GradientReducer
 from hpcdl.nn import kernels, step_graph
 from hpcdl.nn.step import StepParts, train_step
 from hpcdl.nn.step_graph import StepGraph
-from hpcdl.nn.step_segments import segment_plan
+from hpcdl.nn.step_segments import GraphStream, segment_plan
 
 
 def parts_of(model_name="resnet20", xp=np, graph=None, optimizer="sgd", **kw):
@@ -192,6 +192,13 @@ class RecordingStream:
 
     def caller_follows(self):
         pass
+
+
+def test_the_recording_stream_stands_in_for_every_call_of_graph_stream():
+    def public(cls):
+        return {name for name in vars(cls) if not name.startswith("_")}
+
+    assert public(RecordingStream) == public(GraphStream)
 
 
 @pytest.mark.parametrize(
