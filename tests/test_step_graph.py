@@ -1,14 +1,21 @@
-"""hpcdl.nn.step_graph: when a step may be a CUDA graph replay, the fallbacks said once, and
-(marked gpu) that graph and plain steps give the same parameters."""
+"""hpcdl.nn.step_graph: when a step may be a CUDA graph replay, the fallbacks said once, the
+order of a segmented replay with a gradient reducer (a recording stand-in for the CUDA stream,
+the step's own code around it), and (marked gpu) that graph and plain steps give the same
+parameters, with and without a reducer (one rank: MPI.COMM_SELF)."""
+
+import contextlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
-from hpcdl.nn import step_graph
+from hpcdl.comm.reducer import GradientReducer
+from hpcdl.nn import kernels, step_graph
 from hpcdl.nn.step import StepParts, train_step
 from hpcdl.nn.step_graph import StepGraph
+from hpcdl.nn.step_segments import GraphStream, segment_plan
 
 
 def parts_of(model_name="resnet20", xp=np, graph=None, optimizer="sgd", **kw):
@@ -30,14 +37,14 @@ def test_on_the_cpu_the_step_runs_plainly_bitwise_and_quietly(capsys):
         a, b = train_step(graphed, x, y, 0.1), train_step(plain, x, y, 0.1)
         assert float(a.loss) == float(b.loss)
     np.testing.assert_array_equal(graphed.model.params, plain.model.params)
-    assert graphed.graph.why_not(graphed, x) == "not on a GPU" and graphed.graph.graph is None
+    assert graphed.graph.why_not(graphed, x) == "not on a GPU" and not graphed.graph.graphs
     assert "CUDA graph" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        ({"reducer": object()}, "a gradient reducer runs between the backward kernels"),
+        ({"reducer": object()}, "the gradient reducer has no buckets to cut the step at"),
         (
             {"scaler": nn.precision.LossScaler(on_device=False)},
             "fp16's loss scaler decides on the host",
@@ -78,7 +85,7 @@ def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(optimizer):
         lr = 0.05 / (seed + 1)  # a schedule: the graph reads each step's lr
         a, b = train_step(graphed, x, y, lr), train_step(plain, x, y, lr)
         np.testing.assert_allclose(float(a.loss), float(b.loss), rtol=1e-6)
-    assert graphed.graph.graph is not None, "the step was not captured"
+    assert graphed.graph.graphs, "the step was not captured"
     np.testing.assert_allclose(
         cp.asnumpy(graphed.model.params), cp.asnumpy(plain.model.params), rtol=1e-6, atol=1e-6
     )
@@ -115,9 +122,240 @@ def test_an_fp16_graph_decides_skip_or_apply_on_the_device_as_the_plain_step():
         x, y = batch(cp, seed)
         a, b = train_step(graphed, x, y, 0.05), train_step(plain, x, y, 0.05)
         applied.append((bool(a.applied), bool(b.applied)))
-    assert graphed.graph.graph is not None, "the step was not captured"
+    assert graphed.graph.graphs, "the step was not captured"
     assert all(a == b for a, b in applied) and (False, False) in applied
     assert graphed.scaler.state_dict() == plain.scaler.state_dict()
     np.testing.assert_allclose(
         cp.asnumpy(graphed.model.params), cp.asnumpy(plain.model.params), rtol=1e-6, atol=1e-6
     )
+
+
+def comm_self():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+class RecordingReducer(GradientReducer):
+    """A real reducer over one rank (the sum is the gradients themselves) that notes what the
+    step asks of it, in the log the recording stream writes to."""
+
+    def __init__(self, log, grads, bucket_mb=0.01):
+        super().__init__(comm_self(), grads, bucket_mb, prescaled=True)
+        self.log = log
+
+    def begin_step(self):
+        self.log.append("begin_step")
+        super().begin_step()
+
+    def mark_ready(self, n):
+        self.log.append(f"mark_ready {n}")
+        super().mark_ready(n)
+
+    def wait(self):
+        self.log.append("wait")
+        super().wait()
+
+
+class RecordingStream:
+    """GraphStream's stand-in on NumPy: a "capture" runs the step's work (NumPy cannot defer
+    it), end() gives a graph named by its order, and a launch notes that name."""
+
+    def __init__(self, log):
+        self.log, self.ended = log, 0
+
+    @contextlib.contextmanager
+    def capturing(self):
+        yield
+
+    @contextlib.contextmanager
+    def current(self):  # the reducer's events are recorded on CuPy's current stream
+        self.log.append("stream current")
+        yield
+        self.log.append("stream released")
+
+    def begin(self):
+        self.log.append("begin")
+
+    def end(self):
+        self.ended += 1
+        return f"g{self.ended - 1}"
+
+    def abandon(self):
+        pass
+
+    def launch(self, graph):
+        self.log.append(f"launch {graph}")
+
+    def follows_caller(self):
+        pass
+
+    def caller_follows(self):
+        pass
+
+
+def test_the_recording_stream_stands_in_for_every_call_of_graph_stream():
+    def public(cls):
+        return {name for name in vars(cls) if not name.startswith("_")}
+
+    assert public(RecordingStream) == public(GraphStream)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "fp16"), [("sgd", False), ("adam", False), ("sgd", True)]
+)  # SGD's update a graph of its own (fp16: with the device unscale), Adam's plain after wait()
+def test_a_step_with_a_reducer_replays_its_segments_each_handing_its_buckets_then_the_update(
+    monkeypatch, optimizer, fp16
+):
+    """The order a GPU runs (the step's own code, a stand-in only for the CUDA stream): the
+    warm-up and the capture hand nothing to the reducer; each replay launches the segments in
+    order with mark_ready(the plan's n) after each, on the capture stream, then wait(), then
+    the update's graph. BatchNorm's statistics are as before the capture."""
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    log, streams = [], []
+
+    def make_stream(xp):
+        streams.append(RecordingStream(log))
+        return streams[-1]
+
+    parts = parts_of(graph=StepGraph(make_stream=make_stream), optimizer=optimizer)
+    if fp16:
+        parts.model.set_precision("fp16")
+        parts = replace(parts, scaler=nn.precision.LossScaler(on_device=True))
+    parts = replace(parts, reducer=RecordingReducer(log, parts.model.grads_and_flags))
+    try:
+        x, y = batch()
+        plan = segment_plan(parts, x, y)
+        buffers = parts.model.buffers.copy()
+        assert parts.graph.takes(parts, x) and parts.graph.segments == plan and len(plan) > 1
+        np.testing.assert_array_equal(parts.model.buffers, buffers)
+        assert not [e for e in log if e.startswith("mark_ready")]  # nothing handed yet
+        updates = 1 if optimizer == "sgd" else 0
+        assert log.count("begin") == len(plan) + updates  # the segments', the update's
+        readies = [f"mark_ready {s.ready_upto}" for s in plan]
+        replay = ["begin_step", "stream current"]
+        for k, ready in enumerate(readies):
+            replay += [f"launch g{k}", ready]
+        replay += ["stream released", "wait"] + [f"launch g{len(plan)}"] * updates
+        for seed in range(2):
+            log.clear()
+            parts.graph.takes(parts, x)  # captured: no work here
+            result = train_step(parts, *batch(seed=seed), 0.1)
+            assert log == replay
+            if fp16 and updates:  # the graph's device flag, copied
+                assert result.applied.shape == () and result.applied is not parts.graph.applied
+        assert readies[-1] == f"mark_ready {parts.reducer.grads.size}"  # the flags' bucket last
+        assert len(streams) == 1
+    finally:
+        parts.reducer.close()
+
+
+def test_a_capture_that_cuts_elsewhere_than_its_warm_up_falls_back_said_once(monkeypatch, capsys):
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    monkeypatch.setattr(kernels, "_said", set())
+    monkeypatch.setattr(step_graph, "segment_plan", lambda *a: segment_plan(*a)[1:])
+    log = []
+    parts = parts_of(graph=StepGraph(make_stream=lambda xp: RecordingStream(log)))
+    plain = parts_of()
+    reducers = [RecordingReducer(log, p.model.grads_and_flags) for p in (parts, plain)]
+    parts = replace(parts, reducer=reducers[0])
+    plain = replace(plain, reducer=reducers[1])
+    try:
+        for seed in range(2):
+            x, y = batch(seed=seed)
+            a, b = train_step(parts, x, y, 0.1), train_step(plain, x, y, 0.1)
+            assert float(a.loss) == float(b.loss)
+    finally:
+        for reducer in reducers:
+            reducer.close()
+    assert parts.graph.failed and not parts.graph.graphs
+    np.testing.assert_array_equal(parts.model.params, plain.model.params)
+    np.testing.assert_array_equal(parts.model.buffers, plain.model.buffers)
+    err = capsys.readouterr().err
+    assert err.count("capture failed (the capture cut the step at") == 1, err
+
+
+def test_a_reducer_with_other_buckets_than_the_captured_ones_gives_plain_steps_said_once(
+    monkeypatch, capsys
+):
+    """Another reducer with the same buckets (a rebuilt one) is handed this step's buckets;
+    one with others cannot be: plain steps from then on, said once."""
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    monkeypatch.setattr(kernels, "_said", set())
+    logs = [[], [], []]
+    parts = parts_of(graph=StepGraph(make_stream=lambda xp: RecordingStream(logs[0])))
+    reducers = [
+        RecordingReducer(log, parts.model.grads_and_flags, mb)
+        for log, mb in zip(logs, (0.01, 0.01, 0.02))
+    ]
+    try:
+        x, y = batch()
+        assert parts.graph.takes(replace(parts, reducer=reducers[0]), x)
+        train_step(replace(parts, reducer=reducers[1]), x, y, 0.1)
+        assert [e for e in logs[1] if e.startswith("mark_ready")] == [
+            f"mark_ready {s.ready_upto}" for s in parts.graph.segments
+        ]
+        other = replace(parts, reducer=reducers[2])
+        assert not parts.graph.takes(other, x) and not parts.graph.takes(other, x)
+    finally:
+        for reducer in reducers:
+            reducer.close()
+    assert capsys.readouterr().err.count("reducer's buckets are not those") == 1
+
+
+def gpu_reducer_parts(cp, graph, optimizer="sgd", fp16=False):
+    """resnet20 with a real reducer over one rank (its allreduce the identity, its buckets,
+    events and helper thread all running), host-staged (any MPI), small buckets."""
+    model = nn.build_model("resnet20", (3, 8, 8), 10, seed=2, xp=cp)
+    scaler = None
+    if fp16:
+        model.set_precision("fp16")  # before the optimizer: its buffers are the masters
+        scaler = nn.precision.LossScaler(init_scale=2.0**30, growth_interval=2, on_device=True)
+    opt = nn.make_optimizer(optimizer, model.params, model.grads, momentum=0.9)
+    reducer = GradientReducer(
+        comm_self(), model.grads_and_flags, 0.05, host_staged=True, prescaled=True
+    )
+    return StepParts(model, opt, cp, reducer=reducer, graph=graph, scaler=scaler)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize(
+    ("optimizer", "fp16"), [("sgd", False), ("adam", False), ("sgd", True)]
+)  # SGD's update its own graph after the reducer's wait, Adam's plain; fp16 decided on device
+def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters(optimizer, fp16):
+    cp = cupy_or_none()
+    graphed = gpu_reducer_parts(cp, StepGraph(), optimizer, fp16)
+    plain = gpu_reducer_parts(cp, None, optimizer, fp16)
+    applied = []
+    try:
+        for seed in range(6):
+            x, y = batch(cp, seed)
+            lr = 0.05 / (seed + 1)
+            a, b = train_step(graphed, x, y, lr), train_step(plain, x, y, lr)
+            np.testing.assert_allclose(float(a.loss), float(b.loss), rtol=1e-6)
+            np.testing.assert_allclose(
+                cp.asnumpy(a.logits), cp.asnumpy(b.logits), rtol=1e-5, atol=1e-5
+            )
+            assert float(a.nonfinite_ranks) == float(b.nonfinite_ranks) == 0
+            applied.append((bool(a.applied), bool(b.applied)))
+        assert graphed.graph.graphs, "the step was not captured"
+        plan = segment_plan(graphed, x, y)
+    finally:
+        graphed.reducer.close()
+        plain.reducer.close()
+    graph = graphed.graph
+    assert graph.segments == plan and len(graph.graphs) == len(plan) > 1
+    handed = [b for s in graph.segments for b in s.buckets]
+    assert handed == list(range(len(graphed.reducer.buckets)))  # every bucket once, in order
+    assert (graph.update_graph is not None) == (optimizer == "sgd")
+    assert all(a == b for a, b in applied) and (not fp16 or (False, False) in applied)
+    if fp16:
+        assert graphed.scaler.state_dict() == plain.scaler.state_dict()
+    for name in ("params", "buffers"):
+        np.testing.assert_allclose(
+            cp.asnumpy(getattr(graphed.model, name)),
+            cp.asnumpy(getattr(plain.model, name)),
+            rtol=1e-6,
+            atol=1e-6,
+        )

@@ -1,4 +1,4 @@
-"""A step cut at the reducer's bucket boundaries (hpcdl.nn.step_graph.BucketCuts, NOTE [step
+"""A step cut at the reducer's bucket boundaries (hpcdl.nn.step_segments.BucketCuts, NOTE [step
 graphs]): the segment plan's ends are the buckets' ends, and running backward in those segments,
 the buckets handed to the reducer only between them, gives the plain step's gradients bitwise
 (2 ranks: `mpirun -np 2 python -m pytest --with-mpi -m mpi tests/test_step_segments.py`)."""
@@ -9,7 +9,7 @@ import pytest
 from hpcdl import nn
 from hpcdl.nn.precision import LossScaler
 from hpcdl.nn.step import StepParts, forward_backward
-from hpcdl.nn.step_graph import BucketCuts, segment_plan
+from hpcdl.nn.step_segments import BucketCuts, segment_plan
 
 
 class Buckets:

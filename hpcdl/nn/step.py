@@ -139,8 +139,8 @@ def _unscale_and_update(parts: StepParts, lr: Any, updated: bool) -> Any:
     whether it applied: True, False, or with the device loss scale a 0-d bool array (read
     when a record is written: NOTE [device loss scale] in hpcdl/nn/precision.py)."""
     model, scaler = parts.model, parts.scaler
-    if updated:  # the graph's replay unscaled and applied (fp16: under its device flag)
-        return parts.graph.applied.copy() if scaler else True
+    if updated:  # the graph's replay unscales and applies (fp16: under its device flag)
+        return parts.graph.update()  # with a reducer: the update's graph, after its wait()
     agreed = _flags_agreed(parts)
     overflows = model.step_flags[FLAG_OVERFLOW : FLAG_OVERFLOW + 1]
     if scaler and fp16_decided_on_device(parts, agreed):
@@ -174,7 +174,7 @@ def forward_backward(
     (loss, logits, perf_counter() once forward was launched). What a CUDA graph captures.
 
     mark_ready: called with n when grads[:n] are final, in place of the reducer's own (a step
-    cut at the bucket boundaries: hpcdl.nn.step_graph.BucketCuts)."""
+    cut at the bucket boundaries: hpcdl.nn.step_segments.BucketCuts)."""
     t0 = time.perf_counter()
     model, reducer, xp = parts.model, parts.reducer, parts.xp
     logits = model.forward(images, train=True)
