@@ -48,7 +48,7 @@ from hpcdl.nn.step import StepResult, StepTimes
 from hpcdl.resume import shapes
 from hpcdl.run import own
 from hpcdl.startup_checks import verify_same_run
-from hpcdl.torch_engine import device
+from hpcdl.torch_engine import device, sync_batch_norm
 from hpcdl.torch_engine.flat import FlatModule
 from hpcdl.torch_engine.optim import FlatOptimizer
 from hpcdl.torch_engine.specs import init_from, refused, seed_all, torchvision_model
@@ -186,9 +186,12 @@ def build(
     model, error = None, refused(cfg)
     where, no_device = device.torch_device(cfg.device, cfg.model, world.local_rank)
     error = error or no_device
+    bn_sums = batch_norm_sums(cfg, world, stack)
     if error is None:
         try:
             module = built if built is not None else torchvision_model(cfg, num_classes)
+            if bn_sums is not None:  # before FlatModule makes its tensors views of the vectors
+                module = sync_batch_norm.convert(module, bn_sums)
             model = FlatModule(module, cfg, input_shape, num_classes, where)
         except ValueError as exc:
             error = str(exc)
@@ -216,6 +219,17 @@ def build(
         model, optimizer, world, reducer, xp=xp, scaler=scaler, autocast=autocast, feed=feed,
         host_staged=staged,
     )  # fmt: skip
+
+
+def batch_norm_sums(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
+    """--sync-bn on more than one rank: the SumReducer (its own duplicate of the World's
+    communicator) every SyncBatchNorm sums its statistics over, owned by the run; else None.
+    Collective. Host arrays only (sync_batch_norm stages a GPU's few KB through the host)."""
+    if not cfg.sync_bn or world.size == 1:
+        return None
+    sums = collectives.SumReducer(world.comm)
+    own(stack, sums.close, None)  # alone: its communicator is left to MPI_Abort
+    return sums
 
 
 def loss_scaler(
