@@ -15,7 +15,9 @@ second, and each parameter's .grad a view of a third that ends with the step's f
   so the gradients land in the reducer's buffer with no copy;
 - checkpoints hold the parameters, buffers and the torch.optim state as flat vectors in
   hpcdl.checkpoint's file (model layout by parameter name), and `--resume auto` restores them
-  bit for bit: the optimizer's per-parameter state tensors are rebuilt from their slices.
+  bit for bit: the optimizer's per-parameter state tensors are rebuilt from their slices;
+- --sync-bn swaps the BatchNorm layers (sync_batch_norm.convert) before the module is laid
+  out, keeping their tensors, so the vectors' views are the new layers' own.
 With --device gpu the vectors live on the rank's CUDA device and the reducer gets their CuPy
 view, as hpcdl.torch's DistributedOptimizer hands it its flat buffers (device buffers to a
 CUDA-aware MPI, else staged through pinned memory); each mark_ready runs on torch's current
