@@ -176,14 +176,19 @@ def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupte
     assert a.rng_states == b.rng_states
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize(
+    ("sig", "sync_bn"),
+    [(signal.SIGTERM, []), (signal.SIGKILL, []), (signal.SIGKILL, ["--sync-bn"])],
+    ids=["SIGTERM", "SIGKILL", "SIGKILL-sync-bn"],
+)
 def test_resume_auto_after_a_signal_to_one_rank_is_bitwise_an_uninterrupted_run(
-    digits_dir, tmp_path, sig
+    digits_dir, tmp_path, sig, sync_bn
 ):
     """SIGTERM to rank 1: the job stops with a checkpoint at the agreed step (exit 3).
     SIGKILL to rank 1 once step 10's checkpoint exists: the job ends, the checkpoint stays.
-    Either way `--resume auto` ends with the uninterrupted run's parameters, bit for bit."""
-    common = ("--epochs", 2, "--checkpoint-every", 10, "--metrics-every", 1)
+    Either way `--resume auto` ends with the uninterrupted run's parameters, bit for bit (with
+    --sync-bn, its BatchNorm statistics too: every rank's are the same)."""
+    common = ("--epochs", 2, "--checkpoint-every", 10, "--metrics-every", 1, *sync_bn)
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     first = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", whole), timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -211,6 +216,7 @@ def test_resume_auto_after_a_signal_to_one_rank_is_bitwise_an_uninterrupted_run(
     a, b = final_state(whole), final_state(cut)
     assert a.global_step == b.global_step == 88
     assert a.params.tobytes() == b.params.tobytes()
+    assert not sync_bn or a.buffers.tobytes() == b.buffers.tobytes()
     for key in a.optimizer:
         assert np.asarray(a.optimizer[key]).tobytes() == np.asarray(b.optimizer[key]).tobytes()
 

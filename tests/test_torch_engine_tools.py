@@ -224,7 +224,7 @@ def test_bench_calibrate_refuses_a_torch_model_in_one_line(tmp_path, model):
 def test_sync_bn_trains_and_its_checkpoint_exports_to_the_users_module(digits_dir, tmp_path):
     """--sync-bn swaps the module's BatchNorm layers for hpcdl.torch_engine.sync_batch_norm's,
     which keep their state-dict keys: the checkpoint's export loads strictly into the user's
-    own module (plain BatchNorm2d), with the trained statistics."""
+    own module (plain BatchNorm2d), with the trained statistics, and --init-from takes it."""
     ck = tmp_path / "ck"
     done = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", 12, "--sync-bn",
                               "--checkpoint-every", 12, "--checkpoint-dir", ck),
@@ -239,3 +239,7 @@ def test_sync_bn_trains_and_its_checkpoint_exports_to_the_users_module(digits_di
     module.load_state_dict(state, strict=True)
     assert int(state["norm.num_batches_tracked"]) == 12
     assert not torch.equal(state["norm.running_mean"], torch.zeros(8))  # trained statistics
+    again = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", 1, "--sync-bn",
+                               "--init-from", out), timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"hpcdl: weights from {out}" in again.stdout
