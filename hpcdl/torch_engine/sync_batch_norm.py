@@ -120,6 +120,8 @@ class _RankSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        # CPU: in the thread that called backward(); CUDA: in autograd's device thread while
+        # that one waits. Either way one thread at a time on the reducer's communicator.
         return _summed(grad, ctx.reducer), None
 
 
