@@ -221,12 +221,25 @@ def test_bench_calibrate_refuses_a_torch_model_in_one_line(tmp_path, model):
     assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # nothing written
 
 
-def test_sync_bn_with_a_torch_model_is_refused_in_one_line_saying_why(digits_dir):
-    """hpcdl.torch's SyncBatchNorm runs on hpcdl.torch's own MPI engine, which hpcdl.train does
-    not start: refused up front, on every rank, with one line (hpcdl/torch_engine/specs.py)."""
-    done = run_train(2, *args(digits_dir, "--epochs", 1, "--sync-bn"), timeout=120)
-    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
-    errors = [x for x in done.stderr.splitlines() if x.startswith("hpcdl.train: error")]
-    assert len(errors) == 1, done.stderr
-    assert "--sync-bn is not supported with a torch model" in errors[0]
-    assert "SyncBatchNorm needs hpcdl.torch's own MPI engine" in errors[0]
+def test_sync_bn_trains_and_its_checkpoint_exports_to_the_users_module(digits_dir, tmp_path):
+    """--sync-bn swaps the module's BatchNorm layers for hpcdl.torch_engine.sync_batch_norm's,
+    which keep their state-dict keys: the checkpoint's export loads strictly into the user's
+    own module (plain BatchNorm2d), with the trained statistics, and --init-from takes it."""
+    ck = tmp_path / "ck"
+    done = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", 12, "--sync-bn",
+                              "--checkpoint-every", 12, "--checkpoint-dir", ck),
+                     timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "cnn.pth"
+    exported = export(checkpoint.latest(ck), "--to", "torch", out)
+    assert exported.returncode == 0, exported.stderr
+    state = torch.load(out, weights_only=True)
+    module = user_module(ck)
+    assert type(module.norm) is torch.nn.BatchNorm2d
+    module.load_state_dict(state, strict=True)
+    assert int(state["norm.num_batches_tracked"]) == 12
+    assert not torch.equal(state["norm.running_mean"], torch.zeros(8))  # trained statistics
+    again = run_train(2, *args(digits_dir, "--epochs", 1, "--max-steps", 1, "--sync-bn",
+                               "--init-from", out), timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"hpcdl: weights from {out}" in again.stdout

@@ -15,7 +15,9 @@ second, and each parameter's .grad a view of a third that ends with the step's f
   so the gradients land in the reducer's buffer with no copy;
 - checkpoints hold the parameters, buffers and the torch.optim state as flat vectors in
   hpcdl.checkpoint's file (model layout by parameter name), and `--resume auto` restores them
-  bit for bit: the optimizer's per-parameter state tensors are rebuilt from their slices.
+  bit for bit: the optimizer's per-parameter state tensors are rebuilt from their slices;
+- --sync-bn swaps the BatchNorm layers (sync_batch_norm.convert) before the module is laid
+  out, keeping their tensors, so the vectors' views are the new layers' own.
 With --device gpu the vectors live on the rank's CUDA device and the reducer gets their CuPy
 view, as hpcdl.torch's DistributedOptimizer hands it its flat buffers (device buffers to a
 CUDA-aware MPI, else staged through pinned memory); each mark_ready runs on torch's current
@@ -48,7 +50,7 @@ from hpcdl.nn.step import StepResult, StepTimes
 from hpcdl.resume import shapes
 from hpcdl.run import own
 from hpcdl.startup_checks import verify_same_run
-from hpcdl.torch_engine import device
+from hpcdl.torch_engine import device, sync_batch_norm
 from hpcdl.torch_engine.flat import FlatModule
 from hpcdl.torch_engine.optim import FlatOptimizer
 from hpcdl.torch_engine.specs import init_from, refused, seed_all, torchvision_model
@@ -186,9 +188,12 @@ def build(
     model, error = None, refused(cfg)
     where, no_device = device.torch_device(cfg.device, cfg.model, world.local_rank)
     error = error or no_device
+    bn_sums = batch_norm_sums(cfg, world, stack)
     if error is None:
         try:
             module = built if built is not None else torchvision_model(cfg, num_classes)
+            if bn_sums is not None:  # before FlatModule makes its tensors views of the vectors
+                module = sync_batch_norm.convert(module, bn_sums)
             model = FlatModule(module, cfg, input_shape, num_classes, where)
         except ValueError as exc:
             error = str(exc)
@@ -216,6 +221,17 @@ def build(
         model, optimizer, world, reducer, xp=xp, scaler=scaler, autocast=autocast, feed=feed,
         host_staged=staged,
     )  # fmt: skip
+
+
+def batch_norm_sums(cfg: TrainConfig, world: World, stack: ExitStack) -> Any:
+    """--sync-bn on more than one rank: the SumReducer (its own duplicate of the World's
+    communicator) every SyncBatchNorm sums its statistics over, owned by the run; else None.
+    Collective. Host arrays only (sync_batch_norm stages a GPU's few KB through the host)."""
+    if not cfg.sync_bn or world.size == 1:
+        return None
+    sums = collectives.SumReducer(world.comm)
+    own(stack, sums.close, None)  # alone: its communicator is left to MPI_Abort
+    return sums
 
 
 def loss_scaler(

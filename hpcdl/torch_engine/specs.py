@@ -18,23 +18,8 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# hpcdl.torch's SyncBatchNorm reduces over hpcdl.torch's own process and background engine
-# (hpcdl.torch.init), which sit above this engine (hpcdl.torch's Loader builds on
-# hpcdl.startup); the engine reduces over the run's World with GradientReducer. So --sync-bn is
-# refused rather than served by a second MPI engine beside the reducer's thread.
-SYNC_BN = (
-    "--sync-bn is not supported with a torch model (--model {model}) yet: hpcdl.torch's "
-    "SyncBatchNorm needs hpcdl.torch's own MPI engine, which hpcdl.train does not start; leave "
-    "it out (each rank normalises over its own batch; the running statistics are "
-    "averaged over the ranks at each epoch's end), or train with a script, hpcdl.torch and "
-    "hvd.SyncBatchNorm (docs/torch.md)"
-)
-
-
 def refused(cfg: TrainConfig) -> str | None:
     """The one line for the first flag the torch engine does not serve yet, else None."""
-    if cfg.sync_bn:
-        return SYNC_BN.format(model=cfg.model)
     unsupported = [
         (cfg.gpu_kernels, "--gpu-kernels"),
         (cfg.decode != "cpu", f"--decode {cfg.decode}"),
