@@ -485,3 +485,40 @@ def test_a_shard_that_cannot_be_read_is_one_line_naming_it(tmp_path):
     (tmp_path / "d" / "s-0001.tar").chmod(0)
     with pytest.raises(DataError, match=r"s-0001\.tar: cannot be read to index it"):
         open_dataset(tmp_path / "d")
+
+
+@pytest.mark.parametrize("label_first", [False, True])
+def test_indexing_reads_a_shard_with_one_pread_a_sample(label_first, tmp_path, monkeypatch):
+    """Each pread is a request to the parallel file system: a sample's headers, its label and
+    its image's head lie within a few KB, and the index reads them through one window
+    (hpcdl.data.tarheaders.ShardWindow), whichever order the writer put the members in (hpcdl's
+    convert writes the image first, webdataset's TarWriter the label). The columns are what
+    tarfile lists."""
+    from hpcdl.data import tarheaders  # noqa: PLC0415
+    from hpcdl.data.tarindex import read_shard  # noqa: PLC0415
+
+    rng = np.random.default_rng(1)
+    members, widths = [], []
+    for i in range(60):
+        widths.append(int(rng.integers(40, 90)))
+        image = (f"k{i:03d}.jpg", jpeg_bytes(i, (widths[-1], 30)) + bytes(30000))
+        label = (f"k{i:03d}.cls", b"%d" % (i % 4))
+        members += [label, image] if label_first else [image, label]
+    shard = write_tar(tmp_path / "s.tar", members)
+    with tarfile.open(shard) as tar:
+        images = [(m.offset_data, m.size) for m in tar.getmembers() if m.name.endswith(".jpg")]
+    calls = []
+    real = os.pread
+
+    def counted(fd, n, at):
+        calls.append((n, at))
+        return real(fd, n, at)
+
+    monkeypatch.setattr(tarheaders.os, "pread", counted)
+    monkeypatch.setattr("hpcdl.data.tarindex.os.pread", counted)
+    got = read_shard(shard)
+    assert len(calls) <= 60 + 2, f"{len(calls)} preads for 60 samples"
+    assert got.labels == [i % 4 for i in range(60)]
+    assert list(zip(got.columns["data_at"].tolist(), got.columns["data_len"].tolist())) == images
+    assert got.columns["widths"].tolist() == widths and (got.columns["heights"] == 30).all()
+    assert (got.columns["flaws"] == 0).all()

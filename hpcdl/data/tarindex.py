@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.dataset import DataError, check_entries, check_link_inside
-from hpcdl.data.tarheaders import tar_members
+from hpcdl.data.tarheaders import ShardWindow, tar_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 LABEL_EXTENSIONS = ("cls", "json", "txt")  # the first one a sample has is its label
@@ -162,7 +162,8 @@ def _read_shard(path: Path) -> ShardContents:
         st = os.fstat(fd)
         if os.pread(fd, 4, 0).startswith(_COMPRESSED_MAGIC):
             raise recompress_error(path)
-        members, cut = tar_members(fd, st.st_size)
+        window = ShardWindow(fd, keep=_HEADER_PREFIXES[0])  # labels and image heads
+        members, cut = tar_members(fd, st.st_size, window)
         if cut == 0:
             raise DataError(f"{path}: not a tar file (no valid header at its start)")
         samples = _group(members, st.st_size)
@@ -172,7 +173,7 @@ def _read_shard(path: Path) -> ShardContents:
         columns["flaws"] = np.zeros(n, np.int8)
         labels, grey = [], True
         for i, sample in enumerate(samples):
-            label, (h, w, g) = _read_sample(fd, sample)
+            label, (h, w, g) = _read_sample(window, sample)
             _, columns["data_at"][i], columns["data_len"][i] = sample.image
             columns["heights"][i], columns["widths"][i] = h, w
             columns["flaws"][i] = sample.flaw
@@ -211,8 +212,12 @@ def _group(members: list[tuple[str, int, int]], size: int) -> list[ShardSample]:
     return [s for s in by_key.values() if s.image is not None]
 
 
-def _read_sample(fd: int, sample: ShardSample) -> tuple[int | str | None, tuple[int, int, bool]]:
-    """(label, (height, width, greyscale)) of a sample; sets its flaw where it has one."""
+def _read_sample(
+    window: ShardWindow, sample: ShardSample
+) -> tuple[int | str | None, tuple[int, int, bool]]:
+    """(label, (height, width, greyscale)) of a sample; sets its flaw where it has one. Read
+    through the shard's window: the label and the image's head were kept while its headers
+    were read, where the window held them."""
     none = (0, 0, True)
     if sample.flaw:
         return None, none
@@ -221,14 +226,14 @@ def _read_sample(fd: int, sample: ShardSample) -> tuple[int | str | None, tuple[
         sample.flaw = NO_LABEL
         return None, none
     offset, length = sample.label_members[ext]
-    label = parse_label(ext, os.pread(fd, length, offset))
+    label = parse_label(ext, window.read(length, offset))
     if label is None:
         sample.flaw = BAD_LABEL
         return None, none
     _, offset, length = sample.image
     header = None
     for prefix in _HEADER_PREFIXES:  # a few KB, past a camera's EXIF block, the whole image
-        header = image_header(os.pread(fd, min(length, prefix), offset))
+        header = image_header(window.read(min(length, prefix), offset))
         if header is not None or length <= prefix:
             break
     if header is None:
