@@ -82,22 +82,32 @@ def as_array(tensor: torch.Tensor) -> Any:
     return cupy.from_dlpack(tensor)
 
 
+def torch_stream_in_cupy(device: torch.device, known: Any = None) -> Any:
+    """CuPy's view of torch's current stream on device (an ExternalStream of the same handle),
+    for `with` around CuPy work that must queue there; known, a view made before, is returned
+    while torch's current stream is still its."""
+    import cupy  # noqa: PLC0415 (a CUDA device: startup's backend.select needed it)
+
+    stream = torch.cuda.current_stream(device)
+    if known is not None and known.ptr == stream.cuda_stream:
+        return known
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+
+
 class OnTorchStream:
-    """mark_ready called with CuPy's current stream made torch's current one, as
-    hpcdl.torch.optimizer's _Slots.mark does: the reducer's ready event, recorded on CuPy's
-    current stream, then follows the kernels backward queued for the bucket's gradients, so
-    the reducer hands MPI (or the host copy) a bucket only once they have finished."""
+    """mark_ready called with CuPy's current stream made torch's current one: the reducer's
+    ready event, recorded on CuPy's current stream, then follows the kernels backward queued
+    for the bucket's gradients on torch's, so the reducer hands MPI (or the host copy) a bucket
+    only once they have finished. An event on CuPy's default stream would not follow them
+    under a script's own torch.cuda.Stream(), and the reducer could read a bucket before its
+    gradients land. The torch engine's and hpcdl.torch's DistributedOptimizer's (GPU)."""
 
     def __init__(self, mark_ready: Callable[[int], None], device: torch.device) -> None:
         self.mark_ready, self.device = mark_ready, device
         self._stream: Any = None
 
     def __call__(self, n: int) -> None:
-        import cupy  # noqa: PLC0415
-
-        stream = torch.cuda.current_stream(self.device)
-        if self._stream is None or self._stream.ptr != stream.cuda_stream:
-            self._stream = cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index)
+        self._stream = torch_stream_in_cupy(self.device, self._stream)
         with self._stream:
             self.mark_ready(n)
 
