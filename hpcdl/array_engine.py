@@ -66,8 +66,8 @@ class ArrayEngine:
         reducer = self.parts.reducer
         return reducer is not None and reducer.grads.size > self.model.grads.size
 
-    def batches(self, host: Iterable) -> Iterable:
-        return on_device(host, self.xp)
+    def batches(self, host: Iterable, decoded: bool = False) -> Iterable:
+        return host if decoded else on_device(host, self.xp)  # decoded: on xp already
 
     def step(
         self, images: Any, labels: Any, lr: float, mix_params: bool, waited_since: float,

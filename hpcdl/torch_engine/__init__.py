@@ -91,10 +91,11 @@ class TorchEngine:
     def flags_agreed(self) -> bool:
         return self.reducer is not None
 
-    def batches(self, host: Iterable) -> Iterable:
-        """The loader's NumPy batches as tensors: on the CPU sharing their memory (no copy),
-        on a GPU pinned and copied on their own stream (device.BatchFeed)."""
-        return self.feed(host)
+    def batches(self, host: Iterable, decoded: bool = False) -> Iterable:
+        """The loader's batches as tensors: on the CPU sharing their memory (no copy); on a GPU
+        NumPy pinned and copied on their own stream, CuPy (decoded) through DLPack, on
+        torch's current stream (device.BatchFeed)."""
+        return self.feed(host, decoded)
 
     def step(
         self, images: Any, labels: Any, lr: float, mix_params: bool, waited_since: float,

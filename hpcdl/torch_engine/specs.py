@@ -37,7 +37,6 @@ def refused(cfg: TrainConfig) -> str | None:
         return SYNC_BN.format(model=cfg.model)
     unsupported = [
         (cfg.gpu_kernels, "--gpu-kernels"),
-        (cfg.decode != "cpu", f"--decode {cfg.decode}"),
         (cfg.nesterov and not cfg.momentum, "--nesterov with --momentum 0"),
     ]  # fmt: skip
     for asked, flag in unsupported:
