@@ -89,26 +89,41 @@ def alternate(args: argparse.Namespace, data: str, hpcdl_flags: Callable[[int], 
     return runs
 
 
-def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
-    """Both measurements (module notes); prints the table and the ratios."""
+def checked_data(args: argparse.Namespace, ensure_data: Callable, flag: str) -> str | None:
+    """The data a comparison with examples/torch_ddp.py runs on (flag: --torch-loader or
+    --torch-engine); None once it said in one line why it cannot run (no PyTorch, no
+    example)."""
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError:
-        print("tools.bench train: --torch-loader needs PyTorch (pip install 'hpcdl[torch]')",
+        print(f"tools.bench train: {flag} needs PyTorch (pip install 'hpcdl[torch]')",
               file=sys.stderr)  # fmt: skip
-        return 2
+        return None
     if not EXAMPLE.exists():
-        print(f"tools.bench train: --torch-loader runs {EXAMPLE}, which is missing; run it "
+        print(f"tools.bench train: {flag} runs {EXAMPLE}, which is missing; run it "
               "from a checkout of the repository", file=sys.stderr)  # fmt: skip
+        return None
+    return ensure_data(args)[0]
+
+
+def scratch_dir(stack: ExitStack, name: str) -> Path:
+    """A temporary folder for a comparison's stage dirs and metrics, removed with stack."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"hpcdl-bench-{name}-"))
+    stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
+def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
+    """Both measurements (module notes); prints the table and the ratios."""
+    data = checked_data(args, ensure_data, "--torch-loader")
+    if data is None:
         return 2
-    data = ensure_data(args)[0]
     print(f"tools.bench train --torch-loader: examples/torch_ddp.py, {args.ranks} rank(s) x "
           f"batch {args.batch_size}, {args.epochs} epoch(s), {args.workers} worker(s)/rank, "
           f"data {data}", flush=True)  # fmt: skip
     try:
         with ExitStack() as stack:
-            scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-torch-loader-"))
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            scratch = scratch_dir(stack, "torch-loader")
             print("local data, read in place by both:", flush=True)
             local = alternate(args, data, lambda r: [])
             pfs = peers.mount_data(stack, args, data, scratch)
