@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from hpcdl import nn
+from hpcdl import nn, resume
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
@@ -21,7 +21,7 @@ from hpcdl.config import TrainConfig
 from hpcdl.data.device import on_device
 from hpcdl.nn.step import StepParts, StepResult, train_step
 from hpcdl.nn.step_graph import StepGraph
-from hpcdl.resume import find_resume_checkpoint, shapes
+from hpcdl.resume import shapes
 from hpcdl.run import own
 from hpcdl.startup_checks import verify_same_run
 
@@ -66,8 +66,8 @@ class ArrayEngine:
         reducer = self.parts.reducer
         return reducer is not None and reducer.grads.size > self.model.grads.size
 
-    def batches(self, host: Iterable) -> Iterable:
-        return on_device(host, self.xp)
+    def batches(self, host: Iterable, decoded: bool = False) -> Iterable:
+        return host if decoded else on_device(host, self.xp)  # decoded: on xp already
 
     def step(
         self, images: Any, labels: Any, lr: float, mix_params: bool, waited_since: float,
@@ -152,32 +152,12 @@ def build_model(
 
 
 def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
-    """--init-from: rank 0 reads the weights into its model, which build_model then broadcasts.
-    A file that does not fit the model stops every rank with rank 0's one line; a classifier
-    of another class count is re-initialised, and rank 0 says so. A run that resumes takes its
-    weights from the checkpoint instead, and the file is not read. Collective."""
-    if not cfg.init_from:
-        return
-    resuming = find_resume_checkpoint(cfg)
-    if resuming is not None:
-        if world.is_root and not cfg.quiet:
-            print(
-                f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}", flush=True
-            )
-        return
+    """--init-from (hpcdl.resume.init_from): the file's weights into rank 0's model; a
+    classifier of another class count is re-initialised, and rank 0 says so. Collective."""
     from hpcdl.nn import weights_io  # noqa: PLC0415
 
-    error, lines = None, []
-    if world.is_root:
-        source = f"--init-from {cfg.init_from}"
-        try:
-            lines = weights_io.load_state(model, weights_io.read_state(cfg.init_from), source)
-        except ValueError as exc:
-            error = str(exc)
-    agree_on_errors(world.comm, world.rank, error)
-    if world.is_root and not cfg.quiet:
-        for line in [f"weights from {cfg.init_from}", *lines]:
-            print(f"hpcdl: {line}", flush=True)
+    source = f"--init-from {cfg.init_from}"
+    resume.init_from(cfg, world, lambda state: weights_io.load_state(model, state, source))
 
 
 def step_parts(

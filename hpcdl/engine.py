@@ -54,9 +54,10 @@ class Engine(Protocol):
         its own is needed to agree on a NaN loss)."""
         ...
 
-    def batches(self, host: Iterable) -> Iterable:
-        """The loader's host batches (images (B, C, H, W) float32, labels (B,) int64 NumPy) as
-        the step takes them."""
+    def batches(self, host: Iterable, decoded: bool = False) -> Iterable:
+        """The loader's batches (images (B, C, H, W) float32, labels (B,) int64) as the step
+        takes them: NumPy from the workers, or decoded: decoded in the rank (--decode gpu)
+        onto the run's array module (CuPy on a GPU), labels possibly NumPy."""
         ...
 
     def step(

@@ -41,7 +41,7 @@ def build_engine(
 
         if built is None:
             torch_engine.seed_all(cfg.seed)
-        return torch_engine.build(cfg, world, stack, built, input_shape, num_classes)
+        return torch_engine.build(cfg, world, stack, built, input_shape, num_classes, host_staged)
     from hpcdl import array_engine  # noqa: PLC0415
 
     return array_engine.build(cfg, world, stack, built, input_shape, num_classes, xp, host_staged)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,34 @@ def find_resume_checkpoint(cfg: TrainConfig) -> Path | None:
     if cfg.resume == "auto":
         return checkpoint.latest(cfg.checkpoint_dir)
     return Path(cfg.resume)
+
+
+def init_from(cfg: TrainConfig, world: World, load: Callable[[dict[str, Any]], list[str]]) -> None:
+    """--init-from (issue 27): rank 0 reads the file's state dict and hands it to load, the
+    engine's (it copies the weights into rank 0's model, which the engine then broadcasts, and
+    returns lines to say, or raises ValueError: one line, every rank stops). A run that resumes
+    takes its weights from the checkpoint instead, and the file is not read. Collective."""
+    if not cfg.init_from:
+        return
+    resuming = find_resume_checkpoint(cfg)
+    if resuming is not None:
+        if world.is_root and not cfg.quiet:
+            print(
+                f"hpcdl: --init-from {cfg.init_from} not read: resuming from {resuming}", flush=True
+            )
+        return
+    from hpcdl.nn import weights_io  # noqa: PLC0415
+
+    error, lines = None, []
+    if world.is_root:
+        try:
+            lines = load(weights_io.read_state(cfg.init_from))
+        except ValueError as exc:
+            error = str(exc)
+    agree_on_errors(world.comm, world.rank, error)
+    if world.is_root and not cfg.quiet:
+        for line in [f"weights from {cfg.init_from}", *lines]:
+            print(f"hpcdl: {line}", flush=True)
 
 
 class NothingToTrain(SystemExitWithMessage):

@@ -143,9 +143,8 @@ class Run:
         host = self.loader.iterate(
             order, epoch, train=True, stop_requested=self.stop.requested, then=then
         )
-        if self.loader.decode == "gpu":  # decoded onto the device by the loader itself
-            return host
-        return self.engine.batches(host)
+        # --decode gpu: decoded onto the run's array module by the loader itself
+        return self.engine.batches(host, decoded=self.loader.decode == "gpu")
 
     def __enter__(self) -> Run:
         return self

@@ -277,6 +277,12 @@ def test_init_from_a_fitting_state_dict_starts_from_its_weights(digits_dir, tmp_
         expected = module.state_dict()[name].numpy().reshape(-1)
         assert np.array_equal(saved.params[offset : offset + n], expected), name
         offset += n
+    # resumed, the run takes its weights from the checkpoint and says so (as hpcdl's engine)
+    again = run_train(2, *args(digits_dir, "--epochs", 1, "--init-from", weights, "--lr", 0,
+                               "--max-steps", 2, "--checkpoint-dir", tmp_path / "ck", "--resume",
+                               "auto"), timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"hpcdl: --init-from {weights} not read: resuming from" in again.stdout
 
 
 def test_init_from_weights_of_another_class_count_re_initialises_the_head(digits_dir, tmp_path):

@@ -1,6 +1,7 @@
 """The torch engine's device path (hpcdl/torch_engine/device.py): on the CPU the feed is a
 no-copy view, channels_last and autocast follow the device; on a GPU (marked, skips without
-CUDA) the batches arrive pinned-then-copied on their own stream, equal to the host's."""
+CUDA) the batches arrive pinned-then-copied on their own stream, equal to the host's, and
+--decode gpu's CuPy batches become tensors on the step's stream, equal to the decoder's."""
 
 from __future__ import annotations
 
@@ -72,6 +73,77 @@ def test_on_a_gpu_batches_arrive_channels_last_equal_to_the_hosts():
         got.append((x.float().cpu().numpy(), y.cpu().numpy()))
     torch.cuda.synchronize()
     for (x, y), (wx, wy) in zip(got, copies):
+        assert np.array_equal(x, wx) and np.array_equal(y, wy)
+
+
+class PillowOntoCupy:
+    """A decoder that hands back CuPy arrays, as nvImageCodec does (Pillow, then a copy)."""
+
+    name = "pillow-cupy"
+
+    def decode(self, blobs, stream=None):
+        import cupy  # noqa: PLC0415
+
+        from hpcdl.data.gpu_decode import pillow_decode  # noqa: PLC0415
+
+        return [cupy.asarray(pillow_decode(b)) for b in blobs]
+
+
+def byte_slots(ds, order):
+    """The workers' byte slots of each batch: ((offsets, data), labels)."""
+    from hpcdl.data.file_bytes import FileBytesReader, byte_capacity  # noqa: PLC0415
+
+    reader = FileBytesReader(ds)
+    for indices in order:
+        offsets = np.empty(len(indices) + 1, np.int64)
+        data = np.empty(byte_capacity(ds, len(indices)), np.uint8)
+        labels = np.empty(len(indices), np.int64)
+        reader.read(indices, labels, offsets, data)
+        yield (offsets, data), labels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+@pytest.mark.parametrize("labels_on", ["cupy", "numpy"])
+def test_on_a_gpu_decoded_cupy_batches_become_tensors_on_the_steps_stream(
+    tmp_path, channels_last, labels_on
+):
+    """--decode gpu: the decoder's thread builds each batch on its side stream one ahead; the
+    feed takes it on torch's current stream (device.py's module notes) as tensors of the
+    CuPy arrays (DLPack), labels NumPy or CuPy, equal to the same batches built in place."""
+    cupy = pytest.importorskip("cupy")
+    from helpers import make_folder  # noqa: PLC0415
+
+    from hpcdl.data import open_dataset  # noqa: PLC0415
+    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
+    from hpcdl.data.gpu_decode import GpuBatchDecoder  # noqa: PLC0415
+
+    make_folder(tmp_path / "imgs", per_class=16, size=(40, 40), fmt="jpg")
+    ds = open_dataset(tmp_path / "imgs")
+    order = [np.arange(k, k + 8) for k in range(0, len(ds), 8)]
+    cuda = torch.device("cuda", 0)
+    torch.cuda.set_device(cuda)
+    cupy.cuda.Device(0).use()
+
+    def decoder():
+        return GpuBatchDecoder(ds, parse_augment("rrc24+flip"), 3, cupy, PillowOntoCupy())
+
+    want = []
+    for ((offsets, data), labels), b in zip(byte_slots(ds, order), order):
+        x, y = decoder().build(b, offsets, data, labels, 0)
+        want.append((cupy.asnumpy(x), cupy.asnumpy(y)))
+    decoded = decoder().ahead(order, byte_slots(ds, order), 0, True)
+    if labels_on == "numpy":  # images CuPy, labels NumPy: each array by what it is
+        decoded = ((x, cupy.asnumpy(y)) for x, y in decoded)
+    got = []
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    for x, y in device.BatchFeed(cuda, channels_last)(decoded, decoded=True):
+        assert x.device == cuda and y.device == cuda and y.dtype == torch.int64
+        assert x.is_contiguous(memory_format=layout)
+        got.append(((x * 1).cpu().numpy(), y.cpu().numpy()))  # a kernel on the step's stream
+    assert len(got) == len(want) == len(order)
+    for (x, y), (wx, wy) in zip(got, want):
         assert np.array_equal(x, wx) and np.array_equal(y, wy)
 
 

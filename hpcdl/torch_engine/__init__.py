@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from hpcdl import diag
 from hpcdl.backend import array_module
-from hpcdl.comm import collectives, cuda_aware
+from hpcdl.comm import collectives
 from hpcdl.comm.failure import agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
@@ -93,10 +93,11 @@ class TorchEngine:
     def flags_agreed(self) -> bool:
         return self.reducer is not None
 
-    def batches(self, host: Iterable) -> Iterable:
-        """The loader's NumPy batches as tensors: on the CPU sharing their memory (no copy),
-        on a GPU pinned and copied on their own stream (device.BatchFeed)."""
-        return self.feed(host)
+    def batches(self, host: Iterable, decoded: bool = False) -> Iterable:
+        """The loader's batches as tensors: on the CPU sharing their memory (no copy); on a GPU
+        NumPy pinned and copied on their own stream, CuPy (decoded) through DLPack, on
+        torch's current stream (device.BatchFeed)."""
+        return self.feed(host, decoded)
 
     def step(
         self, images: Any, labels: Any, lr: float, mix_params: bool, waited_since: float,
@@ -180,11 +181,14 @@ def build(
     built: Any,
     input_shape: tuple[int, int, int],
     num_classes: int,
+    host_staged: bool,
 ) -> TorchEngine:
     """The torch engine for --model, the same on every rank; collective. built: the module a
-    user's builder returned, None for `torchvision:NAME` (built here). Flags it cannot serve
-    yet, a module it cannot train and a torchvision name that does not exist stop every rank
-    with one line."""
+    user's builder returned, None for `torchvision:NAME` (built here). host_staged: --device
+    gpu without a CUDA-aware MPI (start-up's hpcdl.comm.cuda_aware decision): device buffers
+    go through pinned host memory, as for hpcdl.torch's DistributedOptimizer, else to MPI
+    directly. Flags it cannot serve yet, a module it cannot train and a torchvision name that
+    does not exist stop every rank with one line."""
     model, error = None, refused(cfg)
     where, no_device = device.torch_device(cfg.device, cfg.model, world.local_rank)
     error = error or no_device
@@ -202,15 +206,12 @@ def build(
     init_from(cfg, world, model)
     model.set_rng_state(model.seeded_rng_state(cfg.seed + world.rank))  # dropout: per rank
     verify_same_run(world, cfg, shapes(model))
-    # --device gpu: as hpcdl.torch's DistributedOptimizer, device buffers go to a CUDA-aware
-    # MPI directly, else through pinned host memory (hpcdl.comm.cuda_aware's decision)
-    staged = cfg.device == "gpu" and not cuda_aware.detect(world.comm, cfg.device).aware
-    collectives.broadcast(world.comm, model.params, host_staged=staged)
-    collectives.broadcast(world.comm, model.buffers, host_staged=staged)
+    collectives.broadcast(world.comm, model.params, host_staged=host_staged)
+    collectives.broadcast(world.comm, model.buffers, host_staged=host_staged)
     reducer = None  # one rank, or --sync params:K (TorchEngine.step averages the parameters)
     if world.size > 1 and cfg.params_sync_every == 0:
         grads = device.as_array(model.grads_and_flags)
-        reducer = GradientReducer(world.comm, grads, cfg.bucket_mb, staged, prescaled=True)
+        reducer = GradientReducer(world.comm, grads, cfg.bucket_mb, host_staged, prescaled=True)
         own(stack, reducer.close, None)  # alone: its thread may be inside an Allreduce
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     scaler = loss_scaler(cfg, world, stack, reducer)
@@ -219,7 +220,7 @@ def build(
     xp = np if where.type == "cpu" else array_module(model.params)
     return TorchEngine(
         model, optimizer, world, reducer, xp=xp, scaler=scaler, autocast=autocast, feed=feed,
-        host_staged=staged,
+        host_staged=host_staged,
     )  # fmt: skip
 
 

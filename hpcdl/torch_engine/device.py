@@ -11,6 +11,23 @@ copy (an event, no host sync); record_stream tells the caching allocator which s
 device tensors last. Images go channels_last where it helps (a GPU and a model with 2-D
 convolutions: cuDNN's NHWC kernels, the Tensor Cores' layout under bf16); the weights stay
 contiguous, for they are views of the engine's flat vectors (hpcdl/torch_engine/flat.py).
+
+With `--decode gpu` the loader's workers read file bytes only and the rank decodes each batch
+(NOTE [GPU decode] in hpcdl/data/gpu_decode.py): on the CPU into NumPy (Pillow), handed on as
+above; on a GPU into CuPy arrays on the rank's device, which become tensors through DLPack
+(torch.from_dlpack: the same memory, no copy); a NumPy array among them (labels, say) is
+copied to the device. Three streams are involved: the decoder's side stream, where a thread
+decodes and crops one batch ahead; torch's current stream, where the step runs; and CuPy's
+current stream in the rank's thread, which the decoder's hand-over uses: it makes that stream
+wait for the batch's `ready` event and records its `taken` event there (the side stream waits
+for `taken` before reusing memory that batches the step is done with). BatchFeed takes each
+batch with CuPy's current stream set to torch's current stream (an ExternalStream of the same
+handle), so the wait and the record land on the step's own stream: the step's kernels are
+queued after the decode has finished (device-side, no host sync), and the decoder reuses a
+batch's memory only after the step's kernels that read it. DLPack's own hand-over then has
+nothing to order (producer and consumer stream are one). channels_last is a copy on the
+step's stream.
+
 precision() is torch.autocast for the device's kind, bf16 or fp16, on CUDA and on the CPU;
 parameters and gradients stay float32.
 
@@ -28,6 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hpcdl.comm import blas_threads
@@ -82,22 +100,32 @@ def as_array(tensor: torch.Tensor) -> Any:
     return cupy.from_dlpack(tensor)
 
 
+def torch_stream_in_cupy(device: torch.device, known: Any = None) -> Any:
+    """CuPy's view of torch's current stream on device (an ExternalStream of the same handle),
+    for `with` around CuPy work that must queue there; known, a view made before, is returned
+    while torch's current stream is still its."""
+    import cupy  # noqa: PLC0415 (a CUDA device: startup's backend.select needed it)
+
+    stream = torch.cuda.current_stream(device)
+    if known is not None and known.ptr == stream.cuda_stream:
+        return known
+    return cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+
+
 class OnTorchStream:
-    """mark_ready called with CuPy's current stream made torch's current one, as
-    hpcdl.torch.optimizer's _Slots.mark does: the reducer's ready event, recorded on CuPy's
-    current stream, then follows the kernels backward queued for the bucket's gradients, so
-    the reducer hands MPI (or the host copy) a bucket only once they have finished."""
+    """mark_ready called with CuPy's current stream made torch's current one: the reducer's
+    ready event, recorded on CuPy's current stream, then follows the kernels backward queued
+    for the bucket's gradients on torch's, so the reducer hands MPI (or the host copy) a bucket
+    only once they have finished. An event on CuPy's default stream would not follow them
+    under a script's own torch.cuda.Stream(), and the reducer could read a bucket before its
+    gradients land. The torch engine's and hpcdl.torch's DistributedOptimizer's (GPU)."""
 
     def __init__(self, mark_ready: Callable[[int], None], device: torch.device) -> None:
         self.mark_ready, self.device = mark_ready, device
         self._stream: Any = None
 
     def __call__(self, n: int) -> None:
-        import cupy  # noqa: PLC0415
-
-        stream = torch.cuda.current_stream(self.device)
-        if self._stream is None or self._stream.ptr != stream.cuda_stream:
-            self._stream = cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index)
+        self._stream = torch_stream_in_cupy(self.device, self._stream)
         with self._stream:
             self.mark_ready(n)
 
@@ -124,15 +152,45 @@ def _pinned(batch: tuple[Any, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass
 class BatchFeed:
-    """The loader's (images, labels) NumPy batches as tensors on device (module notes)."""
+    """The loader's (images, labels) batches as tensors on device (module notes): NumPy from
+    the workers, or, decoded in the rank (--decode gpu), CuPy or NumPy arrays."""
 
     device: torch.device
     channels_last: bool = False
 
-    def __call__(self, host: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __call__(
+        self, batches: Iterable, decoded: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.device.type == "cpu":
-            return ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in host)
-        return self._on_device(Ahead(host, _pinned, AHEAD, "hpcdl-pin-memory"))
+            return ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches)
+        if decoded:
+            return self._from_decoder(batches)
+        return self._on_device(Ahead(batches, _pinned, AHEAD, "hpcdl-pin-memory"))
+
+    def _from_decoder(self, batches: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches decoded in the rank, taken on torch's current stream (module notes)."""
+        on_step = torch_stream_in_cupy(self.device)
+        source = iter(batches)
+        try:
+            while True:
+                with on_step:  # the decoder's hand-over waits and records on the step's stream
+                    batch = next(source, None)
+                    if batch is None:
+                        return
+                    images, labels = self._tensor(batch[0]), self._tensor(batch[1])
+                if self.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                yield images, labels
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    def _tensor(self, array: Any) -> torch.Tensor:
+        """A decoded array on the device: NumPy copied there, CuPy's memory shared."""
+        if isinstance(array, np.ndarray):
+            return torch.from_numpy(array).to(self.device)
+        return torch.from_dlpack(array)
 
     def _on_device(self, pinned: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         copies = torch.cuda.Stream(self.device)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcdl.comm.failure import agree_on_errors
+from hpcdl import resume
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.nn.user_models import TORCHVISION
@@ -22,7 +22,6 @@ def refused(cfg: TrainConfig) -> str | None:
     """The one line for the first flag the torch engine does not serve yet, else None."""
     unsupported = [
         (cfg.gpu_kernels, "--gpu-kernels"),
-        (cfg.decode != "cpu", f"--decode {cfg.decode}"),
         (cfg.nesterov and not cfg.momentum, "--nesterov with --momentum 0"),
     ]  # fmt: skip
     for asked, flag in unsupported:
@@ -55,25 +54,10 @@ def torchvision_model(cfg: TrainConfig, num_classes: int) -> Any:
 
 
 def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
-    """--init-from for a torch module: rank 0 loads the state dict (every key and shape must
-    fit but the final Linear layer's class count: load_state_dict), build() then broadcasts
-    it. One line if it does not fit. Collective."""
-    from hpcdl.nn import weights_io  # noqa: PLC0415
-    from hpcdl.resume import find_resume_checkpoint  # noqa: PLC0415
-
-    if not cfg.init_from or find_resume_checkpoint(cfg) is not None:
-        return
-    error, lines = None, []
-    if world.is_root:
-        try:
-            state = weights_io.read_state(cfg.init_from)
-            lines = load_state_dict(model.module, state, cfg.init_from)
-        except ValueError as exc:
-            error = str(exc)
-    agree_on_errors(world.comm, world.rank, error)
-    if world.is_root and not cfg.quiet:
-        for line in [f"weights from {cfg.init_from}", *lines]:
-            print(f"hpcdl: {line}", flush=True)
+    """--init-from for a torch module (hpcdl.resume.init_from): every key and shape must fit
+    but the final Linear layer's class count (load_state_dict); build() then broadcasts it.
+    Collective."""
+    resume.init_from(cfg, world, lambda state: load_state_dict(model.module, state, cfg.init_from))
 
 
 def load_state_dict(module: Any, state: dict[str, np.ndarray], source: str) -> list[str]:

@@ -25,12 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -39,7 +36,7 @@ from typing import Any
 from hpcdl import metrics_file
 from hpcdl.bench.launch import child_env
 from tools.bench import peers, torch_ddp, vs_torch
-from tools.bench.torch_loader import EXAMPLE
+from tools.bench.torch_loader import EXAMPLE, example_record, scratch_dir, start_comparison
 
 DEFAULTS = dict(
     model="hpcdl.bench.torch_models:resnet18", synthetic=1024, format="jpg", image_size=72,
@@ -61,14 +58,7 @@ def run_torch(args: argparse.Namespace, data: str) -> dict[str, Any]:
         "--workers", str(args.workers), "--augment", args.augment, "--seed", str(SEED),
     ]  # fmt: skip
     env = child_env(args.ranks, "cpu") | {"GLOO_SOCKET_IFNAME": "lo"}
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - start
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"torchrun examples/torch_ddp.py exited with {done.returncode}:\n{tail}")
-    record = json.loads(lines[-1])
+    record, wall = example_record(cmd, env, args.timeout, "torchrun examples/torch_ddp.py")
     seconds, images = record["epoch_seconds"], record["images_per_epoch"]
     return {
         "images_per_s": torch_ddp.steady_images_per_s(seconds, images),
@@ -111,24 +101,13 @@ def alternate(
 
 def compare(args: argparse.Namespace, run_training: Callable, ensure_data: Callable) -> int:
     """Both settings (module notes); prints the table and the ratios, JSON with --json."""
-    try:
-        import torch  # noqa: F401, PLC0415
-    except ImportError:
-        print("tools.bench train: --torch-engine needs PyTorch (pip install 'hpcdl[torch]')",
-              file=sys.stderr)  # fmt: skip
+    data = start_comparison(args, ensure_data, "--torch-engine", f"--model {args.model}",
+                            f"--augment {args.augment}, ")  # fmt: skip
+    if data is None:
         return 2
-    if not EXAMPLE.exists():
-        print(f"tools.bench train: --torch-engine runs {EXAMPLE}, which is missing; run it "
-              "from a checkout of the repository", file=sys.stderr)  # fmt: skip
-        return 2
-    data = ensure_data(args)[0]
-    print(f"tools.bench train --torch-engine: --model {args.model}, {args.ranks} rank(s) x "
-          f"batch {args.batch_size}, {args.epochs} epoch(s), {args.workers} worker(s)/rank, "
-          f"--augment {args.augment}, data {data}", flush=True)  # fmt: skip
     try:
         with ExitStack() as stack:
-            scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-torch-engine-"))
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            scratch = scratch_dir(stack, "torch-engine")
 
             def hpcdl_run(where: str, stage: bool) -> Callable[[int], dict]:
                 def one(r: int) -> dict:

@@ -37,6 +37,7 @@ from typing import Any
 
 from hpcdl.bench.launch import child_env, mpirun_command
 from tools.bench import peers
+from tools.bench.torch_ddp import steady_images_per_s
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_ddp.py"
 MODEL = ["--model", "linear"]
@@ -62,18 +63,24 @@ def run_script(args: argparse.Namespace, data: str, extra: list[str]) -> dict[st
         "--augment", args.augment, *MODEL, *extra,
     ]  # fmt: skip
     env = child_env(args.ranks, "cpu") | {"MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+    record, wall = example_record(cmd, env, args.timeout, "examples/torch_ddp.py")
+    record["images_per_s"] = steady_images_per_s(
+        record["epoch_seconds"], record["images_per_epoch"]
+    )
+    return record | {"wall_s": wall}
+
+
+def example_record(cmd: list[str], env: dict, timeout: float, what: str) -> tuple[dict, float]:
+    """(rank 0's JSON record, wall seconds) of one examples/torch_ddp.py run, the last JSON
+    line it prints; RuntimeError with the tail of its output where it fails."""
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"examples/torch_ddp.py exited with {done.returncode}:\n{tail}")
-    record = json.loads(lines[-1])
-    seconds, images = record["epoch_seconds"], record["images_per_epoch"]
-    skip = 1 if len(seconds) > 1 else 0
-    record["images_per_s"] = sum(images[skip:]) / sum(seconds[skip:])
-    return record | {"wall_s": wall}
+        raise RuntimeError(f"{what} exited with {done.returncode}:\n{tail}")
+    return json.loads(lines[-1]), wall
 
 
 def alternate(args: argparse.Namespace, data: str, hpcdl_flags: Callable[[int], list[str]]):
@@ -89,26 +96,44 @@ def alternate(args: argparse.Namespace, data: str, hpcdl_flags: Callable[[int], 
     return runs
 
 
-def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
-    """Both measurements (module notes); prints the table and the ratios."""
+def start_comparison(
+    args: argparse.Namespace, ensure_data: Callable, flag: str, what: str, more: str = ""
+) -> str | None:
+    """The data a comparison with examples/torch_ddp.py runs on (flag: --torch-loader or
+    --torch-engine), once its first line is printed (what and more: its own settings); None
+    once it said in one line why it cannot run (no PyTorch, no example)."""
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError:
-        print("tools.bench train: --torch-loader needs PyTorch (pip install 'hpcdl[torch]')",
+        print(f"tools.bench train: {flag} needs PyTorch (pip install 'hpcdl[torch]')",
               file=sys.stderr)  # fmt: skip
-        return 2
+        return None
     if not EXAMPLE.exists():
-        print(f"tools.bench train: --torch-loader runs {EXAMPLE}, which is missing; run it "
+        print(f"tools.bench train: {flag} runs {EXAMPLE}, which is missing; run it "
               "from a checkout of the repository", file=sys.stderr)  # fmt: skip
-        return 2
+        return None
     data = ensure_data(args)[0]
-    print(f"tools.bench train --torch-loader: examples/torch_ddp.py, {args.ranks} rank(s) x "
-          f"batch {args.batch_size}, {args.epochs} epoch(s), {args.workers} worker(s)/rank, "
-          f"data {data}", flush=True)  # fmt: skip
+    print(f"tools.bench train {flag}: {what}, {args.ranks} rank(s) x batch {args.batch_size}, "
+          f"{args.epochs} epoch(s), {args.workers} worker(s)/rank, {more}data {data}",
+          flush=True)  # fmt: skip
+    return data
+
+
+def scratch_dir(stack: ExitStack, name: str) -> Path:
+    """A temporary folder for a comparison's stage dirs and metrics, removed with stack."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"hpcdl-bench-{name}-"))
+    stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
+def compare(args: argparse.Namespace, ensure_data: Callable) -> int:
+    """Both measurements (module notes); prints the table and the ratios."""
+    data = start_comparison(args, ensure_data, "--torch-loader", "examples/torch_ddp.py")
+    if data is None:
+        return 2
     try:
         with ExitStack() as stack:
-            scratch = Path(tempfile.mkdtemp(prefix="hpcdl-bench-torch-loader-"))
-            stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+            scratch = scratch_dir(stack, "torch-loader")
             print("local data, read in place by both:", flush=True)
             local = alternate(args, data, lambda r: [])
             pfs = peers.mount_data(stack, args, data, scratch)
