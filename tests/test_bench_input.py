@@ -170,12 +170,18 @@ def test_the_gpu_checks_goals_judge_each_worker_count_and_each_loader():
         return dict(loader=loader, decode=decode, workers=workers, slots=None, model=model,
                     images_per_s=rate, data_wait_share=wait, device="H100")  # fmt: skip
 
-    rows = [row("none", "-", None, 3600.0, 0.0), row("dataloader", "cpu", 8, 1400.0, 0.5),
-            row("dataloader", "cpu", 8, 1450.0, 0.5), row("hpcdl", "cpu", 8, 650.0, 0.8),
-            row("dataloader", "cpu", 15, 2000.0, 0.03), row("hpcdl", "cpu", 15, 2100.0, 0.04),
-            row("hpcdl", "gpu", 2, 3500.0, 0.01),
-            row("none", "-", None, 250.0, 0.0, "hpcdl resnet50"),
-            row("hpcdl.train", "gpu", 2, 200.0, 0.2, "hpcdl resnet50")]  # fmt: skip
+    rows = [
+        row("none", "-", None, 3600.0, 0.0),
+        row("dataloader", "cpu", 8, 1400.0, 0.5),
+        row("dataloader", "cpu", 8, 1450.0, 0.5),
+        row("hpcdl", "cpu", 8, 650.0, 0.8),
+        row("dataloader", "cpu", 15, 2000.0, 0.03),
+        row("hpcdl", "cpu", 15, 2100.0, 0.04),
+        row("hpcdl", "gpu", 2, 3500.0, 0.01),
+        row("none", "-", None, 250.0, 0.0, "hpcdl resnet50"),
+        row("hpcdl.train", "gpu", 2, 200.0, 0.2, "hpcdl resnet50"),
+        row("hpcdl.train", "gpu", 2, 3420.0, 0.02),
+    ]  # fmt: skip  (the torch engine's)
     facts = {"compute": [], "input": rows, "train": [], "status": {}, "profiles": {}}
     text = "\n".join(summary.goal_lines(facts))
     assert "MISS input: default slots >= 1.0x DataLoader, 8 workers" in text
@@ -185,9 +191,14 @@ def test_the_gpu_checks_goals_judge_each_worker_count_and_each_loader():
     assert "80.0 %, DataLoader 50.0 % (> 5 %: not judged)" in text
     assert "met  input: data wait <= 5 % where DataLoader's is, 15 workers" in text
     assert "met  input: --decode gpu in hpcdl >= 0.95x the step alone" in text
-    assert "MISS input: --decode gpu in hpcdl.train >= 0.95x the step alone" in text
+    assert "MISS input: --decode gpu in hpcdl.train, hpcdl's model >= 0.95x the step alone" in text
     assert "0.80 (200 vs 250 images/s, 2 workers)" in text
-    assert "MISS end to end: hpcdl.train rn50 bf16" in text
+    assert "met  input: --decode gpu in hpcdl.train, a torch model >= 0.95x the step" in text
+    assert "0.95 (3420 vs 3600 images/s, 2 workers)" in text
+    assert "MISS end to end: hpcdl.train rn50 bf16" in text  # hpcdl's model: 200 vs 2000
+    assert "0.10 (hpcdl.train / best DataLoader)" in text
+    without = summary.goal_lines({**facts, "input": rows[:-1]})  # no torch engine row: no line
+    assert not [ln for ln in without if "a torch model" in ln]
     # the same rows from a CPU dry run: every goal n/a but whether a phase failed
     cpu = [{**r, "device": "cpu"} for r in rows]
     lines = summary.goal_lines({**facts, "input": cpu})
@@ -223,6 +234,38 @@ def test_the_gpu_checks_train_rows_take_the_later_epochs_and_the_start_lines_slo
         rows_of(compute, metrics, "", 2, "H100")
     with pytest.raises(ValueError, match="no epoch or summary"):
         rows_of(compute, metrics[-1:], log, 2, "H100")
+
+
+def test_the_torch_engines_decode_row_is_set_beside_the_input_phases_step_alone(tmp_path):
+    """gpu_check_train_rows --alone-input (issue 61): `hpcdl.train --model torchvision:resnet50
+    --decode gpu` as one row under the input phase's step-alone row's model and device, so the
+    summary judges it against torchvision's step alone; no step-alone row: one line, exit 1."""
+    main = script("gpu_check_train_rows").main
+    none = {"loader": "none", "decode": "-", "workers": None, "images_per_s": 2000.0,
+            "model": "resnet50", "device": "NVIDIA H200", "batch": 128}  # fmt: skip
+    inputs = tmp_path / "input.jsonl"
+    own = {**none, "model": "hpcdl resnet50", "images_per_s": 250.0}  # appended after it
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in ({**none, "loader": "dataloader"},
+                                                           none, own)))  # fmt: skip
+    metrics = tmp_path / "train.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"event": "epoch", "images_per_s": 500.0, "seconds": 9.0},
+        {"event": "epoch", "images_per_s": 1900.0, "seconds": 4.0},
+        {"event": "summary", "global_batch": 128, "world_size": 1, "precision": "bf16",
+         "mean_step": {"t_data": 0.002, "t_step": 0.067}},
+    ]))  # fmt: skip
+    log = tmp_path / "train.log"
+    log.write_text("hpcdl: loader: 2 worker(s) per rank, 4 batch slots (auto), files decoded")
+    out = tmp_path / "out.jsonl"
+    assert main(["--alone-input", str(inputs), str(metrics), str(log), str(out), "2"]) == 0
+    (row,) = [json.loads(x) for x in out.read_text().splitlines()]
+    assert set(row) == FIELDS and (row["loader"], row["decode"], row["workers"]) == (
+        "hpcdl.train", "gpu", 2)  # fmt: skip
+    assert (row["model"], row["device"], row["batch"]) == ("resnet50", "NVIDIA H200", 128)
+    assert row["images_per_s"] == pytest.approx(1900.0)
+    inputs.write_text(json.dumps({**none, "loader": "dataloader"}) + "\n" + json.dumps(own) + "\n")
+    assert main(["--alone-input", str(inputs), str(metrics), str(log), str(out), "2"]) == 1
+    assert len(out.read_text().splitlines()) == 1  # nothing appended
 
 
 def script(name: str):

@@ -32,8 +32,12 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(tmp_path):
     kinds = {(r["loader"], r["decode"], r["workers"]) for r in rows}
     assert {("none", "-", None), ("dataloader", "cpu", 2), ("hpcdl", "cpu", 2),
             ("hpcdl", "gpu", 2), ("hpcdl.train", "gpu", 2)} <= kinds  # fmt: skip
+    trained = {r["model"] for r in rows if r["loader"] == "hpcdl.train"}
+    assert len(trained) == 2 and any(m.startswith("hpcdl ") for m in trained)  # and a torch model
     with tarfile.open(out / "raw.tar.gz") as raw:
         names = raw.getnames()
+        phases = raw.extractfile("raw/phases.txt").read().decode()
+    assert "train-tv-decode-resnet50-cpu 0 " in phases  # --decode gpu with a torch model
     assert {"raw/phases.txt", "raw/input.log", "raw/compute-cnn-fp32.log"} <= set(names)
     assert (out / "input.log").exists() and (out / "compute.jsonl").read_text()
 
