@@ -29,11 +29,15 @@ def launch_cmd(ranks: int, digits: Path, ckpt: Path, *more: str) -> list[str]:
             *more]  # fmt: skip
 
 
-def test_the_survivors_of_a_killed_rank_end_as_stop_and_resume_would(digits_dir, tmp_path):
+@pytest.mark.parametrize("sync_bn", [[], ["--sync-bn"]], ids=["", "sync-bn"])
+def test_the_survivors_of_a_killed_rank_end_as_stop_and_resume_would(sync_bn, digits_dir, tmp_path):
+    """With --sync-bn the ranks also meet in every BatchNorm layer's sums, on a communicator of
+    their own, in forward and in backward: a rank lost there must not leave the survivors
+    waiting in one."""
     out, metrics = tmp_path / "continue", tmp_path / "continue.jsonl"
     env = {**mpi_env(), "HPCDL_TORCH_SLOW": "0.1", "HPCDL_TEST_MARKER": str(out)}
     cmd = launch_cmd(3, digits_dir, out, "--on-node-loss", "continue", "--metrics", str(metrics),
-                     "--metrics-every", "1")  # fmt: skip
+                     "--metrics-every", "1", *sync_bn)  # fmt: skip
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env) as job:  # fmt: skip
         try:
@@ -50,8 +54,8 @@ def test_the_survivors_of_a_killed_rank_end_as_stop_and_resume_would(digits_dir,
 
     ref = tmp_path / "ref"
     for ranks, more in ((3, ["--max-steps", "10"]), (2, ["--resume", "auto"])):
-        done = subprocess.run(launch_cmd(ranks, digits_dir, ref, *more), capture_output=True,
-                              text=True, timeout=300, env=mpi_env())  # fmt: skip
+        cmd = launch_cmd(ranks, digits_dir, ref, *more, *sync_bn)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpi_env())
         assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     final, expected = (checkpoint.load(checkpoint.latest(d)) for d in (out, ref))
     assert final.global_step == expected.global_step
