@@ -57,26 +57,16 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if self.training and self.track_running_stats:  # in place: FlatModule holds the tensor
             self.num_batches_tracked.add_(1)
-        if not self.training and self.track_running_stats:
+        batch_stats = self.training or not self.track_running_stats  # else the running ones
+        if not batch_stats or self._ranks() == 1:
             return F.batch_norm(
                 input,
                 self.running_mean,
                 self.running_var,
                 self.weight,
                 self.bias,
-                False,
-                0.0,
-                self.eps,
-            )
-        if self._ranks() == 1:
-            return F.batch_norm(
-                input,
-                self.running_mean,
-                self.running_var,
-                self.weight,
-                self.bias,
-                True,
-                self._factor(),
+                batch_stats,
+                self._factor() if batch_stats else 0.0,
                 self.eps,
             )
         return self._global_batch(input)
