@@ -18,11 +18,13 @@ tv_prepare=$!
 
 echo "== pytest (single process)"
 status=0
-python -m pytest -m "not mpi and not torchvision" "$@" tests || status=$?
+# --durations: the slowest tests, where CI's time goes (keep it under about 35 minutes)
+python -m pytest -m "not mpi and not torchvision" --durations=25 "$@" tests || status=$?
 
 echo "== pytest under mpirun -np 2 (tests marked mpi)"
 mpi_status=0
-mpirun -np 2 python -m pytest --with-mpi -m mpi -q -p no:cacheprovider "$@" tests || mpi_status=$?
+mpirun -np 2 python -m pytest --with-mpi -m mpi -q -p no:cacheprovider --durations=10 "$@" tests ||
+    mpi_status=$?
 
 echo "== pytest with torchvision (torch 2.14.1 + torchvision 0.29.1 in .venv-torchvision)"
 tv_status=0
