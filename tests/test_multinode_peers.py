@@ -281,15 +281,18 @@ def test_bench_calibrate_times_the_steps_while_every_node_fetches_from_its_peer(
     out = tmp_path / "c.toml"
     program = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", str(folder),
                "--stage-dir", str(STAGE), "--threads", "2", "--files", "4", "--local-mb", "1",
-               "--steps", "30", "--batch-size", "8", "--input-shape", "3,32,32", "--classes", "4",
+               "--steps", "100", "--batch-size", "8", "--input-shape", "3,32,32", "--classes", "4",
                "--repeats", "1", "--out", str(out)]  # fmt: skip
     proc = cluster.run(1, cluster.mpirun([1, 1], *program), env=mpi_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     figure = calibration.load(out).compute.contention_s_per_fetch
-    line = next(line for line in proc.stdout.splitlines() if "from a peer" in line)
-    assert "ms per file a node fetches from a peer (" in line and figure is not None, line
-    # each node fetched the other's copies, during the --steps 30
-    recomputed, shown = contention_from_note(line, "fetches", 30, most=FILES)
+    line = next((line for line in proc.stdout.splitlines() if "from a peer" in line), "")
+    assert "ms per file a node fetches from a peer (" in line, proc.stdout[-3000:]
+    assert figure is not None, line
+    # each node fetched the other's copies, during the --steps 100 (at 30, one full run on a
+    # quiet machine printed no fetch figure, its output not kept: a stager's start can outlast
+    # short windows; the assertion above now shows the output)
+    recomputed, shown = contention_from_note(line, "fetches", 100, most=FILES)
     assert figure == pytest.approx(recomputed, abs=shown), line
     for node in cluster.nodes:  # the homes' and the clients' stage dirs are gone, and STAGE
         assert not (node.local / STAGE.relative_to(LOCAL)).exists()
