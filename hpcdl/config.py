@@ -100,6 +100,9 @@ class TrainConfig:
     # Nodes serve staged files to each other (docs/staging.md, "Peer tier"); auto: with 2+
     # nodes and --shuffle global, where each node needs files that other nodes staged.
     peer_staging: str = "auto"
+    # With tar shards, a node fetches the byte ranges of its samples from a shard's home
+    # instead of the whole shard (hpcdl.staging.pieces); auto: where they are under half of it.
+    peer_ranges: str = "auto"
     max_steps: int | None = None  # stop after this many global steps (benchmarks, tests)
     # Models in and out (issue 27): start from a state dict; TensorBoard event files.
     init_from: str | None = None  # .pth/.pt/.safetensors (hpcdl.nn.weights_io)
@@ -131,6 +134,7 @@ _CHOICES = {
     "decode": ("cpu", "gpu"),
     "shuffle": ("global", "node", "none"),
     "peer_staging": PEER_MODES,
+    "peer_ranges": PEER_MODES,
     "progress": PROGRESS_MODES,
     "on_node_loss": ("stop", "continue"),
 }
@@ -232,6 +236,9 @@ _HELP = {
     "stage_verify": "compare each staged copy with its source (FNV-1a checksum) (default: off)",
     "peer_staging": "nodes fetch staged files from the node that staged them first instead of "
     "the PFS; auto: on with 2 or more nodes and --shuffle global (default: auto)",
+    "peer_ranges": "with tar shards and the peer tier, a node fetches only its samples' bytes of "
+    "a shard from the shard's home; auto: for a shard whose samples the node reads are under "
+    "half its bytes; on: every shard; off: whole shards (default: auto)",
     "max_steps": "stop after this many steps in total (default: none, run all epochs)",
     "init_from": "start from these weights: a PyTorch state dict (.pth/.pt, torchvision's names "
     "for resnet18/50) or a .safetensors file; a classifier of another class count is "

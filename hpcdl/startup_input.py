@@ -61,6 +61,7 @@ def start_staging(
         verify=cfg.stage_verify,
         protect={"--data": cfg.data, "--val-data": cfg.val_data},
         peers=cfg.peer_staging,
+        ranges=cfg.peer_ranges,
         cores=cores.cores,
     )
     staging = StagingSession.start(

@@ -47,8 +47,12 @@ class TarShardReader(ImageFolderReader):
                 reason += f" ({ds.num_classes} classes, from {ds.index.meta['classes_from']})"
             raise BadSample(ds.where(index), index, reason)
         fid = int(ds.file_ids([index])[0])
-        fd, path = self._shard(fid, index)
         at, length = int(cols["data_at"][index]), int(cols["data_len"][index])
+        staged = self._piece(fid, index, at, length)
+        if staged is not None:
+            self.counts.local += 1
+            return io.BytesIO(staged[0]), ds.where(index, staged[1])
+        fd, path = self._shard(fid, index)
         try:
             data = _read_at(fd, length, at)
         except OSError as exc:
@@ -65,6 +69,20 @@ class TarShardReader(ImageFolderReader):
         else:
             self.counts.local += 1
         return io.BytesIO(data), ds.where(index, path)
+
+    def _piece(self, fid: int, index: int, at: int, length: int) -> tuple[bytes, Path] | None:
+        """(the sample's bytes, the piece's path) from its staged piece (hpcdl.staging.pieces)
+        when the stager has one READY with the sample's length, else None: the shard is read."""
+        locate_piece = getattr(self.locate, "piece", None)
+        path = locate_piece(fid, index, at) if locate_piece is not None else None
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(length + 1)
+        except OSError:
+            return None  # evicted meanwhile
+        return (data, path) if len(data) == length else None
 
     def _shard(self, fid: int, index: int) -> tuple[int, Path]:
         """(open descriptor, path) of shard fid: its staged copy, else the PFS original."""

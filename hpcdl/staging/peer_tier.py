@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from hpcdl.config import PEER_MODES
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging.peer_address import listen_address, own_address
 from hpcdl.staging.peers import FileHomes, file_homes, peer_sources, render_peer_section
+from hpcdl.staging.pieces import PieceSlots, split_shards
 from hpcdl.staging.plan import NodePlan, node_figures
 
 SECRET_BYTES = 32
@@ -67,7 +69,7 @@ class PeerTier:
     secret_hex: str
     listener: socket.socket | None  # handed to the stager, and held here until the session ends
     addresses: list[str | None]  # per node: "ip:port", or None when it neither serves nor fetches
-    homes: FileHomes
+    homes: FileHomes  # per data set file; per status slot once pieces are used (splitter)
 
     @classmethod
     def start(
@@ -119,8 +121,22 @@ class PeerTier:
         """The peer section of this node's plan (none when this node cannot reach peers)."""
         if self.addresses[plan.node] is None:
             return []
-        up = [address is not None for address in self.addresses]
-        return render_peer_section(plan, peer_sources(plan, self.homes, up), self.addresses)
+        return render_peer_section(plan, peer_sources(plan, self.homes, self._up()), self.addresses)
+
+    def splitter(
+        self, slots: PieceSlots, mode: str, node: int
+    ) -> Callable[[NodePlan, NodePlan], NodePlan] | None:
+        """split(shard plan, piece plan) -> this node's plan with pieces (hpcdl.staging.pieces),
+        or None when this node cannot reach peers. From now on the homes are per status slot."""
+        shard_homes = self.homes
+        self.homes = slots.homes(shard_homes)
+        if self.addresses[node] is None:
+            return None
+        up = self._up()
+        return lambda shards, pieces: split_shards(shards, pieces, slots, shard_homes, up, mode)
+
+    def _up(self) -> list[bool]:
+        return [address is not None for address in self.addresses]
 
     def stager_args(self) -> tuple[list[str], tuple[int, ...]]:
         """hpcdl-stage arguments and the descriptors it inherits (the secret goes on stdin)."""

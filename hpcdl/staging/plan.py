@@ -325,9 +325,10 @@ def render_plan(
     fingerprint: str | None = None,
     dest_prefix: str = "",
     peer_lines: Sequence[str] = (),
+    slots: Any = None,
 ) -> str:
     """The plan file's text (format version PLAN_VERSION, docs/staging.md): plan_bytes."""
-    return plan_bytes(plan, dataset, fingerprint, dest_prefix, peer_lines).decode()
+    return plan_bytes(plan, dataset, fingerprint, dest_prefix, peer_lines, slots).decode()
 
 
 def plan_bytes(
@@ -336,11 +337,14 @@ def plan_bytes(
     fingerprint: str | None = None,
     dest_prefix: str = "",
     peer_lines: Sequence[str] = (),
+    slots: Any = None,
 ) -> bytes:
     """The plan file's bytes (format version PLAN_VERSION, docs/staging.md), UTF-8.
 
     dest_prefix: directory, relative to the stage dir, that the data set's copies go into.
-    peer_lines: the optional peer section (hpcdl.staging.peers.render_peer_section)."""
+    peer_lines: the optional peer section (hpcdl.staging.peers.render_peer_section).
+    slots: a run that may fetch pieces (hpcdl.staging.pieces.PieceSlots): the status map has
+    its slots, and the plan's piece entries get their names and `pieces` section."""
     root = Path(dataset.root)
     files: Sequence[Any] = dataset.files
     head = [
@@ -350,7 +354,7 @@ def plan_bytes(
         f"epochs {plan.epoch_begin} {plan.epoch_end}",
         f"steps_per_epoch {plan.steps_per_epoch}",
         f"local_ranks {plan.local_ranks}",
-        f"dataset_files {len(files)}",
+        f"dataset_files {len(files) if slots is None else slots.slots}",
         f"node {plan.node}",
         f"shuffle {plan.shuffle}",
         f"entries {plan.files}",
@@ -359,21 +363,26 @@ def plan_bytes(
     if "\t" in root_text or "\n" in root_text:
         raise PlanError(f"data set root {root_text!r}: tab or newline in path")
     ids = plan.file_ids
-    sizes = file_sizes(dataset, ids)
     values, bounds = plan.tick_table()
     prefix = f"{dest_prefix}/" if dest_prefix else ""
-    table = isinstance(files, FileTable)
-    rels = files.relpaths(ids) if table else [files[i].relpath for i in ids]
-    if not (table and table_checked(files)):
-        check_relpaths(rels)
+    if slots is None:
+        sizes = file_sizes(dataset, ids)
+        table = isinstance(files, FileTable)
+        rels = sources = files.relpaths(ids) if table else [files[i].relpath for i in ids]
+        if not (table and table_checked(files)):
+            check_relpaths(rels)
+    else:  # the shards' names were checked as the data set opened; a piece adds a number
+        sizes = slots.files.sizes[ids]
+        rels, sources = slots.names(ids)
     ticks = list(map(str, values.tolist()))
     lines = "".join(
-        f"{fid}\t{size}\t{','.join(ticks[a:b])}\t{prefix}{rel}\t{root_text}/{rel}\n"
-        for fid, size, a, b, rel in zip(
-            ids.tolist(), sizes.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), rels
+        f"{fid}\t{size}\t{','.join(ticks[a:b])}\t{prefix}{rel}\t{root_text}/{src}\n"
+        for fid, size, a, b, rel, src in zip(
+            ids.tolist(), sizes.tolist(), bounds[:-1].tolist(), bounds[1:].tolist(), rels, sources
         )  # fmt: skip
     ).encode()
-    tail = [*peer_lines, "end", ""]
+    pieces = [] if slots is None else slots.section(plan)
+    tail = [*peer_lines, *pieces, "end", ""]
     return b"".join([("\n".join(head) + "\n").encode(), lines, "\n".join(tail).encode()])
 
 
@@ -384,9 +393,10 @@ def write_plan(
     fingerprint: str | None = None,
     dest_prefix: str = "",
     peer_lines: Sequence[str] = (),
+    slots: Any = None,
 ) -> None:
     """Write the plan atomically (hpcdl.atomic), mode 0600 whatever the umask."""
-    data = plan_bytes(plan, dataset, fingerprint, dest_prefix, peer_lines)
+    data = plan_bytes(plan, dataset, fingerprint, dest_prefix, peer_lines, slots)
     write_bytes_atomically(path, data, mode=0o600)
 
 

@@ -9,6 +9,7 @@ for the progress record and the first epoch's outran check (hpcdl.staging.outran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,23 @@ class RollingPlan:
         self.fingerprint = ""  # the data set's, as written in the plan
         self.first_use: np.ndarray | None = None  # (F,) first step of each entry (rank 0)
         self.first_epoch_need: tuple[int, int] | None = None  # (files, bytes) of epoch begin
+        # A run that may fetch pieces (hpcdl.staging.pieces): the slots every plan has, and
+        # (local rank 0 of a node in the peer tier) split(shard plan, piece plan) -> the plan.
+        self.slots: Any = None
+        self.split: Callable[[NodePlan, NodePlan], NodePlan] | None = None
 
     def make(self, epoch: int) -> NodePlan:
         """The plan from `epoch` on (local rank 0), which is now the one held."""
         self.held = epoch
+        epochs = (epoch, min(epoch + PLAN_EPOCHS, self.end))
         plan = plan_for_node(
-            self.dataset,
-            self.sampler,
-            self.batch_size,
-            (epoch, min(epoch + PLAN_EPOCHS, self.end)),
-            ranks=self.ranks,
-            node=self.node,
+            self.dataset, self.sampler, self.batch_size, epochs, ranks=self.ranks, node=self.node
         )
+        if self.split is not None:
+            pieces = plan_for_node(
+                self.slots, self.sampler, self.batch_size, epochs, ranks=self.ranks, node=self.node
+            )
+            plan = self.split(plan, pieces)
         self.first_use = plan.first_use()
         if epoch == self.begin:
             first = self.first_use < plan.steps_per_epoch
@@ -62,7 +68,7 @@ class RollingPlan:
 
     def write(self, path: Path, plan: NodePlan, key: str, peer_lines: list[str]) -> None:
         """Write `plan` for the stager at path; key: the data set's tree in the stage dir."""
-        write_plan(path, plan, self.dataset, self.fingerprint, key, peer_lines)
+        write_plan(path, plan, self.dataset, self.fingerprint, key, peer_lines, self.slots)
 
     def due(self, epoch: int) -> bool:
         """True when reaching `epoch` needs the next plan: it is past the held plan's first

@@ -40,6 +40,7 @@ from hpcdl.staging.ownership import (
     data_key,
 )
 from hpcdl.staging.peer_tier import PeerTier, peer_tier_wanted
+from hpcdl.staging.pieces import PieceSlots, piece_relpath, pieces_possible
 from hpcdl.staging.plan import dataset_fingerprint
 from hpcdl.staging.rolling_plan import RollingPlan
 from hpcdl.staging.stager_process import CHECK_EVERY_S, StagerProcess
@@ -103,6 +104,7 @@ class StageOptions:
     verify: bool = False
     protect: dict[str, Any] | None = field(default=None, hash=False)
     peers: str = "auto"  # --peer-staging: auto, on, off (hpcdl.staging.peer_tier)
+    ranges: str = "auto"  # --peer-ranges: auto, on, off (hpcdl.staging.pieces)
     cores: frozenset[int] | None = None
 
 
@@ -141,21 +143,36 @@ class Locator:
         return self._files.relpath(file_id)
 
     def __call__(self, file_id: int) -> Path:
+        rel = self.relpath(int(file_id))
+        local = self._ready(int(file_id), rel)
+        if local is not None:
+            self._count(1, 0)
+            return local
+        self._count(0, 1)
+        return Path(self.root) / rel
+
+    def piece(self, shard: int, sample: int, offset: int) -> Path | None:
+        """The staged piece of `sample` (its bytes at `offset` of `shard`, hpcdl.staging.pieces)
+        when the stager has it READY, else None (the caller reads the shard; counted there)."""
+        slot = len(self._files) + int(sample)
+        local = self._ready(slot, piece_relpath(self.relpath(int(shard)), offset))
+        if local is not None:
+            self._count(1, 0)
+        return local
+
+    def _ready(self, slot: int, rel: str) -> Path | None:
+        """The local copy of status slot `slot` at rel when READY and present, else None."""
         if self._status is None:
             files = SessionDir(Path(self.meta))
             self._status = StatusView(files.status, self.layout)
             self._counters = CounterFile(files.counters, self.ranks)
-        rel = self.relpath(int(file_id))
-        if self._status.state(int(file_id)) == self.layout.file_states["READY"]:
-            local = os.path.join(self.local_root, rel)
-            try:
-                if stat.S_ISREG(os.lstat(local).st_mode):
-                    self._count(1, 0)
-                    return Path(local)
-            except OSError:
-                pass  # evicted meanwhile
-        self._count(0, 1)
-        return Path(self.root) / rel
+        if self._status.state(slot) != self.layout.file_states["READY"]:
+            return None
+        local = os.path.join(self.local_root, rel)
+        try:
+            return Path(local) if stat.S_ISREG(os.lstat(local).st_mode) else None
+        except OSError:
+            return None  # evicted meanwhile
 
     def _count(self, hits: int, misses: int) -> None:
         try:
@@ -323,6 +340,7 @@ class StagingSession:
         except StageDirError as exc:
             error = str(exc)
         session._start_peer_tier(options)
+        session._use_pieces(options)
         info = StartInfo(error=error)
         if ranks.local_rank == 0 and error is None:
             info = session._prepare(options)
@@ -456,6 +474,19 @@ class StagingSession:
             world, plan.dataset, plan.sampler, plan.batch_size, epochs, capacity, options.peers
         )
         _agree(world, error)
+
+    def _use_pieces(self, options: StageOptions) -> None:
+        """Every rank: a run whose peer tier may fetch pieces of tar shards plans every status
+        slot (hpcdl.staging.pieces); its node leaders split the shards homed elsewhere."""
+        world, plan = self.world, self.plan
+        wanted = world is not None and peer_tier_wanted(
+            options.peers, world.num_nodes, plan.sampler.shuffle
+        )
+        if not (wanted and pieces_possible(plan.dataset, options.ranges)):
+            return
+        plan.slots = PieceSlots(plan.dataset)
+        if self.peer_tier is not None:
+            plan.split = self.peer_tier.splitter(plan.slots, options.ranges, self.ranks.node)
 
     def _peer_lines(self, plan: Any) -> list[str]:
         return self.peer_tier.plan_lines(plan) if self.peer_tier is not None else []
