@@ -26,6 +26,7 @@ from helpers import (
     write_peer_plan,
 )
 from PIL import Image
+from tarshards_helpers import shards_of_folder
 
 from hpcdl import checkpoint
 from hpcdl.clustermodel import calibration
@@ -61,15 +62,21 @@ def folder(tmp_path_factory) -> Path:
 
 
 def train(
-    cluster: Cluster, folder: Path, out: Path, peers: str, env: dict[str, str] | None = None
+    cluster: Cluster,
+    folder: Path,
+    out: Path,
+    peers: str,
+    env: dict[str, str] | None = None,
+    more: tuple[str, ...] = (),
 ) -> list[dict[str, int]]:
-    """2 nodes x 2 ranks, --shuffle global; returns each node's stager counters and its ranks'
-    misses (files read from the PFS because the node's stager did not have them yet). env:
-    more variables for every rank."""
+    """2 nodes x 2 ranks, --shuffle global; returns each node's stager counters, its ranks'
+    misses (files read from the PFS because the node's stager did not have them yet) and the
+    pieces it holds at the end. env: more variables for every rank; more: flags."""
     args = [
         "--data", folder, "--model", PROBE, "--epochs", EPOCHS, "--batch-size", BATCH,
         "--workers", 0, "--seed", 3, "--quiet", "--checkpoint-dir", out / "ckpt",
         "--shuffle", "global", "--stage-dir", STAGE, "--keep-staged", "--peer-staging", peers,
+        *more,
     ]  # fmt: skip
     env = {"HPCDL_PROBE_SLOW": f"{STEP_S}:{out / 'ckpt'}", **(env or {})}
     forward = tuple(option for name in env for option in ("-x", name))
@@ -83,10 +90,13 @@ def train(
         view = StatusView(path)
         assert view.open()
         names = ("pfs_opens", "peer_files", "peer_fallbacks", "files_served", "files_staged")
+        names += ("peer_bytes", "bytes_served")
         counters.append({name: int(view.field(name)) for name in names})
         view.close()
         ranks = CounterFile(path.parent / "counters", 2)
         counters[-1]["misses"] = sum(ranks.totals(r)[1] for r in range(2))
+        counters[-1]["pieces"] = len(list((node.local / STAGE.relative_to(LOCAL)).rglob(
+            "*.pieces/*")))  # fmt: skip
         shutil.rmtree(node.local / STAGE.relative_to(LOCAL))  # the next job stages afresh
     return counters
 
@@ -124,6 +134,33 @@ def test_global_shuffle_opens_each_file_once_and_trains_the_same(cluster, folder
     assert total(with_peers, "peer_files") > 0, with_peers
     assert all(c["peer_files"] == 0 for c in without), without
     assert total(without, "pfs_opens") > total(with_peers, "pfs_opens"), (without, with_peers)
+
+
+@pytest.fixture(scope="module")
+def shards(folder, tmp_path_factory) -> Path:
+    """The folder's 160 images as 8 WebDataset tar shards of 20, in the folder's order."""
+    out = tmp_path_factory.mktemp("pfs") / "shards"
+    shards_of_folder(folder, out, FILES // 8)
+    open_dataset(out)  # index once, outside the jobs
+    return out
+
+
+def test_tar_shards_fetch_their_samples_byte_ranges_and_train_the_same(cluster, shards, tmp_path):
+    """Issue 62: with --peer-ranges on a node fetches only its samples' bytes of a shard homed
+    on the other node (pieces), not the shard; the result is bitwise the whole shards' run."""
+    ranged = train(cluster, shards, tmp_path / "on", "on", more=("--peer-ranges", "on"))
+    whole = train(cluster, shards, tmp_path / "off", "on", more=("--peer-ranges", "off"))
+    on = checkpoint.load(checkpoint.latest(tmp_path / "on" / "ckpt")).params
+    off = checkpoint.load(checkpoint.latest(tmp_path / "off" / "ckpt")).params
+    assert on.tobytes() == off.tobytes()  # bitwise: pieces hold the samples' very bytes
+
+    assert all(c["pieces"] == 0 for c in whole), whole
+    assert total(ranged, "pieces") > 0 and total(ranged, "peer_files") > 0, ranged
+    # every byte fetched was served, and a piece's bytes are its sample's, not its shard's
+    assert total(ranged, "peer_bytes") <= total(ranged, "bytes_served"), ranged
+    assert 0 < total(ranged, "peer_bytes") < total(whole, "peer_bytes"), (ranged, whole)
+    shard_bytes = sum(f.stat().st_size for f in shards.glob("*.tar"))
+    assert total(ranged, "peer_bytes") < shard_bytes / 2, ranged
 
 
 def test_nodes_whose_names_do_not_resolve_reach_each_other_by_address(folder, tmp_path):
