@@ -18,6 +18,7 @@ HARNESSES = {
     "memory": "tools.bench.memory",
     "finetune": "tools.bench.finetune",
     "peer-staging": "tools.bench.peer_staging",
+    "peer-ranges": "tools.bench.peer_ranges",
     "on-node-loss": "tools.bench.on_node_loss",
     "torch-sync-nodes": "tools.bench.torch_sync_nodes",
 }

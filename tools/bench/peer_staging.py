@@ -76,6 +76,7 @@ def run_job(cluster: Cluster, pfs: Any, setup: Setup, mount: Path, out: Path, fl
         fs_opens=opens,
         stager_pfs_opens=sum(n["pfs_opens"] for n in nodes),
         peer_files=sum(n["peer_files"] for n in nodes),
+        peer_bytes=sum(n["peer_bytes"] for n in nodes),
         misses=sum(n["misses"] for n in nodes),
     )
 

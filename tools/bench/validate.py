@@ -156,15 +156,22 @@ def calibrate_only(setup: Setup, workdir: Path, out: Path) -> str:
 
 @contextlib.contextmanager
 def slow_pfs_cluster(
-    setup: Setup, workdir: Path, index: bool = True
+    setup: Setup, workdir: Path, index: bool = True, shards: int = 0
 ) -> Iterator[tuple[Any, Cluster, Path]]:
     """(pfs, cluster, mount): the setup's PNG data set in workdir behind the slow FUSE file
     system mounted at workdir/pfs (pfs: its handle, which counts opens), and setup.nodes
     emulated nodes (each with a disk of its own where setup.node_disks), every link limited to
     setup.link ("": not limited). index: the data set's
     index is built first (cached outside the read-only mount, as a dry run leaves it), so
-    that what runs next opens no file for it. Both are torn down on every path."""
+    that what runs next opens no file for it. shards: the images as that many WebDataset tar
+    shards in workdir/shards instead. Both are torn down on every path."""
     data = make_images(workdir / "images", setup.files)
+    if shards:
+        from hpcdl.data.convert_files import ShardSize, folder_files, write_tar  # noqa: PLC0415
+
+        per_shard = -(-setup.files // shards)
+        write_tar(folder_files(data, workdir / "shards"), workdir / "shards", ShardSize(per_shard))
+        data = workdir / "shards"
     mount = workdir / "pfs"
     mount.mkdir()
     with (
