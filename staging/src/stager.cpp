@@ -367,9 +367,11 @@ class Stager {
     // Files still resident from the old plan stay, with no planned use (first to be evicted).
     std::vector<uint8_t> in_next(plan_.dataset_files);
     for (const auto& e : next.entries) in_next[e.file_id] = 1;
-    for (const auto& e : plan_.entries) {
+    for (size_t i = 0; i < plan_.entries.size(); ++i) {
+      const auto& e = plan_.entries[i];
       if (!in_next[e.file_id] && status_.state(e.file_id) == FileState::Ready) {
         next.add(e.file_id, e.size, plan_.dest(e), plan_.source(e), {});
+        if (plan_.is_piece(i)) next.set_piece(next.entries.size() - 1, plan_.piece(i));
       }
     }
     schedule_.reset();

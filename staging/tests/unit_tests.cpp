@@ -16,6 +16,7 @@
 #include <iostream>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -150,6 +151,47 @@ int main(int argc, char** argv) {
       threw = std::string(e.what()).find(good) != std::string::npos;
     }
     check(threw, "bad peer section rejected: " + bad_peers);
+  }
+
+  // The pieces section: piece entries (slots 4 and 5) of shard 2, after the peer section or
+  // without one; each impossible line is refused naming its line.
+  const std::string pieced_head =
+      "hpcdl-plan 1\nfingerprint 00ff\nseed 1\nepochs 0 2\nsteps_per_epoch 3\n"
+      "local_ranks 1\ndataset_files 9\nentries 3\n2\t10\t0,4\tb\t/src/b\n"
+      "4\t3\t1\tb.pieces/0\t/src/b\n5\t4\t2\tb.pieces/6\t/src/b\n";
+  write_file(good, pieced_head + "peers 1\n3\t10.0.0.3:4000\npeer_sources 1\n5\t3\t1\n"
+                   "pieces 2\n5\t2\t10\t6\n4\t2\t10\t0\nend\n");
+  const hpcdl::Plan pieced = hpcdl::read_plan(good);
+  check(!pieced.is_piece(0) && pieced.is_piece(1) && pieced.piece(2).offset == 6 &&
+            pieced.piece(2).shard_id == 2 && pieced.piece(2).shard_size == 10 &&
+            pieced.peer_source(2).peer == 0,
+        "pieces parsed beside the peer section");
+  write_file(good, pieced_head + "pieces 1\n4\t7\t3\t0\nend\n");
+  check(hpcdl::read_plan(good).piece(1).shard_id == 7, "pieces without a peer section");
+  for (const auto& [bad_pieces, line] : std::vector<std::pair<std::string, int>>{
+           {"pieces 1\n4\t2\t10\n", 13},             // three fields
+           {"pieces 1\n3\t2\t10\t0\n", 13},         // not an entry
+           {"pieces 1\n4\t9\t10\t0\n", 13},         // shard id past dataset_files
+           {"pieces 1\n5\t2\t10\t7\n", 13},         // ends past the shard
+           {"pieces 1\n5\t2\t10\t99999999999999999999999\n", 13},  // no number
+           {"pieces 2\n4\t2\t10\t0\n4\t2\t10\t3\n", 14},  // twice
+           {"pieces 2\n4\t2\t10\t0\n5\t2\t11\t0\n", 14},  // two sizes of one shard
+           {"pieces 1\n4\t2\t9\t0\n", 13},          // not the shard entry's size
+           {"pieces 2\n4\t5\t10\t0\n5\t2\t10\t0\n", 13},  // shard 5 is a piece
+           {"pieces 4\n", 12},                          // more than the entries
+           {"pieces 2\n4\t2\t10\t0\n", 14},          // truncated
+           {"pieces 1\n4\t2\t10\t0\npeers 0\n", 14}}) {  // peers after pieces
+    write_file(good, pieced_head + bad_pieces + "end\n");
+    std::string said;
+    try {
+      hpcdl::read_plan(good);
+    } catch (const hpcdl::StageError& e) {
+      said = e.what();
+    }
+    const std::string where = good + " line " + std::to_string(line) + ":";
+    check(said.find(where) != std::string::npos && said.find('\n') == std::string::npos,
+          "bad pieces section refused at line " + std::to_string(line) + ": " + bad_pieces +
+              " (said: " + said + ")");
   }
 
   // The job's secret: 64 hex digits on a pipe, nothing else.
