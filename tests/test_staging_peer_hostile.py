@@ -220,13 +220,13 @@ class TricklingPeer(FakePeer):
             nonce = os.urandom(32)
             signed = b"hpcdl-peer server\0" + hello[8:] + nonce + self.address.encode()
             conn.sendall(b"HPCDLPS2" + nonce + hmac.new(self.key, signed, "sha256").digest())
-            request = conn.recv(32 + 24, socket.MSG_WAITALL)[32:]
+            request = conn.recv(32 + 40, socket.MSG_WAITALL)[32:]
             file_id, _, size = struct.unpack_from("<IIQ", request, 8)
             source = self.ds.root / self.ds.files[file_id].relpath
             st = source.stat()
             header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                                  st.st_dev, 0)  # fmt: skip
-            conn.sendall(b"HPCDLPA2" + header)
+            conn.sendall(b"HPCDLPA3" + header)
             for byte in source.read_bytes():
                 if self.stop.wait(1.0):
                     return
@@ -317,23 +317,24 @@ class ProvingPeer(FakePeer):
             signed = b"hpcdl-peer server\0" + nonces + self.address.encode()
             proof = hmac.new(self.key, signed, "sha256").digest()
             conn.sendall(b"HPCDLPS2" + nonces[32:] + proof)
-            request = conn.recv(32 + 24, socket.MSG_WAITALL)[32:]
+            request = conn.recv(32 + 40, socket.MSG_WAITALL)[32:]
             number = 0
-            while len(request) == 24:
+            while len(request) == 40:
                 with self.lock:
                     self.requests += 1
                 conn.sendall(self.reply(request, number, nonces))
                 number += 1
-                request = conn.recv(24, socket.MSG_WAITALL)
+                request = conn.recv(40, socket.MSG_WAITALL)
 
     def header_and_body(self, request: bytes) -> tuple[bytes, bytes]:
-        """A served reply's header (the source's identity) and the source's bytes."""
-        file_id, _, size = struct.unpack_from("<IIQ", request, 8)
+        """A served reply's header (the source's identity) and the bytes of the source the
+        request's range asks for."""
+        file_id, _, size, offset, length = struct.unpack_from("<IIQQQ", request, 8)
         source = self.ds.root / self.ds.files[file_id].relpath
         st = source.stat()
         header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                              st.st_dev, 0)  # fmt: skip
-        return b"HPCDLPA2" + header, source.read_bytes()
+        return b"HPCDLPA3" + header, source.read_bytes()[offset : offset + length]
 
     def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
         """The honest reply: the bytes and their MAC (docs/staging.md, "Handshake")."""

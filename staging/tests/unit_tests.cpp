@@ -16,6 +16,7 @@
 #include <iostream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -288,15 +289,21 @@ int main(int argc, char** argv) {
     hpcdl::PeerClient client(secret);
     std::vector<char> buffer(1 << 16);
     const std::atomic<bool> cancel{false};
-    auto fetched_whole = [&](hpcdl::PeerServer& server) {
+    // The bytes a fetch of `range` got ("" when it was not Ok: its outcome in *how).
+    auto fetched = [&](hpcdl::PeerServer& server, const hpcdl::SourceRange& range,
+                       hpcdl::PeerOutcome* how) {
       server.offer(7, copy);
       const std::string out = scratch + "/fetched";
       hpcdl::UniqueFd fd(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-      const hpcdl::PeerFetch got = client.fetch(peer, 7, copy.size, false, fd.get(), buffer, cancel);
+      const hpcdl::PeerFetch got = client.fetch(peer, 7, range, false, fd.get(), buffer, cancel);
       std::ifstream in(out, std::ios::binary);
       const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (got.outcome != hpcdl::PeerOutcome::Ok) std::cerr << "  peer fetch: " << got.message << "\n";
-      return got.outcome == hpcdl::PeerOutcome::Ok && bytes == "peer bytes";
+      *how = got.outcome;
+      return got.outcome == hpcdl::PeerOutcome::Ok ? bytes : std::string();
+    };
+    auto fetched_whole = [&](hpcdl::PeerServer& server) {
+      hpcdl::PeerOutcome how{};
+      return fetched(server, hpcdl::SourceRange::file(copy.size), &how) == "peer bytes";
     };
     auto quiet = [](const std::string&) {};
     {
@@ -307,6 +314,33 @@ int main(int argc, char** argv) {
     hpcdl::PeerServer second(::dup(listener), secret, tree, 2, quiet);
     check(fetched_whole(second), "a pooled connection the peer closed is replaced");
     check(client.connections_opened() == 2, "one new connection for it");
+    // A range of a served file: its bytes only, counted as served; one past the end: not here
+    // (the connection stays), nothing counted.
+    hpcdl::PeerOutcome how{};
+    // The server counts after its last send: wait for it (at most 5 s).
+    auto served_bytes = [&](uint64_t want) {
+      for (int k = 0; k < 500 && second.bytes_served() < want; ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      return second.bytes_served();
+    };
+    const uint64_t before = served_bytes(copy.size);  // its one whole fetch
+    const std::string range_bytes = fetched(second, hpcdl::SourceRange{5, 5, copy.size, false}, &how);
+    check(range_bytes == "bytes" && served_bytes(before + 5) == before + 5,
+          "a range fetched, its bytes counted: '" + range_bytes + "', " +
+              std::to_string(second.bytes_served() - before));
+    check(fetched(second, hpcdl::SourceRange{0, 0, copy.size, false}, &how).empty() &&
+              how == hpcdl::PeerOutcome::Ok,
+          "an empty range fetched");
+    for (const auto& past : {hpcdl::SourceRange{6, 5, copy.size, false},
+                             hpcdl::SourceRange{~0ull, 2, copy.size, false}}) {
+      check(fetched(second, past, &how).empty() && how == hpcdl::PeerOutcome::NotHere &&
+                served_bytes(before + 5) == before + 5,
+            "a range past the end is not served (" + std::to_string(static_cast<int>(how)) + ")");
+    }
+    check(fetched(second, hpcdl::SourceRange{1, 3, copy.size, false}, &how) == "eer" &&
+              client.connections_opened() == 2,
+          "the connection serves on after a refused range");
     ::close(listener);
   }
 
@@ -391,6 +425,45 @@ int main(int argc, char** argv) {
     check(copiers.peer_down(5) && !copiers.peer_down(6) && logged.load() == 1,
           "the missing peer is down, said once");
     check(copiers.pfs_opens() == 2, "two PFS copies");
+  }
+
+  {  // A piece from the PFS: the range's bytes only (with verify, its checksum), the shard's
+     // identity recorded; a shard of another size than planned fails; discard removes what the
+     // manifest lists, never a stranger's file.
+    const std::string session = scratch + "/session-pieces";
+    ::mkdir(session.c_str(), 0700);
+    write_file(scratch + "/shard", "0123456789");
+    struct stat shard {};
+    ::stat((scratch + "/shard").c_str(), &shard);
+    hpcdl::PfsEmulation pfs;
+    const std::atomic<bool> cancel{false};
+    std::vector<char> buffer(4);  // smaller than a piece: the range spans reads
+    for (const bool verify : {false, true}) {
+      hpcdl::CopyEngine engine(tree, manifest, session, pfs, verify, cancel);
+      const std::string dest = std::string(verify ? "v" : "k") + "/shard.pieces/3";
+      const auto r = engine.copy(scratch + "/shard", dest, buffer, 0,
+                                 hpcdl::SourceRange{3, 6, 10, false});
+      std::ifstream in(tree_root + "/" + dest, std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      hpcdl::Fnv1a64 range_hash;
+      range_hash.update("345678", 6);
+      check(r.outcome == hpcdl::CopyOutcome::Ok && bytes == "345678" && r.bytes == 6 &&
+                r.source_id == hpcdl::identity_of(shard) &&
+                (!verify || (r.has_checksum && r.checksum == range_hash.digest())),
+            std::string("a piece copied from the PFS range") + (verify ? " (verified)" : "") +
+                ": " + r.message);
+      check(manifest.find(dest, r.id.ino, r.id.dev).has_value(), "a piece is recorded");
+      const auto wrong = engine.copy(scratch + "/shard", dest + "x", buffer, 0,
+                                     hpcdl::SourceRange{3, 6, 11, false});
+      check(wrong.outcome == hpcdl::CopyOutcome::Failed, "a shard of another size: no piece");
+      check(engine.discard(dest) == 0 && ::access((tree_root + "/" + dest).c_str(), F_OK) != 0,
+            "discard removes a piece hpcdl made");
+    }
+    write_file(tree_root + "/k/shard.pieces/7", "not ours");
+    hpcdl::CopyEngine engine(tree, manifest, session, pfs, false, cancel);
+    check(engine.discard("k/shard.pieces/7") == 0 &&
+              ::access((tree_root + "/k/shard.pieces/7").c_str(), F_OK) == 0,
+          "discard leaves a file hpcdl did not make");
   }
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
