@@ -27,6 +27,7 @@ from peer_stagers import (
     FILES,
     SESSION,
     assert_copies_are_the_sources,
+    client_proof,
     fetch,
     serving_home,
     start,
@@ -82,21 +83,6 @@ def test_fetches_reuse_one_connection_per_copy_thread(home, tmp_path):
     assert view.field("peer_files") == FILES
     assert 1 <= view.field("peer_connections") <= 4
     assert_copies_are_the_sources(ds, tmp_path / "b")
-
-
-def client_proof(conn: socket.socket, secret_hex: str, address: str) -> tuple[bytes, bytes]:
-    """The client's side of the handshake (docs/staging.md, "Handshake"): checks the server's
-    proof; returns (our proof, to send with the first request; both nonces)."""
-    nonce = os.urandom(32)
-    conn.sendall(b"HPCDLPH2" + nonce)
-    hello = conn.recv(72, socket.MSG_WAITALL)
-    assert hello[:8] == b"HPCDLPS2"
-    nonces, key = nonce + hello[8:40], bytes.fromhex(secret_hex)
-    server = hmac.new(key, b"hpcdl-peer server\0" + nonces + address.encode(), "sha256")
-    assert hmac.compare_digest(hello[40:], server.digest())
-    return hmac.new(
-        key, b"hpcdl-peer client\0" + nonces + address.encode(), "sha256"
-    ).digest(), nonces
 
 
 def test_a_connection_carries_one_request_after_another(home):
