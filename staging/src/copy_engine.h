@@ -95,7 +95,8 @@ struct CopyResult {
 };
 
 // The bytes of a source that a copy takes: the whole file, or a piece of a shard (the plan's
-// pieces section): [offset, offset + length) of a source of `source_size` bytes.
+// pieces section): [offset, offset + length) of a source of `source_size` bytes. A PFS copy of
+// a whole file takes the file as it is when opened (its length and source_size unused).
 struct SourceRange {
   uint64_t offset = 0;
   uint64_t length = 0;       // the copy's bytes

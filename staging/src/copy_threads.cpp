@@ -108,8 +108,7 @@ CopyThreads::Done CopyThreads::run(const Job& job, std::vector<char>& buffer, un
                    result.outcome != CopyOutcome::Cancelled;
   for (int attempt = 0; pfs && attempt < kMaxAttempts; ++attempt) {
     pfs_opens_.fetch_add(1);
-    result = engine_.copy(job.source, job.dest, buffer, tag,
-                          job.piece ? *job.piece : SourceRange());
+    result = engine_.copy(job.source, job.dest, buffer, tag, job.range());
     if (result.outcome != CopyOutcome::Transient || cancel_.load()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50 << (2 * attempt)));
   }
