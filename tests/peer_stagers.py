@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
+import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +102,114 @@ def assert_copies_are_the_sources(ds, stage: Path) -> None:
         assert copy.read_bytes() == source.read_bytes(), f.relpath
         assert copy.stat().st_mtime_ns == source.stat().st_mtime_ns, f.relpath
     assert not [p for p in (stage / ".hpcdl" / "sessions" / SESSION).iterdir() if "tmp." in p.name]
+
+
+class FakePeer:
+    """A Python peer on 127.0.0.1:port (0: any) that serves each connection on a thread of its
+    own with self.serve(conn), until close()."""
+
+    def __init__(self, port: int = 0):
+        self.server = socket.create_server(("127.0.0.1", port))
+        self.server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.server.close()
+
+
+class ProvingPeer(FakePeer):
+    """A Python peer that holds the job's secret: it proves it, then answers each request on the
+    connection with reply(request, number, nonces) (the bytes to send), counting connections
+    and requests. The first `drop` connections it closes at once, unread; with hang_up, each
+    connection after its first reply."""
+
+    hang_up = False
+
+    def __init__(self, ds, secret: str, drop: int = 0):
+        self.ds, self.key, self.drop = ds, bytes.fromhex(secret), drop
+        self.connections = self.requests = 0
+        self.lock = threading.Lock()
+        super().__init__()
+
+    def serve(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            with self.lock:
+                self.connections += 1
+                if self.connections <= self.drop:
+                    return
+            conn.settimeout(5)
+            hello = conn.recv(40, socket.MSG_WAITALL)
+            nonces = hello[8:] + os.urandom(32)
+            signed = b"hpcdl-peer server\0" + nonces + self.address.encode()
+            proof = hmac.new(self.key, signed, "sha256").digest()
+            conn.sendall(b"HPCDLPS2" + nonces[32:] + proof)
+            request = conn.recv(32 + 40, socket.MSG_WAITALL)[32:]
+            number = 0
+            while len(request) == 40:
+                with self.lock:
+                    self.requests += 1
+                conn.sendall(self.reply(request, number, nonces))
+                if self.hang_up:
+                    return
+                number += 1
+                request = conn.recv(40, socket.MSG_WAITALL)
+
+    def header_and_body(self, request: bytes) -> tuple[bytes, bytes]:
+        """A served reply's header (the source's identity) and the bytes of the source the
+        request's range asks for."""
+        file_id, _, size, offset, length = struct.unpack_from("<IIQQQ", request, 8)
+        source = self.ds.root / self.ds.files[file_id].relpath
+        st = source.stat()
+        header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                             st.st_dev, 0)  # fmt: skip
+        return b"HPCDLPA3" + header, source.read_bytes()[offset : offset + length]
+
+    def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
+        """The honest reply: the bytes and their MAC (docs/staging.md, "Handshake")."""
+        header, body = self.header_and_body(request)
+        signed = b"hpcdl-peer reply\0" + nonces + struct.pack("<Q", number) + request
+        return header + body + hmac.new(self.key, signed + header + body, "sha256").digest()
+
+
+class ForgingPeer(ProvingPeer):
+    """A peer that proves the job's secret (a damaged node, or one with the secret that lies)
+    and answers every request with the source's metadata, forged bytes and a MAC that is not
+    theirs."""
+
+    def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
+        header, body = self.header_and_body(request)
+        return header + b"F" * len(body) + os.urandom(32)
+
+
+def client_proof(conn: socket.socket, secret_hex: str, address: str) -> tuple[bytes, bytes]:
+    """The client's side of the handshake (docs/staging.md, "Handshake"): checks the server's
+    proof; returns (our proof, to send with the first request; both nonces)."""
+    nonce = os.urandom(32)
+    conn.sendall(b"HPCDLPH2" + nonce)
+    hello = conn.recv(72, socket.MSG_WAITALL)
+    assert hello[:8] == b"HPCDLPS2"
+    nonces, key = nonce + hello[8:40], bytes.fromhex(secret_hex)
+    server = hmac.new(key, b"hpcdl-peer server\0" + nonces + address.encode(), "sha256")
+    assert hmac.compare_digest(hello[40:], server.digest())
+    return hmac.new(
+        key, b"hpcdl-peer client\0" + nonces + address.encode(), "sha256"
+    ).digest(), nonces
 
 
 def flood(port: int, rate: int, source: str, hello: bool, hold: int = 512) -> float:

@@ -27,6 +27,7 @@ from peer_stagers import (
     FILES,
     SESSION,
     assert_copies_are_the_sources,
+    client_proof,
     fetch,
     serving_home,
     start,
@@ -84,37 +85,22 @@ def test_fetches_reuse_one_connection_per_copy_thread(home, tmp_path):
     assert_copies_are_the_sources(ds, tmp_path / "b")
 
 
-def client_proof(conn: socket.socket, secret_hex: str, address: str) -> tuple[bytes, bytes]:
-    """The client's side of the handshake (docs/staging.md, "Handshake"): checks the server's
-    proof; returns (our proof, to send with the first request; both nonces)."""
-    nonce = os.urandom(32)
-    conn.sendall(b"HPCDLPH2" + nonce)
-    hello = conn.recv(72, socket.MSG_WAITALL)
-    assert hello[:8] == b"HPCDLPS2"
-    nonces, key = nonce + hello[8:40], bytes.fromhex(secret_hex)
-    server = hmac.new(key, b"hpcdl-peer server\0" + nonces + address.encode(), "sha256")
-    assert hmac.compare_digest(hello[40:], server.digest())
-    return hmac.new(
-        key, b"hpcdl-peer client\0" + nonces + address.encode(), "sha256"
-    ).digest(), nonces
-
-
 def test_a_connection_carries_one_request_after_another(home):
-    """The wire format (docs/staging.md, "Peer tier"): a handshake, then 24-byte requests and
+    """The wire format (docs/staging.md, "Peer tier"): a handshake, then 40-byte requests and
     64-byte replies; a served reply's bytes end with their MAC; a "not here" leaves the
     connection open for the next request, a wrong proof is refused and closed."""
     ds, address, secret, _ = home
     port = int(address.split(":")[1])
 
-    def request(file_id: int, size: int) -> bytes:
-        return b"HPCDLPQ2" + struct.pack("<IIQ", file_id, 0, size)
+    def request(file_id: int, size: int) -> bytes:  # the whole file
+        return b"HPCDLPQ3" + struct.pack("<IIQQQ", file_id, 0, size, 0, size)
 
     with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
         proof, nonces = client_proof(conn, secret, address)
         for number, file_id in enumerate(range(3)):  # a size no file has: "not here"
             conn.sendall((proof if number == 0 else b"") + request(file_id, 1))
             reply = conn.recv(64, socket.MSG_WAITALL)
-            assert reply[:8] == b"HPCDLPA2" and struct.unpack_from("<I", reply, 8) == (1,)
+            assert reply[:8] == b"HPCDLPA3" and struct.unpack_from("<I", reply, 8) == (1,)
         size = ds.files[0].size
         conn.sendall(request(0, size))
         reply = conn.recv(64, socket.MSG_WAITALL)
@@ -128,7 +114,7 @@ def test_a_connection_carries_one_request_after_another(home):
         proof, _ = client_proof(conn, secret, address)
         conn.sendall(bytes(32) + request(0, 1))  # not the proof
         reply = conn.recv(64, socket.MSG_WAITALL)
-        assert reply[:8] == b"HPCDLPA2" and struct.unpack_from("<I", reply, 8) == (2,)
+        assert reply[:8] == b"HPCDLPA3" and struct.unpack_from("<I", reply, 8) == (2,)
         try:  # refused, and closed (reset: our request after the proof was never read)
             rest = conn.recv(1)
         except ConnectionResetError:

@@ -20,6 +20,9 @@ import pytest
 from helpers import make_tree
 from peer_stagers import (
     FILES,
+    FakePeer,
+    ForgingPeer,
+    ProvingPeer,
     assert_copies_are_the_sources,
     fetch,
     flooding,
@@ -50,35 +53,6 @@ def forged_reply(ds, request: bytes) -> bytes:
     header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                          st.st_dev, 0)  # fmt: skip
     return b"HPCDLPA1" + header + body + struct.pack("<Q", digest)
-
-
-class FakePeer:
-    """A Python peer on 127.0.0.1:port (0: any) that serves each connection on a thread of its
-    own with self.serve(conn), until close()."""
-
-    def __init__(self, port: int = 0):
-        self.server = socket.create_server(("127.0.0.1", port))
-        self.server.settimeout(0.2)
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
-
-    def serve(self, conn: socket.socket) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-        self.server.close()
 
 
 class Impostor(FakePeer):
@@ -220,13 +194,13 @@ class TricklingPeer(FakePeer):
             nonce = os.urandom(32)
             signed = b"hpcdl-peer server\0" + hello[8:] + nonce + self.address.encode()
             conn.sendall(b"HPCDLPS2" + nonce + hmac.new(self.key, signed, "sha256").digest())
-            request = conn.recv(32 + 24, socket.MSG_WAITALL)[32:]
+            request = conn.recv(32 + 40, socket.MSG_WAITALL)[32:]
             file_id, _, size = struct.unpack_from("<IIQ", request, 8)
             source = self.ds.root / self.ds.files[file_id].relpath
             st = source.stat()
             header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                                  st.st_dev, 0)  # fmt: skip
-            conn.sendall(b"HPCDLPA2" + header)
+            conn.sendall(b"HPCDLPA3" + header)
             for byte in source.read_bytes():
                 if self.stop.wait(1.0):
                     return
@@ -292,64 +266,6 @@ def test_a_flood_of_strangers_leaves_a_real_peer_its_files(home, tmp_path, capsy
     assert flood["rate"] >= 1000, "the flood was too slow to test anything"
     for from_peer, err in got:
         assert from_peer >= 0.9 * FILES, err
-
-
-class ProvingPeer(FakePeer):
-    """A Python peer that holds the job's secret: it proves it, then answers each request on the
-    connection with reply(request, number, nonces) (the bytes to send), counting connections
-    and requests. The first `drop` connections it closes at once, unread."""
-
-    def __init__(self, ds, secret: str, drop: int = 0):
-        self.ds, self.key, self.drop = ds, bytes.fromhex(secret), drop
-        self.connections = self.requests = 0
-        self.lock = threading.Lock()
-        super().__init__()
-
-    def serve(self, conn: socket.socket) -> None:
-        with contextlib.suppress(OSError), conn:
-            with self.lock:
-                self.connections += 1
-                if self.connections <= self.drop:
-                    return
-            conn.settimeout(5)
-            hello = conn.recv(40, socket.MSG_WAITALL)
-            nonces = hello[8:] + os.urandom(32)
-            signed = b"hpcdl-peer server\0" + nonces + self.address.encode()
-            proof = hmac.new(self.key, signed, "sha256").digest()
-            conn.sendall(b"HPCDLPS2" + nonces[32:] + proof)
-            request = conn.recv(32 + 24, socket.MSG_WAITALL)[32:]
-            number = 0
-            while len(request) == 24:
-                with self.lock:
-                    self.requests += 1
-                conn.sendall(self.reply(request, number, nonces))
-                number += 1
-                request = conn.recv(24, socket.MSG_WAITALL)
-
-    def header_and_body(self, request: bytes) -> tuple[bytes, bytes]:
-        """A served reply's header (the source's identity) and the source's bytes."""
-        file_id, _, size = struct.unpack_from("<IIQ", request, 8)
-        source = self.ds.root / self.ds.files[file_id].relpath
-        st = source.stat()
-        header = struct.pack("<II6Q", 0, 0, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
-                             st.st_dev, 0)  # fmt: skip
-        return b"HPCDLPA2" + header, source.read_bytes()
-
-    def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
-        """The honest reply: the bytes and their MAC (docs/staging.md, "Handshake")."""
-        header, body = self.header_and_body(request)
-        signed = b"hpcdl-peer reply\0" + nonces + struct.pack("<Q", number) + request
-        return header + body + hmac.new(self.key, signed + header + body, "sha256").digest()
-
-
-class ForgingPeer(ProvingPeer):
-    """A peer that proves the job's secret (a damaged node, or one with the secret that lies)
-    and answers every request with the source's metadata, forged bytes and a MAC that is not
-    theirs."""
-
-    def reply(self, request: bytes, number: int, nonces: bytes) -> bytes:
-        header, body = self.header_and_body(request)
-        return header + b"F" * len(body) + os.urandom(32)
 
 
 @pytest.mark.parametrize("drop", [4, 10**6])

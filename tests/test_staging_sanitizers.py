@@ -149,14 +149,19 @@ def test_the_sanitized_peer_tier_serves_fetches_and_refuses_clean(sanitized, tmp
 
 
 def _valid_plan(src: Path, files: int) -> bytes:
+    """Every file whole, and two pieces of file 0 (slots files, files + 1: docs/staging.md)."""
+    size0 = (src / "f0").stat().st_size
     head = ["hpcdl-plan 1", "fingerprint 00000000000000aa", "seed 0", "epochs 0 2"]
-    head += ["steps_per_epoch 4", "local_ranks 2", f"dataset_files {files}", f"entries {files}"]
+    head += ["steps_per_epoch 4", "local_ranks 2", f"dataset_files {files + 2}"]
+    head.append(f"entries {files + 2}")
     rows = [
         f"{i}\t{(src / f'f{i}').stat().st_size}\t{i % 4},{4 + i % 4}\tk/d{i % 2}/f{i}\t{src}/f{i}"
         for i in range(files)
     ]
+    rows += [f"{files + k}\t40\t{k + 1}\tk/d0/f0.pieces/{30 * k}\t{src}/f0" for k in range(2)]
     peers = ["peers 1", "0\t127.0.0.1:9", "peer_sources 2", "0\t0\t1", "3\t0\t0"]  # unused
-    return "\n".join(head + rows + peers + ["end", ""]).encode()
+    pieces = ["pieces 2", f"{files}\t0\t{size0}\t0", f"{files + 1}\t0\t{size0}\t30"]
+    return "\n".join(head + rows + peers + pieces + ["end", ""]).encode()
 
 
 def _mutate(plan: bytes, rng: random.Random) -> bytes:
@@ -201,7 +206,8 @@ def _no_sanitizer_report(proc: subprocess.CompletedProcess) -> None:
 
 
 def test_fuzzed_plans_never_crash_the_sanitized_stager(sanitized_build, tmp_path):
-    """Thousands of random and mutated plans: each is accepted or refused, never a crash."""
+    """Thousands of random and mutated plans (pieces among them): each is accepted or refused,
+    never a crash."""
     rng = random.Random(19)
     src = tmp_path / "src"
     src.mkdir()
@@ -257,3 +263,6 @@ def test_fuzzed_plans_never_crash_the_sanitized_stager(sanitized_build, tmp_path
             assert run.returncode == 0, run.stderr
             for i in range(6):
                 assert (stage / f"k/d{i % 2}/f{i}").read_bytes() == (src / f"f{i}").read_bytes()
+            for offset in (0, 30):  # and each piece its range of f0
+                piece = (stage / f"k/d0/f0.pieces/{offset}").read_bytes()
+                assert piece == (src / "f0").read_bytes()[offset : offset + 40]

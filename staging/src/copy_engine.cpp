@@ -282,19 +282,34 @@ std::optional<CopyResult> CopyEngine::open_temp(const std::string& tmp,
   return std::nullopt;
 }
 
+std::optional<CopyResult> CopyEngine::open_source(const std::string& source,
+                                                  const SourceRange& range, UniqueFd& src,
+                                                  struct stat& st) {
+  pfs_.on_open();
+  src = UniqueFd(::open(source.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!src.valid()) return error_result(errno, "cannot open source", source);
+  if (::fstat(src.get(), &st) != 0) return error_result(errno, "cannot stat source", source);
+  if (!S_ISREG(st.st_mode)) return error_result(EISDIR, "source is not a regular file", source);
+  if (!range.whole && static_cast<uint64_t>(st.st_size) != range.source_size) {
+    return CopyResult{CopyOutcome::Failed, 0,
+                      "source " + source + " has " + std::to_string(st.st_size) +
+                          " bytes, not the " + std::to_string(range.source_size) +
+                          " its pieces were planned in; marked FAILED, readers use the PFS copy",
+                      {}};
+  }
+  ::posix_fadvise(src.get(), static_cast<off_t>(range.whole ? 0 : range.offset),
+                  static_cast<off_t>(range.whole ? 0 : range.length), POSIX_FADV_SEQUENTIAL);
+  return std::nullopt;
+}
+
 CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
-                            std::vector<char>& buffer, unsigned tag) {
+                            std::vector<char>& buffer, unsigned tag, const SourceRange& range) {
   const std::string dest_path = tree_.root() + "/" + dest;
   int dirfd = -1;
   if (auto failed = dest_dir(dest, dirfd)) return *failed;
-
-  pfs_.on_open();
-  UniqueFd src(::open(source.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!src.valid()) return error_result(errno, "cannot open source", source);
+  UniqueFd src;
   struct stat st {};
-  if (::fstat(src.get(), &st) != 0) return error_result(errno, "cannot stat source", source);
-  if (!S_ISREG(st.st_mode)) return error_result(EISDIR, "source is not a regular file", source);
-  ::posix_fadvise(src.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  if (auto failed = open_source(source, range, src, st)) return *failed;
 
   // One temporary name per copy thread, in the session directory: the tree of staged files
   // never holds a partial file, and a dead stager's temporaries go with its session.
@@ -305,14 +320,17 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   // Every return below removes the temporary name (a published copy keeps its other link).
   const TempGuard guard{tmp_dir_.get(), tmp};
 
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  // The bytes: the whole source as it is now, or the piece's range of it.
+  const uint64_t offset = range.whole ? 0 : range.offset;
+  const uint64_t size = range.whole ? static_cast<uint64_t>(st.st_size) : range.length;
   uint64_t copied = 0;
   Fnv1a64 source_hash;
   bool kernel = !(pfs_.active() || verify_);  // the emulation and the checksum need the bytes
   std::optional<CopyResult> stop;
-  if (kernel) stop = kernel_copy(src.get(), out.get(), size, dest_path, copied, kernel);
+  if (kernel) stop = kernel_copy(src.get(), out.get(), offset, size, dest_path, copied, kernel);
   if (!stop && !kernel) {
-    stop = stream_copy(src.get(), out.get(), source, dest_path, buffer, copied, source_hash);
+    stop = stream_copy(src.get(), out.get(), offset, size, source, dest_path, buffer, copied,
+                       source_hash);
   }
   if (!stop) stop = check_copy(tmp, source, dest_path, size, copied, buffer, source_hash);
   if (stop) return *stop;
@@ -337,17 +355,18 @@ CopyResult CopyEngine::copy(const std::string& source, const std::string& dest,
   return r;
 }
 
-std::optional<CopyResult> CopyEngine::kernel_copy(int src, int out, uint64_t size,
-                                                  const std::string& dest_path, uint64_t& copied,
-                                                  bool& kernel) {
+std::optional<CopyResult> CopyEngine::kernel_copy(int src, int out, uint64_t offset,
+                                                  uint64_t size, const std::string& dest_path,
+                                                  uint64_t& copied, bool& kernel) {
   bool use_sendfile = false;
   while (copied < size) {
     if (cancel_.load(std::memory_order_relaxed)) {
       return CopyResult{CopyOutcome::Cancelled, copied, "", {}};
     }
     size_t want = static_cast<size_t>(std::min<uint64_t>(size - copied, kKernelChunk));
-    ssize_t n = use_sendfile ? ::sendfile(out, src, nullptr, want)
-                             : ::copy_file_range(src, nullptr, out, nullptr, want, 0);
+    off_t from = static_cast<off_t>(offset + copied);
+    ssize_t n = use_sendfile ? ::sendfile(out, src, &from, want)
+                             : ::copy_file_range(src, &from, out, nullptr, want, 0);
     if (n < 0) {
       int err = errno;
       if (err == EINTR) continue;
@@ -368,15 +387,17 @@ std::optional<CopyResult> CopyEngine::kernel_copy(int src, int out, uint64_t siz
   return std::nullopt;
 }
 
-std::optional<CopyResult> CopyEngine::stream_copy(int src, int out, const std::string& source,
+std::optional<CopyResult> CopyEngine::stream_copy(int src, int out, uint64_t offset,
+                                                  uint64_t size, const std::string& source,
                                                   const std::string& dest_path,
                                                   std::vector<char>& buffer, uint64_t& copied,
                                                   Fnv1a64& source_hash) {
-  for (;;) {
+  while (copied < size) {
     if (cancel_.load(std::memory_order_relaxed)) {
       return CopyResult{CopyOutcome::Cancelled, copied, "", {}};
     }
-    ssize_t n = ::read(src, buffer.data(), buffer.size());
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(size - copied, buffer.size()));
+    ssize_t n = ::pread(src, buffer.data(), want, static_cast<off_t>(offset + copied));
     if (n < 0) {
       if (errno == EINTR) continue;
       return error_result(errno, "cannot read source", source);
@@ -389,6 +410,7 @@ std::optional<CopyResult> CopyEngine::stream_copy(int src, int out, const std::s
     }
     copied += static_cast<uint64_t>(n);
   }
+  return std::nullopt;
 }
 
 std::optional<CopyResult> CopyEngine::check_copy(const std::string& tmp, const std::string& source,
@@ -417,7 +439,8 @@ std::optional<CopyResult> CopyEngine::check_copy(const std::string& tmp, const s
   return std::nullopt;
 }
 
-CopyResult CopyEngine::receive(const std::string& source, const std::string& dest, uint64_t size,
+CopyResult CopyEngine::receive(const std::string& source, const std::string& dest,
+                               const SourceRange& range,
                                const std::function<Received(int fd)>& fill, unsigned tag) {
   const std::string dest_path = tree_.root() + "/" + dest;
   int dirfd = -1;
@@ -433,7 +456,8 @@ CopyResult CopyEngine::receive(const std::string& source, const std::string& des
   if (!got.ok) return {CopyOutcome::Failed, 0, got.message, {}};
   struct stat made {};
   if (::fstat(out.get(), &made) != 0) return error_result(errno, "cannot stat", dest_path);
-  if (static_cast<uint64_t>(made.st_size) != size || got.source_id.size != size) {
+  if (static_cast<uint64_t>(made.st_size) != range.length ||
+      got.source_id.size != range.source_size) {
     return {CopyOutcome::Failed, 0, "a received copy of " + dest_path + " has the wrong size", {}};
   }
   if (verify_ && !got.has_checksum) {
@@ -449,7 +473,7 @@ CopyResult CopyEngine::receive(const std::string& source, const std::string& des
                          CopyId{static_cast<uint64_t>(made.st_ino),
                                 static_cast<uint64_t>(made.st_dev)});
   if (r.outcome == CopyOutcome::Ok) {
-    r.bytes = size;
+    r.bytes = range.length;
     r.source_id = got.source_id;
     r.has_checksum = got.has_checksum;
     r.checksum = got.checksum;
@@ -496,15 +520,18 @@ CopyResult CopyEngine::publish(const std::string& tmp, int dirfd, const std::str
   return error_result(EEXIST, "cannot publish (link)", dest_path);
 }
 
+int CopyEngine::existing_dir(const std::string& dir) {
+  try {
+    return tree_.dir_for(dir, false);
+  } catch (const StageError&) {
+    return -1;
+  }
+}
+
 std::optional<CopyId> CopyEngine::reusable(const std::string& source, const std::string& dest,
                                            uint64_t size, std::vector<char>& buffer) {
   const auto [dir, base] = split_dest(dest);
-  int dirfd = -1;
-  try {
-    dirfd = tree_.dir_for(dir, false);
-  } catch (const StageError&) {
-    return std::nullopt;
-  }
+  const int dirfd = existing_dir(dir);
   if (dirfd < 0) return std::nullopt;
   struct stat local {};
   if (::fstatat(dirfd, base.c_str(), &local, AT_SYMLINK_NOFOLLOW) != 0) return std::nullopt;
@@ -544,6 +571,19 @@ int CopyEngine::remove(const std::string& dest, CopyId id) {
   if (static_cast<uint64_t>(there.st_ino) != id.ino ||
       static_cast<uint64_t>(there.st_dev) != id.dev) {
     return ENOENT;  // replaced since: not the file this stager made
+  }
+  return ::unlinkat(dirfd, base.c_str(), 0) == 0 ? 0 : errno;
+}
+
+int CopyEngine::discard(const std::string& dest) {
+  const auto [dir, base] = split_dest(dest);
+  const int dirfd = existing_dir(dir);
+  struct stat there {};
+  if (dirfd < 0 || ::fstatat(dirfd, base.c_str(), &there, AT_SYMLINK_NOFOLLOW) != 0 ||
+      !S_ISREG(there.st_mode) ||
+      !manifest_.find(dest, static_cast<uint64_t>(there.st_ino),
+                      static_cast<uint64_t>(there.st_dev))) {
+    return 0;
   }
   return ::unlinkat(dirfd, base.c_str(), 0) == 0 ? 0 : errno;
 }

@@ -94,6 +94,17 @@ struct CopyResult {
   FileIdentity source_id;     // the source's identity recorded in the manifest, when Ok
 };
 
+// The bytes of a source that a copy takes: the whole file, or a piece of a shard (the plan's
+// pieces section): [offset, offset + length) of a source of `source_size` bytes. A PFS copy of
+// a whole file takes the file as it is when opened (its length and source_size unused).
+struct SourceRange {
+  uint64_t offset = 0;
+  uint64_t length = 0;       // the copy's bytes
+  uint64_t source_size = 0;  // the whole source's, as the plan lists it
+  bool whole = true;
+  static SourceRange file(uint64_t size) { return SourceRange{0, size, size, true}; }
+};
+
 // What a source other than the PFS (a peer, peer.h) wrote into a temporary file.
 struct Received {
   bool ok = false;
@@ -118,16 +129,18 @@ class CopyEngine {
   CopyEngine(StageTree& tree, Manifest& manifest, const std::string& tmp_dir, PfsEmulation& pfs,
              bool verify, const std::atomic<bool>& cancel);
 
-  // Copies `source` to `dest` (relative to the stage dir); `buffer` is the calling thread's
-  // scratch space, `tag` makes its temporary name unique. A file at `dest` that the manifest
-  // does not list is never replaced: the copy then FAILS and readers use the PFS.
+  // Copies `source` (the whole file as it is now, or a piece's range of it, which must then be
+  // range.source_size bytes) to `dest` (relative to the stage dir); `buffer` is the calling
+  // thread's scratch space, `tag` makes its temporary name unique. A file at `dest` that the
+  // manifest does not list is never replaced: the copy then FAILS and readers use the PFS.
   CopyResult copy(const std::string& source, const std::string& dest, std::vector<char>& buffer,
-                  unsigned tag);
+                  unsigned tag, const SourceRange& range = SourceRange());
 
-  // Publishes `dest` from bytes that `fill` writes into the temporary file (a peer's copy)
-  // by copy()'s rules: a temporary file in the session dir, the size the plan says, the
-  // source's mtime, a manifest record with the source identity `fill` reports, linkat.
-  CopyResult receive(const std::string& source, const std::string& dest, uint64_t size,
+  // Publishes `dest` from bytes that `fill` writes into the temporary file (a peer's copy of
+  // `range` of the source) by copy()'s rules: a temporary file in the session dir, the range's
+  // length, the source's mtime, a manifest record with the source identity `fill` reports (of
+  // the size the range says), linkat.
+  CopyResult receive(const std::string& source, const std::string& dest, const SourceRange& range,
                      const std::function<Received(int fd)>& fill, unsigned tag);
 
   // The copy at `dest` when it may be reused: the manifest lists it as made from `source`, and
@@ -139,27 +152,41 @@ class CopyEngine {
   // Removes `dest` when it is still the file `id`; returns 0 or the errno.
   int remove(const std::string& dest, CopyId id);
 
+  // Removes the file at `dest` when the manifest lists it (hpcdl made it: a piece an earlier
+  // job left, never reused); anything else there is left alone. Returns 0 or the errno.
+  int discard(const std::string& dest);
+
  private:
   // The directory of `dest`, created as needed: its descriptor in `dirfd`, or the result to
   // return when it cannot be made.
   std::optional<CopyResult> dest_dir(const std::string& dest, int& dirfd);
+  // The existing directory `dir` (relative to the stage dir): its descriptor, or -1 when it is
+  // missing or not a directory reached without a symlink.
+  int existing_dir(const std::string& dir);
 
   // This thread's temporary file `tmp` in the session dir, created new (a leftover of a dead
   // copy of the same thread is removed first), in `out`; or the result to return.
   std::optional<CopyResult> open_temp(const std::string& tmp, const std::string& dest_path,
                                       UniqueFd& out);
 
-  // copy()'s three steps. Each returns the result to return, or nothing to go on.
-  // The kernel's copy (copy_file_range, else sendfile) of `size` bytes; counts into `copied`,
-  // and turns `kernel` false, with nothing copied, where neither call applies.
-  std::optional<CopyResult> kernel_copy(int src, int out, uint64_t size,
+  // `source` opened into `src` (a regular file; for a piece, of the size its range says), its
+  // stat in `st`; or the result to return.
+  std::optional<CopyResult> open_source(const std::string& source, const SourceRange& range,
+                                        UniqueFd& src, struct stat& st);
+
+  // copy()'s three steps, over bytes [offset, offset + size) of the source. Each returns the
+  // result to return, or nothing to go on.
+  // The kernel's copy (copy_file_range, else sendfile); counts into `copied`, and turns
+  // `kernel` false, with nothing copied, where neither call applies.
+  std::optional<CopyResult> kernel_copy(int src, int out, uint64_t offset, uint64_t size,
                                         const std::string& dest_path, uint64_t& copied,
                                         bool& kernel);
-  // read/write through `buffer`: the emulated PFS's pace, the source checksum with verify.
-  std::optional<CopyResult> stream_copy(int src, int out, const std::string& source,
-                                        const std::string& dest_path, std::vector<char>& buffer,
-                                        uint64_t& copied, Fnv1a64& source_hash);
-  // The copy has the source's size and, with verify, its checksum (read back from `tmp`).
+  // pread/write through `buffer`: the emulated PFS's pace, the source checksum with verify.
+  std::optional<CopyResult> stream_copy(int src, int out, uint64_t offset, uint64_t size,
+                                        const std::string& source, const std::string& dest_path,
+                                        std::vector<char>& buffer, uint64_t& copied,
+                                        Fnv1a64& source_hash);
+  // The copy has `size` bytes and, with verify, the source's checksum (read back from `tmp`).
   std::optional<CopyResult> check_copy(const std::string& tmp, const std::string& source,
                                        const std::string& dest_path, uint64_t size,
                                        uint64_t copied, std::vector<char>& buffer,

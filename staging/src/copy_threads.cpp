@@ -108,7 +108,7 @@ CopyThreads::Done CopyThreads::run(const Job& job, std::vector<char>& buffer, un
                    result.outcome != CopyOutcome::Cancelled;
   for (int attempt = 0; pfs && attempt < kMaxAttempts; ++attempt) {
     pfs_opens_.fetch_add(1);
-    result = engine_.copy(job.source, job.dest, buffer, tag);
+    result = engine_.copy(job.source, job.dest, buffer, tag, job.range());
     if (result.outcome != CopyOutcome::Transient || cancel_.load()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50 << (2 * attempt)));
   }
@@ -127,7 +127,7 @@ CopyResult CopyThreads::fetch_from(const PeerAddress& peer, const Job& job,
                                    std::vector<char>& buffer, unsigned tag,
                                    PeerOutcome* outcome) {
   PeerOutcome& how = *outcome;  // the caller decides on "not here" too
-  CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.size, job.source,
+  CopyResult r = copy_from_peer(engine_, *client_, peer, job.file_id, job.range(), job.source,
                                 job.dest, verify_, buffer, tag, cancel_, &how);
   if (how == PeerOutcome::Cancelled) r.outcome = CopyOutcome::Cancelled;
   const bool lost = how == PeerOutcome::Unreachable || how == PeerOutcome::Refused;

@@ -36,10 +36,13 @@ class CopyThreads {
   struct Job {
     size_t entry;
     std::string source, dest;
-    uint32_t file_id = 0;
-    uint64_t size = 0;
+    uint32_t file_id = 0;  // the file's id in its home's plan (a piece: its shard's)
+    uint64_t size = 0;     // the copy's bytes (a piece: its length)
     std::optional<PeerAddress> peer;  // fetch from this peer first (the plan's peer section)
     bool may_wait = false;  // its use is far enough ahead to ask the peer again on "not here"
+    std::optional<SourceRange> piece{};  // a piece of a shard: its range (else the whole file)
+
+    SourceRange range() const { return piece ? *piece : SourceRange::file(size); }
   };
 
   struct Done {

@@ -259,7 +259,8 @@ bool PeerServer::handshake_step(Conn& conn) {
 UniqueFd PeerServer::open_served(const Request& req, ServedCopy* copy) {
   const bool want_checksum = (req.flags & kAskChecksum) != 0;
   if (!lookup(req.file_id, copy) || copy->size != req.size ||
-      (want_checksum && !copy->has_checksum)) {
+      (want_checksum && !copy->has_checksum) || req.offset > copy->size ||
+      req.length > copy->size - req.offset) {
     return UniqueFd();
   }
   UniqueFd file;
@@ -294,9 +295,9 @@ bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
   const uint64_t number = conn.requests++;
   ServedCopy copy;
   const UniqueFd file = open_served(req, &copy);
-  // The reply's bytes, at kPeerMinRate at least, after the request's own allowance.
+  // The range's bytes, at kPeerMinRate at least, after the request's own allowance.
   const auto deadline = started + std::chrono::milliseconds(kPeerRequestDeadlineMs) +
-                        std::chrono::milliseconds(file.valid() ? copy.size * 1000 / kPeerMinRate : 0);
+                        std::chrono::milliseconds(file.valid() ? req.length * 1000 / kPeerMinRate : 0);
   if (!file.valid()) {
     const Reply no = reply_of(kNotHere);
     return send_all(fd, &no, sizeof no, deadline, stop_) == 0;
@@ -312,19 +313,19 @@ bool PeerServer::answer(Conn& conn, std::vector<char>& buffer) {
   Hmac mac(secret_);
   start_reply_mac(mac, conn.nonces, number, req, r);
   if (send_all(fd, &r, sizeof r, deadline, stop_, true) != 0) return false;
-  uint64_t left = copy.size;
-  while (left > 0) {
-    const ssize_t n = ::read(file.get(), buffer.data(), std::min<uint64_t>(left, buffer.size()));
+  for (uint64_t sent = 0; sent < req.length;) {
+    const ssize_t n = ::pread(file.get(), buffer.data(), std::min<uint64_t>(req.length - sent, buffer.size()),
+                              static_cast<off_t>(req.offset + sent));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return false;  // truncated meanwhile: the client sees a short reply
     mac.update(buffer.data(), static_cast<size_t>(n));
     if (send_all(fd, buffer.data(), static_cast<size_t>(n), deadline, stop_, true) != 0) return false;
-    left -= static_cast<uint64_t>(n);
+    sent += static_cast<uint64_t>(n);
   }
   const PeerMac tag = mac.finish();
   if (send_all(fd, tag.data(), tag.size(), deadline, stop_) != 0) return false;
   files_served_.fetch_add(1);
-  bytes_served_.fetch_add(copy.size);
+  bytes_served_.fetch_add(req.length);
   return true;
 }
 
@@ -374,28 +375,28 @@ PeerFetch failed_fetch(PeerOutcome outcome, const std::string& why) {
 }
 
 // A wait that ended in `err` while `what` (cancelled, or the deadline, or the connection).
-PeerFetch lost_fetch(int err, const std::string& peer, const std::string& what, uint64_t size) {
+PeerFetch lost_fetch(int err, const std::string& peer, const std::string& what, uint64_t bytes) {
   if (err == ECANCELED) return failed_fetch(PeerOutcome::Cancelled, "cancelled");
   const std::string why =
       err == ETIMEDOUT ? "not within its " + std::to_string(kPeerRequestDeadlineMs / 1000) +
-                             " s + " + std::to_string(size / kPeerMinRate) + " s deadline"
+                             " s + " + std::to_string(bytes / kPeerMinRate) + " s deadline"
                        : errno_text(err);
   return failed_fetch(PeerOutcome::Unreachable, "peer " + peer + " " + what + " (" + why + ")");
 }
 
-// A served reply's bytes into `out_fd`, then its MAC (started over the header by the caller)
-// and with verify the source checksum, all checked.
-PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, Hmac& mac, bool verify,
-                       int out_fd, std::vector<char>& buffer, Clock::time_point deadline,
-                       const std::atomic<bool>& cancel) {
+// A served reply's `length` bytes (the range asked for) into `out_fd`, then its MAC (started
+// over the header by the caller) and with verify the source checksum, all checked.
+PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, uint64_t length,
+                       Hmac& mac, bool verify, int out_fd, std::vector<char>& buffer,
+                       Clock::time_point deadline, const std::atomic<bool>& cancel) {
   Fnv1a64 got;  // with verify: the source checksum the home recorded
-  uint64_t left = r.size;
+  uint64_t left = length;
   while (left > 0) {
     size_t n = 0;
     const size_t want = static_cast<size_t>(std::min<uint64_t>(left, buffer.size()));
     if (int err = recv_some(fd, buffer.data(), want, deadline, cancel, &n)) {
-      const std::string sent = std::to_string(r.size - left) + " of " + std::to_string(r.size);
-      return lost_fetch(err, peer, "sent " + sent + " bytes", r.size);
+      const std::string sent = std::to_string(length - left) + " of " + std::to_string(length);
+      return lost_fetch(err, peer, "sent " + sent + " bytes", length);
     }
     mac.update(buffer.data(), n);
     if (verify) got.update(buffer.data(), n);
@@ -408,7 +409,7 @@ PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, Hmac& ma
   }
   unsigned char tag[kPeerMacBytes];
   if (int err = recv_all(fd, tag, sizeof tag, deadline, cancel)) {
-    return lost_fetch(err, peer, "ended early", r.size);
+    return lost_fetch(err, peer, "ended early", length);
   }
   if (!same_mac(mac.finish(), tag)) {
     return failed_fetch(PeerOutcome::Bad,
@@ -430,14 +431,16 @@ PeerFetch receive_copy(int fd, const std::string& peer, const Reply& r, Hmac& ma
 // peer closed while it was idle).
 PeerFetch exchange(PeerClient::Session& session, const std::string& peer,
                    const std::string& secret, const PeerMac* ours, uint32_t file_id,
-                   uint64_t size, bool verify, int out_fd, std::vector<char>& buffer,
+                   const SourceRange& range, bool verify, int out_fd, std::vector<char>& buffer,
                    Clock::time_point deadline, const std::atomic<bool>& cancel, bool* stale) {
   const int fd = session.fd.get();
   Request req{};
   std::memcpy(req.magic, kRequestMagic, sizeof req.magic);
   req.file_id = file_id;
   req.flags = verify ? kAskChecksum : 0;
-  req.size = size;
+  req.size = range.source_size;
+  req.offset = range.offset;
+  req.length = range.length;
   unsigned char out[kPeerMacBytes + sizeof req];
   size_t len = 0;
   if (ours != nullptr) {
@@ -449,14 +452,14 @@ PeerFetch exchange(PeerClient::Session& session, const std::string& peer,
   const uint64_t number = session.requests++;
   if (int err = send_all(fd, out, len, deadline, cancel)) {
     *stale = err == EPIPE || err == ECONNRESET;
-    return lost_fetch(err, peer, "did not take the request", size);
+    return lost_fetch(err, peer, "did not take the request", range.length);
   }
   Reply r{};
   size_t peeked = 0;  // the reply's first byte: a pooled connection closed meanwhile fails here
   int err = recv_some(fd, &r, 1, deadline, cancel, &peeked, MSG_PEEK);
   *stale = err == ECONNRESET;
   if (err == 0) err = recv_all(fd, &r, sizeof r, deadline, cancel);
-  if (err != 0) return lost_fetch(err, peer, "did not answer", size);
+  if (err != 0) return lost_fetch(err, peer, "did not answer", range.length);
   const std::string who = "peer " + peer;
   if (std::memcmp(r.magic, kReplyMagic, sizeof r.magic) != 0) {
     return failed_fetch(PeerOutcome::Bad, who + " answered with a malformed reply");
@@ -465,11 +468,11 @@ PeerFetch exchange(PeerClient::Session& session, const std::string& peer,
     return failed_fetch(PeerOutcome::Refused, who + " refused our proof of the job's secret");
   }
   if (r.status != kServed) return failed_fetch(PeerOutcome::NotHere, who + " does not hold it");
-  if (r.size != size) return failed_fetch(PeerOutcome::Bad, who + " offered another size");
+  if (r.size != req.size) return failed_fetch(PeerOutcome::Bad, who + " offered another size");
   if (verify && !r.has_checksum) return failed_fetch(PeerOutcome::Bad, who + " has no checksum");
   Hmac mac(secret);
   start_reply_mac(mac, session.nonces, number, req, r);
-  return receive_copy(fd, peer, r, mac, verify, out_fd, buffer, deadline, cancel);
+  return receive_copy(fd, peer, r, req.length, mac, verify, out_fd, buffer, deadline, cancel);
 }
 
 }  // namespace
@@ -545,12 +548,12 @@ PeerFetch PeerClient::open_session(const PeerAddress& peer, const std::string& k
   }
 }
 
-PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
-                            int out_fd, std::vector<char>& buffer,
+PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, const SourceRange& range,
+                            bool verify, int out_fd, std::vector<char>& buffer,
                             const std::atomic<bool>& cancel) {
   const std::string key = peer.host + ":" + std::to_string(peer.port);
   const auto deadline = Clock::now() + std::chrono::milliseconds(kPeerRequestDeadlineMs) +
-                        std::chrono::milliseconds(size * 1000 / kPeerMinRate);
+                        std::chrono::milliseconds(range.length * 1000 / kPeerMinRate);
   for (;;) {
     Session session = take(key);
     const bool reused = session.fd.valid();
@@ -560,7 +563,7 @@ PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t 
       if (shook.outcome != PeerOutcome::Ok) return shook;
     }
     bool stale = false;
-    PeerFetch got = exchange(session, key, secret_, reused ? nullptr : &ours, file_id, size,
+    PeerFetch got = exchange(session, key, secret_, reused ? nullptr : &ours, file_id, range,
                              verify, out_fd, buffer, deadline, cancel, &stale);
     if (reused && stale) continue;  // closed by the peer while idle: again on a new connection
     if (got.outcome == PeerOutcome::Ok || got.outcome == PeerOutcome::NotHere) {
@@ -571,12 +574,12 @@ PeerFetch PeerClient::fetch(const PeerAddress& peer, uint32_t file_id, uint64_t 
 }
 
 CopyResult copy_from_peer(CopyEngine& engine, PeerClient& client, const PeerAddress& peer,
-                          uint32_t file_id, uint64_t size, const std::string& source,
+                          uint32_t file_id, const SourceRange& range, const std::string& source,
                           const std::string& dest, bool verify, std::vector<char>& buffer,
                           unsigned tag, const std::atomic<bool>& cancel, PeerOutcome* outcome) {
   *outcome = PeerOutcome::Ok;
   auto fill = [&](int fd) {
-    const PeerFetch got = client.fetch(peer, file_id, size, verify, fd, buffer, cancel);
+    const PeerFetch got = client.fetch(peer, file_id, range, verify, fd, buffer, cancel);
     *outcome = got.outcome;
     Received r;
     r.ok = got.outcome == PeerOutcome::Ok;
@@ -587,7 +590,7 @@ CopyResult copy_from_peer(CopyEngine& engine, PeerClient& client, const PeerAddr
     r.checksum = got.checksum;
     return r;
   };
-  CopyResult result = engine.receive(source, dest, size, fill, tag);
+  CopyResult result = engine.receive(source, dest, range, fill, tag);
   if (result.outcome != CopyOutcome::Ok && *outcome == PeerOutcome::Ok) {
     *outcome = PeerOutcome::Unpublished;  // received whole, but not publishable (size, link)
   }

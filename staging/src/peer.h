@@ -30,8 +30,9 @@ namespace hpcdl {
 constexpr size_t kPeerSecretBytes = 32;
 constexpr int kPeerConnectTimeoutMs = 2000;  // a dead node: then the PFS
 // S: a server gives a connection this long from its accept to a finished handshake, and an
-// authenticated one this long for each whole request; a fetch gets this long plus the file's
-// size at kPeerMinRate for the whole of it (connect, handshake, reply, bytes, MAC).
+// authenticated one this long for each whole request; a fetch gets this long plus the bytes it
+// asks for (a range's length) at kPeerMinRate for the whole of it (connect, handshake, reply,
+// bytes, MAC).
 constexpr int kPeerRequestDeadlineMs = 5000;
 constexpr uint64_t kPeerMinRate = 1u << 20;  // bytes/s: a peer slower than this is given up
 constexpr unsigned kPeerServeThreads = 4;    // serving threads per stager
@@ -120,7 +121,8 @@ class PeerServer {
   bool handshake_step(Conn& conn);                     // false: close the connection
   bool answer(Conn& conn, std::vector<char>& buffer);  // false: close the connection
   bool lookup(uint32_t file_id, ServedCopy* out);
-  // The file a request asks for, opened, when it may be served (its copy in *copy); else none.
+  // The file a request asks for, opened, when it may be served (its copy in *copy) and the
+  // range lies within it; else none.
   UniqueFd open_served(const wire::Request& req, ServedCopy* copy);
   void refused(const Conn& conn, const std::string& why);
 
@@ -161,14 +163,17 @@ class PeerClient {
  public:
   explicit PeerClient(std::string secret) : secret_(std::move(secret)) {}
 
-  // Fetches file `file_id` of `size` bytes from `peer` into `out_fd` (at its current offset).
-  // verify: ask for the source checksum and compare the received bytes with it. Never waits
-  // more than kPeerRequestDeadlineMs plus `size` at kPeerMinRate in all (a pooled connection
+  // Fetches `range` of file `file_id` (of range.source_size bytes) from `peer` into `out_fd`
+  // (at its current offset). verify (whole files only: the home holds the checksum of the
+  // whole source): ask for the source checksum and compare the received bytes with it. Never
+  // waits more than kPeerRequestDeadlineMs plus the range's length at kPeerMinRate in all (a
+  // pooled connection
   // the peer has closed is replaced by a new one, before any byte is written; a new one whose
   // connect or handshake fails fast is tried again, kPeerHandshakeTries in all, within that
   // deadline), and notices `cancel` within 100 ms.
-  PeerFetch fetch(const PeerAddress& peer, uint32_t file_id, uint64_t size, bool verify,
-                  int out_fd, std::vector<char>& buffer, const std::atomic<bool>& cancel);
+  PeerFetch fetch(const PeerAddress& peer, uint32_t file_id, const SourceRange& range,
+                  bool verify, int out_fd, std::vector<char>& buffer,
+                  const std::atomic<bool>& cancel);
   uint64_t connections_opened() const { return opened_.load(); }
 
   // An authenticated connection: its descriptor, the handshake's nonces and the requests it
@@ -199,7 +204,7 @@ class PeerClient {
 // PeerClient::fetch through `engine`: the copy is published at `dest` by the rules of any staged
 // copy (CopyEngine::receive). `outcome` receives how the peer answered (Ok when published).
 CopyResult copy_from_peer(CopyEngine& engine, PeerClient& client, const PeerAddress& peer,
-                          uint32_t file_id, uint64_t size, const std::string& source,
+                          uint32_t file_id, const SourceRange& range, const std::string& source,
                           const std::string& dest, bool verify, std::vector<char>& buffer,
                           unsigned tag, const std::atomic<bool>& cancel, PeerOutcome* outcome);
 

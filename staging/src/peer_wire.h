@@ -26,19 +26,23 @@ using Clock = std::chrono::steady_clock;
 // whole before the next is read.
 constexpr char kClientHelloMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'H', '2'};
 constexpr char kServerHelloMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'S', '2'};
-constexpr char kRequestMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'Q', '2'};
-constexpr char kReplyMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'A', '2'};
+constexpr char kRequestMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'Q', '3'};
+constexpr char kReplyMagic[8] = {'H', 'P', 'C', 'D', 'L', 'P', 'A', '3'};
 constexpr uint32_t kAskChecksum = 1;
 enum ReplyStatus : uint32_t { kServed = 0, kNotHere = 1, kRefused = 2 };
 constexpr size_t kClientHelloBytes = 8 + kPeerNonceBytes;
 constexpr size_t kServerHelloBytes = 8 + kPeerNonceBytes + kPeerMacBytes;
 constexpr int kPollSliceMs = 100;  // a blocked thread looks at its stop or cancel flag this often
 
+// A request for bytes [offset, offset + length) of file `file_id` (its id in the home's plan)
+// of `size` bytes (the fetcher's plan's size of the whole file); a whole file: 0 and size.
 struct Request {
   char magic[8];
   uint32_t file_id;
   uint32_t flags;
   uint64_t size;
+  uint64_t offset;
+  uint64_t length;
 };
 
 struct Reply {
@@ -48,7 +52,7 @@ struct Reply {
   uint64_t size, mtime_ns, ctime_ns, ino, dev, checksum;
 };
 
-static_assert(sizeof(Request) == 24 && sizeof(Reply) == 64, "wire structs must not pad");
+static_assert(sizeof(Request) == 40 && sizeof(Reply) == 64, "wire structs must not pad");
 
 // The proofs: HMAC-SHA256 keyed by the job's secret over the role, both nonces and the address
 // the client dialed. The role keeps one side's proof from serving as the other's (reflection);
@@ -58,7 +62,8 @@ PeerMac proof(const std::string& secret, const char* role, const unsigned char* 
               const std::string& address);
 
 // The MAC that a served reply ends with starts over this: the connection's nonces, the
-// request's number on it, the request and the reply's header; the file's bytes follow.
+// request's number on it, the request (so its range) and the reply's header; the range's bytes
+// follow.
 void start_reply_mac(Hmac& mac, const unsigned char* nonces, uint64_t number, const Request& req,
                      const Reply& reply);
 

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <unordered_map>
 #include <fstream>
 #include <algorithm>
@@ -113,6 +114,13 @@ class LineReader {
   bool eof_ = false;
 };
 
+// Each entry's index by its file id.
+std::unordered_map<uint64_t, size_t> entries_by_file(const Plan& plan) {
+  std::unordered_map<uint64_t, size_t> entry_of_file;
+  for (size_t i = 0; i < plan.entries.size(); ++i) entry_of_file[plan.entries[i].file_id] = i;
+  return entry_of_file;
+}
+
 // The optional peer section, from its "peers <P>" line (already in `line`) up to the line
 // before "end": P lines "<node>\t<ipv4>:<port>", then "peer_sources <S>" and S lines
 // "<file id>\t<node>\t<ready tick>". Every file id must be a plan entry, every node a peer.
@@ -148,8 +156,7 @@ void read_peer_section(Plan& plan, const std::string& path, LineReader& lines) {
       !parse_u64(split(line, ' ')[1], &sources) || sources > plan.entries.size()) {
     fail(path, lines.lineno(), "expected 'peer_sources <n>' with n at most the entries");
   }
-  std::unordered_map<uint64_t, size_t> entry_of_file;
-  for (size_t i = 0; i < plan.entries.size(); ++i) entry_of_file[plan.entries[i].file_id] = i;
+  const auto entry_of_file = entries_by_file(plan);
   plan.peer_sources.assign(plan.entries.size(), PeerSource{});
   for (uint64_t k = 0; k < sources; ++k) {
     if (!lines.next()) fail(path, lines.lineno(), "truncated peer sources");
@@ -168,6 +175,70 @@ void read_peer_section(Plan& plan, const std::string& path, LineReader& lines) {
   }
 }
 
+// One line of the pieces section, "<slot id>\t<shard file id>\t<shard size>\t<offset>", into
+// plan.pieces; `shard_size` holds each shard's size as its first piece line said it. Returns the
+// shard's id.
+uint64_t read_piece_line(Plan& plan, const std::string& path, const LineReader& lines,
+                     const std::unordered_map<uint64_t, size_t>& entry_of_file,
+                     std::unordered_map<uint64_t, uint64_t>& shard_size) {
+  const std::string& line = lines.line();
+  const size_t lineno = lines.lineno();
+  const auto f = split(line, '\t');
+  uint64_t slot = 0, shard = 0, size = 0, offset = 0;
+  if (f.size() != 4 || !parse_u64(f[0], &slot) || !parse_u64(f[1], &shard) ||
+      !parse_u64(f[2], &size) || !parse_u64(f[3], &offset) || shard >= plan.dataset_files ||
+      size > kMaxFileSize) {
+    fail(path, lineno, "bad piece line '" + line.substr(0, 60) +
+                           "' (want <slot id>\\t<shard file id>\\t<shard size>\\t<offset>)");
+  }
+  const auto entry = entry_of_file.find(slot);
+  if (entry == entry_of_file.end()) {
+    fail(path, lineno, "piece " + f[0] + " is not an entry of the plan");
+  }
+  PieceSource& piece = plan.pieces[entry->second];
+  if (piece.piece) fail(path, lineno, "piece " + f[0] + " listed twice");
+  const uint64_t length = plan.entries[entry->second].size;
+  if (offset > size || length > size - offset) {
+    fail(path, lineno, "piece " + f[0] + " (" + std::to_string(length) + " bytes at offset " +
+                           f[3] + ") ends past its shard's " + f[2] + " bytes");
+  }
+  if (shard_size.emplace(shard, size).first->second != size) {
+    fail(path, lineno, "shard " + f[1] + " has another size on an earlier piece line");
+  }
+  piece = PieceSource{offset, size, static_cast<uint32_t>(shard), true};
+  return shard;
+}
+
+// The optional pieces section, from its "pieces <K>" line (already in `line`): K piece lines.
+// A shard is no piece itself, and where the plan lists it whole its size is the entry's.
+void read_piece_section(Plan& plan, const std::string& path, LineReader& lines) {
+  const std::string& line = lines.line();
+  uint64_t count = 0;
+  const auto head = split(line, ' ');
+  if (head.size() != 2 || !parse_u64(head[1], &count) || count > plan.entries.size()) {
+    fail(path, lines.lineno(), "expected 'pieces <n>' with n at most the entries, got '" +
+                                   line.substr(0, 60) + "'");
+  }
+  const auto entry_of_file = entries_by_file(plan);
+  std::unordered_map<uint64_t, uint64_t> shard_size;
+  std::vector<std::pair<uint64_t, size_t>> shard_lines;  // (shard id, line), checked at the end
+  plan.pieces.assign(plan.entries.size(), PieceSource{});
+  for (uint64_t k = 0; k < count; ++k) {
+    if (!lines.next()) fail(path, lines.lineno(), "truncated pieces section");
+    const uint64_t shard = read_piece_line(plan, path, lines, entry_of_file, shard_size);
+    shard_lines.emplace_back(shard, lines.lineno());
+  }
+  for (const auto& [shard, lineno] : shard_lines) {
+    const auto whole = entry_of_file.find(shard);
+    if (whole == entry_of_file.end()) continue;
+    if (plan.pieces[whole->second].piece) {
+      fail(path, lineno, "shard " + std::to_string(shard) + " is itself a piece");
+    }
+    if (plan.entries[whole->second].size != shard_size[shard]) {
+      fail(path, lineno, "shard " + std::to_string(shard) + "'s size differs from its entry's");
+    }
+  }
+}
 
 // The header, from "hpcdl-plan <version>" up to its "entries <n>" line: returns n.
 uint64_t read_header(Plan& plan, const std::string& path, LineReader& lines) {
@@ -253,19 +324,30 @@ void read_entry(Plan& plan, const std::string& path, const LineReader& lines,
   plan.add(file_id, size, f[3], f[4], steps);
 }
 
-// The entry lines and the optional peer section, up to "end": whether "end" was there.
+// The entry lines and the optional peer and pieces sections (in that order), up to "end":
+// whether "end" was there.
 bool read_entries(Plan& plan, const std::string& path, LineReader& lines,
                   uint64_t expected_entries) {
   std::vector<uint32_t> steps;
+  const std::string& line = lines.line();
+  auto starts = [&](const char* word) { return line.compare(0, std::strlen(word), word) == 0; };
   while (lines.next()) {
-    if (lines.line() == "end") return true;
-    if (lines.line().compare(0, 6, "peers ") == 0) {
+    if (line == "end") return true;
+    if (starts("peers ") || starts("pieces ")) {
       if (plan.entries.size() != expected_entries) {
-        fail(path, lines.lineno(), "peers before all entries");
+        fail(path, lines.lineno(), split(line, ' ')[0] + " before all entries");
       }
-      read_peer_section(plan, path, lines);
-      if (!(lines.next() && lines.line() == "end")) {
-        fail(path, lines.lineno(), "expected 'end' after the peer section");
+      bool more = true;
+      if (starts("peers ")) {
+        read_peer_section(plan, path, lines);
+        more = lines.next();
+      }
+      if (more && starts("pieces ")) {
+        read_piece_section(plan, path, lines);
+        more = lines.next();
+      }
+      if (!more || line != "end") {
+        fail(path, lines.lineno(), "expected 'end' after the peer and pieces sections");
       }
       return true;
     }

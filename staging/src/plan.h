@@ -44,6 +44,16 @@ struct PeerSource {
   uint32_t ready_tick = 0;
 };
 
+// A piece entry's bytes (the plan's optional pieces section, docs/staging.md): bytes
+// [offset, offset + the entry's size) of the shard file `shard_id` (its id in the home's plan and
+// the status map), which is `shard_size` bytes. The entry's source is the shard's PFS path.
+struct PieceSource {
+  uint64_t offset = 0;
+  uint64_t shard_size = 0;
+  uint32_t shard_id = 0;
+  bool piece = false;  // false: the entry is a whole file
+};
+
 struct Plan {
   int version = 0;
   std::string fingerprint;       // data set fingerprint (hex)
@@ -60,9 +70,19 @@ struct Plan {
   std::vector<uint32_t> tick_data;
   std::vector<PeerAddress> peers;         // empty: every entry comes from the PFS
   std::vector<PeerSource> peer_sources;   // per entry when peers is not empty, else empty
+  std::vector<PieceSource> pieces;        // per entry when the plan lists pieces, else empty
 
   PeerSource peer_source(size_t entry) const {
     return entry < peer_sources.size() ? peer_sources[entry] : PeerSource{};
+  }
+  PieceSource piece(size_t entry) const {
+    return entry < pieces.size() ? pieces[entry] : PieceSource{};
+  }
+  bool is_piece(size_t entry) const { return piece(entry).piece; }
+  // Makes entry a piece of `from` (an entry carried over from another plan).
+  void set_piece(size_t entry, const PieceSource& from) {
+    if (pieces.size() < entries.size()) pieces.resize(entries.size());
+    pieces[entry] = from;
   }
   std::string dest(const PlanEntry& e) const { return names.c_str() + e.dest; }
   std::string source(const PlanEntry& e) const {

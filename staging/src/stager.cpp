@@ -195,20 +195,7 @@ class Stager {
       const auto& e = plan_.entries[i];
       const FileState s = status_.state(e.file_id);
       const bool known_ready = s == FileState::Ready && copies_.count(e.file_id);
-      const auto reused =
-          known_ready ? std::nullopt
-                      : engine_.reusable(plan_.source(e), plan_.dest(e), e.size, buffer);
-      if (known_ready || reused) {
-        if (reused) {
-          status_.add(so::kFilesReused, 1);
-          status_.add(so::kBytesReused, e.size);
-          copies_[e.file_id] = *reused;
-          const auto record = manifest_.find(plan_.dest(e), reused->ino, reused->dev);
-          if (server_ && record) {
-            server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, record->source_id,
-                                                 *reused, false, 0});
-          }
-        }
+      if (known_ready || reuse(i, buffer)) {
         status_.set_state(e.file_id, FileState::Ready);
         schedule_->set_resident(i, true);
         resident += e.size;
@@ -225,6 +212,28 @@ class Stager {
     status_.store(so::kPlanEntries, plan_.entries.size());
     status_.store(so::kPlanReady, plan_ready_);
     schedule_->seek(cursor(), true);
+  }
+
+  // Whether entry i's copy on disk, left by an earlier job, may be reused (CopyEngine::reusable):
+  // then it is this stager's, counted and offered to peers. A piece never is (its size is not
+  // its source's): one a job left is deleted here, and copied again.
+  bool reuse(size_t i, std::vector<char>& buffer) {
+    const auto& e = plan_.entries[i];
+    if (plan_.is_piece(i)) {
+      engine_.discard(plan_.dest(e));
+      return false;
+    }
+    const auto reused = engine_.reusable(plan_.source(e), plan_.dest(e), e.size, buffer);
+    if (!reused) return false;
+    status_.add(so::kFilesReused, 1);
+    status_.add(so::kBytesReused, e.size);
+    copies_[e.file_id] = *reused;
+    const auto record = manifest_.find(plan_.dest(e), reused->ino, reused->dev);
+    if (server_ && record) {
+      server_->offer(e.file_id,
+                     ServedCopy{plan_.dest(e), e.size, record->source_id, *reused, false, 0});
+    }
+    return true;
   }
 
   // Files that can never fit (larger than the capacity; every file when it is 0) are read from
@@ -367,9 +376,11 @@ class Stager {
     // Files still resident from the old plan stay, with no planned use (first to be evicted).
     std::vector<uint8_t> in_next(plan_.dataset_files);
     for (const auto& e : next.entries) in_next[e.file_id] = 1;
-    for (const auto& e : plan_.entries) {
+    for (size_t i = 0; i < plan_.entries.size(); ++i) {
+      const auto& e = plan_.entries[i];
       if (!in_next[e.file_id] && status_.state(e.file_id) == FileState::Ready) {
         next.add(e.file_id, e.size, plan_.dest(e), plan_.source(e), {});
+        if (plan_.is_piece(i)) next.set_piece(next.entries.size() - 1, plan_.piece(i));
       }
     }
     schedule_.reset();
@@ -403,8 +414,7 @@ class Stager {
       if (!from_ready && !scanned) break;
       const auto [i, tick] = from_ready ? std::make_pair(ready->entry, ready->tick) : *scanned;
       const auto& e = plan_.entries[i];
-      // Without --peer (no secret) a plan's peer section is not used.
-      const PeerSource from = opt_.peer ? plan_.peer_source(i) : PeerSource{};
+      const PeerSource from = peer_source(i);
       // The home reads it at ready_tick: set it aside until the ranks have passed that step
       // (the home's stager has had it READY by then, unless the home's loader missed it), and
       // go on with the copies behind it (one late home must not hold back the rest). A --once
@@ -446,13 +456,26 @@ class Stager {
     return space_.fits(size);
   }
 
+  // Where entry i comes from: its peer, or the PFS (PeerSource{}). Without --peer (no secret) a
+  // plan's peer section is not used; with --stage-verify a piece comes from the PFS, whose
+  // range the stager checksums as it copies (a home holds the checksum of a whole file only).
+  PeerSource peer_source(size_t i) const {
+    if (!opt_.peer || (opt_.verify && plan_.is_piece(i))) return PeerSource{};
+    return plan_.peer_source(i);
+  }
+
   // Entry i's copy, in flight from now: COPYING, its bytes counted, from its peer if planned.
+  // A piece asks its home for its shard's range (the file id its home knows).
   Job start_job(size_t i, uint32_t tick, uint32_t cur, const PeerSource& from) {
     const auto& e = plan_.entries[i];
     inflight_[i] = 1;
     space_.started(e.size);
     status_.set_state(e.file_id, FileState::Copying);
     Job job{i, plan_.source(e), plan_.dest(e), e.file_id, e.size, std::nullopt};
+    if (const PieceSource piece = plan_.piece(i); piece.piece) {
+      job.file_id = piece.shard_id;
+      job.piece = SourceRange{piece.offset, e.size, piece.shard_size, false};
+    }
     if (from.peer >= 0) {
       job.peer = plan_.peers[from.peer];
       job.may_wait = !opt_.once && tick > cur + opt_.protect_steps;
@@ -503,7 +526,7 @@ class Stager {
     const auto& e = plan_.entries[d.entry];
     status_.set_state(e.file_id, FileState::Ready);
     copies_[e.file_id] = d.result.id;
-    if (server_) {
+    if (server_ && !plan_.is_piece(d.entry)) {  // a piece is no file of the data set
       server_->offer(e.file_id, ServedCopy{plan_.dest(e), e.size, d.result.source_id,
                                            d.result.id, d.result.has_checksum, d.result.checksum});
     }

@@ -16,6 +16,8 @@
 #include <iostream>
 #include <iterator>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -152,6 +154,47 @@ int main(int argc, char** argv) {
     check(threw, "bad peer section rejected: " + bad_peers);
   }
 
+  // The pieces section: piece entries (slots 4 and 5) of shard 2, after the peer section or
+  // without one; each impossible line is refused naming its line.
+  const std::string pieced_head =
+      "hpcdl-plan 1\nfingerprint 00ff\nseed 1\nepochs 0 2\nsteps_per_epoch 3\n"
+      "local_ranks 1\ndataset_files 9\nentries 3\n2\t10\t0,4\tb\t/src/b\n"
+      "4\t3\t1\tb.pieces/0\t/src/b\n5\t4\t2\tb.pieces/6\t/src/b\n";
+  write_file(good, pieced_head + "peers 1\n3\t10.0.0.3:4000\npeer_sources 1\n5\t3\t1\n"
+                   "pieces 2\n5\t2\t10\t6\n4\t2\t10\t0\nend\n");
+  const hpcdl::Plan pieced = hpcdl::read_plan(good);
+  check(!pieced.is_piece(0) && pieced.is_piece(1) && pieced.piece(2).offset == 6 &&
+            pieced.piece(2).shard_id == 2 && pieced.piece(2).shard_size == 10 &&
+            pieced.peer_source(2).peer == 0,
+        "pieces parsed beside the peer section");
+  write_file(good, pieced_head + "pieces 1\n4\t7\t3\t0\nend\n");
+  check(hpcdl::read_plan(good).piece(1).shard_id == 7, "pieces without a peer section");
+  for (const auto& [bad_pieces, line] : std::vector<std::pair<std::string, int>>{
+           {"pieces 1\n4\t2\t10\n", 13},             // three fields
+           {"pieces 1\n3\t2\t10\t0\n", 13},         // not an entry
+           {"pieces 1\n4\t9\t10\t0\n", 13},         // shard id past dataset_files
+           {"pieces 1\n5\t2\t10\t7\n", 13},         // ends past the shard
+           {"pieces 1\n5\t2\t10\t99999999999999999999999\n", 13},  // no number
+           {"pieces 2\n4\t2\t10\t0\n4\t2\t10\t3\n", 14},  // twice
+           {"pieces 2\n4\t2\t10\t0\n5\t2\t11\t0\n", 14},  // two sizes of one shard
+           {"pieces 1\n4\t2\t9\t0\n", 13},          // not the shard entry's size
+           {"pieces 2\n4\t5\t10\t0\n5\t2\t10\t0\n", 13},  // shard 5 is a piece
+           {"pieces 4\n", 12},                          // more than the entries
+           {"pieces 2\n4\t2\t10\t0\n", 14},          // truncated
+           {"pieces 1\n4\t2\t10\t0\npeers 0\n", 14}}) {  // peers after pieces
+    write_file(good, pieced_head + bad_pieces + "end\n");
+    std::string said;
+    try {
+      hpcdl::read_plan(good);
+    } catch (const hpcdl::StageError& e) {
+      said = e.what();
+    }
+    const std::string where = good + " line " + std::to_string(line) + ":";
+    check(said.find(where) != std::string::npos && said.find('\n') == std::string::npos,
+          "bad pieces section refused at line " + std::to_string(line) + ": " + bad_pieces +
+              " (said: " + said + ")");
+  }
+
   // The job's secret: 64 hex digits on a pipe, nothing else.
   for (const std::string& text : {std::string(64, 'a') + "\n", std::string(63, 'a') + "\n",
                                  std::string(64, 'G') + "\n"}) {
@@ -246,15 +289,21 @@ int main(int argc, char** argv) {
     hpcdl::PeerClient client(secret);
     std::vector<char> buffer(1 << 16);
     const std::atomic<bool> cancel{false};
-    auto fetched_whole = [&](hpcdl::PeerServer& server) {
+    // The bytes a fetch of `range` got ("" when it was not Ok: its outcome in *how).
+    auto fetched = [&](hpcdl::PeerServer& server, const hpcdl::SourceRange& range,
+                       hpcdl::PeerOutcome* how) {
       server.offer(7, copy);
       const std::string out = scratch + "/fetched";
       hpcdl::UniqueFd fd(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
-      const hpcdl::PeerFetch got = client.fetch(peer, 7, copy.size, false, fd.get(), buffer, cancel);
+      const hpcdl::PeerFetch got = client.fetch(peer, 7, range, false, fd.get(), buffer, cancel);
       std::ifstream in(out, std::ios::binary);
       const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      if (got.outcome != hpcdl::PeerOutcome::Ok) std::cerr << "  peer fetch: " << got.message << "\n";
-      return got.outcome == hpcdl::PeerOutcome::Ok && bytes == "peer bytes";
+      *how = got.outcome;
+      return got.outcome == hpcdl::PeerOutcome::Ok ? bytes : std::string();
+    };
+    auto fetched_whole = [&](hpcdl::PeerServer& server) {
+      hpcdl::PeerOutcome how{};
+      return fetched(server, hpcdl::SourceRange::file(copy.size), &how) == "peer bytes";
     };
     auto quiet = [](const std::string&) {};
     {
@@ -265,6 +314,33 @@ int main(int argc, char** argv) {
     hpcdl::PeerServer second(::dup(listener), secret, tree, 2, quiet);
     check(fetched_whole(second), "a pooled connection the peer closed is replaced");
     check(client.connections_opened() == 2, "one new connection for it");
+    // A range of a served file: its bytes only, counted as served; one past the end: not here
+    // (the connection stays), nothing counted.
+    hpcdl::PeerOutcome how{};
+    // The server counts after its last send: wait for it (at most 5 s).
+    auto served_bytes = [&](uint64_t want) {
+      for (int k = 0; k < 500 && second.bytes_served() < want; ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      return second.bytes_served();
+    };
+    const uint64_t before = served_bytes(copy.size);  // its one whole fetch
+    const std::string range_bytes = fetched(second, hpcdl::SourceRange{5, 5, copy.size, false}, &how);
+    check(range_bytes == "bytes" && served_bytes(before + 5) == before + 5,
+          "a range fetched, its bytes counted: '" + range_bytes + "', " +
+              std::to_string(second.bytes_served() - before));
+    check(fetched(second, hpcdl::SourceRange{0, 0, copy.size, false}, &how).empty() &&
+              how == hpcdl::PeerOutcome::Ok,
+          "an empty range fetched");
+    for (const auto& past : {hpcdl::SourceRange{6, 5, copy.size, false},
+                             hpcdl::SourceRange{~0ull, 2, copy.size, false}}) {
+      check(fetched(second, past, &how).empty() && how == hpcdl::PeerOutcome::NotHere &&
+                served_bytes(before + 5) == before + 5,
+            "a range past the end is not served (" + std::to_string(static_cast<int>(how)) + ")");
+    }
+    check(fetched(second, hpcdl::SourceRange{1, 3, copy.size, false}, &how) == "eer" &&
+              client.connections_opened() == 2,
+          "the connection serves on after a refused range");
     ::close(listener);
   }
 
@@ -349,6 +425,45 @@ int main(int argc, char** argv) {
     check(copiers.peer_down(5) && !copiers.peer_down(6) && logged.load() == 1,
           "the missing peer is down, said once");
     check(copiers.pfs_opens() == 2, "two PFS copies");
+  }
+
+  {  // A piece from the PFS: the range's bytes only (with verify, its checksum), the shard's
+     // identity recorded; a shard of another size than planned fails; discard removes what the
+     // manifest lists, never a stranger's file.
+    const std::string session = scratch + "/session-pieces";
+    ::mkdir(session.c_str(), 0700);
+    write_file(scratch + "/shard", "0123456789");
+    struct stat shard {};
+    ::stat((scratch + "/shard").c_str(), &shard);
+    hpcdl::PfsEmulation pfs;
+    const std::atomic<bool> cancel{false};
+    std::vector<char> buffer(4);  // smaller than a piece: the range spans reads
+    for (const bool verify : {false, true}) {
+      hpcdl::CopyEngine engine(tree, manifest, session, pfs, verify, cancel);
+      const std::string dest = std::string(verify ? "v" : "k") + "/shard.pieces/3";
+      const auto r = engine.copy(scratch + "/shard", dest, buffer, 0,
+                                 hpcdl::SourceRange{3, 6, 10, false});
+      std::ifstream in(tree_root + "/" + dest, std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      hpcdl::Fnv1a64 range_hash;
+      range_hash.update("345678", 6);
+      check(r.outcome == hpcdl::CopyOutcome::Ok && bytes == "345678" && r.bytes == 6 &&
+                r.source_id == hpcdl::identity_of(shard) &&
+                (!verify || (r.has_checksum && r.checksum == range_hash.digest())),
+            std::string("a piece copied from the PFS range") + (verify ? " (verified)" : "") +
+                ": " + r.message);
+      check(manifest.find(dest, r.id.ino, r.id.dev).has_value(), "a piece is recorded");
+      const auto wrong = engine.copy(scratch + "/shard", dest + "x", buffer, 0,
+                                     hpcdl::SourceRange{3, 6, 11, false});
+      check(wrong.outcome == hpcdl::CopyOutcome::Failed, "a shard of another size: no piece");
+      check(engine.discard(dest) == 0 && ::access((tree_root + "/" + dest).c_str(), F_OK) != 0,
+            "discard removes a piece hpcdl made");
+    }
+    write_file(tree_root + "/k/shard.pieces/7", "not ours");
+    hpcdl::CopyEngine engine(tree, manifest, session, pfs, false, cancel);
+    check(engine.discard("k/shard.pieces/7") == 0 &&
+              ::access((tree_root + "/k/shard.pieces/7").c_str(), F_OK) == 0,
+          "discard leaves a file hpcdl did not make");
   }
 
   std::cout << (failures ? "FAILED" : "OK") << " (" << failures << " failures)\n";
