@@ -300,7 +300,8 @@ def staging_nodes(world: World, stats: dict | None) -> list[dict] | None:
     misses summed over its ranks. Collective; None when staging is off."""
     if stats is None:
         return None
-    shared = {k: stats[k] for k in ("files_staged", "bytes_staged", "pfs_opens", "peer_files")}
+    shared = {k: stats[k] for k in ("files_staged", "bytes_staged", "pfs_opens", "peer_files",
+                                    "peer_bytes")}  # fmt: skip
     return world.per_node(shared, {k: stats[k] for k in ("hits", "misses")})
 
 
