@@ -59,11 +59,18 @@ def test_bench_calibrate_times_a_users_torch_module_and_the_dry_run_reads_it(tmp
     assert "Traceback" not in dry.stderr
 
 
-def test_bench_calibrate_with_a_torch_model_and_no_torch_says_what_to_install(tmp_path):
+@pytest.mark.parametrize(
+    ("model", "said"),
+    [(CNN, "imports torch, which is not installed: pip install 'hpcdl[torch]'"),
+     ("torchvision:resnet18", "needs torch, which is not installed: pip install 'hpcdl[torch]'")],
+)  # fmt: skip
+def test_bench_calibrate_with_a_torch_model_and_no_torch_says_what_to_install(
+    tmp_path, model, said
+):
     """torch hidden from the process (as if not installed): hpcdl.train's one line, exit 2."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "f.bin").write_bytes(b"x" * 1000)
-    argv = ["--data", str(tmp_path / "data"), "--stage-dir", str(tmp_path), "--model", CNN,
+    argv = ["--data", str(tmp_path / "data"), "--stage-dir", str(tmp_path), "--model", model,
             "--input-shape", "1,8,8"]  # fmt: skip
     code = ("import sys; sys.modules['torch'] = None; from hpcdl.bench.calibrate import main; "
             f"sys.exit(main({argv!r}))")  # fmt: skip
@@ -71,7 +78,7 @@ def test_bench_calibrate_with_a_torch_model_and_no_torch_says_what_to_install(tm
                           timeout=120, cwd=REPO)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
-    assert "imports torch, which is not installed: pip install 'hpcdl[torch]'" in done.stderr
+    assert "--model " in done.stderr and model in done.stderr and said in done.stderr
     assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # nothing written
 
 
@@ -137,9 +144,9 @@ def test_the_loaded_window_runs_on_until_the_copies_have_landed():
 
 
 def test_a_load_that_never_lands_is_not_measured_after_the_cap(monkeypatch):
-    from hpcdl.bench import calibrate_step  # noqa: PLC0415
+    from hpcdl.bench import calibrate_contention  # noqa: PLC0415
 
-    monkeypatch.setattr(calibrate_step, "LOAD_CAP_S", 0.5)
+    monkeypatch.setattr(calibrate_contention, "LOAD_CAP_S", 0.5)
     began = time.monotonic()
     figure, note = trainer_step_beside(LandsLate(40, after=None))
     assert figure is None
