@@ -5,7 +5,12 @@
         --batch-size 32 --out calib.toml --json
 
 Run it under the job's launcher, with the job's ranks per node, on two nodes or more: then the
-interconnect part sees both kinds of link. What it measures (docs/cluster-model.md):
+interconnect part sees both kinds of link. --model is hpcdl.train's: a name of hpcdl.nn.MODELS,
+a user's builder (FILE.py:FN or module:FN returning hpcdl layers or a torch.nn.Module), or
+torchvision:NAME. The steps timed are hpcdl.train's engine's for it, built as hpcdl.train builds
+it (hpcdl.engines.build_engine; hpcdl.bench.calibrate_step), so a torch model is timed through
+the torch engine; without torch installed it ends at once with hpcdl.train's one line, naming
+the extra to install. What it measures (docs/cluster-model.md):
 
 - PFS (world rank 0 alone, while the others wait): open + read + close of distinct files of
   --data with 1, 2, 4, ... --threads reader threads. One thread gives the open latency and the
@@ -21,26 +26,27 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   communicator of one rank per node (inter); alpha and beta of the ring formula
   t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
   whole world at the same sizes: which formula it follows.
-- Compute: every rank times hpcdl.nn.step.train_step (the `bench compute` step) at batch b/2 and b,
-  all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
-  (hpcdl.clustermodel.speed.fit).
+- Compute (hpcdl.bench.calibrate_step): every rank times the engine's step (an engine of its
+  own, no reducer) at batch b/2 and b, all at once, as in training; the slowest rank's medians
+  give v0 and t of b / v0 + t (hpcdl.clustermodel.speed.fit); 4 gradient bytes a parameter.
 - Input (hpcdl.bench.calibrate_input): each rank builds batches of node-local copies of a few
   samples of --data, as the loader does in the rank with --workers 0.
 - Contention (hpcdl.bench.calibrate_contention): the trainer's steps again while every node's
   leader runs an hpcdl-stage copying files of --data; the steps' added seconds per copy. Then
   (two nodes or more) again while every node fetches the previous node's copies of those files
   from its stager, all released at once as a job's later epochs are; the added seconds per
-  fetch.
+  fetch. Both run on in windows of --steps steps until every node's load has landed (at most
+  calibrate_contention.LOAD_CAP_S; then not measured, and why).
 - The epoch's start (hpcdl.bench.calibrate_boundary, world rank 0 alone): an epoch's
   permutation of the samples, and the replan of a node's plan at two sizes, made-up names.
 - Checkpoint (hpcdl.bench.calibrate_checkpoint, world rank 0 alone, only with
-  --checkpoint-dir): the checkpoint hpcdl.train writes of --model, saved a few times into a
-  temporary directory inside --checkpoint-dir; the median.
-- The trainer's step: the batch built, train_step with the gradient reducer inside the
-  trainer's stop agreement, back to back on every rank (the mean step, the slowest rank; the
-  median of three windows of --steps steps); the factor on the allreduce formula is set so that
-  the model's step (hpcdl.clustermodel.step_time, with --workers 0) equals it
-  (fit_to_trainer_step).
+  --checkpoint-dir): the checkpoint hpcdl.train writes of --model's engine, saved a few times
+  into a temporary directory inside --checkpoint-dir; the median.
+- The trainer's step (hpcdl.bench.calibrate_step): the batch built, the engine's step with the
+  gradient reducer inside the trainer's stop agreement, back to back on every rank (the mean
+  step, the slowest rank; the median of three windows of --steps steps); the factor on the
+  allreduce formula is set so that the model's step (hpcdl.clustermodel.step_time, with
+  --workers 0) equals it (fit_to_trainer_step).
 """
 
 from __future__ import annotations
