@@ -152,3 +152,23 @@ def test_a_load_that_never_lands_is_not_measured_after_the_cap(monkeypatch):
     assert figure is None
     assert note == "not measured: the copies had not all landed after 0.5 s of steps", note
     assert time.monotonic() - began < 30
+
+
+def test_every_copy_of_the_load_is_counted_even_those_before_the_first_step(tmp_path):
+    """A real hpcdl-stage copying 64 small files beside the steps: the figure is over all 64.
+    A fast copier published some, or all, while calibrate still waited for its status map,
+    before the timed steps began; those were left out, and all of them gave "not measured:
+    none of the copies landed" (as a 2-rank calibrate of the cnn printed)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(64):
+        (data / f"f{i:02d}").write_bytes(b"x" * 100)
+    cmd = [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", data, "--stage-dir",
+           tmp_path / "stage", "--threads", 2, "--files", 4, "--local-mb", 1, "--steps", 3,
+           "--batch-size", 4, "--input-shape", "1,8,8", "--classes", 4, "--repeats", 1]  # fmt: skip
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300,
+                          cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if "per file a node copies" in line)
+    assert "while 64 copies per node landed" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]

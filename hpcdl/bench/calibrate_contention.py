@@ -8,15 +8,14 @@ cores to spare the figure is about 0, which is what it then measures.
 
 It is measured, not derived: the trainer's step (bench calibrate's loop, batch building
 included) is timed once quiet and once while every node's leader runs a real hpcdl-stage that
-copies files of --data into a temporary directory of --stage-dir with --threads copy threads,
-started as the timed steps begin. The timed steps go on, in windows of --steps steps, until
-every node's copies have all been published (load_goes_on; at most LOAD_CAP_S, after which the
-figure is not measured): so they cover the whole load, where one window ended with copies still
-in flight, or none landed yet, as the copier's start outlasted a window of short steps. The
-steps' added seconds, over the copies published during the timed steps (the stager's count of
-them, read from its status map as the steps begin and end), give seconds per file and node. At
-most
---local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it
+copies files of --data into a fresh temporary directory of --stage-dir with --threads copy
+threads, started as the timed steps begin. The timed steps go on, in windows of --steps steps,
+until every node's copies have all been published (load_goes_on; at most LOAD_CAP_S, after
+which the figure is not measured): so they cover the whole load, where one window ended with
+copies still in flight, or none landed yet, as the copier's start outlasted a window of short
+steps. The steps' added seconds, over the copies published (the stager's count of them, read
+from its status map as the steps end), give seconds per file and node. At most --local-mb MB
+is copied; the directory is removed afterwards, with any stage dir made for it
 (hpcdl.bench.stage_scratch). A copier that fails leaves the figure at 0, its last line in the
 calibration's note.
 
@@ -101,16 +100,14 @@ def load_goes_on(comm: Any, beside: Any, began: float) -> tuple[bool, bool]:
 
 
 def start_copier(data: Path, stage: Path, relpaths: list[str], sizes: list[int], threads: int):
-    """hpcdl-stage copying these files of data into stage (one epoch, --once)."""
+    """hpcdl-stage copying these files of data into stage (one epoch, --once), started: the
+    caller's steps run beside its start too, as beside the fetching stager's (waiting here for
+    its status map let a fast copier publish some or all of its copies before the steps, which
+    then left them out, or measured nothing)."""
     write_plan(FileTreeDataset.of_files(data, relpaths, sizes), stage, 0, None)
     cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", SESSION,
            "--threads", str(threads), "--once", "--quiet"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    view = StatusView(status_path(stage))
-    deadline = time.monotonic() + WAIT_S
-    while not view.open() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # running: its status map is published
-    return proc
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 @dataclass(frozen=True)
@@ -195,8 +192,8 @@ class Counted(Idle):
     (Linux may stamp files from a clock a tick or more behind time.time())."""
 
     def __init__(self, stage: Path) -> None:
-        self.stage = stage
-        self.at_start = self.at_stop = 0
+        self.stage = stage  # a fresh one: its stager, started with the steps, has copied nothing
+        self.at_stop = 0
 
     def staged(self) -> int:
         """Copies the stager in self.stage has published so far (0 before its map is out)."""
@@ -211,7 +208,7 @@ class Counted(Idle):
 
     def landed(self) -> int:
         """Copies published while the timed steps ran."""
-        return max(0, self.at_stop - self.at_start)
+        return self.at_stop
 
 
 class Copies(Counted):
@@ -227,7 +224,6 @@ class Copies(Counted):
         if self.load.relpaths:
             self.procs.append(start_copier(self.load.data, self.stage, self.load.relpaths,
                                            self.load.sizes, self.load.threads))  # fmt: skip
-            self.at_start = self.staged()
 
     def pending(self) -> bool:
         running = bool(self.procs) and self.procs[0].poll() is None
