@@ -230,17 +230,15 @@ def digest(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def contention_from_note(
-    note: str, what: str, steps: int, most: int = 10**9
-) -> tuple[float, float]:
+def contention_from_note(note: str, what: str, most: int = 10**9) -> tuple[float, float]:
     """bench calibrate's contention figure recomputed from its note (hpcdl.bench.calibrate_
-    contention: "step L ms while N <what> per node landed in T s, Q ms quiet") over `steps`
-    timed steps: (seconds per file, what the note's rounding can make it differ by).
-    N must be within [1, most]."""
-    found = re.search(rf"step ([\d.]+) ms while ([\d.]+) {what} per node landed in [\d.]+ s, "
-                      r"([\d.]+) ms quiet", note)  # fmt: skip
+    contention: "step L ms over S steps while N <what> per node landed in T s, Q ms quiet"):
+    (seconds per file, what the note's rounding can make it differ by). N must be within
+    [1, most]."""
+    found = re.search(rf"step ([\d.]+) ms over (\d+) steps while ([\d.]+) {what} per node "
+                      r"landed in [\d.]+ s, ([\d.]+) ms quiet", note)  # fmt: skip
     assert found, note
-    loaded, landed, quiet = float(found[1]), float(found[2]), float(found[3])
+    loaded, steps, landed, quiet = float(found[1]), int(found[2]), float(found[3]), float(found[4])
     assert 1 <= landed <= most, note
     lost = max(0.0, loaded - quiet) * 1e-3 * steps  # seconds the copies cost the steps
     return lost / landed, 0.1e-3 * steps / landed + 1e-6  # the steps are shown to 0.1 ms

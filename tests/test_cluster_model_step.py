@@ -189,7 +189,7 @@ def test_the_contention_note_shows_the_numbers_its_figure_comes_from():
         return Window(steps, 0.0, 1.0)
 
     figure, note = _timed_copies(world, 0.020, timed, Landed(comm.rank + 1), "fetches")
-    recomputed, shown = contention_from_note(note, "fetches", len(steps))
+    recomputed, shown = contention_from_note(note, "fetches")
     assert figure == pytest.approx(recomputed, abs=shown), note
 
 
@@ -240,7 +240,7 @@ def test_bench_calibrate_times_the_steps_while_a_stager_copies_the_data(tmp_path
     figure = calibration.load(tmp_path / "c.toml").compute.contention_s_per_file
     line = next(line for line in proc.stdout.splitlines() if "contention:" in line)
     # one stager (one node) copied files of --data while the steps ran
-    recomputed, shown = contention_from_note(line, "copies", STEPS, most=200)
+    recomputed, shown = contention_from_note(line, "copies", most=200)
     assert figure == pytest.approx(recomputed, abs=shown), line
     assert list(stage_dir.iterdir()) == []  # the copier's directory and manifest are gone
     assert listing(data) == before
@@ -257,6 +257,7 @@ def test_calibrates_trainer_step_runs_in_the_trainers_stop_agreement():
     from mpi4py import MPI  # noqa: PLC0415
 
     from hpcdl.bench.calibrate import measure_trainer_step  # noqa: PLC0415
+    from hpcdl.comm.world import build_world  # noqa: PLC0415
 
     caught: list[int] = []
     builds = 0
@@ -269,7 +270,7 @@ def test_calibrates_trainer_step_runs_in_the_trainers_stop_agreement():
 
     args = SimpleNamespace(model="mlp", shape=(1, 8, 8), classes=4, batch_size=4, bucket_mb=25.0,
                            steps=20)  # fmt: skip
-    world = SimpleNamespace(comm=MPI.COMM_SELF, size=1)
+    world = build_world(MPI.COMM_SELF)
     previous = signal.signal(signal.SIGUSR1, lambda signum, _: caught.append(signum))
     try:
         step = measure_trainer_step(args, world, SimpleNamespace(build=build))
@@ -332,8 +333,18 @@ def test_calibrate_times_the_trainers_checkpoint_and_leaves_the_directory_as_it_
     this model (parameters, buffers, SGD momentum) with hpcdl.checkpoint.save, a few times, in
     a temporary directory inside the given one, and keeps the median. Nothing else there is
     touched; a directory that did not exist is made and removed again."""
+    from contextlib import ExitStack
+
+    from mpi4py import MPI
+
     from hpcdl import checkpoint
     from hpcdl.bench.calibrate_checkpoint import measure_checkpoint
+    from hpcdl.bench.calibrate_step import random_batch, step_engine
+    from hpcdl.comm.world import build_world
+
+    spec = SimpleNamespace(model="mlp", shape=(3, 32, 32), classes=4, batch_size=2, bucket_mb=25.0)
+    engine = step_engine(spec, build_world(MPI.COMM_SELF), ExitStack())
+    batch = random_batch(engine, spec.shape, spec.classes, 2)
 
     saved = []
     real_save = checkpoint.save
@@ -347,7 +358,7 @@ def test_calibrate_times_the_trainers_checkpoint_and_leaves_the_directory_as_it_
     user = tmp_path / "ckpts"
     user.mkdir()
     (user / "mine").write_text("a user's file")
-    seconds, note = measure_checkpoint("mlp", (3, 32, 32), 4, user)
+    seconds, note = measure_checkpoint(engine, batch, user)
     assert 0 < seconds < 30 and "MB" in note
     assert len(saved) >= 3
     size, params, state = saved[0]
@@ -355,5 +366,5 @@ def test_calibrate_times_the_trainers_checkpoint_and_leaves_the_directory_as_it_
     assert size > 2 * 4 * params  # float32 parameters and as many momentum values
     assert sorted(p.name for p in user.iterdir()) == ["mine"]
     assert (user / "mine").read_text() == "a user's file"
-    assert measure_checkpoint("mlp", (3, 32, 32), 4, tmp_path / "new" / "dir")[0] > 0
+    assert measure_checkpoint(engine, batch, tmp_path / "new" / "dir")[0] > 0
     assert not (tmp_path / "new").exists()

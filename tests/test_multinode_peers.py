@@ -329,7 +329,7 @@ def test_bench_calibrate_times_the_steps_while_every_node_fetches_from_its_peer(
     # each node fetched the other's copies, during the --steps 100 (at 30, one full run on a
     # quiet machine printed no fetch figure, its output not kept: a stager's start can outlast
     # short windows; the assertion above now shows the output)
-    recomputed, shown = contention_from_note(line, "fetches", 100, most=FILES)
+    recomputed, shown = contention_from_note(line, "fetches", most=FILES)
     assert figure == pytest.approx(recomputed, abs=shown), line
     for node in cluster.nodes:  # the homes' and the clients' stage dirs are gone, and STAGE
         assert not (node.local / STAGE.relative_to(LOCAL)).exists()

@@ -206,21 +206,6 @@ def test_doctor_says_which_torch_models_train_here_without_importing_torch():
     assert f"torch {torch.__version__}" in line and "--model FILE.py:FN" in line
 
 
-@pytest.mark.parametrize("model", [CNN, "torchvision:resnet18"])
-def test_bench_calibrate_refuses_a_torch_model_in_one_line(tmp_path, model):
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "f.bin").write_bytes(b"x" * 1000)
-    done = subprocess.run(
-        [sys.executable, "-m", "hpcdl.bench", "calibrate", "--data", tmp_path / "data",
-         "--stage-dir", tmp_path, "--model", model, "--input-shape", "1,8,8"],
-        capture_output=True, text=True, timeout=300, env=mpi_env(),
-    )  # fmt: skip
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert f"--model {model} is a torch model; calibrate times hpcdl's own" in done.stderr
-    assert list(tmp_path.iterdir()) == [tmp_path / "data"]  # nothing written
-
-
 def test_sync_bn_trains_and_its_checkpoint_exports_to_the_users_module(digits_dir, tmp_path):
     """--sync-bn swaps the module's BatchNorm layers for hpcdl.torch_engine.sync_batch_norm's,
     which keep their state-dict keys: the checkpoint's export loads strictly into the user's

@@ -5,7 +5,12 @@
         --batch-size 32 --out calib.toml --json
 
 Run it under the job's launcher, with the job's ranks per node, on two nodes or more: then the
-interconnect part sees both kinds of link. What it measures (docs/cluster-model.md):
+interconnect part sees both kinds of link. --model is hpcdl.train's: a name of hpcdl.nn.MODELS,
+a user's builder (FILE.py:FN or module:FN returning hpcdl layers or a torch.nn.Module), or
+torchvision:NAME. The steps timed are hpcdl.train's engine's for it, built as hpcdl.train builds
+it (hpcdl.engines.build_engine; hpcdl.bench.calibrate_step), so a torch model is timed through
+the torch engine; without torch installed it ends at once with hpcdl.train's one line, naming
+the extra to install. What it measures (docs/cluster-model.md):
 
 - PFS (world rank 0 alone, while the others wait): open + read + close of distinct files of
   --data with 1, 2, 4, ... --threads reader threads. One thread gives the open latency and the
@@ -21,26 +26,27 @@ interconnect part sees both kinds of link. What it measures (docs/cluster-model.
   communicator of one rank per node (inter); alpha and beta of the ring formula
   t = 2(p-1) alpha + 2(p-1)/p n beta (fit_alpha_beta). With one node, inter = intra. Then the
   whole world at the same sizes: which formula it follows.
-- Compute: every rank times hpcdl.nn.step.train_step (the `bench compute` step) at batch b/2 and b,
-  all at once, as in training; the slowest rank's medians give v0 and t of b / v0 + t
-  (hpcdl.clustermodel.speed.fit).
+- Compute (hpcdl.bench.calibrate_step): every rank times the engine's step (an engine of its
+  own, no reducer) at batch b/2 and b, all at once, as in training; the slowest rank's medians
+  give v0 and t of b / v0 + t (hpcdl.clustermodel.speed.fit); 4 gradient bytes a parameter.
 - Input (hpcdl.bench.calibrate_input): each rank builds batches of node-local copies of a few
   samples of --data, as the loader does in the rank with --workers 0.
 - Contention (hpcdl.bench.calibrate_contention): the trainer's steps again while every node's
   leader runs an hpcdl-stage copying files of --data; the steps' added seconds per copy. Then
   (two nodes or more) again while every node fetches the previous node's copies of those files
   from its stager, all released at once as a job's later epochs are; the added seconds per
-  fetch.
+  fetch. Both run on in windows of --steps steps until every node's load has landed (at most
+  calibrate_contention.LOAD_CAP_S; then not measured, and why).
 - The epoch's start (hpcdl.bench.calibrate_boundary, world rank 0 alone): an epoch's
   permutation of the samples, and the replan of a node's plan at two sizes, made-up names.
 - Checkpoint (hpcdl.bench.calibrate_checkpoint, world rank 0 alone, only with
-  --checkpoint-dir): the checkpoint hpcdl.train writes of --model, saved a few times into a
-  temporary directory inside --checkpoint-dir; the median.
-- The trainer's step: the batch built, train_step with the gradient reducer inside the
-  trainer's stop agreement, back to back on every rank (the mean step, the slowest rank; the
-  median of three windows of --steps steps); the factor on the allreduce formula is set so that
-  the model's step (hpcdl.clustermodel.step_time, with --workers 0) equals it
-  (fit_to_trainer_step).
+  --checkpoint-dir): the checkpoint hpcdl.train writes of --model's engine, saved a few times
+  into a temporary directory inside --checkpoint-dir; the median.
+- The trainer's step (hpcdl.bench.calibrate_step): the batch built, the engine's step with the
+  gradient reducer inside the trainer's stop agreement, back to back on every rank (the mean
+  step, the slowest rank; the median of three windows of --steps steps); the factor on the
+  allreduce formula is set so that the model's step (hpcdl.clustermodel.step_time, with
+  --workers 0) equals it (fit_to_trainer_step).
 """
 
 from __future__ import annotations
@@ -49,53 +55,54 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from hpcdl import nn
+from hpcdl import config
 from hpcdl.bench.calibrate_boundary import measure_boundary
 from hpcdl.bench.calibrate_checkpoint import measure_checkpoint
 from hpcdl.bench.calibrate_contention import (
     MIN_FILES,
     CopyLoad,
-    Window,
     measure_contention,
     measure_fetch_contention,
 )
 from hpcdl.bench.calibrate_input import input_samples
 from hpcdl.bench.calibrate_peer import measure_peer
 from hpcdl.bench.calibrate_pfs import copy_sample, measure_pfs, measure_pfs_together
-from hpcdl.bench.compute_setup import hpcdl_setup, hpcdl_stepper
+from hpcdl.bench.calibrate_step import (
+    TrainerStep,
+    engine_alone,
+    measure_compute,
+    measure_trainer_step,
+    random_batch,
+)
 from hpcdl.bench.stage_scratch import stage_dir_made
-from hpcdl.bench.timing import slowest_rank_mean, slowest_rank_median
-from hpcdl.clustermodel import calibration, speed
+from hpcdl.bench.timing import slowest_rank_median
+from hpcdl.clustermodel import calibration
 from hpcdl.clustermodel.calibration import (
     Calibration,
-    ComputeFigures,
     LocalFigures,
     NetworkFigures,
     PeerFigures,
     PfsFigures,
 )
 from hpcdl.comm import blas_threads
-from hpcdl.comm.failure import StopAgreement, UserError, install_abort_on_exception
+from hpcdl.comm.failure import SystemExitWithMessage, UserError, install_abort_on_exception
+from hpcdl.engine import Engine
 from hpcdl.helpformat import HelpFormatter
-from hpcdl.nn.step import train_step
 
 # Allreduce sweep, bytes: up to hpcdl's gradient buckets' sizes (1 MiB first, then 25 MiB by
 # default; the model extrapolates beyond 8 MiB linearly, as the alpha-beta form does).
 SIZES = [4 << 10, 64 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
-BACKWARD_SHARE = 2 / 3  # of forward + backward: backward does about twice forward's work
-QUIET_WINDOWS = 3  # the trainer's quiet step: the median of this many windows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--threads", type=int, default=8, help="most PFS reader threads (1, 2, 4, ... up to it)")
     a("--files", type=int, default=64, help="files read per thread count")
     a("--local-mb", type=int, default=64, help="MB written to the stage dir")
-    a("--model", default="mlp", help="network whose step is timed (hpcdl.nn.MODELS)")
+    a(
+        "--model",
+        default="mlp",
+        help="network whose step is timed, as hpcdl.train's --model: "
+        "a name of hpcdl.nn.MODELS, FILE.py:FN or module:FN (hpcdl layers, or a torch.nn.Module), "
+        "torchvision:NAME",
+    )
     a("--batch-size", type=int, default=32, help="per-rank batch of the job")
     a("--input-shape", default="3,32,32", help="C,H,W of one sample")
     a("--augment", default="none", help="the job's --augment, for the input figure")
@@ -233,145 +246,6 @@ def closest_algorithm(net: NetworkFigures, world: Any, seconds: list[float]) -> 
     return replace(net, algorithm=best, algorithm_factor=float(np.median(ratios(best))))
 
 
-def measure_compute(args: argparse.Namespace, comm: Any) -> ComputeFigures:
-    """Every rank times train_step at b/2 and b at once (hpcdl.bench.timing's convention)."""
-    batches = sorted({max(1, args.batch_size // 2), args.batch_size})
-    if len(batches) == 1:
-        batches = [1, 2]
-    medians = []
-    for batch in batches:
-        spec = SimpleNamespace(model=args.model, shape=args.shape, classes=args.classes,
-                               device="cpu", precision="fp32", batch_size=batch)  # fmt: skip
-        step, sync = hpcdl_stepper(spec)
-        for _ in range(3):
-            step()
-        comm.Barrier()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step()
-            sync()
-            times.append(time.perf_counter() - t0)
-        medians.append(slowest_rank_median(comm, times))
-    try:
-        fit = speed.fit([float(b) for b in batches], medians)
-        v0, t = fit.v0, fit.t  # the fit holds t >= 0
-    except speed.ScalingFitError:  # too noisy to split: all of the step grows with b
-        v0, t = batches[-1] / medians[-1], 0.0
-    model = nn.build_model(args.model, args.shape, args.classes, seed=0)
-    return ComputeFigures(
-        model=args.model,
-        batch_size=args.batch_size,
-        v0=v0,
-        t=t,
-        backward_fraction=BACKWARD_SHARE,
-        gradient_bytes=int(model.params.size) * 4,
-    )
-
-
-@dataclass(frozen=True)
-class TrainerStep:
-    step_s: float  # the mean step, slowest rank, batch building included where timed
-    input_s_per_sample: float  # of it, building the batch, per sample (0: not timed)
-    contention_s_per_file: float = 0.0  # while the stagers copy (calibrate_contention)
-    contention_note: str = "not measured"
-    contention_s_per_fetch: float | None = None  # while they fetch from peers (None: not measured)
-    fetch_note: str = "not measured"
-    quiet_note: str = ""  # each quiet window's step, ms
-
-
-def measure_trainer_step(
-    args: argparse.Namespace, world: Any, samples: Any, contention: Any = None
-) -> TrainerStep:
-    """hpcdl.train's step as --workers 0 runs it, slowest rank: the batch built from node-local
-    copies of --data (samples: hpcdl.bench.calibrate_input; None: no data, no building), then
-    train_step with the gradient reducer (--bucket-mb buckets on its thread, overlapping
-    backward; the loss's finiteness flag rides in the last bucket, as in hpcdl.train, so no
-    collective of its own), inside the trainer's stop agreement (a nonblocking allreduce
-    begun before the step and waited for after it), back to back on every rank. The mean over
-    the steps, not the median: an epoch lasts the sum of its steps (hpcdl.bench.timing). Timed
-    in QUIET_WINDOWS windows of --steps steps one after the other, and the median window's mean
-    taken: on a shared machine one window can be a quarter off the next (docs/cluster-model.md,
-    section 3b).
-
-    contention(quiet step s, timed) -> (seconds per copy, note, seconds per fetch, note): then
-    the same steps again while the stagers copy, and while they fetch from peers
-    (hpcdl.bench.calibrate_contention)."""
-    from hpcdl.comm.reducer import GradientReducer  # noqa: PLC0415
-
-    spec = SimpleNamespace(model=args.model, shape=args.shape, classes=args.classes,
-                           device="cpu", precision="fp32", batch_size=args.batch_size)  # fmt: skip
-    parts, x, y = hpcdl_setup(spec)
-    build = samples.build if samples is not None else None
-    reducer = None
-    if world.size > 1:
-        reducer = GradientReducer(
-            world.comm, parts.model.grads_and_flags, args.bucket_mb, prescaled=True
-        )
-        parts = replace(parts, reducer=reducer)
-    stop = StopAgreement(world.comm)  # as hpcdl.startup makes it for every run
-    try:
-        windows = []  # (step, building) of each quiet window, slowest rank
-        for _ in range(QUIET_WINDOWS):
-            quiet, _, _ = _timed_steps(parts, x, y, stop, args.steps, build)
-            windows.append((slowest_rank_mean(world.comm, [whole for _, whole in quiet]),
-                            slowest_rank_mean(world.comm, [b for b, _ in quiet]) if build
-                            else 0.0))  # fmt: skip
-            if stop.signal_name:
-                break
-        step_s, building = sorted(windows)[len(windows) // 2]
-        copies: tuple = ()
-        if contention is not None and not stop.signal_name:
-
-            def timed(beside) -> Window:
-                loaded, began, ended = _timed_steps(parts, x, y, stop, args.steps, build, beside)
-                return Window([whole for _, whole in loaded], began, ended)
-
-            copies = contention(step_s, timed)
-    except BaseException:
-        stop.abandon()  # this rank alone: MPI_Abort ends the agreement in flight
-        raise
-    else:
-        stop.close()  # every rank together
-    finally:
-        if reducer is not None:
-            reducer.close()
-    if stop.signal_name:  # caught while the steps ran: what the signal would have done then
-        signal.raise_signal(signal.Signals[stop.signal_name])
-    quiet_ms = ", ".join(f"{w * 1e3:.1f}" for w, _ in windows)
-    return TrainerStep(step_s, building / args.batch_size, *copies, quiet_note=quiet_ms)
-
-
-def _timed_steps(
-    parts: Any, x: Any, y: Any, stop: StopAgreement, steps: int, build, beside=None
-) -> tuple[list[tuple[float, float]], float, float]:
-    """(seconds building the batch, seconds of the whole step) of each step after 3 warm-up
-    ones, and when the timed steps began and ended (beside.start() is called just before
-    them, beside.stop() just after). The step trains on the fixed batch x, y: what was built
-    only costs its time. Each step runs inside stop's agreement, as hpcdl.train's do; the
-    steps end early, on every rank at once, when it says to stop (a signal)."""
-    times = []
-    began = time.time()
-    for k in range(steps + 3):  # 3 warm-up steps
-        if k == 3:
-            if beside:
-                beside.start()
-            began = time.time()
-        t0 = time.perf_counter()
-        if build:
-            build()
-        t1 = time.perf_counter()
-        stop.start_step()
-        train_step(parts, x, y, 0.01)
-        stopped = stop.should_stop()
-        times.append((t1 - t0, time.perf_counter() - t0))
-        if stopped:
-            break
-    if beside:
-        beside.stop()
-    return times[3:] or times, began, time.time()
-
-
 def fit_to_trainer_step(
     cal: Calibration, world: Any, args: argparse.Namespace, trained: float
 ) -> Calibration:
@@ -401,15 +275,17 @@ def fit_to_trainer_step(
     return replace(cal, network=replace(cal.network, algorithm_factor=math.sqrt(low * high)))
 
 
-def measure_alone(args: argparse.Namespace) -> tuple[Any, ...]:
+def measure_alone(args: argparse.Namespace, engine: Engine) -> tuple[Any, ...]:
     """World rank 0, the others waiting: the PFS sweep (figures, rows), the local disk and the
-    peer fetch, the epoch's start, and the checkpoint with --checkpoint-dir (seconds, note)."""
+    peer fetch, the epoch's start, and the checkpoint of engine (this rank's engine_alone) with
+    --checkpoint-dir (seconds, note)."""
     pfs, rows = measure_pfs(Path(args.data), args.threads, args.files)
     local, peer = measure_local(Path(args.stage_dir), args.local_mb)
     boundary = measure_boundary(Path(args.stage_dir))
     saved = (0.0, "not measured (no --checkpoint-dir)")
     if args.checkpoint_dir:
-        saved = measure_checkpoint(args.model, args.shape, args.classes, Path(args.checkpoint_dir))
+        batch = random_batch(engine, args.shape, args.classes, 2)
+        saved = measure_checkpoint(engine, batch, Path(args.checkpoint_dir))
     return pfs, rows, local, peer, boundary, saved
 
 
@@ -442,7 +318,7 @@ def contention_measure(
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.shape = tuple(int(v) for v in args.input_shape.split(","))
-    refused = torch_model_refused(args)
+    refused = model_refused(args)
     if refused:
         print(f"python -m hpcdl.bench calibrate: error: {refused}", file=sys.stderr)
         return 2
@@ -453,21 +329,57 @@ def main(argv: list[str] | None = None) -> int:
     # line, instead of leaving the others in the next collective.
     install_abort_on_exception(world.comm, world.rank)
     blas_threads.set_for_rank(world.node_comm)  # as hpcdl.train does: a fair share of cores
+    with ExitStack() as stack:
+        try:  # first: a model that cannot be built stops every rank before anything is timed
+            engine = engine_alone(args, world, stack)
+        except SystemExitWithMessage as exc:
+            if exc.message:
+                print(f"python -m hpcdl.bench calibrate: error: {exc.message}", file=sys.stderr)
+            return 2
+        measured = measure_all(args, world, engine)
+    if world.rank == 0:
+        write(args, world, *measured)
+    return 0
+
+
+def model_refused(args: argparse.Namespace) -> str | None:
+    """hpcdl.train's check of --model, --batch-size and --bucket-mb (hpcdl.config.validate),
+    before MPI starts: its one line for a model file that does not load, or a torch model
+    without torch (or torchvision) installed, naming what to install; else None."""
+    cfg = config.TrainConfig(data=args.data, model=args.model, batch_size=args.batch_size,
+                             bucket_mb=args.bucket_mb, progress="none")  # fmt: skip
+    try:
+        config.validate(cfg)
+    except config.ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def measure_all(args: argparse.Namespace, world: Any, engine: Engine) -> tuple[Any, ...]:
+    """Every part, in order (the module notes); collective. Rank 0's figures: (pfs, rows,
+    local, peer, boundary, saved, network, compute, trained, timed); None where not rank 0's."""
     pfs = local = rows = peer = boundary = saved = None  # rank 0's
     if world.rank == 0:
-        pfs, rows, local, peer, boundary, saved = measure_alone(args)
+        pfs, rows, local, peer, boundary, saved = measure_alone(args, engine)
     world.comm.Barrier()  # the PFS and the disk were measured alone
     if world.num_nodes > 1:
         pfs = world.comm.bcast(pfs, root=0)
         pfs = measure_pfs_together(world, Path(args.data), args.threads, args.files * 2, pfs)
     network = measure_network(world, args.repeats)
-    compute = measure_compute(args, world.comm)
+    compute = measure_compute(args, world.comm, engine)
     contention = contention_measure(args, world, pfs)
     with input_samples(world, Path(args.data), Path(args.stage_dir), args.batch_size,
                        args.augment, args.local_mb) as (samples, timed):  # fmt: skip
         trained = measure_trainer_step(args, world, samples, contention)
-    if world.rank != 0:
-        return 0
+    return pfs, rows, local, peer, boundary, saved, network, compute, trained, timed
+
+
+def write(
+    args: argparse.Namespace, world: Any, pfs: PfsFigures, rows: list[dict],
+    local: LocalFigures, peer: PeerFigures, boundary: Any, saved: tuple[float, str],
+    network: NetworkFigures, compute: Any, trained: TrainerStep, timed: str,
+) -> None:  # fmt: skip
+    """World rank 0: the calibration said, written to --out, and with --json as JSON."""
     where = f"{world.num_nodes} nodes x {world.node_comm.size} ranks"
     source = f"python -m hpcdl.bench calibrate on {where}, {time.ctime()}"
     compute = replace(compute, input_s_per_sample=trained.input_s_per_sample,
@@ -485,33 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
     if args.json:
         print(json.dumps({**cal.to_json(), "pfs_sweep": rows, "trainer_step_s": trained.step_s}))
-    return 0
-
-
-def torch_model_refused(args: argparse.Namespace) -> str | None:
-    """The one line refusing --model when it is a torch model (or its builder fails), else
-    None. calibrate times hpcdl's own engine's step, which the cluster model's step_time is
-    fitted to; a torch engine's step is not measured here."""
-    from hpcdl.nn.user_models import (  # noqa: PLC0415
-        call_builder,
-        is_torch_module,
-        is_torchvision,
-        is_user_model,
-    )
-
-    torch_model = is_torchvision(args.model)
-    if not torch_model and is_user_model(args.model):
-        try:
-            torch_model = is_torch_module(call_builder(args.model, args.shape, args.classes))
-        except ValueError as exc:
-            return f"--{exc}"
-    if not torch_model:
-        return None
-    return (
-        f"--model {args.model} is a torch model; calibrate times hpcdl's own engine's step "
-        "only: give the hpcdl model nearest in size (hpcdl.nn.MODELS, e.g. --model resnet50) "
-        "for its compute figures; the I/O, network and checkpoint figures serve either engine"
-    )
 
 
 def describe(

@@ -7,8 +7,10 @@ figure: the checkpoint directory is wherever the user keeps them (the PFS, a hom
 and an HDF5 file written, flushed, fsync'ed and renamed (hpcdl.checkpoint.save) costs more than
 its bytes.
 
-World rank 0 builds the model as the job does (--model, --input-shape, --classes), takes one
-SGD step with momentum so that the optimizer state is there, and saves that checkpoint with
+World rank 0 takes the engine bench calibrate steps (hpcdl.train's, for --model: hpcdl's own
+or the torch engine, hpcdl.bench.calibrate_step), one step further so that the optimizer's state
+is there, and saves its checkpoint as hpcdl.resume.save does (the engine's flat parameters,
+buffers and optimizer state: either engine's, hpcdl.engine.Checkpointable) with
 hpcdl.checkpoint.save into a temporary directory inside --checkpoint-dir, REPEATS times; the
 median counts. The temporary directory goes afterwards, and a --checkpoint-dir that did not
 exist is made and removed again (hpcdl.bench.stage_scratch): nothing else there is touched.
@@ -19,36 +21,29 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
-
-import numpy as np
+from typing import Any
 
 from hpcdl.bench.stage_scratch import scratch_dir
 
 REPEATS = 3
 
 
-def measure_checkpoint(
-    model: str, shape: tuple[int, ...], classes: int, directory: Path
-) -> tuple[float, str]:
-    """(seconds of one checkpoint, the median of REPEATS; a note with its size and each time)."""
+def measure_checkpoint(engine: Any, batch: tuple, directory: Path) -> tuple[float, str]:
+    """(seconds of one checkpoint of engine after a step on batch, the median of REPEATS; a
+    note with its size and each time)."""
     from hpcdl import checkpoint  # noqa: PLC0415
-    from hpcdl.bench.compute_setup import hpcdl_setup  # noqa: PLC0415
-    from hpcdl.nn.step import train_step  # noqa: PLC0415
+    from hpcdl.backend import to_host  # noqa: PLC0415
     from hpcdl.resume import shapes  # noqa: PLC0415
 
-    spec = SimpleNamespace(model=model, shape=shape, classes=classes, device="cpu",
-                           precision="fp32", batch_size=2)  # fmt: skip
-    parts, x, y = hpcdl_setup(spec)
-    train_step(parts, x, y, 0.01)  # the momentum exists after a step, as in any checkpoint
-    net = parts.model
+    engine.step(*batch, 0.01, False, None, True)  # the optimizer's state exists after a step
+    net = engine.model
     times, size = [], 0
     with scratch_dir(directory, ".hpcdl-calibrate-checkpoint.") as where:
         for k in range(REPEATS):
             ckpt = checkpoint.Checkpoint(
-                model=net.name, layout=shapes(net), params=np.asarray(net.params).copy(),
-                buffers=np.asarray(net.buffers).copy(),
-                optimizer={key: np.asarray(v) for key, v in parts.optimizer.state_dict().items()},
+                model=net.name, layout=shapes(net), params=to_host(net.params).copy(),
+                buffers=to_host(net.buffers).copy(),
+                optimizer={key: to_host(v) for key, v in engine.optimizer.state_dict().items()},
                 epoch=k + 1, step_in_epoch=0, global_step=k + 1,
                 rng_states=[net.get_rng_state()], config={}, world_size=1,
             )  # fmt: skip

@@ -8,11 +8,14 @@ cores to spare the figure is about 0, which is what it then measures.
 
 It is measured, not derived: the trainer's step (bench calibrate's loop, batch building
 included) is timed once quiet and once while every node's leader runs a real hpcdl-stage that
-copies files of --data into a temporary directory of --stage-dir with --threads copy threads,
-started as the timed steps begin. The steps' added seconds, over the copies published during
-the timed steps (the stager's count of them, read from its status map as the steps begin and
-end), give seconds per file and node. At most
---local-mb MB is copied; the directory is removed afterwards, with any stage dir made for it
+copies files of --data into a fresh temporary directory of --stage-dir with --threads copy
+threads, started as the timed steps begin. The timed steps go on, in windows of --steps steps,
+until every node's copies have all been published (load_goes_on; at most LOAD_CAP_S, after
+which the figure is not measured): so they cover the whole load, where one window ended with
+copies still in flight, or none landed yet, as the copier's start outlasted a window of short
+steps. The steps' added seconds, over the copies published (the stager's count of them, read
+from its status map as the steps end), give seconds per file and node. At most --local-mb MB
+is copied; the directory is removed afterwards, with any stage dir made for it
 (hpcdl.bench.stage_scratch). A copier that fails leaves the figure at 0, its last line in the
 calibration's note.
 
@@ -49,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hpcdl.bench.calibrate_peer import (
     SESSION,
     WAIT_S,
@@ -67,6 +72,9 @@ from hpcdl.staging.plan import FileTreeDataset
 from hpcdl.staging.status import StatusView
 
 MIN_FILES = 64  # copied per node at least: a window of a few steps must see some land
+# The loaded steps run on until the load has landed, for at most this long (seconds): a load of
+# --local-mb MB that takes longer is the file system's trouble, not a figure of the steps.
+LOAD_CAP_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -76,19 +84,30 @@ class Window:
     seconds: list[float]
     began: float
     ended: float
+    unfinished: bool = False  # the load beside them had not all landed at LOAD_CAP_S
+
+
+def load_goes_on(comm: Any, beside: Any, began: float) -> tuple[bool, bool]:
+    """(another window of steps, the load still pending) after a window of loaded steps that
+    began (time.time()) at `began`, agreed over comm: on while any rank's load is pending
+    (beside.pending()) and no rank has seen LOAD_CAP_S pass. Collective."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    flags = np.array([beside.pending(), time.time() - began >= LOAD_CAP_S], np.int32)
+    comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    pending, over = bool(flags[0]), bool(flags[1])
+    return pending and not over, pending
 
 
 def start_copier(data: Path, stage: Path, relpaths: list[str], sizes: list[int], threads: int):
-    """hpcdl-stage copying these files of data into stage (one epoch, --once)."""
+    """hpcdl-stage copying these files of data into stage (one epoch, --once), started: the
+    caller's steps run beside its start too, as beside the fetching stager's (waiting here for
+    its status map let a fast copier publish some or all of its copies before the steps, which
+    then left them out, or measured nothing)."""
     write_plan(FileTreeDataset.of_files(data, relpaths, sizes), stage, 0, None)
     cmd = [str(find_stager_binary()), "--stage-dir", str(stage), "--session", SESSION,
            "--threads", str(threads), "--once", "--quiet"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    view = StatusView(status_path(stage))
-    deadline = time.monotonic() + WAIT_S
-    while not view.open() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # running: its status map is published
-    return proc
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 @dataclass(frozen=True)
@@ -159,6 +178,10 @@ class Idle:
     def start(self) -> None:
         """Called as the timed steps begin."""
 
+    def pending(self) -> bool:
+        """Files of the load that have not landed yet, and may."""
+        return False
+
     def stop(self) -> None:
         """Called as the timed steps end."""
 
@@ -169,8 +192,8 @@ class Counted(Idle):
     (Linux may stamp files from a clock a tick or more behind time.time())."""
 
     def __init__(self, stage: Path) -> None:
-        self.stage = stage
-        self.at_start = self.at_stop = 0
+        self.stage = stage  # a fresh one: its stager, started with the steps, has copied nothing
+        self.at_stop = 0
 
     def staged(self) -> int:
         """Copies the stager in self.stage has published so far (0 before its map is out)."""
@@ -185,7 +208,7 @@ class Counted(Idle):
 
     def landed(self) -> int:
         """Copies published while the timed steps ran."""
-        return max(0, self.at_stop - self.at_start)
+        return self.at_stop
 
 
 class Copies(Counted):
@@ -201,7 +224,10 @@ class Copies(Counted):
         if self.load.relpaths:
             self.procs.append(start_copier(self.load.data, self.stage, self.load.relpaths,
                                            self.load.sizes, self.load.threads))  # fmt: skip
-            self.at_start = self.staged()
+
+    def pending(self) -> bool:
+        running = bool(self.procs) and self.procs[0].poll() is None
+        return running and self.staged() < len(self.load.relpaths)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -253,6 +279,10 @@ class Fetches(Counted):
         self.client = start_stager(self.stage, self.secret,
                                    ["--once", "--nice", str(STAGE_NICE_LATER)], None,
                                    self.load.threads)  # fmt: skip
+
+    def pending(self) -> bool:
+        running = self.client is not None and self.client.poll() is None
+        return running and self.staged() < len(self.load.relpaths)
 
     def close(self) -> None:
         if self.client is not None:
@@ -306,10 +336,13 @@ def _timed_copies(
     failed = next((f for f in world.comm.allgather(failed) if f), "")
     if failed:
         return None, f"not measured: a node's hpcdl-stage failed ({failed})"
+    if window.unfinished:
+        return None, f"not measured: the {what} had not all landed after {LOAD_CAP_S:g} s of steps"
     if per_node < 1:
         return None, f"not measured: none of the {what} landed during the timed steps"
     lost = max(0.0, (loaded - quiet_step_s) * len(window.seconds))
     # per_node exactly as the figure divides by it (1.5 where the nodes saw 1 and 2 land)
-    note = (f"step {loaded * 1e3:.1f} ms while {per_node:g} {what} per node landed in "
-            f"{window.ended - window.began:.2f} s, {quiet_step_s * 1e3:.1f} ms quiet")  # fmt: skip
+    note = (f"step {loaded * 1e3:.1f} ms over {len(window.seconds)} steps while {per_node:g} "
+            f"{what} per node landed in {window.ended - window.began:.2f} s, "
+            f"{quiet_step_s * 1e3:.1f} ms quiet")  # fmt: skip
     return lost / per_node, note

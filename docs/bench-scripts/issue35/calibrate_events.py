@@ -10,9 +10,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[3])]  # the repository root
 
 import hpcdl.bench.calibrate as calibrate  # noqa: E402
+import hpcdl.bench.calibrate_step as calibrate_step  # noqa: E402  (the steps' timing)
 from hpcdl.diag.events import RECORDER  # noqa: E402
 
-timed_steps = calibrate._timed_steps
+timed_steps = calibrate_step._timed_steps
 windows = [0]
 
 
@@ -28,5 +29,5 @@ def first_window_recorded(*args, **kwargs):
     return out
 
 
-calibrate._timed_steps = first_window_recorded
+calibrate_step._timed_steps = first_window_recorded
 sys.exit(calibrate.main(sys.argv[1:]))
