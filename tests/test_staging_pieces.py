@@ -10,11 +10,18 @@ import pytest
 from helpers import make_tree
 from tarshards_helpers import jpeg_bytes, make_shards, write_tar
 
+from hpcdl.clustermodel.calibration import DEFAULT_PEER
 from hpcdl.data import open_dataset
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.staging import plan_for_node
 from hpcdl.staging.peers import NO_HOME, file_homes, peer_sources, render_peer_section
-from hpcdl.staging.pieces import PieceSlots, piece_relpath, pieces_possible, split_shards
+from hpcdl.staging.pieces import (
+    FETCH_BYTES,
+    PieceSlots,
+    piece_relpath,
+    pieces_possible,
+    split_shards,
+)
 from hpcdl.staging.plan import render_plan
 
 SHARDS, PER_SHARD, BATCH = 6, 8, 2
@@ -30,13 +37,13 @@ def shards(tmp_path_factory) -> tuple[object, list]:
 
 @pytest.fixture(scope="module")
 def big_samples(tmp_path_factory):
-    """6 shards of 8 samples whose 96x96 JPEGs (about 20 KB) outweigh the tar's headers."""
+    """6 shards of 8 samples whose 400x400 noise JPEGs (about 145 KB) are worth a fetch each."""
     root = tmp_path_factory.mktemp("pfs") / "big"
     for s in range(SHARDS):
         members = []
         for j in range(PER_SHARD):
             i = s * PER_SHARD + j
-            members += [(f"k{i:05d}.jpg", jpeg_bytes(i, (96, 96))), (f"k{i:05d}.cls", b"0")]
+            members += [(f"k{i:05d}.jpg", jpeg_bytes(i, (400, 400))), (f"k{i:05d}.cls", b"0")]
         write_tar(root / f"s-{s:04d}.tar", members)
     return open_dataset(root)
 
@@ -84,9 +91,10 @@ def test_on_fetches_every_shard_homed_elsewhere_as_its_samples_pieces(shards):
     assert np.all(np.diff(split.first_use()) >= 0), "entries stay in first-use order"
 
 
-def test_auto_splits_a_shard_only_where_its_pieces_are_under_half_of_it(big_samples):
+def test_auto_splits_a_shard_only_where_its_pieces_cost_less_than_it(big_samples):
     ds = big_samples
     lengths, sizes = ds.index.columns["data_len"], np.asarray(ds.files.sizes)
+    assert lengths.min() > FETCH_BYTES, "samples worth a fetch, so that both outcomes occur"
     split_somewhere = kept_somewhere = False
     for layout, epochs in ((((0,), (1,), (2,), (3,)), (0, 1)), (((0, 1), (2, 3)), (0, 2))):
         for node in range(len(layout)):
@@ -94,10 +102,10 @@ def test_auto_splits_a_shard_only_where_its_pieces_are_under_half_of_it(big_samp
             reads = reads_of_node(ds, spec, layout[node], epochs)
             mine = np.zeros(SHARDS)
             for i in reads:
-                mine[int(ds.file_ids([i])[0])] += lengths[i]
+                mine[int(ds.file_ids([i])[0])] += lengths[i] + FETCH_BYTES
             for f in shard_plan.file_ids.tolist():
                 elsewhere = homes.node[f] not in (NO_HOME, node)
-                want_pieces = elsewhere and mine[f] * 2 < sizes[f]
+                want_pieces = elsewhere and mine[f] < sizes[f]
                 assert (f in split.file_ids.tolist()) != want_pieces, (layout, node, f)
                 split_somewhere |= want_pieces
                 kept_somewhere |= elsewhere and not want_pieces
@@ -189,3 +197,9 @@ def test_the_reader_takes_a_staged_piece_and_the_shard_otherwise(shards, tmp_pat
         assert (".pieces/" in where) == (sample == 3), where
     assert staged.asked == 3 and reader.counts.local == 1 and reader.counts.pfs == 2
     reader.close()
+
+
+def test_a_fetchs_cost_in_bytes_is_the_cluster_models_default_peer():
+    """auto's rule charges a fetch what the cluster model does without a calibration."""
+    latency_bytes = DEFAULT_PEER.fetch_latency_s * DEFAULT_PEER.thread_bandwidth_Bps
+    assert latency_bytes == pytest.approx(FETCH_BYTES)

@@ -10,8 +10,12 @@ reader takes a sample from its piece when the piece is READY (docs/staging.md, "
 
 Status-map slots: shards first (slot = file id), then one per sample (slot = shards + sample
 index). Every plan of a run in which pieces may appear has that many slots, so a replan never
-resizes the map. `--peer-ranges`: `auto` splits a shard when the bytes of the node's samples of
-it in the plan's window are under half the shard's; `on` splits every shard homed elsewhere
+resizes the map. `--peer-ranges`: `auto` splits a shard when its pieces cost less to fetch than
+the shard: a fetch costs a peer's latency on top of its bytes, so the node's pieces of the shard
+in the plan's window are charged their bytes plus FETCH_BYTES each, against the shard's bytes
+(ImageNet's 137 MB shards at 128 nodes: 20 pieces of 110 KB, 4 MB against 137 MB; 960 PNGs of
+3 KB in 8 shards on 8 emulated nodes: 28 pieces, 2.9 MB against 0.6 MB, whole shards, which
+measured faster there: docs/PERFORMANCE.md, "Pieces"); `on` splits every shard homed elsewhere
 (tests); `off` keeps whole shards.
 """
 
@@ -28,6 +32,9 @@ from hpcdl.staging.peers import NO_HOME, FileHomes
 from hpcdl.staging.plan import NodePlan, TickLists
 
 RANGE_MODES = ("auto", "on", "off")
+# What one fetch's latency costs, in bytes at a fetching thread's bandwidth: the cluster model's
+# peer figures without a calibration (clustermodel.calibration.DEFAULT_PEER: 1 ms at 100 MB/s).
+FETCH_BYTES = 100_000
 PIECES_DIR = ".pieces"  # a piece's dest: "<shard dest>.pieces/<offset>"
 
 
@@ -143,7 +150,8 @@ def split_shards(
     piece_plan (the same node and epochs, every sample a piece) of those shards.
 
     A shard is split when its home is another node that serves (up), and `mode` is `on`, or
-    `auto` and the bytes of the node's pieces of it are under half the shard's size."""
+    `auto` and the node's pieces of it cost less than the shard: their bytes plus FETCH_BYTES
+    each, under the shard's size."""
     if mode == "off" or shard_plan.files == 0:
         return shard_plan
     ids = shard_plan.file_ids
@@ -152,10 +160,9 @@ def split_shards(
     split = (home != NO_HOME) & (home != shard_plan.node) & serving[home]
     piece_shard = slots.shard_of(piece_plan.file_ids)
     if mode == "auto":
-        piece_bytes = np.bincount(
-            piece_shard, weights=piece_plan.sizes.astype(np.float64), minlength=slots.shards
-        )
-        split &= piece_bytes[ids] * 2 < shard_plan.sizes
+        cost = piece_plan.sizes.astype(np.float64) + FETCH_BYTES
+        piece_cost = np.bincount(piece_shard, weights=cost, minlength=slots.shards)
+        split &= piece_cost[ids] < shard_plan.sizes
     chosen = np.zeros(slots.shards, dtype=bool)
     chosen[ids[split]] = True
     kept_shards = np.flatnonzero(~split)

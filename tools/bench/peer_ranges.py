@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--latency-ms", type=float, default=20.0, help="slow FS: ms per open")
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
+    a("--link", default="", help="every node's link, e.g. 100mbit (tc rate; default: not limited)")
     a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not harness_can_start("tools.bench peer-ranges", no_fuse):
         return 2
-    setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
+    setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, args.link,
                   epochs=args.epochs, stage_threads=args.stage_threads, runs=args.rounds,
                   node_disks=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hpcdl-peer-ranges-") as scratch:
