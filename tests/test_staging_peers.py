@@ -19,7 +19,8 @@ LAYOUTS = {
 
 
 def reference_homes(ds, spec, batch, epochs, layout, fits):
-    """Naive walk over every read: the earliest (tick, node) among fitting nodes, per file."""
+    """Naive walk over every read: the earliest (tick, node) among fitting nodes, per file;
+    among nodes tied at that tick the first at or after node (file id mod nodes), round."""
     node_of = {r: n for n, ranks in enumerate(layout) for r in ranks}
     steps = spec.for_rank(0).steps_per_epoch(batch)
     best = {}
@@ -29,9 +30,10 @@ def reference_homes(ds, spec, batch, epochs, layout, fits):
                 continue
             for step, indices in enumerate(spec.for_rank(rank).batches(epoch, batch)[:steps]):
                 for fid in ds.file_ids(np.asarray(indices)).tolist():
-                    key = (epoch * steps + step, node_of[rank])
+                    turn = (node_of[rank] - fid) % len(layout)
+                    key = (epoch * steps + step, turn, node_of[rank])
                     best[fid] = min(best.get(fid, key), key)
-    return best
+    return {fid: (tick, node) for fid, (tick, _, node) in best.items()}
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
@@ -47,6 +49,20 @@ def test_homes_are_the_first_fitting_reader(tmp_path, layout_name, per_file):
         got = {f: (int(homes.tick[f]), int(homes.node[f])) for f in np.flatnonzero(homes.node >= 0)}
         assert got == want, f"fits={fits}"
         assert (homes.node[[f for f in range(len(ds.files)) if f not in want]] == NO_HOME).all()
+
+
+def test_shards_read_by_every_node_at_once_get_homes_spread_over_the_nodes(tmp_path):
+    """Tar shards: every node reads samples of nearly every shard in its first step; the homes
+    must not all go to the lowest node (S / N a node, as the cluster model assumes)."""
+    nodes, shards = 8, 64
+    tree = make_tree(tmp_path, shards, 10)
+    ds = ShardDataset(tmp_path, [f.relpath for f in tree.files], per_file=32)
+    spec = SamplerSpec(num_samples=len(ds), world_size=nodes, seed=1, shuffle="global")
+    layout = [(n,) for n in range(nodes)]
+    homes = file_homes(ds, spec, 64, (0, 2), layout, [True] * nodes)
+    assert (homes.tick == 0).mean() > 0.9, "the case needs ties in the first step"
+    per_node = np.bincount(homes.node, minlength=nodes)
+    assert per_node.max() <= 2 * shards / nodes, per_node
 
 
 def run_plans(ds, spec, batch, epochs, layout, fits=None):

@@ -61,8 +61,12 @@ def file_homes(
 
     layout: world ranks of each node (World.ranks_by_node). fits: per node, whether its whole
     run's files fit its stage capacity (only those may be homes). Ties within one step go to the
-    lowest node index. Epochs are scanned from `begin` and the scan stops once every file has a
-    home, so a global shuffle costs about one epoch's permutation."""
+    first of the tied nodes at or after node (file id mod nodes), counting round: a shard's
+    samples are read by many nodes in the first step, and the lowest index would make node 0
+    the home of hundreds of shards (ImageNet's 1,024 at 128 nodes: 250 on node 0, 59 on node
+    5), where each node should hold S / N (docs/cluster-model.md, section 6). Epochs are
+    scanned from `begin` and the scan stops once every file has a home, so a global shuffle
+    costs about one epoch's permutation."""
     begin, end = epoch_range(epochs)
     if len(fits) != len(layout):
         raise ValueError(f"{len(fits)} capacity answers for {len(layout)} nodes")
@@ -78,12 +82,14 @@ def file_homes(
             used = sampler.rank_indices(epoch, ranks)[:, : steps * batch_size]
             ids = np.asarray(dataset.file_ids(used.reshape(-1)), dtype=np.int64)
             ticks = epoch * steps + step_of_pos[None, :]
-            keys = (ticks * nnodes + node_of_row[:, None]).reshape(-1)
+            turn = (node_of_row[:, None] - ids.reshape(used.shape)) % nnodes  # ties, round
+            keys = (ticks * nnodes + turn).reshape(-1)
             np.minimum.at(best, ids, keys)
             if (best != np.iinfo(np.int64).max).all():
                 break  # later epochs only have later ticks
     found = best != np.iinfo(np.int64).max
-    node = np.where(found, best % max(nnodes, 1), NO_HOME).astype(np.int32)
+    turn = best % max(nnodes, 1)
+    node = np.where(found, (turn + np.arange(nfiles)) % max(nnodes, 1), NO_HOME).astype(np.int32)
     tick = np.where(found, best // max(nnodes, 1), -1).astype(np.int64)
     return FileHomes(node=node, tick=tick, steps_per_epoch=steps)
 
