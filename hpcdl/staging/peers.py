@@ -63,7 +63,7 @@ def file_homes(
     run's files fit its stage capacity (only those may be homes). Ties within one step go to the
     first of the tied nodes at or after node (file id mod nodes), counting round: a shard's
     samples are read by many nodes in the first step, and the lowest index would make node 0
-    the home of hundreds of shards (ImageNet's 1,024 at 128 nodes: 250 on node 0, 59 on node
+    the home of hundreds of shards (ImageNet's 1,024 at 128 nodes: 221 on node 0, 59 on node
     5), where each node should hold S / N (docs/cluster-model.md, section 6). Epochs are
     scanned from `begin` and the scan stops once every file has a home, so a global shuffle
     costs about one epoch's permutation."""
