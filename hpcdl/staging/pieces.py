@@ -15,8 +15,8 @@ the shard: a fetch costs a peer's latency on top of its bytes, so the node's pie
 in the plan's window are charged their bytes plus FETCH_BYTES each, against the shard's bytes
 (ImageNet's 137 MB shards at 128 nodes: 20 pieces of 110 KB, 4 MB against 137 MB; 960 PNGs of
 3 KB in 8 shards on 8 emulated nodes: 28 pieces, 2.9 MB against 0.6 MB, whole shards, which
-measured faster there: docs/PERFORMANCE.md, "Pieces"); `on` splits every shard homed elsewhere
-(tests); `off` keeps whole shards.
+measured faster there: docs/PERFORMANCE.md, "Issue 62: pieces"); `on` splits every shard
+homed elsewhere (tests); `off` keeps whole shards.
 """
 
 from __future__ import annotations
