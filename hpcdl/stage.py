@@ -432,6 +432,10 @@ def print_dry_run(
                 f"MB from the PFS | {e['pfs_files']} files, {e['pfs_bytes'] / 1e6:.1f} MB from "
                 f"the PFS + {e['peer_files']} files, {e['peer_bytes'] / 1e6:.1f} MB from peers"
             )
+        if getattr(ds, "kind", "") == "tar":
+            print("  (peer copies counted as whole shards; with --peer-ranges auto, the default, "
+                  "a node fetches its samples of a shard as pieces where they cost less: fewer "
+                  'bytes; docs/staging.md, "Pieces")')  # fmt: skip
     if args.json:
         shape_list = shape and list(shape)
         print(json.dumps({"nodes": rows, "epochs": epochs, "sample_shape": shape_list}))

@@ -194,6 +194,10 @@ def test_stage_dry_run_plans_the_shards(data, tmp_path):
     assert dry.returncode == 0, dry.stderr
     report = json.loads(dry.stdout.splitlines()[-1])
     assert sum(n["run_files"] for n in report["nodes"]) == 5, report["nodes"]
+    two = stage_cli("--dry-run", "--data", data / "tar", "--batch-size", 4, "--nodes", 2)
+    assert two.returncode == 0, two.stderr
+    # the peer copies are whole shards' figures; a training job may fetch pieces instead
+    assert "counted as whole shards" in two.stdout and "--peer-ranges" in two.stdout, two.stdout
 
 
 def test_stage_only_copies_whole_shards_byte_for_byte(data, tmp_path):
