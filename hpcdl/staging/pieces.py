@@ -22,7 +22,7 @@ homed elsewhere (tests); `off` keeps whole shards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -183,15 +183,4 @@ def _merged(a: NodePlan, take_a: np.ndarray, b: NodePlan, take_b: np.ndarray) ->
     values = every[np.repeat(starts - bounds[:-1], counts) + np.arange(bounds[-1])]
     file_ids = np.concatenate([a.file_ids[take_a], b.file_ids[take_b]])[order]
     sizes = np.concatenate([a.sizes[take_a], b.sizes[take_b]])[order]
-    return NodePlan(
-        node=a.node,
-        file_ids=file_ids,
-        ticks=TickLists(values, bounds),
-        sizes=sizes,
-        epoch_begin=a.epoch_begin,
-        epoch_end=a.epoch_end,
-        steps_per_epoch=a.steps_per_epoch,
-        ranks=a.ranks,
-        seed=a.seed,
-        shuffle=a.shuffle,
-    )
+    return replace(a, file_ids=file_ids, ticks=TickLists(values, bounds), sizes=sizes)

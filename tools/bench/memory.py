@@ -285,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("folder", "tar"),
         default="folder",
         help="folder: trees of names; tar: --shards hard-linked tar shards of as many samples "
-        "(hpcdl only, each run with a fresh index cache: the first job, which builds the index)",
+        "(hpcdl only); every hpcdl run with a fresh index cache: the first job on the data set, "
+        "which builds the index",
     )
     a("--shards", type=int, default=1024, help="--layout tar: shards of the large set")
     a("--make-only", action="store_true", help="make the data sets in --cache-dir, print them")
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         with tempfile.TemporaryDirectory(prefix="hpcdl-bench-memory-") as tmp:
             log = cache / "last-run.log"  # kept: a failed run's whole output
-            run_env = dict(env, XDG_CACHE_HOME=str(Path(tmp) / "xdg")) if a.layout == "tar" else env
+            run_env = dict(env, XDG_CACHE_HOME=str(Path(tmp) / "xdg"))  # the first job's index
             t0 = time.perf_counter()
             cmd = hpcdl_command(a, tree, Path(tmp) / "stage")
             row["hpcdl"] = summarize(watch(cmd, run_env, log))

@@ -26,7 +26,7 @@ import numpy as np
 
 from hpcdl.helpformat import HelpFormatter
 from tools.bench.cluster import harness_can_start
-from tools.bench.peer_staging import later, params_of, run_job
+from tools.bench.peer_staging import add_cluster_arguments, later, params_of, run_job
 from tools.bench.slowfs import unavailable as no_fuse
 from tools.bench.validate import Setup, slow_pfs_cluster
 
@@ -93,15 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     a = ap.add_argument
-    a("--nodes", type=int, default=4, help="emulated nodes")
-    a("--ranks-per-node", type=int, default=1, help="training ranks per node")
-    a("--files", type=int, default=960, help="PNG images of the data set")
-    a("--shards", type=int, default=8, help="tar shards they are written to")
-    a("--latency-ms", type=float, default=20.0, help="slow FS: ms per open")
-    a("--epochs", type=int, default=4, help="training epochs")
-    a("--stage-threads", type=int, default=8, help="copy threads per node")
+    add_cluster_arguments(ap)
+    a("--shards", type=int, default=8, help="tar shards the PNG files are written to")
     a("--link", default="", help="every node's link, e.g. 100mbit (tc rate; default: not limited)")
-    a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
     a("--json", action="store_true", help="last line: one JSON object")
     return ap
 

@@ -199,13 +199,8 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m tools.bench peer-staging",
-        description=__doc__.split("\n\n")[0],
-        allow_abbrev=False,
-        formatter_class=HelpFormatter,
-    )
+def add_cluster_arguments(ap: argparse.ArgumentParser) -> None:
+    """The emulated cluster and job of the peer harnesses (this one and peer-ranges)."""
     a = ap.add_argument
     a("--nodes", type=int, default=4, help="emulated nodes")
     a("--ranks-per-node", type=int, default=1, help="training ranks per node")
@@ -214,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--epochs", type=int, default=4, help="training epochs")
     a("--stage-threads", type=int, default=8, help="copy threads per node")
     a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.bench peer-staging",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    a = ap.add_argument
+    add_cluster_arguments(ap)
     a(
         "--node-disks",
         choices=("own", "shared"),
