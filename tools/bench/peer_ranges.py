@@ -26,7 +26,13 @@ import numpy as np
 
 from hpcdl.helpformat import HelpFormatter
 from tools.bench.cluster import harness_can_start
-from tools.bench.peer_staging import add_cluster_arguments, later, params_of, run_job
+from tools.bench.peer_staging import (
+    add_cluster_arguments,
+    cluster_setup,
+    later,
+    params_of,
+    run_job,
+)
 from tools.bench.slowfs import unavailable as no_fuse
 from tools.bench.validate import Setup, slow_pfs_cluster
 
@@ -104,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not harness_can_start("tools.bench peer-ranges", no_fuse):
         return 2
-    setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, args.link,
-                  epochs=args.epochs, stage_threads=args.stage_threads, runs=args.rounds,
-                  node_disks=True)  # fmt: skip
+    setup = cluster_setup(args, args.link, node_disks=True)
     with tempfile.TemporaryDirectory(prefix="hpcdl-peer-ranges-") as scratch:
         result = measure(setup, args.shards, Path(scratch))
     print(table(result), flush=True)

@@ -211,6 +211,13 @@ def add_cluster_arguments(ap: argparse.ArgumentParser) -> None:
     a("--rounds", type=int, default=3, help="times each job runs (in turn); medians are shown")
 
 
+def cluster_setup(args: argparse.Namespace, link: str, node_disks: bool) -> Setup:
+    """The Setup of add_cluster_arguments' flags."""
+    return Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, link,
+                 epochs=args.epochs, stage_threads=args.stage_threads, runs=args.rounds,
+                 node_disks=node_disks)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m tools.bench peer-staging",
@@ -236,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not harness_can_start("tools.bench peer-staging", no_fuse):
         return 2
-    setup = Setup(args.nodes, args.ranks_per_node, args.files, args.latency_ms, "",
-                  epochs=args.epochs, stage_threads=args.stage_threads,
-                  runs=args.rounds, node_disks=args.node_disks == "own")  # fmt: skip
+    setup = cluster_setup(args, "", node_disks=args.node_disks == "own")
     with tempfile.TemporaryDirectory(prefix="hpcdl-peer-staging-") as scratch:
         given = Path(args.calibration).resolve() if args.calibration else None
         result = measure(setup, Path(scratch), given)
