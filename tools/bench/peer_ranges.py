@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m tools.bench peer-ranges",
         description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
     a = ap.add_argument
