@@ -3,11 +3,13 @@ that uses it, on CPU and (marked gpu) the same mask from CuPy."""
 
 import numpy as np
 import pytest
+from cuda_on_cpu import CpuKernel
 
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.nn import kernels, philox
 from hpcdl.nn.kernels import dropout as dropout_kernels
+from hpcdl.nn.kernels.dropout import KERNEL_SOURCE
 
 # Random123's tests/kat_vectors for philox4x32_10: (counter, key, expected words)
 KNOWN_ANSWERS = [
@@ -79,6 +81,22 @@ def test_philox_dropout_repeats_for_the_same_rng_state_and_moves_on_after(monkey
     model.set_rng_state(state)
     np.testing.assert_array_equal(model.body.forward(x, train=True), first)
     assert not np.array_equal(first, second)
+
+
+def test_the_kernels_cuda_source_run_on_the_cpu_gives_the_words_mask(tmp_path):
+    """The dropout kernel's own CUDA (and philox.CUDA_SOURCE) built for the CPU
+    (tests/cuda_on_cpu.py): its mask is NumPy's words >= threshold, its output x * mask."""
+    kernel = CpuKernel(*KERNEL_SOURCE, philox.CUDA_SOURCE, tmp_path, types={"T": "float32"},
+                       scalars=frozenset({"k0", "k1", "threshold", "scale"}))  # fmt: skip
+    seed, rate, n = (0xDEADBEEF << 32) | 0x01234567, 0.3, 4099
+    x = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    scale = np.float32(1 / (1 - rate))
+    mask, y = np.empty_like(x), np.empty_like(x)
+    kernel(x, seed & 0xFFFFFFFF, seed >> 32, philox.keep_threshold(rate), scale, mask, y, size=n)
+    keep = philox.words(seed, n) >= philox.keep_threshold(rate)
+    np.testing.assert_array_equal(mask, np.where(keep, scale, np.float32(0)))
+    np.testing.assert_array_equal(y, x * mask)
+    assert 0.25 < 1 - keep.mean() < 0.35
 
 
 @pytest.mark.gpu

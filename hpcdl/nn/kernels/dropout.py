@@ -19,6 +19,12 @@ from hpcdl.backend import array_module
 from hpcdl.nn import philox
 from hpcdl.nn.threads import split_multiply
 
+# (in_params, out_params, body) of the CuPy kernel, built with philox.CUDA_SOURCE
+KERNEL_SOURCE = (
+    "T x, uint32 k0, uint32 k1, uint32 threshold, T scale",
+    "T mask, T y",
+    "mask = hpcdl_philox_word(i, k0, k1) >= threshold ? scale : (T)0; y = x * mask;",
+)
 _CUPY_KERNEL: Any = None  # built on first use: compiling needs a GPU
 
 
@@ -26,11 +32,7 @@ def _cupy_kernel(cp: Any) -> Any:
     global _CUPY_KERNEL
     if _CUPY_KERNEL is None:
         _CUPY_KERNEL = cp.ElementwiseKernel(
-            "T x, uint32 k0, uint32 k1, uint32 threshold, T scale",
-            "T mask, T y",
-            "mask = hpcdl_philox_word(i, k0, k1) >= threshold ? scale : (T)0; y = x * mask;",
-            "hpcdl_philox_dropout",
-            preamble=philox.CUDA_SOURCE,
+            *KERNEL_SOURCE, "hpcdl_philox_dropout", preamble=philox.CUDA_SOURCE
         )
     return _CUPY_KERNEL
 

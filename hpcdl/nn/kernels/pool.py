@@ -1,15 +1,18 @@
 """Fast kernels for MaxPool2d (NOTE [fast kernels] in hpcdl/nn/kernels/__init__.py).
 
-CupyMaxPool: forward and backward as CuPy ElementwiseKernels on float32 NHWC, no padded copy.
-Forward writes, per output, the maximum and how many window elements equal it (`ties`, what the
-reference counts in backward); backward gathers, per input element, the windows that hold it,
-in the reference's order (window offsets (i, j) ascending), each giving dy / ties where the
-element is its window's maximum: the reference's equal sharing of tied maxima (after a ReLU a
-window of zeros is common), which an arg-max index alone would not give. Every product and sum
-is rounded on its own (__fmul_rn, __fadd_rn: no FMA), so the bits are the reference's.
+CupyMaxPool: forward and backward as CuPy ElementwiseKernels on NHWC float32, bf16 or fp16 (the
+real half arrays of --precision bf16|fp16), no padded copy. Forward writes, per output, the
+maximum and how many window elements equal it (`ties`, what the reference counts in backward);
+backward gathers, per input element, the windows that hold it, in the reference's order (window
+offsets (i, j) ascending), each giving dy / ties where the element is its window's maximum: the
+reference's equal sharing of tied maxima (after a ReLU a window of zeros is common), which an
+arg-max index alone would not give. Every product and sum is rounded on its own (__fmul_rn,
+__fadd_rn: no FMA), so the bits are the reference's. Half arrays are read and written as their
+uint16 bits and computed in float32, each result rounded to the format before it is used again
+(NOTE [half bits] in hpcdl/nn/kernels/half_bits.py): what NumPy does for one operation on them.
 
-`gather_backward` is that backward's loop in NumPy, element for element; the CPU test checks it
-against MaxPool2d.backward bit for bit, and a `gpu` test the kernels themselves.
+The CPU test compiles the kernels' own source for the CPU (tests/cuda_on_cpu.py) and checks
+both against MaxPool2d bit for bit in the three formats; a `gpu` test runs them on CuPy.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module
+from hpcdl.nn.kernels import say_once
+from hpcdl.nn.kernels.half_bits import bits, format_of, preamble
 
 _GEOMETRY = (
     "int32 H, int32 W, int32 C, int32 Ho, int32 Wo, "
@@ -31,16 +36,16 @@ float m = __int_as_float(0xff800000);  // -inf
 for (int a = 0; a < kh; ++a) for (int b = 0; b < kw; ++b) {
     int h = oh * sh - ph + a, w = ow * sw - pw + b;
     if (h < 0 || h >= H || w < 0 || w >= W) continue;
-    float v = x[((n * H + h) * W + w) * C + c];
+    float v = LOAD(x[((n * H + h) * W + w) * C + c]);
     if (isnan(v) || v > m) m = isnan(m) ? m : v;
 }
 float count = 0.0f;
 for (int a = 0; a < kh; ++a) for (int b = 0; b < kw; ++b) {
     int h = oh * sh - ph + a, w = ow * sw - pw + b;
     if (h < 0 || h >= H || w < 0 || w >= W) continue;
-    if (x[((n * H + h) * W + w) * C + c] == m) count = __fadd_rn(count, 1.0f);
+    if (LOAD(x[((n * H + h) * W + w) * C + c]) == m) count = __fadd_rn(count, 1.0f);
 }
-y = m; ties = count;
+y = STORE(m); ties = count;
 """
 
 _BACKWARD = """
@@ -49,28 +54,61 @@ float acc = 0.0f;
 for (int oh = min((h + ph) / sh, Ho - 1); oh >= 0 && h + ph - oh * sh < kh; --oh)
     for (int ow = min((w + pw) / sw, Wo - 1); ow >= 0 && w + pw - ow * sw < kw; --ow) {
         int o = ((n * Ho + oh) * Wo + ow) * C + c;
-        float share = dy[o] / ties[o];
-        float part = __fmul_rn(x == y[o] ? 1.0f : 0.0f, share);
-        acc = tiled ? part : __fadd_rn(acc, part);
+        float share = ROUND(__fdiv_rn(LOAD(dy[o]), ties[o]));
+        float part = __fmul_rn(LOAD(x) == LOAD(y[o]) ? 1.0f : 0.0f, share);
+        acc = tiled ? part : ROUND(__fadd_rn(acc, part));
     }
-dx = acc;
+dx = STORE(acc);
 """
 
-_CUPY_KERNELS: dict[str, Any] = {}  # built on first use: compiling needs a GPU
+_CUPY_KERNELS: dict[str, tuple[Any, Any]] = {}  # per format, built on first use: needs a GPU
+_USABLE: dict[str, bool] = {}  # per format: whether its kernels compiled and ran
 
 
-def _kernels(cp: Any) -> tuple[Any, Any]:
-    if not _CUPY_KERNELS:
-        _CUPY_KERNELS["forward"] = cp.ElementwiseKernel(
-            f"raw float32 x, {_GEOMETRY}", "float32 y, float32 ties", _FORWARD, "hpcdl_maxpool_fwd"
+def kernel_sources(fmt: str | None) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+    """(in_params, out_params, body) of the forward and the backward kernel for float32 (fmt
+    None) or a half format's uint16 bits; they are built with half_bits.preamble(fmt)."""
+    held = "float32" if fmt is None else "uint16"
+    forward = (f"raw {held} x, {_GEOMETRY}", f"{held} y, float32 ties", _FORWARD)
+    backward = (
+        f"{held} x, raw {held} y, raw float32 ties, raw {held} dy, bool tiled, {_GEOMETRY}",
+        f"{held} dx",
+        _BACKWARD,
+    )
+    return forward, backward
+
+
+def _kernels(cp: Any, fmt: str | None) -> tuple[Any, Any]:
+    """(forward, backward) CuPy kernels for float32 (fmt None) or a half format."""
+    key = fmt or "fp32"
+    if key not in _CUPY_KERNELS:
+        forward, backward = (
+            cp.ElementwiseKernel(*source, f"hpcdl_maxpool_{part}_{key}", preamble=preamble(fmt))
+            for part, source in zip(("fwd", "bwd"), kernel_sources(fmt), strict=True)
         )
-        _CUPY_KERNELS["backward"] = cp.ElementwiseKernel(
-            f"float32 x, raw float32 y, raw float32 ties, raw float32 dy, bool tiled, {_GEOMETRY}",
-            "float32 dx",
-            _BACKWARD,
-            "hpcdl_maxpool_bwd",
-        )
-    return _CUPY_KERNELS["forward"], _CUPY_KERNELS["backward"]
+        _CUPY_KERNELS[key] = (forward, backward)
+    return _CUPY_KERNELS[key]
+
+
+def _usable(xp: Any, x: Any) -> bool:
+    """Whether the kernels for x's format build and run (tried once, on a 1x1 pool of one
+    element of x); when they do not, MaxPool2d runs its own code, said once."""
+    fmt = format_of(x.dtype)
+    key = fmt or "fp32"
+    if key not in _USABLE:
+        try:
+            forward, backward = _kernels(xp, fmt)
+            one = xp.ascontiguousarray(x[:1, :1, :1, :1])
+            y, ties, dx = xp.empty_like(one), xp.empty(one.shape, np.float32), xp.empty_like(one)
+            geo = (1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0)
+            forward(_held(one), *geo, _held(y), ties)
+            backward(_held(one), _held(y), ties, _held(one), True, *geo, _held(dx))
+            _USABLE[key] = True
+        except Exception as exc:  # noqa: BLE001 - any failure: the layer's own code runs
+            _USABLE[key] = False
+            say_once(f"maxpool-{key}", f"max-pool kernel off in {x.dtype} ({exc}); "
+                     "MaxPool2d runs its own code")  # fmt: skip
+    return _USABLE[key]
 
 
 def geometry(layer: Any, x_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -81,44 +119,31 @@ def geometry(layer: Any, x_shape: tuple[int, ...]) -> tuple[int, ...]:
     return (h, w, c, ho, wo, layer.kh, layer.kw, layer.sh, layer.sw, layer.ph, layer.pw)
 
 
-def gather_backward(x: Any, y: Any, ties: Any, dy: Any, tiled: bool, geo: tuple) -> Any:
-    """The backward kernel's loop in NumPy float32 (per input element, its windows in the
-    reference's order): the arithmetic the CUDA encodes, for the CPU test."""
-    h_in, w_in, _, ho, wo, kh, kw, sh, sw, ph, pw = geo
-    dx = np.zeros_like(x)
-    for h in range(h_in):
-        for w in range(w_in):
-            acc = np.zeros_like(x[:, 0, 0])
-            for oh in range(min((h + ph) // sh, ho - 1), -1, -1):
-                if h + ph - oh * sh >= kh:
-                    break
-                for ow in range(min((w + pw) // sw, wo - 1), -1, -1):
-                    if w + pw - ow * sw >= kw:
-                        break
-                    share = dy[:, oh, ow] / ties[:, oh, ow]
-                    part = (x[:, h, w] == y[:, oh, ow]).astype(np.float32) * share
-                    acc = part if tiled else acc + part
-            dx[:, h, w] = acc
-    return dx
+def _held(array: Any) -> Any:
+    """What the kernels take for an array: itself (float32) or its uint16 bits (half)."""
+    return array if format_of(array.dtype) is None else bits(array)
 
 
 class CupyMaxPool:
-    """MaxPool2d on CuPy float32 (N, H, W, C): one forward and one backward kernel."""
+    """MaxPool2d on CuPy (N, H, W, C) float32, bf16 or fp16: one forward and one backward
+    kernel."""
 
     name = "cupy-maxpool"
 
     def applies(self, layer: Any, x: Any) -> bool:
-        return array_module(x) is not np and x.dtype == np.float32 and x.flags.c_contiguous
+        taken = x.dtype == np.float32 or format_of(x.dtype) is not None
+        xp = array_module(x)
+        return xp is not np and taken and x.flags.c_contiguous and _usable(xp, x)
 
     def forward(self, layer: Any, x: Any, train: bool) -> Any:
         xp = array_module(x)
         geo = geometry(layer, x.shape)
         if geo[3] < 1 or geo[4] < 1:
             raise ValueError(f"MaxPool2d {layer.kh}x{layer.kw} does not fit input shape {x.shape}")
-        forward, _ = _kernels(xp)
-        y = xp.empty((x.shape[0], geo[3], geo[4], x.shape[3]), np.float32)
-        ties = xp.empty_like(y)
-        forward(x, *geo, y, ties)
+        forward, _ = _kernels(xp, format_of(x.dtype))
+        y = xp.empty((x.shape[0], geo[3], geo[4], x.shape[3]), x.dtype)
+        ties = xp.empty(y.shape, np.float32)
+        forward(_held(x), *geo, _held(y), ties)
         layer.x, layer.y, layer.ties = x, y, ties
         return y
 
@@ -126,10 +151,10 @@ class CupyMaxPool:
         xp = array_module(dy)
         x = layer.x
         geo = geometry(layer, x.shape)
-        _, backward = _kernels(xp)
+        _, backward = _kernels(xp, format_of(x.dtype))
         dx = xp.empty_like(x)
-        dy = xp.ascontiguousarray(dy, dtype=np.float32)
-        backward(x, layer.y, layer.ties, dy, layer.tiled, *geo, dx)
+        dy = xp.ascontiguousarray(dy, dtype=x.dtype)
+        backward(_held(x), _held(layer.y), layer.ties, _held(dy), layer.tiled, *geo, _held(dx))
         layer.x = layer.y = layer.ties = None
         return dx
 
