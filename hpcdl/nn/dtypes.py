@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module
+from hpcdl.nn import kernels
+from hpcdl.nn.kernels.gemm import device_matmul
 from hpcdl.nn.precision import check_precision
 
 FLOAT32 = np.dtype(np.float32)
@@ -82,10 +84,16 @@ def matmul(a: Any, b: Any, out: Any) -> Any:
 
     No half array among them (float32, float64): the backend's matmul itself. On CuPy, cuBLAS
     multiplies half operands with a float32 sum (tensor cores); into an out of another dtype
-    the product is cast. On NumPy,
+    the product is cast. With --gpu-kernels on CuPy, cuBLAS is called on a handle of hpcdl's
+    own, which a CUDA graph can capture (NOTE [capturable GEMM] in hpcdl/nn/kernels/gemm.py),
+    and half operands write a float32 out directly. On NumPy,
     half operands are multiplied as float32 (ml_dtypes and float16 have no BLAS): the same
     numbers, emulated; the result is cast into out (float32 for weight gradients)."""
     xp = array_module(a)
+    if xp is not np and kernels.enabled():
+        same = b if b.dtype == a.dtype else b.astype(a.dtype, copy=False)
+        if device_matmul(xp, a, same, out):
+            return out
     if 2 not in (a.dtype.itemsize, b.dtype.itemsize, out.dtype.itemsize):
         return xp.matmul(a, b, out=out)
     if xp is not np:

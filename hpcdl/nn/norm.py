@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcdl.backend import array_module
-from hpcdl.nn.dtypes import FLOAT32
+from hpcdl.nn.dtypes import FLOAT32, matmul
 from hpcdl.nn.kernels import Seam
 from hpcdl.nn.layers import Layer, ParamSpec
 from hpcdl.nn.threads import run_split, split_parts
@@ -140,9 +140,9 @@ class BatchNorm(Layer):
         dx_rows, dy_rows, xc_rows = _rows(dx, reps), _rows(dy, reps), _rows(xc, reps)
 
         def sums(rows: slice, ones: Any, out: Any) -> None:  # out: [sum(dy), sum(dy * xc)]
-            xp.matmul(ones, _channels(dy_rows[rows], c), out=out[:c])
+            matmul(ones, _channels(dy_rows[rows], c), out=out[:c])
             xp.multiply(dy_rows[rows], xc_rows[rows], out=dx_rows[rows])  # scratch: dy * xc
-            xp.matmul(ones, _channels(dx_rows[rows], c), out=out[c:])
+            matmul(ones, _channels(dx_rows[rows], c), out=out[c:])
 
         total = self._split_sums(dy, 2 * c, sums)
         self.g["beta"][...] = total[:c]
@@ -190,7 +190,7 @@ class BatchNorm(Layer):
             m = x.size // c
 
             def sum_x(rows: slice, ones: Any, out: Any) -> None:
-                xp.matmul(ones, _channels(x_rows[rows], c), out=out)
+                matmul(ones, _channels(x_rows[rows], c), out=out)
 
             mean = self._split_sums(x, c, sum_x)
             mean /= m
@@ -199,7 +199,7 @@ class BatchNorm(Layer):
             def sum_sq(rows: slice, ones: Any, out: Any) -> None:
                 xp.subtract(x_rows[rows], mean_row, out=xc_rows[rows])
                 xp.multiply(xc_rows[rows], xc_rows[rows], out=sq_rows[rows])
-                xp.matmul(ones, _channels(sq_rows[rows], c), out=out)
+                matmul(ones, _channels(sq_rows[rows], c), out=out)
 
             var = self._split_sums(x, c, sum_sq)
             var /= m
@@ -226,8 +226,8 @@ class BatchNorm(Layer):
         def shifted_sums(rows: slice, ones: Any, out: Any) -> None:  # [sum(x - K), sum((x-K)^2)]
             xp.subtract(x_rows[rows], shift_row, out=xc_rows[rows])
             xp.multiply(xc_rows[rows], xc_rows[rows], out=sq_rows[rows])
-            xp.matmul(ones, _channels(xc_rows[rows], c), out=out[:c])
-            xp.matmul(ones, _channels(sq_rows[rows], c), out=out[c:])
+            matmul(ones, _channels(xc_rows[rows], c), out=out[:c])
+            matmul(ones, _channels(sq_rows[rows], c), out=out[c:])
 
         stats = xp.empty(2 * c + 1, dtype=x.dtype)
         stats[: 2 * c] = self._split_sums(x, 2 * c, shifted_sums)
