@@ -219,15 +219,14 @@ def adam_scalars(optimizer: Any, lr: Any, t: Any) -> dict[str, Any]:
     return {name: _float32(value) for name, value in values.items()}
 
 
+def _on_host(value: Any) -> bool:
+    """A host number (lr, a scalar), not a device scalar."""
+    return isinstance(value, float | int | np.generic)
+
+
 def _float32(value: Any) -> Any:
     """A float rounded to float32 on the host; a device scalar rounded where it is."""
-    if isinstance(value, float | int | np.generic):
-        return np.float32(value)
-    return value.astype(np.float32)
-
-
-def _on_host(lr: Any) -> bool:
-    return isinstance(lr, float | int | np.generic)
+    return np.float32(value) if _on_host(value) else value.astype(np.float32)
 
 
 class FusedAdam:
