@@ -77,6 +77,25 @@ def test_the_kernels_program_is_the_reference_update_bitwise(variant, apply):
         np.testing.assert_array_equal(opt.velocity, v)
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_fused_sgds_step_with_its_program_for_kernel_is_the_reference_bitwise(monkeypatch, variant):
+    """FusedSGD.step itself (its arguments, in the kernel's order) with the program's NumPy
+    evaluation standing in for the CuPy kernel, against SGD.step; the second step skipped."""
+    monkeypatch.setattr(FusedSGD, "applies", lambda self, opt, params: True)
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    p, g, mask = buffers()
+    fused, plain = (reference_sgd(variant, p.copy(), g, mask) for _ in range(2))
+    for step, lr in enumerate([0.1, 0.05, 0.3]):
+        flag = None if step == 0 else np.asarray(step != 1)
+        monkeypatch.setattr(kernels, "_enabled", True)
+        fused.step(lr, flag)
+        assert fused.seam.kernel is not None and fused.seam.kernel.name == "fused-sgd"
+        monkeypatch.setattr(kernels, "_enabled", False)
+        plain.step(lr, flag)
+        np.testing.assert_array_equal(fused.params, plain.params)
+        np.testing.assert_array_equal(fused.velocity, plain.velocity)
+
+
 def test_the_cuda_source_rounds_every_operation_itself():
     source = cuda_source(sgd_program(True, True, True))
     assert "__fmul_rn(v, m)" in source and "__fadd_rn(vn, d)" in source
