@@ -1,5 +1,6 @@
-"""hpcdl.nn.kernels.optimizer: FusedSGD's arithmetic is the reference SGD.step's, bit for bit
-(checked on the CPU through its NumPy evaluation; marked gpu: the CuPy kernel itself)."""
+"""hpcdl.nn.kernels.optimizer: FusedSGD's and FusedAdam's arithmetic is the reference SGD.step's
+and Adam.step's, bit for bit (checked on the CPU through its NumPy evaluation, and FusedAdam's
+whole step with that evaluation standing in for the CuPy kernel; marked gpu: the kernels)."""
 
 import itertools
 
@@ -9,7 +10,17 @@ import pytest
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.nn import kernels
-from hpcdl.nn.kernels.optimizer import FusedSGD, cuda_source, run_program, sgd_program
+from hpcdl.nn.kernels import optimizer as optimizer_kernels
+from hpcdl.nn.kernels.optimizer import (
+    FusedAdam,
+    FusedSGD,
+    adam_program,
+    adam_scalars,
+    cuda_source,
+    numpy_kernel,
+    run_program,
+    sgd_program,
+)
 
 VARIANTS = [
     {"momentum": m, "nesterov": n, "weight_decay": wd, "masked": masked}
@@ -66,6 +77,25 @@ def test_the_kernels_program_is_the_reference_update_bitwise(variant, apply):
         np.testing.assert_array_equal(opt.velocity, v)
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_fused_sgds_step_with_its_program_for_kernel_is_the_reference_bitwise(monkeypatch, variant):
+    """FusedSGD.step itself (its arguments, in the kernel's order) with the program's NumPy
+    evaluation standing in for the CuPy kernel, against SGD.step; the second step skipped."""
+    monkeypatch.setattr(FusedSGD, "applies", lambda self, opt, params: True)
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    p, g, mask = buffers()
+    fused, plain = (reference_sgd(variant, p.copy(), g, mask) for _ in range(2))
+    for step, lr in enumerate([0.1, 0.05, 0.3]):
+        flag = None if step == 0 else np.asarray(step != 1)
+        monkeypatch.setattr(kernels, "_enabled", True)
+        fused.step(lr, flag)
+        assert fused.seam.kernel is not None and fused.seam.kernel.name == "fused-sgd"
+        monkeypatch.setattr(kernels, "_enabled", False)
+        plain.step(lr, flag)
+        np.testing.assert_array_equal(fused.params, plain.params)
+        np.testing.assert_array_equal(fused.velocity, plain.velocity)
+
+
 def test_the_cuda_source_rounds_every_operation_itself():
     source = cuda_source(sgd_program(True, True, True))
     assert "__fmul_rn(v, m)" in source and "__fadd_rn(vn, d)" in source
@@ -73,11 +103,12 @@ def test_the_cuda_source_rounds_every_operation_itself():
     assert "if (apply) { p = pn; v = vn; }" in source
 
 
-def test_on_the_cpu_the_seam_keeps_the_reference(monkeypatch):
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_on_the_cpu_the_seam_keeps_the_reference(monkeypatch, name):
     monkeypatch.setattr(kernels, "_enabled", True)
     p, g, mask = buffers()
-    opt = nn.make_optimizer("sgd", p, g, momentum=0.9)
-    assert not FusedSGD().applies(opt, p)
+    opt = nn.make_optimizer(name, p, g, momentum=0.9)
+    assert not FusedSGD().applies(opt, p) and not FusedAdam().applies(opt, p)
     opt.step(0.1)
     assert opt.seam.kernel is None
 
@@ -102,3 +133,105 @@ def test_the_fused_kernel_is_the_reference_bitwise_on_the_gpu(variant, monkeypat
         monkeypatch.setattr(kernels, "_enabled", True)
     np.testing.assert_array_equal(cp.asnumpy(fused.params), cp.asnumpy(plain.params))
     np.testing.assert_array_equal(cp.asnumpy(fused.velocity), cp.asnumpy(plain.velocity))
+
+
+ADAM_VARIANTS = [
+    {"name": name, "weight_decay": wd, "masked": masked}
+    for name, wd, masked in itertools.product(["adam", "adamw"], [0.0, 1e-2], [False, True])
+    if not (masked and not wd)
+]
+LRS = [0.01, 0.003, 0.1, 0.02, 0.05]
+
+
+def reference_adam(variant, p, g, mask):
+    mask = mask if variant["masked"] else None
+    return nn.make_optimizer(
+        variant["name"], p, g, weight_decay=variant["weight_decay"], decay_mask=mask
+    )
+
+
+def apply_flag(apply, step, xp=np):
+    """None (the plain step), or a device flag: `apply`, but not on the second step."""
+    return None if apply is None else xp.asarray(apply if step != 1 else not apply)
+
+
+@pytest.mark.parametrize("variant", ADAM_VARIANTS, ids=str)
+@pytest.mark.parametrize("apply", [None, True, False])
+def test_adams_program_is_the_reference_update_bitwise(variant, apply):
+    """Every step's program, fed the scalars as Adam computes them (the step count on the host
+    for a plain step, a float64 device scalar for a masked one), is Adam.step's update."""
+    p, g, mask = buffers()
+    opt = reference_adam(variant, p.copy(), g, mask)
+    wd = bool(variant["weight_decay"])
+    program = adam_program(wd, wd and variant["name"] == "adamw", variant["masked"])
+    m, v, taken = np.zeros_like(p), np.zeros_like(p), 0
+    for step, lr in enumerate(LRS):
+        flag = apply_flag(apply, step)
+        before = opt.params.copy(), opt.m.copy(), opt.v.copy()
+        opt.step(lr, flag)
+        t = taken + 1 if flag is None else np.float64(taken + 1)
+        values = {"p": before[0], "m": m, "v": v, "g": g, "mask": mask if variant["masked"] else 1}
+        out = run_program(program, values | adam_scalars(opt, lr, t))
+        applies = flag is None or bool(flag)
+        expected_p, m, v = (out["pn"], out["mn"], out["vn"]) if applies else before
+        taken += applies
+        np.testing.assert_array_equal(opt.params, expected_p)
+        np.testing.assert_array_equal(opt.m, m)
+        np.testing.assert_array_equal(opt.v, v)
+        assert opt.t == taken
+
+
+@pytest.mark.parametrize("variant", ADAM_VARIANTS, ids=str)
+@pytest.mark.parametrize("apply", [None, True, False])
+def test_fused_adams_step_with_its_program_for_kernel_is_the_reference_bitwise(
+    monkeypatch, variant, apply
+):
+    """FusedAdam.step itself (its scalars, its step count, the apply mask) with the program's
+    NumPy evaluation standing in for the CuPy kernel, against the reference step for step;
+    its count a device scalar once a masked step made it one, and checkpointed as the host's."""
+    monkeypatch.setattr(FusedAdam, "applies", lambda self, opt, params: True)
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    p, g, mask = buffers()
+    fused, plain = (reference_adam(variant, p.copy(), g, mask) for _ in range(2))
+    for step, lr in enumerate(LRS):
+        g[...] = buffers(seed=step + 1)[1]
+        monkeypatch.setattr(kernels, "_enabled", True)
+        fused.step(lr, apply_flag(apply, step))
+        assert fused.seam.kernel is not None and fused.seam.kernel.name == "fused-adam"
+        monkeypatch.setattr(kernels, "_enabled", False)
+        plain.step(lr, apply_flag(apply, step))
+        for name in ("params", "m", "v"):
+            np.testing.assert_array_equal(getattr(fused, name), getattr(plain, name))
+        assert fused.t == plain.t and (fused._t_device is None) == (apply is None)
+    taken = {None: len(LRS), True: len(LRS) - 1, False: 1}[apply]  # the second step flips
+    assert int(fused.state_dict()["t"]) == plain.t == taken
+
+
+def test_adams_cuda_source_rounds_every_operation_itself():
+    source = cuda_source(adam_program(True, True, True), ("p", "m", "v"))
+    for call in ("__fsub_rn(p, d)", "__fsqrt_rn(d)", "__fdiv_rn(mn, d)", "__fmul_rn(gd, gd)"):
+        assert call in source
+    assert not any(f" {op} " in source for op in "*+-/")  # nothing the compiler could fuse
+    assert "if (apply) { p = pn; m = mn; v = vn; }" in source
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("variant", ADAM_VARIANTS, ids=str)
+@pytest.mark.parametrize("apply", [None, True])
+def test_fused_adam_is_the_reference_bitwise_on_the_gpu(variant, apply, monkeypatch):
+    """The plain step's count on the host, the masked step's on the device, in both."""
+    cp = cupy_or_none()
+    p, g, mask = buffers(xp=cp)
+    fused, plain = (reference_adam(variant, p.copy(), g, mask) for _ in range(2))
+    for step, lr in enumerate(LRS):
+        monkeypatch.setattr(kernels, "_enabled", True)
+        fused.step(lr, apply_flag(apply, step, cp))
+        assert fused.seam.kernel is not None and fused.seam.kernel.name == "fused-adam"
+        monkeypatch.setattr(kernels, "_enabled", False)
+        plain.step(lr, apply_flag(apply, step, cp))
+    for name in ("params", "m", "v"):
+        np.testing.assert_array_equal(
+            cp.asnumpy(getattr(fused, name)), cp.asnumpy(getattr(plain, name))
+        )
+    assert fused.t == plain.t

@@ -6,6 +6,8 @@ import pytest
 
 from hpcdl import nn
 from hpcdl.nn import kernels
+from hpcdl.nn.kernels import optimizer as optimizer_kernels
+from hpcdl.nn.kernels.optimizer import FusedAdam, numpy_kernel
 from hpcdl.nn.precision import LossScaler
 from hpcdl.nn.step import StepParts, train_step
 
@@ -113,3 +115,21 @@ def test_adam_with_the_device_decision_is_bitwise_the_host_run(optimizer, masked
     np.testing.assert_array_equal(opt.v, host_opt.v)
     assert opt.t == host_opt.t == applied.count(True)
     assert int(opt.state_dict()["t"]) == host_opt.t  # the checkpoint's format holds
+
+
+@pytest.mark.parametrize(("optimizer", "masked"), [("adam", True), ("adamw", False)])
+def test_fused_adam_with_the_device_decision_is_bitwise_the_host_run(
+    monkeypatch, optimizer, masked
+):
+    """FusedAdam's whole step (its program evaluated by NumPy in the CuPy kernel's place),
+    masked by the device flag through train_step, is the host-decided reference run."""
+    host_model, host_opt, host_scaler, host_applied = run_steps(False, optimizer, masked=masked)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    monkeypatch.setattr(FusedAdam, "applies", lambda self, opt, params: True)
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    model, opt, scaler, applied = run_steps(True, optimizer, masked=masked)
+    assert opt.seam.kernel is not None and opt.seam.kernel.name == "fused-adam"
+    assert applied == host_applied and False in applied
+    for name in ("params", "m", "v"):
+        np.testing.assert_array_equal(getattr(opt, name), getattr(host_opt, name))
+    assert int(opt.state_dict()["t"]) == host_opt.t == applied.count(True) and opt._t == 0

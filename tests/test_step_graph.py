@@ -4,6 +4,7 @@ the step's own code around it), and (marked gpu) that graph and plain steps give
 parameters, with and without a reducer (one rank: MPI.COMM_SELF)."""
 
 import contextlib
+import copy
 from dataclasses import replace
 
 import numpy as np
@@ -13,6 +14,8 @@ from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.nn import kernels, step_graph
+from hpcdl.nn.kernels import optimizer as optimizer_kernels
+from hpcdl.nn.kernels.optimizer import FusedAdam, numpy_kernel
 from hpcdl.nn.step import StepParts, train_step
 from hpcdl.nn.step_graph import StepGraph
 from hpcdl.nn.step_segments import GraphStream, segment_plan
@@ -250,6 +253,97 @@ def test_a_step_with_a_reducer_replays_its_segments_each_handing_its_buckets_the
         parts.reducer.close()
 
 
+class ReplayingStream(RecordingStream):
+    """RecordingStream whose graphs also hold the FusedAdam steps captured in them, as a CUDA
+    graph holds its kernels: the capture records each step and runs none, with a copy of the
+    optimizer's host state as it was then (its arrays shared, as device memory is); a launch
+    runs them again from that state, so an update that counted or read on the host would show.
+    """
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.capturing_now, self.recorded, self.held = False, [], {}
+
+    def begin(self):
+        super().begin()
+        self.capturing_now, self.recorded = True, []
+
+    def end(self):
+        graph = super().end()
+        self.capturing_now, self.held[graph] = False, self.recorded
+        return graph
+
+    def launch(self, graph):
+        super().launch(graph)
+        for step in self.held.get(graph, []):
+            step()
+
+
+def fused_adam_on_numpy(monkeypatch, streams):
+    """FusedAdam takes Adam on NumPy, its program evaluated in the CuPy kernel's place, and a
+    step during a ReplayingStream's capture is recorded in the graph (NOTE [step graphs])."""
+    monkeypatch.setattr(kernels, "_enabled", True)
+    monkeypatch.setattr(FusedAdam, "applies", lambda self, opt, p: isinstance(opt, nn.optim.Adam))
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    fused_step = FusedAdam.step
+
+    def step(self, optimizer, lr, apply=None):
+        if not (streams and streams[-1].capturing_now):
+            return fused_step(self, optimizer, lr, apply)
+        frozen = copy.copy(optimizer)
+        streams[-1].recorded.append(lambda: fused_step(self, copy.copy(frozen), lr, apply))
+
+    monkeypatch.setattr(FusedAdam, "step", step)
+
+
+@pytest.mark.parametrize("with_reducer", [False, True])
+def test_adams_update_in_the_graph_replays_as_plain_steps_bitwise(monkeypatch, with_reducer):
+    """With FusedAdam, Adam's update is captured (with a reducer, a graph of its own after the
+    wait()): each replay reads that step's lr from the graph's device scalar and advances the
+    device step count, so params, moments and the checkpoint's t are plain steps', bitwise,
+    and the host's count never moves."""
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    log, streams = [], []
+    fused_adam_on_numpy(monkeypatch, streams)
+
+    def make_stream(xp):
+        streams.append(ReplayingStream(log))
+        return streams[-1]
+
+    parts = parts_of(graph=StepGraph(make_stream=make_stream), optimizer="adamw")
+    if with_reducer:
+        parts = replace(parts, reducer=RecordingReducer(log, parts.model.grads_and_flags))
+    model, opt = parts.model, parts.optimizer
+    plain = nn.make_optimizer(
+        "adamw", model.params.copy(), np.zeros_like(model.grads), weight_decay=1e-4
+    )
+    rng = np.random.default_rng(5)
+    try:
+        x, y = batch()
+        assert parts.graph.takes(parts, x) and parts.graph._lr.dtype == np.float64
+        assert (parts.graph.update_graph is not None) == with_reducer
+        for step in range(4):
+            lr = 0.05 / (step + 1)
+            model.grads[...] = plain.grads[...] = rng.standard_normal(model.grads.size) / 10
+            assert train_step(parts, x, y, lr).applied is True
+            if with_reducer:  # the update's graph follows the reducer's wait()
+                assert log[-2:] == ["wait", f"launch g{len(parts.graph.segments)}"]
+            monkeypatch.setattr(kernels, "_enabled", False)  # the reference's plain step
+            plain.step(lr)
+            monkeypatch.setattr(kernels, "_enabled", True)
+            if step == 1:  # a checkpoint loaded: the captured count is set in place
+                held = opt._t_device
+                opt.load_state_dict(plain.state_dict())
+                assert opt._t_device is held and int(held) == 2
+    finally:
+        if parts.reducer is not None:
+            parts.reducer.close()
+    for name in ("params", "m", "v"):
+        np.testing.assert_array_equal(getattr(opt, name), getattr(plain, name))
+    assert int(opt.state_dict()["t"]) == opt.t == plain.t == 4
+    assert opt._t == 2  # set by the checkpoint only: the replays counted on the device
+
+
 def test_a_capture_that_cuts_elsewhere_than_its_warm_up_falls_back_said_once(monkeypatch, capsys):
     monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
     monkeypatch.setattr(kernels, "_said", set())
@@ -348,10 +442,45 @@ def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters
     assert graph.segments == plan and len(graph.graphs) == len(plan) > 1
     handed = [b for s in graph.segments for b in s.buckets]
     assert handed == list(range(len(graphed.reducer.buckets)))  # every bucket once, in order
-    assert (graph.update_graph is not None) == (optimizer == "sgd")
+    # Adam's update is captured when FusedAdam takes it (--gpu-kernels, HPCDL_GPU_KERNELS=1)
+    assert (graph.update_graph is not None) == (optimizer == "sgd" or kernels.enabled())
     assert all(a == b for a, b in applied) and (not fp16 or (False, False) in applied)
     if fp16:
         assert graphed.scaler.state_dict() == plain.scaler.state_dict()
+    for name in ("params", "buffers"):
+        np.testing.assert_allclose(
+            cp.asnumpy(getattr(graphed.model, name)),
+            cp.asnumpy(getattr(plain.model, name)),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("fp16", [False, True])
+def test_fused_adams_update_in_the_graph_gives_the_plain_steps_parameters_on_the_gpu(
+    monkeypatch, fp16
+):
+    """--gpu-kernels: FusedAdam's update is a graph of its own after the reducer's wait(), its
+    step count on the device; fp16's skipped steps leave it where the plain run's is."""
+    cp = cupy_or_none()
+    monkeypatch.setattr(kernels, "_enabled", True)
+    graphed = gpu_reducer_parts(cp, StepGraph(), "adam", fp16)
+    plain = gpu_reducer_parts(cp, None, "adam", fp16)
+    applied = []
+    try:
+        for seed in range(6):
+            x, y = batch(cp, seed)
+            lr = 0.05 / (seed + 1)
+            a, b = train_step(graphed, x, y, lr), train_step(plain, x, y, lr)
+            applied.append((bool(a.applied), bool(b.applied)))
+    finally:
+        graphed.reducer.close()
+        plain.reducer.close()
+    assert graphed.graph.graphs and graphed.graph.update_graph is not None
+    assert all(a == b for a, b in applied) and (not fp16 or (False, False) in applied)
+    assert graphed.optimizer.t == plain.optimizer.t == sum(a for a, _ in applied)
     for name in ("params", "buffers"):
         np.testing.assert_allclose(
             cp.asnumpy(getattr(graphed.model, name)),

@@ -112,6 +112,14 @@ class Adam:
         if self._t_device is not None:
             self._t_device[...] = value
 
+    def count_on_device(self) -> Any:
+        """The step count as a 0-d int64 on the params' backend, made from the host's count
+        once; from then on it is the count (`t` reads it), advanced on the device."""
+        if self._t_device is None:
+            xp = array_module(self.params)
+            self._t_device = xp.asarray(self._t, dtype=xp.int64)
+        return self._t_device
+
     def step(self, lr: float, apply: Any = None) -> None:
         """One update. apply: None, or a 0-d bool on the params' backend: False leaves params,
         moments and the step count as they were, decided on the device (fp16's skipped step),
@@ -150,10 +158,9 @@ class Adam:
         and the bias corrections on the device (float64, rounded to float32 once, as the host's
         Python floats are)."""
         xp = array_module(self.params)
-        if self._t_device is None:
-            self._t_device = xp.asarray(self._t, dtype=xp.int64)
+        if self._next is None:
             self._next = tuple(xp.empty_like(self.params) for _ in range(3))
-        t = (self._t_device + 1).astype(xp.float64)
+        t = (self.count_on_device() + 1).astype(xp.float64)
         params, m, v = self._next
         params[...], m[...], v[...] = self.params, self.m, self.v
         g = self.grads

@@ -1,5 +1,6 @@
-"""StepGraph: forward, loss, backward and (SGD) the update of a training step captured once as
-CUDA graphs and replayed, a few launches instead of hundreds (--gpu-kernels, on CuPy).
+"""StepGraph: forward, loss, backward and the update (SGD's; Adam's through FusedAdam) of a
+training step captured once as CUDA graphs and replayed, a few launches instead of hundreds
+(--gpu-kernels, on CuPy).
 
 NOTE [step graphs]
 A graph replays the kernels that capture recorded, with the arguments they had, on the same
@@ -17,13 +18,19 @@ memory. So:
   runs plainly, saying why once: fp16's loss scaler when it decides on the host, and dropout
   (its seed is drawn on the host per mask and would repeat);
 - fp16 is in the graph when its skip-or-apply is decided on the device (--gpu-kernels: NOTE
-  [device loss scale] in hpcdl/nn/precision.py): with SGD the unscale, the scale's update and
-  SGD's update masked by the device "apply" flag are captured after backward (with Adam they
-  run after the replay, its step count a device scalar too), and the step's `applied` is
-  that flag, read when a record is written;
+  [device loss scale] in hpcdl/nn/precision.py): the unscale, the scale's update and the
+  optimizer's update masked by the device "apply" flag are captured after backward when the
+  update is in the graph (else they run after the replay), and the step's `applied` is that
+  flag, read when a record is written;
 - the optimizer's update is in the graph for SGD, whose learning rate the graph reads from a
-  device scalar filled before each replay (a float32, as the plain step's scalar becomes);
-  Adam's bias correction counts steps on the host, so its update runs after the replay.
+  device scalar filled before each replay (a float32, as the plain step's scalar becomes),
+  and for Adam(W) when FusedAdam takes it (hpcdl/nn/kernels/optimizer.py): its learning rate
+  a float64 device scalar (the decay factor and the bias-corrected step are computed from it
+  in float64 and rounded to float32 once, as from the plain step's Python float), its step
+  count a device scalar made before the capture (Adam.count_on_device) that each replay
+  advances by one, or by fp16's apply flag, so the count moves once per applied step and
+  the host's Adam.t reads it when a checkpoint is written. Otherwise (the reference Adam,
+  which counts on the host) Adam's update runs after the replay.
 A gradient reducer hands buckets to its helper thread from the host between backward's
 kernels (mark_ready), and the update must follow its wait(). So with a reducer the step is cut
 at its bucket boundaries (hpcdl.nn.step_segments): the warm-up runs forward and backward once
@@ -34,11 +41,13 @@ stream and pool. A replay launches graph k, then calls reducer.mark_ready(ready_
 the capture stream current, so the reducer's event follows graph k and its helper thread
 stages or reduces those buckets while graph k+1 runs; train_step then waits for the reducer
 (the flags summed with the last bucket, as in the plain step), and the update runs as a graph
-of its own (SGD, fp16's device unscale with it) or plainly (Adam). tests/test_step_segments.py
-shows on NumPy and 2 ranks that the cut step's gradients are the plain step's, bitwise;
-tests/test_step_graph.py runs the capture and replay code on NumPy with a recording stand-in
-for GraphStream (all they ask of CUDA), and (marked gpu, not yet run on a GPU) compares graph
-and plain steps with a one-rank reducer.
+of its own (SGD or FusedAdam, fp16's device unscale with it) or plainly (the reference Adam).
+tests/test_step_segments.py shows on NumPy and 2 ranks that the cut step's gradients are the
+plain step's, bitwise; tests/test_step_graph.py runs the capture and replay code on NumPy with
+a recording stand-in for GraphStream (all they ask of CUDA), replays a captured Adam update
+there with the host's state as it was at the capture (as a CUDA graph holds it) against plain
+steps, bitwise, and (marked gpu, not yet run on a GPU) compares graph and plain steps with a
+one-rank reducer.
 A capture that fails for any reason (or cuts elsewhere than its warm-up), and a reducer whose
 buckets are not those it was captured with, give plain steps from then on, said once.
 """
@@ -49,10 +58,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcdl.backend import array_module, is_device_array
-from hpcdl.nn.kernels import say_once
+from hpcdl.nn.kernels import choose, say_once
 from hpcdl.nn.layers import Dropout
 from hpcdl.nn.model import FLAG_OVERFLOW
-from hpcdl.nn.optim import SGD
+from hpcdl.nn.optim import SGD, Adam
 from hpcdl.nn.step import forward_backward, fp16_decided_on_device
 from hpcdl.nn.step_segments import (
     GraphStream,
@@ -67,8 +76,21 @@ NOT_ON_A_GPU = "not on a GPU"
 
 def _decided_on_device(parts: Any) -> bool:
     """fp16 may be in the graph: its skip-or-apply is decided on the device (and the update
-    it masks is captured with it, SGD's, or runs after the replay, Adam's)."""
+    it masks is captured with it, SGD's or FusedAdam's, or runs after the replay)."""
     return fp16_decided_on_device(parts, agreed=False)
+
+
+def _captured_lr(optimizer: Any, xp: Any) -> Any:
+    """The device scalar a captured update reads its learning rate from, or None: the update
+    runs after the replay. SGD's a float32; Adam's a float64, when FusedAdam takes it, its
+    step count then made a device scalar before the capture (NOTE [step graphs])."""
+    if isinstance(optimizer, SGD):
+        return xp.zeros((), xp.float32)
+    kernel = choose("optimizer", optimizer, optimizer.params)
+    if isinstance(optimizer, Adam) and getattr(kernel, "name", None) == "fused-adam":
+        optimizer.count_on_device()
+        return xp.zeros((), xp.float64)
+    return None
 
 
 def _bucket_ends(reducer: Any) -> tuple[int, ...] | None:
@@ -77,17 +99,17 @@ def _bucket_ends(reducer: Any) -> tuple[int, ...] | None:
 
 
 class StepGraph:
-    """Captures forward_backward (and SGD's update) for one batch shape on first use, then
-    replays it: one graph, or with a reducer one per segment and the update's."""
+    """Captures forward_backward (and SGD's or FusedAdam's update) for one batch shape on
+    first use, then replays it: one graph, or with a reducer one per segment and the update's."""
 
     def __init__(self, make_stream: Callable[[Any], Any] = GraphStream) -> None:
         self.shape: tuple[int, ...] | None = None  # the batch shape captured
         self.graphs: list[Any] = []  # the step's graphs, launched in order; [] not captured
         self.segments: list[Segment] = []  # with a reducer: where graph k ends (its mark_ready)
-        self.update_graph: Any = None  # with a reducer and SGD: launched after its wait()
+        self.update_graph: Any = None  # with a reducer, the update's: launched after its wait()
         self.failed = False  # capture raised: plain steps from now on
         self._static: tuple[Any, Any] = (None, None)  # (images, labels) the graph reads
-        self._lr: Any = None  # float32 0-d device array SGD's captured update reads; None: none
+        self._lr: Any = None  # 0-d device array the captured update reads; None: not captured
         self._out: tuple[Any, Any] = (None, None)  # (loss, logits) the graph writes
         self.applied: Any = None  # fp16: the 0-d bool "apply" flag the graph writes
         self._reducer: Any = None  # the reducer the replay hands the buckets to: this step's
@@ -159,6 +181,7 @@ class StepGraph:
         try:
             self._static = (images.copy(), xp.zeros(images.shape[:1], xp.int64))
             self._stream = self._make_stream(xp)
+            self._lr = _captured_lr(parts.optimizer, xp)  # before capturing: not the graph's pool
             self._stream.follows_caller()
             with self._stream.capturing():
                 # warm-up (workspaces, plans, the segments): its gradients are never handed to
@@ -167,8 +190,6 @@ class StepGraph:
                 plan = [] if parts.reducer is None else segment_plan(parts, *self._static)
                 if parts.reducer is None:
                     forward_backward(parts, *self._static)
-                if isinstance(parts.optimizer, SGD):
-                    self._lr = xp.zeros((), xp.float32)
                 self._capture_step(parts, plan)
             self.shape = tuple(images.shape)
         except Exception as exc:  # noqa: BLE001 - any failure: plain launches, said once
@@ -181,7 +202,7 @@ class StepGraph:
 
     def _capture_step(self, parts: Any, plan: list[Segment]) -> None:
         """The step's graphs: forward, backward and the update in one; with a reducer (a plan),
-        one per segment and, for SGD, the update's own."""
+        one per segment and, when the update is captured, the update's own."""
         self._stream.begin()
         if not plan:
             loss, logits, _ = forward_backward(parts, *self._static)
@@ -197,8 +218,9 @@ class StepGraph:
         self._bucket_ends = _bucket_ends(parts.reducer)
 
     def _capture_update(self, parts: Any) -> None:
-        """fp16's device-side unscale, then SGD's update masked by its decision, into the
-        graph being captured; Adam's update runs after the replay (NOTE [step graphs])."""
+        """fp16's device-side unscale, then the optimizer's update (SGD's, FusedAdam's)
+        masked by its decision, into the graph being captured; else the update runs after the
+        replay (NOTE [step graphs])."""
         if self._lr is None:
             return
         apply = None
