@@ -1,11 +1,13 @@
 """hpcdl.nn.kernels.optimizer: FusedSGD's and FusedAdam's arithmetic is the reference SGD.step's
-and Adam.step's, bit for bit (checked on the CPU through its NumPy evaluation, and FusedAdam's
-whole step with that evaluation standing in for the CuPy kernel; marked gpu: the kernels)."""
+and Adam.step's, bit for bit (checked on the CPU through its NumPy evaluation, and the fused
+steps with that evaluation, or the kernels' own CUDA source built for the CPU, standing in for
+the CuPy kernel; marked gpu: the kernels)."""
 
 import itertools
 
 import numpy as np
 import pytest
+from cuda_on_cpu import CpuKernel
 
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
@@ -17,6 +19,7 @@ from hpcdl.nn.kernels.optimizer import (
     adam_program,
     adam_scalars,
     cuda_source,
+    kernel_source,
     numpy_kernel,
     run_program,
     sgd_program,
@@ -36,6 +39,33 @@ def buffers(seed=0, n=4096, xp=np):
     g[:4] = [0.0, -0.0, 1e-38, -3e-39]  # signed zeros and subnormals
     mask = (rng.random(n) > 0.3).astype(np.float32)
     return xp.asarray(p), xp.asarray(g), xp.asarray(mask)
+
+
+@pytest.fixture(scope="module", params=["program", "cuda source"])
+def stand_in(request, tmp_path_factory):
+    """What runs in the CuPy kernel's place: its program evaluated by NumPy, or its own CUDA
+    source built for the CPU (tests/cuda_on_cpu.py), 0-d arguments passed by value."""
+    if request.param == "program":
+        return lambda xp, family, key: numpy_kernel(family, key)
+    folder, built = tmp_path_factory.mktemp("optimizer_kernels"), {}
+
+    def compiled(xp, family, key):
+        inputs, outputs, body = kernel_source(family, key)
+        names = [part.split()[-1] for part in f"{inputs}, {outputs}".split(",")]
+
+        def launch(*arguments):
+            scalars = frozenset(n for n, a in zip(names, arguments, strict=True) if np.ndim(a) == 0)
+            if (family, key, scalars) not in built:
+                built[family, key, scalars] = CpuKernel(
+                    inputs, outputs, body, "", folder, scalars=scalars
+                )
+            values = [a.item() if np.ndim(a) == 0 else a for a in arguments]
+            size = next(a.size for a in arguments if np.ndim(a) > 0)
+            built[family, key, scalars](*values, size=size)
+
+        return launch
+
+    return compiled
 
 
 def reference_sgd(variant, p, g, mask, xp=np):
@@ -78,11 +108,14 @@ def test_the_kernels_program_is_the_reference_update_bitwise(variant, apply):
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
-def test_fused_sgds_step_with_its_program_for_kernel_is_the_reference_bitwise(monkeypatch, variant):
+def test_fused_sgds_step_with_its_program_for_kernel_is_the_reference_bitwise(
+    monkeypatch, variant, stand_in
+):
     """FusedSGD.step itself (its arguments, in the kernel's order) with the program's NumPy
-    evaluation standing in for the CuPy kernel, against SGD.step; the second step skipped."""
+    evaluation, or the kernel's CUDA built for the CPU, standing in for the CuPy kernel,
+    against SGD.step; the second step skipped."""
     monkeypatch.setattr(FusedSGD, "applies", lambda self, opt, params: True)
-    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", stand_in)
     p, g, mask = buffers()
     fused, plain = (reference_sgd(variant, p.copy(), g, mask) for _ in range(2))
     for step, lr in enumerate([0.1, 0.05, 0.3]):
@@ -184,13 +217,14 @@ def test_adams_program_is_the_reference_update_bitwise(variant, apply):
 @pytest.mark.parametrize("variant", ADAM_VARIANTS, ids=str)
 @pytest.mark.parametrize("apply", [None, True, False])
 def test_fused_adams_step_with_its_program_for_kernel_is_the_reference_bitwise(
-    monkeypatch, variant, apply
+    monkeypatch, variant, apply, stand_in
 ):
     """FusedAdam.step itself (its scalars, its step count, the apply mask) with the program's
-    NumPy evaluation standing in for the CuPy kernel, against the reference step for step;
-    its count a device scalar once a masked step made it one, and checkpointed as the host's."""
+    NumPy evaluation, or the kernel's CUDA built for the CPU, standing in for the CuPy kernel,
+    against the reference step for step; its count a device scalar once a masked step made it
+    one, and checkpointed as the host's."""
     monkeypatch.setattr(FusedAdam, "applies", lambda self, opt, params: True)
-    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", lambda xp, f, key: numpy_kernel(f, key))
+    monkeypatch.setattr(optimizer_kernels, "_cupy_kernel", stand_in)
     p, g, mask = buffers()
     fused, plain = (reference_adam(variant, p.copy(), g, mask) for _ in range(2))
     for step, lr in enumerate(LRS):

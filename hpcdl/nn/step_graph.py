@@ -11,6 +11,10 @@ memory. So:
   (hpcdl.nn.workspace) do, and what the step allocates during capture (activations, logits,
   the loss) comes from a memory pool of the graph's own, kept with it, so nothing outside
   the graph is ever handed those blocks;
+- no library call may refuse the capturing stream: CuPy's cuBLAS wrappers do (the H100 run of
+  bd800bf failed its capture at the first matmul), so with --gpu-kernels every GEMM goes
+  through cuBLAS on a handle of hpcdl's own, called through ctypes (NOTE [capturable GEMM]
+  in hpcdl/nn/kernels/gemm.py), in the plain steps too, so both give the same bits;
 - the replay runs on the capture stream, which first waits for the caller's (the batch and
   lr copied in, an update that ran after the last replay), and the caller's stream then
   waits for it;

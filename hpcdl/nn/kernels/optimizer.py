@@ -132,13 +132,16 @@ def _names(arguments: str) -> list[str]:
     return [argument.split()[-1] for argument in arguments.split(",")]
 
 
+def kernel_source(family: str, key: tuple[bool, ...]) -> tuple[str, str, str]:
+    """(in_params, out_params, body) of a family's kernel ("sgd", "adam") for its key."""
+    inputs, outputs, program = _SPECS[family]
+    return inputs, outputs, cuda_source(program(*key), tuple(_names(outputs)))
+
+
 def _cupy_kernel(cp: Any, family: str, key: tuple[bool, ...]) -> Any:
     if (family, key) not in _CUPY_KERNELS:
-        inputs, outputs, program = _SPECS[family]
         _CUPY_KERNELS[family, key] = cp.ElementwiseKernel(
-            inputs,
-            outputs,
-            cuda_source(program(*key), tuple(_names(outputs))),
+            *kernel_source(family, key),
             f"hpcdl_fused_{family}_" + "".join(str(int(k)) for k in key),
         )
     return _CUPY_KERNELS[family, key]
