@@ -129,8 +129,8 @@ class Cublas:
     """A cuBLAS handle of our own with its workspace, called through ctypes."""
 
     def __init__(self, cp: Any) -> None:
-        from cupy_backends.cuda.libs import cublas  # noqa: F401, PLC0415 - maps libcublas
-
+        if not cp.cuda.get_current_stream().is_capturing():  # CuPy loads libcublas on first use
+            cp.matmul(cp.ones((1, 1), np.float32), cp.ones((1, 1), np.float32))
         with open("/proc/self/maps") as maps:
             path = find_library(maps.read()) or ctypes.util.find_library("cublas")
         if path is None:
