@@ -71,17 +71,52 @@ def layouts():
     yield "matrix @ vector", of(0, 5, 3), of(1, 3), of(2, 5)
 
 
+def buffer_of(x):
+    """The array that owns x's memory."""
+    while x.base is not None:
+        x = x.base
+    return x
+
+
+class ModelCublas:
+    """Cublas with the NumPy model of its call in place of the library; counts its calls."""
+
+    calls = 0
+
+    def gemm(self, a, b, out, plan):
+        ModelCublas.calls += 1
+        run_cublas_model(plan, a, b, out, tuple(buffer_of(x) for x in (a, b, out)))
+
+
 @pytest.mark.parametrize("case", list(layouts()), ids=lambda case: case[0])
 def test_the_plan_run_as_cublas_runs_it_is_matmul(case):
     _, a, b, out = case
     out[...] = np.nan
     plan = gemm_plan(*gemm._as_matrices(a, b, out))
-    bases = tuple(x.base if x.base is not None else x for x in (a, b, out))
-    while any(base.base is not None for base in bases):
-        bases = tuple(base.base if base.base is not None else base for base in bases)
+    bases = tuple(buffer_of(x) for x in (a, b, out))
     run_cublas_model(plan, *gemm._as_matrices(a, b, out), bases)
     expected = np.matmul(a.astype(np.float64), b.astype(np.float64))
     np.testing.assert_allclose(out, np.broadcast_to(expected, out.shape), rtol=1e-6, atol=1e-6)
+
+
+def test_device_matmul_copies_what_cublas_cannot_read_and_skips_empty_products(monkeypatch):
+    """device_matmul end to end with the model for the library, NumPy for CuPy: an operand of
+    another layout is copied, a column-major out is written through a copy, an empty product
+    asks cuBLAS nothing, and shapes that do not multiply are left to the caller's matmul."""
+    monkeypatch.setattr(gemm, "_CUBLAS", [ModelCublas()])
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((12, 16)).astype(np.float32)[::2, ::2]  # neither unit stride
+    b = rng.standard_normal((8, 5)).astype(np.float32)
+    out = np.empty((6, 5), np.float32, order="F")
+    assert gemm.device_matmul(np, a, b, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+    before = ModelCublas.calls
+    empty = np.full((0, 5), np.nan, np.float32)
+    assert gemm.device_matmul(np, np.ones((0, 3), np.float32), np.ones((3, 5), np.float32), empty)
+    no_k = np.full((2, 5), np.nan, np.float32)
+    assert gemm.device_matmul(np, np.ones((2, 0), np.float32), np.ones((0, 5), np.float32), no_k)
+    assert ModelCublas.calls == before and (no_k == 0).all()
+    assert not gemm.device_matmul(np, np.ones((2, 3)), np.ones((4, 5)), np.empty((2, 5)))
 
 
 def test_layouts_cublas_cannot_read_are_named_for_a_copy():

@@ -210,11 +210,16 @@ def device_matmul(cp: Any, a: Any, b: Any, out: Any) -> bool:
     cublas = _cublas(cp)
     if cublas is None:
         return False
+    if out.size == 0 or a.shape[-1] == 0:  # nothing to multiply: cuBLAS is not asked
+        out.fill(0)
+        return True
     target = out
     for _ in range(3):  # each operand is copied at most once
         try:
             plan = gemm_plan(a, b, target)
             break
+        except ValueError:  # shapes that do not multiply: CuPy's matmul says so
+            return False
         except NeedsCopy as copy:
             if copy.operand == "a":
                 a = cp.ascontiguousarray(a)
