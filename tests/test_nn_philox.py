@@ -9,7 +9,7 @@ from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.nn import kernels, philox
 from hpcdl.nn.kernels import dropout as dropout_kernels
-from hpcdl.nn.kernels.dropout import KERNEL_SOURCE
+from hpcdl.nn.kernels.dropout import FED_KERNEL_SOURCE, KERNEL_SOURCE, KeyFeed
 
 # Random123's tests/kat_vectors for philox4x32_10: (counter, key, expected words)
 KNOWN_ANSWERS = [
@@ -97,6 +97,48 @@ def test_the_kernels_cuda_source_run_on_the_cpu_gives_the_words_mask(tmp_path):
     np.testing.assert_array_equal(mask, np.where(keep, scale, np.float32(0)))
     np.testing.assert_array_equal(y, x * mask)
     assert 0.25 < 1 - keep.mean() < 0.35
+
+
+def test_the_fed_kernel_reads_its_key_from_memory_and_gives_the_same_mask(tmp_path):
+    """The graph's variant (NOTE [dropout keys in a graph]): the key is two words in device
+    memory, read when the kernel runs; the mask is the by-value kernel's for the same seed."""
+    kernel = CpuKernel(*FED_KERNEL_SOURCE, philox.CUDA_SOURCE, tmp_path, types={"T": "float32"},
+                       scalars=frozenset({"threshold", "scale"}))  # fmt: skip
+    x = np.ones(1000, np.float32)
+    key, mask, y = np.empty(2, np.uint32), np.empty_like(x), np.empty_like(x)
+    threshold = philox.keep_threshold(0.5)
+    for seed in (7, (0xDEADBEEF << 32) | 0x01234567):
+        key[...] = [seed & 0xFFFFFFFF, seed >> 32]  # what KeyFeed.draw writes, between replays
+        kernel(x, key, threshold, np.float32(2.0), mask, y, size=x.size)
+        expected = np.where(philox.words(seed, x.size) >= threshold, np.float32(2.0), 0)
+        np.testing.assert_array_equal(mask, expected)
+
+
+def test_fed_keys_drawn_before_each_replay_give_the_plain_steps_masks_and_generator(monkeypatch):
+    """A capture draws nothing and notes the layers in forward order; each replay's draw()
+    then fills the keys from the generators as the plain forwards draw, so the masks and the
+    generator's state are the plain run's, step for step."""
+    monkeypatch.setattr(kernels, "_enabled", True)
+    (plain, _), (fed, _) = philox_model(monkeypatch), philox_model(monkeypatch)
+    x = np.random.default_rng(0).standard_normal((5, 2, 4, 8)).astype(np.float32)
+    keys, state = KeyFeed(), fed.get_rng_state()
+    with keys.recording():  # the capture
+        fed.body.forward(x, train=True)
+    assert keys.layers == [fed.body.layers[1]] and fed.get_rng_state() == state
+    for _ in range(3):
+        keys.draw()
+        with keys.recording():  # what the replayed kernel computes from the key it reads
+            got = fed.body.forward(x, train=True)
+        np.testing.assert_array_equal(got, plain.body.forward(x, train=True))
+        assert fed.get_rng_state() == plain.get_rng_state()
+
+
+def test_a_dropout_the_kernel_does_not_take_cannot_be_captured(monkeypatch):
+    monkeypatch.setattr(kernels, "_enabled", True)
+    x = np.ones((4, 6), np.float32)[:, ::2]  # not contiguous: the reference would draw
+    with KeyFeed().recording(), pytest.raises(RuntimeError, match="cannot be captured"):
+        nn.Dropout(0.5).forward(x, train=True)
+    assert nn.Dropout(0.5).forward(x, train=True).shape == x.shape  # outside a capture: fine
 
 
 @pytest.mark.gpu

@@ -62,6 +62,31 @@ def test_what_keeps_a_step_out_of_a_graph(monkeypatch, change, reason):
     assert graph.why_not(parts, batch()[0]) == reason
 
 
+def test_philox_dropout_is_captured_its_keys_drawn_before_each_replay(monkeypatch):
+    """cnn's dropouts (--gpu-kernels: Philox) no longer keep its step out of a graph: the
+    capture puts back every draw of its warm-up, notes the dropout layers in forward order,
+    and each replay draws their seeds into their keys as a plain step's forward would."""
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    log = []
+    parts = parts_of("cnn", graph=StepGraph(make_stream=lambda xp: RecordingStream(log)))
+    model, (x, y) = parts.model, batch()
+    dropouts = [layer for layer in model.body.layers if isinstance(layer, nn.Dropout)]  # forward
+    assert len(dropouts) == 3 and parts.graph.why_not(parts, x) is None
+    state = model.get_rng_state()
+    assert parts.graph.takes(parts, x)
+    assert model.get_rng_state() == state and parts.graph._keys.layers == dropouts
+    generator = np.random.default_rng()
+    generator.bit_generator.state = state
+    for _ in range(2):
+        train_step(parts, x, y, 0.1)  # a replay ("launch g0" on the stand-in)
+        for layer in dropouts:  # in forward order, from the one generator the model shares
+            seed = int(generator.integers(2**63))
+            assert [int(w) for w in layer.fed_key] == [seed & 0xFFFFFFFF, seed >> 32]
+        assert model.get_rng_state() == generator.bit_generator.state
+    assert log.count("launch g0") == 2
+
+
 def test_a_failed_capture_falls_back_to_plain_steps_said_once(monkeypatch, capsys):
     """Pretend the batch is on a GPU: the capture cannot work on NumPy arrays and fails."""
     monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
@@ -78,11 +103,15 @@ def test_a_failed_capture_falls_back_to_plain_steps_said_once(monkeypatch, capsy
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])  # SGD's update in the graph, Adam's after
-def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(optimizer):
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])  # both updates in the graph (FusedAdam)
+@pytest.mark.parametrize("model", ["resnet20", "cnn"])  # cnn: Philox dropout, its keys fed
+def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(monkeypatch, optimizer, model):
+    """The graph is a --gpu-kernels feature (its GEMMs through hpcdl's own cuBLAS handle: NOTE
+    [capturable GEMM]); plain steps run the same kernels."""
     cp = cupy_or_none()
-    graphed = parts_of(xp=cp, graph=StepGraph(), optimizer=optimizer)
-    plain = parts_of(xp=cp, optimizer=optimizer)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    graphed = parts_of(model, xp=cp, graph=StepGraph(), optimizer=optimizer)
+    plain = parts_of(model, xp=cp, optimizer=optimizer)
     for seed in range(4):
         x, y = batch(cp, seed)
         lr = 0.05 / (seed + 1)  # a schedule: the graph reads each step's lr
@@ -417,8 +446,11 @@ def gpu_reducer_parts(cp, graph, optimizer="sgd", fp16=False):
 @pytest.mark.parametrize(
     ("optimizer", "fp16"), [("sgd", False), ("adam", False), ("sgd", True)]
 )  # SGD's update its own graph after the reducer's wait, Adam's plain; fp16 decided on device
-def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters(optimizer, fp16):
+def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters(
+    monkeypatch, optimizer, fp16
+):
     cp = cupy_or_none()
+    monkeypatch.setattr(kernels, "_enabled", True)  # the graph's GEMMs: NOTE [capturable GEMM]
     graphed = gpu_reducer_parts(cp, StepGraph(), optimizer, fp16)
     plain = gpu_reducer_parts(cp, None, optimizer, fp16)
     applied = []
@@ -442,8 +474,7 @@ def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters
     assert graph.segments == plan and len(graph.graphs) == len(plan) > 1
     handed = [b for s in graph.segments for b in s.buckets]
     assert handed == list(range(len(graphed.reducer.buckets)))  # every bucket once, in order
-    # Adam's update is captured when FusedAdam takes it (--gpu-kernels, HPCDL_GPU_KERNELS=1)
-    assert (graph.update_graph is not None) == (optimizer == "sgd" or kernels.enabled())
+    assert graph.update_graph is not None  # SGD's, or Adam's through FusedAdam
     assert all(a == b for a, b in applied) and (not fp16 or (False, False) in applied)
     if fp16:
         assert graphed.scaler.state_dict() == plain.scaler.state_dict()

@@ -23,6 +23,7 @@ from hpcdl.backend import array_module
 from hpcdl.nn.dtypes import matmul, sum_dtype
 from hpcdl.nn.init import check_initialiser
 from hpcdl.nn.kernels import Seam
+from hpcdl.nn.kernels.dropout import feeding as dropout_keys_fed
 from hpcdl.nn.threads import run_split, split_multiply
 
 Ready = Callable[[int], None] | None
@@ -216,6 +217,8 @@ class Dropout(Layer):
             return x
         if self.seam.take(self, x):
             return self.seam.kernel.forward(self, x, train)
+        if dropout_keys_fed():  # NOTE [dropout keys in a graph]: its seed would repeat
+            raise RuntimeError("a dropout the Philox kernel does not take cannot be captured")
         xp = array_module(x)
         seed = int(self.rng.integers(2**63))
         u = xp.random.default_rng(seed).random(x.shape, dtype=xp.float32)

@@ -18,9 +18,12 @@ memory. So:
 - the replay runs on the capture stream, which first waits for the caller's (the batch and
   lr copied in, an update that ran after the last replay), and the caller's stream then
   waits for it;
-- nothing may depend on the host inside a graph. That rules out, for now, and the step then
-  runs plainly, saying why once: fp16's loss scaler when it decides on the host, and dropout
-  (its seed is drawn on the host per mask and would repeat);
+- nothing may depend on the host inside a graph. That rules out, and the step then runs
+  plainly, saying why once: fp16's loss scaler when it decides on the host, and the reference
+  dropout (its seed is drawn on the host per mask and would repeat). Philox dropout
+  (--gpu-kernels) is captured reading its key from device memory, which the replay fills
+  with the seeds a plain step would draw, drawn on the host just before it (NOTE [dropout
+  keys in a graph] in hpcdl/nn/kernels/dropout.py); the capture's own draws are put back;
 - fp16 is in the graph when its skip-or-apply is decided on the device (--gpu-kernels: NOTE
   [device loss scale] in hpcdl/nn/precision.py): the unscale, the scale's update and the
   optimizer's update masked by the device "apply" flag are captured after backward when the
@@ -62,7 +65,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hpcdl.backend import array_module, is_device_array
+from hpcdl.nn import kernels
 from hpcdl.nn.kernels import choose, say_once
+from hpcdl.nn.kernels.dropout import KeyFeed
 from hpcdl.nn.layers import Dropout
 from hpcdl.nn.model import FLAG_OVERFLOW
 from hpcdl.nn.optim import SGD, Adam
@@ -97,6 +102,17 @@ def _captured_lr(optimizer: Any, xp: Any) -> Any:
     return None
 
 
+def _dropouts(model: Any) -> list[Any]:
+    """The model's dropout layers that drop something."""
+    return [leaf for leaf in model.body.leaves() if isinstance(leaf, Dropout) and leaf.rate]
+
+
+def _generator_states(model: Any) -> list[tuple[Any, Any]]:
+    """(generator, state) of each dropout generator: the capture's draws are put back."""
+    generators = {id(layer.rng): layer.rng for layer in _dropouts(model)}
+    return [(g, g.bit_generator.state) for g in generators.values()]
+
+
 def _bucket_ends(reducer: Any) -> tuple[int, ...] | None:
     """Where the reducer's buckets end (what the segments were cut at); None: no reducer."""
     return None if reducer is None else tuple(bucket.hi for bucket in reducer.buckets)
@@ -120,6 +136,7 @@ class StepGraph:
         self._bucket_ends: tuple[int, ...] | None = None  # the reducer's, when captured
         self._make_stream = make_stream  # array module -> GraphStream
         self._stream: Any = None
+        self._keys = KeyFeed()  # the dropout keys drawn before each replay
 
     def why_not(self, parts: Any, images: Any) -> str | None:
         """Why this step cannot be a graph replay, or None when it can."""
@@ -129,7 +146,7 @@ class StepGraph:
             return "the gradient reducer has no buckets to cut the step at"
         if parts.scaler is not None and not _decided_on_device(parts):
             return "fp16's loss scaler decides on the host"
-        if any(isinstance(leaf, Dropout) and leaf.rate for leaf in parts.model.body.leaves()):
+        if _dropouts(parts.model) and not kernels.enabled():
             return "dropout draws its seed on the host"
         if self.failed:
             return "its capture failed"
@@ -165,6 +182,7 @@ class StepGraph:
         static_y[...] = labels
         if self._lr is not None:
             self._lr.fill(lr)
+        self._keys.draw()
         self._stream.follows_caller()
         launch_step(self._stream, self.graphs, self.segments, self._reducer)
         self._stream.caller_follows()
@@ -182,6 +200,7 @@ class StepGraph:
     def _capture(self, parts: Any, images: Any) -> None:
         xp = array_module(images)
         buffers = parts.model.buffers.copy()  # the warm-up must not move BatchNorm's statistics
+        generators = _generator_states(parts.model)  # nor draw dropout seeds
         try:
             self._static = (images.copy(), xp.zeros(images.shape[:1], xp.int64))
             self._stream = self._make_stream(xp)
@@ -194,7 +213,8 @@ class StepGraph:
                 plan = [] if parts.reducer is None else segment_plan(parts, *self._static)
                 if parts.reducer is None:
                     forward_backward(parts, *self._static)
-                self._capture_step(parts, plan)
+                with self._keys.recording():
+                    self._capture_step(parts, plan)
             self.shape = tuple(images.shape)
         except Exception as exc:  # noqa: BLE001 - any failure: plain launches, said once
             if self._stream is not None:
@@ -203,6 +223,8 @@ class StepGraph:
             say_once("step-graph-capture", f"CUDA graph of the step off: capture failed ({exc})")
         finally:
             parts.model.buffers[...] = buffers
+            for generator, state in generators:
+                generator.bit_generator.state = state
 
     def _capture_step(self, parts: Any, plan: list[Segment]) -> None:
         """The step's graphs: forward, backward and the update in one; with a reducer (a plan),
