@@ -239,3 +239,14 @@ def test_the_gpu_checks_summary_puts_every_goal_beside_its_figure():
     assert "met  seeded run: val acc within 1 point" in text
     assert "MISS cnn slowdown with graphs: per-op device time" in text
     assert "MISS no phase failed" in text and "loader" in text.splitlines()[-1]
+
+
+def test_a_graph_row_whose_step_ran_plainly_does_not_meet_the_graph_goal():
+    """The graph goal counts only rows whose step replayed a CUDA graph (bench compute's
+    step_graph): a fast row that ran plainly is a MISS that says why."""
+    goals = summary_script()._compute_goals
+    row = dict(model="resnet20", precision="fp32", gpu_kernels=True, ratio=0.7)
+    captured = goals([{**row, "step_graph": "captured"}])[1]
+    assert captured[1].strip() == "met" and "graph not on" not in captured[2]
+    off = goals([{**row, "step_graph": "off: dropout draws its seed on the host"}])[1]
+    assert off[1] == "MISS" and "resnet20 fp32 gk: off: dropout draws" in off[2]

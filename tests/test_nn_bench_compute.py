@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hpcdl.bench import compute
+from hpcdl.nn import kernels
 
 
 def test_compute_benchmark_prints_json_last(capsys):
@@ -15,6 +16,18 @@ def test_compute_benchmark_prints_json_last(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["hpcdl_ms_per_step"] > 0
     assert result["torch_ms_per_step"] is None and result["ratio"] is None
+    assert result["step_graph"] is None  # no --gpu-kernels: no graph asked for
+
+
+def test_compute_benchmark_says_whether_its_step_was_a_cuda_graph(monkeypatch, capsys):
+    """With --gpu-kernels the row says whether the steps replayed a graph (the issue's graph
+    goal reads it); on a CPU they cannot, and the row says why."""
+    monkeypatch.setattr(kernels, "_enabled", kernels.enabled())  # --gpu-kernels turns them on
+    argv = ["--model", "cnn", "--batch-size", "4", "--input-shape", "1,8,8", "--steps", "2"]
+    assert compute.main([*argv, "--gpu-kernels", "--no-torch", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1])["step_graph"] == "off: not on a GPU"
+    assert "  CUDA graph of the step: off: not on a GPU" in out
 
 
 def test_compute_benchmark_takes_the_imagenet_resnets(capsys):

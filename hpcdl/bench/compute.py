@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  torch       n/a (torch not installed, or --no-torch)")
     else:
         print(f"  torch  {theirs_ms:8.1f} ms/step   ratio hpcdl/torch {ratio:.2f}")
+    graph = steppers[0][0].graph_state()
+    if graph is not None:
+        print(f"  CUDA graph of the step: {graph}")
     memory = peak_memory_mib(args.device, torch_step is not None)
     if memory:
         print(
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             **run_config(args),
             "chunk": args.chunk or args.steps,
             "gpu_kernels": args.gpu_kernels,
+            "step_graph": graph,
             "hpcdl_ms_per_step": round(ours_ms, 3),
             "torch_ms_per_step": None if theirs_ms is None else round(theirs_ms, 3),
             "ratio": None if ratio is None else round(ratio, 3),

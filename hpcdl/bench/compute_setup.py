@@ -40,14 +40,27 @@ def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
 
 
 def hpcdl_stepper(args: argparse.Namespace):
-    """(step, sync) for one hpcdl training step on a fixed random batch."""
+    """(step, sync) for one hpcdl training step on a fixed random batch; step.graph_state()
+    says whether its steps replayed a CUDA graph (graph_state)."""
     parts, x, y = hpcdl_setup(args)
     xp = parts.xp
 
     def step() -> None:
         train_step(parts, x, y, 0.01)
 
+    step.graph_state = lambda: graph_state(parts, x)  # type: ignore[attr-defined]
     return step, lambda: backend.synchronize(xp)
+
+
+def graph_state(parts: StepParts, images: Any) -> str | None:
+    """Whether the step replays a CUDA graph: "captured"; "off: why" when --gpu-kernels asked
+    for one and the step ran plainly; None without --gpu-kernels (no graph asked for)."""
+    graph = parts.graph
+    if graph is None:
+        return None
+    if graph.graphs:
+        return "captured"
+    return f"off: {graph.why_not(parts, images) or 'not captured'}"
 
 
 def torch_model(torch: Any, name: str, shape: tuple[int, int, int], classes: int):
