@@ -139,8 +139,10 @@ class Cublas:
         self.cp = cp
         self.handle = ctypes.c_void_p()
         self._check(self.lib.cublasCreate_v2(ctypes.byref(self.handle)), "cublasCreate")
-        self.workspace = cp.empty(WORKSPACE_BYTES, np.uint8)  # kept: the handle uses it
-        space = ctypes.c_void_p(self.workspace.data.ptr), ctypes.c_size_t(WORKSPACE_BYTES)
+        # its own cudaMalloc, kept while the handle lives: not from whichever memory pool is
+        # CuPy's allocator now (a step graph's, during its warm-up)
+        self.workspace = cp.cuda.Memory(WORKSPACE_BYTES)
+        space = ctypes.c_void_p(self.workspace.ptr), ctypes.c_size_t(WORKSPACE_BYTES)
         self._check(self.lib.cublasSetWorkspace_v2(self.handle, *space), "cublasSetWorkspace")
 
     @staticmethod
