@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hpcdl.backend import cupy_or_none, gpu_available
+from hpcdl.nn import kernels
 from hpcdl.nn.kernels import gemm
 from hpcdl.nn.kernels.gemm import OP_N, NeedsCopy, find_library, gemm_plan
 
@@ -117,6 +118,19 @@ def test_device_matmul_copies_what_cublas_cannot_read_and_skips_empty_products(m
     assert gemm.device_matmul(np, np.ones((2, 0), np.float32), np.ones((0, 5), np.float32), no_k)
     assert ModelCublas.calls == before and (no_k == 0).all()
     assert not gemm.device_matmul(np, np.ones((2, 3)), np.ones((4, 5)), np.empty((2, 5)))
+
+
+def test_a_product_cublas_refuses_goes_to_cupys_matmul_said_once(monkeypatch, capsys):
+    class Refusing:
+        def gemm(self, a, b, out, plan):
+            raise RuntimeError("cublasGemmStridedBatchedEx returned cuBLAS status 15")
+
+    monkeypatch.setattr(gemm, "_CUBLAS", [Refusing()])
+    monkeypatch.setattr(kernels, "_said", set())
+    a, b = np.ones((2, 3), np.float32), np.ones((3, 4), np.float32)
+    for _ in range(2):
+        assert not gemm.device_matmul(np, a, b, np.empty((2, 4), np.float32))
+    assert capsys.readouterr().err.count("cuBLAS status 15); CuPy's matmul runs it") == 1
 
 
 def test_layouts_cublas_cannot_read_are_named_for_a_copy():

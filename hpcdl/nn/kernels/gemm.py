@@ -231,7 +231,11 @@ def device_matmul(cp: Any, a: Any, b: Any, out: Any) -> bool:
                 target = cp.empty(out.shape, out.dtype)
     else:
         return False
-    cublas.gemm(a, b, target, plan)
+    try:
+        cublas.gemm(a, b, target, plan)
+    except RuntimeError as exc:  # a status cuBLAS refuses this product with: CuPy's matmul
+        say_once(f"gemm:{exc}", f"a capturable GEMM failed ({exc}); CuPy's matmul runs it")
+        return False
     if target is not out:
         out[...] = target
     return True
