@@ -163,17 +163,17 @@ def numpy_kernel(family: str, key: tuple[bool, ...]) -> Any:
     return launch
 
 
-class FusedSGD:
-    """SGD (momentum, Nesterov, masked weight decay, fp16's apply flag) in one kernel, CuPy
-    float32 buffers."""
+class _FusedUpdate:
+    """What the optimizer kernels share: each takes its hpcdl.nn.optim class (`optimizer`,
+    by name) over CuPy float32 buffers, and has step() in place of forward and backward."""
 
-    name = "fused-sgd"
+    optimizer = ""
 
     def applies(self, optimizer: Any, params: Any) -> bool:
-        from hpcdl.nn.optim import SGD  # optim imports this seam: import here
+        from hpcdl.nn import optim  # optim imports this seam: import here
 
         return (
-            isinstance(optimizer, SGD)
+            isinstance(optimizer, getattr(optim, self.optimizer))
             and array_module(params) is not np
             and params.dtype == np.float32
         )
@@ -183,6 +183,14 @@ class FusedSGD:
 
     def backward(self, layer: Any, dy: Any) -> Any:
         raise TypeError("an optimizer kernel has step(), not backward()")
+
+
+class FusedSGD(_FusedUpdate):
+    """SGD (momentum, Nesterov, masked weight decay, fp16's apply flag) in one kernel, CuPy
+    float32 buffers."""
+
+    name = "fused-sgd"
+    optimizer = "SGD"
 
     def step(self, optimizer: Any, lr: Any, apply: Any = None) -> None:
         xp = array_module(optimizer.params)
@@ -232,7 +240,7 @@ def _float32(value: Any) -> Any:
     return np.float32(value) if _on_host(value) else value.astype(np.float32)
 
 
-class FusedAdam:
+class FusedAdam(_FusedUpdate):
     """Adam and AdamW (coupled or decoupled, masked weight decay, fp16's apply flag) in one
     kernel over CuPy float32 buffers; the step count and bias corrections on the device once
     the count is there (a masked step, a step graph's device lr), as Adam._masked_step's are.
@@ -243,21 +251,7 @@ class FusedAdam:
     same, and a host-counted step the reference's plain step."""
 
     name = "fused-adam"
-
-    def applies(self, optimizer: Any, params: Any) -> bool:
-        from hpcdl.nn.optim import Adam  # optim imports this seam: import here
-
-        return (
-            isinstance(optimizer, Adam)
-            and array_module(params) is not np
-            and params.dtype == np.float32
-        )
-
-    def forward(self, layer: Any, x: Any, train: bool) -> Any:
-        raise TypeError("an optimizer kernel has step(), not forward()")
-
-    def backward(self, layer: Any, dy: Any) -> Any:
-        raise TypeError("an optimizer kernel has step(), not backward()")
+    optimizer = "Adam"  # AdamW too: its subclass
 
     def step(self, optimizer: Any, lr: Any, apply: Any = None) -> None:
         """One update; the count on the device when apply or lr is a device scalar or the
