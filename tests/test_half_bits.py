@@ -17,8 +17,8 @@ DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
 def converter(tmp_path_factory):
     """fmt, "load" or "store", values -> what LOAD / STORE of that format give, run on the CPU."""
     folder = tmp_path_factory.mktemp("half_bits")
-    bodies = {"load": ("uint16 h", "float32 f", "f = LOAD(h);"),
-              "store": ("float32 f", "uint16 h", "h = STORE(f);")}  # fmt: skip
+    bodies = {"load": ("uint16 h", "float32 f", "f = HPCDL_LOAD(h);"),
+              "store": ("float32 f", "uint16 h", "h = HPCDL_STORE(f);")}  # fmt: skip
 
     def run(fmt: str, mode: str, values: np.ndarray) -> np.ndarray:
         kernel = CpuKernel(*bodies[mode], host_preamble(fmt), folder)
@@ -74,6 +74,6 @@ def test_the_formats_are_told_by_dtype():
     assert format_of(np.float32) is None
     x = np.ones(3, ml_dtypes.bfloat16)
     assert bits(x).dtype == np.uint16 and bits(x)[0] == 0x3F80
-    assert "hpcdl_bf16_store" in preamble("bf16") and "#define ROUND" in preamble("fp16")
+    assert "hpcdl_bf16_store" in preamble("bf16") and "#define HPCDL_ROUND" in preamble("fp16")
     with pytest.raises(ValueError, match="no half format"):
         preamble("fp8")

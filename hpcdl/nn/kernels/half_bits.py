@@ -84,16 +84,17 @@ def format_of(dtype: Any) -> str | None:
 
 
 def macros(fmt: str | None) -> str:
-    """LOAD(bits) -> float, STORE(float) -> bits and ROUND(float) -> float (the value rounded
-    to the format), over CONVERSIONS; fmt None: float32, where all three are the identity."""
+    """HPCDL_LOAD(bits) -> float, HPCDL_STORE(float) -> bits and HPCDL_ROUND(float) -> float
+    (the value rounded to the format), over CONVERSIONS; fmt None: float32, where all three
+    are the identity."""
     if fmt is None:
-        return "#define LOAD(v) (v)\n#define STORE(f) (f)\n#define ROUND(f) (f)\n"
+        return "#define HPCDL_LOAD(v) (v)\n#define HPCDL_STORE(f) (f)\n#define HPCDL_ROUND(f) (f)\n"
     if fmt not in FORMATS:
         raise ValueError(f"no half format {fmt!r}; one of {', '.join(FORMATS)}")
     return (
-        f"#define LOAD(b) hpcdl_{fmt}_load(b)\n"
-        f"#define STORE(f) hpcdl_{fmt}_store(f)\n"
-        f"#define ROUND(f) hpcdl_{fmt}_load(hpcdl_{fmt}_store(f))\n"
+        f"#define HPCDL_LOAD(b) hpcdl_{fmt}_load(b)\n"
+        f"#define HPCDL_STORE(f) hpcdl_{fmt}_store(f)\n"
+        f"#define HPCDL_ROUND(f) hpcdl_{fmt}_load(hpcdl_{fmt}_store(f))\n"
     )
 
 

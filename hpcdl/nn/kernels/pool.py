@@ -36,16 +36,16 @@ float m = __int_as_float(0xff800000);  // -inf
 for (int a = 0; a < kh; ++a) for (int b = 0; b < kw; ++b) {
     int h = oh * sh - ph + a, w = ow * sw - pw + b;
     if (h < 0 || h >= H || w < 0 || w >= W) continue;
-    float v = LOAD(x[((n * H + h) * W + w) * C + c]);
+    float v = HPCDL_LOAD(x[((n * H + h) * W + w) * C + c]);
     if (isnan(v) || v > m) m = isnan(m) ? m : v;
 }
 float count = 0.0f;
 for (int a = 0; a < kh; ++a) for (int b = 0; b < kw; ++b) {
     int h = oh * sh - ph + a, w = ow * sw - pw + b;
     if (h < 0 || h >= H || w < 0 || w >= W) continue;
-    if (LOAD(x[((n * H + h) * W + w) * C + c]) == m) count = __fadd_rn(count, 1.0f);
+    if (HPCDL_LOAD(x[((n * H + h) * W + w) * C + c]) == m) count = __fadd_rn(count, 1.0f);
 }
-y = STORE(m); ties = count;
+y = HPCDL_STORE(m); ties = count;
 """
 
 _BACKWARD = """
@@ -54,11 +54,11 @@ float acc = 0.0f;
 for (int oh = min((h + ph) / sh, Ho - 1); oh >= 0 && h + ph - oh * sh < kh; --oh)
     for (int ow = min((w + pw) / sw, Wo - 1); ow >= 0 && w + pw - ow * sw < kw; --ow) {
         int o = ((n * Ho + oh) * Wo + ow) * C + c;
-        float share = ROUND(__fdiv_rn(LOAD(dy[o]), ties[o]));
-        float part = __fmul_rn(LOAD(x) == LOAD(y[o]) ? 1.0f : 0.0f, share);
-        acc = tiled ? part : ROUND(__fadd_rn(acc, part));
+        float share = HPCDL_ROUND(__fdiv_rn(HPCDL_LOAD(dy[o]), ties[o]));
+        float part = __fmul_rn(HPCDL_LOAD(x) == HPCDL_LOAD(y[o]) ? 1.0f : 0.0f, share);
+        acc = tiled ? part : HPCDL_ROUND(__fadd_rn(acc, part));
     }
-dx = STORE(acc);
+dx = HPCDL_STORE(acc);
 """
 
 _CUPY_KERNELS: dict[str, tuple[Any, Any]] = {}  # per format, built on first use: needs a GPU
