@@ -75,6 +75,7 @@ class Setup:
     stage_threads: int = 4  # 4 nodes x 4 copy threads: fewer wake-ups among 8 ranks on 2 cores
     runs: int = 3  # training runs measured; the model is compared with their median
     node_disks: bool = False  # each node's /local its own file system (tools.bench.cluster)
+    calibrate_steps: int = 30  # calibrate's --steps: each timed window of the trainer's step
 
 
 def make_images(root: Path, files: int, classes: int = 4) -> Path:
@@ -92,7 +93,8 @@ def job_flags(setup: Setup) -> list[str]:
 def calibrate_args(setup: Setup, mount: Path, out: Path) -> list[str]:
     return ["-m", "hpcdl.bench", "calibrate", "--data", str(mount), "--stage-dir", "/local",
             "--batch-size", str(setup.batch_size), "--classes", "4", "--files", "24",
-            "--threads", str(setup.stage_threads), "--repeats", "5", "--steps", "30",
+            "--threads", str(setup.stage_threads), "--repeats", "5",
+            "--steps", str(setup.calibrate_steps),
             "--checkpoint-dir", str(out.parent / "calibrate-ckpt"),  # where the jobs' go
             "--out", str(out)]  # fmt: skip
 
