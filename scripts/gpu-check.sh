@@ -7,6 +7,9 @@
 #
 #   bash scripts/gpu-check.sh OUT
 #
+# Before a lend, here: `bash scripts/gpu-check-carry.sh` fetches what the device call must carry
+# (the wheels, OpenSSL's headers) into .carry/ and prints the call, carry and command.
+#
 # Everything lands under OUT: compute.jsonl (one `bench compute --json` line per row),
 # profile.jsonl (one `bench compute --profile --json` result per profile), input.jsonl and
 # input.log (scripts/gpu-check-input.sh), tests.log, train.jsonl (each run's summary record),
@@ -49,6 +52,15 @@
 # Then, while time is left (the goals have their figures; skipped: said, not failed):
 # resnet50's profiles, the other training runs, the --gpu-kernels tests, the loader's rate.
 set -uo pipefail
+# Folders named but empty: the device call did not carry them (name the folder in its `carry`;
+# scripts/gpu-check-carry.sh prints the call). A run without them would spend the lend on errors.
+carried() { # carried VAR DIR PATTERN
+    if [ -n "$2" ] && ! compgen -G "$2/$3" >/dev/null; then
+        echo "gpu-check: $1=$2 holds nothing: was it named in the device call's carry?" >&2
+        exit 2
+    fi
+}
+carried GPU_CHECK_OPENSSL "${GPU_CHECK_OPENSSL:-}" "*"
 OUT="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEVICE="${GPU_CHECK_DEVICE:-gpu}"

@@ -56,3 +56,28 @@ def test_the_stager_build_names_carried_headers_that_are_not_there(tmp_path):
         f"not built: {carried} holds no OpenSSL headers (include/openssl/opensslv.h)"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "carried"]
+
+
+def test_the_call_gpu_check_carry_prints_is_refused_at_once_where_nothing_was_carried(tmp_path):
+    """scripts/gpu-check-carry.sh --print: the device call it prints, run where its carried
+    folders are empty (the device call named nothing in `carry`), ends at once with one line
+    naming the variable and what to carry, exit 2, before any phase runs or OUT is made:
+    the lend is not spent on a run without MPI."""
+    printed = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check-carry.sh"), "--print"],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    assert '  carry: [".carry"]   timeout_s: 600' in printed.stdout.splitlines()
+    (command,) = [line for line in printed.stdout.splitlines() if line.startswith("  command: ")]
+    command = command.removeprefix("  command: ").replace(
+        "bash scripts/gpu-check.sh", f"bash {REPO / 'scripts' / 'gpu-check.sh'}"
+    )
+    for folder in ("whl", "openssl"):
+        (tmp_path / ".carry" / folder).mkdir(parents=True)
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"gpu-check: GPU_CHECK_WHEELS={tmp_path}/.carry/whl holds nothing: was it named in the "
+        "device call's carry?"
+    ]
+    assert not (tmp_path / "out").exists() and done.stdout == ""
