@@ -60,6 +60,7 @@ carried() { # carried VAR DIR PATTERN
         exit 2
     fi
 }
+carried GPU_CHECK_WHEELS "${GPU_CHECK_WHEELS:-}" "*.whl"
 carried GPU_CHECK_OPENSSL "${GPU_CHECK_OPENSSL:-}" "*"
 OUT="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
