@@ -121,6 +121,8 @@ def build_model(
     model, error = None, None
     if cfg.gpu_kernels:
         nn.kernels.enable(True)
+    if cfg.tf32:  # or HPCDL_TF32=1; NOTE [TF32]: before the first plan is built
+        nn.kernels.allow_tf32(True)
     try:
         if built is None:
             model = nn.build_model(cfg.model, input_shape, num_classes, seed=cfg.seed, xp=xp)

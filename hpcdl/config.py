@@ -66,6 +66,7 @@ class TrainConfig:
     sync_bn: bool = False  # BatchNorm statistics over all ranks (SyncBatchNorm)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (hpcdl.nn.precision)
     gpu_kernels: bool = False  # opt-in fast kernels (hpcdl.nn.kernels), until a GPU run
+    tf32: bool = False  # float32 convolutions and GEMMs on TF32 tensor cores (a GPU's)
     device: str = "cpu"
     seed: int = 0
     shuffle: str = "global"
@@ -188,6 +189,11 @@ _HELP = {
     "gpu_kernels": "opt in to the fast kernels of hpcdl.nn.kernels (counter-based dropout; on a "
     "GPU, cuDNN graphs) before a recorded GPU run makes them the default (default: off; "
     "HPCDL_GPU_KERNELS=1 does the same)",
+    "tf32": "on a GPU, let float32 convolutions and matrix products run on TF32 tensor cores "
+    "(10-bit mantissa products, float32 sums): hpcdl's engine with --gpu-kernels (cuDNN "
+    "convolutions, GEMMs), a torch model through torch.backends' fp32_precision. Default: "
+    "IEEE float32 in hpcdl's engine; a torch model keeps PyTorch's own defaults (TF32 "
+    "convolutions, IEEE matmuls) (docs/precision.md, TF32)",
     "device": "cpu (NumPy) or gpu (CuPy; one GPU per rank, local rank modulo visible GPUs)",
     "seed": "seed of initialisation, shuffling and augmentation",
     "shuffle": "global: one permutation over all ranks per epoch; node: samples stay on their "

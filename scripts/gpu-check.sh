@@ -50,7 +50,8 @@
 # After issue 61's row, its --decode gpu run (2 workers, ~30 s, cap 90) takes what is left above
 # the tests' reserve, and is skipped (said) where nothing is left.
 # Then, while time is left (the goals have their figures; skipped: said, not failed):
-# resnet50's profiles, the other training runs, the --gpu-kernels tests, the loader's rate.
+# resnet50's profiles, the other training runs, the --gpu-kernels tests, the loader's rate, and
+# cnn and resnet50 fp32 with --tf32 in both frameworks.
 set -uo pipefail
 # Folders named but empty: the device call did not carry them (name the folder in its `carry`;
 # scripts/gpu-check-carry.sh prints the call). A run without them would spend the lend on errors.
@@ -152,10 +153,12 @@ if [ "$DEVICE" = gpu ]; then
         "resnet50 64 3,224,224 8 45 bf16,fp32")
     PROFILES=("cnn 256 3,32,32 10 fp32")
     LATE_PROFILES=("resnet50 64 3,224,224 4 bf16")  # no goal waits on these: after the goals
+    TF32_ROWS=("cnn 256 3,32,32 30 30" "resnet50 64 3,224,224 8 45")  # last of all
 else  # one model: each command once, small (the dry run checks the script, not the speed)
     ROWS=("cnn 16 3,32,32 3 120 fp32,bf16")
     PROFILES=("cnn 16 3,32,32 2 fp32")
     LATE_PROFILES=()
+    TF32_ROWS=("cnn 16 3,32,32 3 120")
 fi
 RESERVE=355
 for row in "${ROWS[@]}"; do
@@ -301,6 +304,17 @@ phase tests-gpu-kernels 90 "$PY" -m pytest "${PYTEST[@]}" tests/test_nn_cudnn.py
     tests/test_nn_philox.py tests/test_step_graph.py tests/test_nn_kernels.py tests/test_nn_dtypes.py
 train "cnn-$DEVICE-gpu-kernels-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --gpu-kernels
 # ---- end of issue 47's block
+
+# -- float32 on TF32 tensor cores in both frameworks (--tf32, docs/precision.md "TF32"): the rows
+# above compute IEEE float32 on both sides (PyTorch's own default would run its convolutions in
+# TF32); these say what TF32 buys each. No goal waits on them: last, while time is left.
+echo "== compute with --tf32 (both frameworks)"
+for row in "${TF32_ROWS[@]}"; do
+    read -r model batch shape steps cap <<<"$row"
+    phase "compute-gk-tf32-$model-fp32" "$cap" "$PY" -m hpcdl.bench compute --device "$DEVICE" \
+        --model "$model" --batch-size "$batch" --input-shape "$shape" --steps "$steps" \
+        --precision fp32 --gpu-kernels --tf32 --json
+done
 
 echo "== summary"
 "$PY" scripts/gpu_check_summary.py "$RAW" "$OUT" | tee "$OUT/summary.txt"

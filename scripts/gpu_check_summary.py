@@ -106,7 +106,7 @@ def compute_section(raw: Path, out: Path) -> tuple[list[str], dict]:
             f"MiB {row.get('hpcdl_peak_mib') or 0:7.0f} / {row.get('torch_peak_mib') or 0:7.0f}"
         )
     (out / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    by_name = {(r["model"], r["precision"]): r for r in rows}
+    by_name = {(r["model"], r["precision"]): r for r in rows if not r.get("tf32")}
     return lines, by_name
 
 
@@ -246,7 +246,8 @@ def load_facts(out: Path, status: dict, profiles: dict) -> dict:
 
 
 def _row_name(r: dict) -> str:
-    return f"{r['model']} {r['precision']}" + (" gk" if r.get("gpu_kernels") else "")
+    return (f"{r['model']} {r['precision']}" + (" gk" if r.get("gpu_kernels") else "")
+            + (" tf32" if r.get("tf32") else ""))  # fmt: skip
 
 
 def _worst(pairs: list[tuple[float, str]], goal: float, above: bool = True) -> tuple[str, str]:

@@ -16,6 +16,8 @@ It refuses what the real frontend (nvidia-cudnn-frontend 1.32, its `python/` bin
 - operands of one convolution in different data types, statistics not in FLOAT (no engine:
   cudnnGraphNotSupportedError at check_support), and `refuse(op, dims, data_type)` for a shape
   cuDNN has no engine for;
+- a numeric-note filter (deselect_numeric_notes) before create_execution_plans or after
+  check_support, or of notes that are not cudnn.numerical_note members;
 - the build steps out of order, executing an unbuilt graph, a workspace smaller than asked,
   a handle that create_handle did not make.
 It is stricter than the backend in one way, to catch layout bugs: a device pointer must be one
@@ -51,6 +53,15 @@ class heur_mode(str, enum.Enum):  # noqa: N801
     A = "A"
     B = "B"
     FALLBACK = "FALLBACK"
+
+
+class numerical_note(str, enum.Enum):  # noqa: N801
+    TENSOR_CORE = "TENSOR_CORE"
+    DOWN_CONVERT_INPUTS = "DOWN_CONVERT_INPUTS"
+    REDUCED_PRECISION_REDUCTION = "REDUCED_PRECISION_REDUCTION"
+    FFT = "FFT"
+    NONDETERMINISTIC = "NONDETERMINISTIC"
+    WINOGRAD = "WINOGRAD"
 
 
 _NUMPY = {data_type.FLOAT: "float32", data_type.HALF: "float16", data_type.BFLOAT16: "bfloat16"}
@@ -107,7 +118,7 @@ class Module:
     cuDNN does for a shape it has no engine for."""
 
     cudnnGraphNotSupportedError = cudnnGraphNotSupportedError
-    data_type, heur_mode = data_type, heur_mode
+    data_type, heur_mode, numerical_note = data_type, heur_mode, numerical_note
 
     def __init__(self, refuse=lambda op, dims, dtype: False):
         self.refuse, self.graphs, self.executions = refuse, [], 0
@@ -260,6 +271,19 @@ class Graph:
         for mode in modes:
             _enum(mode, heur_mode, "create_execution_plans")
         self.built.append(("plans", tuple(m.value for m in modes)))
+
+    def deselect_numeric_notes(self, notes):
+        """Leaves out the engines carrying any of `notes` (recorded in `built`). Only between
+        create_execution_plans and check_support: the backend's filter marks indices into the
+        plans' engine configs, so one set before them has nothing to mark."""
+        if not self.built or not isinstance(self.built[-1], tuple) or self.built[-1][0] != "plans":
+            raise RuntimeError(
+                f"deselect_numeric_notes called out of order; the graph is at {self.built}"
+            )
+        if not isinstance(notes, list):
+            raise TypeError(f"deselect_numeric_notes takes a list, got {type(notes).__name__}")
+        names = tuple(_enum(n, numerical_note, "deselect_numeric_notes").value for n in notes)
+        self.built[-1] = (*self.built[-1], ("deselect", names))
 
     def check_support(self):
         self._step("support")

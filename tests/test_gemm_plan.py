@@ -201,3 +201,15 @@ def test_the_ctypes_gemm_is_captured_in_a_cuda_graph():
     graph.launch(stream=stream)
     stream.synchronize()
     np.testing.assert_allclose(cp.asnumpy(out), cp.asnumpy(a @ b), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_gemms_are_ieee_unless_tf32_is_allowed(monkeypatch):
+    """NOTE [TF32]: cuBLAS's compute type per operand dtype: IEEE float32 for float32 (TF32
+    tensor cores only with --tf32), float32 sums for halves whatever --tf32 says, float64 for
+    a float64 result."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    types = [(np.float32, np.float32), (np.float16, np.float32), (bf16, bf16),
+             (np.float64, np.float64)]  # fmt: skip
+    assert [gemm.compute_type(a, out) for a, out in types] == [68, 68, 68, 70]
+    monkeypatch.setattr(kernels, "_tf32", True)
+    assert [gemm.compute_type(a, out) for a, out in types] == [77, 68, 68, 70]

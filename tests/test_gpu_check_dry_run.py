@@ -38,6 +38,10 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(tmp_path):
         names = raw.getnames()
         phases = raw.extractfile("raw/phases.txt").read().decode()
     assert "train-tv-decode-resnet50-cpu 0 " in phases  # --decode gpu with a torch model
+    assert "compute-gk-tf32-cnn-fp32 0 " in phases  # --tf32 in both frameworks
+    computed = [json.loads(x) for x in (out / "compute.jsonl").read_text().splitlines()]
+    assert sorted(r["tf32"] for r in computed) == [False] * (len(computed) - 1) + [True]
+    assert "  gk-tf32-cnn-fp32 " in summary
     assert {"raw/phases.txt", "raw/input.log", "raw/compute-cnn-fp32.log"} <= set(names)
     assert (out / "input.log").exists() and (out / "compute.jsonl").read_text()
 

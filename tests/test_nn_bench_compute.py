@@ -58,3 +58,27 @@ def test_compute_benchmark_profiles_fp32_and_bf16_not_fp16(capsys):
         compute.main(["--profile", "--precision", "fp16", "--no-torch"])
     assert exc.value.code == 2
     assert "--profile times fp32 and bf16 steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "env", "tf32"), [(False, False, False), (True, False, True),
+                                                  (False, True, True)])  # fmt: skip
+def test_compute_benchmark_gives_both_frameworks_the_same_float32_arithmetic(
+    monkeypatch, capsys, flag, env, tf32
+):
+    """NOTE [TF32]: hpcdl's kernels and torch's convolutions and matmuls are set alike, TF32
+    with --tf32 (or HPCDL_TF32=1, read at import), else IEEE float32 (PyTorch's own default
+    would run its convolutions in TF32 against hpcdl's IEEE float32), and the row says which."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(kernels, "_tf32", env)
+    backends = (torch.backends.cudnn.conv, torch.backends.cudnn.rnn, torch.backends.cuda.matmul)
+    saved = [b.fp32_precision for b in backends]
+    argv = ["--model", "cnn", "--batch-size", "4", "--input-shape", "1,8,8", "--steps", "2"]
+    try:
+        assert compute.main([*argv, *(["--tf32"] if flag else []), "--json"]) == 0
+        row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert row["tf32"] is tf32 and row["torch_ms_per_step"] > 0
+        assert kernels.tf32() is tf32
+        assert [b.fp32_precision for b in backends] == ["tf32" if tf32 else "ieee"] * 3
+    finally:
+        for backend, value in zip(backends, saved, strict=True):
+            backend.fp32_precision = value

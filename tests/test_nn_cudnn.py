@@ -103,13 +103,34 @@ def test_plans_are_built_once_per_shape_in_the_frontends_order(fake, monkeypatch
     assert fake.graphs[0].built == [
         "validate",
         "operation_graph",
-        ("plans", ("A", "FALLBACK")),
+        ("plans", ("A", "FALLBACK"), ("deselect", ("TENSOR_CORE", "DOWN_CONVERT_INPUTS"))),
         "support",
         "build",
     ]
     run(fast, np.ones((5, 9, 9, 3), np.float32))  # another batch: another shape
     assert len(fake.graphs) == 6
     assert conv_kernels.KERNELS[0].cache.builds == 6
+
+
+def deselected(graph):
+    """The numeric notes a built graph's plans left out (fake_cudnn records them)."""
+    plans = next(step for step in graph.built if isinstance(step, tuple))
+    return [names for kind, names in plans[2:] if kind == "deselect"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_float32_graphs_leave_out_tf32_engines_unless_tf32_is_allowed(fake, monkeypatch, precision):
+    """NOTE [TF32]: a float32 convolution runs IEEE float32 engines only (cuDNN would pick
+    TF32 tensor cores), with --tf32 any engine, in plans of their own; a half format's graphs
+    keep tensor cores, and --tf32 changes none of its plans."""
+    fp32 = precision == "fp32"
+    fast, _ = conv_pair(monkeypatch, 3, 4, 3, 1, 1, precision=precision)
+    run(fast, np.ones((2, 9, 9, 3), np.float32))
+    strict = [("TENSOR_CORE", "DOWN_CONVERT_INPUTS")] if fp32 else []
+    assert [deselected(g) for g in fake.graphs] == [strict] * 3  # fprop, wgrad, dgrad
+    monkeypatch.setattr(kernels, "_tf32", True)
+    run(fast, np.ones((2, 9, 9, 3), np.float32))
+    assert [deselected(g) for g in fake.graphs[3:]] == ([[]] * 3 if fp32 else [])
 
 
 def test_layouts_are_nhwc_activations_and_krsc_filters_named_in_nchw_order(fake, monkeypatch):
@@ -486,6 +507,26 @@ def test_the_stand_in_refuses_steps_out_of_order_and_a_small_workspace():
                   handle=module.create_handle())  # fmt: skip
     with pytest.raises(TypeError, match="handle"):
         g.execute(conv_pack(module, x, w, y), module.pointer(np.zeros(64, np.uint8)), handle=7)
+
+
+def test_the_stand_in_refuses_a_note_filter_out_of_order_or_of_foreign_notes():
+    module = Module()
+    note = module.numerical_note
+    g, *_ = conv_graph(module)  # built: after check_support
+    with pytest.raises(RuntimeError, match="out of order"):
+        g.deselect_numeric_notes([note.TENSOR_CORE])
+    dt = module.data_type
+    g = module.pygraph(io_data_type=dt.FLOAT, intermediate_data_type=dt.FLOAT,
+                       compute_data_type=dt.FLOAT, handle=module.create_handle())  # fmt: skip
+    with pytest.raises(RuntimeError, match="out of order"):
+        g.deselect_numeric_notes([note.TENSOR_CORE])  # before create_execution_plans
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([module.heur_mode.A])
+    with pytest.raises(TypeError, match="numerical_note"):
+        g.deselect_numeric_notes(["TENSOR_CORE"])
+    g.deselect_numeric_notes([note.TENSOR_CORE])
+    assert g.built[-1] == ("plans", ("A",), ("deselect", ("TENSOR_CORE",)))
 
 
 def test_the_runtime_refuses_a_host_array_for_a_device_tensor():

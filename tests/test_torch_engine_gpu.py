@@ -227,3 +227,23 @@ def test_two_steps_on_cuda_end_near_the_same_two_steps_on_the_cpu(digits_dir, tm
     gpu = train("gpu", tmp_path / "gpu", 2, "--resume", "auto")
     np.testing.assert_allclose(gpu.params, cpu.params, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(gpu.buffers, cpu.buffers, rtol=1e-4, atol=1e-5)
+
+
+def test_tf32_sets_torchs_float32_convolutions_and_matmuls_alike():
+    """--tf32 (NOTE [TF32]): torch's float32 convolutions, RNNs and matmuls on TF32 tensor
+    cores, else IEEE float32, through the fp32_precision settings; `--tf32` parses to it, and
+    the torch engine serves it."""
+    from hpcdl.config import TrainConfig, build_parser  # noqa: PLC0415
+    from hpcdl.torch_engine.specs import refused  # noqa: PLC0415
+
+    backends = (torch.backends.cudnn.conv, torch.backends.cudnn.rnn, torch.backends.cuda.matmul)
+    saved = [b.fp32_precision for b in backends]
+    try:
+        for tf32, value in ((True, "tf32"), (False, "ieee")):
+            assert device.set_fp32_precision(tf32) == value
+            assert [b.fp32_precision for b in backends] == [value] * 3
+    finally:
+        for backend, value in zip(backends, saved, strict=True):
+            backend.fp32_precision = value
+    assert build_parser().parse_args(["--data", "x", "--tf32"]).tf32 is True
+    assert refused(TrainConfig(data="x", model="m.py:f", tf32=True)) is None

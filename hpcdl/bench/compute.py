@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="hpcdl's opt-in fast kernels (hpcdl.nn.kernels; hpcdl.train --gpu-kernels)",
     )
+    ap.add_argument(
+        "--tf32",
+        action="store_true",
+        help="float32 convolutions and GEMMs on TF32 tensor cores, in both frameworks (hpcdl: "
+        "with --gpu-kernels; hpcdl.train --tf32); without it both compute IEEE float32 (PyTorch's "
+        "own default would run its convolutions in TF32)",
+    )
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument(
         "--profile",
@@ -129,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio = ours_ms / theirs_ms if theirs_ms else None
     where = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(
-        f"{args.model} batch {args.batch_size} input {args.input_shape} {args.precision} on "
-        f"{args.device} "
-        f"({where}), median of {args.steps} steps"
+        f"{args.model} batch {args.batch_size} input {args.input_shape} {args.precision}"
+        f"{' (TF32 in both)' if args.tf32 else ''} on "
+        f"{args.device} ({where}), median of {args.steps} steps"
         + (f", interleaved in turns of {args.chunk}" if args.chunk else "")
     )
     print(f"  hpcdl  {ours_ms:8.1f} ms/step")

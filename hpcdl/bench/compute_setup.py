@@ -23,11 +23,18 @@ from hpcdl.nn.step import StepParts, train_step
 from hpcdl.nn.step_graph import StepGraph
 
 
+def tf32(args: argparse.Namespace) -> bool:
+    """Whether both frameworks' float32 runs on TF32 tensor cores: --tf32, or HPCDL_TF32=1 as
+    hpcdl.train reads it (NOTE [TF32] in hpcdl/nn/kernels/__init__.py)."""
+    return bool(getattr(args, "tf32", False)) or nn.kernels.tf32()
+
+
 def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
     """(step parts, images, labels): the model with SGD momentum and a fixed random batch."""
     xp = backend.select(args.device)
     if getattr(args, "gpu_kernels", False):
         nn.kernels.enable(True)
+    nn.kernels.allow_tf32(tf32(args))  # NOTE [TF32]
     model = nn.build_model(args.model, args.shape, args.classes, seed=0, xp=xp)
     model.set_precision(args.precision)
     opt = nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9)
@@ -176,6 +183,9 @@ def torch_setup(args: argparse.Namespace) -> TorchSetup | None:
         model = torch_model(torch, args.model, args.shape, args.classes)
     except ImportError:
         return None
+    from hpcdl.torch_engine.device import set_fp32_precision  # noqa: PLC0415
+
+    set_fp32_precision(tf32(args))  # hpcdl's float32 arithmetic (NOTE [TF32])
     device = "cuda" if args.device == "gpu" else "cpu"
     model = model.to(device).train()
     return TorchSetup(
@@ -230,4 +240,5 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "threads": args.threads,
         "precision": args.precision,
+        "tf32": tf32(args),  # both frameworks' float32: TF32, else IEEE
     }

@@ -216,6 +216,8 @@ def build(
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     scaler = loss_scaler(cfg, world, stack, reducer)
     optimizer = FlatOptimizer(cfg, model)
+    if cfg.tf32:  # else PyTorch's defaults stand
+        device.set_fp32_precision(True)
     feed = device.BatchFeed(where, device.use_channels_last(model.module, where))
     xp = np if where.type == "cpu" else array_module(model.params)
     return TorchEngine(

@@ -138,6 +138,22 @@ def use_channels_last(module: torch.nn.Module, device: torch.device) -> bool:
     return any(isinstance(m, torch.nn.Conv2d) for m in module.modules())
 
 
+def set_fp32_precision(tf32: bool) -> str:
+    """torch's float32 convolutions (cuDNN's, RNNs' too) and matmuls on TF32 tensor cores
+    ("tf32") or in IEEE float32 ("ieee"), both alike (NOTE [TF32] in hpcdl/nn/kernels/
+    __init__.py); returns the value set. Through the fp32_precision settings where torch has
+    them (2.9 and later: reading the older allow_tf32 flags after a mix of the two raises),
+    else the allow_tf32 flags."""
+    value = "tf32" if tf32 else "ieee"
+    cudnn = torch.backends.cudnn
+    if hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        cudnn.conv.fp32_precision = cudnn.rnn.fp32_precision = value
+        torch.backends.cuda.matmul.fp32_precision = value
+    else:
+        cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    return value
+
+
 def precision(device: torch.device, dtype: torch.dtype | None) -> Any:
     """torch.autocast of dtype (bfloat16 or float16) for device's kind; None: nothing."""
     if dtype is None:

@@ -15,6 +15,20 @@ NumPy/CuPy code, so a layer never learns which kernel ran, and a kernel that ref
 
 Kernels are opt-in (`--gpu-kernels`, or HPCDL_GPU_KERNELS=1) until a recorded GPU run shows
 one correct and faster (issue 47); with them off every family's choice is the reference.
+
+NOTE [TF32]
+float32 means IEEE float32 in every kernel unless TF32 is allowed (`--tf32`, or HPCDL_TF32=1):
+then cuDNN's float32 convolutions may run on TF32 tensor cores (products of 10-bit mantissas,
+float32 sums) and so may hpcdl's float32 GEMMs (CUBLAS_COMPUTE_32F_FAST_TF32, NOTE [capturable
+GEMM] in gemm.py). Left alone, cuDNN's heuristics pick TF32 engines for float32 convolutions on
+Ampere and later (its default math), so a float32 graph deselects the engines cuDNN notes as
+TENSOR_CORE or DOWN_CONVERT_INPUTS (as PyTorch does when TF32 is off); a half format's graphs
+keep theirs. The default is strict because hpcdl's CPU engine, its reference layers and CuPy's
+matmul compute IEEE float32, and the GPU tests check float32 against them at float32's
+tolerance. PyTorch's own default differs (TF32 convolutions, IEEE matmuls:
+torch.backends.cudnn.conv.fp32_precision "tf32", cuda.matmul "ieee"), so `bench compute` sets
+PyTorch to hpcdl's arithmetic, either way, and says so in its row ("tf32"). Set it before the
+first plan is built: plans are cached per process.
 """
 
 from __future__ import annotations
@@ -26,8 +40,10 @@ from typing import Any, Protocol
 
 FAMILIES = ("conv", "batchnorm", "pool", "dropout", "optimizer")
 ENV = "HPCDL_GPU_KERNELS"
+TF32_ENV = "HPCDL_TF32"
 
 _enabled = os.environ.get(ENV, "") not in ("", "0")
+_tf32 = os.environ.get(TF32_ENV, "") not in ("", "0")
 _said: set[str] = set()
 
 
@@ -49,6 +65,17 @@ def enable(on: bool) -> None:
 
 def enabled() -> bool:
     return _enabled
+
+
+def allow_tf32(on: bool) -> None:
+    """Let float32 convolutions and GEMMs use TF32 tensor cores, or not (--tf32, NOTE [TF32])."""
+    global _tf32
+    _tf32 = bool(on)
+
+
+def tf32() -> bool:
+    """Whether float32 convolutions and GEMMs may use TF32 tensor cores (NOTE [TF32])."""
+    return _tf32
 
 
 def candidates(family: str) -> list[Any]:

@@ -134,7 +134,7 @@ class CudnnBatchNorm:
             rt.output(t["y"], nhwc(x_shape), io)
             for name in ("mean", "inv_var", "out_mean", "out_var"):
                 rt.output(t[name], nhwc(c_shape), _FLOAT32)
-            return rt.finish(g, t, by_value=("epsilon", "momentum"))
+            return rt.finish(g, t, io, by_value=("epsilon", "momentum"))
         else:
             t = {name: rt.tensor(g, name, nhwc(x_shape), io) for name in ("dy", "x")}
             t.update({name: vec(name) for name in ("scale", "mean", "inv_var")})
@@ -144,7 +144,7 @@ class CudnnBatchNorm:
             rt.output(t["dx"], nhwc(x_shape), io)
             rt.output(t["dscale"], nhwc(c_shape), _FLOAT32)
             rt.output(t["dbias"], nhwc(c_shape), _FLOAT32)
-        return rt.finish(g, t)
+        return rt.finish(g, t, io)
 
 
 def host_scalar(layer: Any, name: str, value: float) -> np.ndarray:
@@ -248,7 +248,7 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
             rt.output(t["z"], x_layout, io)
             for name in ("mean", "inv_var", "out_mean", "out_var"):
                 rt.output(t[name], c_layout, _FLOAT32)
-            return rt.finish(g, t, by_value=("epsilon", "momentum"))
+            return rt.finish(g, t, io, by_value=("epsilon", "momentum"))
         t.update({name: rt.tensor(g, name, x_layout, io) for name in ("dz", "z")})
         t["dpre"] = g.relu_backward(loss=t["dz"], input=t["z"], compute_data_type=fp32,
                                     name="relu_backward")  # fmt: skip
@@ -261,7 +261,7 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         rt.output(t["dx"], x_layout, io)
         rt.output(t["dscale"], c_layout, _FLOAT32)
         rt.output(t["dbias"], c_layout, _FLOAT32)
-        return rt.finish(g, t)
+        return rt.finish(g, t, io)
 
 
 def _kept(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:

@@ -117,7 +117,7 @@ class CudnnConv:
             t = tensors(("x", x), ("dy", y))
             t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
             rt.output(t["dw"], w, _FLOAT32)  # summed and kept in float32
-        return rt.finish(g, t)
+        return rt.finish(g, t, io)
 
 
 def _krsc_shape(layer: Any) -> tuple[int, int, int, int]:

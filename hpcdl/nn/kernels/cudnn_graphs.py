@@ -27,7 +27,9 @@ NOTE [cuDNN graphs]
 - Workspace: one byte buffer from CuPy's memory pool, grown to the largest plan's need
   (hpcdl.nn.workspace), so no step allocates.
 - Dtypes (hpcdl.nn.dtypes): I/O in the layer's format (float32, or bf16/fp16 arrays of the
-  emulated values: exact), sums (compute and intermediate) in float32.
+  emulated values: exact), sums (compute and intermediate) in float32. A float32 graph runs
+  IEEE float32 engines only, unless --tf32 lets it use TF32 tensor cores (NOTE [TF32] in
+  hpcdl/nn/kernels/__init__.py).
 Everything here but the calls into `cudnn` runs on CPU: tests/test_nn_cudnn.py drives it with a
 stand-in module that executes the graphs in NumPy.
 """
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import is_device_array
+from hpcdl.nn import kernels
 from hpcdl.nn.dtypes import half_dtype
 from hpcdl.nn.kernels import say_once
 from hpcdl.nn.workspace import Workspaces
@@ -73,6 +76,7 @@ class PlanKey:
     io: str  # "float32", "bfloat16" or "float16"
     padding: tuple[int, int] = (0, 0)
     stride: tuple[int, int] = (1, 1)
+    tf32: bool = False  # a float32 plan that may run TF32 engines (--tf32; PlanCache sets it)
 
 
 @dataclass
@@ -156,12 +160,18 @@ class Runtime:
         dim, stride = layout
         tensor.set_output(True).set_dim(dim).set_stride(stride).set_data_type(self.data_type(dtype))
 
-    def finish(self, graph: Any, tensors: dict[str, Any], by_value: tuple[str, ...] = ()) -> Plan:
-        """Validate and build the plans of a described graph (the frontend's sequence);
-        by_value names the tensors made by scalar()."""
+    def finish(
+        self, graph: Any, tensors: dict[str, Any], io_dtype: Any, by_value: tuple[str, ...] = ()
+    ) -> Plan:
+        """Validate and build the plans of a graph described with io_dtype (the frontend's
+        sequence); a float32 graph without --tf32 leaves out the engines cuDNN notes as
+        running on tensor cores (TF32, NOTE [TF32]); by_value names the tensors of scalar()."""
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([self.cudnn.heur_mode.A, self.cudnn.heur_mode.FALLBACK])
+        if np.dtype(io_dtype) == np.float32 and not kernels.tf32():
+            note = self.cudnn.numerical_note
+            graph.deselect_numeric_notes([note.TENSOR_CORE, note.DOWN_CONVERT_INPUTS])
         graph.check_support()
         graph.build_plans()
         return Plan(graph, tensors, int(graph.get_workspace_size()), frozenset(by_value))
@@ -195,10 +205,11 @@ class PlanCache:
 
     def get(self, key: PlanKey) -> Plan | None:
         """key's plan; else, for a half format, the float32 one; else None (the reference)."""
+        key = _with_tf32(key)
         plan = self._built(key)
         if plan is not None:
             return plan
-        wide = self._built(replace(key, io="float32")) if key.io != "float32" else None
+        wide = self._built(_with_tf32(replace(key, io="float32"))) if key.io != "float32" else None
         then = "that op runs in float32" if wide else self._refused_then
         why = self.refused[key]
         say_once(
@@ -221,6 +232,11 @@ class PlanCache:
                 return None
             plan.io = dtype_named(key.io)
         return plan
+
+
+def _with_tf32(key: PlanKey) -> PlanKey:
+    """key as it is built now: a float32 plan with --tf32 is another plan (NOTE [TF32])."""
+    return replace(key, tf32=key.io == "float32" and kernels.tf32())
 
 
 def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> Any:

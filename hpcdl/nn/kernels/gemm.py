@@ -18,7 +18,8 @@ Row-major C = A @ B is column-major C^T = B^T A^T, which is how the operands are
 view with unit row stride: no copy either way) and gives the cuBLAS arguments, or names the
 operand that must be copied first (another layout). A 2-D operand against a 3-D one repeats
 with batch stride 0. Half operands multiply with float32 sums (CUBLAS_COMPUTE_32F) and may
-write float32 directly (weight gradients); float64 computes in float64.
+write float32 directly (weight gradients); float32 operands compute in IEEE float32, on TF32
+tensor cores only with --tf32 (compute_type, NOTE [TF32]); float64 computes in float64.
 The plan is pure Python: tests/test_gemm_plan.py runs it through a NumPy model of the
 cuBLAS call (column-major, leading dimensions, batch strides) against np.matmul on every
 layout the layers pass. A library or call that fails is said once; matmul then falls back to
@@ -34,12 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.nn import kernels
 from hpcdl.nn.kernels import say_once
 
 # cuBLAS enums (cublas_api.h, library_types.h)
 OP_N, OP_T = 0, 1
 CUDA_TYPES = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 14}
-COMPUTE_32F, COMPUTE_64F = 68, 70
+COMPUTE_32F, COMPUTE_32F_FAST_TF32, COMPUTE_64F = 68, 77, 70
 GEMM_DEFAULT = -1
 WORKSPACE_BYTES = 32 << 20  # what PyTorch gives cuBLAS on Hopper (CUBLAS_WORKSPACE_CONFIG)
 
@@ -162,9 +164,20 @@ class Cublas:
             self.handle, p.trans_a, p.trans_b, p.m, p.n, p.k, ctypes.byref(alpha),
             *_matrix_args(b, p.lda, p.stride_a), *_matrix_args(a, p.ldb, p.stride_b),
             ctypes.byref(beta), *_matrix_args(out, p.ldc, p.stride_c),
-            p.batch, COMPUTE_64F if wide else COMPUTE_32F, GEMM_DEFAULT,
+            p.batch, compute_type(a.dtype, out.dtype), GEMM_DEFAULT,
         )  # fmt: skip
         self._check(status, "cublasGemmStridedBatchedEx")
+
+
+def compute_type(operands: Any, out: Any) -> int:
+    """cuBLAS's compute type for operands of dtype `operands` into `out`: float64 sums for a
+    float64 result; float32 operands in IEEE float32, or on TF32 tensor cores where --tf32
+    allows it (NOTE [TF32] in hpcdl/nn/kernels/__init__.py); half operands with float32 sums."""
+    if np.dtype(out) == np.float64:
+        return COMPUTE_64F
+    if np.dtype(operands) == np.float32 and kernels.tf32():
+        return COMPUTE_32F_FAST_TF32
+    return COMPUTE_32F
 
 
 def _matrix_args(x: Any, ld: int, stride: int) -> tuple[Any, ...]:
