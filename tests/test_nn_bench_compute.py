@@ -70,11 +70,13 @@ def test_compute_benchmark_gives_both_frameworks_the_same_float32_arithmetic(
     would run its convolutions in TF32 against hpcdl's IEEE float32), and the row says which."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(kernels, "_tf32", env)
+    monkeypatch.setattr(kernels, "_enabled", kernels.enabled())  # --gpu-kernels turns them on
     backends = (torch.backends.cudnn.conv, torch.backends.cudnn.rnn, torch.backends.cuda.matmul)
     saved = [b.fp32_precision for b in backends]
     argv = ["--model", "cnn", "--batch-size", "4", "--input-shape", "1,8,8", "--steps", "2"]
     try:
-        assert compute.main([*argv, *(["--tf32"] if flag else []), "--json"]) == 0
+        gk = ["--gpu-kernels", "--tf32"] if flag else []  # --tf32 needs --gpu-kernels
+        assert compute.main([*argv, *gk, "--json"]) == 0
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert row["tf32"] is tf32 and row["torch_ms_per_step"] > 0
         assert kernels.tf32() is tf32
@@ -82,3 +84,16 @@ def test_compute_benchmark_gives_both_frameworks_the_same_float32_arithmetic(
     finally:
         for backend, value in zip(backends, saved, strict=True):
             backend.fp32_precision = value
+
+
+def test_compute_benchmark_refuses_tf32_without_the_kernels_that_take_it(capsys):
+    """hpcdl's plain kernels compute IEEE float32: a --tf32 row without --gpu-kernels would set
+    PyTorch's TF32 against it. One line, exit 2."""
+    with pytest.raises(SystemExit) as stopped:
+        compute.main(["--tf32", "--no-torch"])
+    assert stopped.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("--tf32 needs --gpu-kernels: hpcdl's plain kernels compute IEEE float32")
+    )

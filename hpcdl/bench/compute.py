@@ -87,6 +87,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--batch-size and --steps must be >= 1 and --chunk >= 0")
     if args.profile and args.precision == "fp16":
         ap.error("--profile times fp32 and bf16 steps (fp16's loss scaler may skip one)")
+    if args.tf32 and not args.gpu_kernels:  # else the row would set TF32 against IEEE
+        ap.error("--tf32 needs --gpu-kernels: hpcdl's plain kernels compute IEEE float32")
     return args
 
 
