@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from hpcdl.backend import gpu_available
 from hpcdl.bench import compute
 from hpcdl.nn import kernels
 
@@ -17,6 +18,7 @@ def test_compute_benchmark_prints_json_last(capsys):
     assert result["hpcdl_ms_per_step"] > 0
     assert result["torch_ms_per_step"] is None and result["ratio"] is None
     assert result["step_graph"] is None  # no --gpu-kernels: no graph asked for
+    assert result["torch_channels_last"] is None  # torch did not run
 
 
 def test_compute_benchmark_says_whether_its_step_was_a_cuda_graph(monkeypatch, capsys):
@@ -79,6 +81,7 @@ def test_compute_benchmark_gives_both_frameworks_the_same_float32_arithmetic(
         assert compute.main([*argv, *gk, "--json"]) == 0
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert row["tf32"] is tf32 and row["torch_ms_per_step"] > 0
+        assert row["torch_channels_last"] is False  # on a CPU: the engine's layout stays
         assert kernels.tf32() is tf32
         assert [b.fp32_precision for b in backends] == ["tf32" if tf32 else "ieee"] * 3
     finally:
@@ -97,3 +100,15 @@ def test_compute_benchmark_refuses_tf32_without_the_kernels_that_take_it(capsys)
         .err.splitlines()[-1]
         .endswith("--tf32 needs --gpu-kernels: hpcdl's plain kernels compute IEEE float32")
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_on_a_gpu_the_torch_baseline_runs_channels_last(capsys):
+    """PyTorch's convolutions in channels_last on a GPU: NHWC as hpcdl's arrays are, and its
+    fast layout on tensor cores, as the end-to-end baseline runs them."""
+    pytest.importorskip("torch")
+    argv = ["--model", "cnn", "--batch-size", "8", "--input-shape", "3,32,32", "--steps", "2"]
+    assert compute.main([*argv, "--device", "gpu", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["torch_channels_last"] is True and row["torch_ms_per_step"] > 0

@@ -183,17 +183,24 @@ def torch_setup(args: argparse.Namespace) -> TorchSetup | None:
         model = torch_model(torch, args.model, args.shape, args.classes)
     except ImportError:
         return None
-    from hpcdl.torch_engine.device import set_fp32_precision  # noqa: PLC0415
+    from hpcdl.torch_engine.device import set_fp32_precision, use_channels_last  # noqa: PLC0415
 
     set_fp32_precision(tf32(args))  # hpcdl's float32 arithmetic (NOTE [TF32])
     device = "cuda" if args.device == "gpu" else "cpu"
     model = model.to(device).train()
+    x = torch.randn(args.batch_size, *args.shape, device=device)
+    # On a GPU, convolutions in channels_last: NHWC as hpcdl's arrays are, and PyTorch's fast
+    # layout on tensor cores (as the end-to-end baseline and hpcdl.train's torch engine run)
+    args.torch_channels_last = use_channels_last(model, torch.device(device))
+    if args.torch_channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     return TorchSetup(
         torch=torch,
         device=device,
         model=model,
         opt=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-        x=torch.randn(args.batch_size, *args.shape, device=device),
+        x=x,
         y=torch.randint(0, args.classes, (args.batch_size,), device=device),
         loss_fn=torch.nn.CrossEntropyLoss(),
         precision=args.precision,
@@ -241,4 +248,5 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "precision": args.precision,
         "tf32": tf32(args),  # both frameworks' float32: TF32, else IEEE
+        "torch_channels_last": getattr(args, "torch_channels_last", None),  # None: no torch
     }
