@@ -224,7 +224,8 @@ def fast_kernels(v: dict) -> str:
         return ""
     cudnn = f"cuDNN {v['cudnn']}" if v.get("cudnn") else "cuDNN frontend not installed"
     graphs = "on" if v.get("gpu_kernels") else "off (--gpu-kernels or HPCDL_GPU_KERNELS=1)"
-    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}"
+    tf32 = "; float32 on TF32 tensor cores (HPCDL_TF32)" if v.get("tf32") else ""
+    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}"
 
 
 def main(argv: list[str] | None = None) -> int:
