@@ -281,11 +281,15 @@ def warn_if_not_fault_tolerant(cfg: TrainConfig, world: World) -> None:
 
 
 def say_settings(cfg: TrainConfig, engine: Engine, say: Any) -> None:
-    """The start-up lines for settings a user should see: the precision, an --lr of 0."""
+    """The start-up lines for settings a user should see: the precision, an --lr of 0, a
+    --tf32 that changes nothing here."""
     if cfg.precision != "fp32":
         say(engine.precision_line)
     if cfg.lr == 0:
         say("hpcdl: --lr 0: the parameters will not change")
+    if cfg.tf32 and (cfg.device == "cpu" or (engine.kind == "hpcdl" and not cfg.gpu_kernels)):
+        where = "a CPU" if cfg.device == "cpu" else "hpcdl's plain kernels (add --gpu-kernels)"
+        say(f"hpcdl: --tf32 changes nothing on {where}: float32 stays IEEE float32")
 
 
 def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> diag.DiagSession:

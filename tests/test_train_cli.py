@@ -335,6 +335,36 @@ def test_a_wrong_user_model_is_one_line_naming_the_flag(builder, message, digits
     assert not metrics.exists()
 
 
+def test_tf32_where_it_changes_nothing_says_so_once(digits_dir, tmp_path):
+    """--tf32 is a GPU's (NOTE [TF32]): on a CPU run one line says float32 stays IEEE, and the
+    run trains; on a GPU, hpcdl's plain kernels say to add --gpu-kernels; a torch model, or
+    hpcdl's engine with --gpu-kernels, says nothing."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from hpcdl.config import TrainConfig  # noqa: PLC0415
+    from hpcdl.startup import say_settings  # noqa: PLC0415
+
+    proc = run_train(
+        1,
+        *("--data", digits_dir / "train", "--model", "mlp", "--epochs", 1, "--tf32"),
+        *("--batch-size", 32, "--workers", 0, "--max-steps", 2),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "--tf32" in line]
+    assert said == ["hpcdl: --tf32 changes nothing on a CPU: float32 stays IEEE float32"]
+    lines = {}
+    for kind, kernels in (("hpcdl", False), ("hpcdl", True), ("torch", False)):
+        cfg = TrainConfig(data="x", device="gpu", tf32=True, gpu_kernels=kernels)
+        lines[kind, kernels] = []
+        say_settings(cfg, SimpleNamespace(kind=kind), lines[kind, kernels].append)
+    assert lines == {
+        ("hpcdl", False): ["hpcdl: --tf32 changes nothing on hpcdl's plain kernels (add "
+                           "--gpu-kernels): float32 stays IEEE float32"],
+        ("hpcdl", True): [],
+        ("torch", False): [],
+    }  # fmt: skip
+
+
 def test_lr_zero_trains_without_changing_the_parameters_and_says_so_once(digits_dir, tmp_path):
     """PyTorch's optimizers and Keras accept lr=0 (freeze a model, check a weights round trip)."""
     proc = run_train(
