@@ -235,8 +235,10 @@ class PlanCache:
 
 
 def _with_tf32(key: PlanKey) -> PlanKey:
-    """key as it is built now: a float32 plan with --tf32 is another plan (NOTE [TF32])."""
-    return replace(key, tf32=key.io == "float32" and kernels.tf32())
+    """key as it is built now: a float32 plan with --tf32 is another plan (NOTE [TF32]). Called
+    per op and step: without --tf32 the key is returned as it is, no copy."""
+    tf32 = key.io == "float32" and kernels.tf32()
+    return key if key.tf32 == tf32 else replace(key, tf32=tf32)
 
 
 def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> Any:
