@@ -89,14 +89,40 @@ def solo_world() -> World:
 _THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED"}
 
 
-def init_world() -> World:
-    """Initialise MPI (a singleton run without mpirun is a world of 1) and split it by node."""
+# Set by the launchers that start ranks (Open MPI's mpirun, PMIx and PMI: srun, Hydra).
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")
+
+
+def start_mpi() -> Any:
+    """mpi4py's MPI module, started (importing it calls MPI_Init_thread; keep it out of module
+    import): at MPI_THREAD_MULTIPLE unless MPI4PY_RC_THREAD_LEVEL says otherwise, since the
+    reducer's and the failure notices' threads call MPI.
+
+    A singleton (a process no launcher started) starts without Open MPI's shared-memory
+    transport: it has no peer to share memory with, and Open MPI 5 gives it a 16 MiB backing
+    file in /dev/shm that only a launcher's clean-up removes, so each run without mpirun left
+    one. OMPI_MCA_btl is set for MPI_Init alone and removed after, so that processes this one
+    starts (an mpirun) never inherit it; a user's own OMPI_MCA_btl wins."""
     import mpi4py  # noqa: PLC0415
 
     if "MPI4PY_RC_THREAD_LEVEL" not in os.environ:  # the user's choice wins (tests force less)
-        mpi4py.rc.thread_level = "multiple"  # the reducer's and failure notices' threads call MPI
-    from mpi4py import MPI  # noqa: PLC0415  (import starts MPI; keep it out of module import)
+        mpi4py.rc.thread_level = "multiple"
+    singleton = not any(var in os.environ for var in LAUNCHER_VARS)
+    if not singleton or "OMPI_MCA_btl" in os.environ or "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI  # noqa: PLC0415
 
+        return MPI
+    os.environ["OMPI_MCA_btl"] = "self"
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+    finally:
+        del os.environ["OMPI_MCA_btl"]
+    return MPI
+
+
+def init_world() -> World:
+    """Initialise MPI (a singleton run without mpirun is a world of 1) and split it by node."""
+    MPI = start_mpi()  # noqa: N806 (mpi4py's module name)
     comm = MPI.COMM_WORLD
     thread_multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
     if not thread_multiple and comm.rank == 0:

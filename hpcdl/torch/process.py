@@ -14,7 +14,6 @@ reach a GPU, the only CUDA this package needs.
 from __future__ import annotations
 
 import atexit
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -250,16 +249,11 @@ def _cuda_awareness(comm: Any) -> tuple[bool, str]:
 
 def _world_of(comm: Any) -> World | None:
     """hpcdl's World over MPI_COMM_WORLD, or over the communicator or ranks the script gave."""
-    from hpcdl.comm.world import init_world  # noqa: PLC0415
+    from hpcdl.comm.world import init_world, start_mpi  # noqa: PLC0415
 
     if comm is None or comm == []:
         return init_world()
-    import mpi4py  # noqa: PLC0415
-
-    if "MPI4PY_RC_THREAD_LEVEL" not in os.environ:
-        mpi4py.rc.thread_level = "multiple"  # as init_world: the reducer's thread calls MPI
-    from mpi4py import MPI  # noqa: PLC0415
-
+    MPI = start_mpi()  # noqa: N806 (mpi4py's module name)
     if isinstance(comm, MPI.Comm):
         return _split_world(comm.Dup())
     ranks = [int(r) for r in comm]

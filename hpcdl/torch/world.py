@@ -17,9 +17,7 @@ import os
 import socket
 from typing import Any
 
-from hpcdl.comm.world import World, solo_world
-
-_MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+from hpcdl.comm.world import LAUNCHER_VARS, World, solo_world
 
 
 class NotInitialised(RuntimeError):
@@ -63,7 +61,7 @@ def current_world() -> tuple[World, str]:
             "torchrun started this process but torch.distributed is not initialised; call "
             "torch.distributed.init_process_group() before creating the hpcdl.torch.Loader"
         )
-    if any(key in os.environ for key in _MPI_LAUNCHER_VARS):
+    if any(key in os.environ for key in LAUNCHER_VARS):
         from hpcdl.comm.world import init_world  # noqa: PLC0415
 
         return init_world(), "MPI"
