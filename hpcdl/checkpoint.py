@@ -54,6 +54,10 @@ class Checkpoint:
     # How the epoch in progress was being read (hpcdl.data.epoch_order.EpochOrder.to_json);
     # None in checkpoints written before it was recorded.
     epoch_order: dict[str, Any] | None = None
+    # Mid-epoch: every rank's sums of the epoch so far, [steps, samples, loss sum, correct] per
+    # rank, so that a resumed epoch reports the whole epoch's loss and accuracy; None at an
+    # epoch's end and in checkpoints written before they were recorded.
+    epoch_sums: list[list[float]] | None = None
 
 
 def checkpoint_name(epoch: int, global_step: int) -> str:
@@ -100,6 +104,8 @@ def _write_h5(path: str, ckpt: Checkpoint) -> None:
             f.attrs["loss_scale"] = json.dumps(ckpt.loss_scale)
         if ckpt.epoch_order is not None:
             f.attrs["epoch_order"] = json.dumps(ckpt.epoch_order)
+        if ckpt.epoch_sums is not None:
+            f.attrs["epoch_sums"] = json.dumps(ckpt.epoch_sums)
         f.create_dataset("params", data=ckpt.params)
         f.create_dataset("buffers", data=ckpt.buffers)
         opt = f.create_group("optimizer")
@@ -162,7 +168,13 @@ def _read(f: h5py.File, path: Path) -> Checkpoint:
         epoch_order=_attr(f, path, "epoch_order", _parse_dict)
         if "epoch_order" in f.attrs
         else None,
+        epoch_sums=_attr(f, path, "epoch_sums", _parse_sums) if "epoch_sums" in f.attrs else None,
     )
+    if ckpt.epoch_sums is not None and len(ckpt.epoch_sums) != ckpt.world_size:
+        raise CheckpointError(
+            f"checkpoint {path} has the epoch's sums of {len(ckpt.epoch_sums)} ranks for a world "
+            f"of {ckpt.world_size} ranks; {DAMAGED}"
+        )
     if len(ckpt.rng_states) != ckpt.world_size:
         raise CheckpointError(
             f"checkpoint {path} has {len(ckpt.rng_states)} RNG states for a world of "
@@ -195,6 +207,14 @@ def _count(value: Any) -> int:
 
 def _parse_layout(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(str(name), tuple(_count(n) for n in shape)) for name, shape in json.loads(text)]
+
+
+def _parse_sums(text: str) -> list[list[float]]:
+    """epoch_sums: per rank [steps, samples, loss sum, correct], the counts whole numbers."""
+    rows = json.loads(text)
+    if not isinstance(rows, list) or any(not isinstance(r, list) or len(r) != 4 for r in rows):
+        raise ValueError("not a list of [steps, samples, loss sum, correct] per rank")
+    return [[_count(r[0]), _count(r[1]), float(r[2]), _count(r[3])] for r in rows]
 
 
 def _parse_list_of_dicts(text: str) -> list[dict[str, Any]]:

@@ -100,7 +100,21 @@ def restore(
     agree_on_errors(world.comm, world.rank, error)
     if ckpt is None:
         return Position()
-    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step, order)
+    sums = _epoch_sums(ckpt, world)
+    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step, order, sums)
+
+
+def _epoch_sums(ckpt: checkpoint.Checkpoint, world: World) -> tuple[float, ...]:
+    """This rank's sums of the checkpoint's epoch so far: its own row when the world size is the
+    same; with another, rank 0 holds every rank's total (the epoch's figures sum over ranks)."""
+    rows = ckpt.epoch_sums
+    if not rows:
+        return ()
+    if ckpt.world_size == world.size:
+        return tuple(rows[world.rank])
+    if world.rank != 0:
+        return ()
+    return tuple(sum(column) for column in zip(*rows, strict=True))
 
 
 def _epoch_order(ckpt: checkpoint.Checkpoint, path: Path, world: World) -> EpochOrder:
@@ -208,15 +222,22 @@ def _load_loss_scale(scaler: Any, ckpt: checkpoint.Checkpoint, path: Path) -> No
 
 
 @diag.spanned(diag.Kind.CHECKPOINT)
-def save(run: Run, at: Position) -> Path | None:
-    """Collective: gather every rank's RNG state; rank 0 writes the checkpoint of the run's
-    model and optimizer (either engine's: hpcdl.engine.Checkpointable), to continue at `at`.
+def save(run: Run, at: Position, epoch_stats: Any = None) -> Path | None:
+    """Collective: gather every rank's RNG state and, mid-epoch, its sums of the epoch so far
+    (epoch_stats, a hpcdl.metrics.RunningMean); rank 0 writes the checkpoint of the run's model
+    and optimizer (either engine's: hpcdl.engine.Checkpointable), to continue at `at`.
     Returns its path on every rank."""
     cfg, world, model, optimizer = run.cfg, run.world, run.engine.model, run.engine.optimizer
     scaler = run.engine.scaler
-    rng_states = world.comm.gather(model.get_rng_state(), root=0)
+    sums = None
+    if at.step_in_epoch and epoch_stats is not None:
+        stats = epoch_stats
+        sums = [stats.steps, stats.samples, float(stats.loss_sum), int(stats.correct)]
+    gathered = world.comm.gather((model.get_rng_state(), sums), root=0)
     path = None
     if world.is_root:
+        rng_states = [rng for rng, _ in gathered]
+        epoch_sums = [row for _, row in gathered] if sums is not None else None
         state = {k: to_host(v) for k, v in optimizer.state_dict().items()}
         ckpt = checkpoint.Checkpoint(
             model=model.name,
@@ -232,6 +253,7 @@ def save(run: Run, at: Position) -> Path | None:
             world_size=world.size,
             loss_scale=scaler.state_dict() if scaler else None,
             epoch_order=run.epoch_order(at).to_json(),
+            epoch_sums=epoch_sums,
         )
         path = checkpoint.save(cfg.checkpoint_dir, ckpt)
     return world.comm.bcast(path, root=0)

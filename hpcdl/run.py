@@ -61,6 +61,9 @@ class Position:
     step_in_epoch: int = 0
     global_step: int = 0
     order: EpochOrder | None = None
+    # this rank's sums of the epoch so far (steps, samples, loss sum, correct): a mid-epoch
+    # checkpoint's, so that the resumed epoch's figures are the whole epoch's; () from 0
+    epoch_sums: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -112,8 +112,10 @@ def train(cfg: TrainConfig, world: World) -> int:
         run_start = time.perf_counter()
         for epoch in range(run.start.epoch, cfg.epochs):
             run.progress.start_epoch(epoch)
-            epoch_stats, epoch_start = RunningMean(), time.perf_counter()
-            step = run.start.step_in_epoch if epoch == run.start.epoch else 0
+            resumed = epoch == run.start.epoch  # mid-epoch: its sums so far, from the checkpoint
+            epoch_stats = RunningMean(*run.start.epoch_sums) if resumed else RunningMean()
+            epoch_start, samples_before = time.perf_counter(), epoch_stats.samples
+            step = run.start.step_in_epoch if resumed else 0
             t_wait = time.perf_counter()
             for images, labels in run.batches(epoch, first=step):
                 run.stop.start_step()  # the ranks agree on stop signals while the step runs
@@ -141,10 +143,11 @@ def train(cfg: TrainConfig, world: World) -> int:
                     log_step(run, global_step, epoch, result, lr)
                 if (end_of_epoch or at_max_steps) and not stopped_by:
                     seconds = time.perf_counter() - epoch_start
-                    history = end_epoch(run, epoch, step, epoch_stats, seconds)
+                    trained = epoch_stats.samples - samples_before  # by this job: the rate's
+                    history = end_epoch(run, epoch, step, epoch_stats, seconds, trained)
                 if saving:
                     at = (epoch + 1, 0) if end_of_epoch else (epoch, step)
-                    checkpoint_path = resume.save(run, Position(*at, global_step))
+                    checkpoint_path = resume.save(run, Position(*at, global_step), epoch_stats)
                 if stopped_by or at_max_steps:
                     break
                 t_wait = time.perf_counter()
@@ -184,9 +187,10 @@ def log_step(run: Run, global_step: int, epoch: int, result: StepResult, lr: flo
 
 
 def end_epoch(
-    run: Run, epoch: int, steps: int, epoch_stats: RunningMean, seconds: float
+    run: Run, epoch: int, steps: int, epoch_stats: RunningMean, seconds: float, trained: int
 ) -> dict[str, float]:
-    """Average BatchNorm statistics, evaluate, report the epoch; returns its metrics."""
+    """Average BatchNorm statistics, evaluate, report the epoch; returns its metrics. trained:
+    this rank's samples of the epoch in this job's `seconds` (a resumed epoch's sums hold more)."""
     run.engine.average_buffers()
     history = evaluate(run, epoch_stats)
     values = {k: history[k] for k in ("loss", "acc", "val_loss", "val_acc") if k in history}
@@ -197,7 +201,7 @@ def end_epoch(
         epoch=epoch,
         **values,
         seconds=seconds,
-        images_per_s=epoch_stats.samples * run.world.size / max(seconds, 1e-9),
+        images_per_s=trained * run.world.size / max(seconds, 1e-9),
         staging=stage_stats,
         staging_nodes=staging_nodes(run.world, stage_stats),
     )
