@@ -113,10 +113,10 @@ def test_sync_bn_keeps_batch_norm_statistics_identical_on_every_rank_after_every
     after_step: dict[int, tuple[str, str]] = {}  # step -> digests of (params, buffers)
     real_save = resume.save
 
-    def save(run, at):  # with --checkpoint-every 1, called on every rank after every step
+    def save(run, at, epoch_stats=None):  # --checkpoint-every 1: every rank after every step
         model = run.engine.model
         after_step[at.global_step] = (digest(model.params), digest(model.buffers))
-        return real_save(run, at)
+        return real_save(run, at, epoch_stats)
 
     monkeypatch.setattr(resume, "save", save)
     assert trainer.train(cfg, world) == 0

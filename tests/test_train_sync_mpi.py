@@ -74,10 +74,10 @@ def _run_trainer_recording_params(world, tmp, data, sync, monkeypatch):
     models = []
     real_save, real_mean = resume.save, collectives.allreduce_mean
 
-    def save(run, at):
+    def save(run, at, epoch_stats=None):
         models.append(run.engine.model)
         after_step[at.global_step] = run.engine.model.params.copy()
-        return real_save(run, at)
+        return real_save(run, at, epoch_stats)
 
     def allreduce_mean(comm, buf, host_staged=False):
         before = buf.copy()

@@ -35,11 +35,11 @@ def test_a_model_from_a_users_file_keeps_bitwise_identical_parameters_on_every_r
     names = []
     real_save = resume.save
 
-    def save(run, at):  # with --checkpoint-every 1, called on every rank after every step
+    def save(run, at, epoch_stats=None):  # --checkpoint-every 1: every rank after every step
         model = run.engine.model
         names.append(model.name)
         after_step[at.global_step] = (model.params.copy(), model.buffers.copy())
-        return real_save(run, at)
+        return real_save(run, at, epoch_stats)
 
     monkeypatch.setattr(resume, "save", save)
     status = trainer.train(cfg, world)
