@@ -1,10 +1,14 @@
 """A conversion's output directory: an OUT that is a file, and an OUT (or OUT/train) that
 already holds what a reader would take in with the new data, are one line and rc 2, with
-nothing written (hpcdl.data.convert_output)."""
+nothing written; the directory of a conversion that was killed is removed by the next
+conversion into OUT, once its process is gone (hpcdl.data.convert_output)."""
 
 from __future__ import annotations
 
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,7 @@ import pytest
 
 from hpcdl.data import open_dataset
 from hpcdl.data.__main__ import main
+from hpcdl.data.convert_output import HOST_FILE
 
 
 @pytest.fixture
@@ -108,3 +113,78 @@ def test_hdf5_output_into_a_split_directory_holding_a_file_names_it(
     assert main(convert_args(sources, kind_and_flags, out)) == 0
     assert len(open_dataset(out / "train")) == 8
     assert (out / "other.h5").read_bytes() == b"not mine to touch"
+
+
+# A conversion that stops inside converted_into, after writing 1 MiB, until it is killed: the
+# real code path of every converter, in its own process, so SIGKILL ends it at a known point.
+_KILLED_DRIVER = """
+import sys, time
+from pathlib import Path
+from hpcdl.data.convert_output import converted_into
+with converted_into(Path(sys.argv[1]), ["train"]) as tmp:
+    (tmp / "train").mkdir()
+    (tmp / "train" / "part-00000.h5").write_bytes(bytes(1 << 20))
+    print(tmp.name, flush=True)
+    time.sleep(600)
+"""
+
+
+def converting(out: Path) -> tuple[subprocess.Popen, Path]:
+    """A conversion into out stopped half way: (its process, its temporary directory)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_DRIVER, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    name = proc.stdout.readline().strip()
+    assert name == f".hpcdl-convert-{proc.pid}", name
+    return proc, out / name
+
+
+def killed(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    return proc.pid
+
+
+@pytest.mark.parametrize("flags", [("--to", "tar"), ("--encoded",)], ids=" ".join)
+def test_a_killed_conversions_directory_is_removed_by_the_next_one(
+    sources, tmp_path, capsys, flags
+):
+    out = tmp_path / "out"
+    proc, leftover = converting(out)
+    pid = killed(proc)
+    assert (leftover / "train" / "part-00000.h5").stat().st_size == 1 << 20  # left behind
+    assert main(convert_args(sources, ("folder", *flags), out)) == 0
+    err = capsys.readouterr().err
+    assert not leftover.exists() and not list(out.glob(".hpcdl-convert-*"))
+    assert err.count("\n") == 1 and f"removed {leftover}" in err and f"process {pid}" in err
+    assert len(open_dataset(out if flags[0] == "--to" else out / "train")) == 8
+
+
+def test_only_dead_conversions_directories_on_this_host_are_removed(sources, tmp_path, capsys):
+    """A running conversion's directory, one made on another host (its pid means nothing
+    here), and entries that only look like leftovers are kept as they are."""
+    out = tmp_path / "out"
+    running, live_dir = converting(out)
+    try:
+        elsewhere_proc, elsewhere = converting(out)
+        dead = killed(elsewhere_proc)
+        (elsewhere / HOST_FILE).write_text("node-elsewhere\n")
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "data").write_text("mine")
+        (out / f".hpcdl-convert-{dead + 1}").symlink_to(tmp_path / "mine")
+        (out / f".hpcdl-convert-{dead}-old").mkdir()
+        (out / ".hpcdl-convert-12ab").mkdir()
+        (out / ".hpcdl-convert-999999999").write_text("a file, not a directory")
+        before = sorted(out.rglob("*"))
+        assert main(convert_args(sources, ("folder", "--encoded"), out)) == 0
+        err = capsys.readouterr().err
+        assert sorted(out.rglob("*")) == sorted(
+            before + [out / "train"] + list((out / "train").iterdir())
+        )
+        assert (tmp_path / "mine" / "data").read_text() == "mine"
+        assert "removed" not in err and err.count("\n") == 1, err
+        assert f"{elsewhere}" in err and "node-elsewhere" in err
+        assert running.poll() is None and live_dir.is_dir()
+    finally:
+        killed(running)

@@ -11,12 +11,21 @@ either all of the new files or none. Before it writes, it refuses (one DataError
   would take in (hpcdl.data.kinds.kind_of): a *.tar (its samples would join the new ones), a
   compressed tar, an HDF5 file (it would make OUT an HDF5 data set).
 Nothing the user had is changed or removed.
+
+A conversion killed by SIGKILL (or on a node that went down) cannot remove its directory. The
+next conversion into OUT removes each OUT/.hpcdl-convert-<pid>/ (that name exactly, a real
+directory) whose process no longer runs, and says so in one line. The directory holds the name
+of the host that made it (HOST_FILE, never moved into OUT): on a shared file system a pid means
+nothing on another node, so one made elsewhere is kept, with a one-line note.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +34,9 @@ from hpcdl.data.dataset import DataError
 from hpcdl.data.hdf5 import HDF5_SUFFIXES
 from hpcdl.data.tarindex import is_compressed_name
 from hpcdl.fsync import fsync_path
+
+HOST_FILE = ".hpcdl-host"  # in a conversion's directory: the host that made it
+_LEFTOVER = re.compile(r"\.hpcdl-convert-([1-9][0-9]*)")
 
 
 @contextmanager
@@ -41,11 +53,15 @@ def converted_into(out: Path, names: list[str], holds_data_set: bool = False) ->
         raise DataError(
             f"{out}: cannot make the output directory ({exc.strerror or exc})"
         ) from None
+    remove_leftovers(out)
     tmp = out / f".hpcdl-convert-{os.getpid()}"
     try:
         tmp.mkdir()
+        (tmp / HOST_FILE).write_text(socket.gethostname() + "\n")
         yield tmp
         for entry in sorted(tmp.iterdir()):
+            if entry.name == HOST_FILE:
+                continue
             target = out / entry.name
             if target.is_dir():
                 target.rmdir()  # empty (checked above)
@@ -81,3 +97,73 @@ def _read_as_data(name: str) -> bool:
     """True for a file name a reader of a directory takes in (kinds.kind_of, tarindex)."""
     lower = name.lower()
     return lower.endswith((".tar", *HDF5_SUFFIXES)) or is_compressed_name(lower)
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove the directory of each conversion into out, made on this host, whose process no
+    longer runs (NOTE [conversion output]); one line on stderr for each one found."""
+    here = socket.gethostname()
+    for entry in sorted(os.scandir(out), key=lambda e: e.name):
+        match = _LEFTOVER.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid, path = int(match.group(1)), Path(entry.path)
+        host = _host_of(path) or here  # no host file: killed right after mkdir, so made here
+        if host != here:
+            print(
+                f"hpcdl.data: note: {path}/ was left by process {pid} on {host}, which cannot "
+                f"be checked from {here}; remove it once that conversion is over",
+                file=sys.stderr,
+            )
+            continue
+        if _running(pid):
+            continue
+        size = _bytes_under(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            print(
+                f"hpcdl.data: note: cannot remove {path}/, left by conversion process {pid} "
+                f"that no longer runs ({exc.strerror or exc}); remove it by hand",
+                file=sys.stderr,
+            )
+            continue
+        print(
+            f"hpcdl.data: removed {path}/ ({size / 1e6:.1f} MB), left by conversion process "
+            f"{pid} that no longer runs",
+            file=sys.stderr,
+        )
+
+
+def _host_of(leftover: Path) -> str | None:
+    try:
+        return (leftover / HOST_FILE).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    """True when process pid exists on this host (this process's pid: an earlier process's
+    directory, since this one has not made its own yet)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OverflowError:  # no such pid can exist
+        return False
+    return True
+
+
+def _bytes_under(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
