@@ -105,7 +105,7 @@ class HDF5Dataset:
         infos = []
         for shard in shards:
             with _open_file(shard) as f:
-                if not is_encoded(f):
+                if not is_encoded(f) and "images" in f:
                     raise DataError(
                         f"{shard}: holds decoded 'images' but {shards[0]} holds encoded image "
                         "files; all shards must agree"
