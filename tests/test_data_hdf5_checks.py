@@ -5,6 +5,7 @@ hpcdl.data.hdf5_encoded)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import h5py
@@ -25,6 +26,17 @@ def encoded(tmp_path) -> Path:
     out = tmp_path / "enc"
     args = ["convert", "folder", str(tmp_path / "imgs"), str(out), "--encoded", "--shard-size"]
     assert main([*args, "4"]) == 0
+    return out / "train"
+
+
+@pytest.fixture
+def pixels(tmp_path) -> Path:
+    """The same folder as pixel shards of 4."""
+    from helpers import make_folder
+
+    make_folder(tmp_path / "imgs", per_class=4, fmt="jpg", classes=("a", "b", "c"))
+    out = tmp_path / "px"
+    assert main(["convert", "folder", str(tmp_path / "imgs"), str(out), "--shard-size", "4"]) == 0
     return out / "train"
 
 
@@ -71,3 +83,20 @@ def test_offsets_of_a_float_dtype_name_the_dtype(encoded):
     text = one_line(err)
     assert f"{shard}: field 'encoded_offsets' is float64[5]" in text, text
     assert "integer dtype" in text and "must rise" not in text, text
+
+
+@pytest.mark.parametrize("kind", ["encoded", "pixels"])
+@pytest.mark.parametrize("value", ["{oops", json.dumps(["a", "b", "z"]), json.dumps(["a", "b"])])
+def test_a_later_shards_classes_must_be_the_first_shards(request, kind, value):
+    shards = request.getfixturevalue(kind)
+    with h5py.File(shards / "part-00002.h5", "r+") as f:
+        f.attrs["classes"] = value
+    with pytest.raises(DataError) as err:
+        open_dataset(shards)
+    text = one_line(err)
+    assert f"{shards / 'part-00002.h5'}: attribute 'classes'" in text, text
+    if value != "{oops":
+        assert str(shards / "part-00000.h5") in text, text
+    with h5py.File(shards / "part-00002.h5", "r+") as f:
+        del f.attrs["classes"]  # a later shard without the attribute takes the first shard's
+    assert open_dataset(shards).classes == ["a", "b", "c"]
