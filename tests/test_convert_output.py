@@ -76,6 +76,13 @@ def test_an_out_that_is_a_file_is_one_line_and_the_file_is_untouched(
     assert "is a file, not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_where_nothing_can_be_written_is_one_line(capsys):
+    """/proc: a directory that exists, can be listed, and takes no new directory."""
+    assert main(["convert", "digits", "/proc"]) == 2
+    assert_one_error_line(capsys, "/proc: cannot write the output there")
+
+
 @pytest.mark.parametrize("other", ["other.tar", "OTHER.TAR", "other.tar.gz", "x.h5", "y.hdf5"])
 def test_tar_output_into_a_directory_holding_other_shards_is_refused(
     sources, tmp_path, capsys, other

@@ -46,17 +46,15 @@ def converted_into(out: Path, names: list[str], holds_data_set: bool = False) ->
 
     names: the entries the conversion puts in out; holds_data_set: out itself is the data set
     (tar shards), so no file a reader takes may be there. DataError (NOTE above) first."""
-    check_output(out, names, holds_data_set)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(
-            f"{out}: cannot make the output directory ({exc.strerror or exc})"
-        ) from None
-    remove_leftovers(out)
     tmp = out / f".hpcdl-convert-{os.getpid()}"
     try:
+        check_output(out, names, holds_data_set)
+        out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)
         tmp.mkdir()
+    except OSError as exc:  # a file on the path, no permission, a read-only file system
+        raise DataError(f"{out}: cannot write the output there ({exc.strerror or exc})") from None
+    try:
         (tmp / HOST_FILE).write_text(socket.gethostname() + "\n")
         yield tmp
         for entry in sorted(tmp.iterdir()):
