@@ -106,7 +106,7 @@ def remove_leftovers(out: Path) -> None:
         if match is None or not entry.is_dir(follow_symlinks=False):
             continue
         pid, path = int(match.group(1)), Path(entry.path)
-        host = _host_of(path) or here  # no host file: killed right after mkdir, so made here
+        host = _host_of(path) or here  # none: killed before writing it, or an older hpcdl
         if host != here:
             print(
                 f"hpcdl.data: note: {path}/ was left by process {pid} on {host}, which cannot "
