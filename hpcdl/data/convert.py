@@ -4,22 +4,20 @@ Output: OUT/train/part-00000.h5 ... and OUT/val/... (when there is validation da
 with `images` (N, H, W, C) uint8 (contiguous, uncompressed: the loader memory-maps it), `labels`
 (N,) int64 and root attributes `classes` (JSON), `mean`, `std` (per channel, pixel units, from
 the training split). Atomic: everything is written into OUT/.hpcdl-convert-<pid>/, each file
-fsynced, then the split directories are renamed into place; on any error nothing is left behind.
+fsynced, then the split directories are renamed into place; on any error nothing is left behind
+(hpcdl.data.convert_output, which also says what OUT may already hold).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from hpcdl.data.convert_output import converted_into
 from hpcdl.data.dataset import DataError
 from hpcdl.fsync import fsync_path
 
@@ -84,35 +82,6 @@ def write_dataset(
                 )
             fsync_path(tmp / name)
     return [out / name for name in splits]
-
-
-@contextmanager
-def converted_into(out: Path, names: list[str], pattern: str = "") -> Iterator[Path]:
-    """A new temporary directory inside out; when the block ends without an error, each of its
-    entries is renamed into out, else it is removed with everything in it.
-
-    DataError first when out already holds one of names (a file, or a directory that is not
-    empty) or, with a pattern, a file matching it."""
-    for name in names:
-        existing = out / name
-        if existing.exists() and (not existing.is_dir() or any(existing.iterdir())):
-            raise DataError(f"{existing} already exists; remove it or choose another output")
-    found = sorted(out.glob(pattern)) if pattern and out.is_dir() else []
-    if found:
-        raise DataError(f"{found[0]} already exists; remove it or choose another output")
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".hpcdl-convert-{os.getpid()}"
-    try:
-        tmp.mkdir()
-        yield tmp
-        for entry in sorted(tmp.iterdir()):
-            target = out / entry.name
-            if target.is_dir():
-                target.rmdir()  # empty (checked above)
-            os.replace(entry, target)
-        fsync_path(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_shard(path: Path, x, y, classes, mean, std) -> None:

@@ -13,7 +13,8 @@ extension, lower case) and KEY.cls (the label, an ASCII integer), KEY the sample
 zero-padded; classes.json beside them is the JSON list of class names in label order.
 
 Atomic like every conversion: written into OUT/.hpcdl-convert-<pid>/, each file fsynced, then
-moved into OUT; on any error nothing is left behind. OUT may not lie inside SRC.
+moved into OUT; on any error nothing is left behind. OUT may not lie inside SRC, and for tar
+shards may hold no other file that `--data OUT` would read (hpcdl.data.convert_output).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpcdl.data.convert import converted_into, split
+from hpcdl.data.convert import split
+from hpcdl.data.convert_output import converted_into
 from hpcdl.data.dataset import DataError
 from hpcdl.data.hdf5_encoded import ENCODED, OFFSETS
 from hpcdl.data.imagefolder import image_header, scan_folder
@@ -161,7 +163,7 @@ def write_tar(folder: FolderFiles, out: str | Path, size: ShardSize) -> list[Pat
     out = Path(out)
     digits = max(KEY_DIGITS, len(str(len(folder.relpaths) - 1)))
     written: list[str] = []
-    with converted_into(out, [CLASSES_NAME], pattern="shard-*.tar") as tmp:
+    with converted_into(out, [CLASSES_NAME], holds_data_set=True) as tmp:
         tar, nbytes, count = None, 0, 0
         for key, rel in enumerate(folder.relpaths):
             data, mtime = read_file(folder.root / rel)

@@ -3,7 +3,8 @@
 `images` is (N, H, W, C) or (N, H, W) uint8, or (N, C, H, W) float32; `labels` is (N,) integer.
 Optional attributes on the file root: `classes` (JSON list of names), `mean` and `std` (one value
 per channel, in the units of the stored pixels). Without them uint8 pixels are scaled to 0..1
-and float32 pixels are used as they are. Only the first shard's attributes are read.
+and float32 pixels are used as they are. Only the first shard's attributes are read, except that
+a later shard's `classes`, when it has one, must be the same (hpcdl.data.hdf5_shards).
 
 Shards of encoded image files (`encoded` bytes + `encoded_offsets`, hpcdl.data.hdf5_encoded)
 are kind "hdf5-encoded": the batch builder decodes them as it decodes an image folder's files
@@ -20,7 +21,6 @@ native crash dump naming no file, where a short pread is a BadSample naming the 
 from __future__ import annotations
 
 import io
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,12 @@ from hpcdl.data.dataset import (
     file_ids_from_offsets,
 )
 from hpcdl.data.hdf5_encoded import ENCODED, EncodedShard, check_encoded_shard, is_encoded
+from hpcdl.data.hdf5_shards import (
+    check_pixel_shard,
+    check_same_classes,
+    classes_attr,
+    open_shard,
+)
 from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, BadSampleAt, decode_image
 from hpcdl.data.pfs import open_latency, throttle
 
@@ -85,7 +91,9 @@ class HDF5Dataset:
         labels = []
         first_shape = None
         for shard in shards:
-            shape, dtype, lab = _check_shard(shard)
+            with open_shard(shard) as f:
+                shape, dtype, lab = check_pixel_shard(shard, f)
+                check_same_classes(shard, f, shards[0], self.classes)
             if first_shape is None:
                 first_shape, self.dtype = shape, dtype
             elif (shape, dtype) != (first_shape, self.dtype):
@@ -104,13 +112,14 @@ class HDF5Dataset:
         index has them, the sample shape and the largest file's bytes; samples per shard."""
         infos = []
         for shard in shards:
-            with _open_file(shard) as f:
-                if not is_encoded(f):
+            with open_shard(shard) as f:
+                if not is_encoded(f) and "images" in f:
                     raise DataError(
                         f"{shard}: holds decoded 'images' but {shards[0]} holds encoded image "
                         "files; all shards must agree"
                     )
                 infos.append(check_encoded_shard(shard, f))
+                check_same_classes(shard, f, shards[0], self.classes)
         self.dtype, self.layout = np.uint8, "HWC"
         self.labels = np.concatenate([i.labels for i in infos])
         self.heights = np.concatenate([i.heights for i in infos])
@@ -141,13 +150,7 @@ class HDF5Dataset:
     def _read_metadata(self, shard: Path) -> None:
         with h5py.File(shard, "r") as f:
             attrs = dict(f.attrs)
-        classes = attrs.get("classes")
-        try:
-            if isinstance(classes, bytes):
-                classes = classes.decode()
-            self.classes = [str(c) for c in json.loads(classes)] if classes is not None else None
-        except (ValueError, TypeError) as exc:
-            raise DataError(f"{shard}: attribute 'classes' is not a JSON list: {exc}") from None
+        self.classes = classes_attr(shard, attrs.get("classes"))
         self.named_classes = self.classes is not None  # else labels are bare class indices
         has_stats = "mean" in attrs and "std" in attrs
         self.mean = np.asarray(attrs["mean"], np.float32).reshape(-1) if has_stats else None
@@ -197,52 +200,9 @@ def _size(p: Path) -> int:
     return p.stat().st_size
 
 
-def _open_file(shard: Path) -> h5py.File:
-    try:
-        return h5py.File(shard, "r")
-    except OSError as exc:
-        raise DataError(f"{shard}: not a readable HDF5 file ({exc})") from None
-
-
 def _is_encoded(shard: Path) -> bool:
-    with _open_file(shard) as f:
+    with open_shard(shard) as f:
         return is_encoded(f)
-
-
-def _check_shard(shard: Path) -> tuple[tuple[int, ...], np.dtype, np.ndarray]:
-    """(per-sample shape as stored, dtype, labels) of one shard, or a DataError naming it."""
-    with _open_file(shard) as f:
-        if is_encoded(f):
-            raise DataError(
-                f"{shard}: holds encoded image files but the first shard holds decoded "
-                "'images'; all shards must agree"
-            )
-        for field in ("images", "labels"):
-            if field not in f or not isinstance(f[field], h5py.Dataset):
-                raise DataError(f"{shard}: no '{field}' dataset (found: {sorted(f.keys())})")
-        images, labels = f["images"], f["labels"]
-        ok = (images.dtype == np.uint8 and images.ndim in (3, 4)) or (
-            images.dtype == np.float32 and images.ndim == 4
-        )
-        if not ok:
-            raise DataError(
-                f"{shard}: field 'images' is {images.dtype}{list(images.shape)}; expected "
-                "(N, H, W, C) or (N, H, W) uint8, or (N, C, H, W) float32"
-            )
-        if labels.ndim != 1 or labels.dtype.kind not in "iu":
-            raise DataError(
-                f"{shard}: field 'labels' is {labels.dtype}{list(labels.shape)}; expected (N,) "
-                "integers"
-            )
-        if labels.shape[0] != images.shape[0]:
-            raise DataError(
-                f"{shard}: field 'labels' has {labels.shape[0]} entries but 'images' has "
-                f"{images.shape[0]} samples"
-            )
-        shape = tuple(images.shape[1:])
-        if images.ndim == 3:
-            shape = shape + (1,)
-        return shape, images.dtype, labels[()]
 
 
 class _Shard:

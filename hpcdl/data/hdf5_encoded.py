@@ -56,9 +56,13 @@ def check_encoded_shard(shard: Path, f: h5py.File) -> EncodedShardInfo:
         raise DataError(
             f"{shard}: field '{ENCODED}' is {data.dtype}{list(data.shape)}; expected (bytes,) uint8"
         )
-    n = len(offsets) - 1
-    ok = offsets.ndim == 1 and n >= 0 and offsets.dtype.kind in "iu"
-    if not ok or offsets[0] != 0 or offsets[-1] != data.shape[0] or np.any(np.diff(offsets) < 0):
+    n = len(offsets) - 1 if offsets.ndim == 1 else -1
+    if n < 0 or offsets.dtype.kind not in "iu":
+        raise DataError(
+            f"{shard}: field '{OFFSETS}' is {offsets.dtype}{list(offsets.shape)}; expected "
+            f"(N + 1,) of an integer dtype (int64, as convert writes it): convert it again"
+        )
+    if offsets[0] != 0 or offsets[-1] != data.shape[0] or np.any(np.diff(offsets) < 0):
         raise DataError(
             f"{shard}: field '{OFFSETS}' must rise from 0 to the {data.shape[0]} bytes of "
             f"'{ENCODED}'; the shard is damaged: convert it again"

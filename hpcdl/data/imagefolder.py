@@ -481,7 +481,7 @@ def decode_image(
     the decoder may shrink a JPEG to (Pillow draft mode: DCT scaling by 1/2, 1/4, 1/8); box =
     (y0, x0, h, w) in indexed pixels: return only that region (cropped by Pillow before the
     copy to NumPy). BadSample (where.error) when the bytes do not decode."""
-    from PIL import Image  # noqa: PLC0415
+    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415
 
     h, w = indexed_hw
     try:
@@ -500,6 +500,8 @@ def decode_image(
                 right = left + max(1, round(bw * scale[1]))
                 im = im.crop((left, top, right, bottom))
             arr = np.asarray(im)
+    except UnidentifiedImageError:  # its text names the file object: <_io.BytesIO at 0x...>
+        raise where.error("the bytes are not a readable image file (JPEG, PNG)") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise where.error(str(exc)) from None
     if arr.ndim == 2:
