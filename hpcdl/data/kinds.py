@@ -13,7 +13,7 @@ from hpcdl.data.dataset import DataError
 from hpcdl.data.hdf5 import HDF5_SUFFIXES, HDF5Dataset
 from hpcdl.data.imagefolder import FolderIndex, FolderListing, ImageFolderDataset, save_index
 from hpcdl.data.indexfile import parse_index
-from hpcdl.data.tarindex import is_brace_pattern, is_compressed_name
+from hpcdl.data.tarindex import is_brace_pattern, is_compressed_name, unsupported_pattern
 from hpcdl.data.tarshards import TarIndex, TarShardDataset, save_tar_index
 
 
@@ -107,6 +107,9 @@ def kind_of(path: str | Path) -> str:
     if is_brace_pattern(p):
         return "tar"
     if not p.exists():
+        pattern = unsupported_pattern(path)
+        if pattern is not None:
+            raise pattern
         raise DataError(
             f"{p}: no such file or directory (expected an HDF5 file, a directory of HDF5 "
             "or tar shards, or an image folder root/<class>/<file>)"
