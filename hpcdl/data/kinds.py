@@ -116,10 +116,17 @@ def kind_of(path: str | Path) -> str:
         )
     if p.is_file():
         return "tar" if _is_tar_name(p.name) else "hdf5"
-    entries = list(p.iterdir())
-    if any(e.is_file() and e.suffix.lower() in HDF5_SUFFIXES for e in entries):
+    entries = sorted(p.iterdir())
+    hdf5 = [e for e in entries if e.is_file() and e.suffix.lower() in HDF5_SUFFIXES]
+    tar = [e for e in entries if e.is_file() and _is_tar_name(e.name)]
+    if hdf5 and tar:  # as compressed shards beside plain ones: one kind left out unsaid
+        raise DataError(
+            f"{p} holds both HDF5 shards ({hdf5[0].name}, ...) and tar shards ({tar[0].name}, "
+            "...); a data set is one kind: move one kind into a directory of its own"
+        )
+    if hdf5:
         return "hdf5"
-    if any(e.is_file() and _is_tar_name(e.name) for e in entries):
+    if tar:
         return "tar"
     if any(e.is_dir() and not e.name.startswith(".") for e in entries):
         subdirs = {e.name for e in entries if e.is_dir()}
