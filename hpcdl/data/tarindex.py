@@ -226,7 +226,9 @@ def _read_shard(path: Path) -> ShardContents:
     finally:
         os.close(fd)
     warning = ""
-    if cut is not None:
+    if st.st_size == 0:  # the typical failed copy
+        warning = f"{path} is empty (0 bytes: a failed copy?), so it has no samples; restore it"
+    elif cut is not None:
         warning = (
             f"{path} is truncated or damaged at byte {cut} ({st.st_size} bytes): the members "
             "after it are not in the index; restore the shard"

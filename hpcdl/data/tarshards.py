@@ -14,8 +14,11 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
   holds here too: built once per job by rank 0, shared, mapped, cached outside the data root,
   never written into it): per shard its name, size and mtime (the stager stages whole shards:
   ds.files lists them); per sample the image member's name, offset and length, label, height,
-  width and flaw. Built with seeks: tar headers, label members and image headers are read,
-  never the image data. The cache key is every shard's name, size and mtime and classes.json's.
+  width and flaw; in its meta the warning lines about shards cut inside a tar header or of 0
+  bytes, said by every process that opens the shards from their path (rank 0, inspect, the dry
+  run), built or mapped from the cache. Built with seeks: tar headers, label members and image
+  headers are read, never the image data. The cache key is every shard's name, size and
+  mtime and classes.json's.
 - Reads (hpcdl.data.tarshards_reader): one pread per sample from the shard's open descriptor,
   a bounded number of descriptors kept open per reading process. A shard whose size or mtime
   is not the index's (staged copies keep the original's mtime; one that does not match is
@@ -60,7 +63,7 @@ from hpcdl.data.tarshards_reader import TarShardReader
 
 BULK_FILE_IDS = 1 << 16  # file_ids of at least this many indices: the table lookup
 CLASSES_NAME = "classes.json"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: meta['warnings']
 _SAMPLE_COLUMNS = ("labels", "heights", "widths", "flaws", "data_at", "data_len")
 
 
@@ -130,9 +133,6 @@ def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> Tar
     """Read every shard (INDEX_THREADS at a time) and resolve the labels into classes."""
     with ThreadPoolExecutor(max(1, min(INDEX_THREADS, len(names)))) as pool:
         shards = list(pool.map(read_shard, (root / n for n in names)))
-    for shard in shards:
-        if shard.warning:
-            print(f"hpcdl: warning: {shard.warning}", file=sys.stderr)
     table = FileTable.from_entries(names, [s.size for s in shards])
     members = FileTable.from_entries(
         [name for s in shards for name in s.images], np.zeros(sum(len(s.images) for s in shards))
@@ -156,6 +156,7 @@ def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> Tar
     meta = dict(
         kind="tar", key=key, classes=classes, named_classes=named, classes_from=origin,
         grey=all(s.grey for s in shards), readable=int(readable.sum()),
+        warnings=[s.warning for s in shards if s.warning],
         min_hw=[int(heights.min()), int(widths.min())] if readable.any() else [],
     )  # fmt: skip
     return TarIndex(columns, meta)
@@ -231,6 +232,8 @@ class TarShardDataset:
         self.root = shard_root(self.source)
         if index is None:
             index = self._load_or_build()
+            for line in index.meta["warnings"]:  # every run, not only the one that indexed
+                print(f"hpcdl: warning: {line}", file=sys.stderr)
         self.index, self.index_path = index, index.path
         cols, meta = index.columns, index.meta
         mapped = None if index.path is None else (index.path, meta["key"])
