@@ -151,7 +151,8 @@ def convert_file_bytes(args, size: convert_files.ShardSize, val_fraction: float)
 
 def describe(path: str | Path) -> str:
     ds = open_dataset(path)
-    counts = np.bincount(ds.labels, minlength=ds.num_classes)
+    readable = ds.readable if ds.kind == "tar" else np.ones(len(ds), bool)  # tar: the flawless
+    counts = np.bincount(ds.labels[readable], minlength=ds.num_classes)
     names = ", ".join(f"{c}: {n}" for c, n in zip(ds.classes[:20], counts[:20]))
     more = f", ... ({ds.num_classes - 20} more)" if ds.num_classes > 20 else ""
     total = int(ds.files.sizes.sum())
@@ -168,8 +169,16 @@ def describe(path: str | Path) -> str:
             + (f" {tuple(ds.stored_shape)}" if hasattr(ds, "stored_shape") else "")
         ),
         f"  classes:      {ds.num_classes} ({names}{more})",
-        f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}",
     ]
+    beyond = ds.labels_beyond() if ds.kind == "tar" else ""
+    if beyond:
+        lines.append(f"  not classes:  {beyond}; training stops at its start until they are named")
+    flawed = int((~readable).sum()) - (ds.index.meta["beyond"].get("count", 0) if beyond else 0)
+    if flawed:
+        lines.append(f"  unreadable:   {flawed} samples (a flaw each: bad samples when read)")
+    lines.append(
+        f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}"
+    )
     return "\n".join(lines)
 
 
