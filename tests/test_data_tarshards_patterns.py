@@ -89,6 +89,13 @@ def test_an_existing_name_with_a_space_or_comma_is_read_as_it_is(tmp_path):
     assert len(open_dataset(tmp_path / "my data, v1")) == 2
 
 
+def test_shards_whose_names_hold_glob_characters_are_read_by_a_range(tmp_path):
+    make_shards(tmp_path / "d", shards=2, per_shard=2)
+    for i in range(2):
+        (tmp_path / "d" / f"s-{i:04d}.tar").rename(tmp_path / "d" / f"s[x]-{i:04d}.tar")
+    assert len(open_dataset(tmp_path / "d" / "s[x]-{0000..0001}.tar")) == 4
+
+
 def test_a_range_of_too_many_names_is_refused_at_once(tmp_path):
     make_shards(tmp_path / "d", shards=1, per_shard=2)
     t0 = time.perf_counter()

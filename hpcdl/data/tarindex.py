@@ -69,11 +69,8 @@ def unsupported_pattern(source: str | Path, lists: bool = True) -> DataError | N
 
 
 def shard_names(source: Path) -> list[str]:
-    """The shard names a brace pattern stands for, in order; DataError for a glob beside the
-    range, a range that counts down, or more than MAX_PATTERN_NAMES names."""
-    found = unsupported_pattern(source, lists=False)
-    if found is not None:
-        raise found
+    """The shard names a brace pattern stands for, in order; DataError for a range that counts
+    down, or more than MAX_PATTERN_NAMES names."""
     total = 1
     for match in _BRACE.finditer(source.name):
         first, last = match.group(1), match.group(2)
@@ -133,6 +130,9 @@ def list_shards(source: str | Path) -> tuple[Path, list[str]]:
         root, names = source.parent, shard_names(source)
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
+            unexpanded = unsupported_pattern(source, lists=False)  # a glob beside the range
+            if unexpanded is not None:
+                raise unexpanded
             raise DataError(
                 f"{source}: {len(missing)} of its {len(names)} shards are missing, the first "
                 f"{root / missing[0]}; fix the pattern or restore them"
