@@ -158,8 +158,9 @@ _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every"
 # Help per flag, with units. build_parser appends "(default: X)" from TrainConfig unless the
 # text already names the default (always the case where the default is None).
 _HELP = {
-    "data": "training data: HDF5 file, directory of HDF5 shards, or image folder root/<class>/ "
-    "(required; no default)",
+    "data": "training data: HDF5 file, directory of HDF5 shards, WebDataset tar shards (a "
+    "directory of *.tar, or a pattern 'shard-{000000..000099}.tar'), or image folder "
+    "root/<class>/ (required; no default)",
     "val_data": "validation data (same kinds as --data) (default: none, no validation)",
     "model": f"{', '.join(MODELS)}, or your own: package.module:function or "
     "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md) or a torch.nn.Module, "

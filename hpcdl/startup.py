@@ -105,6 +105,8 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
                 error = error or failed
     train_ds, val_ds = (opened + [None])[:2] if error is None else (None, None)
     if error is None:
+        error = _class_error(cfg, train_ds, val_ds)
+    if error is None:
         per_rank = len(train_ds) // world.size
         if cfg.batch_size > per_rank:
             error = (
@@ -121,6 +123,26 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
         if ds is not None and ds.kind == "tar":  # a start line: where the classes came from
             print(ds.describe(), flush=True)
     return train_ds, val_ds
+
+
+def _class_error(cfg: TrainConfig, train_ds: Any, val_ds: Any) -> str | None:
+    """Labels that tar shards' classes.json does not name (the index knows every label), or a
+    training set of one class: said before the model is built, not at a sample or by the
+    model's num_classes check."""
+    for flag, ds in (("--data", train_ds), ("--val-data", val_ds)):
+        if ds is not None and ds.kind == "tar":
+            _, error = _local_error(ds.check_classes)
+            if error is not None:
+                return f"{flag}: {error}"
+    if train_ds.num_classes >= 2:
+        return None
+    held = f"one class, {train_ds.classes[0]!r}" if train_ds.num_classes == 1 else "no class"
+    origin = getattr(train_ds, "classes_from", "")  # tar shards: classes.json or the labels
+    fix = f"; list every class in {origin}" if origin.endswith(".json") else ""
+    return (
+        f"--data {cfg.data} holds {held}{f' (from {origin})' if origin else ''}: a classifier "
+        f"needs at least 2 classes{fix}"
+    )
 
 
 def _index_ref(ds: Any) -> tuple[Path | None, str] | None:

@@ -7,7 +7,7 @@ convert folder SRC OUT --encoded [--shard-size N|256MB] [--val-fraction F] [--se
 convert folder SRC OUT --to tar [--shard-size N|256MB]  (WebDataset tar shards, classes.json)
 convert cifar SRC OUT [--shard-size N]      (CIFAR-10/100 python pickle batches)
 convert npz SRC.npz OUT [--val-fraction F] [--shard-size N] [--seed S]
-inspect PATH                                (HDF5 file or shards, or image folder)
+inspect PATH                                (HDF5 file or shards, tar shards, image folder)
 """
 
 from __future__ import annotations
@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=HelpFormatter,
     )
-    i.add_argument("path", help="an HDF5 file, a directory of shards, or an image folder")
+    i.add_argument(
+        "path",
+        help="an HDF5 file, a directory of HDF5 or tar shards, a shard pattern "
+        "shard-{000000..000099}.tar, or an image folder",
+    )
     return p
 
 
@@ -151,7 +155,8 @@ def convert_file_bytes(args, size: convert_files.ShardSize, val_fraction: float)
 
 def describe(path: str | Path) -> str:
     ds = open_dataset(path)
-    counts = np.bincount(ds.labels, minlength=ds.num_classes)
+    readable = ds.readable if ds.kind == "tar" else np.ones(len(ds), bool)  # tar: the flawless
+    counts = np.bincount(ds.labels[readable], minlength=ds.num_classes)
     names = ", ".join(f"{c}: {n}" for c, n in zip(ds.classes[:20], counts[:20]))
     more = f", ... ({ds.num_classes - 20} more)" if ds.num_classes > 20 else ""
     total = int(ds.files.sizes.sum())
@@ -160,17 +165,31 @@ def describe(path: str | Path) -> str:
         f"  samples:      {len(ds)} in {len(ds.files)} file(s), {total} bytes "
         f"({total / (1 << 20):.1f} MiB)",
         f"  sample shape: {tuple(ds.sample_shape)} (C, H, W) model input",
-        "  stored as:    "
-        + (
-            "image files (encoded), decoded at load"
-            if getattr(ds, "encoded", False)
-            else f"{getattr(ds, 'dtype', np.uint8)} {ds.layout}"
-            + (f" {tuple(ds.stored_shape)}" if hasattr(ds, "stored_shape") else "")
-        ),
+        f"  stored as:    {_stored_as(ds)}",
         f"  classes:      {ds.num_classes} ({names}{more})",
-        f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}",
     ]
+    beyond = ds.labels_beyond() if ds.kind == "tar" else ""
+    if beyond:
+        lines.append(f"  not classes:  {beyond}; training stops at its start until they are named")
+    flawed = int((~readable).sum()) - (ds.index.meta["beyond"].get("count", 0) if beyond else 0)
+    if flawed:
+        lines.append(f"  unreadable:   {flawed} samples (a flaw each: bad samples when read)")
+    lines.append(
+        f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}"
+    )
     return "\n".join(lines)
+
+
+def _stored_as(ds) -> str:
+    """How the samples are kept: encoded image bytes (decoded on read) or pixel arrays."""
+    if ds.kind == "tar":
+        return "image members (JPEG, PNG or WebP bytes), decoded on read to uint8 HWC"
+    if ds.kind == "folder":
+        return "image files (JPEG, PNG), decoded on read to uint8 HWC"
+    if getattr(ds, "encoded", False):
+        return "image files (encoded), decoded at load"
+    shape = f" {tuple(ds.stored_shape)}" if hasattr(ds, "stored_shape") else ""
+    return f"{np.dtype(ds.dtype).name} {ds.layout}{shape}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from hpcdl.data.dataset import DataError
 from hpcdl.data.hdf5 import HDF5_SUFFIXES, HDF5Dataset
 from hpcdl.data.imagefolder import FolderIndex, FolderListing, ImageFolderDataset, save_index
 from hpcdl.data.indexfile import parse_index
-from hpcdl.data.tarindex import is_brace_pattern, is_compressed_name
+from hpcdl.data.tarindex import is_brace_pattern, is_compressed_name, unsupported_pattern
 from hpcdl.data.tarshards import TarIndex, TarShardDataset, save_tar_index
 
 
@@ -107,16 +107,26 @@ def kind_of(path: str | Path) -> str:
     if is_brace_pattern(p):
         return "tar"
     if not p.exists():
+        pattern = unsupported_pattern(path)
+        if pattern is not None:
+            raise pattern
         raise DataError(
             f"{p}: no such file or directory (expected an HDF5 file, a directory of HDF5 "
             "or tar shards, or an image folder root/<class>/<file>)"
         )
     if p.is_file():
         return "tar" if _is_tar_name(p.name) else "hdf5"
-    entries = list(p.iterdir())
-    if any(e.is_file() and e.suffix.lower() in HDF5_SUFFIXES for e in entries):
+    entries = sorted(p.iterdir())
+    hdf5 = [e for e in entries if e.is_file() and e.suffix.lower() in HDF5_SUFFIXES]
+    tar = [e for e in entries if e.is_file() and _is_tar_name(e.name)]
+    if hdf5 and tar:  # as compressed shards beside plain ones: one kind left out unsaid
+        raise DataError(
+            f"{p} holds both HDF5 shards ({hdf5[0].name}, ...) and tar shards ({tar[0].name}, "
+            "...); a data set is one kind: move one kind into a directory of its own"
+        )
+    if hdf5:
         return "hdf5"
-    if any(e.is_file() and _is_tar_name(e.name) for e in entries):
+    if tar:
         return "tar"
     if any(e.is_dir() and not e.name.startswith(".") for e in entries):
         subdirs = {e.name for e in entries if e.is_dir()}

@@ -27,6 +27,11 @@ LABEL_EXTENSIONS = ("cls", "json", "txt")  # the first one a sample has is its l
 COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 _COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ", b"\x28\xb5\x2f\xfd")
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_GLOB = re.compile(r"[*?[]|\{[^{}]*,[^{}]*\}")  # a shell glob or a {a,b} list
+_LIST = re.compile(r"[,\s]")  # paths joined by commas or spaces
+# A pattern names at most this many shards (ImageNet's WebDataset: 1,024 to 147,000): past it a
+# typed digit too many would stat every name (two million: 15 s, 330 MB) before any error.
+MAX_PATTERN_NAMES = 1_000_000
 # Bytes of an image read for its header, each tried in turn until it parses (then all of it).
 _HEADER_PREFIXES = (1 << 12, 1 << 16, 1 << 62)
 _GREY_MODES = ("L", "1", "I;16")
@@ -49,8 +54,44 @@ def is_brace_pattern(source: str | Path) -> bool:
     return _BRACE.search(Path(source).name) is not None
 
 
+def unsupported_pattern(source: str | Path, lists: bool = True) -> DataError | None:
+    """The one line for a --data value that is a pattern hpcdl does not expand (a glob, a
+    {a,b} list; with lists, paths joined by commas or spaces), else None; without lists only
+    the last name is looked at. For a path that is not there: an existing one may hold these."""
+    text = str(source) if lists else Path(source).name
+    if not (_GLOB.search(text) or (lists and _LIST.search(text))):
+        return None
+    return DataError(
+        f"{source}: no such file or directory; of shard patterns hpcdl expands only the numeric "
+        "range {a..b} (shard-{000000..000099}.tar): globs (*, ?, [...]), {a,b} lists and lists "
+        "of paths are not supported; give a directory of shards, one file or such a range"
+    )
+
+
+def shard_names(source: Path) -> list[str]:
+    """The shard names a brace pattern stands for, in order; DataError for a range that counts
+    down, or more than MAX_PATTERN_NAMES names."""
+    total = 1
+    for match in _BRACE.finditer(source.name):
+        first, last = match.group(1), match.group(2)
+        if int(first) > int(last):
+            raise DataError(
+                f"{source}: the range {{{first}..{last}}} counts down; the shards are read in "
+                "the order the pattern names them (the data set's sample order), so write it "
+                f"counting up: {{{last}..{first}}}"
+            )
+        total *= int(last) - int(first) + 1
+    if total > MAX_PATTERN_NAMES:
+        raise DataError(
+            f"{source}: the pattern stands for {total} names, more than the {MAX_PATTERN_NAMES} "
+            "shards one pattern may name; check the range's digits"
+        )
+    return expand_braces(source.name)
+
+
 def expand_braces(name: str) -> list[str]:
-    """Every name a pattern stands for, in order; {a..b} keeps a's zero padding."""
+    """Every name a pattern stands for, in order; {a..b} keeps a's zero padding (a <= b:
+    shard_names checks)."""
     match = _BRACE.search(name)
     if match is None:
         return [name]
@@ -86,9 +127,12 @@ def list_shards(source: str | Path) -> tuple[Path, list[str]]:
     pattern; DataError when none is there, one is missing or compressed."""
     source = Path(source)
     if is_brace_pattern(source):
-        root, names = source.parent, expand_braces(source.name)
+        root, names = source.parent, shard_names(source)
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
+            unexpanded = unsupported_pattern(source, lists=False)  # a glob beside the range
+            if unexpanded is not None:
+                raise unexpanded
             raise DataError(
                 f"{source}: {len(missing)} of its {len(names)} shards are missing, the first "
                 f"{root / missing[0]}; fix the pattern or restore them"
@@ -182,7 +226,9 @@ def _read_shard(path: Path) -> ShardContents:
     finally:
         os.close(fd)
     warning = ""
-    if cut is not None:
+    if st.st_size == 0:  # the typical failed copy
+        warning = f"{path} is empty (0 bytes: a failed copy?), so it has no samples; restore it"
+    elif cut is not None:
         warning = (
             f"{path} is truncated or damaged at byte {cut} ({st.st_size} bytes): the members "
             "after it are not in the index; restore the shard"

@@ -14,8 +14,11 @@ sorted files) give the folder's sample numbers, so its sampler order, bitwise.
   holds here too: built once per job by rank 0, shared, mapped, cached outside the data root,
   never written into it): per shard its name, size and mtime (the stager stages whole shards:
   ds.files lists them); per sample the image member's name, offset and length, label, height,
-  width and flaw. Built with seeks: tar headers, label members and image headers are read,
-  never the image data. The cache key is every shard's name, size and mtime and classes.json's.
+  width and flaw; in its meta the warning lines about shards cut inside a tar header or of 0
+  bytes, said by every process that opens the shards from their path (rank 0, inspect, the dry
+  run), built or mapped from the cache. Built with seeks: tar headers, label members and image
+  headers are read, never the image data. The cache key is every shard's name, size and
+  mtime and classes.json's.
 - Reads (hpcdl.data.tarshards_reader): one pread per sample from the shard's open descriptor,
   a bounded number of descriptors kept open per reading process. A shard whose size or mtime
   is not the index's (staged copies keep the original's mtime; one that does not match is
@@ -60,7 +63,7 @@ from hpcdl.data.tarshards_reader import TarShardReader
 
 BULK_FILE_IDS = 1 << 16  # file_ids of at least this many indices: the table lookup
 CLASSES_NAME = "classes.json"
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: meta['warnings'] and meta['beyond']
 _SAMPLE_COLUMNS = ("labels", "heights", "widths", "flaws", "data_at", "data_len")
 
 
@@ -130,9 +133,6 @@ def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> Tar
     """Read every shard (INDEX_THREADS at a time) and resolve the labels into classes."""
     with ThreadPoolExecutor(max(1, min(INDEX_THREADS, len(names)))) as pool:
         shards = list(pool.map(read_shard, (root / n for n in names)))
-    for shard in shards:
-        if shard.warning:
-            print(f"hpcdl: warning: {shard.warning}", file=sys.stderr)
     table = FileTable.from_entries(names, [s.size for s in shards])
     members = FileTable.from_entries(
         [name for s in shards for name in s.images], np.zeros(sum(len(s.images) for s in shards))
@@ -150,12 +150,13 @@ def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> Tar
         columns[name] = np.concatenate([s.columns[name] for s in shards])
     for shard in shards:
         shard.columns = {}  # copied into columns: freed before the labels are resolved
-    classes, named, origin = resolve_classes(source, names, shards, columns)
+    classes, named, origin, beyond = resolve_classes(source, names, shards, columns)
     readable = columns["flaws"] == 0
     heights, widths = columns["heights"][readable], columns["widths"][readable]
     meta = dict(
         kind="tar", key=key, classes=classes, named_classes=named, classes_from=origin,
         grey=all(s.grey for s in shards), readable=int(readable.sum()),
+        warnings=[s.warning for s in shards if s.warning], beyond=beyond,
         min_hw=[int(heights.min()), int(widths.min())] if readable.any() else [],
     )  # fmt: skip
     return TarIndex(columns, meta)
@@ -163,9 +164,9 @@ def build_tar_index(source: Path, root: Path, names: list[str], key: str) -> Tar
 
 def resolve_classes(
     source: Path, names: list[str], shards: list[ShardContents], columns: dict[str, np.ndarray]
-) -> tuple[list[str], bool, str]:
-    """(classes, named, where they came from); sets columns["labels"] and flags the labels
-    outside the classes in columns["flaws"]."""
+) -> tuple[list[str], bool, str, dict[str, Any]]:
+    """(classes, named, where they came from, the labels classes.json lacks: _beyond); sets
+    columns["labels"] and flags the labels outside the classes in columns["flaws"]."""
     raw = [label for shard in shards for label in shard.labels]
     classes_file = _classes_file(source)
     if classes_file.is_file():
@@ -187,16 +188,31 @@ def resolve_classes(
         origin = "the labels' sorted names" if named else "the labels' integers"
     position = {name: i for i, name in enumerate(classes)}
     labels, flaws = np.zeros(len(raw), np.int64), columns["flaws"]
+    beyond = []  # classes.json lacks their labels: an index past its end, a name not in it
     for i, value in enumerate(raw):
         if flaws[i]:
             continue
-        index = position.get(value, -1) if isinstance(value, str) else int(value)
+        index = position.get(value, len(classes)) if isinstance(value, str) else int(value)
         if 0 <= index < len(classes):
             labels[i] = index
         else:
             flaws[i] = LABEL_RANGE
+            if index >= len(classes):
+                beyond.append(i)
     columns["labels"] = labels
-    return classes, named, origin
+    return classes, named, origin, _beyond(raw, beyond)
+
+
+def _beyond(raw: list[int | str | None], samples: list[int]) -> dict[str, Any]:
+    """What the start-up check and inspect say of the labels classes.json lacks ({} when it
+    names them all): how many samples, the largest index, the first few names, the first
+    sample."""
+    if not samples:
+        return {}
+    ints = [v for v in (raw[i] for i in samples) if isinstance(v, int)]
+    names = sorted({v for v in (raw[i] for i in samples) if isinstance(v, str)})
+    return dict(count=len(samples), largest=max(ints, default=None), names=names[:3],
+                more_names=len(names) > 3, first=samples[0])  # fmt: skip
 
 
 def _member(columns: dict[str, np.ndarray], index: int) -> str:
@@ -231,6 +247,8 @@ class TarShardDataset:
         self.root = shard_root(self.source)
         if index is None:
             index = self._load_or_build()
+            for line in index.meta["warnings"]:  # every run, not only the one that indexed
+                print(f"hpcdl: warning: {line}", file=sys.stderr)
         self.index, self.index_path = index, index.path
         cols, meta = index.columns, index.meta
         mapped = None if index.path is None else (index.path, meta["key"])
@@ -292,6 +310,16 @@ class TarShardDataset:
         return len(self.classes)
 
     @property
+    def readable(self) -> np.ndarray:
+        """(N,) bool: the samples without a flaw; only their labels are classes."""
+        return self.index.columns["flaws"] == 0
+
+    @property
+    def classes_from(self) -> str:
+        """Where the classes came from: classes.json's path, or the labels (names, integers)."""
+        return str(self.index.meta["classes_from"])
+
+    @property
     def largest_sample_bytes(self) -> int:
         """The largest image member's bytes: what a --decode gpu byte slot holds per sample
         (hpcdl.data.file_bytes), not a shard."""
@@ -331,6 +359,31 @@ class TarShardDataset:
                 f"{self.where(int(bad[0]))}: label {self.labels[bad[0]]} is outside "
                 f"0..{num_classes - 1} ({num_classes} classes{' ' + whose if whose else ''})"
             )
+
+    def labels_beyond(self) -> str:
+        """What the labels classes.json lacks are, for a message; "" when it names them all."""
+        beyond = self.index.meta.get("beyond")
+        if not beyond:
+            return ""
+        lacks = []
+        if beyond["largest"] is not None:
+            last = len(self.classes) - 1
+            lacks.append(f"indices up to {beyond['largest']}, and its last index is {last}")
+        if beyond["names"]:
+            more = ", ..." if beyond["more_names"] else ""
+            lacks.append("names it lacks: " + ", ".join(map(repr, beyond["names"])) + more)
+        return (
+            f"{self.index.meta['classes_from']} names {len(self.classes)} classes, but "
+            f"{beyond['count']} samples have labels outside them ({'; '.join(lacks)}), the "
+            f"first {self.where(beyond['first'])}"
+        )
+
+    def check_classes(self) -> None:
+        """DataError when classes.json does not name every label: the index knows them all, so
+        a run stops at its start, not at the first such sample (--skip-bad-samples or not)."""
+        beyond = self.labels_beyond()
+        if beyond:
+            raise DataError(f"{beyond}; add the missing class names to {CLASSES_NAME}")
 
     def reader(self, locate: Locate | None = None) -> TarShardReader:
         return TarShardReader(self, locate)
