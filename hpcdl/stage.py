@@ -24,14 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from hpcdl.clustermodel.calibration import PfsFigures
 from hpcdl.clustermodel.equations import staged_at, staging_rate
-from hpcdl.config import STAGE_THREADS, TrainConfig
+from hpcdl.config import STAGE_THREADS, TrainConfig, field_types, toml_values
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.data.worker_cores import whole_node
@@ -74,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--version", action="store_true", help="print the version of hpcdl-stage and exit")
-    a("--config", help="TOML file; keys are the flag names with underscores")
+    a(
+        "--config",
+        help="TOML file (the training job's serves): keys are the flag names with underscores, "
+        "values checked as hpcdl.train checks them",
+    )
     a("--data", help="data set (HDF5 file/shard directory, image folder, or any tree)")
     a("--files-only", action="store_true", help="treat every file under --data as one sample")
     a("--stage-dir", help="node-local directory to stage into")
@@ -174,21 +173,29 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Defaults < --config TOML < flags; relative TOML paths are relative to the TOML file."""
-    from hpcdl.config import resolve_paths  # noqa: PLC0415
+def config_types() -> dict[str, type]:
+    """The type of each TOML key this command reads (hpcdl.config.convert_value): hpcdl.train's
+    for the keys both read, so that one job file means the same to both, else its flag's;
+    --nodes (a number or a list) as given, for node_counts."""
+    train = field_types()
+    types: dict[str, type] = {}
+    for action in build_parser()._actions:
+        if action.dest not in ("help", "config"):
+            flag = bool if action.nargs == 0 else action.type or str
+            types[action.dest] = train.get(action.dest, flag)
+    return {**types, "nodes": object}
 
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults < --config TOML < flags; relative TOML paths are relative to the TOML file.
+    The TOML's values are checked as hpcdl.train checks them; keys of the training job's that
+    this command has no use for are left out."""
     values = dict(DEFAULTS)
     given = {k for k, v in vars(args).items() if v is not None and v is not False}
     if args.config:
-        try:
-            with open(args.config, "rb") as f:
-                toml = resolve_paths(tomllib.load(f), args.config)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise UsageError(f"--config {args.config}: {exc}") from None
-        known = set(vars(args))
-        values.update({k: v for k, v in toml.items() if k in known})
-        given |= set(toml) & known
+        toml = toml_values(args.config, config_types(), ignore_unknown=True)
+        values.update(toml)
+        given |= set(toml)
     values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
     out = argparse.Namespace(**{k: values.get(k) for k in set(values) | set(vars(args))})
     for name in ("batch_size", "epochs", "stage_threads"):
