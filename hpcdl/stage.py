@@ -32,6 +32,7 @@ from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.data.worker_cores import whole_node
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.dry_run_report import epoch_rows, print_dry_run
 from hpcdl.staging.fskind import copy_threads, path_kind
 from hpcdl.staging.ownership import (
     StageDirError,
@@ -40,7 +41,7 @@ from hpcdl.staging.ownership import (
     check_no_overlap,
     data_key,
 )
-from hpcdl.staging.peers import EpochSources, epoch_sources
+from hpcdl.staging.peers import epoch_sources
 from hpcdl.staging.plan import (
     FileTreeDataset,
     NodePlan,
@@ -394,69 +395,6 @@ def dry_run(args: argparse.Namespace) -> int:
         epochs = epoch_rows(sources)
     print_dry_run(args, ds, rows, nodes, per, capacity, threads, epochs)
     return 0
-
-
-def epoch_rows(sources: EpochSources) -> list[dict[str, int]]:
-    """The dry run's per-epoch copies of all nodes: from the PFS without peers (staged_*), and
-    with the peer tier (pfs_* + peer_*; docs/staging.md, "Peer tier")."""
-    names = ("staged_files", "staged_bytes", "pfs_files", "pfs_bytes", "peer_files", "peer_bytes")
-    columns = [getattr(sources, name).tolist() for name in names]
-    return [dict(epoch=k, **dict(zip(names, row))) for k, row in enumerate(zip(*columns))]
-
-
-def print_dry_run(
-    args: argparse.Namespace,
-    ds: Any,
-    rows: list[dict[str, Any]],
-    nodes: int,
-    per: int,
-    capacity: int,
-    threads: int,
-    epochs: list[dict[str, int]],
-) -> None:
-    """The dry run's report: one line per node, one per epoch, then --json's object."""
-    shape = loader_shape(ds, args.augment)
-    print(
-        f"staging plan: {nodes} nodes x {per} ranks ({args.placement} placement), batch "
-        f"{args.batch_size}, seed {args.seed}, shuffle {args.shuffle}; first epoch per node "
-        f"(whole run of {args.epochs} epochs):"
-    )
-    if shape is not None:
-        print(f"  samples reach the model as {shape} (C, H, W) with --augment {args.augment}")
-    for r in rows:
-        print(
-            f"  node {r['node']}: {r['files']} files, {r['bytes'] / 1e6:.1f} MB, "
-            f"{'fits' if r['fits'] else 'does NOT fit'} in {capacity / 1e9:.1f} GB; "
-            f"~{r['est_seconds']:.1f} s at {r['pfs_open_latency_ms']:.2f} ms/open, "
-            f"{r['pfs_mbps']:.0f} MB/s, {threads} threads "
-            f"(run: {r['run_files']} files, {r['run_bytes'] / 1e6:.1f} MB)"
-        )
-    if nodes > 1:
-        print("  copies per epoch, all nodes: without peers | with --peer-staging (PFS + peers):")
-        for e in epochs:
-            print(
-                f"  epoch {e['epoch']}: {e['staged_files']} files, {e['staged_bytes'] / 1e6:.1f} "
-                f"MB from the PFS | {e['pfs_files']} files, {e['pfs_bytes'] / 1e6:.1f} MB from "
-                f"the PFS + {e['peer_files']} files, {e['peer_bytes'] / 1e6:.1f} MB from peers"
-            )
-        if getattr(ds, "kind", "") == "tar":
-            print("  (peer copies counted as whole shards; with --peer-ranges auto, the default, "
-                  "a node fetches its samples of a shard as pieces where they cost less: fewer "
-                  'bytes; docs/staging.md, "Pieces")')  # fmt: skip
-    if args.json:
-        shape_list = shape and list(shape)
-        print(json.dumps({"nodes": rows, "epochs": epochs, "sample_shape": shape_list}))
-
-
-def loader_shape(ds: Any, augment: str) -> tuple[int, int, int] | None:
-    """(C, H, W) the training loader yields for ds (hpcdl.data.batch.output_shape); None for a
-    plain file tree (--files-only), whose files are not samples."""
-    if not hasattr(ds, "sample_shape"):
-        return None
-    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
-    from hpcdl.data.batch import output_shape  # noqa: PLC0415
-
-    return output_shape(ds, parse_augment(augment))
 
 
 def stage_only(args: argparse.Namespace) -> int:
