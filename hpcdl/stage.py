@@ -27,6 +27,7 @@ from typing import Any
 from hpcdl.clustermodel.calibration import PfsFigures
 from hpcdl.clustermodel.equations import staged_at, staging_rate
 from hpcdl.config import STAGE_THREADS, TrainConfig, field_types, toml_values
+from hpcdl.data.augment import parse_augment
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.data.worker_cores import whole_node
@@ -39,6 +40,7 @@ from hpcdl.staging.ownership import (
     StageDirFull,
     StageDirLease,
     check_no_overlap,
+    check_stage_dir,
     data_key,
 )
 from hpcdl.staging.peers import epoch_sources
@@ -55,6 +57,7 @@ from hpcdl.staging.session import default_capacity, parse_capacity
 from hpcdl.staging.stage_once import print_summary, show_progress
 from hpcdl.staging.stager_process import StagerProcess
 from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
+from hpcdl.startup_checks import batch_size_error
 
 
 class UsageError(ValueError):
@@ -206,6 +209,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--workers must be 0 or more")
     if out.checkpoint_every is not None and int(out.checkpoint_every) < 0:
         raise UsageError("--checkpoint-every must be 0 (each epoch's end only) or more")
+    parse_augment(out.augment)  # a bad value is said before the data set's errors, as in training
     out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None
@@ -338,6 +342,17 @@ def model_dry_run(args: argparse.Namespace) -> int:
     return prediction.print_predictions(request, bool(args.json))
 
 
+def refuse_as_the_real_run(args: argparse.Namespace, ds: Any, ranks: int) -> None:
+    """The dry run's refusals, in the real run's words, creating nothing: a --batch-size that
+    training refuses on `ranks` ranks (its own check), a --stage-dir that is a file or overlaps
+    the data (the stager's checks before it creates anything)."""
+    error = batch_size_error(int(args.batch_size), len(ds), ranks, args.data)
+    if error:
+        raise UsageError(error)
+    if args.stage_dir:
+        check_stage_dir(args.stage_dir, {"--data": args.data})
+
+
 def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
         return model_dry_run(args)
@@ -345,6 +360,7 @@ def dry_run(args: argparse.Namespace) -> int:
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
     layout = rank_layout([per] * nodes, args.placement)
     ds = open_data(args)
+    refuse_as_the_real_run(args, ds, nodes * per)
     capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
     if capacity is None:
         capacity = default_capacity(args.stage_dir or ".")
