@@ -332,10 +332,19 @@ def build_parser(prog: str = "python -m hpcdl.train") -> argparse.ArgumentParser
     return parser
 
 
-def _convert(name: str, value: Any, typ: type, source: str) -> Any:
+def field_types() -> dict[str, type]:
+    """TrainConfig's fields (the flags with underscores) -> bool, int, float or str, the type
+    convert_value makes of a flag's or a TOML key's value."""
+    return {f.name: _field_type(f) for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
+
+
+def convert_value(name: str, value: Any, typ: type, source: str) -> Any:
+    """`value` of flag or key `name` as `typ` (bool, int, float, str; object: as given, for its
+    user to check); ConfigError naming the flag and `source` (the config file, "command line")
+    when it is of another type."""
     where = f"{_flag(name)} ({source})"
-    if value is None:
-        return None
+    if value is None or typ is object:
+        return value
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -357,6 +366,23 @@ def _convert(name: str, value: Any, typ: type, source: str) -> Any:
     if not isinstance(value, str):
         raise ConfigError(f"{where} must be a string, got {value!r}")
     return value
+
+
+def toml_values(
+    path: str, types: Mapping[str, type], ignore_unknown: bool = False
+) -> dict[str, Any]:
+    """The keys of TOML file `path` (dashes read as underscores), each converted by
+    convert_value to its type in `types`, relative paths made relative to the file
+    (resolve_paths). A key not in `types` is a ConfigError, or left out with ignore_unknown
+    (hpcdl.stage reads the training job's file, which holds keys it has no use for)."""
+    values: dict[str, Any] = {}
+    for key, value in load_toml(path).items():
+        name = key.replace("-", "_")
+        if name in types:
+            values[name] = convert_value(name, value, types[name], path)
+        elif not ignore_unknown:
+            raise ConfigError(f"config file {path}: unknown key {key!r}")
+    return resolve_paths(values, path)
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -397,19 +423,12 @@ def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Build a validated TrainConfig from flags and an optional TOML file."""
     args = build_parser().parse_args(argv)
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
-    values: dict[str, Any] = {}
-    if args.config:
-        for key, value in load_toml(args.config).items():
-            name = key.replace("-", "_")
-            if name not in fields:
-                raise ConfigError(f"config file {args.config}: unknown key {key!r}")
-            values[name] = _convert(name, value, _field_type(fields[name]), args.config)
-        values = resolve_paths(values, args.config)
-    for name, f in fields.items():
+    types = field_types()
+    values = toml_values(args.config, types) if args.config else {}
+    for name, typ in types.items():
         flag_value = getattr(args, name)
         if flag_value is not None:
-            values[name] = _convert(name, flag_value, _field_type(f), "command line")
+            values[name] = convert_value(name, flag_value, typ, "command line")
     cfg = TrainConfig(**values)
     validate(cfg)
     return cfg

@@ -24,28 +24,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 from hpcdl.clustermodel.calibration import PfsFigures
 from hpcdl.clustermodel.equations import staged_at, staging_rate
-from hpcdl.config import STAGE_THREADS, TrainConfig
+from hpcdl.config import STAGE_THREADS, TrainConfig, field_types, toml_values
+from hpcdl.data.augment import parse_augment
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.data.worker_cores import whole_node
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
+from hpcdl.staging.dry_run_report import epoch_rows, print_dry_run
 from hpcdl.staging.fskind import copy_threads, path_kind
 from hpcdl.staging.ownership import (
     StageDirError,
     StageDirFull,
     StageDirLease,
     check_no_overlap,
+    check_stage_dir,
     data_key,
 )
-from hpcdl.staging.peers import EpochSources, epoch_sources
+from hpcdl.staging.peers import epoch_sources
 from hpcdl.staging.plan import (
     FileTreeDataset,
     NodePlan,
@@ -59,6 +57,7 @@ from hpcdl.staging.session import default_capacity, parse_capacity
 from hpcdl.staging.stage_once import print_summary, show_progress
 from hpcdl.staging.stager_process import StagerProcess
 from hpcdl.staging.status import CounterFile, ProgressFile, StatusView
+from hpcdl.startup_checks import batch_size_error
 
 
 class UsageError(ValueError):
@@ -74,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a = p.add_argument
     a("--version", action="store_true", help="print the version of hpcdl-stage and exit")
-    a("--config", help="TOML file; keys are the flag names with underscores")
+    a(
+        "--config",
+        help="TOML file (the training job's serves): keys are the flag names with underscores, "
+        "values checked as hpcdl.train checks them",
+    )
     a("--data", help="data set (HDF5 file/shard directory, image folder, or any tree)")
     a("--files-only", action="store_true", help="treat every file under --data as one sample")
     a("--stage-dir", help="node-local directory to stage into")
@@ -174,21 +177,29 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Defaults < --config TOML < flags; relative TOML paths are relative to the TOML file."""
-    from hpcdl.config import resolve_paths  # noqa: PLC0415
+def config_types() -> dict[str, type]:
+    """The type of each TOML key this command reads (hpcdl.config.convert_value): hpcdl.train's
+    for the keys both read, so that one job file means the same to both, else its flag's;
+    --nodes (a number or a list) as given, for node_counts."""
+    train = field_types()
+    types: dict[str, type] = {}
+    for action in build_parser()._actions:
+        if action.dest not in ("help", "config"):
+            flag = bool if action.nargs == 0 else action.type or str
+            types[action.dest] = train.get(action.dest, flag)
+    return {**types, "nodes": object}
 
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults < --config TOML < flags; relative TOML paths are relative to the TOML file.
+    The TOML's values are checked as hpcdl.train checks them; keys of the training job's that
+    this command has no use for are left out."""
     values = dict(DEFAULTS)
     given = {k for k, v in vars(args).items() if v is not None and v is not False}
     if args.config:
-        try:
-            with open(args.config, "rb") as f:
-                toml = resolve_paths(tomllib.load(f), args.config)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise UsageError(f"--config {args.config}: {exc}") from None
-        known = set(vars(args))
-        values.update({k: v for k, v in toml.items() if k in known})
-        given |= set(toml) & known
+        toml = toml_values(args.config, config_types(), ignore_unknown=True)
+        values.update(toml)
+        given |= set(toml)
     values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
     out = argparse.Namespace(**{k: values.get(k) for k in set(values) | set(vars(args))})
     for name in ("batch_size", "epochs", "stage_threads"):
@@ -198,6 +209,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError("--workers must be 0 or more")
     if out.checkpoint_every is not None and int(out.checkpoint_every) < 0:
         raise UsageError("--checkpoint-every must be 0 (each epoch's end only) or more")
+    parse_augment(out.augment)  # a bad value is said before the data set's errors, as in training
     out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None
@@ -330,6 +342,17 @@ def model_dry_run(args: argparse.Namespace) -> int:
     return prediction.print_predictions(request, bool(args.json))
 
 
+def refuse_as_the_real_run(args: argparse.Namespace, ds: Any, ranks: int) -> None:
+    """The dry run's refusals, in the real run's words, creating nothing: a --batch-size that
+    training refuses on `ranks` ranks (its own check), a --stage-dir that is a file or overlaps
+    the data (the stager's checks before it creates anything)."""
+    error = batch_size_error(int(args.batch_size), len(ds), ranks, args.data)
+    if error:
+        raise UsageError(error)
+    if args.stage_dir:
+        check_stage_dir(args.stage_dir, {"--data": args.data})
+
+
 def dry_run(args: argparse.Namespace) -> int:
     if args.calibration:  # the cluster model instead of the per-node plan listing
         return model_dry_run(args)
@@ -337,6 +360,7 @@ def dry_run(args: argparse.Namespace) -> int:
     nodes, per = args.nodes or env_nodes or 1, args.ranks_per_node or env_per or 1
     layout = rank_layout([per] * nodes, args.placement)
     ds = open_data(args)
+    refuse_as_the_real_run(args, ds, nodes * per)
     capacity = parse_capacity(args.stage_capacity, args.stage_dir or ".")
     if capacity is None:
         capacity = default_capacity(args.stage_dir or ".")
@@ -387,69 +411,6 @@ def dry_run(args: argparse.Namespace) -> int:
         epochs = epoch_rows(sources)
     print_dry_run(args, ds, rows, nodes, per, capacity, threads, epochs)
     return 0
-
-
-def epoch_rows(sources: EpochSources) -> list[dict[str, int]]:
-    """The dry run's per-epoch copies of all nodes: from the PFS without peers (staged_*), and
-    with the peer tier (pfs_* + peer_*; docs/staging.md, "Peer tier")."""
-    names = ("staged_files", "staged_bytes", "pfs_files", "pfs_bytes", "peer_files", "peer_bytes")
-    columns = [getattr(sources, name).tolist() for name in names]
-    return [dict(epoch=k, **dict(zip(names, row))) for k, row in enumerate(zip(*columns))]
-
-
-def print_dry_run(
-    args: argparse.Namespace,
-    ds: Any,
-    rows: list[dict[str, Any]],
-    nodes: int,
-    per: int,
-    capacity: int,
-    threads: int,
-    epochs: list[dict[str, int]],
-) -> None:
-    """The dry run's report: one line per node, one per epoch, then --json's object."""
-    shape = loader_shape(ds, args.augment)
-    print(
-        f"staging plan: {nodes} nodes x {per} ranks ({args.placement} placement), batch "
-        f"{args.batch_size}, seed {args.seed}, shuffle {args.shuffle}; first epoch per node "
-        f"(whole run of {args.epochs} epochs):"
-    )
-    if shape is not None:
-        print(f"  samples reach the model as {shape} (C, H, W) with --augment {args.augment}")
-    for r in rows:
-        print(
-            f"  node {r['node']}: {r['files']} files, {r['bytes'] / 1e6:.1f} MB, "
-            f"{'fits' if r['fits'] else 'does NOT fit'} in {capacity / 1e9:.1f} GB; "
-            f"~{r['est_seconds']:.1f} s at {r['pfs_open_latency_ms']:.2f} ms/open, "
-            f"{r['pfs_mbps']:.0f} MB/s, {threads} threads "
-            f"(run: {r['run_files']} files, {r['run_bytes'] / 1e6:.1f} MB)"
-        )
-    if nodes > 1:
-        print("  copies per epoch, all nodes: without peers | with --peer-staging (PFS + peers):")
-        for e in epochs:
-            print(
-                f"  epoch {e['epoch']}: {e['staged_files']} files, {e['staged_bytes'] / 1e6:.1f} "
-                f"MB from the PFS | {e['pfs_files']} files, {e['pfs_bytes'] / 1e6:.1f} MB from "
-                f"the PFS + {e['peer_files']} files, {e['peer_bytes'] / 1e6:.1f} MB from peers"
-            )
-        if getattr(ds, "kind", "") == "tar":
-            print("  (peer copies counted as whole shards; with --peer-ranges auto, the default, "
-                  "a node fetches its samples of a shard as pieces where they cost less: fewer "
-                  'bytes; docs/staging.md, "Pieces")')  # fmt: skip
-    if args.json:
-        shape_list = shape and list(shape)
-        print(json.dumps({"nodes": rows, "epochs": epochs, "sample_shape": shape_list}))
-
-
-def loader_shape(ds: Any, augment: str) -> tuple[int, int, int] | None:
-    """(C, H, W) the training loader yields for ds (hpcdl.data.batch.output_shape); None for a
-    plain file tree (--files-only), whose files are not samples."""
-    if not hasattr(ds, "sample_shape"):
-        return None
-    from hpcdl.data.augment import parse_augment  # noqa: PLC0415
-    from hpcdl.data.batch import output_shape  # noqa: PLC0415
-
-    return output_shape(ds, parse_augment(augment))
 
 
 def stage_only(args: argparse.Namespace) -> int:

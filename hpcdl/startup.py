@@ -28,7 +28,7 @@ from hpcdl.engines import build_engine
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.resume import continue_epoch, restore, stop_if_finished
 from hpcdl.run import Run, own
-from hpcdl.startup_checks import check_outputs, check_stage_dir
+from hpcdl.startup_checks import batch_size_error, check_outputs, check_stage_dir
 from hpcdl.startup_input import loader_line, open_input
 
 
@@ -107,13 +107,7 @@ def open_datasets(cfg: TrainConfig, world: World) -> tuple[Any, Any | None]:
     if error is None:
         error = _class_error(cfg, train_ds, val_ds)
     if error is None:
-        per_rank = len(train_ds) // world.size
-        if cfg.batch_size > per_rank:
-            error = (
-                f"--batch-size {cfg.batch_size} is larger than each rank's shard of {cfg.data} "
-                f"({len(train_ds)} samples / {world.size} ranks = {per_rank}); "
-                f"use a batch size <= {per_rank} or fewer ranks"
-            )
+        error = batch_size_error(cfg.batch_size, len(train_ds), world.size, cfg.data)
     if error is None and val_ds is not None:
         error = _shape_error(cfg, train_ds, val_ds)
     if error is None and val_ds is not None:

@@ -1,6 +1,7 @@
 """The start-up's agreements before anything is built: the outputs can be written, the stage
-dir is allowed, and every rank runs the same model and configuration. Each is checked where it
-can be (rank 0 for the outputs, every rank for the rest) and ends every rank with one line."""
+dir is allowed, a rank's share of the data holds a batch, and every rank runs the same model
+and configuration. Each is checked where it can be (rank 0 for the outputs, every rank for the
+rest) and ends every rank with one line."""
 
 from __future__ import annotations
 
@@ -40,6 +41,19 @@ def check_outputs(cfg: TrainConfig, world: World) -> None:
     error = world.comm.bcast(_output_error(cfg) if world.is_root else None, root=0)
     if error:
         raise SystemExitWithMessage(error if world.is_root else None)
+
+
+def batch_size_error(batch_size: int, samples: int, ranks: int, data: str) -> str | None:
+    """The error when each of `ranks` ranks gets fewer than `batch_size` of the data set's
+    `samples` (not one step an epoch), else None; hpcdl.stage's dry run says the same."""
+    per_rank = samples // ranks
+    if batch_size <= per_rank:
+        return None
+    return (
+        f"--batch-size {batch_size} is larger than each rank's shard of {data} "
+        f"({samples} samples / {ranks} ranks = {per_rank}); "
+        f"use a batch size <= {per_rank} or fewer ranks"
+    )
 
 
 def check_stage_dir(cfg: TrainConfig, world: World) -> None:

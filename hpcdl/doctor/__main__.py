@@ -13,6 +13,7 @@ from hpcdl.doctor import probes
 from hpcdl.doctor.findings import ERROR, EXIT_ERRORS, WARNING, merge, rank_ranges
 from hpcdl.doctor.stagedir import check_stage_dir, default_stage_dir, read_mounts
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.units import binary_size
 
 LABELS = {
     "mpi": "MPI",
@@ -95,14 +96,6 @@ def rank_report(world: Any, stage_dir: str | None, args: Any = None) -> dict[str
     }
 
 
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        nbytes /= 1024
-    return ""
-
-
 def describe(name: str, v: dict[str, Any]) -> str:
     """One line for one category of facts."""
     if name == "mpi":
@@ -145,7 +138,7 @@ def describe(name: str, v: dict[str, Any]) -> str:
         local = {"network": "NOT node-local", "memory": "node-local, in RAM", "local": "node-local"}
         return (
             f"{where}: {v['fs_type']} ({v['device']} at {v['mount_point']}), {local[v['kind']]}, "
-            f"{_size(v['free_bytes'])} free of {_size(v['total_bytes'])}, "
+            f"{binary_size(v['free_bytes'])} free of {binary_size(v['total_bytes'])}, "
             f"{'writable' if v['writable'] else 'NOT writable'}"
         )
     if name == "torch_engine":
@@ -185,8 +178,8 @@ def _loader_text(v: dict) -> str:
         where = f" on cores {v['worker_cores']} (the rank's: {v['rank_cores']})"
     return (
         f"{v['workers']} worker(s) per rank{where}, {v['slots']} batch slots ({how}) of "
-        f"{_size(v['slot_bytes'])} (batch {v['batch']} x {'x'.join(map(str, v['shape']))}); "
-        f"{_size(v['shm_free_bytes'])} free in {v['shm_dir']}; --decode gpu on the GPU: "
+        f"{binary_size(v['slot_bytes'])} (batch {v['batch']} x {'x'.join(map(str, v['shape']))}); "
+        f"{binary_size(v['shm_free_bytes'])} free in {v['shm_dir']}; --decode gpu on the GPU: "
         f"{'yes' if v['gpu_decode'] else 'no'} ({v['gpu_decode_reason']})"
     )
 

@@ -3,7 +3,8 @@
 NOTE [stage dir ownership]
 hpcdl deletes only what it created, and reuses only bytes whose identity it knows.
 - A stage dir that is a data root, lies inside one or contains one (after resolving symlinks)
-  is refused before anything is created there.
+  is refused before anything is created there. The root of a tar shard pattern or of one .tar
+  is the directory that holds the shards (data_root).
 - Layout, all created with mode 0700:
     <stage>/<data key>/...            staged copies, one tree per data set root (data_key)
     <stage>/.hpcdl/lock               flock'ed while a job joins or leaves
@@ -64,13 +65,31 @@ class StageDirFull(Exception):
     """The stage dir's file system is full at start: staging is skipped, training reads the PFS."""
 
 
+def data_root(path: str | Path) -> Path:
+    """Where a data path's files are, which a stage dir must keep out of: the directory that
+    holds the shards of a tar pattern (shards-{000..099}.tar) or of one .tar file; any other
+    path (a directory, an HDF5 file) as given."""
+    from hpcdl.data.tarindex import is_brace_pattern, shard_root  # noqa: PLC0415
+
+    p = Path(path)
+    if is_brace_pattern(p):
+        return shard_root(p)
+    if p.is_file():
+        from hpcdl.data.kinds import kind_of  # noqa: PLC0415
+
+        return shard_root(p) if kind_of(p) == "tar" else p
+    return p
+
+
 def check_no_overlap(stage_dir: str | Path, data: Mapping[str, str | Path | None]) -> None:
-    """Refuse a stage dir that is, lies inside or contains a data path (flag name -> path)."""
+    """Refuse a stage dir that is, lies inside or contains a data path's root (flag name ->
+    path; data_root), all symlinks resolved."""
     stage = Path(os.path.realpath(stage_dir))
     for flag, path in data.items():
         if not path:
             continue
-        root = Path(os.path.realpath(path))
+        given = data_root(path)
+        root = Path(os.path.realpath(given))
         if stage == root:
             how = "it is the same directory"
         elif root in stage.parents:
@@ -79,8 +98,11 @@ def check_no_overlap(stage_dir: str | Path, data: Mapping[str, str | Path | None
             how = "it contains the data"
         else:
             continue
+        named = (
+            f"{flag} {path}" if given == Path(path) else f"{given}, the directory of {flag} {path}"
+        )
         raise StageDirError(
-            f"--stage-dir {stage_dir} overlaps {flag} {path} ({how}); staging there could "
+            f"--stage-dir {stage_dir} overlaps {named} ({how}); staging there could "
             "overwrite or delete the data set: choose a node-local directory outside the data, "
             "e.g. $TMPDIR/hpcdl-stage"
         )
