@@ -65,8 +65,13 @@ def export(request: ExportRequest) -> Exported:
     """Write request.out; returns what it holds. ValueError (one line) for bad input."""
     if request.to not in FORMATS:
         raise ValueError(f"--to must be one of {', '.join(FORMATS)}, got {request.to!r}")
-    if not Path(request.out).parent.is_dir():
-        raise ValueError(f"{request.out}: directory {Path(request.out).parent} does not exist")
+    parent = Path(request.out).parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(
+            f"cannot write {request.out}: {parent} is not a directory; give a writable directory"
+        )
+    if not parent.is_dir():
+        raise ValueError(f"{request.out}: directory {parent} does not exist")
     ckpt = checkpoint.load(request.checkpoint)  # CheckpointError is a ValueError
     exported = _export_torch_module(ckpt, request)
     if exported is not None:
