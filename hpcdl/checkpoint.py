@@ -231,6 +231,15 @@ def _optimizer_state(f: h5py.File, path: Path) -> dict[str, np.ndarray]:
     return {key: value[...] for key, value in group.items()}
 
 
+def check_model(ckpt: Checkpoint, path: str | os.PathLike, model: str) -> None:
+    """Raise CheckpointError naming both models when ckpt holds another model than `model`
+    (a name as checkpoints record it: a built-in name, 'module:function', 'torchvision:NAME')."""
+    if ckpt.model != model:
+        raise CheckpointError(
+            f"checkpoint {path} holds model '{ckpt.model}' but this run builds model '{model}'"
+        )
+
+
 def check_compatible(
     ckpt: Checkpoint,
     path: str | os.PathLike,
@@ -240,10 +249,7 @@ def check_compatible(
 ) -> None:
     """Raise CheckpointError naming both models, the first parameter whose shape differs, or
     a parameter vector (or BatchNorm statistics, buffer_values long here) of the wrong length."""
-    if ckpt.model != model:
-        raise CheckpointError(
-            f"checkpoint {path} holds model '{ckpt.model}' but this run builds model '{model}'"
-        )
+    check_model(ckpt, path, model)
     if len(ckpt.layout) != len(layout):
         raise CheckpointError(
             f"checkpoint {path} has {len(ckpt.layout)} parameter arrays, model '{model}' "
