@@ -1,9 +1,9 @@
 """`python -m hpcdl.export --model` naming another model than the checkpoint holds: one line
-that names both, for either engine's checkpoint (tests/test_export_errors.py makes them)."""
+that names both, for either engine's checkpoint (tests/export_checkpoints.py)."""
 
 from __future__ import annotations
 
-from test_export_errors import assert_one_error_line, export, hpcdl_ckpt, torch_ckpt
+from export_checkpoints import assert_one_error_line, export, hpcdl_ckpt, torch_ckpt
 
 __all__ = ["hpcdl_ckpt", "torch_ckpt"]  # the fixtures
 
