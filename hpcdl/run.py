@@ -55,12 +55,14 @@ def own(stack: ExitStack, close: Callable[[], None], abandon: Callable[[], None]
 @dataclass(frozen=True)
 class Position:
     """Where training continues: epoch and step in it (0-based), and the global step; order:
-    how a resumed checkpoint's epoch was being read (None when starting afresh)."""
+    how a resumed checkpoint's epoch was being read (None when starting afresh); run_id: the
+    run the checkpoints continue (hpcdl.checkpoint rotates only its own), None where unused."""
 
     epoch: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
     order: EpochOrder | None = None
+    run_id: str | None = None
 
 
 @dataclass(frozen=True)
