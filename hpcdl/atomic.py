@@ -13,10 +13,14 @@ file under the final name:
 On any error, in the caller's write included, the temporary file is removed and the error
 raised; the target is untouched. Writers: the calibration file, a node's staging plan, the
 status map's first image, the image-folder index, checkpoints, exported weights.
+
+A write that fails is said in one line by its caller: `reason` (the OS's words) and
+`out_of_space` (free space there) or not (choose a writable place: EACCES, EPERM, EROFS, ...).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable
@@ -66,3 +70,14 @@ def write_bytes_atomically(
             f.write(data)
 
     write_atomically(path, write, replace=replace, mode=mode)
+
+
+def reason(exc: OSError) -> str:
+    """Why a write failed, in one line: strerror (h5py's report is many lines around it)."""
+    return os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+
+
+def out_of_space(exc: OSError) -> bool:
+    """The file system is full (or the quota spent): freeing space helps, another place too;
+    any other failure (no permission, read-only, no such place) needs another place."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -3,6 +3,11 @@
 Written atomically: a temporary file in the checkpoint directory, flushed and fsync'ed, then
 renamed over the final name, and the directory fsync'ed. A writer killed at any point leaves
 the previous checkpoints intact and no file a reader would mistake for a checkpoint.
+
+The keep-N rotation deletes only checkpoints of the run that saves: files whose recorded run id
+(`run_id`: made when a run starts afresh, carried over by --resume) is the saver's. Another
+run's checkpoint, one written before run ids were recorded, and a user's file that happens to
+bear a checkpoint's name are never deleted.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcdl.atomic import write_atomically
+from hpcdl.atomic import out_of_space, reason, write_atomically
 from hpcdl.comm.failure import UserError
 
 FORMAT_VERSION = 1
@@ -58,6 +63,8 @@ class Checkpoint:
     # rank, so that a resumed epoch reports the whole epoch's loss and accuracy; None at an
     # epoch's end and in checkpoints written before they were recorded.
     epoch_sums: list[list[float]] | None = None
+    # The run whose checkpoints save() rotates (module notes); None: it rotates nothing.
+    run_id: str | None = None
 
 
 def checkpoint_name(epoch: int, global_step: int) -> str:
@@ -65,9 +72,11 @@ def checkpoint_name(epoch: int, global_step: int) -> str:
 
 
 def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
-    """Write ckpt atomically into directory, keeping the newest `keep`; returns its path.
+    """Write ckpt atomically into directory, keeping the newest `keep` of its run (ckpt.run_id,
+    module notes); returns its path.
 
-    CheckpointWriteError names the file and the OS error (no space, permission)."""
+    CheckpointWriteError names the file, the OS error and what to do (free space, or another
+    directory)."""
     directory = Path(directory)
     final = directory / checkpoint_name(ckpt.epoch, ckpt.global_step)
     try:
@@ -75,17 +84,31 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
         write_atomically(final, lambda tmp: _write_h5(tmp, ckpt))  # hpcdl.atomic
     except OSError as exc:
         raise CheckpointWriteError(
-            f"cannot write checkpoint {final}: {_reason(exc)}; free space in "
-            f"--checkpoint-dir {directory} or choose another one"
+            f"cannot write checkpoint {final}: {reason(exc)}; {what_to_do(exc, directory)}"
         ) from None
-    for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+    if ckpt.run_id:
+        ours = [p for p in list_checkpoints(directory) if recorded(p, "run_id") == ckpt.run_id]
+        for old in ours[:-keep]:
+            old.unlink(missing_ok=True)
     return final
 
 
-def _reason(exc: OSError) -> str:
-    """What went wrong in one line: h5py's strerror is a multi-line report around the errno."""
-    return os.strerror(exc.errno) if exc.errno else str(exc).splitlines()[0]
+def what_to_do(exc: OSError, directory: str | os.PathLike) -> str:
+    """The advice for a write into --checkpoint-dir directory that failed with exc."""
+    if out_of_space(exc):
+        return f"free space in --checkpoint-dir {directory} or choose another one"
+    return "choose a writable --checkpoint-dir"  # EACCES, EPERM, EROFS, not a directory, ...
+
+
+def recorded(path: str | os.PathLike, key: str) -> str | None:
+    """A checkpoint file's attribute `key` as text, without reading its arrays; None when the
+    file has none or is not HDF5 (a user's file named as a checkpoint)."""
+    try:
+        with h5py.File(path, "r") as f:
+            value = f.attrs.get(key)
+    except OSError:
+        return None
+    return None if value is None else str(value)
 
 
 def _write_h5(path: str, ckpt: Checkpoint) -> None:
@@ -106,6 +129,8 @@ def _write_h5(path: str, ckpt: Checkpoint) -> None:
             f.attrs["epoch_order"] = json.dumps(ckpt.epoch_order)
         if ckpt.epoch_sums is not None:
             f.attrs["epoch_sums"] = json.dumps(ckpt.epoch_sums)
+        if ckpt.run_id is not None:
+            f.attrs["run_id"] = ckpt.run_id
         f.create_dataset("params", data=ckpt.params)
         f.create_dataset("buffers", data=ckpt.buffers)
         opt = f.create_group("optimizer")
@@ -169,6 +194,7 @@ def _read(f: h5py.File, path: Path) -> Checkpoint:
         if "epoch_order" in f.attrs
         else None,
         epoch_sums=_attr(f, path, "epoch_sums", _parse_sums) if "epoch_sums" in f.attrs else None,
+        run_id=_attr(f, path, "run_id", str) if "run_id" in f.attrs else None,
     )
     if ckpt.epoch_sums is not None and len(ckpt.epoch_sums) != ckpt.world_size:
         raise CheckpointError(
@@ -251,6 +277,15 @@ def _optimizer_state(f: h5py.File, path: Path) -> dict[str, np.ndarray]:
     return {key: value[...] for key, value in group.items()}
 
 
+def check_model(ckpt: Checkpoint, path: str | os.PathLike, model: str) -> None:
+    """Raise CheckpointError naming both models when ckpt holds another model than `model`
+    (a name as checkpoints record it: a built-in name, 'module:function', 'torchvision:NAME')."""
+    if ckpt.model != model:
+        raise CheckpointError(
+            f"checkpoint {path} holds model '{ckpt.model}' but this run builds model '{model}'"
+        )
+
+
 def check_compatible(
     ckpt: Checkpoint,
     path: str | os.PathLike,
@@ -260,10 +295,7 @@ def check_compatible(
 ) -> None:
     """Raise CheckpointError naming both models, the first parameter whose shape differs, or
     a parameter vector (or BatchNorm statistics, buffer_values long here) of the wrong length."""
-    if ckpt.model != model:
-        raise CheckpointError(
-            f"checkpoint {path} holds model '{ckpt.model}' but this run builds model '{model}'"
-        )
+    check_model(ckpt, path, model)
     if len(ckpt.layout) != len(layout):
         raise CheckpointError(
             f"checkpoint {path} has {len(ckpt.layout)} parameter arrays, model '{model}' "

@@ -34,7 +34,13 @@ from hpcdl.nn.model import Model
 from hpcdl.nn.models import build_model
 from hpcdl.nn.onnx_export import to_onnx
 from hpcdl.nn.summary import parse_shape
-from hpcdl.nn.user_models import call_builder, is_torch_module, is_torchvision, is_user_model
+from hpcdl.nn.user_models import (
+    call_builder,
+    is_torch_module,
+    is_torchvision,
+    is_user_model,
+    model_name,
+)
 from hpcdl.nn.weights_io import optional_import, state_dict, write_new_file, write_state
 
 FORMATS = ("torch", "safetensors", "onnx")
@@ -65,8 +71,13 @@ def export(request: ExportRequest) -> Exported:
     """Write request.out; returns what it holds. ValueError (one line) for bad input."""
     if request.to not in FORMATS:
         raise ValueError(f"--to must be one of {', '.join(FORMATS)}, got {request.to!r}")
-    if not Path(request.out).parent.is_dir():
-        raise ValueError(f"{request.out}: directory {Path(request.out).parent} does not exist")
+    parent = Path(request.out).parent
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(
+            f"cannot write {request.out}: {parent} is not a directory; give a writable directory"
+        )
+    if not parent.is_dir():
+        raise ValueError(f"{request.out}: directory {parent} does not exist")
     ckpt = checkpoint.load(request.checkpoint)  # CheckpointError is a ValueError
     exported = _export_torch_module(ckpt, request)
     if exported is not None:
@@ -113,8 +124,11 @@ def _export_torch_module(ckpt: checkpoint.Checkpoint, request: ExportRequest) ->
 def model_of(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Model:
     """The checkpoint's model, rebuilt and loaded with its parameters and statistics."""
     spec = request.model or ckpt.config.get("model") or ckpt.model
-    if not is_user_model(spec):
-        spec = ckpt.model
+    # Another model than the checkpoint's (a torch module's checkpoint, --model mlp) is said as
+    # such, before its arrays are read as this model's.
+    checkpoint.check_model(
+        ckpt, request.checkpoint, model_name(spec) if is_user_model(spec) else spec
+    )
     shape = request.input_shape or _input_shape(ckpt, request.checkpoint)
     head, head_shape = ckpt.layout[0]  # offset 0: the last layer's first array
     if not head.endswith(".b") or len(head_shape) != 1:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -98,10 +99,14 @@ def restore(
         except checkpoint.CheckpointError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
+    if ckpt is None or not ckpt.run_id:  # afresh, or a checkpoint written before run ids
+        run_id = world.comm.bcast(uuid.uuid4().hex[:16] if world.is_root else None, root=0)
+    else:
+        run_id = ckpt.run_id
     if ckpt is None:
-        return Position()
+        return Position(run_id=run_id)
     sums = _epoch_sums(ckpt, world)
-    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step, order, sums)
+    return Position(ckpt.epoch, ckpt.step_in_epoch, ckpt.global_step, order, sums, run_id)
 
 
 def _epoch_sums(ckpt: checkpoint.Checkpoint, world: World) -> tuple[float, ...]:
@@ -254,6 +259,7 @@ def save(run: Run, at: Position, epoch_stats: Any = None) -> Path | None:
             loss_scale=scaler.state_dict() if scaler else None,
             epoch_order=run.epoch_order(at).to_json(),
             epoch_sums=epoch_sums,
+            run_id=run.start.run_id,
         )
         path = checkpoint.save(cfg.checkpoint_dir, ckpt)
     return world.comm.bcast(path, root=0)

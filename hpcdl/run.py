@@ -55,7 +55,8 @@ def own(stack: ExitStack, close: Callable[[], None], abandon: Callable[[], None]
 @dataclass(frozen=True)
 class Position:
     """Where training continues: epoch and step in it (0-based), and the global step; order:
-    how a resumed checkpoint's epoch was being read (None when starting afresh)."""
+    how a resumed checkpoint's epoch was being read (None when starting afresh); run_id: the
+    run the checkpoints continue (hpcdl.checkpoint rotates only its own), None where unused."""
 
     epoch: int = 0
     step_in_epoch: int = 0
@@ -64,6 +65,7 @@ class Position:
     # this rank's sums of the epoch so far (steps, samples, loss sum, correct): a mid-epoch
     # checkpoint's, so that the resumed epoch's figures are the whole epoch's; () from 0
     epoch_sums: tuple[float, ...] = ()
+    run_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,24 @@
 """The start-up's agreements before anything is built: the outputs can be written, the stage
 dir is allowed, a rank's share of the data holds a batch, and every rank runs the same model
 and configuration. Each is checked where it can be (rank 0 for the outputs, every rank for the
-rest) and ends every rank with one line."""
+rest) and ends every rank with one line.
+
+--checkpoint-dir is rank 0's (the only writer): probed by creating it as checkpoint.save would
+and a file in it, both removed again, so a directory that cannot take checkpoints stops the run
+before it trains and a start-up that stops later leaves nothing. A fresh run (--resume none)
+into one that holds checkpoints is refused: its checkpoints would replace the earlier run's of
+the same names."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
+from hpcdl import checkpoint
+from hpcdl.atomic import reason
 from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
@@ -34,10 +43,11 @@ def verify_same_run(world: World, cfg: TrainConfig, layout: list) -> None:
 
 
 def check_outputs(cfg: TrainConfig, world: World) -> None:
-    """--metrics must be a file rank 0 can create or append to, --checkpoint-dir a directory.
+    """--metrics must be a file rank 0 can create or append to, --checkpoint-dir a directory it
+    can write checkpoints into, empty of checkpoints unless the run resumes.
 
-    Checked on rank 0 (the only writer) without creating anything; every rank stops on an
-    error, rank 0 prints it."""
+    Checked on rank 0 (the only writer), leaving nothing behind (module notes); every rank
+    stops on an error, rank 0 prints it."""
     error = world.comm.bcast(_output_error(cfg) if world.is_root else None, root=0)
     if error:
         raise SystemExitWithMessage(error if world.is_root else None)
@@ -86,7 +96,48 @@ def _output_error(cfg: TrainConfig) -> str | None:
         if not os.access(target, os.W_OK):
             return f"--metrics {metrics} cannot be written: no write permission on {target}"
     if cfg.checkpoint_dir:
-        ckpt_dir = Path(cfg.checkpoint_dir)
-        if ckpt_dir.exists() and not ckpt_dir.is_dir():
-            return f"--checkpoint-dir {ckpt_dir} is a file; give a directory (created if missing)"
+        return _checkpoint_dir_error(Path(cfg.checkpoint_dir), cfg.resume)
+    return None
+
+
+def _checkpoint_dir_error(ckpt_dir: Path, resume: str) -> str | None:
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        return f"--checkpoint-dir {ckpt_dir} is a file; give a directory (created if missing)"
+    newest = checkpoint.latest(ckpt_dir)
+    if newest is not None and resume == "none":
+        model = checkpoint.recorded(newest, "model")
+        what = f"model '{model}'" if model else "not readable as a checkpoint"
+        return (
+            f"--checkpoint-dir {ckpt_dir} holds checkpoints of an earlier run (newest "
+            f"{newest.name}, {what}); add --resume auto to continue it, or give an empty "
+            "--checkpoint-dir to start over"
+        )
+    missing = not ckpt_dir.exists()
+    failed = _probe(ckpt_dir)
+    if failed is None:
+        return None
+    return (
+        f"--checkpoint-dir {ckpt_dir} cannot be {'created' if missing else 'written'}: "
+        f"{reason(failed)}; {checkpoint.what_to_do(failed, ckpt_dir)}"
+    )
+
+
+def _probe(directory: Path) -> OSError | None:
+    """Create directory as checkpoint.save would and a file in it, then remove the file and the
+    directories it made (save makes them again), so a start-up that stops later leaves nothing;
+    the OSError of the first step that failed, or None."""
+    made = [d for d in (directory, *directory.parents) if not d.exists()]  # deepest first
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".hpcdl-probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc
+    finally:
+        for d in made:
+            try:
+                d.rmdir()  # only an empty directory: never anything another process put there
+            except OSError:
+                pass
     return None

@@ -11,7 +11,7 @@ import pytest
 from hpcdl import checkpoint
 
 
-def make(model="cnn", epoch=1, step=0, gstep=10, n=1000):
+def make(model="cnn", epoch=1, step=0, gstep=10, n=1000, run_id="run-a"):
     rng = np.random.default_rng(gstep)
     return checkpoint.Checkpoint(
         model=model,
@@ -25,6 +25,7 @@ def make(model="cnn", epoch=1, step=0, gstep=10, n=1000):
         rng_states=[{"state": 1}, {"state": 2}],
         config={"lr": 0.1},
         world_size=2,
+        run_id=run_id,
     )
 
 

@@ -206,7 +206,9 @@ def test_checkpoint_disk_full_mid_run_is_one_line_from_rank_0(digits_dir, tiny_f
     args = ["--data", digits_dir / "train", *COMMON, "--epochs", 2]
     proc = tiny_fs(full, train_cmd(2, *args, "--checkpoint-dir", full / "ckpt"))
     assert_rank_0_line_and_stopped_line(
-        proc, f"cannot write checkpoint {full / 'ckpt'}/ckpt-e", "No space left on device"
+        proc,
+        f"cannot write checkpoint {full / 'ckpt'}/ckpt-e",
+        f"No space left on device; free space in --checkpoint-dir {full / 'ckpt'} or choose",
     )
     left = [p.name for p in Path(f"{full}.after/ckpt").iterdir()]
     assert left in ([], ["flight"]), left  # no temporary file left behind; flight: hpcdl.diag

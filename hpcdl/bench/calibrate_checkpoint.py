@@ -45,7 +45,7 @@ def measure_checkpoint(engine: Any, batch: tuple, directory: Path) -> tuple[floa
                 buffers=to_host(net.buffers).copy(),
                 optimizer={key: to_host(v) for key, v in engine.optimizer.state_dict().items()},
                 epoch=k + 1, step_in_epoch=0, global_step=k + 1,
-                rng_states=[net.get_rng_state()], config={}, world_size=1,
+                rng_states=[net.get_rng_state()], config={}, world_size=1, run_id="calibrate",
             )  # fmt: skip
             began = time.perf_counter()
             path = checkpoint.save(where, ckpt)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.atomic import write_atomically
+from hpcdl.atomic import out_of_space, reason, write_atomically
 from hpcdl.backend import array_module, to_host
 from hpcdl.nn.model import Model, leaf_names
 from hpcdl.nn.pth import PthError, read_pth, write_pth
@@ -127,7 +127,8 @@ def write_state(state: dict[str, np.ndarray], path: str | os.PathLike, to: str) 
 
 def write_new_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """write(tmp_path) into a temporary file beside path, then publish it as path atomically;
-    ValueError (one line) when path exists: a user's file is never replaced."""
+    ValueError (one line) when path exists (a user's file is never replaced) or cannot be
+    written (no temporary file is left)."""
     path = Path(path)
     if path.exists():
         raise ValueError(f"{path} exists; give a new file name (hpcdl never replaces a file)")
@@ -135,6 +136,11 @@ def write_new_file(path: str | os.PathLike, write: Callable[[str], None]) -> Non
         write_atomically(path, write, replace=False)  # published by a link: never replaces
     except FileExistsError:  # path appeared meanwhile
         raise ValueError(f"{path} exists; give a new file name") from None
+    except OSError as exc:
+        todo = "free space there or give another directory" if out_of_space(exc) else ""
+        raise ValueError(
+            f"cannot write {path}: {reason(exc)}; {todo or 'give a writable directory'}"
+        ) from None
 
 
 def _read_torch(path: Path) -> dict[str, np.ndarray]:
