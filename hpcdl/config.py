@@ -527,6 +527,10 @@ def _validate_models_io(cfg: TrainConfig) -> None:
     from hpcdl.nn.weights_io import WEIGHT_SUFFIXES  # noqa: PLC0415
 
     if cfg.init_from is not None:
+        if Path(cfg.init_from).is_dir():
+            raise ConfigError(
+                f"--init-from {cfg.init_from} is a directory; give a weights file in it"
+            )
         if not Path(cfg.init_from).is_file():
             raise ConfigError(f"--init-from {cfg.init_from}: no such file")
         if Path(cfg.init_from).suffix not in WEIGHT_SUFFIXES:

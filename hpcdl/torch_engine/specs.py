@@ -77,11 +77,19 @@ def load_state_dict(module: Any, state: dict[str, np.ndarray], source: str) -> l
             f"unexpected {_some(unexpected)}" if unexpected else "",
             ", ".join(f"{k} is {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the "
                       "model" for k in wrong[:3]),
+            _not_a_linear_head(module, wrong),
         ]  # fmt: skip
         raise ValueError(
             f"--init-from {source} does not fit --model's state dict: "
             f"{'; '.join(p for p in parts if p)}; give the weights of this model"
         )
+    for key in own:
+        value = np.asarray(state[key])
+        if key not in fresh and value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise ValueError(
+                f"--init-from {source}: {key} holds NaN or infinite values; give finite "
+                "weights (those of a run before it diverged)"
+            )
     with torch.no_grad():
         for key, tensor in own.items():
             if key not in fresh:
@@ -102,6 +110,20 @@ def _head_keys(module: Any) -> set[str]:
         return set()
     prefix = f"{linears[-1]}." if linears[-1] else ""
     return {f"{prefix}weight", f"{prefix}bias"}
+
+
+def _not_a_linear_head(module: Any, keys: list[str]) -> str:
+    """The reason a class-count change in the last layer with parameters is not re-initialised
+    there (a Conv2d head, as squeezenet's), if keys reach into that layer; else ''."""
+    last = [name for name, m in module.named_modules() if list(m.parameters(recurse=False))][-1:]
+    head = [k for k in keys if last and k.rpartition(".")[0] == last[0]]
+    if not head or isinstance(module.get_submodule(last[0]), torch.nn.Linear):
+        return ""
+    kind = type(module.get_submodule(last[0])).__name__
+    return (
+        f"{last[0] or 'the module'} is a {kind}: only a final nn.Linear of another class count "
+        "is re-initialised"
+    )
 
 
 def _some(keys: list[str]) -> str:
