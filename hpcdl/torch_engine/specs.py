@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,10 @@ def refused(cfg: TrainConfig) -> str | None:
 
 
 def torchvision_model(cfg: TrainConfig, num_classes: int) -> Any:
-    """torchvision.models' builder NAME of `--model torchvision:NAME`, for num_classes."""
+    """torchvision.models' image classifier NAME of `--model torchvision:NAME`, for
+    num_classes, with fresh weights (never downloaded); ValueError of one line for a name
+    torchvision lacks or one of its other kinds of model (detection, segmentation, video,
+    optical flow, quantized)."""
     name = cfg.model[len(TORCHVISION) :]
     try:
         import torchvision  # noqa: PLC0415
@@ -43,14 +47,26 @@ def torchvision_model(cfg: TrainConfig, num_classes: int) -> Any:
             f"--model {cfg.model} needs torchvision, which is not installed: pip install "
             "torchvision (the build that matches your torch)"
         ) from None
-    try:
-        builder = torchvision.models.get_model_builder(name)
-    except ValueError:
+    models = torchvision.models
+    if name not in models.list_models():
         raise ValueError(
             f"--model {cfg.model}: torchvision.models has no model {name!r}; see "
-            "torchvision.models.list_models()"
-        ) from None
-    return builder(weights=None, num_classes=num_classes)
+            "torchvision.models.list_models(module=torchvision.models)"
+        )
+    if name not in models.list_models(module=models):  # detection, segmentation, video, ...
+        raise ValueError(
+            f"--model {cfg.model} is not an image classifier; hpcdl.train trains those of "
+            "torchvision.models.list_models(module=torchvision.models), or train it with your "
+            "own script and hpcdl.torch (docs/torch.md)"
+        )
+    builder = models.get_model_builder(name)
+    # nothing is downloaded: no weights (--init-from gives them), no backbone's either
+    extra = {"weights_backbone": None} if "weights_backbone" in _parameters(builder) else {}
+    return builder(weights=None, num_classes=num_classes, **extra)
+
+
+def _parameters(builder: Any) -> set[str]:
+    return set(inspect.signature(builder).parameters)
 
 
 def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
