@@ -163,7 +163,7 @@ _HELP = {
     "val_data": "validation data (same kinds as --data) (default: none, no validation)",
     "model": f"{', '.join(MODELS)}, or your own: package.module:function or "
     "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md) or a torch.nn.Module, "
-    "or torchvision:NAME (docs/torch.md)",
+    "or torchvision:NAME, one of torchvision's image classifiers (docs/torch.md)",
     "epochs": "passes over the training data",
     "batch_size": "minibatch size per rank, in samples (global batch = ranks x this)",
     "lr": "base learning rate (before --lr-scaling)",
