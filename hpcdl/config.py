@@ -164,7 +164,7 @@ _HELP = {
     "val_data": "validation data (same kinds as --data) (default: none, no validation)",
     "model": f"{', '.join(MODELS)}, or your own: package.module:function or "
     "path/to/file.py:function returning an hpcdl.nn.Model (docs/nn.md) or a torch.nn.Module, "
-    "or torchvision:NAME (docs/torch.md)",
+    "or torchvision:NAME, one of torchvision's image classifiers (docs/torch.md)",
     "epochs": "passes over the training data",
     "batch_size": "minibatch size per rank, in samples (global batch = ranks x this)",
     "lr": "base learning rate (before --lr-scaling)",
@@ -548,6 +548,10 @@ def _validate_models_io(cfg: TrainConfig) -> None:
     from hpcdl.nn.weights_io import WEIGHT_SUFFIXES  # noqa: PLC0415
 
     if cfg.init_from is not None:
+        if Path(cfg.init_from).is_dir():
+            raise ConfigError(
+                f"--init-from {cfg.init_from} is a directory; give a weights file in it"
+            )
         if not Path(cfg.init_from).is_file():
             raise ConfigError(f"--init-from {cfg.init_from}: no such file")
         if Path(cfg.init_from).suffix not in WEIGHT_SUFFIXES:

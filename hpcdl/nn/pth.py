@@ -12,7 +12,9 @@ through a framework. The format (torch.save since PyTorch 1.6, "version 3"):
 Reading is restricted as `torch.load(weights_only=True)` is: besides plain containers and
 numbers, the pickle may name only tensors, storages, parameters and OrderedDict; anything else
 refuses the file (PthError, one line), so a file never runs code. PyTorch's older format (before
-1.6, not a zip) is refused with a line saying how to re-save it.
+1.6, a pickle that starts with torch's magic number) is refused with a line saying how to
+re-save it; a file cut short or damaged, an empty one and anything else each get their own
+line, and a tensor is never read past the end of its record.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ STORAGE_DTYPES = {
 }
 STORAGE_OF = {np.dtype(v): k for k, v in STORAGE_DTYPES.items() if k != "BFloat16Storage"}
 ARCHIVE = "archive"  # the top directory torch.save uses when it writes to a stream
+ZIP_MAGIC = b"PK\x03\x04"  # a zip's first local header
+# torch.save before 1.6: PROTO n, then the magic number 0x1950a86a20f9469cfc6c as LONG1
+LEGACY_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[2:-1]
 
 
 class PthError(ValueError):
@@ -58,6 +63,12 @@ class _Storage:
 def _rebuild_tensor(storage, offset, size, stride, requires_grad=False, hooks=None, meta=None):
     """The array a tensor views: `size` elements at `stride` from `offset` in the storage."""
     itemsize = storage.dtype.itemsize
+    extent = 0 if 0 in size else offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+    if offset < 0 or min(stride, default=0) < 0 or extent > storage.size:
+        raise pickle.UnpicklingError(
+            f"a tensor of shape {tuple(size)} needs {extent * itemsize} bytes of its storage "
+            f"record, which has {storage.size * itemsize}: the file is truncated or damaged"
+        )
     view = np.lib.stride_tricks.as_strided(
         storage[offset:], shape=tuple(size), strides=tuple(s * itemsize for s in stride)
     )
@@ -111,10 +122,7 @@ def read_pth(path: str | os.PathLike) -> Any:
     try:
         archive = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
-        raise PthError(
-            "not a zip: PyTorch's format before 1.6 is not read; re-save it with "
-            "torch.save(torch.load(f), f) under PyTorch 1.6 or later"
-        ) from None
+        raise _not_a_zip(path) from None
     with archive:
         pickles = [n for n in archive.namelist() if n.rpartition("/")[2] == "data.pkl"]
         if len(pickles) != 1:
@@ -126,8 +134,33 @@ def read_pth(path: str | os.PathLike) -> Any:
             order = archive.read(prefix + "byteorder").decode().strip()
         try:
             return _Unpickler(archive.read(pickles[0]), archive, prefix, order).load()
+        except zipfile.BadZipFile as exc:  # a record's checksum or header
+            raise PthError(f"a damaged zip ({exc}): copy or save the file again") from None
         except (pickle.UnpicklingError, KeyError, ValueError, TypeError, EOFError) as exc:
             raise PthError(str(exc).strip("'\"").splitlines()[0] or type(exc).__name__) from None
+
+
+def _not_a_zip(path: str | os.PathLike) -> PthError:
+    """Why a file zipfile cannot open is no state dict: empty, cut short, PyTorch's format
+    before 1.6 (its pickle starts with torch's magic number), or something else."""
+    with open(path, "rb") as f:
+        head = f.read(len(LEGACY_MAGIC) + 2)
+    if not head:
+        return PthError("an empty file; save the state dict again")
+    if head.startswith(ZIP_MAGIC):
+        return PthError(
+            "truncated or damaged: a zip without its directory at the end (a save or a copy "
+            "cut short); copy or save the file again"
+        )
+    if head[:1] == b"\x80" and head[2:] == LEGACY_MAGIC:
+        return PthError(
+            "PyTorch's format before 1.6 is not read; re-save it with "
+            "torch.save(torch.load(f), f) under PyTorch 1.6 or later"
+        )
+    return PthError(
+        "not a PyTorch file (torch.save writes a zip; this is none, nor PyTorch's older "
+        "pickle); give a state dict saved by torch.save"
+    )
 
 
 def write_pth(state: dict[str, np.ndarray], path: str | os.PathLike) -> None:

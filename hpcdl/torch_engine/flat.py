@@ -11,7 +11,9 @@ import torch
 from hpcdl.config import TrainConfig
 from hpcdl.nn.model import FLAG_OVERFLOW
 from hpcdl.nn.user_models import model_name
+from hpcdl.torch_engine import probe
 from hpcdl.torch_engine.device import as_array
+from hpcdl.torch_engine.sync_batch_norm import SyncBatchNorm
 
 CPU = torch.device("cpu")
 
@@ -29,6 +31,7 @@ class FlatModule:
         num_classes: int,
         where: torch.device = CPU,
     ) -> None:
+        probe.check_parameters(cfg.model, module)  # before .to(): a meta tensor cannot move
         if where.type != "cpu":  # before the views: .to() would give the tensors new memory
             module.to(where)
         self.module = module.train()
@@ -63,7 +66,9 @@ class FlatModule:
         for (_, p), lo, hi in zip(named, self.offsets, self.offsets[1:]):
             p.grad = self.grads_and_flags[lo:hi].view(p.shape)
         self._ready = _ReadyPrefix([p for _, p in named], self.offsets)
-        _check_output(cfg.model, module, input_shape, num_classes, where)
+        probe.check_output(
+            cfg.model, module, input_shape, num_classes, where, _probe_samples(cfg, module)
+        )
 
     def layout(self) -> list[tuple[str, tuple[int, ...], int]]:
         """(name, shape, offset in params) of every parameter, in the vector's order."""
@@ -138,25 +143,8 @@ def _flatten(tensors: list[Any], offsets: list[int], where: torch.device) -> Any
     return flat
 
 
-def _check_output(
-    spec: str, module: Any, input_shape: tuple[int, ...], num_classes: int, where: torch.device
-) -> None:
-    """One zero sample forward (eval mode, no gradient): logits of (num_classes,) per sample."""
-    module.eval()
-    try:
-        with torch.no_grad():
-            out = module(torch.zeros((1, *input_shape), dtype=torch.float32, device=where))
-    except Exception as exc:  # the user's module: one line, whatever it raised
-        text = str(exc).strip().splitlines()
-        raise ValueError(
-            f"--model {spec}: one sample of shape {tuple(input_shape)} through the module "
-            f"raised {type(exc).__name__}: {text[0] if text else ''}"
-        ) from None
-    finally:
-        module.train()
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, num_classes):
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(
-            f"--model {spec}: for input {tuple(input_shape)} the module returns {got} per "
-            f"batch of 1, not (1, {num_classes}) logits; end it with {num_classes} outputs"
-        )
+def _probe_samples(cfg: TrainConfig, module: Any) -> int:
+    """The training-mode probe's batch: a rank's, up to 2; 2 where SyncBatchNorm normalises
+    over several ranks (the probe's over this one alone)."""
+    synced = any(isinstance(m, SyncBatchNorm) and m.reducer is not None for m in module.modules())
+    return 2 if synced else min(cfg.batch_size, 2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,10 @@ def refused(cfg: TrainConfig) -> str | None:
 
 
 def torchvision_model(cfg: TrainConfig, num_classes: int) -> Any:
-    """torchvision.models' builder NAME of `--model torchvision:NAME`, for num_classes."""
+    """torchvision.models' image classifier NAME of `--model torchvision:NAME`, for
+    num_classes, with fresh weights (never downloaded); ValueError of one line for a name
+    torchvision lacks or one of its other kinds of model (detection, segmentation, video,
+    optical flow, quantized)."""
     name = cfg.model[len(TORCHVISION) :]
     try:
         import torchvision  # noqa: PLC0415
@@ -43,14 +47,26 @@ def torchvision_model(cfg: TrainConfig, num_classes: int) -> Any:
             f"--model {cfg.model} needs torchvision, which is not installed: pip install "
             "torchvision (the build that matches your torch)"
         ) from None
-    try:
-        builder = torchvision.models.get_model_builder(name)
-    except ValueError:
+    models = torchvision.models
+    if name not in models.list_models():
         raise ValueError(
             f"--model {cfg.model}: torchvision.models has no model {name!r}; see "
-            "torchvision.models.list_models()"
-        ) from None
-    return builder(weights=None, num_classes=num_classes)
+            "torchvision.models.list_models(module=torchvision.models)"
+        )
+    if name not in models.list_models(module=models):  # detection, segmentation, video, ...
+        raise ValueError(
+            f"--model {cfg.model} is not an image classifier; hpcdl.train trains those of "
+            "torchvision.models.list_models(module=torchvision.models), or train it with your "
+            "own script and hpcdl.torch (docs/torch.md)"
+        )
+    builder = models.get_model_builder(name)
+    # nothing is downloaded: no weights (--init-from gives them), no backbone's either
+    extra = {"weights_backbone": None} if "weights_backbone" in _parameters(builder) else {}
+    return builder(weights=None, num_classes=num_classes, **extra)
+
+
+def _parameters(builder: Any) -> set[str]:
+    return set(inspect.signature(builder).parameters)
 
 
 def init_from(cfg: TrainConfig, world: World, model: Any) -> None:
@@ -77,11 +93,19 @@ def load_state_dict(module: Any, state: dict[str, np.ndarray], source: str) -> l
             f"unexpected {_some(unexpected)}" if unexpected else "",
             ", ".join(f"{k} is {tuple(state[k].shape)} in the file, {tuple(own[k].shape)} in the "
                       "model" for k in wrong[:3]),
+            _not_a_linear_head(module, wrong),
         ]  # fmt: skip
         raise ValueError(
             f"--init-from {source} does not fit --model's state dict: "
             f"{'; '.join(p for p in parts if p)}; give the weights of this model"
         )
+    for key in own:
+        value = np.asarray(state[key])
+        if key not in fresh and value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise ValueError(
+                f"--init-from {source}: {key} holds NaN or infinite values; give finite "
+                "weights (those of a run before it diverged)"
+            )
     with torch.no_grad():
         for key, tensor in own.items():
             if key not in fresh:
@@ -102,6 +126,20 @@ def _head_keys(module: Any) -> set[str]:
         return set()
     prefix = f"{linears[-1]}." if linears[-1] else ""
     return {f"{prefix}weight", f"{prefix}bias"}
+
+
+def _not_a_linear_head(module: Any, keys: list[str]) -> str:
+    """The reason a class-count change in the last layer with parameters is not re-initialised
+    there (a Conv2d head, as squeezenet's), if keys reach into that layer; else ''."""
+    last = [name for name, m in module.named_modules() if list(m.parameters(recurse=False))][-1:]
+    head = [k for k in keys if last and k.rpartition(".")[0] == last[0]]
+    if not head or isinstance(module.get_submodule(last[0]), torch.nn.Linear):
+        return ""
+    kind = type(module.get_submodule(last[0])).__name__
+    return (
+        f"{last[0] or 'the module'} is a {kind}: only a final nn.Linear of another class count "
+        "is re-initialised"
+    )
 
 
 def _some(keys: list[str]) -> str:

@@ -1,0 +1,82 @@
+"""`--model torchvision:NAME` takes torchvision's image classifiers only, builds them without
+downloading anything, and its start-up probe says in one line what only training mode shows.
+Marked `torchvision`: scripts/torchvision-tests.sh runs them where torchvision sits beside
+torch."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import make_folder, mpi_env, run_train
+
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+
+pytestmark = pytest.mark.torchvision
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """48 20x20 JPEGs in 3 classes."""
+    root = tmp_path_factory.mktemp("tv") / "imgs"
+    make_folder(root, per_class=16, size=(20, 20), classes=("cat", "dog", "fox"), fmt="jpg")
+    return root
+
+
+def train(folder: Path, name: str, *more, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = mpi_env()
+    if home is not None:  # where torch.hub would download to: ~/.cache/torch
+        env = {**env, "HOME": str(home)}
+        env.pop("TORCH_HOME", None)
+        env.pop("XDG_CACHE_HOME", None)
+    return run_train(1, "--data", folder, "--model", f"torchvision:{name}", "--epochs", 1,
+                     "--max-steps", 1, "--workers", 0, "--progress", "none", *more, env=env,
+                     timeout=300)  # fmt: skip
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "name", ["fasterrcnn_resnet50_fpn", "lraspp_mobilenet_v3_large", "raft_small", "r3d_18"]
+)
+def test_builders_that_are_not_image_classifiers_are_refused_without_a_download(
+    folder, tmp_path, name
+):
+    home = tmp_path / "home"
+    home.mkdir()
+    line = one_line_error(train(folder, name, home=home))
+    assert f"--model torchvision:{name} is not an image classifier" in line, line
+    assert not (home / ".cache" / "torch").exists()  # nothing downloaded
+
+
+def test_googlenets_auxiliary_outputs_in_training_are_one_line(folder):
+    line = one_line_error(train(folder, "googlenet"))
+    assert (
+        "--model torchvision:googlenet: the module returns GoogLeNetOutputs in training mode, "
+        "not a logits tensor"
+    ) in line, line
+    assert "aux_logits=False" in line
+
+
+def test_batch_norm_with_one_sample_per_rank_is_one_line(folder):
+    line = one_line_error(train(folder, "resnet18", "--batch-size", 1))
+    assert (
+        "--model torchvision:resnet18: BatchNorm needs more than 1 sample per rank in training: "
+        "raise --batch-size"
+    ) in line, line
+
+
+def test_squeezenets_convolution_head_says_only_linear_heads_are_re_initialised(folder, tmp_path):
+    torch.save(torchvision.models.squeezenet1_1().state_dict(), tmp_path / "squeezenet.pth")
+    line = one_line_error(train(folder, "squeezenet1_1", "--init-from",
+                                tmp_path / "squeezenet.pth"))  # fmt: skip
+    assert "classifier.1.weight is (1000, 512, 1, 1) in the file, (3, 512, 1, 1)" in line, line
+    assert "classifier.1 is a Conv2d: only a final nn.Linear of another class count" in line
