@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -180,6 +181,28 @@ def own_lines(output: str) -> list[str]:
         elif line.strip() and not framed and not re.match(r"\[[^\]]*\] PMIX ERROR: ", line):
             lines.append(line)
     return lines
+
+
+def one_line_error(done: subprocess.CompletedProcess, status: int | None = 2) -> str:
+    """The one `error:` line a command that refused its input printed, no traceback; status:
+    the exit status it must have (None: any but 0)."""
+    if status is None:
+        assert done.returncode != 0, done.stdout
+    else:
+        assert done.returncode == status, (done.returncode, done.stderr[-3000:])
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+def folder_job(root: Path, models: str) -> Path:
+    """root with imgs/, 48 20x20 JPEGs in 3 classes, and models.py (models: its source) beside
+    it: a user's torch.nn.Module file and the data it trains on."""
+    make_folder(root / "imgs", per_class=16, size=(20, 20), classes=("cat", "dog", "fox"),
+                fmt="jpg")  # fmt: skip
+    (root / "models.py").write_text(textwrap.dedent(models))
+    return root
 
 
 def job_pids(marker: str) -> list[int]:

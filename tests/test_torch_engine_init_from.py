@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import make_folder, run_train
+from helpers import folder_job, one_line_error, run_train
 
 torch = pytest.importorskip("torch")
 
@@ -31,25 +31,13 @@ def linear_head(shape, k):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     """A folder of 48 20x20 JPEGs in 3 classes, and models.py beside it."""
-    root = tmp_path_factory.mktemp("init_from")
-    make_folder(root / "imgs", per_class=16, size=(20, 20), classes=("cat", "dog", "fox"),
-                fmt="jpg")  # fmt: skip
-    (root / "models.py").write_text(textwrap.dedent(MODELS))
-    return root
+    return folder_job(tmp_path_factory.mktemp("init_from"), MODELS)
 
 
 def train(job: Path, fn: str, weights: Path) -> subprocess.CompletedProcess:
     return run_train(1, "--data", job / "imgs", "--model", f"{job / 'models.py'}:{fn}",
                      "--init-from", weights, "--epochs", 1, "--max-steps", 1, "--workers", 0,
                      "--progress", "none", timeout=180)  # fmt: skip
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    assert "Traceback" not in done.stderr, done.stderr
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, done.stderr
-    return errors[0]
 
 
 def state_of(fn: str, classes: int) -> dict:

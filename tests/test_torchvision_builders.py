@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import make_folder, mpi_env, run_train
+from helpers import make_folder, mpi_env, one_line_error, run_train
 
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")
@@ -34,14 +34,6 @@ def train(folder: Path, name: str, *more, home: Path | None = None) -> subproces
     return run_train(1, "--data", folder, "--model", f"torchvision:{name}", "--epochs", 1,
                      "--max-steps", 1, "--workers", 0, "--progress", "none", *more, env=env,
                      timeout=300)  # fmt: skip
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    assert "Traceback" not in done.stderr, done.stderr
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, done.stderr
-    return errors[0]
 
 
 @pytest.mark.parametrize(
