@@ -183,6 +183,9 @@ def test_only_dead_conversions_directories_on_this_host_are_removed(sources, tmp
         (out / f".hpcdl-convert-{dead}-old").mkdir()
         (out / ".hpcdl-convert-12ab").mkdir()
         (out / ".hpcdl-convert-999999999").write_text("a file, not a directory")
+        unproven = out / f".hpcdl-convert-{dead + 2}"  # the name, but not hpcdl's host file
+        unproven.mkdir()
+        (unproven / "data").write_text("mine too")
         before = sorted(out.rglob("*"))
         assert main(convert_args(sources, ("folder", "--encoded"), out)) == 0
         err = capsys.readouterr().err
@@ -190,8 +193,9 @@ def test_only_dead_conversions_directories_on_this_host_are_removed(sources, tmp
             before + [out / "train"] + list((out / "train").iterdir())
         )
         assert (tmp_path / "mine" / "data").read_text() == "mine"
-        assert "removed" not in err and err.count("\n") == 1, err
+        assert "removed" not in err and err.count("\n") == 2, err
         assert f"{elsewhere}" in err and "node-elsewhere" in err
+        assert f"{unproven}/ holds no {HOST_FILE}" in err
         assert running.poll() is None and live_dir.is_dir()
     finally:
         killed(running)

@@ -16,7 +16,9 @@ A conversion killed by SIGKILL (or on a node that went down) cannot remove its d
 next conversion into OUT removes each OUT/.hpcdl-convert-<pid>/ (that name exactly, a real
 directory) whose process no longer runs, and says so in one line. The directory holds the name
 of the host that made it (HOST_FILE, never moved into OUT): on a shared file system a pid means
-nothing on another node, so one made elsewhere is kept, with a one-line note.
+nothing on another node, so one made elsewhere is kept, with a one-line note; one without the
+file is not provably hpcdl's (a conversion killed as it began, an older hpcdl's, a user's
+directory of that name) and is kept too, with a note.
 """
 
 from __future__ import annotations
@@ -106,7 +108,15 @@ def remove_leftovers(out: Path) -> None:
         if match is None or not entry.is_dir(follow_symlinks=False):
             continue
         pid, path = int(match.group(1)), Path(entry.path)
-        host = _host_of(path) or here  # none: killed before writing it, or an older hpcdl
+        host = _host_of(path)
+        if host is None:  # not provably a conversion's: hpcdl deletes only what it made
+            print(
+                f"hpcdl.data: note: {path}/ holds no {HOST_FILE} (a conversion killed as it "
+                "began, an older hpcdl's, or not hpcdl's at all), so it is left as it is; "
+                "remove it by hand if it is a conversion's leftover",
+                file=sys.stderr,
+            )
+            continue
         if host != here:
             print(
                 f"hpcdl.data: note: {path}/ was left by process {pid} on {host}, which cannot "
