@@ -441,6 +441,9 @@ def stage_only(args: argparse.Namespace) -> int:
         raise UsageError(f"--node {node} outside 0..{nodes - 1}")
     layout = gathered or rank_layout([per] * nodes, args.placement)
     ds = open_data(args, samples=False)  # the copy opens each file once; the index would too
+    error = batch_size_error(int(args.batch_size), len(ds), sum(map(len, layout)), args.data)
+    if error:  # no step an epoch: the plan would be empty and the run would stage nothing
+        raise UsageError(error)
     args.stage_cores = whole_node()  # not the one core mpirun bound this rank to
     args.threads_why = choose_threads(args, ds.root)
     check_no_overlap(args.stage_dir, {"--data": args.data})

@@ -122,7 +122,8 @@ def test_a_failing_leader_under_mpirun_ends_the_stage_job_quickly(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(
         [*mpirun_cmd(2), sys.executable, "-m", "hpcdl.stage"]
-        + ["--data", str(ds.root), "--files-only", "--stage-dir", str(blocker)],
+        + ["--data", str(ds.root), "--files-only", "--batch-size", "2"]
+        + ["--stage-dir", str(blocker)],
         capture_output=True,
         text=True,
         env=mpi_env(),

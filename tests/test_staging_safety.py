@@ -98,7 +98,16 @@ def test_stage_only_refuses_a_stage_dir_equal_to_the_data(tmp_path):
     ds = make_tree(tmp_path / "pfs", 6, 100)
     before = snapshot(ds.root)
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcdl.stage", "--data", ds.root, "--files-only"]
+        [
+            sys.executable,
+            "-m",
+            "hpcdl.stage",
+            "--data",
+            ds.root,
+            "--files-only",
+            "--batch-size",
+            "1",
+        ]
         + ["--stage-dir", ds.root / "d0"],
         capture_output=True,
         text=True,
@@ -298,7 +307,16 @@ def test_an_unusable_stage_dir_is_one_line_and_exit_2(digits_dir, tmp_path, case
 def test_stage_only_into_an_unusable_dir_is_one_line_and_exit_2(tmp_path):
     ds = make_tree(tmp_path / "pfs", 4, 100)
     proc = subprocess.run(
-        [sys.executable, "-m", "hpcdl.stage", "--data", ds.root, "--files-only"]
+        [
+            sys.executable,
+            "-m",
+            "hpcdl.stage",
+            "--data",
+            ds.root,
+            "--files-only",
+            "--batch-size",
+            "1",
+        ]
         + ["--stage-dir", "/proc/hpcdl-no-such-dir"],
         capture_output=True,
         text=True,
