@@ -321,11 +321,19 @@ def model_dry_run(args: argparse.Namespace) -> int:
     else:
         ds = open_data(args)
     per_node = int(args.ranks_per_node or 1)
+    node_counts = tuple(args.node_counts or [env_layout()[0] or 1])
+    data = args.data or f"--dataset-files {len(ds)}"
+    for nodes in node_counts:  # every row must be a run training would start
+        error = batch_size_error(int(args.batch_size), len(ds), nodes * per_node, data)
+        if error:
+            raise UsageError(f"at --nodes {nodes}: {error}")
+    if args.stage_dir and args.data:
+        check_stage_dir(args.stage_dir, {"--data": args.data})
     request = prediction.PredictionRequest(
         calibration=calibration.load(args.calibration),
         source=args.calibration,
         dataset=ds,
-        node_counts=tuple(args.node_counts or [env_layout()[0] or 1]),
+        node_counts=node_counts,
         ranks_per_node=per_node,
         batch_size=int(args.batch_size),
         epochs=int(args.epochs),
