@@ -7,9 +7,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from helpers import make_tree, stage_cli
-from test_cluster_model import CAL
 
 from hpcdl.clustermodel import calibration
+from hpcdl.clustermodel.calibration import (
+    Calibration,
+    ComputeFigures,
+    LocalFigures,
+    NetworkFigures,
+    PfsFigures,
+)
+
+CAL = Calibration(
+    PfsFigures(open_latency_s=0.01, thread_bandwidth_Bps=1e8),
+    LocalFigures(write_bandwidth_Bps=1e9),
+    NetworkFigures(1e-5, 1e-9, 1e-4, 1e-8, "hierarchical"),
+    ComputeFigures("mlp", 8, v0=800.0, t=0.01, backward_fraction=0.5, gradient_bytes=4_000_000),
+)
 
 
 def calibrated(tmp_path: Path) -> tuple[Path, Path]:
@@ -24,15 +37,14 @@ def model_dry_run(cal: Path, *args) -> object:
 
 def test_a_batch_with_no_step_at_one_node_count_is_refused_naming_it(tmp_path):
     cal, tree = calibrated(tmp_path)
-    done = model_dry_run(
-        cal, "--data", tree, "--files-only", "--nodes", "1,2,4", "--batch-size", 10
-    )
+    args = ("--data", tree, "--files-only", "--batch-size", 10)
+    done = model_dry_run(cal, *args, "--nodes", "1,2,4")
     assert (done.returncode, done.stdout) == (2, ""), done.stdout + done.stderr
     assert done.stderr == (
         f"hpcdl.stage: error: at --nodes 4: --batch-size 10 is larger than each rank's shard of "
         f"{tree} (40 samples / 8 ranks = 5); use a batch size <= 5 or fewer ranks\n"
     )
-    fits = model_dry_run(cal, "--data", tree, "--files-only", "--nodes", "1,2", "--batch-size", 10)
+    fits = model_dry_run(cal, *args, "--nodes", "1,2")
     assert fits.returncode == 0, fits.stderr
 
 
