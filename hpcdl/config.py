@@ -377,13 +377,37 @@ def toml_values(
     (resolve_paths). A key not in `types` is a ConfigError, or left out with ignore_unknown
     (hpcdl.stage reads the training job's file, which holds keys it has no use for)."""
     values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # name -> the key that gave it
     for key, value in load_toml(path).items():
         name = key.replace("-", "_")
+        if name in spelled:
+            raise ConfigError(
+                f"config file {path}: {spelled[name]} and {key} are the same setting "
+                f"({_flag(name)}); keep one"
+            )
+        spelled[name] = key
         if name in types:
-            values[name] = convert_value(name, value, types[name], path)
+            values[name] = convert_value(name, _typed_in_toml(name, value, types[name], path),
+                                         types[name], path)  # fmt: skip
         elif not ignore_unknown:
             raise ConfigError(f"config file {path}: unknown key {key!r}")
     return resolve_paths(values, path)
+
+
+def _typed_in_toml(name: str, value: Any, typ: type, path: str) -> Any:
+    """`value` as TOML typed it: a number key holding a number in a string (`lr = "0.1"`) is a
+    ConfigError, as the command line's strings are not (argparse hands convert_value strings)."""
+    if typ in (int, float) and isinstance(value, str):
+        kind = "an integer" if typ is int else "a number"
+        try:
+            typ(value)
+        except ValueError:  # not a number at all: convert_value says so
+            return value
+        raise ConfigError(
+            f"{_flag(name)} (config file {path}) must be {kind}, not the string {value!r}; "
+            f"write it without quotes"
+        )
+    return value
 
 
 def load_toml(path: str) -> dict[str, Any]:
