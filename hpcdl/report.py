@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from hpcdl.clustermodel import comparison
+from hpcdl.figure_file import FigureFileError, checked_or_exit, save_figure
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.metrics_file import (
     BREAKDOWN,
@@ -43,13 +44,8 @@ LEARNING_CURVES = (  # (epoch event field, legend label, axis, line style)
 
 
 def render(runs: list[Run], out: Path) -> None:
-    """Write the figure of build_figure(runs) as a PNG."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig = build_figure(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    """Write the figure of build_figure(runs) to out (its extension gives the format)."""
+    save_figure(build_figure(runs), out, dpi=100)
 
 
 def build_figure(runs: list[Run]):  # -> matplotlib.figure.Figure
@@ -202,7 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     ap.add_argument("metrics", nargs="+", help="metrics JSONL file(s) written by hpcdl.train")
-    ap.add_argument("--out", default="report.png", help="PNG to write (default: report.png)")
+    ap.add_argument(
+        "--out",
+        default="report.png",
+        help="figure to write; its extension gives the format: png, pdf, svg, ... "
+        "(default: report.png)",
+    )
     ap.add_argument(
         "--labels", help="comma-separated run names, one per run drawn (default: file names)"
     )
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_diag.main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    out = checked_or_exit(ap, args.out, "--out")
     try:
         runs, notes = select_runs(args.metrics, args.all_runs)
     except ReportError as exc:
@@ -242,10 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     for run in runs:
         print("\n".join(summary_lines(run)))
-    render(runs, Path(args.out))
-    print(f"wrote {args.out}")
+    try:
+        render(runs, out)
+    except FigureFileError as exc:
+        print(f"hpcdl.report: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
     if args.predicted:
-        return compare_with_model(runs, args.predicted, Path(args.out))
+        return compare_with_model(runs, args.predicted, out)
     return 0
 
 
@@ -253,14 +259,14 @@ def compare_with_model(runs: list[Run], predicted: str, out: Path) -> int:
     """--predicted: the cluster model's figures against these runs (clustermodel.comparison)."""
     try:
         predictions = comparison.load_predictions(predicted)
-    except ReportError as exc:
+        target = out.with_name(f"{out.stem}-model.png")
+        if comparison.render_comparison(runs, predictions, target) == 0:
+            print(f"hpcdl.report: error: --predicted {predicted} holds no prediction for the "
+                  "world size of these runs; run the dry run with their --nodes and "
+                  "--ranks-per-node", file=sys.stderr)  # fmt: skip
+            return 1
+    except (ReportError, FigureFileError) as exc:
         print(f"hpcdl.report: error: {exc}", file=sys.stderr)
-        return 1
-    target = out.with_name(f"{out.stem}-model.png")
-    if comparison.render_comparison(runs, predictions, target) == 0:
-        print(f"hpcdl.report: error: --predicted {predicted} holds no prediction for the world "
-              "size of these runs; run the dry run with their --nodes and --ranks-per-node",
-              file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

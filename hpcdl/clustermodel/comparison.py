@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpcdl.figure_file import save_figure
 from hpcdl.metrics_file import ReportError, Run
 
 
@@ -72,7 +73,6 @@ def render_comparison(runs: list[Run], predictions: list[dict[str, Any]], out: P
                xlabel="epoch", ylabel="seconds")  # fmt: skip
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
     print(f"wrote {out}")
     return len(pairs)
