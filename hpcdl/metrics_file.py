@@ -74,6 +74,11 @@ def load_runs(path: str | Path) -> list[Run]:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise ReportError(f"{path}: cannot read metrics file ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:  # a checkpoint, an events file: any binary file
+        raise ReportError(
+            f"{path}: not a metrics JSON-lines file (byte {exc.start} is not UTF-8 text); "
+            "pass the file hpcdl.train --metrics wrote"
+        ) from None
     runs = [Run(path=path)]
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():

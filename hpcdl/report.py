@@ -229,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     out = checked_or_exit(ap, args.out, "--out")
+    try:  # every input is read before anything is drawn
+        predictions = comparison.load_predictions(args.predicted) if args.predicted else None
+    except ReportError as exc:
+        print(f"hpcdl.report: error: {exc}", file=sys.stderr)
+        return 2
     try:
         runs, notes = select_runs(args.metrics, args.all_runs)
     except ReportError as exc:
@@ -240,32 +245,21 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--labels has {len(labels)} name(s) for {len(runs)} run(s) to draw")
         for run, label in zip(runs, labels):
             run.label = label
+    if predictions is not None and not any(comparison.match(r, predictions) for r in runs):
+        print(f"hpcdl.report: error: --predicted {args.predicted} holds no prediction for the "
+              "world size of these runs; run the dry run with their --nodes and "
+              "--ranks-per-node", file=sys.stderr)  # fmt: skip
+        return 1
     for note in notes:
         print(note)
     for run in runs:
         print("\n".join(summary_lines(run)))
     try:
         render(runs, out)
+        print(f"wrote {out}")
+        if predictions is not None:
+            comparison.render_comparison(runs, predictions, out.with_name(f"{out.stem}-model.png"))
     except FigureFileError as exc:
-        print(f"hpcdl.report: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    if args.predicted:
-        return compare_with_model(runs, args.predicted, out)
-    return 0
-
-
-def compare_with_model(runs: list[Run], predicted: str, out: Path) -> int:
-    """--predicted: the cluster model's figures against these runs (clustermodel.comparison)."""
-    try:
-        predictions = comparison.load_predictions(predicted)
-        target = out.with_name(f"{out.stem}-model.png")
-        if comparison.render_comparison(runs, predictions, target) == 0:
-            print(f"hpcdl.report: error: --predicted {predicted} holds no prediction for the "
-                  "world size of these runs; run the dry run with their --nodes and "
-                  "--ranks-per-node", file=sys.stderr)  # fmt: skip
-            return 1
-    except (ReportError, FigureFileError) as exc:
         print(f"hpcdl.report: error: {exc}", file=sys.stderr)
         return 1
     return 0

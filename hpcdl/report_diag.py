@@ -63,6 +63,10 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.command == "timeline":
         checked_or_exit(ap, args.png, "--png")
+        if not Path(args.dir).exists():
+            print(f"hpcdl.report: error: {args.dir} does not exist; name a --timeline trace, its "
+                  "FILE.ranks folder or the folder holding that", file=sys.stderr)  # fmt: skip
+            return 2
     try:
         if args.command == "last":
             records = flight.read_records(args.dir)
