@@ -170,6 +170,10 @@ def select_runs(paths: list[str], all_runs: bool) -> tuple[list[Run], list[str]]
     for path in paths:
         in_file = load_runs(path)
         count = len(in_file)
+        if in_file[-1].cut_line:
+            notes.append(f"{path}:{in_file[-1].cut_line}: skipped its last line, which was cut "
+                         "short (no newline: the run was killed, or the disk full, as it wrote "
+                         "it)")  # fmt: skip
         chosen = [r for r in in_file if r.steps] if all_runs else []
         if not chosen:
             chosen = [check_steps(in_file[-1], count)]
