@@ -40,6 +40,7 @@ class Run:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     staging: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    cut_line: int | None = None  # a last line cut short (the file's last run): skipped, here
 
     @property
     def t0(self) -> float:
@@ -66,19 +67,34 @@ class Run:
 def load_runs(path: str | Path) -> list[Run]:
     """Every run in one metrics file, oldest first: each `start` event begins a new run.
 
-    ReportError names the file and line of anything malformed. Runs are not checked for
-    `step` events here; load_run and main do that for the runs they report.
+    ReportError names the file and line of anything malformed, except a last line without its
+    newline: hpcdl.train was killed, or the disk filled, while writing it, so it is skipped and
+    its number kept in the last run's `cut_line`. Runs are not checked for `step` events here;
+    load_run and main do that for the runs they report.
     """
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        text = path.read_text()
     except OSError as exc:
         raise ReportError(f"{path}: cannot read metrics file ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:  # a checkpoint, an events file: any binary file
+        raise ReportError(
+            f"{path}: not a metrics JSON-lines file (byte {exc.start} is not UTF-8 text); "
+            "pass the file hpcdl.train --metrics wrote"
+        ) from None
+    lines = text.splitlines()
+    cut = len(lines) if lines and not text.endswith("\n") else None  # a write stopped midway
     runs = [Run(path=path)]
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        record = _parse_line(line, path, lineno)
+        try:
+            record = _parse_line(line, path, lineno)
+        except ReportError:
+            if lineno != cut:
+                raise
+            runs[-1].cut_line = lineno
+            break
         run = runs[-1]
         if record["event"] == "start" and _has_events(run):
             run = Run(path=path, first_line=lineno)
@@ -177,6 +193,23 @@ def breakdown_by_epoch(run: Run) -> list[tuple[int, dict[str, float]]]:
     return [(e, mean_breakdown(steps)) for e, steps in steps_by_epoch(run).items()]
 
 
+def unfinished_line(run: Run) -> str | None:
+    """For a run without its `summary` event, the line that says so and where its figures come
+    from instead; None for a finished run."""
+    if run.summary is not None:
+        return None
+    last = run.epochs[-1] if run.epochs else None
+    source = (
+        f"images/s is its last epoch's (epoch {int(last['epoch']) + 1}), not the whole run's"
+        if last and last.get("images_per_s") is not None
+        else f"images/s is the mean of its {len(run.steps)} logged steps"
+    )
+    return (
+        '  no "summary" event, so the run did not finish (it failed, was killed or is still '
+        f"running): {source}"
+    )
+
+
 def images_per_s(run: Run) -> float | None:
     """Whole-run global images/s: the summary's, else the last epoch's, else the logged steps'."""
     if run.summary and run.summary.get("images_per_s") is not None:
@@ -224,6 +257,7 @@ def summary_lines(run: Run) -> list[str]:
         f"  world size {fmt(run.world_size, 'd')}, global batch {fmt(run.global_batch, 'd')}, "
         f"{fmt(images_per_s(run), '.1f')} images/s, val acc {fmt(val_accuracy(run), '.4f')}, "
         f"staging hit rate {'n/a (no staging)' if hit is None else f'{100 * hit:.1f}%'}",
+        *filter(None, [unfinished_line(run)]),
         f"  mean step {t_step * 1e3:.1f} ms over {len(run.steps)} logged steps: {share}",
     ]
     if run.staging:

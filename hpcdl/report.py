@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from hpcdl.clustermodel import comparison
+from hpcdl.figure_file import FigureFileError, checked_or_exit, save_figure
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.metrics_file import (
     BREAKDOWN,
@@ -43,13 +44,8 @@ LEARNING_CURVES = (  # (epoch event field, legend label, axis, line style)
 
 
 def render(runs: list[Run], out: Path) -> None:
-    """Write the figure of build_figure(runs) as a PNG."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    fig = build_figure(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    """Write the figure of build_figure(runs) to out (its extension gives the format)."""
+    save_figure(build_figure(runs), out, dpi=100)
 
 
 def build_figure(runs: list[Run]):  # -> matplotlib.figure.Figure
@@ -174,6 +170,10 @@ def select_runs(paths: list[str], all_runs: bool) -> tuple[list[Run], list[str]]
     for path in paths:
         in_file = load_runs(path)
         count = len(in_file)
+        if in_file[-1].cut_line:
+            notes.append(f"{path}:{in_file[-1].cut_line}: skipped its last line, which was cut "
+                         "short (no newline: the run was killed, or the disk full, as it wrote "
+                         "it)")  # fmt: skip
         chosen = [r for r in in_file if r.steps] if all_runs else []
         if not chosen:
             chosen = [check_steps(in_file[-1], count)]
@@ -202,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     ap.add_argument("metrics", nargs="+", help="metrics JSONL file(s) written by hpcdl.train")
-    ap.add_argument("--out", default="report.png", help="PNG to write (default: report.png)")
+    ap.add_argument(
+        "--out",
+        default="report.png",
+        help="figure to write; its extension gives the format: png, pdf, svg, ... "
+        "(default: report.png)",
+    )
     ap.add_argument(
         "--labels", help="comma-separated run names, one per run drawn (default: file names)"
     )
@@ -227,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         return report_diag.main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
+    out = checked_or_exit(ap, args.out, "--out")
+    try:  # every input is read before anything is drawn
+        predictions = comparison.load_predictions(args.predicted) if args.predicted else None
+    except ReportError as exc:
+        print(f"hpcdl.report: error: {exc}", file=sys.stderr)
+        return 2
     try:
         runs, notes = select_runs(args.metrics, args.all_runs)
     except ReportError as exc:
@@ -238,29 +249,22 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--labels has {len(labels)} name(s) for {len(runs)} run(s) to draw")
         for run, label in zip(runs, labels):
             run.label = label
+    if predictions is not None and not any(comparison.match(r, predictions) for r in runs):
+        print(f"hpcdl.report: error: --predicted {args.predicted} holds no prediction for the "
+              "world size of these runs; run the dry run with their --nodes and "
+              "--ranks-per-node", file=sys.stderr)  # fmt: skip
+        return 1
     for note in notes:
         print(note)
     for run in runs:
         print("\n".join(summary_lines(run)))
-    render(runs, Path(args.out))
-    print(f"wrote {args.out}")
-    if args.predicted:
-        return compare_with_model(runs, args.predicted, Path(args.out))
-    return 0
-
-
-def compare_with_model(runs: list[Run], predicted: str, out: Path) -> int:
-    """--predicted: the cluster model's figures against these runs (clustermodel.comparison)."""
     try:
-        predictions = comparison.load_predictions(predicted)
-    except ReportError as exc:
+        render(runs, out)
+        print(f"wrote {out}")
+        if predictions is not None:
+            comparison.render_comparison(runs, predictions, out.with_name(f"{out.stem}-model.png"))
+    except FigureFileError as exc:
         print(f"hpcdl.report: error: {exc}", file=sys.stderr)
-        return 1
-    target = out.with_name(f"{out.stem}-model.png")
-    if comparison.render_comparison(runs, predictions, target) == 0:
-        print(f"hpcdl.report: error: --predicted {predicted} holds no prediction for the world "
-              "size of these runs; run the dry run with their --nodes and --ranks-per-node",
-              file=sys.stderr)  # fmt: skip
         return 1
     return 0
 

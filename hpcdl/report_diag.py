@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpcdl.diag import flight, timeline
 from hpcdl.diag.events import Kind, label
+from hpcdl.figure_file import FigureFileError, checked_or_exit, save_figure
 from hpcdl.helpformat import HelpFormatter
 
 COLOURS = {  # event name -> colour in the PNG
@@ -46,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         "dir", help="--timeline FILE's trace, or its FILE.ranks buffers (or their folder)"
     )
     tl.add_argument("--out", help="trace JSON to write (default: FILE beside FILE.ranks)")
-    tl.add_argument("--png", help="PNG to draw (default: the trace's name with .png)")
+    tl.add_argument(
+        "--png", help="figure to draw: png, pdf, svg, ... (default: the trace's name with .png)"
+    )
     tl.add_argument("--steps", type=int, default=3, help="steps to draw (default: 3)")
     tl.add_argument("--first-step", type=int, help="first step drawn (default: the last ones)")
     last = sub.add_parser("last", help="the last events of every rank, side by side")
@@ -56,14 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command == "timeline":
+        checked_or_exit(ap, args.png, "--png")
+        if not Path(args.dir).exists():
+            print(f"hpcdl.report: error: {args.dir} does not exist; name a --timeline trace, its "
+                  "FILE.ranks folder or the folder holding that", file=sys.stderr)  # fmt: skip
+            return 2
     try:
         if args.command == "last":
             records = flight.read_records(args.dir)
             print(flight.side_by_side(records, rows=args.rows))
             return 0
         return timeline_command(args)
-    except (flight.FlightError, FileNotFoundError) as exc:
+    except (flight.FlightError, FileNotFoundError, FigureFileError) as exc:
         print(f"hpcdl.report: error: {exc}", file=sys.stderr)
         return 1
 
@@ -130,6 +140,5 @@ def draw(events: list[dict], png: Path, steps: int, first: int | None) -> list[i
     ax.set_title(f"steps {chosen[0]}-{chosen[-1]}" if chosen else "no steps recorded")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
     return chosen

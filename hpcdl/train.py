@@ -124,8 +124,9 @@ def train(cfg: TrainConfig, world: World) -> int:
                 mix = bool(cfg.params_sync_every) and (global_step + 1) % cfg.params_sync_every == 0
                 logged = (global_step + 1) % cfg.metrics_every == 0
                 result = run.engine.step(images, labels, lr, mix, t_wait, timed=logged)
-                # loss, flag and count stay on the device (NOTE [device scalars])
-                watch.note(result.nonfinite_ranks, result.loss, global_step, epoch)
+                # loss, flag and count stay on the device (NOTE [device scalars]); the step is
+                # numbered from 1, as in the metrics and TensorBoard
+                watch.note(result.nonfinite_ranks, result.loss, global_step + 1, epoch)
                 correct = run.engine.correct(result.logits, labels)
                 for stats in (epoch_stats, totals):
                     stats.add(result.times, result.loss, correct, len(labels))

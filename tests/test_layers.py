@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hpcdl.mpi_threads",
         "hpcdl.mpi_errors",
         "hpcdl.paths",
+        "hpcdl.figure_file",
         "hpcdl.units",
     ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading

@@ -99,7 +99,7 @@ def test_nan_loss_stops_with_one_line_and_claims_no_success(ranks, nan_in, every
     assert lines == error_lines(proc.stderr), proc.stderr  # hpcdl's error line, not a traceback
     assert "lower --lr or check the input data" in lines[0]
     if nan_in == "every_sample":
-        assert "at step 0 (epoch 1)" in lines[0]
+        assert "at step 1 (epoch 1)" in lines[0]  # the first step, numbered as the metrics
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "final val_acc" not in proc.stdout
     # Nothing claims success: no epoch or summary event, no checkpoint (the NaN comes first).

@@ -22,6 +22,7 @@ from typing import Any
 from hpcdl.backend import cpu_threads_hint, gpu_available
 from hpcdl.bench.launch import child_env, mpirun_command
 from hpcdl.clustermodel import speed
+from hpcdl.figure_file import FigureFileError, checked_or_exit, save_figure
 from hpcdl.helpformat import HelpFormatter
 
 FRACTION = 0.9
@@ -55,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mpirun")
     ap.add_argument(
-        "--plot", help="write measured points and fitted curves to this PNG (default: none)"
+        "--plot",
+        help="write measured points and fitted curves to this figure: png, pdf, svg, ... "
+        "(default: none)",
     )
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -76,6 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--batch-sizes needs two or more positive sizes to fit, got {args.batch_sizes}")
     if min(args.rank_counts) < 1 or min(args.steps, args.rounds) < 1 or args.warmup < 0:
         ap.error("--ranks, --steps and --rounds must be >= 1, --warmup >= 0")
+    checked_or_exit(ap, args.plot, "--plot")  # before the measurement, not after it
     return args
 
 
@@ -185,8 +189,7 @@ def plot(path: str, fits: list[dict], points: list[dict], title: str) -> None:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize="small")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     fits, points = analyse(records)
     print_table(fits, points)
     if args.plot:
-        plot(args.plot, fits, points, f"{args.model} {args.input_shape} on {machine}")
+        try:
+            plot(args.plot, fits, points, f"{args.model} {args.input_shape} on {machine}")
+        except FigureFileError as exc:
+            print(f"hpcdl.bench scaling: error: {exc}", file=sys.stderr)
+            return 1
         print(f"wrote {args.plot}")
     if args.json:
         print(

@@ -36,6 +36,7 @@ from hpcdl.bench import synthetic
 from hpcdl.bench.launch import child_env, mpirun_command
 from hpcdl.bench.scaling import NO_GPU
 from hpcdl.data import open_dataset
+from hpcdl.figure_file import checked_or_exit
 from hpcdl.helpformat import HelpFormatter
 
 EMULATE_ENV = "HPCDL_STAGE_EMULATE_PFS"  # unit tests only: runs here never inherit it
@@ -77,7 +78,9 @@ def build_parser(prog: str = "python -m hpcdl.bench train") -> argparse.Argument
         "--keep-metrics", help="directory to keep the runs' metrics JSONL in (default: none)"
     )
     ap.add_argument(
-        "--report", help="also draw hpcdl.report of the runs into this PNG (default: none)"
+        "--report",
+        help="also draw hpcdl.report of the runs into this figure: png, pdf, svg, ... "
+        "(default: none)",
     )
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per training run")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -96,6 +99,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 0:
         ap.error("--workers must be >= 0")
+    checked_or_exit(ap, args.report, "--report")  # before the runs, not after them
     return args
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpcdl.figure_file import save_figure
 from hpcdl.metrics_file import ReportError, Run
 
 
@@ -19,12 +20,27 @@ def load_predictions(path: str | Path) -> list[dict[str, Any]]:
     """The `predictions` list of a dry run's JSON (the file, or its last line)."""
     try:
         lines = Path(path).read_text().strip().splitlines()
-        return list(json.loads(lines[-1])["predictions"])
-    except (OSError, IndexError, KeyError, ValueError) as exc:
+        predictions = list(json.loads(lines[-1])["predictions"])
+        if not all(_has_shape(p) for p in predictions):
+            raise ValueError('a prediction without integer "nodes" and "ranks_per_node"')
+        return predictions
+    except FileNotFoundError:
+        raise ReportError(
+            f"--predicted {path} does not exist; write it with python -m hpcdl.stage --dry-run "
+            f"--calibration FILE --json > {path}"
+        ) from None
+    except (OSError, IndexError, KeyError, TypeError, ValueError) as exc:
         raise ReportError(
             f"--predicted {path}: not the JSON of hpcdl.stage --dry-run --calibration --json "
             f"({exc})"
         ) from None
+
+
+def _has_shape(prediction: Any) -> bool:
+    """Whether a prediction holds what match() reads."""
+    return isinstance(prediction, dict) and all(
+        isinstance(prediction.get(key), int) for key in ("nodes", "ranks_per_node")
+    )
 
 
 def match(run: Run, predictions: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -72,7 +88,6 @@ def render_comparison(runs: list[Run], predictions: list[dict[str, Any]], out: P
                xlabel="epoch", ylabel="seconds")  # fmt: skip
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    save_figure(fig, out, dpi=100)
     print(f"wrote {out}")
     return len(pairs)

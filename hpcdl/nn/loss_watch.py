@@ -29,7 +29,8 @@ class LossWatch:
         self.loss = xp.zeros((), xp.float64)
 
     def note(self, nonfinite_ranks: Any, loss: Any, step: int, epoch: int) -> None:
-        """Add one step's flag (StepResult.nonfinite_ranks) and loss; no host read."""
+        """Add one step's flag (StepResult.nonfinite_ranks) and loss; no host read. step: its
+        number as the caller's logs give it (hpcdl.train's metrics: from 1)."""
         xp = self.xp
         self.ranks += nonfinite_ranks
         first = xp.logical_and(xp.logical_not(xp.isfinite(loss)), self.step < 0)
