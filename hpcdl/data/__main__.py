@@ -174,6 +174,12 @@ def describe(path: str | Path) -> str:
     flawed = int((~readable).sum()) - (ds.index.meta["beyond"].get("count", 0) if beyond else 0)
     if flawed:
         lines.append(f"  unreadable:   {flawed} samples (a flaw each: bad samples when read)")
+    if ds.kind == "folder" and not np.all(ds.heights > 0):
+        bad = np.flatnonzero(ds.heights <= 0)
+        lines.append(
+            f"  unreadable:   {len(bad)} image(s) whose header cannot be read or that are too "
+            f"large, the first {ds.files.relpath(int(bad[0]))} (bad samples when read)"
+        )
     lines.append(
         f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}"
     )

@@ -19,6 +19,7 @@ import numpy as np
 
 from hpcdl.data.convert_output import converted_into
 from hpcdl.data.dataset import DataError
+from hpcdl.data.image_file import ImageTooLarge, open_image, to_mode
 from hpcdl.fsync import fsync_path
 
 DEFAULT_SHARD_SIZE = 10000
@@ -108,12 +109,14 @@ def folder_arrays(src: str | Path, resize: int | None = None):
     for rel in relpaths:
         path = root / rel
         try:
-            with Image.open(path) as im:
-                im = im.convert("RGB")
+            with open_image(path) as im:
+                im = to_mode(im, "RGB")
                 if resize:
                     im = im.resize((resize, resize), Image.BILINEAR)
                 arr = np.asarray(im)
-        except OSError as exc:
+        except ImageTooLarge as exc:
+            raise DataError(f"{path}: {exc}, or remove it from the folder") from None
+        except (OSError, SyntaxError, ValueError) as exc:
             raise DataError(f"{path}: unreadable image ({exc})") from None
         if first is None:
             first = (arr.shape, path)

@@ -36,6 +36,7 @@ from hpcdl import messages
 from hpcdl.data.augment import Augment, Boxes, crop_boxes
 from hpcdl.data.batch import _substitutes, output_shape
 from hpcdl.data.dataset import BadSample
+from hpcdl.data.image_file import open_image, to_mode
 
 
 class Decoder(Protocol):
@@ -90,12 +91,10 @@ class NvImageCodecDecoder:
 
 def pillow_decode(blob: np.ndarray) -> np.ndarray | None:
     """(h, w, 3) uint8 of one compressed image, or None where Pillow cannot decode it."""
-    from PIL import Image  # noqa: PLC0415
-
     try:
-        with Image.open(io.BytesIO(memoryview(blob))) as im:
-            return np.asarray(im.convert("RGB"))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        with open_image(io.BytesIO(memoryview(blob))) as im:
+            return np.asarray(to_mode(im, "RGB"))
+    except (OSError, SyntaxError, ValueError):  # ImageTooLarge is an OSError
         return None
 
 

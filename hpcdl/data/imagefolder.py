@@ -67,6 +67,7 @@ from hpcdl.data.dataset import (
     check_table,
     names_end_at_newlines,
 )
+from hpcdl.data.image_file import BadSampleAt, decode_image, image_header
 from hpcdl.data.indexfile import index_bytes, map_index_file, write_index_file
 from hpcdl.data.pfs import open_source
 
@@ -81,7 +82,6 @@ _INDEX_VERSION = 3
 INDEX_THREADS = 32
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
-_GREY_MODES = ("L", "1", "I;16")
 _HEADER_CHUNK = 4096
 
 
@@ -148,18 +148,6 @@ def _read_header(path: Path) -> tuple[int, int, int, bool]:
             return os.fstat(f.fileno()).st_size, *image_header(f)
     except OSError:
         return 0, 0, 0, True
-
-
-def image_header(f: Any) -> tuple[int, int, bool]:
-    """(height, width, greyscale) parsed from the header of the image file open as f;
-    (0, 0, True) when it is unreadable (reading the image then raises BadSample)."""
-    from PIL import Image  # noqa: PLC0415
-
-    try:
-        with Image.open(f) as im:  # parses the header only
-            return im.height, im.width, im.mode in _GREY_MODES
-    except (OSError, SyntaxError, ValueError):
-        return 0, 0, True
 
 
 def read_headers(
@@ -451,59 +439,3 @@ class ImageFolderReader(SourceReader):
 
     def close(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class BadSampleAt:
-    """Where a sample is read from, for its BadSample: the file, the sample index and, in a
-    file of many samples, a prefix for the reason (which row)."""
-
-    path: Path
-    index: int
-    prefix: str = ""
-
-    def error(self, reason: str) -> BadSample:
-        return BadSample(self.path, self.index, self.prefix + reason)
-
-
-def decode_image(
-    f: Any,
-    mode: str,
-    indexed_hw: tuple[int, int],
-    draft: tuple[int, int] | None,
-    box: tuple[int, int, int, int] | None,
-    where: BadSampleAt,
-) -> tuple[np.ndarray, tuple[float, float]]:
-    """(image (h, w, C) uint8, (h / indexed h, w / indexed w)) of the image file open as f.
-
-    The one decode of image files, whoever holds their bytes (a folder's file, a row of an
-    encoded HDF5 shard): the same bytes give the same pixels. mode: "L" or "RGB"; draft = (w, h)
-    the decoder may shrink a JPEG to (Pillow draft mode: DCT scaling by 1/2, 1/4, 1/8); box =
-    (y0, x0, h, w) in indexed pixels: return only that region (cropped by Pillow before the
-    copy to NumPy). BadSample (where.error) when the bytes do not decode."""
-    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415
-
-    h, w = indexed_hw
-    try:
-        with Image.open(f) as im:
-            if draft and im.format == "JPEG":
-                im.draft(mode, draft)
-            if im.mode != mode:
-                im = im.convert(mode)
-            if h <= 0:
-                raise OSError("image header was unreadable when the index was built")
-            scale = (im.height / h, im.width / w)
-            if box is not None:
-                y0, x0, bh, bw = box
-                top, left = int(y0 * scale[0]), int(x0 * scale[1])
-                bottom = top + max(1, round(bh * scale[0]))
-                right = left + max(1, round(bw * scale[1]))
-                im = im.crop((left, top, right, bottom))
-            arr = np.asarray(im)
-    except UnidentifiedImageError:  # its text names the file object: <_io.BytesIO at 0x...>
-        raise where.error("the bytes are not a readable image file (JPEG, PNG)") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise where.error(str(exc)) from None
-    if arr.ndim == 2:
-        arr = arr[:, :, None]
-    return arr, scale
