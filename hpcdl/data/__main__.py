@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.data import convert, convert_files
+from hpcdl.data import convert, convert_files, convert_npz
 from hpcdl.data.dataset import DataError
 from hpcdl.data.kinds import open_dataset
 from hpcdl.helpformat import HelpFormatter
@@ -106,6 +106,10 @@ def run_convert(args) -> list[Path]:
         raise DataError(f"convert {args.kind} takes {usage}, got {' '.join(args.paths)}")
     out = Path(args.paths[-1])
     size = convert_files.parse_shard_size(args.shard_size)
+    if args.seed < 0:
+        raise DataError(f"--seed must be >= 0, got {args.seed}")
+    if args.resize is not None and args.resize < 1:
+        raise DataError(f"--resize must be >= 1 (pixels a side), got {args.resize}")
     default_val = 0.2 if args.kind == "digits" else 0.0
     val_fraction = default_val if args.val_fraction is None else args.val_fraction
     if args.encoded or args.to == "tar":
@@ -114,7 +118,7 @@ def run_convert(args) -> list[Path]:
         splits, classes = convert.cifar_arrays(args.paths[0])
         return convert.write_dataset(out, splits, classes, _rows(size, splits))
     if args.kind == "npz":
-        splits, classes = convert.npz_arrays(args.paths[0])
+        splits, classes = convert_npz.npz_arrays(args.paths[0])
         if "val" in splits or not val_fraction:
             return convert.write_dataset(out, splits, classes, _rows(size, splits))
         images, labels = splits["train"]
