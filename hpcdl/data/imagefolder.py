@@ -97,22 +97,22 @@ def scan_folder(
 ) -> tuple[list[str], list[int], list[str]]:
     """(relative paths, labels, class names) of root/<class>/<image>, sorted; DataError if none.
 
-    Lists each directory once and opens no file. Names with control characters and symbolic
-    links that lead outside root are refused."""
+    Lists each directory once and opens no file. Names with control characters, symbolic
+    links that lead outside root and class directories without images are refused; images in
+    subdirectories of a class directory are not read, which one warning line says."""
     root = Path(root)
     dirs = _class_dirs(root) if dirs is None else dirs
     classes = [e.name for e in dirs]
     links = [e.name for e in dirs if e.is_symlink()]
-    relpaths, labels = [], []
+    relpaths, labels, nested, empty = [], [], [], []
     for label, name in enumerate(classes):
-        images = [
-            e
-            for e in os.scandir(root / name)
-            if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES
-        ]
+        images, subdirs = _class_entries(root, name)
+        if not images:
+            empty.append((name, subdirs))
         links += [f"{name}/{e.name}" for e in images if e.is_symlink()]
         relpaths += [f"{name}/{f}" for f in sorted(e.name for e in images)]
         labels += [label] * len(images)
+        nested += [f"{name}/{d}/" for d in subdirs]
     check_entries(root, classes + relpaths)
     real_root = Path(os.path.realpath(root))
     for rel in links:
@@ -122,7 +122,38 @@ def scan_folder(
             f"{root}: no images found (expected root/<class>/<file> with "
             f"{', '.join(IMAGE_SUFFIXES)} files)"
         )
+    if empty:
+        raise _empty_class(root, *empty[0])
+    if nested:
+        print(
+            f"hpcdl: warning: {root}: {len(nested)} subdirectories of class directories were "
+            f"not read (the first: {min(nested)}); an image folder's images lie directly in "
+            "root/<class>/: move them up, or make them classes of their own",
+            file=sys.stderr,
+        )
     return relpaths, labels, classes
+
+
+def _class_entries(root: Path, name: str) -> tuple[list[os.DirEntry], list[str]]:
+    """(image entries, names of subdirectories not hidden) of root/name."""
+    images, subdirs = [], []
+    for e in os.scandir(root / name):
+        if e.is_file():  # the file type scandir saw: a stat only where it saw none
+            if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES:
+                images.append(e)
+        elif e.is_dir() and not e.name.startswith("."):
+            subdirs.append(e.name)
+    return images, subdirs
+
+
+def _empty_class(root: Path, name: str, subdirs: list[str]) -> DataError:
+    """The error for root/name, a class directory without images, which holds subdirs."""
+    first = min(subdirs, default="")
+    held = f" (only subdirectories, such as {first}/, which are not read)" if first else ""
+    return DataError(
+        f"{root / name}: a class directory with no images ({', '.join(IMAGE_SUFFIXES)})"
+        f"{held}; remove it, or put its images in it (torchvision's ImageFolder refuses it too)"
+    )
 
 
 def _tree_key(root: Path, dirs: list[os.DirEntry], version: int = _INDEX_VERSION) -> str:
@@ -285,6 +316,9 @@ class ImageFolderDataset:
         self.labels, self.heights, self.widths = cols["labels"], cols["heights"], cols["widths"]
         if not meta["readable"]:
             raise DataError(f"{self.root}: none of the {len(self.files)} images can be read")
+        counts = np.bincount(self.labels, minlength=len(self.classes))
+        if not counts.all():  # an index cached before empty classes were refused
+            raise _empty_class(self.root, self.classes[int(np.argmin(counts))], [])
         self.index_seconds = time.perf_counter() - t0
         channels = 1 if meta["grey"] else 3
         self.min_hw = (int(meta["min_hw"][0]), int(meta["min_hw"][1]))
