@@ -106,3 +106,32 @@ def test_training_skips_it_with_skip_bad_samples(tmp_path):
                           text=True, timeout=300)  # fmt: skip
     line = one_line_error(done, None)
     assert "huge.png cannot be read: the image has 196000000 pixels" in line, line
+
+
+class DecodesAnything:
+    """A decoder that decodes every image it is given (as nvImageCodec may a huge PNG)."""
+
+    name = "anything"
+
+    def decode(self, blobs, stream=None):
+        return [np.zeros((16, 16, 3), np.uint8) if len(b) else None for b in blobs]
+
+
+def test_decode_gpu_takes_it_as_a_bad_sample_whatever_the_decoder(folder, side):
+    from hpcdl.data.augment import parse_augment
+    from hpcdl.data.file_bytes import FileBytesReader, byte_capacity
+    from hpcdl.data.gpu_decode import GpuBatchDecoder
+
+    ds = open_dataset(folder)
+    indices = np.arange(len(ds))
+    offsets = np.empty(len(ds) + 1, np.int64)
+    data = np.empty(byte_capacity(ds, len(ds)), np.uint8)
+    labels = np.empty(len(ds), np.int64)
+    FileBytesReader(ds).read(indices, labels, offsets, data)
+    aug = parse_augment("rcrop16")
+    decoder = GpuBatchDecoder(ds, aug, 0, np, DecodesAnything())
+    with pytest.raises(BadSample, match=f"huge.png cannot be read: .*{MAX_IMAGE_PIXELS} pixels"):
+        decoder.build(indices, offsets, data, labels, 0)
+    skipping = GpuBatchDecoder(ds, aug, 0, np, DecodesAnything(), skip_bad=True)
+    images, _ = skipping.build(indices, offsets, data, labels, 0)
+    assert images.shape == (len(ds), 3, 16, 16) and skipping.bad == 1
