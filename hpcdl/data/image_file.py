@@ -9,11 +9,11 @@ give the same pixels, and the same refusal, whoever holds them.
   bombs, 89,478,485 pixels: about 9,459 x 9,459) is refused with ImageTooLarge, an OSError that
   names the pixel count: the index takes it as an image whose header cannot be read (height 0),
   reading it is a bad sample, a conversion stops on it. hpcdl does not raise the limit: image
-  classification data holds no such images (ImageNet's largest is about 7,000 x 5,000 pixels),
-  and a sample decoded every step at that size costs a second of CPU and 270 MB. Pillow itself
-  only warns up to twice its limit and refuses above; hpcdl refuses at the limit, with one line
-  of its own, so Pillow's DecompressionBombWarning says nothing new and is ignored (a filter
-  installed when an image is opened; it holds for the whole process).
+  classification data (ImageNet's photos: a few megapixels) holds no such images, and a sample
+  at the limit is 270 MB of RGB pixels (89 M x 3 bytes) decoded every time it is read. Pillow
+  itself only warns up to twice its limit and refuses above; hpcdl refuses at the limit, with
+  one line of its own, so Pillow's DecompressionBombWarning says nothing new and is ignored (a
+  filter installed when an image is opened; it holds for the whole process).
 - Depth. A 16-bit greyscale PNG (Pillow modes I;16 and I) becomes 8 bits by keeping each
   value's high byte (value >> 8), as Pillow's PNG decoder does for 16-bit colour PNGs and as
   torchvision's to_dtype(uint8, scale=True) does for uint16 images. Pillow's own convert("L")
