@@ -68,3 +68,13 @@ def test_an_index_cached_with_an_empty_class_is_refused(f10):
                           [16] * n, False)  # fmt: skip
     with pytest.raises(DataError, match="zz_empty: a class directory with no images"):
         ImageFolderDataset(f10, index=older)
+
+
+@pytest.mark.parametrize("flags", [[], ["--encoded"], ["--to", "tar"]])
+def test_convert_folder_says_it_once(tmp_path, capsys, flags):
+    from helpers import make_folder
+
+    make_folder(tmp_path / "f", per_class=3, size=(16, 16))
+    (tmp_path / "f" / "cat" / "nested").mkdir()
+    assert main(["convert", "folder", str(tmp_path / "f"), str(tmp_path / "o"), *flags]) == 0
+    assert capsys.readouterr().err.count("cat/nested/") == 1

@@ -125,8 +125,9 @@ def run_convert(args) -> list[Path]:
     elif args.kind == "digits":
         images, labels, classes = convert.digits_arrays()
     else:
-        convert_files.folder_files(args.paths[0], out)  # refuses an output inside the folder
-        images, labels, classes = convert.folder_arrays(args.paths[0], args.resize)
+        folder = convert_files.folder_files(args.paths[0], out)  # refuses OUT inside it
+        images = convert.folder_arrays(folder.root, folder.relpaths, args.resize)
+        labels, classes = folder.labels, folder.classes
     train, val = convert.split(images, labels, val_fraction, args.seed)
     splits = {"train": train} if val is None else {"train": train, "val": val}
     return convert.write_dataset(out, splits, classes, _rows(size, splits))

@@ -102,16 +102,11 @@ def _write_shard(path: Path, x, y, classes, mean, std) -> None:
     fsync_path(path)
 
 
-def folder_arrays(src: str | Path, resize: int | None = None):
-    """An image folder root/<class>/<file> as (N, H, W, C) uint8, labels, classes.
-
-    Mixed sizes need resize=S (every image resized to S x S)."""
+def folder_arrays(root: Path, relpaths: list[str], resize: int | None = None) -> np.ndarray:
+    """The image files root/relpaths (an image folder's, convert_files.folder_files) as
+    (N, H, W, C) uint8. Mixed sizes need resize=S (every image resized to S x S)."""
     from PIL import Image  # noqa: PLC0415
 
-    from hpcdl.data.imagefolder import scan_folder  # noqa: PLC0415
-
-    root = Path(src)
-    relpaths, labels, classes = scan_folder(root)
     images, first = [], None
     for rel in relpaths:
         path = root / rel
@@ -133,7 +128,7 @@ def folder_arrays(src: str | Path, resize: int | None = None):
                 f"{first[0][1]}x{first[0][0]}; pass --resize S to make every image S x S"
             )
         images.append(arr)
-    return np.stack(images), np.asarray(labels, np.int64), classes
+    return np.stack(images)
 
 
 def cifar_arrays(src: str | Path):
