@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--val-fraction",
         type=float,
         default=None,
-        help="fraction of the samples held out for OUT/val (default: digits 0.2, others 0)",
+        help="fraction of the samples held out for OUT/val; each split keeps at least one "
+        "(default: digits 0.2, others 0)",
     )
     c.add_argument(
         "--shard-size",
@@ -60,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="samples per shard file (1000), or bytes per shard (256MB, 1GiB)",
     )
     add_file_bytes_options(c)
-    c.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    c.add_argument("--seed", type=int, default=0, help="seed of the train/val split, >= 0")
     c.add_argument(
         "--resize",
         type=int,
         default=None,
-        help="folder: resize every image to S x S pixels (needed for mixed sizes) "
+        help="folder: resize every image to S x S pixels, S >= 1 (needed for mixed sizes) "
         "(default: keep the size)",
     )
     i = sub.add_parser(
