@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.data import convert, convert_files
+from hpcdl.data import convert, convert_files, convert_npz
 from hpcdl.data.dataset import DataError
 from hpcdl.data.kinds import open_dataset
 from hpcdl.helpformat import HelpFormatter
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--val-fraction",
         type=float,
         default=None,
-        help="fraction of the samples held out for OUT/val (default: digits 0.2, others 0)",
+        help="fraction of the samples held out for OUT/val; each split keeps at least one "
+        "(default: digits 0.2, others 0)",
     )
     c.add_argument(
         "--shard-size",
@@ -60,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="samples per shard file (1000), or bytes per shard (256MB, 1GiB)",
     )
     add_file_bytes_options(c)
-    c.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    c.add_argument("--seed", type=int, default=0, help="seed of the train/val split, >= 0")
     c.add_argument(
         "--resize",
         type=int,
         default=None,
-        help="folder: resize every image to S x S pixels (needed for mixed sizes) "
+        help="folder: resize every image to S x S pixels, S >= 1 (needed for mixed sizes) "
         "(default: keep the size)",
     )
     i = sub.add_parser(
@@ -106,6 +107,10 @@ def run_convert(args) -> list[Path]:
         raise DataError(f"convert {args.kind} takes {usage}, got {' '.join(args.paths)}")
     out = Path(args.paths[-1])
     size = convert_files.parse_shard_size(args.shard_size)
+    if args.seed < 0:
+        raise DataError(f"--seed must be >= 0, got {args.seed}")
+    if args.resize is not None and args.resize < 1:
+        raise DataError(f"--resize must be >= 1 (pixels a side), got {args.resize}")
     default_val = 0.2 if args.kind == "digits" else 0.0
     val_fraction = default_val if args.val_fraction is None else args.val_fraction
     if args.encoded or args.to == "tar":
@@ -114,15 +119,16 @@ def run_convert(args) -> list[Path]:
         splits, classes = convert.cifar_arrays(args.paths[0])
         return convert.write_dataset(out, splits, classes, _rows(size, splits))
     if args.kind == "npz":
-        splits, classes = convert.npz_arrays(args.paths[0])
+        splits, classes = convert_npz.npz_arrays(args.paths[0])
         if "val" in splits or not val_fraction:
             return convert.write_dataset(out, splits, classes, _rows(size, splits))
         images, labels = splits["train"]
     elif args.kind == "digits":
         images, labels, classes = convert.digits_arrays()
     else:
-        convert_files.folder_files(args.paths[0], out)  # refuses an output inside the folder
-        images, labels, classes = convert.folder_arrays(args.paths[0], args.resize)
+        folder = convert_files.folder_files(args.paths[0], out)  # refuses OUT inside it
+        images = convert.folder_arrays(folder.root, folder.relpaths, args.resize)
+        labels, classes = folder.labels, folder.classes
     train, val = convert.split(images, labels, val_fraction, args.seed)
     splits = {"train": train} if val is None else {"train": train, "val": val}
     return convert.write_dataset(out, splits, classes, _rows(size, splits))
@@ -174,6 +180,12 @@ def describe(path: str | Path) -> str:
     flawed = int((~readable).sum()) - (ds.index.meta["beyond"].get("count", 0) if beyond else 0)
     if flawed:
         lines.append(f"  unreadable:   {flawed} samples (a flaw each: bad samples when read)")
+    if ds.kind == "folder" and not np.all(ds.heights > 0):
+        bad = np.flatnonzero(ds.heights <= 0)
+        lines.append(
+            f"  unreadable:   {len(bad)} image(s) whose header cannot be read or that are too "
+            f"large, the first {ds.files.relpath(int(bad[0]))} (bad samples when read)"
+        )
     lines.append(
         f"  mean / std:   {np.round(ds.mean, 3).tolist()} / {np.round(ds.std, 3).tolist()}"
     )

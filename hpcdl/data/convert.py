@@ -1,4 +1,5 @@
-"""Convert data sets into HDF5 shards: scikit-learn digits, image folders, CIFAR pickles, .npz.
+"""Convert data sets into HDF5 shards: scikit-learn digits, image folders, CIFAR pickles, .npz
+(hpcdl.data.convert_npz).
 
 Output: OUT/train/part-00000.h5 ... and OUT/val/... (when there is validation data), each shard
 with `images` (N, H, W, C) uint8 (contiguous, uncompressed: the loader memory-maps it), `labels`
@@ -19,6 +20,7 @@ import numpy as np
 
 from hpcdl.data.convert_output import converted_into
 from hpcdl.data.dataset import DataError
+from hpcdl.data.image_file import ImageTooLarge, open_image, to_mode
 from hpcdl.fsync import fsync_path
 
 DEFAULT_SHARD_SIZE = 10000
@@ -39,8 +41,14 @@ def split(images, labels, val_fraction: float, seed: int):
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     n = len(labels)
-    perm = np.random.default_rng(seed).permutation(n)
     n_val = int(round(n * val_fraction))
+    if n_val == n or (val_fraction and not n_val):
+        left = "no training sample" if n_val else "no validation sample"
+        raise DataError(
+            f"--val-fraction {val_fraction} leaves {left} of the {n}; give a fraction that "
+            f"holds out between 1 and {n - 1} samples, or 0 for no validation split"
+        )
+    perm = np.random.default_rng(seed).permutation(n)
     val, train = np.sort(perm[:n_val]), np.sort(perm[n_val:])
     val_part = (images[val], labels[val]) if n_val else None
     return (images[train], labels[train]), val_part
@@ -94,26 +102,23 @@ def _write_shard(path: Path, x, y, classes, mean, std) -> None:
     fsync_path(path)
 
 
-def folder_arrays(src: str | Path, resize: int | None = None):
-    """An image folder root/<class>/<file> as (N, H, W, C) uint8, labels, classes.
-
-    Mixed sizes need resize=S (every image resized to S x S)."""
+def folder_arrays(root: Path, relpaths: list[str], resize: int | None = None) -> np.ndarray:
+    """The image files root/relpaths (an image folder's, convert_files.folder_files) as
+    (N, H, W, C) uint8. Mixed sizes need resize=S (every image resized to S x S)."""
     from PIL import Image  # noqa: PLC0415
 
-    from hpcdl.data.imagefolder import scan_folder  # noqa: PLC0415
-
-    root = Path(src)
-    relpaths, labels, classes = scan_folder(root)
     images, first = [], None
     for rel in relpaths:
         path = root / rel
         try:
-            with Image.open(path) as im:
-                im = im.convert("RGB")
+            with open_image(path) as im:
+                im = to_mode(im, "RGB")
                 if resize:
                     im = im.resize((resize, resize), Image.BILINEAR)
                 arr = np.asarray(im)
-        except OSError as exc:
+        except ImageTooLarge as exc:
+            raise DataError(f"{path}: {exc}, or remove it from the folder") from None
+        except (OSError, SyntaxError, ValueError) as exc:
             raise DataError(f"{path}: unreadable image ({exc})") from None
         if first is None:
             first = (arr.shape, path)
@@ -123,7 +128,7 @@ def folder_arrays(src: str | Path, resize: int | None = None):
                 f"{first[0][1]}x{first[0][0]}; pass --resize S to make every image S x S"
             )
         images.append(arr)
-    return np.stack(images), np.asarray(labels, np.int64), classes
+    return np.stack(images)
 
 
 def cifar_arrays(src: str | Path):
@@ -150,8 +155,13 @@ def cifar_arrays(src: str | Path):
                 data, labels = d[b"data"], d[key.encode()]
             except KeyError as exc:
                 raise DataError(f"{f}: no field {exc} in this CIFAR batch") from None
-            xs.append(np.asarray(data, np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-            ys.append(np.asarray(labels, np.int64))
+            xs.append(_cifar_images(f, data))
+            ys.append(np.asarray(labels, np.int64).reshape(-1))
+            if len(ys[-1]) != len(xs[-1]):
+                raise DataError(
+                    f"{f}: {len(xs[-1])} images but {len(ys[-1])} labels; not a CIFAR batch, "
+                    "or a truncated one"
+                )
         return np.concatenate(xs), np.concatenate(ys)
 
     names = [n.decode() for n in _unpickle(meta)[names_key.encode()]] if meta.exists() else None
@@ -162,46 +172,25 @@ def cifar_arrays(src: str | Path):
     return splits, classes
 
 
+def _cifar_images(path: Path, data) -> np.ndarray:
+    """A batch's 'data' (N, 3072) as (N, 32, 32, 3) uint8, or a DataError naming the file."""
+    pixels = np.asarray(data, np.uint8)
+    row = 3 * 32 * 32
+    if pixels.size == 0 or pixels.size % row or (pixels.ndim == 2 and pixels.shape[1] != row):
+        raise DataError(
+            f"{path}: not a CIFAR batch, or a truncated one: 'data' holds {pixels.size} bytes "
+            f"in rows of {pixels.shape[-1] if pixels.ndim else 0}, not rows of {row} "
+            "(3 x 32 x 32); download the batches again"
+        )
+    return pixels.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+
+
 def _unpickle(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
-            return pickle.load(f, encoding="bytes")
+            found = pickle.load(f, encoding="bytes")
     except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
         raise DataError(f"{path}: unreadable CIFAR batch ({exc})") from None
-
-
-def npz_arrays(src: str | Path):
-    """.npz with images/labels (or x_train/y_train[, x_test/y_test]) -> splits, classes."""
-    src = Path(src)
-    try:
-        z = np.load(src, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{src}: unreadable .npz ({exc})") from None
-    with z:
-        keys = set(z.files)
-        if {"images", "labels"} <= keys:
-            splits = {"train": (z["images"], z["labels"])}
-        elif {"x_train", "y_train"} <= keys:
-            splits = {"train": (z["x_train"], z["y_train"])}
-            if {"x_test", "y_test"} <= keys:
-                splits["val"] = (z["x_test"], z["y_test"])
-        else:
-            raise DataError(
-                f"{src}: needs arrays 'images' and 'labels' (or 'x_train', 'y_train'), "
-                f"found {sorted(keys)}"
-            )
-        classes = [str(c) for c in z["classes"]] if "classes" in keys else None
-    for name, (x, y) in list(splits.items()):
-        if x.ndim == 3:
-            x = x[..., None]
-        if x.dtype != np.uint8 or x.ndim != 4:
-            raise DataError(
-                f"{src}: {name} images are {x.dtype}{list(x.shape)}; need uint8 (N, H, W[, C])"
-            )
-        y = np.asarray(y).reshape(-1)
-        if len(y) != len(x):
-            raise DataError(f"{src}: {name} has {len(x)} images but {len(y)} labels")
-        splits[name] = (x, y.astype(np.int64))
-    if classes is None:
-        classes = [str(i) for i in range(int(splits["train"][1].max()) + 1)]
-    return splits, classes
+    if not isinstance(found, dict):
+        raise DataError(f"{path}: not a CIFAR batch (a pickled {type(found).__name__}, not a dict)")
+    return found

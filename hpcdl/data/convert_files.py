@@ -34,7 +34,8 @@ from hpcdl.data.convert import split
 from hpcdl.data.convert_output import converted_into
 from hpcdl.data.dataset import DataError
 from hpcdl.data.hdf5_encoded import ENCODED, OFFSETS
-from hpcdl.data.imagefolder import image_header, scan_folder
+from hpcdl.data.image_file import image_header
+from hpcdl.data.imagefolder import scan_folder
 from hpcdl.fsync import fsync_path
 
 CLASSES_NAME = "classes.json"  # the tar shards' class map (read by hpcdl.data.tarshards)

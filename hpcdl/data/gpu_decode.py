@@ -36,6 +36,12 @@ from hpcdl import messages
 from hpcdl.data.augment import Augment, Boxes, crop_boxes
 from hpcdl.data.batch import _substitutes, output_shape
 from hpcdl.data.dataset import BadSample
+from hpcdl.data.image_file import MAX_IMAGE_PIXELS, open_image, to_mode
+
+UNREAD = (
+    f"its header could not be read when the data set was indexed, or it has more than "
+    f"{MAX_IMAGE_PIXELS} pixels (Pillow's limit against decompression bombs)"
+)
 
 
 class Decoder(Protocol):
@@ -90,12 +96,10 @@ class NvImageCodecDecoder:
 
 def pillow_decode(blob: np.ndarray) -> np.ndarray | None:
     """(h, w, 3) uint8 of one compressed image, or None where Pillow cannot decode it."""
-    from PIL import Image  # noqa: PLC0415
-
     try:
-        with Image.open(io.BytesIO(memoryview(blob))) as im:
-            return np.asarray(im.convert("RGB"))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        with open_image(io.BytesIO(memoryview(blob))) as im:
+            return np.asarray(to_mode(im, "RGB"))
+    except (OSError, SyntaxError, ValueError):  # ImageTooLarge is an OSError
         return None
 
 
@@ -222,17 +226,21 @@ class GpuBatchDecoder:
     def _decoded(self, indices: np.ndarray, blobs: list[np.ndarray]) -> list[Any]:
         """Each image decoded: by the decoder, else by Pillow (counted), else None (bad). On
         the current stream, where the crops that follow run: the side stream inside ahead()."""
-        images = self.decoder.decode(blobs)
+        # indexed with height 0 (a header Pillow could not read, or an image over
+        # MAX_IMAGE_PIXELS): a bad sample, as on the CPU, whatever this decoder could decode
+        unread = self.ds.heights[indices] <= 0
+        images = self.decoder.decode([b[:0] if u else b for b, u in zip(blobs, unread)])
         for i, img in enumerate(images):
             if img is not None:
                 continue
-            if len(blobs[i]):
+            if len(blobs[i]) and not unread[i]:
                 img = pillow_decode(blobs[i])
             if img is None:
                 if not self.skip_bad:
                     fid = int(self.ds.file_ids(indices[i : i + 1])[0])
                     path = self.ds.root / self.ds.files.relpath(fid)
-                    raise BadSample(path, int(indices[i]), "not a decodable image")
+                    why = UNREAD if unread[i] else "not a decodable image"
+                    raise BadSample(path, int(indices[i]), why)
                 self.bad += 1
                 continue
             if self.decoder.name != "pillow":

@@ -45,7 +45,8 @@ from hpcdl.data.hdf5_shards import (
     classes_attr,
     open_shard,
 )
-from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, BadSampleAt, decode_image
+from hpcdl.data.image_file import BadSampleAt, decode_image
+from hpcdl.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD
 from hpcdl.data.pfs import open_latency, throttle
 
 HDF5_SUFFIXES = (".h5", ".hdf5")
@@ -328,7 +329,7 @@ class HDF5Reader(_ShardReader):
 
 class EncodedHDF5Reader(_ShardReader):
     """Decodes the encoded image files of shards in the process that owns it, with the image
-    folder's decode (imagefolder.decode_image), or hands their bytes to `--decode gpu`
+    folder's decode (image_file.decode_image), or hands their bytes to `--decode gpu`
     (file_bytes.FileBytesReader reads _open)."""
 
     def __init__(self, ds: HDF5Dataset, locate: Locate | None) -> None:

@@ -10,7 +10,7 @@ Layout of one shard (`python -m hpcdl.data convert folder SRC OUT --encoded` wri
 
 No pixel is decoded or resized at conversion, so a shard takes the bytes of the files (about
 half of ImageNet's pixels at 256 x 256) and sample i decodes to exactly the pixels of the
-folder's file i: the reader hands the row's bytes to imagefolder.decode_image, the folder's own
+folder's file i: the reader hands the row's bytes to image_file.decode_image, the folder's own
 decode, or whole to `--decode gpu`. A row is one pread at the dataset's file offset.
 """
 

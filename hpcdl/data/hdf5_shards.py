@@ -24,7 +24,22 @@ def open_shard(shard: Path) -> h5py.File:
     try:
         return h5py.File(shard, "r")
     except OSError as exc:
-        raise DataError(f"{shard}: not a readable HDF5 file ({exc})") from None
+        raise DataError(f"{shard}: not a readable HDF5 file ({exc}){_npz_hint(shard)}") from None
+
+
+def _npz_hint(path: Path) -> str:
+    """How to convert path when it is a zip archive (NumPy's .npz), else ''."""
+    try:
+        with open(path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return ""
+    if not is_zip:
+        return ""
+    return (
+        "; it is a zip archive (NumPy's .npz): convert it with "
+        f"python -m hpcdl.data convert npz {path} OUT, then use --data OUT/train"
+    )
 
 
 def check_pixel_shard(shard: Path, f: h5py.File) -> tuple[tuple[int, ...], np.dtype, np.ndarray]:

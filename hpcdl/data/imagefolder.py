@@ -67,6 +67,7 @@ from hpcdl.data.dataset import (
     check_table,
     names_end_at_newlines,
 )
+from hpcdl.data.image_file import BadSampleAt, decode_image, image_header
 from hpcdl.data.indexfile import index_bytes, map_index_file, write_index_file
 from hpcdl.data.pfs import open_source
 
@@ -81,7 +82,6 @@ _INDEX_VERSION = 3
 INDEX_THREADS = 32
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
-_GREY_MODES = ("L", "1", "I;16")
 _HEADER_CHUNK = 4096
 
 
@@ -97,22 +97,22 @@ def scan_folder(
 ) -> tuple[list[str], list[int], list[str]]:
     """(relative paths, labels, class names) of root/<class>/<image>, sorted; DataError if none.
 
-    Lists each directory once and opens no file. Names with control characters and symbolic
-    links that lead outside root are refused."""
+    Lists each directory once and opens no file. Names with control characters, symbolic
+    links that lead outside root and class directories without images are refused; images in
+    subdirectories of a class directory are not read, which one warning line says."""
     root = Path(root)
     dirs = _class_dirs(root) if dirs is None else dirs
     classes = [e.name for e in dirs]
     links = [e.name for e in dirs if e.is_symlink()]
-    relpaths, labels = [], []
+    relpaths, labels, nested, empty = [], [], [], []
     for label, name in enumerate(classes):
-        images = [
-            e
-            for e in os.scandir(root / name)
-            if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES
-        ]
+        images, subdirs = _class_entries(root, name)
+        if not images:
+            empty.append((name, subdirs))
         links += [f"{name}/{e.name}" for e in images if e.is_symlink()]
         relpaths += [f"{name}/{f}" for f in sorted(e.name for e in images)]
         labels += [label] * len(images)
+        nested += [f"{name}/{d}/" for d in subdirs]
     check_entries(root, classes + relpaths)
     real_root = Path(os.path.realpath(root))
     for rel in links:
@@ -122,7 +122,38 @@ def scan_folder(
             f"{root}: no images found (expected root/<class>/<file> with "
             f"{', '.join(IMAGE_SUFFIXES)} files)"
         )
+    if empty:
+        raise _empty_class(root, *empty[0])
+    if nested:
+        print(
+            f"hpcdl: warning: {root}: {len(nested)} subdirectories of class directories were "
+            f"not read (the first: {min(nested)}); an image folder's images lie directly in "
+            "root/<class>/: move them up, or make them classes of their own",
+            file=sys.stderr,
+        )
     return relpaths, labels, classes
+
+
+def _class_entries(root: Path, name: str) -> tuple[list[os.DirEntry], list[str]]:
+    """(image entries, names of subdirectories not hidden) of root/name."""
+    images, subdirs = [], []
+    for e in os.scandir(root / name):
+        if e.is_file():  # the file type scandir saw: a stat only where it saw none
+            if os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES:
+                images.append(e)
+        elif e.is_dir() and not e.name.startswith("."):
+            subdirs.append(e.name)
+    return images, subdirs
+
+
+def _empty_class(root: Path, name: str, subdirs: list[str]) -> DataError:
+    """The error for root/name, a class directory without images, which holds subdirs."""
+    first = min(subdirs, default="")
+    held = f" (only subdirectories, such as {first}/, which are not read)" if first else ""
+    return DataError(
+        f"{root / name}: a class directory with no images ({', '.join(IMAGE_SUFFIXES)})"
+        f"{held}; remove it, or put its images in it (torchvision's ImageFolder refuses it too)"
+    )
 
 
 def _tree_key(root: Path, dirs: list[os.DirEntry], version: int = _INDEX_VERSION) -> str:
@@ -148,18 +179,6 @@ def _read_header(path: Path) -> tuple[int, int, int, bool]:
             return os.fstat(f.fileno()).st_size, *image_header(f)
     except OSError:
         return 0, 0, 0, True
-
-
-def image_header(f: Any) -> tuple[int, int, bool]:
-    """(height, width, greyscale) parsed from the header of the image file open as f;
-    (0, 0, True) when it is unreadable (reading the image then raises BadSample)."""
-    from PIL import Image  # noqa: PLC0415
-
-    try:
-        with Image.open(f) as im:  # parses the header only
-            return im.height, im.width, im.mode in _GREY_MODES
-    except (OSError, SyntaxError, ValueError):
-        return 0, 0, True
 
 
 def read_headers(
@@ -297,6 +316,9 @@ class ImageFolderDataset:
         self.labels, self.heights, self.widths = cols["labels"], cols["heights"], cols["widths"]
         if not meta["readable"]:
             raise DataError(f"{self.root}: none of the {len(self.files)} images can be read")
+        counts = np.bincount(self.labels, minlength=len(self.classes))
+        if not counts.all():  # an index cached before empty classes were refused
+            raise _empty_class(self.root, self.classes[int(np.argmin(counts))], [])
         self.index_seconds = time.perf_counter() - t0
         channels = 1 if meta["grey"] else 3
         self.min_hw = (int(meta["min_hw"][0]), int(meta["min_hw"][1]))
@@ -451,59 +473,3 @@ class ImageFolderReader(SourceReader):
 
     def close(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class BadSampleAt:
-    """Where a sample is read from, for its BadSample: the file, the sample index and, in a
-    file of many samples, a prefix for the reason (which row)."""
-
-    path: Path
-    index: int
-    prefix: str = ""
-
-    def error(self, reason: str) -> BadSample:
-        return BadSample(self.path, self.index, self.prefix + reason)
-
-
-def decode_image(
-    f: Any,
-    mode: str,
-    indexed_hw: tuple[int, int],
-    draft: tuple[int, int] | None,
-    box: tuple[int, int, int, int] | None,
-    where: BadSampleAt,
-) -> tuple[np.ndarray, tuple[float, float]]:
-    """(image (h, w, C) uint8, (h / indexed h, w / indexed w)) of the image file open as f.
-
-    The one decode of image files, whoever holds their bytes (a folder's file, a row of an
-    encoded HDF5 shard): the same bytes give the same pixels. mode: "L" or "RGB"; draft = (w, h)
-    the decoder may shrink a JPEG to (Pillow draft mode: DCT scaling by 1/2, 1/4, 1/8); box =
-    (y0, x0, h, w) in indexed pixels: return only that region (cropped by Pillow before the
-    copy to NumPy). BadSample (where.error) when the bytes do not decode."""
-    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415
-
-    h, w = indexed_hw
-    try:
-        with Image.open(f) as im:
-            if draft and im.format == "JPEG":
-                im.draft(mode, draft)
-            if im.mode != mode:
-                im = im.convert(mode)
-            if h <= 0:
-                raise OSError("image header was unreadable when the index was built")
-            scale = (im.height / h, im.width / w)
-            if box is not None:
-                y0, x0, bh, bw = box
-                top, left = int(y0 * scale[0]), int(x0 * scale[1])
-                bottom = top + max(1, round(bh * scale[0]))
-                right = left + max(1, round(bw * scale[1]))
-                im = im.crop((left, top, right, bottom))
-            arr = np.asarray(im)
-    except UnidentifiedImageError:  # its text names the file object: <_io.BytesIO at 0x...>
-        raise where.error("the bytes are not a readable image file (JPEG, PNG)") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise where.error(str(exc)) from None
-    if arr.ndim == 2:
-        arr = arr[:, :, None]
-    return arr, scale

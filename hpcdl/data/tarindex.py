@@ -20,6 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.dataset import DataError, check_entries, check_link_inside
+from hpcdl.data.image_file import (
+    GREY_MODES,
+    MAX_IMAGE_PIXELS,
+    ImageTooLarge,
+    check_pixels,
+    open_image,
+)
 from hpcdl.data.tarheaders import ShardWindow, tar_members
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -34,10 +41,9 @@ _LIST = re.compile(r"[,\s]")  # paths joined by commas or spaces
 MAX_PATTERN_NAMES = 1_000_000
 # Bytes of an image read for its header, each tried in turn until it parses (then all of it).
 _HEADER_PREFIXES = (1 << 12, 1 << 16, 1 << 62)
-_GREY_MODES = ("L", "1", "I;16")
 
 # Why a sample cannot be read (the index's "flaws" column); 0: readable.
-TRUNCATED, NO_LABEL, TWO_IMAGES, BAD_LABEL, LABEL_RANGE, BAD_IMAGE = 1, 2, 3, 4, 5, 6
+TRUNCATED, NO_LABEL, TWO_IMAGES, BAD_LABEL, LABEL_RANGE, BAD_IMAGE, TOO_LARGE = 1, 2, 3, 4, 5, 6, 7
 FLAW_REASONS = {
     TRUNCATED: "the shard ends inside this sample's members (truncated); restore the shard",
     NO_LABEL: "the sample has an image but no label member (.cls, .json or .txt)",
@@ -46,6 +52,8 @@ FLAW_REASONS = {
     '.json: {"label": ...} or {"cls": ...})',
     LABEL_RANGE: "its label is outside the data set's classes",
     BAD_IMAGE: "its image header cannot be parsed (not a JPEG, PNG or WebP image)",
+    TOO_LARGE: f"its image has more than {MAX_IMAGE_PIXELS} pixels, more than hpcdl decodes "
+    "(Pillow's limit against decompression bombs); shrink it or remove it",
 }
 
 
@@ -279,7 +287,11 @@ def _read_sample(
     _, offset, length = sample.image
     header = None
     for prefix in _HEADER_PREFIXES:  # a few KB, past a camera's EXIF block, the whole image
-        header = image_header(window.read(min(length, prefix), offset))
+        try:
+            header = image_header(window.read(min(length, prefix), offset))
+        except ImageTooLarge:
+            sample.flaw = TOO_LARGE
+            return label, none
         if header is not None or length <= prefix:
             break
     if header is None:
@@ -310,16 +322,18 @@ def parse_label(ext: str, data: bytes) -> int | str | None:
 
 def image_header(data: bytes) -> tuple[int, int, bool] | None:
     """(height, width, greyscale) of an image's first bytes, as Pillow opens it (greyscale:
-    mode L, 1 or I;16); None when it cannot be parsed. A JPEG's frame header is found by hand
+    mode L, 1 or I;16); None when it cannot be parsed, ImageTooLarge over
+    image_file.MAX_IMAGE_PIXELS. A JPEG's frame header is found by hand
     (a tenth of Pillow's cost); anything else is Pillow's."""
     found = jpeg_frame(data)
     if found is not None:
+        check_pixels(found[0], found[1])
         return found
-    from PIL import Image  # noqa: PLC0415
-
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            return im.height, im.width, im.mode in _GREY_MODES
+        with open_image(io.BytesIO(data)) as im:
+            return im.height, im.width, im.mode in GREY_MODES
+    except ImageTooLarge:
+        raise
     except (OSError, SyntaxError, ValueError):
         return None
 
