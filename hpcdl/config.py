@@ -215,8 +215,8 @@ _HELP = {
     "progress": "auto: a live bar when the launcher's output is a terminal, else epoch "
     "($HPCDL_PROGRESS, when set, decides for auto; the sbatch templates set epoch); "
     "bar: Keras-style live bar; epoch: one line per epoch (job logs); none: no progress lines",
-    "workers": "loader worker processes per rank (0: load in the training process) "
-    "(default: a fair share of the node's cores)",
+    "workers": "loader worker processes per rank (0: load in the training process; at most 4 "
+    "per core of the node, shared by its ranks) (default: a fair share of the node's cores)",
     "prefetch": "shared-memory batch slots per rank (batches loaded ahead): auto (2 per "
     "worker, at least 4, within 4 GiB and a quarter of the free /dev/shm per node's ranks), "
     "or a number (default: auto)",
