@@ -25,6 +25,7 @@ from hpcdl.data.augment import parse_augment
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.nn.models import MODELS
 from hpcdl.nn.user_models import is_torchvision, is_user_model, load_builder
+from hpcdl.stage_flags import MAX_THREADS, stage_flags_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -234,7 +235,7 @@ _HELP = {
     "(default: off)",
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
-    "stage_threads": "copy threads of the node's stager",
+    "stage_threads": f"copy threads of the node's stager, 1..{MAX_THREADS}",
     "stage_nice": "niceness the node's stager adds to the ranks': auto (0 while the ranks wait "
     f"for the run's first epoch, +{STAGE_NICE_LATER} once they pass it), or 0-19 from the start "
     "(10 lets the ranks' steps go first on busy cores; 0: the ranks' priority)",
@@ -494,13 +495,9 @@ def _validate_spelled(cfg: TrainConfig) -> None:
         raise ConfigError(f"--stage-nice must be auto or 0..19, got {cfg.stage_nice!r}")
     if not re.fullmatch(r"grad|params:[1-9][0-9]*", cfg.sync):
         raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
-    if cfg.stage_capacity is not None and not re.fullmatch(
-        r"[0-9]+(\.[0-9]+)?([KMGT]i?B?|B|%)?", cfg.stage_capacity
-    ):
-        raise ConfigError(
-            f"--stage-capacity must be bytes (e.g. 200G) or a percentage (e.g. 80%), "
-            f"got {cfg.stage_capacity!r}"
-        )
+    error = stage_flags_error(cfg.stage_threads, cfg.stage_capacity)  # the stager's ranges
+    if error:
+        raise ConfigError(error)
 
 
 def _validate_resume(cfg: TrainConfig) -> None:

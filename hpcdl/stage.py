@@ -32,6 +32,7 @@ from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.data.worker_cores import whole_node
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.stage_flags import stage_flags_error
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.dry_run_report import epoch_rows, print_dry_run
 from hpcdl.staging.fskind import copy_threads, path_kind
@@ -210,6 +211,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if out.checkpoint_every is not None and int(out.checkpoint_every) < 0:
         raise UsageError("--checkpoint-every must be 0 (each epoch's end only) or more")
     parse_augment(out.augment)  # a bad value is said before the data set's errors, as in training
+    error = stage_flags_error(int(out.stage_threads), out.stage_capacity)  # the stager's ranges
+    if error:
+        raise UsageError(error)
     out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None

@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading
     ("hpcdl.data", "hpcdl.comm"),  # data sets, sampler, loader; MPI world, reducer, failure
-    ("hpcdl.config",),  # TrainConfig: validated against the data and model names
+    ("hpcdl.config", "hpcdl.stage_flags"),  # TrainConfig, validated; the stager's flag ranges
     ("hpcdl.staging",),  # the stage dir, plans, the stager session
     # what a run writes and what predicts it
     ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),
