@@ -41,6 +41,9 @@ STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_th
 # once the ranks pass the run's first epoch (docs/staging.md, "Below the ranks").
 STAGE_NICE = "auto"
 STAGE_NICE_LATER = 10
+# --seed: numpy's SeedSequence takes any, but the augmentation hash holds a uint64 and the torch
+# engine seeds seed + rank (torch.manual_seed: below 2**64), so seeds stay int64's.
+MAX_SEED = 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -197,7 +200,7 @@ _HELP = {
     "IEEE float32 in hpcdl's engine; a torch model keeps PyTorch's own defaults (TF32 "
     "convolutions, IEEE matmuls) (docs/precision.md, TF32)",
     "device": "cpu (NumPy) or gpu (CuPy; one GPU per rank, local rank modulo visible GPUs)",
-    "seed": "seed of initialisation, shuffling and augmentation",
+    "seed": "seed of initialisation, shuffling and augmentation, 0..2**63-1",
     "shuffle": "global: one permutation over all ranks per epoch; node: samples stay on their "
     "node (less staging traffic); none: fixed order",
     "sync": "grad: allreduce gradients every step; params:K: average parameters every K steps",
@@ -223,7 +226,8 @@ _HELP = {
     "or a number (default: auto)",
     "loader_timeout": "seconds a loader worker may stay silent on a batch the trainer waits for: "
     "a warning at half, then the job stops with exit status 4",
-    "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
+    "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip (cropP, rcropS, rrcS with "
+    "P, S <= 8192)",
     "decode": "cpu: loader workers decode and augment; gpu: workers only read the image files, "
     "the rank decodes them (nvImageCodec on --device gpu; Pillow in the rank elsewhere), crops, "
     "flips and normalises on its device, with the same crop boxes (docs/training.md)",
@@ -451,6 +455,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in _NON_NEGATIVE:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.seed > MAX_SEED:
+        raise ConfigError(f"--seed must be 0..{MAX_SEED} (2**63 - 1), got {cfg.seed}")
     if not cfg.lr >= 0:  # 0 freezes the model, as PyTorch and Keras allow (startup says so)
         raise ConfigError(f"--lr must be >= 0, got {cfg.lr}")
     if not cfg.bucket_mb > 0:

@@ -26,7 +26,7 @@ from typing import Any
 
 from hpcdl.clustermodel.calibration import PfsFigures
 from hpcdl.clustermodel.equations import staged_at, staging_rate
-from hpcdl.config import STAGE_THREADS, TrainConfig, field_types, toml_values
+from hpcdl.config import MAX_SEED, STAGE_THREADS, TrainConfig, field_types, toml_values
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
@@ -206,6 +206,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("batch_size", "epochs", "stage_threads"):
         if int(getattr(out, name)) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= int(out.seed) <= MAX_SEED:  # hpcdl.train's range: one job file, one meaning
+        raise UsageError(f"--seed must be 0..{MAX_SEED} (2**63 - 1), got {out.seed}")
     if out.workers is not None and int(out.workers) < 0:
         raise UsageError("--workers must be 0 or more")
     if out.checkpoint_every is not None and int(out.checkpoint_every) < 0:
