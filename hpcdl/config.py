@@ -156,6 +156,16 @@ PATH_KEYS = (
     "timeline",
 )
 _NOT_PATHS = {"resume": ("none", "auto")}
+# What a path key wants, for the error when it is given empty ("$LOCAL_SCRATCH" unset).
+_PATH_WANTS = {
+    "config": "a TOML file",
+    "data": "the training data's path",
+    "val_data": "the validation data's path",
+    "metrics": "a file",
+    "resume": "auto, none or a checkpoint file",
+    "init_from": "a weights file",
+    "timeline": "a file",
+}
 _WORD_OR_INT = ("stage_nice", "prefetch")  # a word or a number: TOML may give either
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
@@ -344,13 +354,27 @@ def field_types() -> dict[str, type]:
     return {f.name: _field_type(f) for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
 
 
+def empty_path_error(name: str, source: str, what: str | None = None) -> str:
+    """The error for path flag or key `name` given as "" in `source` ("command line" or the
+    config file): most often an unset variable, never "no path". what: what it wants (default:
+    a PATH_KEYS key's, else a directory)."""
+    what = what or _PATH_WANTS.get(name, "a directory")
+    if source == "command line":
+        leave = "" if name == "data" else " or leave the flag out"
+        return f"{_flag(name)} is empty (an unset variable?); give {what}{leave}"
+    leave = "" if name == "data" else " or leave the key out"
+    return f"{_flag(name)} ({source}) is empty; give {what}{leave}"
+
+
 def convert_value(name: str, value: Any, typ: type, source: str) -> Any:
     """`value` of flag or key `name` as `typ` (bool, int, float, str; object: as given, for its
     user to check); ConfigError naming the flag and `source` (the config file, "command line")
-    when it is of another type."""
+    when it is of another type, or an empty path (empty_path_error)."""
     where = f"{_flag(name)} ({source})"
     if value is None or typ is object:
         return value
+    if value == "" and name in PATH_KEYS:
+        raise ConfigError(empty_path_error(name, source))
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -429,6 +453,8 @@ def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Build a validated TrainConfig from flags and an optional TOML file."""
     args = build_parser().parse_args(argv)
+    if args.config == "":
+        raise ConfigError(empty_path_error("config", "command line"))
     types = field_types()
     values = toml_values(args.config, types) if args.config else {}
     for name, typ in types.items():

@@ -26,7 +26,14 @@ from typing import Any
 
 from hpcdl.clustermodel.calibration import PfsFigures
 from hpcdl.clustermodel.equations import staged_at, staging_rate
-from hpcdl.config import MAX_SEED, STAGE_THREADS, TrainConfig, field_types, toml_values
+from hpcdl.config import (
+    MAX_SEED,
+    STAGE_THREADS,
+    TrainConfig,
+    empty_path_error,
+    field_types,
+    toml_values,
+)
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
@@ -197,8 +204,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     this command has no use for are left out."""
     values = dict(DEFAULTS)
     given = {k for k, v in vars(args).items() if v is not None and v is not False}
+    refuse_empty_paths(vars(args), "command line")
     if args.config:
         toml = toml_values(args.config, config_types(), ignore_unknown=True)
+        refuse_empty_paths(toml, args.config)
         values.update(toml)
         given |= set(toml)
     values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
@@ -224,6 +233,24 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if out.shards is not None and not (out.dry_run and out.calibration):
         raise UsageError("--shards (the data set as shards) is for --dry-run --calibration only")
     return out
+
+
+# Flags naming a file or a directory, and what each wants where it is given empty.
+PATH_FLAGS = {
+    "config": "a TOML file",
+    "data": "the data set's path",
+    "stage_dir": "a directory",
+    "write_plans": "a directory",
+    "calibration": "a calibration file",
+    "checkpoint_dir": "a directory",
+}
+
+
+def refuse_empty_paths(values: dict[str, Any], source: str) -> None:
+    """A path flag given as "" (an unset $LOCAL_SCRATCH, say) is an error, never "none"."""
+    for name, what in PATH_FLAGS.items():
+        if values.get(name) == "":
+            raise UsageError(empty_path_error(name, source, what))
 
 
 def node_counts(value: Any) -> list[int]:
