@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -475,6 +476,10 @@ def validate(cfg: TrainConfig) -> None:
                 f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
             )
     _validate_model(cfg.model)
+    for name, typ in field_types().items():  # inf and nan fail at step 1 or never end a wait
+        value = getattr(cfg, name)
+        if typ is float and value is not None and not math.isfinite(value):
+            raise ConfigError(f"{_flag(name)} must be a finite number, got {value}")
     for name in _POSITIVE_INT:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
