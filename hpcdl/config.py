@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcdl.config_paths import PATH_KEYS, empty_path_error, resolve_paths
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.nn.models import MODELS
@@ -143,29 +144,6 @@ _CHOICES = {
     "peer_ranges": PEER_MODES,
     "progress": PROGRESS_MODES,
     "on_node_loss": ("stop", "continue"),
-}
-# Keys naming files or directories; words that are not paths, per key.
-PATH_KEYS = (
-    "data",
-    "val_data",
-    "checkpoint_dir",
-    "metrics",
-    "stage_dir",
-    "resume",
-    "init_from",
-    "tensorboard",
-    "timeline",
-)
-_NOT_PATHS = {"resume": ("none", "auto")}
-# What a path key wants, for the error when it is given empty ("$LOCAL_SCRATCH" unset).
-_PATH_WANTS = {
-    "config": "a TOML file",
-    "data": "the training data's path",
-    "val_data": "the validation data's path",
-    "metrics": "a file",
-    "resume": "auto, none or a checkpoint file",
-    "init_from": "a weights file",
-    "timeline": "a file",
 }
 _WORD_OR_INT = ("stage_nice", "prefetch")  # a word or a number: TOML may give either
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "stage_threads")
@@ -355,18 +333,6 @@ def field_types() -> dict[str, type]:
     return {f.name: _field_type(f) for f in dataclasses.fields(TrainConfig) if f.name != "extra"}
 
 
-def empty_path_error(name: str, source: str, what: str | None = None) -> str:
-    """The error for path flag or key `name` given as "" in `source` ("command line" or the
-    config file): most often an unset variable, never "no path". what: what it wants (default:
-    a PATH_KEYS key's, else a directory)."""
-    what = what or _PATH_WANTS.get(name, "a directory")
-    if source == "command line":
-        leave = "" if name == "data" else " or leave the flag out"
-        return f"{_flag(name)} is empty (an unset variable?); give {what}{leave}"
-    leave = "" if name == "data" else " or leave the key out"
-    return f"{_flag(name)} ({source}) is empty; give {what}{leave}"
-
-
 def convert_value(name: str, value: Any, typ: type, source: str) -> Any:
     """`value` of flag or key `name` as `typ` (bool, int, float, str; object: as given, for its
     user to check); ConfigError naming the flag and `source` (the config file, "command line")
@@ -428,27 +394,6 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is a directory, expected a TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-
-
-def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
-    """`values` of a TOML file with its relative paths (PATH_KEYS) made relative to its directory.
-
-    `data = "shards"` means the shards beside the config file, wherever the job starts; `~` is
-    expanded. So does the file of `model = "nets/mine.py:build"` (a module spec or a built-in
-    name is not a path). Values that are not strings are left for validation to reject.
-    """
-    base = Path(config_path).parent
-    out = dict(values)
-    for key in PATH_KEYS:
-        value = out.get(key)
-        if isinstance(value, str) and value and value not in _NOT_PATHS.get(key, ()):
-            out[key] = str(base / Path(value).expanduser())
-    model = out.get("model")
-    if isinstance(model, str) and is_user_model(model):
-        where, _, function = model.rpartition(":")
-        if where.endswith(".py"):
-            out["model"] = f"{base / Path(where).expanduser()}:{function}"
-    return out
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
