@@ -66,6 +66,13 @@ def batch_size_error(batch_size: int, samples: int, ranks: int, data: str) -> st
     per_rank = samples // ranks
     if batch_size <= per_rank:
         return None
+    if 0 < samples < ranks:  # no batch size helps: fewer ranks do
+        most = samples // batch_size
+        fix = f"{most} rank(s)" if most else f"{samples} rank(s) and --batch-size 1"
+        return (
+            f"{data} has fewer samples ({samples}) than ranks ({ranks}), and every rank needs a "
+            f"batch of its own; use at most {fix}"
+        )
     return (
         f"--batch-size {batch_size} is larger than each rank's shard of {data} "
         f"({samples} samples / {ranks} ranks = {per_rank}); "
