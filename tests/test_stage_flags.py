@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import BIN, mpi_env, one_line_error, stage_cli
+from helpers import mpi_env, one_line_error, stage_cli
 
 from hpcdl.stage_flags import MAX_CAPACITY, MAX_THREADS, parse_capacity_flag, stage_threads_error
+from hpcdl.staging.binary import find_stager_binary
 
 THREADS_ERROR = f"--stage-threads must be 1..{MAX_THREADS} (the stager's copy threads), got"
 
@@ -22,7 +23,7 @@ def stager(tmp_path, *flags) -> subprocess.CompletedProcess:
     session's temporaries: a refused option exits 2, an accepted one 0."""
     (tmp_path / "sd" / ".hpcdl" / "sessions" / "s").mkdir(parents=True, exist_ok=True)
     return subprocess.run(
-        [BIN / "hpcdl-stage", "--stage-dir", tmp_path / "sd", "--session", "s", *map(str, flags),
+        [find_stager_binary(), "--stage-dir", tmp_path / "sd", "--session", "s", *map(str, flags),
          "--remove-temporaries"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
