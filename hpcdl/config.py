@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcdl.config_paths import PATH_KEYS, empty_path_error, resolve_paths
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.loader import LOADER_TIMEOUT_S
 from hpcdl.nn.models import MODELS
 from hpcdl.nn.user_models import is_torchvision, is_user_model, load_builder
+from hpcdl.stage_flags import MAX_THREADS, stage_flags_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,6 +43,9 @@ STAGE_THREADS = 32  # the stager's copy threads by default (TrainConfig.stage_th
 # once the ranks pass the run's first epoch (docs/staging.md, "Below the ranks").
 STAGE_NICE = "auto"
 STAGE_NICE_LATER = 10
+# --seed: numpy's SeedSequence takes any, but the augmentation hash holds a uint64 and the torch
+# engine seeds seed + rank (torch.manual_seed: below 2**64), so seeds stay int64's.
+MAX_SEED = 2**63 - 1
 
 
 class ConfigError(ValueError):
@@ -139,19 +145,6 @@ _CHOICES = {
     "progress": PROGRESS_MODES,
     "on_node_loss": ("stop", "continue"),
 }
-# Keys naming files or directories; words that are not paths, per key.
-PATH_KEYS = (
-    "data",
-    "val_data",
-    "checkpoint_dir",
-    "metrics",
-    "stage_dir",
-    "resume",
-    "init_from",
-    "tensorboard",
-    "timeline",
-)
-_NOT_PATHS = {"resume": ("none", "auto")}
 _WORD_OR_INT = ("stage_nice", "prefetch")  # a word or a number: TOML may give either
 _POSITIVE_INT = ("epochs", "batch_size", "metrics_every", "stage_threads")
 _NON_NEGATIVE = ("warmup_epochs", "momentum", "weight_decay", "checkpoint_every", "seed")
@@ -196,7 +189,7 @@ _HELP = {
     "IEEE float32 in hpcdl's engine; a torch model keeps PyTorch's own defaults (TF32 "
     "convolutions, IEEE matmuls) (docs/precision.md, TF32)",
     "device": "cpu (NumPy) or gpu (CuPy; one GPU per rank, local rank modulo visible GPUs)",
-    "seed": "seed of initialisation, shuffling and augmentation",
+    "seed": "seed of initialisation, shuffling and augmentation, 0..2**63-1",
     "shuffle": "global: one permutation over all ranks per epoch; node: samples stay on their "
     "node (less staging traffic); none: fixed order",
     "sync": "grad: allreduce gradients every step; params:K: average parameters every K steps",
@@ -215,14 +208,15 @@ _HELP = {
     "progress": "auto: a live bar when the launcher's output is a terminal, else epoch "
     "($HPCDL_PROGRESS, when set, decides for auto; the sbatch templates set epoch); "
     "bar: Keras-style live bar; epoch: one line per epoch (job logs); none: no progress lines",
-    "workers": "loader worker processes per rank (0: load in the training process) "
-    "(default: a fair share of the node's cores)",
+    "workers": "loader worker processes per rank (0: load in the training process; at most 4 "
+    "per core of the node, shared by its ranks) (default: a fair share of the node's cores)",
     "prefetch": "shared-memory batch slots per rank (batches loaded ahead): auto (2 per "
     "worker, at least 4, within 4 GiB and a quarter of the free /dev/shm per node's ranks), "
     "or a number (default: auto)",
     "loader_timeout": "seconds a loader worker may stay silent on a batch the trainer waits for: "
     "a warning at half, then the job stops with exit status 4",
-    "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip",
+    "augment": "augmentation spec, e.g. none, crop4+flip, rrc224+flip (cropP, rcropS, rrcS with "
+    "P, S <= 8192)",
     "decode": "cpu: loader workers decode and augment; gpu: workers only read the image files, "
     "the rank decodes them (nvImageCodec on --device gpu; Pillow in the rank elsewhere), crops, "
     "flips and normalises on its device, with the same crop boxes (docs/training.md)",
@@ -234,7 +228,7 @@ _HELP = {
     "(default: off)",
     "stage_dir": "node-local directory to stage training files into (enables staging) "
     "(default: none, read from the data's file system)",
-    "stage_threads": "copy threads of the node's stager",
+    "stage_threads": f"copy threads of the node's stager, 1..{MAX_THREADS}",
     "stage_nice": "niceness the node's stager adds to the ranks': auto (0 while the ranks wait "
     f"for the run's first epoch, +{STAGE_NICE_LATER} once they pass it), or 0-19 from the start "
     "(10 lets the ranks' steps go first on busy cores; 0: the ranks' priority)",
@@ -342,10 +336,12 @@ def field_types() -> dict[str, type]:
 def convert_value(name: str, value: Any, typ: type, source: str) -> Any:
     """`value` of flag or key `name` as `typ` (bool, int, float, str; object: as given, for its
     user to check); ConfigError naming the flag and `source` (the config file, "command line")
-    when it is of another type."""
+    when it is of another type, or an empty path (empty_path_error)."""
     where = f"{_flag(name)} ({source})"
     if value is None or typ is object:
         return value
+    if value == "" and name in PATH_KEYS:
+        raise ConfigError(empty_path_error(name, source))
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -424,30 +420,11 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
-def resolve_paths(values: dict[str, Any], config_path: str) -> dict[str, Any]:
-    """`values` of a TOML file with its relative paths (PATH_KEYS) made relative to its directory.
-
-    `data = "shards"` means the shards beside the config file, wherever the job starts; `~` is
-    expanded. So does the file of `model = "nets/mine.py:build"` (a module spec or a built-in
-    name is not a path). Values that are not strings are left for validation to reject.
-    """
-    base = Path(config_path).parent
-    out = dict(values)
-    for key in PATH_KEYS:
-        value = out.get(key)
-        if isinstance(value, str) and value and value not in _NOT_PATHS.get(key, ()):
-            out[key] = str(base / Path(value).expanduser())
-    model = out.get("model")
-    if isinstance(model, str) and is_user_model(model):
-        where, _, function = model.rpartition(":")
-        if where.endswith(".py"):
-            out["model"] = f"{base / Path(where).expanduser()}:{function}"
-    return out
-
-
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Build a validated TrainConfig from flags and an optional TOML file."""
     args = build_parser().parse_args(argv)
+    if args.config == "":
+        raise ConfigError(empty_path_error("config", "command line"))
     types = field_types()
     values = toml_values(args.config, types) if args.config else {}
     for name, typ in types.items():
@@ -468,12 +445,18 @@ def validate(cfg: TrainConfig) -> None:
                 f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(cfg, name)!r}"
             )
     _validate_model(cfg.model)
+    for name, typ in field_types().items():  # inf and nan fail at step 1 or never end a wait
+        value = getattr(cfg, name)
+        if typ is float and value is not None and not math.isfinite(value):
+            raise ConfigError(f"{_flag(name)} must be a finite number, got {value}")
     for name in _POSITIVE_INT:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(cfg, name)}")
     for name in _NON_NEGATIVE:
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{_flag(name)} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.seed > MAX_SEED:
+        raise ConfigError(f"--seed must be 0..{MAX_SEED} (2**63 - 1), got {cfg.seed}")
     if not cfg.lr >= 0:  # 0 freezes the model, as PyTorch and Keras allow (startup says so)
         raise ConfigError(f"--lr must be >= 0, got {cfg.lr}")
     if not cfg.bucket_mb > 0:
@@ -518,13 +501,9 @@ def _validate_spelled(cfg: TrainConfig) -> None:
         raise ConfigError(f"--stage-nice must be auto or 0..19, got {cfg.stage_nice!r}")
     if not re.fullmatch(r"grad|params:[1-9][0-9]*", cfg.sync):
         raise ConfigError(f"--sync must be 'grad' or 'params:K' with K >= 1, got {cfg.sync!r}")
-    if cfg.stage_capacity is not None and not re.fullmatch(
-        r"[0-9]+(\.[0-9]+)?([KMGT]i?B?|B|%)?", cfg.stage_capacity
-    ):
-        raise ConfigError(
-            f"--stage-capacity must be bytes (e.g. 200G) or a percentage (e.g. 80%), "
-            f"got {cfg.stage_capacity!r}"
-        )
+    error = stage_flags_error(cfg.stage_threads, cfg.stage_capacity)  # the stager's ranges
+    if error:
+        raise ConfigError(error)
 
 
 def _validate_resume(cfg: TrainConfig) -> None:

@@ -26,12 +26,20 @@ from typing import Any
 
 from hpcdl.clustermodel.calibration import PfsFigures
 from hpcdl.clustermodel.equations import staged_at, staging_rate
-from hpcdl.config import STAGE_THREADS, TrainConfig, field_types, toml_values
+from hpcdl.config import (
+    MAX_SEED,
+    STAGE_THREADS,
+    TrainConfig,
+    empty_path_error,
+    field_types,
+    toml_values,
+)
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.pfs import open_source
 from hpcdl.data.sampler import PLACEMENTS, NodeLayout, SamplerSpec, rank_layout
 from hpcdl.data.worker_cores import whole_node
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.stage_flags import stage_flags_error
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.dry_run_report import epoch_rows, print_dry_run
 from hpcdl.staging.fskind import copy_threads, path_kind
@@ -196,8 +204,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     this command has no use for are left out."""
     values = dict(DEFAULTS)
     given = {k for k, v in vars(args).items() if v is not None and v is not False}
+    refuse_empty_paths(vars(args), "command line")
     if args.config:
         toml = toml_values(args.config, config_types(), ignore_unknown=True)
+        refuse_empty_paths(toml, args.config)
         values.update(toml)
         given |= set(toml)
     values.update({k: v for k, v in vars(args).items() if v is not None and v is not False})
@@ -205,11 +215,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("batch_size", "epochs", "stage_threads"):
         if int(getattr(out, name)) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= int(out.seed) <= MAX_SEED:  # hpcdl.train's range: one job file, one meaning
+        raise UsageError(f"--seed must be 0..{MAX_SEED} (2**63 - 1), got {out.seed}")
     if out.workers is not None and int(out.workers) < 0:
         raise UsageError("--workers must be 0 or more")
     if out.checkpoint_every is not None and int(out.checkpoint_every) < 0:
         raise UsageError("--checkpoint-every must be 0 (each epoch's end only) or more")
     parse_augment(out.augment)  # a bad value is said before the data set's errors, as in training
+    error = stage_flags_error(int(out.stage_threads), out.stage_capacity)  # the stager's ranges
+    if error:
+        raise UsageError(error)
     out.stage_threads_given = "stage_threads" in given  # else stage-only chooses (fskind)
     out.node_counts = node_counts(out.nodes)
     out.nodes = out.node_counts[0] if out.node_counts else None
@@ -218,6 +233,24 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if out.shards is not None and not (out.dry_run and out.calibration):
         raise UsageError("--shards (the data set as shards) is for --dry-run --calibration only")
     return out
+
+
+# Flags naming a file or a directory, and what each wants where it is given empty.
+PATH_FLAGS = {
+    "config": "a TOML file",
+    "data": "the data set's path",
+    "stage_dir": "a directory",
+    "write_plans": "a directory",
+    "calibration": "a calibration file",
+    "checkpoint_dir": "a directory",
+}
+
+
+def refuse_empty_paths(values: dict[str, Any], source: str) -> None:
+    """A path flag given as "" (an unset $LOCAL_SCRATCH, say) is an error, never "none"."""
+    for name, what in PATH_FLAGS.items():
+        if values.get(name) == "":
+            raise UsageError(empty_path_error(name, source, what))
 
 
 def node_counts(value: Any) -> list[int]:

@@ -3,6 +3,10 @@ dir is allowed, a rank's share of the data holds a batch, and every rank runs th
 and configuration. Each is checked where it can be (rank 0 for the outputs, every rank for the
 rest) and ends every rank with one line.
 
+--workers is bounded by the node: WORKERS_PER_CORE loader processes per core the job has there,
+shared by the node's ranks (a worker blocked in a read leaves its core to another, so a few per
+core can pay; thousands only thrash, and --workers 100000 kept starting processes for minutes).
+
 --checkpoint-dir is rank 0's (the only writer): probed by creating it as checkpoint.save would
 and a file in it, both removed again, so a directory that cannot take checkpoints stops the run
 before it trains and a start-up that stops later leaves nothing. A fresh run (--resume none)
@@ -22,7 +26,10 @@ from hpcdl.atomic import reason
 from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
+from hpcdl.data.worker_cores import job_cores
 from hpcdl.paths import nearest_existing
+
+WORKERS_PER_CORE = 4  # the most loader workers per core of the node, all its ranks' together
 
 
 def run_fingerprint(cfg: TrainConfig, layout: list[tuple[str, tuple[int, ...]]]) -> str:
@@ -59,10 +66,39 @@ def batch_size_error(batch_size: int, samples: int, ranks: int, data: str) -> st
     per_rank = samples // ranks
     if batch_size <= per_rank:
         return None
+    if 0 < samples < ranks:  # no batch size helps: fewer ranks do
+        most = samples // batch_size
+        fix = f"{most} rank(s)" if most else f"{samples} rank(s) and --batch-size 1"
+        return (
+            f"{data} has fewer samples ({samples}) than ranks ({ranks}), and every rank needs a "
+            f"batch of its own; use at most {fix}"
+        )
     return (
         f"--batch-size {batch_size} is larger than each rank's shard of {data} "
         f"({samples} samples / {ranks} ranks = {per_rank}); "
         f"use a batch size <= {per_rank} or fewer ranks"
+    )
+
+
+def check_workers(cfg: TrainConfig, world: World) -> None:
+    """--workers beyond the node's bound (module notes): every rank stops, before a worker
+    starts, with one line."""
+    error = None
+    if cfg.workers is not None:
+        error = workers_error(cfg.workers, world.local_size, len(job_cores()))
+    agree_on_errors(world.comm, world.rank, error)
+
+
+def workers_error(workers: int, ranks_on_node: int, cores: int) -> str | None:
+    """The error when `workers` loader workers for each of `ranks_on_node` ranks exceed
+    WORKERS_PER_CORE per core of the node's `cores` (at least 1 per rank is always fine)."""
+    most = max(1, WORKERS_PER_CORE * cores // max(1, ranks_on_node))
+    if workers <= most:
+        return None
+    return (
+        f"--workers {workers} is more loader workers than this node can run: at most "
+        f"{WORKERS_PER_CORE} per core of its {cores} core(s), shared by {ranks_on_node} rank(s), "
+        f"is {most} per rank; give --workers {most} or fewer, or leave it out for a fair share"
     )
 
 

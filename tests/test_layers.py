@@ -47,7 +47,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading
     ("hpcdl.data", "hpcdl.comm"),  # data sets, sampler, loader; MPI world, reducer, failure
-    ("hpcdl.config",),  # TrainConfig: validated against the data and model names
+    # TrainConfig, validated; its path keys; the stager's flag ranges
+    ("hpcdl.config", "hpcdl.config_paths", "hpcdl.stage_flags"),
     ("hpcdl.staging",),  # the stage dir, plans, the stager session
     # what a run writes and what predicts it
     ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),

@@ -7,7 +7,8 @@ Spec string (`--augment`), ops joined by '+':
   rrcS      random-resized crop to S x S: area 8-100 %, aspect 3/4-4/3 (ImageNet style);
             validation: resize the shorter side to int(S / 0.875), centre S x S crop
   flip      horizontal flip with probability 1/2
-At most one of crop/rcrop/rrc. Validation (train=False) never draws random numbers.
+At most one of crop/rcrop/rrc; P and S at most MAX_CROP (an S x S float32 sample of 8192 is
+768 MiB; rrc99999 asked numpy for 18.6 TiB). Validation (train=False) never draws random numbers.
 
 Shapes: training and validation both yield S x S with rcropS and rrcS, and the data set's
 sample size otherwise (`Augment.output_hw`; `hpcdl.data.batch.output_shape` is the contract
@@ -31,7 +32,8 @@ RRC_RATIO = (3 / 4, 4 / 3)
 RRC_ATTEMPTS = 10
 VAL_RESIZE_FRACTION = 0.875  # validation of rrcS: shorter side S / 0.875, centre crop S
 
-_TOKEN = re.compile(r"^(crop|rcrop|rrc)(\d+)$")
+MAX_CROP = 8192  # the largest P of cropP and S of rcropS and rrcS
+_TOKEN = re.compile(r"^(crop|rcrop|rrc)([0-9]+)$")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ def parse_augment(spec: str | None) -> Augment:
         if token == "flip":
             fields["flip"] = True
         elif m and (m.group(1) == "crop" or int(m.group(2)) > 0):
+            if int(m.group(2)) > MAX_CROP:
+                raise ValueError(
+                    f"--augment {spec!r}: {token} is larger than {MAX_CROP}, the most "
+                    f"{m.group(1)} takes; give {m.group(1)}{MAX_CROP} or less"
+                )
             key = {"crop": "pad", "rcrop": "crop", "rrc": "rrc"}[m.group(1)]
             fields[key] = int(m.group(2))
         else:

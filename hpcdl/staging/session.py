@@ -10,7 +10,6 @@ here blocks on the stager.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import stat
@@ -29,6 +28,7 @@ from hpcdl.config import STAGE_NICE, STAGE_THREADS
 from hpcdl.data.dataset import FileTable
 from hpcdl.data.sampler import SamplerSpec
 from hpcdl.paths import nearest_existing
+from hpcdl.stage_flags import parse_capacity_flag
 from hpcdl.staging.binary import StagerNotFound, find_stager_binary
 from hpcdl.staging.layout import SessionDir
 from hpcdl.staging.outran import outran_warning
@@ -49,30 +49,20 @@ from hpcdl.staging.status import CounterFile, ProgressFile, StatusView, status_l
 PEER_COUNTERS = ("pfs_opens", "peer_files", "peer_bytes", "peer_fallbacks", "files_served")
 # What a session says once (SaidOnce): the reading-from-the-PFS warning, the outran check.
 PFS_FALLBACK, OUTRAN_CHECK = "pfs fallback", "outran check"
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def parse_capacity(value: str | int | None, stage_dir: str | Path) -> int | None:
     """Bytes staging may use: int, '200G' (binary units), '80%' of free space; 0 stages nothing.
 
-    None (or '') stays None: hpcdl-stage then uses its default (default_capacity()).
+    None (or '') stays None: hpcdl-stage then uses its default (default_capacity()). A value
+    the stager does not take is a ValueError naming --stage-capacity (hpcdl.stage_flags).
     """
     if value is None or value == "":
         return None
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)?\s*(%?)\s*", str(value))
-    if not m or (m.group(4) and m.group(2)):
-        raise ValueError(
-            f"stage capacity must be bytes (e.g. 200G) or a percentage (e.g. 80%), got {value!r}"
-        )
-    number = float(m.group(1))
-    if m.group(4):
-        if number > 100:
-            raise ValueError(f"stage capacity {value!r}: a percentage must be at most 100%")
-        free = shutil.disk_usage(nearest_existing(stage_dir)).free
-        return int(free * number / 100)
-    return int(number * _UNITS[m.group(2)])
+    capacity = parse_capacity_flag(value)
+    if capacity.percent is None:
+        return capacity.nbytes
+    return capacity.resolve(shutil.disk_usage(nearest_existing(stage_dir)).free)
 
 
 def default_capacity(stage_dir: str | Path) -> int:

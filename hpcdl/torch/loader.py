@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
-from hpcdl import messages, startup, startup_input
+from hpcdl import messages, startup, startup_checks, startup_input
 from hpcdl.comm.failure import SystemExitWithMessage
 from hpcdl.config import STAGE_NICE, STAGE_THREADS, ConfigError, TrainConfig, validate
 from hpcdl.data.dataset import DataError
@@ -165,6 +165,7 @@ class Loader:
         cfg, world = self.cfg, self.world
         try:
             with ExitStack() as stack:  # an error half way closes what was made (this rank)
+                startup_checks.check_workers(cfg, world)
                 dataset, _ = startup.open_datasets(cfg, world)
                 spec = startup.sampler_spec(cfg, world, len(dataset))
                 xp = _decode_xp(self._torch) if cfg.decode == "gpu" else None
