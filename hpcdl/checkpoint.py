@@ -81,7 +81,8 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
     final = directory / checkpoint_name(ckpt.epoch, ckpt.global_step)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(final, lambda tmp: _write_h5(tmp, ckpt))  # hpcdl.atomic
+        # hpcdl.atomic; the user's file, so the umask's mode, as the metrics file has
+        write_atomically(final, lambda tmp: _write_h5(tmp, ckpt), mode=None)
     except OSError as exc:
         raise CheckpointWriteError(
             f"cannot write checkpoint {final}: {reason(exc)}; {what_to_do(exc, directory)}"
