@@ -224,15 +224,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked (parser.error, status 2) before MPI starts."""
     args = parser.parse_args(argv)
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in MODELS]
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if args.repeats < 1 or args.bucket_mb <= 0 or args.backward_factor < 0:
         parser.error("--repeats must be >= 1, --bucket-mb > 0 and --backward-factor >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    models = args.models.split(",")
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
