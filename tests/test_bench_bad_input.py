@@ -105,3 +105,15 @@ def test_torch_sync_never_reports_a_negative_exposed_time():
     assert rows["ddp"]["faster_than_local"] and not rows["hvd"]["faster_than_local"]
     assert rows["hvd"]["exposed_comm_ms"] == pytest.approx(50)
     assert rows["local"]["exposed_comm_ms"] == 0
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--steps", "0"), ("--batch-size", "0"), ("--warmup", "-1"), ("--make-jpegs", "0"),
+     ("--make-processes", "-1"), ("--prefetch", "0"), ("--workers", "2,-1"), ("--workers", "x")],
+)  # fmt: skip
+def test_input_refuses_counts_out_of_range_before_writing_jpegs(tmp_path, flag, value):
+    data = tmp_path / "jpegs"
+    line = one_line_error(bench("input", "--data", data, flag, value))
+    assert flag in line, line
+    assert not data.exists()
