@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.model not in ("resnet", "linear") and ":" not in args.model:
         ap.error(f"--model {args.model!r}: give resnet, linear or FILE.py:FN")
+    if args.save and os.path.lexists(args.save):  # every rank, before the job starts
+        ap.error(f"--save {args.save} exists; give a new file name (it is never replaced)")
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
@@ -160,12 +162,25 @@ def main(argv: list[str] | None = None) -> int:
             )
             result = train(args, model.to(device), loader, loader, device)
             stats = loader.stats()
+    status = 0
     if rank == 0:
         if args.save:
-            torch.save(model.module.state_dict(), args.save)
+            status = save_new(model.module.state_dict(), args.save)
         loader_name = "dataloader" if args.dataloader else "hpcdl"
         print(json.dumps(result | {"loader": loader_name, "stats": stats}), flush=True)
     dist.destroy_process_group()
+    return status
+
+
+def save_new(state: dict, path: str) -> int:
+    """torch.save into a new file (O_EXCL: one that appeared while training is kept); status."""
+    try:
+        with open(path, "xb") as f:
+            torch.save(state, f)
+    except FileExistsError:
+        print(f"torch_ddp.py: error: --save {path} appeared while training; not replaced",
+              file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 
@@ -191,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--blocks", type=int, default=3, help="basic blocks per stage (3: ResNet-20)")
     ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
     ap.add_argument("--dataloader", action="store_true", help="torch's DataLoader instead")
-    ap.add_argument("--save", help="rank 0 writes the final state dict here (torch.save)")
+    ap.add_argument(
+        "--save", help="rank 0 writes the final state dict here (torch.save; a new file)"
+    )
     return ap
 
 

@@ -81,7 +81,8 @@ def save(directory: str | os.PathLike, ckpt: Checkpoint, keep: int = 2) -> Path:
     final = directory / checkpoint_name(ckpt.epoch, ckpt.global_step)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(final, lambda tmp: _write_h5(tmp, ckpt))  # hpcdl.atomic
+        # hpcdl.atomic; the user's file, so the umask's mode, as the metrics file has
+        write_atomically(final, lambda tmp: _write_h5(tmp, ckpt), mode=None)
     except OSError as exc:
         raise CheckpointWriteError(
             f"cannot write checkpoint {final}: {reason(exc)}; {what_to_do(exc, directory)}"
@@ -284,6 +285,39 @@ def check_model(ckpt: Checkpoint, path: str | os.PathLike, model: str) -> None:
         raise CheckpointError(
             f"checkpoint {path} holds model '{ckpt.model}' but this run builds model '{model}'"
         )
+
+
+def check_same_arrays(
+    ckpt: Checkpoint, path: str | os.PathLike, spec: str, layout: list[tuple[str, tuple[int, ...]]]
+) -> None:
+    """Raise CheckpointError naming the first parameter array whose name or shape differs
+    between ckpt and layout, the arrays of the model `spec` builds: what a user's builder of
+    another name than the checkpoint's (its file moved or was renamed) is held to."""
+    theirs = [(name, tuple(shape)) for name, shape in ckpt.layout]
+    ours = [(name, tuple(shape)) for name, shape in layout]
+    if theirs == ours:
+        return
+    for (name_c, shape_c), (name_m, shape_m) in zip(theirs, ours, strict=False):
+        if name_c == name_m and shape_c != shape_m:
+            diff = f"{name_c} is {shape_c} in the checkpoint, {shape_m} there"
+            break
+        if name_c != name_m:
+            diff = f"the checkpoint's {name_c} {shape_c} is {name_m} {shape_m} there"
+            break
+    else:
+        diff = f"the checkpoint has {len(theirs)} parameter arrays, that model {len(ours)}"
+    raise CheckpointError(
+        f"checkpoint {path} holds model '{ckpt.model}', and model '{spec}' has other "
+        f"parameters: {diff}; give the builder the run trained"
+    )
+
+
+def foreign(path: str | os.PathLike) -> str | None:
+    """Why an existing file is no hpcdl checkpoint at all (not HDF5, or HDF5 without hpcdl's
+    format_version: a data shard); None when it may be one (load says what is wrong)."""
+    if not Path(path).is_file() or recorded(path, "format_version") is not None:
+        return None
+    return "an HDF5 file without hpcdl's format_version" if h5py.is_hdf5(path) else "not HDF5"
 
 
 def check_compatible(

@@ -78,7 +78,8 @@ def export(request: ExportRequest) -> Exported:
         )
     if not parent.is_dir():
         raise ValueError(f"{request.out}: directory {parent} does not exist")
-    ckpt = checkpoint.load(request.checkpoint)  # CheckpointError is a ValueError
+    ckpt = _load(request.checkpoint)
+    _check_spec_file(ckpt, request)
     exported = _export_torch_module(ckpt, request)
     if exported is not None:
         return exported
@@ -91,6 +92,43 @@ def export(request: ExportRequest) -> Exported:
     else:
         write_state(weights, request.out, request.to)
     return Exported(model.name, tuple(model.input_shape), model.num_classes)
+
+
+def _load(path: str) -> checkpoint.Checkpoint:
+    """The checkpoint at path; ValueError in export's words for a file that is none."""
+    what = checkpoint.foreign(path)
+    if what:
+        raise ValueError(
+            f"{path} is not an hpcdl checkpoint ({what}); give a ckpt-eNNNNN-sNNNNNNNNN.h5 "
+            "file of a run's --checkpoint-dir"
+        )
+    try:
+        return checkpoint.load(path)
+    except checkpoint.CheckpointError as exc:  # its advice is for --resume: export's instead
+        text = str(exc).removesuffix(checkpoint.DAMAGED)
+        if text != str(exc):
+            text += "the file is damaged or was not written by hpcdl; export another checkpoint"
+        raise ValueError(text) from None
+
+
+def _check_spec_file(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> None:
+    """Without --model, a user's builder file the checkpoint names must be there."""
+    spec = ckpt.config.get("model") or ckpt.model
+    where, _, function = spec.rpartition(":")
+    if request.model or not is_user_model(spec) or not where.endswith(".py"):
+        return
+    if not Path(where).is_file():
+        raise ValueError(
+            f"checkpoint {request.checkpoint} was trained with --model {spec}, and {where} is "
+            f"not a file here; if it moved or was renamed, give --model FILE.py:{function} "
+            "(docs/models.md)"
+        )
+
+
+def moved(ckpt: checkpoint.Checkpoint, spec: str) -> bool:
+    """spec is a user's builder in place of the checkpoint's user builder of another name (its
+    file moved or was renamed): it is held to the checkpoint's parameters, not its name."""
+    return is_user_model(spec) and is_user_model(ckpt.model) and model_name(spec) != ckpt.model
 
 
 def _export_torch_module(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Exported | None:
@@ -116,7 +154,9 @@ def _export_torch_module(ckpt: checkpoint.Checkpoint, request: ExportRequest) ->
             "installed: pip install 'hpcdl[torch]'"
         ) from None
 
-    module = torch_export.rebuild(ckpt, request.checkpoint, spec, shape, classes, built)
+    module = torch_export.rebuild(
+        ckpt, request.checkpoint, spec, shape, classes, built, moved(ckpt, spec)
+    )
     torch_export.write(module, request.to, request.out, shape)
     return Exported(spec, tuple(shape), classes)
 
@@ -125,10 +165,11 @@ def model_of(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Model:
     """The checkpoint's model, rebuilt and loaded with its parameters and statistics."""
     spec = request.model or ckpt.config.get("model") or ckpt.model
     # Another model than the checkpoint's (a torch module's checkpoint, --model mlp) is said as
-    # such, before its arrays are read as this model's.
-    checkpoint.check_model(
-        ckpt, request.checkpoint, model_name(spec) if is_user_model(spec) else spec
-    )
+    # such, before its arrays are read as this model's; a moved builder is held to its arrays.
+    if not moved(ckpt, spec):
+        checkpoint.check_model(
+            ckpt, request.checkpoint, model_name(spec) if is_user_model(spec) else spec
+        )
     shape = request.input_shape or _input_shape(ckpt, request.checkpoint)
     head, head_shape = ckpt.layout[0]  # offset 0: the last layer's first array
     if not head.endswith(".b") or len(head_shape) != 1:
@@ -137,12 +178,12 @@ def model_of(ckpt: checkpoint.Checkpoint, request: ExportRequest) -> Model:
             "not a classifier's bias; export needs a model that ends in nn.Linear"
         )
     model = build_model(spec, shape, int(head_shape[0]))
+    layout = [(name, tuple(s)) for name, s, _ in model.layout()]
+    if moved(ckpt, spec):
+        checkpoint.check_same_arrays(ckpt, request.checkpoint, spec, layout)
+    name = ckpt.model if moved(ckpt, spec) else model.name
     checkpoint.check_compatible(
-        ckpt,
-        request.checkpoint,
-        model.name,
-        [(name, tuple(s)) for name, s, _ in model.layout()],
-        buffer_values=int(model.buffers.size),
+        ckpt, request.checkpoint, name, layout, buffer_values=int(model.buffers.size)
     )
     model.params[...] = ckpt.params
     model.buffers[...] = ckpt.buffers

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -223,16 +224,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked (parser.error, status 2) before MPI starts."""
     args = parser.parse_args(argv)
-    models = args.models.split(",")
-    unknown = [m for m in models if m not in MODELS]
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if args.repeats < 1 or args.bucket_mb <= 0 or args.backward_factor < 0:
+        parser.error("--repeats must be >= 1, --bucket-mb > 0 and --backward-factor >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    models = args.models.split(",")
     from mpi4py import MPI  # noqa: PLC0415
 
     comm = MPI.COMM_WORLD
+    if comm.size < 2:  # bus bandwidth is 2(p-1)/p bytes per second: 0 on one rank
+        print(
+            f"{parser.prog}: error: it times the allreduce between ranks and got 1 rank; run "
+            f"it as mpirun -np N {parser.prog} (N >= 2)",
+            file=sys.stderr,
+        )
+        return 2
     results = {name: measure(comm, MODELS[name](), args.bucket_mb, args.repeats) for name in models}
     largest = max(r["parameters"] for r in results.values())
     overlap = None
@@ -240,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         overlap = measure_overlap(comm, largest, args.bucket_mb, args.backward_factor)
     if comm.rank != 0:
         return 0
-    print(f"ranks: {comm.size}  library: {MPI.Get_library_version().splitlines()[0]}")
+    # Open MPI's version string ends in a NUL, which makes grep call the output binary
+    library = MPI.Get_library_version().replace("\0", "").splitlines()[0]
+    print(f"ranks: {comm.size}  library: {library}")
     print(
         f"{'gradients':<15}{'arrays':>7}{'MB':>8}{'flat GB/s':>11}{'reducer GB/s':>14}"
         f"{'naive GB/s':>12}{'reducer/flat':>14}{'reducer/naive':>15}{'2-level GB/s':>14}"

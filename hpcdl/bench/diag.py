@@ -26,6 +26,8 @@ from hpcdl.diag import timeline
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.step import StepParts, train_step
 
+SHAPE, CLASSES = (3, 32, 32), 10  # one CIFAR-sized sample, 10 classes
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -114,11 +116,26 @@ def time_steps(parts: StepParts, images, labels, steps: int) -> list[float]:
     return times
 
 
-def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, float]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked (ap.error, status 2): counts >= 1, every model buildable."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for name in ("batch_size", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.built = {}
+    for name in args.models.split(","):
+        try:
+            args.built[name] = nn.build_model(name, SHAPE, CLASSES, seed=0)
+        except ValueError as exc:  # an unknown name, a user's builder that fails: one line
+            ap.error(f"--models: {exc}")
+    return args
+
+
+def bench_model(model: nn.Model, args: argparse.Namespace, folder: Path) -> dict[str, float]:
     rng = np.random.default_rng(0)
-    images = rng.standard_normal((args.batch_size, 3, 32, 32), dtype=np.float32)
-    labels = rng.integers(0, 10, args.batch_size)
-    model = nn.build_model(name, (3, 32, 32), 10, seed=0)
+    images = rng.standard_normal((args.batch_size, *SHAPE), dtype=np.float32)
+    labels = rng.integers(0, CLASSES, args.batch_size)
     parts = StepParts(model, nn.make_optimizer("sgd", model.params, model.grads, momentum=0.9))
     time_steps(parts, images, labels, 3)  # warm-up
     samples: dict[str, list[float]] = {"off": [], "ring": [], "timeline": []}
@@ -131,12 +148,12 @@ def bench_model(name: str, args: argparse.Namespace, folder: Path) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     cost, per_step = event_cost_us(), step_recording_us()
     print(f"one recorded event: {cost:.2f} us; one step's events (2 buckets): {per_step:.1f} us")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            median = bench_model(name, args, Path(tmp))
+        for name, model in args.built.items():
+            median = bench_model(model, args, Path(tmp))
             bound = per_step * 1e-6 / median["off"]
             print(
                 f"{name} batch {args.batch_size}: median step off {median['off'] * 1e3:.2f} ms, "

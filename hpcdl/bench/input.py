@@ -453,8 +453,26 @@ def _repeat(x, y):
         yield x, y
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked before any JPEG is written (ap.error, status 2)."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    least = {"make_jpegs": 1, "make_processes": 0, "batch_size": 1, "steps": 1, "warmup": 0}
+    if args.prefetch is not None:
+        least["prefetch"] = 1
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            ap.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    try:
+        if min(int(w) for w in args.workers.split(",")) < 0:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--workers takes counts >= 0, comma-separated, got {args.workers!r}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-input-") as tmp:
         data = args.data or str(Path(tmp) / "jpegs")
         if not Path(data).exists():

@@ -277,12 +277,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+KINDS = {"hdf5": "HDF5 shards", "hdf5-encoded": "HDF5 shards", "tar": "tar shards"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for name, least in (("workers", 0), ("batch_size", 1), ("max_images", 1), ("make_jpegs", 0)):
+        if getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
     root = Path(args.data)
     if args.make_jpegs and not (root.exists() and any(root.iterdir())):
         make_jpegs(root, args.make_jpegs)
     ds = open_dataset(root)
+    if ds.kind != "folder":  # the torch and ceiling rows open the folder's files themselves
+        ap.error(
+            f"--data {root} holds {KINDS.get(ds.kind, ds.kind)}; this benchmark times JPEG "
+            "decoding and takes an image folder root/<class>/<file>.jpg (--make-jpegs N "
+            "writes one into an empty or new --data)"
+        )
     n = min(args.max_images, len(ds))
     k, b = args.workers, args.batch_size
     result: dict = {"workers": k, "batch_size": b, "images": n, "cores": os.cpu_count()}

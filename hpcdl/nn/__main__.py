@@ -18,7 +18,13 @@ import sys
 
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.nn.models import MODELS, build_model
-from hpcdl.nn.summary import layer_rows, parse_shape, summary_record, summary_table
+from hpcdl.nn.summary import (
+    ActivationMemoryError,
+    layer_rows,
+    parse_shape,
+    summary_record,
+    summary_table,
+)
 
 PROG = "python -m hpcdl.nn"
 
@@ -59,6 +65,10 @@ def summarize(args: argparse.Namespace) -> dict:
     model = build_model(args.model, shape, args.num_classes)
     try:
         rows = layer_rows(model)
+    except ActivationMemoryError as exc:
+        raise ValueError(
+            f"model {args.model!r}: for input {shape}, {exc}; give a smaller --input-shape"
+        ) from None
     except ValueError as exc:
         raise ValueError(f"model {args.model!r}: for input {shape}, {exc}") from None
     return summary_record(model, rows)

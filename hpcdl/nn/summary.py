@@ -35,19 +35,37 @@ class LayerRow:
     buffers: int
 
 
+class ActivationMemoryError(ValueError):
+    """One sample's activations do not fit in this machine's memory (one line, with GiB)."""
+
+
 def layer_rows(model: Model) -> list[LayerRow]:
     """One LayerRow per top-level layer, in forward order; ValueError naming the layer that
-    cannot take its input (one line)."""
+    cannot take its input (one line), ActivationMemoryError when memory runs out."""
     c, h, w = model.input_shape
     xp = array_module(model.params)
     # (1, H, W, C): Model.forward transposes its (N, C, H, W) input once; the layers run
     # channels-last.
-    x = xp.zeros((1, h, w, c), dtype=model.dtype)
+    try:
+        x = xp.zeros((1, h, w, c), dtype=model.dtype)
+    except MemoryError:
+        need = h * w * c * np.dtype(model.dtype).itemsize
+        raise ActivationMemoryError(
+            f"one sample's activations would need {need / 2**30:.1f} GiB for the input alone, "
+            "more than this machine can allocate"
+        ) from None
     rows = []
     for i, layer in enumerate(model.body.layers):
         name = f"{i}.{type(layer).__name__}"
         try:
             x = layer.forward(x, train=False)
+        except MemoryError as exc:  # numpy's says how much it asked for; others may not
+            need = getattr(exc, "_total_size", 0)
+            raise ActivationMemoryError(
+                f"layer {name} given input {sample_shape(x.shape)} would need "
+                + (f"{need / 2**30:.1f} GiB, " if need else "")
+                + "more memory than this machine can allocate"
+            ) from None
         except Exception as exc:  # a user's layer may raise anything: one line, named
             raise ValueError(
                 f"layer {name} cannot take input {sample_shape(x.shape)}: {error_line(exc)}"

@@ -133,7 +133,8 @@ def write_new_file(path: str | os.PathLike, write: Callable[[str], None]) -> Non
     if path.exists():
         raise ValueError(f"{path} exists; give a new file name (hpcdl never replaces a file)")
     try:
-        write_atomically(path, write, replace=False)  # published by a link: never replaces
+        # published by a link: never replaces; mode None: the user's umask, as open() gives
+        write_atomically(path, write, replace=False, mode=None)
     except FileExistsError:  # path appeared meanwhile
         raise ValueError(f"{path} exists; give a new file name") from None
     except OSError as exc:

@@ -30,20 +30,20 @@ def rebuild(
     shape: tuple[int, ...],
     num_classes: int,
     built: Any,
+    moved: bool = False,
 ) -> Any:
     """The checkpoint's module (eval mode) holding its parameters and statistics; ValueError
     (one line) when it does not fit the checkpoint. built: the module spec's builder returned
-    for (shape, num_classes), None for `torchvision:NAME` (built here)."""
+    for (shape, num_classes), None for `torchvision:NAME` (built here). moved: spec is a
+    builder of another name than the checkpoint's, held to its parameters' names and shapes."""
     cfg = TrainConfig(data=str(ckpt.config.get("data", "")), model=spec)
     module = built if built is not None else torchvision_model(cfg, num_classes)
     model = FlatModule(module, cfg, tuple(shape), num_classes)
-    checkpoint.check_compatible(
-        ckpt,
-        path,
-        model.name,
-        [(name, tuple(s)) for name, s, _ in model.layout()],
-        buffer_values=int(model.buffers.size),
-    )
+    layout = [(name, tuple(s)) for name, s, _ in model.layout()]
+    if moved:
+        checkpoint.check_same_arrays(ckpt, path, spec, layout)
+    name = ckpt.model if moved else model.name
+    checkpoint.check_compatible(ckpt, path, name, layout, buffer_values=int(model.buffers.size))
     model.params[...] = ckpt.params
     model.buffers[...] = ckpt.buffers
     counters = (ckpt.rng_states[0] or {}).get("counters", {}) if ckpt.rng_states else {}
