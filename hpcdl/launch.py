@@ -20,7 +20,9 @@ the launcher, as it does in hpcdl.jobs' batch scripts (which read the --metrics 
   It forwards the signals a batch system or a user sends (SIGUSR1, SIGUSR2, SIGHUP as they
   are; the first SIGTERM or SIGINT as SIGUSR1, the stop with a checkpoint the ranks handle:
   Open MPI's mpirun answers SIGTERM by killing the ranks within a second, mid-checkpoint; a
-  second one passes as it is);
+  second one passes as it is, a SIGTERM as SIGINT to Open MPI's mpirun, which runs with SIGTERM
+  blocked, so that a SIGTERM sent to every process (scancel) does not reach it either: NOTE
+  [mpirun and SIGTERM] in hpcdl/sigterm_blocked.py);
 - hpcdl.train's rank 0 writes `started` there as it starts and `finished` as it ends with
   nothing left to train (record_outcome);
 - the launcher's status is passed on, except a 0 after `started` without `finished`: one line
@@ -37,9 +39,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from hpcdl.config import ConfigError, load_toml, resolve_paths
+from hpcdl.sigterm_blocked import sigterm_blocked
 
 ENV = "HPCDL_OUTCOME"
 EXIT_NOT_FINISHED = 5
@@ -73,10 +77,15 @@ def launcher_argv(argv: list[str]) -> list[str]:
     variables it is told to the other nodes), and `--with-ft ulfm` when the run asks for
     --on-node-loss continue and the command does not choose a mode itself (wants_ulfm); other
     launchers (srun) export the environment and are left as they are."""
-    if argv and Path(argv[0]).name.startswith(MPIRUNS):
+    if is_open_mpi(argv):
         ft = ["--with-ft", "ulfm"] if wants_ulfm(argv) else []
         return [argv[0], "-x", ENV, *ft, *argv[1:]]
     return list(argv)
+
+
+def is_open_mpi(argv: list[str]) -> bool:
+    """argv starts an Open MPI launcher (mpirun, mpiexec, prterun, orterun)."""
+    return bool(argv) and Path(argv[0]).name.startswith(MPIRUNS)
 
 
 def wants_ulfm(argv: list[str]) -> bool:
@@ -167,8 +176,10 @@ def run_launcher(args: list[str], path: Path) -> tuple[int | None, str | None]:
     if "--with-ft" in argv and "--with-ft" not in args:
         print("hpcdl.launch: added --with-ft ulfm to the launcher: --on-node-loss continue "
               "needs MPI's fault-tolerant mode", file=sys.stderr, flush=True)  # fmt: skip
+    open_mpi = is_open_mpi(argv)
     try:
-        child = subprocess.Popen(argv, env={**os.environ, ENV: str(path)})
+        with sigterm_blocked() if open_mpi else nullcontext():  # NOTE [mpirun and SIGTERM]
+            child = subprocess.Popen(argv, env={**os.environ, ENV: str(path)})
     except OSError as exc:
         print(f"hpcdl.launch: error: cannot start {args[0]}: {exc.strerror}", file=sys.stderr)
         return None, None
@@ -182,6 +193,8 @@ def run_launcher(args: list[str], path: Path) -> tuple[int | None, str | None]:
                   f"checkpoint and stop ({STOP_SIGNAL.name}); send it again to end them at once",
                   file=sys.stderr, flush=True)  # fmt: skip
             signum = STOP_SIGNAL
+        elif signum == signal.SIGTERM and open_mpi:
+            signum = signal.SIGINT  # mpirun's SIGTERM is blocked; it ends the ranks on SIGINT
         child.send_signal(signum)
 
     for sig in FORWARDED:

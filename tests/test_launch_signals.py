@@ -3,13 +3,14 @@ leaves behind when the run refuses its flags (docs/reliability.md, docs/slurm.md
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import mpi_env, mpirun_cmd, wait_until
+from helpers import job_pids, mpi_env, mpirun_cmd, wait_until
 
 
 def launch_train(tmp_path: Path, digits: Path, *args: str) -> list[str]:
@@ -35,6 +36,42 @@ def test_a_signal_to_launch_stops_the_run_with_a_checkpoint_and_exit_3(sig, digi
     assert f"hpcdl.train: stopped by signal SIGUSR1, checkpoint at {ck}" in err + out, err
     assert not [p.name for p in ck.iterdir() if p.name.endswith(".tmp")]
     assert "Traceback" not in err
+
+
+def test_sigterm_to_every_process_as_scancel_sends_it_still_stops_with_a_checkpoint(
+    digits_dir, tmp_path
+):
+    """Slurm's scancel signals the launcher, mpirun and every rank at once; mpirun, which would
+    kill the ranks mid-checkpoint, runs with SIGTERM blocked (NOTE [mpirun and SIGTERM])."""
+    ck, marker = tmp_path / "ck", f"scancel-{os.getpid()}"
+    argv = launch_train(tmp_path, digits_dir, "--epochs", "300", "--checkpoint-dir", str(ck),
+                        "--checkpoint-every", "5")  # fmt: skip
+    env = {**mpi_env(), "HPCDL_TEST_MARKER": marker}
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=tmp_path)  # fmt: skip
+    try:
+        wait_until(lambda: list(ck.glob("ckpt-*.h5")), 120, "a first checkpoint")
+        pids = job_pids(marker)
+        assert job.pid in pids and len(pids) >= 4, pids  # launch, mpirun, 2 ranks
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 3, err[-3000:]
+    assert f"hpcdl.train: stopped by signal SIGTERM, checkpoint at {ck}" in err + out, err
+    assert not [p.name for p in ck.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_sigterm_blocked_runs_a_command_with_sigterm_blocked(tmp_path):
+    show = "import signal; print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))"
+    done = subprocess.run([sys.executable, "-m", "hpcdl.sigterm_blocked", sys.executable, "-c",
+                           show], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "True\n", done.stderr
+    missing = subprocess.run([sys.executable, "-m", "hpcdl.sigterm_blocked", str(tmp_path / "no")],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert missing.returncode == 127
+    assert missing.stderr.startswith("hpcdl.sigterm_blocked: error: cannot start"), missing.stderr
 
 
 def test_launch_help_prints_a_usage_and_exits_0(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.jobs import render
@@ -118,6 +119,19 @@ def add_restart_arguments(r: argparse.ArgumentParser) -> None:
     )
 
 
+def make_log_directory(output: str) -> None:
+    """Make --output (the user's log directory) when missing: Slurm opens the job's log before
+    the script runs, and a job whose log directory is missing ends FAILED with no log at all."""
+    path = Path(output).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise JobSpecError(
+            f"--output {output}: the log directory cannot be made ({exc.strerror}); "
+            "pass a directory you can write"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after a bare -- goes to hpcdl.train / hpcdl.stage unchanged.
@@ -152,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             extra_args=extra,
         )
         script, warnings = render(spec)
+        make_log_directory(args.output)
     except JobSpecError as exc:
         print(f"hpcdl.jobs: error: {exc}", file=sys.stderr)
         return 2
