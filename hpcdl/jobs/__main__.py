@@ -18,8 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Render hpcdl sbatch scripts for a Slurm site.",
         formatter_class=HelpFormatter,
-        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged; "
-        "for render script they are the command.",
+        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged "
+        "(for train, --metrics and --checkpoint-dir there become the script's own, made "
+        "absolute; --config there is refused); for render script they are the command.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -70,7 +71,9 @@ def add_job_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--site", default="generic", help="bundled site name or a site .toml path")
     r.add_argument("--job-name", default="", help="default: hpcdl-train / hpcdl-stage")
     r.add_argument(
-        "--output", default=".", help="directory for the job log <job-name>-<job-id>.out"
+        "--output",
+        default=".",
+        help="directory for the job log <job-name>-<job-id>.out (made if missing)",
     )
     r.add_argument(
         "--cpus-per-task",
@@ -89,7 +92,11 @@ def add_job_arguments(r: argparse.ArgumentParser) -> None:
 
 def add_restart_arguments(r: argparse.ArgumentParser) -> None:
     """render's options for checkpoints, staging and what follows a stop (requeue, chains)."""
-    r.add_argument("--checkpoint-dir", default=None, help="overrides the config's checkpoint_dir")
+    r.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="overrides the config's checkpoint_dir (made absolute)",
+    )
     r.add_argument(
         "--no-stage",
         dest="stage",
