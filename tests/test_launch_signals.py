@@ -63,6 +63,26 @@ def test_sigterm_to_every_process_as_scancel_sends_it_still_stops_with_a_checkpo
     assert not [p.name for p in ck.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_second_sigterm_to_launch_passes_as_it_is(tmp_path):
+    """A launcher that is not Open MPI's (a stand-in here) gets SIGUSR1 first, then SIGTERM."""
+    seen = tmp_path / "seen"
+    script = (f"trap 'echo USR1 >> {seen}' USR1; trap 'echo TERM >> {seen}; exit 7' TERM; "
+              f"echo up >> {seen}; while :; do sleep 0.05; done")  # fmt: skip
+    job = subprocess.Popen([sys.executable, "-m", "hpcdl.launch", "sh", "-c", script],
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path)  # fmt: skip
+    try:
+        wait_until(lambda: seen.exists() and "up" in seen.read_text(), 60, "the stand-in")
+        job.send_signal(signal.SIGTERM)
+        wait_until(lambda: "USR1" in seen.read_text(), 60, "SIGUSR1 passed on")
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 7, err
+    assert seen.read_text().split() == ["up", "USR1", "TERM"]
+    assert "hpcdl.launch: got SIGTERM, asking all ranks to checkpoint and stop (SIGUSR1)" in err
+
+
 def test_sigterm_blocked_runs_a_command_with_sigterm_blocked(tmp_path):
     show = "import signal; print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))"
     done = subprocess.run([sys.executable, "-m", "hpcdl.sigterm_blocked", sys.executable, "-c",
