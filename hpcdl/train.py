@@ -66,8 +66,10 @@ def train_through_lost_ranks(cfg: TrainConfig, world: World) -> int:
         try:
             return ulfm.exiting(train_to_the_end(cfg, world))
         except Exception as exc:
-            if cfg.on_node_loss != "continue" or not lost_ranks(exc):
+            if not lost_ranks(exc):
                 raise
+            if cfg.on_node_loss != "continue":  # one line naming them, never a traceback
+                raise UserError(ulfm.lost_under_stop(world), ulfm.EXIT_RANKS_LOST) from None
             failed_at = time.monotonic()
         diag.dump_flight("ranks lost (--on-node-loss continue)")
         world = ulfm.recover(world, failed_at)

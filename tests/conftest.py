@@ -105,3 +105,31 @@ def shared_digits(world, tmp_path_factory):
     path, error = world.comm.bcast((path, error), root=0)
     assert error is None, error
     return Path(path)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A private single-host Slurm for the `slurm`-marked tests, once per session
+    (tests/slurm_cluster.py); torn down even when tests fail."""
+    from slurm_cluster import INSTALL_HINT, SlurmCluster, SlurmError, missing_binaries
+
+    if os.environ.get("HPCDL_NO_SLURM") == "1":
+        pytest.skip("HPCDL_NO_SLURM=1: Slurm tests skipped on request")
+    missing = missing_binaries()
+    if missing:
+        pytest.fail(f"Slurm tests need {', '.join(missing)}: {INSTALL_HINT}", pytrace=False)
+    if os.geteuid() != 0:
+        pytest.fail(
+            "Slurm tests start slurmd, which must run as root to launch jobs; run them as "
+            "root or set HPCDL_NO_SLURM=1",
+            pytrace=False,
+        )
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except SlurmError as exc:
+        pytest.fail(f"could not start the test Slurm: {exc}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

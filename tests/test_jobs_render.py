@@ -275,7 +275,8 @@ def test_missing_checkpoint_dir_warns(tmp_path):
     assert not RESUME.search(script)
     script, warnings = render(spec(config, checkpoint_dir=str(tmp_path / "ck")))
     assert not warnings
-    assert RESUME.search(script) and f"--checkpoint-dir {tmp_path / 'ck'}" in script
+    assert RESUME.search(script) and '--checkpoint-dir "$checkpoint_dir"' in script
+    assert f"checkpoint_dir={tmp_path / 'ck'}\n" in script
 
 
 def test_site_values_may_reference_variables_but_not_run_commands():

@@ -1,9 +1,9 @@
 """Rendered sbatch scripts under a real Slurm (slurmctld + slurmd + munged on this host).
 
-The `slurm` fixture starts a private single-node cluster once per session (tests/slurm_cluster.py)
-and tears it down even when tests fail. Jobs train a small MLP on the digits data set on CPU
-with 2 ranks. Missing Slurm binaries FAIL these tests (CI must not pass by silently skipping
-them); HPCDL_NO_SLURM=1 skips them on machines that cannot run Slurm.
+The `slurm` fixture (conftest.py) starts a private single-node cluster once per session
+(tests/slurm_cluster.py) and tears it down even when tests fail. Jobs train a small MLP on the
+digits data set on CPU with 2 ranks. Missing Slurm binaries FAIL these tests (CI must not pass
+by silently skipping them); HPCDL_NO_SLURM=1 skips them on machines that cannot run Slurm.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_train
-from slurm_cluster import INSTALL_HINT, SlurmCluster, SlurmError, missing_binaries
+from slurm_cluster import SlurmCluster
 from slurm_jobs import (
     JOB_TIMEOUT,
     assert_state,
@@ -28,30 +28,6 @@ from slurm_jobs import (
 from hpcdl import checkpoint
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="session")
-def slurm():
-    if os.environ.get("HPCDL_NO_SLURM") == "1":
-        pytest.skip("HPCDL_NO_SLURM=1: Slurm tests skipped on request")
-    missing = missing_binaries()
-    if missing:
-        pytest.fail(f"Slurm tests need {', '.join(missing)}: {INSTALL_HINT}", pytrace=False)
-    if os.geteuid() != 0:
-        pytest.fail(
-            "Slurm tests start slurmd, which must run as root to launch jobs; run them as "
-            "root or set HPCDL_NO_SLURM=1",
-            pytrace=False,
-        )
-    cluster = SlurmCluster()
-    try:
-        cluster.start()
-    except SlurmError as exc:
-        pytest.fail(f"could not start the test Slurm: {exc}", pytrace=False)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_train_job_completes_with_two_ranks_and_staging(slurm: SlurmCluster, digits_dir, tmp_path):

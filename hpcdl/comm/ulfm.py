@@ -96,6 +96,34 @@ def recover(world: World, failed_at: float) -> World:
     return new
 
 
+EXIT_RANKS_LOST = 5  # as a lost node or a stall shutdown: resume with --resume auto
+
+
+def lost_under_stop(world: World) -> str:
+    """The one line a survivor ends the job with when ranks are lost under --on-node-loss stop
+    (MPI's fault-tolerant mode told it, MPI_ERR_PROC_FAILED, instead of ending the job): the
+    lost world ranks and their hosts, as far as this rank knows them."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    try:
+        failed = world.comm.Get_failed()
+        lost = MPI.Group.Translate_ranks(
+            failed, list(range(failed.Get_size())), world.comm.Get_group()
+        )
+    except (MPI.Exception, NotImplementedError):
+        lost = []
+    lost = sorted(r for r in lost if r is not None and r >= 0)
+    named = ", ".join(map(str, lost)) or "?"
+    where = sorted({world.hosts[r] for r in lost if r < len(world.hosts)})
+    return (
+        f"lost rank{'s' if len(lost) > 1 else ''} {named}"
+        + (f" (on {', '.join(where)})" if where else "")
+        + f": it stopped taking part (killed, or its node failed); the job ends with exit status "
+        f"{EXIT_RANKS_LOST} (--on-node-loss stop). Resume with --resume auto from the last "
+        "checkpoint, or train on through lost ranks with --on-node-loss continue"
+    )
+
+
 def leave_without_finalize(comm: Any) -> None:
     """At exit after a recovery (atexit, before mpi4py's MPI_Finalize): meet the survivors in a
     barrier, then end the process without MPI_Finalize, which hangs on the survivors of a

@@ -91,6 +91,16 @@ class SlotLayout:
         return self.slot_bytes * self.count
 
 
+def shm_shortfall(layout: SlotLayout, ranks: int = 1) -> str | None:
+    """The line SlotRing would raise SharedMemoryTooSmall with when `ranks` rings of `layout`
+    do not fit in the free shared memory now (hpcdl.doctor asks before a run), else None."""
+    where = shm_dir()
+    free, total = free_bytes(where), layout.total_bytes * ranks
+    if free >= total:
+        return None
+    return _too_small(total, free, where, layout.count * ranks, layout.slot_bytes)
+
+
 class SlotRing:
     """The slots of `layout` in one file; the creator owns the mapping and the descriptor."""
 

@@ -13,6 +13,7 @@ from hpcdl.doctor import probes
 from hpcdl.doctor.findings import ERROR, EXIT_ERRORS, WARNING, merge, rank_ranges
 from hpcdl.doctor.stagedir import check_stage_dir, default_stage_dir, read_mounts
 from hpcdl.helpformat import HelpFormatter
+from hpcdl.messages import launcher_rank
 from hpcdl.units import binary_size
 
 LABELS = {
@@ -54,6 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p
+
+
+def check_flags(args: argparse.Namespace) -> str | None:
+    """The first flag whose value the doctor cannot check with, as one line; None when all are
+    usable (the same bounds as hpcdl.train's --workers, --prefetch and --batch-size)."""
+    if args.workers is not None and args.workers < 0:
+        return f"--workers must be >= 0, got {args.workers}"
+    if args.batch_size < 1:
+        return f"--batch-size must be a positive integer, got {args.batch_size}"
+    prefetch = args.prefetch
+    if prefetch != "auto" and not (prefetch.isascii() and prefetch.isdigit() and int(prefetch)):
+        return f"--prefetch must be auto or an integer >= 1, got {prefetch!r}"
+    dims = args.sample_shape.split(",")
+    if len(dims) != 3 or not all(d.isascii() and d.isdigit() and int(d) >= 1 for d in dims):
+        return f"--sample-shape must be C,H,W, three integers >= 1, got {args.sample_shape!r}"
+    return None
 
 
 def rank_report(world: Any, stage_dir: str | None, args: Any = None) -> dict[str, Any]:
@@ -223,6 +240,11 @@ def fast_kernels(v: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bad = check_flags(args)
+    if bad:  # before MPI starts: every rank of a job finds the same, the first one says so
+        if launcher_rank() == 0:
+            print(f"hpcdl.doctor: error: {bad}", file=sys.stderr)
+        return EXIT_ERRORS
     try:
         from hpcdl.comm.world import init_world  # noqa: PLC0415
 

@@ -175,7 +175,7 @@ def loader(
     the workers run on (cores: hpcdl.data.worker_cores; None: the default workers of an unbound
     rank); a warning where the slots leave workers idle."""
     from hpcdl.data.loader import default_slots, default_workers, slot_warning  # noqa: PLC0415
-    from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir  # noqa: PLC0415
+    from hpcdl.data.slots import SlotLayout, free_bytes, shm_dir, shm_shortfall  # noqa: PLC0415
 
     if workers is None:
         workers = cores.default_workers if cores else default_workers(ranks_per_node=local_size)
@@ -198,8 +198,14 @@ def loader(
     from hpcdl.data.gpu_decode import gpu_decode_available  # noqa: PLC0415
 
     facts["gpu_decode"], facts["gpu_decode_reason"] = gpu_decode_available()
+    problems = []
+    short = shm_shortfall(SlotLayout(slots, batch, shape), local_size)
+    if short:  # what hpcdl.train stops with (exit status 2), for this node's ranks together
+        problems.append(Problem(ERROR, short.replace("; enlarge it", "; fix: enlarge it")))
     warning = slot_warning(workers, slots) if workers else None
-    return facts, [Problem(WARNING, warning.replace("; give", "; fix: give"))] if warning else []
+    if warning:
+        problems.append(Problem(WARNING, warning.replace("; give", "; fix: give")))
+    return facts, problems
 
 
 def stager() -> Found:

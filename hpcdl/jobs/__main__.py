@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hpcdl.helpformat import HelpFormatter
 from hpcdl.jobs import render
@@ -17,8 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Render hpcdl sbatch scripts for a Slurm site.",
         formatter_class=HelpFormatter,
-        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged; "
-        "for render script they are the command.",
+        epilog="Arguments after a bare -- are passed to hpcdl.train / hpcdl.stage unchanged "
+        "(for train, --metrics and --checkpoint-dir there become the script's own, made "
+        "absolute; --config there is refused); for render script they are the command.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -69,7 +71,9 @@ def add_job_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument("--site", default="generic", help="bundled site name or a site .toml path")
     r.add_argument("--job-name", default="", help="default: hpcdl-train / hpcdl-stage")
     r.add_argument(
-        "--output", default=".", help="directory for the job log <job-name>-<job-id>.out"
+        "--output",
+        default=".",
+        help="directory for the job log <job-name>-<job-id>.out (made if missing)",
     )
     r.add_argument(
         "--cpus-per-task",
@@ -88,7 +92,11 @@ def add_job_arguments(r: argparse.ArgumentParser) -> None:
 
 def add_restart_arguments(r: argparse.ArgumentParser) -> None:
     """render's options for checkpoints, staging and what follows a stop (requeue, chains)."""
-    r.add_argument("--checkpoint-dir", default=None, help="overrides the config's checkpoint_dir")
+    r.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="overrides the config's checkpoint_dir (made absolute)",
+    )
     r.add_argument(
         "--no-stage",
         dest="stage",
@@ -116,6 +124,19 @@ def add_restart_arguments(r: argparse.ArgumentParser) -> None:
         "training longer than the time limit (needs a checkpoint directory) (default: 1, the "
         "job script itself)",
     )
+
+
+def make_log_directory(output: str) -> None:
+    """Make --output (the user's log directory) when missing: Slurm opens the job's log before
+    the script runs, and a job whose log directory is missing ends FAILED with no log at all."""
+    path = Path(output).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise JobSpecError(
+            f"--output {output}: the log directory cannot be made ({exc.strerror}); "
+            "pass a directory you can write"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             extra_args=extra,
         )
         script, warnings = render(spec)
+        make_log_directory(args.output)
     except JobSpecError as exc:
         print(f"hpcdl.jobs: error: {exc}", file=sys.stderr)
         return 2

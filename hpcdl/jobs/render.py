@@ -116,6 +116,13 @@ def positive(name: str, value: int) -> int:
     return value
 
 
+def cpus_per_task(spec: JobSpec) -> int:
+    """--cpus-per-task, else the site's: 1 or more (0 is refused, not read as "the site's")."""
+    if spec.cpus_per_task is None:
+        return positive("site cpus_per_task", spec.site.cpus_per_task)
+    return positive("--cpus-per-task", spec.cpus_per_task)
+
+
 @dataclass
 class _Resolved:
     """A JobSpec after validation, with every value as it will appear in the script."""
@@ -125,13 +132,44 @@ class _Resolved:
 
 
 def _read_config(path: Path) -> dict:
-    """The training TOML, its relative paths made relative to its directory (as hpcdl.train)."""
-    from hpcdl.config import ConfigError, load_toml, resolve_paths  # noqa: PLC0415
+    """The training TOML read exactly as hpcdl.train reads it: dashed keys as underscores,
+    values of their flags' types, relative paths relative to its directory; a key the trainer
+    does not know is refused here, not in the job."""
+    from hpcdl.config import ConfigError, field_types, toml_values  # noqa: PLC0415
 
     try:
-        return resolve_paths(load_toml(str(path)), str(path))
+        return toml_values(str(path), field_types())
     except ConfigError as exc:
         raise JobSpecError(f"--config: {exc}") from None
+
+
+RUN_PATHS = ("--metrics", "--checkpoint-dir")  # after --: the script reads and passes them
+
+
+def split_extra_args(extra: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The --metrics and --checkpoint-dir among the arguments after a bare -- (the last of
+    each, as hpcdl.train takes it), made absolute, and the other arguments. The script passes
+    these two itself, since it reads the one (did the run finish?) and resumes from the other;
+    --config after -- is refused: render reads the config it is given."""
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(extra):
+        name, eq, value = extra[i].partition("=")
+        if name == "--config":
+            raise JobSpecError("--config goes before the bare --: render reads that config file")
+        if name in RUN_PATHS and not eq:
+            if i + 1 >= len(extra):
+                raise JobSpecError(f"{name} after the bare -- needs a value")
+            value, i = extra[i + 1], i + 1
+        if name in RUN_PATHS:
+            if not value:
+                raise JobSpecError(f"{name} after the bare -- must not be empty")
+            found[name] = str(Path(check_text(name, value)).expanduser().absolute())
+        else:
+            rest.append(extra[i])
+        i += 1
+    return found, rest
 
 
 @dataclass(frozen=True)
@@ -147,8 +185,10 @@ class Job:
     device: str
     config_path: Path
     config: dict
-    checkpoint_dir: str  # --checkpoint-dir, else the config's, else ""
+    checkpoint_dir: str  # --checkpoint-dir (after --, else render's), else the config's, else ""
+    metrics: str  # --metrics after --, else the config's, else "" (the script's default)
     output_dir: str
+    extra_args: tuple[str, ...]  # after the bare --, less --metrics and --checkpoint-dir
 
 
 def validate_names(spec: JobSpec) -> tuple[str, str]:
@@ -177,7 +217,7 @@ def _validate(spec: JobSpec) -> Job:
         raise JobSpecError(f"job kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
     nodes = positive("--nodes", spec.nodes)
     ranks_per_node = positive("--tasks-per-node", spec.tasks_per_node)
-    cpus = positive("--cpus-per-task", spec.cpus_per_task or spec.site.cpus_per_task)
+    cpus = cpus_per_task(spec)
     limit = time_seconds(spec.time)
     if not spec.config:
         raise JobSpecError(f"render {spec.kind} needs --config (the training TOML)")
@@ -199,6 +239,8 @@ def _validate(spec: JobSpec) -> Job:
     if spec.kind == "stage" and not config.get("data"):
         raise JobSpecError(f"--config {spec.config}: render stage needs a data = ... key")
     output_dir = Path(check_text("--output", spec.output_dir)).expanduser().resolve()
+    paths, extra_args = split_extra_args(spec.extra_args) if spec.kind == "train" else ({}, [])
+    checkpoint_dir = spec.checkpoint_dir and str(Path(spec.checkpoint_dir).expanduser().absolute())
     return Job(
         nodes=nodes,
         ranks_per_node=ranks_per_node,
@@ -209,8 +251,12 @@ def _validate(spec: JobSpec) -> Job:
         device=device,
         config_path=config_path,
         config=config,
-        checkpoint_dir=spec.checkpoint_dir or config.get("checkpoint_dir") or "",
+        checkpoint_dir=(
+            paths.get("--checkpoint-dir") or checkpoint_dir or config.get("checkpoint_dir") or ""
+        ),
+        metrics=paths.get("--metrics") or config.get("metrics") or "",
         output_dir=directive("--output", str(output_dir)),
+        extra_args=tuple(extra_args),
     )
 
 
@@ -281,8 +327,8 @@ def _launch_lines(spec: JobSpec, job: Job) -> list[str]:
             launch.append("--resume auto")
         if spec.stage:
             launch.append('--stage-dir "$stage_dir"')
-        if spec.checkpoint_dir:
-            launch.append(f"--checkpoint-dir {quote('--checkpoint-dir', spec.checkpoint_dir)}")
+        if job.checkpoint_dir != job.config.get("checkpoint_dir", ""):  # render's, or after --
+            launch.append('--checkpoint-dir "$checkpoint_dir"')
     else:
         data = quote("config data", str(job.config["data"]))
         launch.append(f'"$python" -u -m hpcdl.stage --data {data} --config "$config"')
@@ -290,8 +336,8 @@ def _launch_lines(spec: JobSpec, job: Job) -> list[str]:
         launch.append(
             f'--nodes {job.nodes} --ranks-per-node {job.ranks_per_node} --stage-dir "$stage_dir"'
         )
-    if spec.extra_args:
-        launch.append(" ".join(quote("extra argument", a) for a in spec.extra_args))
+    if job.extra_args:
+        launch.append(" ".join(quote("extra argument", a) for a in job.extra_args))
     return launch
 
 
@@ -299,7 +345,8 @@ def launcher_words(site: Site, job: Job, ranks: int) -> list[str]:
     """The site's launcher starting `ranks` ranks per node, one script line per entry."""
     if site.launcher.kind == "mpirun":
         launch = [
-            '"$launcher"',
+            # scancel's SIGTERM reaches every process: NOTE [mpirun and SIGTERM]
+            '"$python" -m hpcdl.sigterm_blocked "$launcher"',
             f"-np {job.nodes * ranks} --map-by ppr:{ranks}:node --bind-to none"
             # --on-node-loss continue needs Open MPI's fault-tolerant mode (hpcdl.comm.ulfm)
             + (" --with-ft ulfm" if job.config.get("on_node_loss") == "continue" else ""),
@@ -328,7 +375,7 @@ def _resolve(spec: JobSpec) -> _Resolved:
     setup = setup_lines(site)
     python = site.python or sys.executable
     launcher = site.launcher.command or default_launcher(site, python)
-    metrics = job.config.get("metrics")
+    metrics = job.metrics
     values = {
         "kind": spec.kind,
         "site": site.name,

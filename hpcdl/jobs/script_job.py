@@ -23,6 +23,7 @@ from hpcdl.jobs.render import (
     JobSpec,
     chain_script,
     check_text,
+    cpus_per_task,
     default_launcher,
     directive,
     fill_template,
@@ -62,7 +63,7 @@ def _job(spec: JobSpec) -> Job:
     return Job(
         nodes=positive("--nodes", spec.nodes),
         ranks_per_node=positive("--tasks-per-node", spec.tasks_per_node),
-        cpus=positive("--cpus-per-task", spec.cpus_per_task or spec.site.cpus_per_task),
+        cpus=cpus_per_task(spec),
         signal_s=signal_s,
         job_name=job_name,
         stage_key=stage_key,
@@ -70,7 +71,9 @@ def _job(spec: JobSpec) -> Job:
         config_path=Path("."),
         config={},
         checkpoint_dir="",
+        metrics="",
         output_dir=directive("--output", str(output_dir)),
+        extra_args=(),
     )
 
 
@@ -98,6 +101,7 @@ def render_script(spec: JobSpec) -> tuple[str, list[str]]:
             f"#SBATCH {line}" for line in sbatch_lines(replace(spec, kind="train"), job)
         ),
         "setup": "\n".join(setup) if setup else ":",
+        "python": quote("site python", python),
         "launcher": quote(
             "site launcher.command", site.launcher.command or default_launcher(site, python)
         ),

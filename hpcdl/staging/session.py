@@ -548,7 +548,9 @@ class StagingSession:
             warnings.warn(text, RuntimeWarning, stacklevel=3)
 
     def _check_alive(self, min_interval_s: float = 0.0) -> None:
-        if self.stager.lost(min_interval_s):
+        # A stager that ended on a signal (the job's stop reaches it too) said so in its own
+        # last line; only one that died or hangs needs hpcdl's warning.
+        if self.stager.lost(min_interval_s) and not self.stager.ended_on_its_own():
             self._warn("the staging process stopped")
 
     def _warn(self, what: str) -> None:

@@ -120,6 +120,16 @@ class StagerProcess:
         self.running = alive
         return not alive
 
+    def ended_on_its_own(self) -> bool:
+        """The stager left the session by its own decision (a signal: the job's stop, Slurm's
+        time limit; its parent gone), marked STOPPED, and its last line on stderr said why; not
+        a stager that crashed, was killed or hangs."""
+        return (
+            self.status is not None
+            and self.status.open()
+            and (self.status.run_state() == "STOPPED")
+        )
+
     def stop(self, stop_signal: int, timeout_s: float = 10.0) -> None:
         """Signal the child (if this rank has one and it runs) and reap it; SIGKILL after
         timeout_s. SIGUSR1: the job ended (its last line says it finished); SIGTERM: stopped."""
