@@ -375,3 +375,19 @@ def stager_ran_on(view: StatusView, seconds: float, timeout: float = 30.0) -> No
                f"the stager's heartbeat {seconds} s on")  # fmt: skip
     last = view.field("heartbeat_ns")
     wait_until(lambda: view.field("heartbeat_ns") > last, timeout, "one more stager loop")
+
+
+def finished_metrics(path: Path) -> Path:
+    """path: a small finished run's metrics, as hpcdl.train writes them (start, 4 steps, an
+    epoch and the summary)."""
+    records: list[dict] = [{"event": "start", "time": 0.0, "world_size": 1, "global_batch": 32}]
+    for i in range(4):
+        records.append({"event": "step", "step": i + 1, "epoch": 0, "time": 0.1 * (i + 1),
+                        "t_data": 0.01, "t_compute": 0.07, "t_comm_exposed": 0.01,
+                        "t_update": 0.01, "t_step": 0.1})  # fmt: skip
+    records.append({"event": "epoch", "epoch": 0, "loss": 1.0, "acc": 0.5, "seconds": 0.4,
+                    "images_per_s": 320.0})  # fmt: skip
+    records.append({"event": "summary", "world_size": 1, "global_batch": 32,
+                    "images_per_s": 320.0})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_line_error
+from helpers import finished_metrics, one_line_error
 
 from hpcdl.figure_file import FigureFileError, check_figure_path
 
@@ -27,19 +27,7 @@ def run(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
 
 @pytest.fixture
 def metrics(tmp_path) -> Path:
-    """A small finished run's metrics, as hpcdl.train writes them."""
-    records: list[dict] = [{"event": "start", "time": 0.0, "world_size": 1, "global_batch": 32}]
-    for i in range(4):
-        records.append({"event": "step", "step": i + 1, "epoch": 0, "time": 0.1 * (i + 1),
-                        "t_data": 0.01, "t_compute": 0.07, "t_comm_exposed": 0.01,
-                        "t_update": 0.01, "t_step": 0.1})  # fmt: skip
-    records.append({"event": "epoch", "epoch": 0, "loss": 1.0, "acc": 0.5, "seconds": 0.4,
-                    "images_per_s": 320.0})  # fmt: skip
-    records.append({"event": "summary", "world_size": 1, "global_batch": 32,
-                    "images_per_s": 320.0})  # fmt: skip
-    path = tmp_path / "m1.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    return finished_metrics(tmp_path / "m1.jsonl")
 
 
 def test_known_extensions_pass_and_keep_the_name(tmp_path):
