@@ -272,7 +272,7 @@ def resume_point(
     """Where training starts: (cfg, start, rest) after the --resume checkpoint, if any, is
     loaded into state (model, optimizer, loss scaler) and its epoch carried over to this
     world (hpcdl.resume). A finished chain's last job ends here (one line, exit 0)."""
-    start = restore(cfg, world, *state)
+    start = restore(cfg, world, *state, samples=spec.num_samples)
     stop_if_finished(cfg, start)  # a chain's last job: one line, exit 0 (hpcdl.train)
     if start.global_step:
         say(f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} ({cfg.resume})")
