@@ -67,14 +67,19 @@ def stop_if_finished(cfg: TrainConfig, start: Position) -> None:
 
     Before staging and loaders start: a stager asked to plan no epoch at all has nothing to do,
     and --max-steps already reached must not train one more step."""
-    if cfg.max_steps and start.global_step >= cfg.max_steps:
-        where = f"has reached --max-steps {cfg.max_steps}"
-    elif start.epoch >= cfg.epochs:
-        where = f"is at the end of --epochs {cfg.epochs}"
-    else:
-        return
-    path = find_resume_checkpoint(cfg)
-    raise NothingToTrain(f"hpcdl.train: nothing to train: checkpoint {path} {where}")
+    where = finished(cfg, start.epoch, start.global_step)
+    if where:
+        path = find_resume_checkpoint(cfg)
+        raise NothingToTrain(f"hpcdl.train: nothing to train: checkpoint {path} {where}")
+
+
+def finished(cfg: TrainConfig, epoch: int, global_step: int) -> str | None:
+    """How a run at (epoch, global_step) has reached its end, or None while it has not."""
+    if cfg.max_steps and global_step >= cfg.max_steps:
+        return f"has reached --max-steps {cfg.max_steps}"
+    if epoch >= cfg.epochs:
+        return f"is at the end of --epochs {cfg.epochs}"
+    return None
 
 
 def restore(
@@ -100,7 +105,8 @@ def restore(
             checkpoint.check_compatible(
                 ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
             )
-            changed = changes_line(ckpt, path, cfg, samples)
+            if not finished(cfg, ckpt.epoch, ckpt.global_step):  # else: nothing is read
+                changed = changes_line(ckpt, path, cfg, samples)
             _load_state(ckpt, path, cfg, world, model, optimizer)
             order = _epoch_order(ckpt, path, world)
             if scaler is not None and ckpt.loss_scale is not None:
