@@ -52,7 +52,9 @@ def inside_data_error(cfg: TrainConfig) -> str | None:
             continue
         given = data_root(data)
         root = Path(os.path.realpath(given))
-        named = f"{flag} {data}" if given == Path(data) else f"{given}, the directory of {data}"
+        named = f"{flag} {data}"
+        if given != Path(data):  # a tar pattern's or one .tar's shards: their directory
+            named = f"{given}, the directory of {named}"
         for out_flag, out in outputs.items():
             if not out:
                 continue

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from helpers import run_train
 
+from hpcdl.config import TrainConfig
+from hpcdl.run_outputs import inside_data_error
+
 BASE = ["--model", "mlp", "--batch-size", 32, "--workers", 0, "--seed", 3, "--quiet"]
 
 
@@ -79,3 +82,14 @@ def test_a_checkpoint_dir_that_contains_the_data_is_accepted(data):
                      data, "--metrics", data / "m.jsonl")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in data.glob("ckpt-*.h5")) == ["ckpt-e00000-s000000002.h5"]
+
+
+def test_a_checkpoint_dir_beside_tar_shards_is_inside_their_directory(tmp_path):
+    pattern = tmp_path / "shards-{000..001}.tar"
+    cfg = TrainConfig(data=str(pattern), checkpoint_dir=str(tmp_path))
+    assert inside_data_error(cfg) == (
+        f"--checkpoint-dir {tmp_path} is {tmp_path}, the directory of --data {pattern}: its "
+        "files would be read as part of the data set; choose a path outside the data"
+    )
+    beside = TrainConfig(data=str(pattern), checkpoint_dir=str(tmp_path.parent / "ck"))
+    assert inside_data_error(beside) is None
