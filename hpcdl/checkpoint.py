@@ -65,6 +65,8 @@ class Checkpoint:
     epoch_sums: list[list[float]] | None = None
     # The run whose checkpoints save() rotates (module notes); None: it rotates nothing.
     run_id: str | None = None
+    # Samples of the training data set (hpcdl.resume_changes); None in older checkpoints.
+    data_samples: int | None = None
 
 
 def checkpoint_name(epoch: int, global_step: int) -> str:
@@ -132,6 +134,8 @@ def _write_h5(path: str, ckpt: Checkpoint) -> None:
             f.attrs["epoch_sums"] = json.dumps(ckpt.epoch_sums)
         if ckpt.run_id is not None:
             f.attrs["run_id"] = ckpt.run_id
+        if ckpt.data_samples is not None:
+            f.attrs["data_samples"] = ckpt.data_samples
         f.create_dataset("params", data=ckpt.params)
         f.create_dataset("buffers", data=ckpt.buffers)
         opt = f.create_group("optimizer")
@@ -196,6 +200,7 @@ def _read(f: h5py.File, path: Path) -> Checkpoint:
         else None,
         epoch_sums=_attr(f, path, "epoch_sums", _parse_sums) if "epoch_sums" in f.attrs else None,
         run_id=_attr(f, path, "run_id", str) if "run_id" in f.attrs else None,
+        data_samples=_attr(f, path, "data_samples", _count) if "data_samples" in f.attrs else None,
     )
     if ckpt.epoch_sums is not None and len(ckpt.epoch_sums) != ckpt.world_size:
         raise CheckpointError(

@@ -194,7 +194,8 @@ _HELP = {
     "node (less staging traffic); none: fixed order",
     "sync": "grad: allreduce gradients every step; params:K: average parameters every K steps",
     "bucket_mb": "gradient bucket size in MiB for the allreduce that overlaps backward",
-    "checkpoint_dir": "directory for HDF5 checkpoints, written at every epoch end; the two "
+    "checkpoint_dir": "directory for HDF5 checkpoints, written at every epoch end and at "
+    "--max-steps; the two "
     "newest of this run are kept. Checked writable at start; one that holds an earlier run's "
     "checkpoints needs --resume (default: none, no checkpoints)",
     "checkpoint_every": "also checkpoint every N steps (0: only at epoch ends)",

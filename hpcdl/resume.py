@@ -17,6 +17,7 @@ from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.epoch_order import EpochOrder, rest_of_epoch, rest_size, resume_batch
 from hpcdl.data.sampler import SamplerSpec
+from hpcdl.resume_changes import changes_line
 from hpcdl.run import Position, RestOfEpoch, Run
 
 
@@ -66,32 +67,46 @@ def stop_if_finished(cfg: TrainConfig, start: Position) -> None:
 
     Before staging and loaders start: a stager asked to plan no epoch at all has nothing to do,
     and --max-steps already reached must not train one more step."""
-    if cfg.max_steps and start.global_step >= cfg.max_steps:
-        where = f"has reached --max-steps {cfg.max_steps}"
-    elif start.epoch >= cfg.epochs:
-        where = f"is at the end of --epochs {cfg.epochs}"
-    else:
-        return
-    path = find_resume_checkpoint(cfg)
-    raise NothingToTrain(f"hpcdl.train: nothing to train: checkpoint {path} {where}")
+    where = finished(cfg, start.epoch, start.global_step)
+    if where:
+        path = find_resume_checkpoint(cfg)
+        raise NothingToTrain(f"hpcdl.train: nothing to train: checkpoint {path} {where}")
+
+
+def finished(cfg: TrainConfig, epoch: int, global_step: int) -> str | None:
+    """How a run at (epoch, global_step) has reached its end, or None while it has not."""
+    if cfg.max_steps and global_step >= cfg.max_steps:
+        return f"has reached --max-steps {cfg.max_steps}"
+    if epoch >= cfg.epochs:
+        return f"is at the end of --epochs {cfg.epochs}"
+    return None
 
 
 def restore(
-    cfg: TrainConfig, world: World, model: Any, optimizer: Any, scaler: Any = None
+    cfg: TrainConfig,
+    world: World,
+    model: Any,
+    optimizer: Any,
+    scaler: Any = None,
+    samples: int | None = None,
 ) -> Position:
-    """Load --resume's checkpoint on every rank; returns where training continues.
+    """Load --resume's checkpoint on every rank; returns where training continues. samples:
+    this run's training samples, checked against the checkpoint's (hpcdl.resume_changes).
 
     Everything that can be wrong with the file (a missing attribute, another model's or another
-    optimizer's state, a vector of the wrong length, a garbage RNG state) is found while loading
-    it into the model on each rank, and agreed: one line naming the file, every rank stops."""
+    optimizer's state, a vector of the wrong length, a garbage RNG state, a flag changed that
+    breaks the epoch in progress) is found while loading it into the model on each rank, and
+    agreed: one line naming the file, every rank stops. Allowed changes are said in one line."""
     path = find_resume_checkpoint(cfg)
-    ckpt, error = None, None
+    ckpt, error, changed = None, None, None
     if path is not None:
         try:
             ckpt = checkpoint.load(path)
             checkpoint.check_compatible(
                 ckpt, path, model.name, shapes(model), buffer_values=int(model.buffers.size)
             )
+            if not finished(cfg, ckpt.epoch, ckpt.global_step):  # else: nothing is read
+                changed = changes_line(ckpt, path, cfg, samples)
             _load_state(ckpt, path, cfg, world, model, optimizer)
             order = _epoch_order(ckpt, path, world)
             if scaler is not None and ckpt.loss_scale is not None:
@@ -99,6 +114,8 @@ def restore(
         except checkpoint.CheckpointError as exc:
             error = str(exc)
     agree_on_errors(world.comm, world.rank, error)
+    if changed and world.is_root and not cfg.quiet:
+        print(changed, flush=True)
     if ckpt is None or not ckpt.run_id:  # afresh, or a checkpoint written before run ids
         run_id = world.comm.bcast(uuid.uuid4().hex[:16] if world.is_root else None, root=0)
     else:
@@ -260,6 +277,7 @@ def save(run: Run, at: Position, epoch_stats: Any = None) -> Path | None:
             epoch_order=run.epoch_order(at).to_json(),
             epoch_sums=epoch_sums,
             run_id=run.start.run_id,
+            data_samples=len(run.train_ds),
         )
         path = checkpoint.save(cfg.checkpoint_dir, ckpt)
     return world.comm.bcast(path, root=0)

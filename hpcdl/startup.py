@@ -28,6 +28,7 @@ from hpcdl.engines import build_engine
 from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.resume import continue_epoch, restore, stop_if_finished
 from hpcdl.run import Run, own
+from hpcdl.run_outputs import hold_checkpoint_dir
 from hpcdl.startup_checks import (
     batch_size_error,
     check_outputs,
@@ -219,6 +220,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         check_outputs(cfg, world)  # config errors: said before the start line, every rank
         check_stage_dir(cfg, world)
         check_workers(cfg, world)
+        hold_checkpoint_dir(cfg, world, stack)  # one run at a time (NOTE [a run's outputs])
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware
         say(start_line(cfg, world, aware))
@@ -276,7 +278,7 @@ def resume_point(
     """Where training starts: (cfg, start, rest) after the --resume checkpoint, if any, is
     loaded into state (model, optimizer, loss scaler) and its epoch carried over to this
     world (hpcdl.resume). A finished chain's last job ends here (one line, exit 0)."""
-    start = restore(cfg, world, *state)
+    start = restore(cfg, world, *state, samples=spec.num_samples)
     stop_if_finished(cfg, start)  # a chain's last job: one line, exit 0 (hpcdl.train)
     if start.global_step:
         say(f"hpcdl: resumed at epoch {start.epoch + 1}, step {start.step_in_epoch} ({cfg.resume})")

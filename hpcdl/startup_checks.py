@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from hpcdl import checkpoint
+from hpcdl import checkpoint, run_outputs
 from hpcdl.atomic import reason
 from hpcdl.comm.failure import SystemExitWithMessage, agree_on_errors
 from hpcdl.comm.world import World
@@ -118,6 +118,9 @@ def check_stage_dir(cfg: TrainConfig, world: World) -> None:
 
 
 def _output_error(cfg: TrainConfig) -> str | None:
+    inside = run_outputs.inside_data_error(cfg)  # NOTE [a run's outputs]
+    if inside:
+        return inside
     if cfg.metrics:
         metrics = Path(cfg.metrics)
         if metrics.is_dir():

@@ -139,7 +139,7 @@ def train(cfg: TrainConfig, world: World) -> int:
                 end_of_epoch = step == run.steps_in(epoch)
                 stopped_by = run.stop.signal_name if run.stop.should_stop() else None
                 at_max_steps = bool(cfg.max_steps) and global_step >= cfg.max_steps
-                saving = checkpoint_due(cfg, global_step, end_of_epoch, stopped_by)
+                saving = checkpoint_due(cfg, global_step, end_of_epoch or at_max_steps, stopped_by)
                 if logged or end_of_epoch or at_max_steps or stopped_by or saving:
                     stop_if_loss_not_finite(run, watch)
                 if logged:
@@ -163,12 +163,13 @@ def train(cfg: TrainConfig, world: World) -> int:
 
 
 def checkpoint_due(
-    cfg: TrainConfig, global_step: int, end_of_epoch: bool, stopped_by: str | None
+    cfg: TrainConfig, global_step: int, at_the_end: bool, stopped_by: str | None
 ) -> bool:
-    """The one checkpoint rule: at the end of every epoch, when a signal stops the run, and
-    every --checkpoint-every steps; never without --checkpoint-dir."""
+    """The one checkpoint rule: at the end of every epoch and at --max-steps (at_the_end), when
+    a signal stops the run, and every --checkpoint-every steps; never without --checkpoint-dir.
+    A run --max-steps stopped is resumed there: with nothing to train, or with a larger one."""
     every = bool(cfg.checkpoint_every) and global_step % cfg.checkpoint_every == 0
-    return bool(cfg.checkpoint_dir) and (end_of_epoch or stopped_by is not None or every)
+    return bool(cfg.checkpoint_dir) and (at_the_end or stopped_by is not None or every)
 
 
 def log_step(run: Run, global_step: int, epoch: int, result: StepResult, lr: float) -> None:

@@ -54,7 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # what a run writes and what predicts it
     ("hpcdl.checkpoint", "hpcdl.metrics", "hpcdl.metrics_file", "hpcdl.clustermodel"),
     # a run's resources; checkpoints in and out of a run; the seam to its engine (hpcdl.engine)
-    ("hpcdl.run", "hpcdl.resume", "hpcdl.engine"),
+    ("hpcdl.run", "hpcdl.resume", "hpcdl.engine", "hpcdl.run_outputs", "hpcdl.resume_changes"),
     # a Run from a TrainConfig, and the two engines behind the seam (hpcdl.engines picks one)
     (
         "hpcdl.startup",

@@ -41,6 +41,11 @@ CASES = {
     "max-steps": ("max-steps", ["--epochs", 2, "--max-steps", 5]),
     "max-steps-staging": ("max-steps", ["--epochs", 2, "--max-steps", 5, "--stage-dir", "{stage}"]),
     "verbose-staging": ("epochs", ["--stage-dir", "{stage}", "--progress", "epoch"]),
+    # mid-epoch with another order and lr: nothing is read, so nothing to refuse or to say
+    "verbose-max-steps-seed-lr": (
+        "max-steps",
+        ["--epochs", 2, "--max-steps", 5, "--seed", 4, "--lr", 0.5],
+    ),  # fmt: skip
 }
 
 
@@ -66,6 +71,7 @@ def test_resuming_a_finished_run_says_one_line_and_exits_0(case, finished, digit
         + ("has reached --max-steps 5" if which == "max-steps" else "is at the end of --epochs 1")
     ], proc.stdout + proc.stderr[-3000:]
     assert proc.stderr == "", proc.stderr[-3000:]
+    assert not [line for line in lines if "this run changes" in line], proc.stdout
     # --quiet: that line only; else after the start-up lines that say where the run stands
     assert len(lines) == 1 if quiet else lines[-1].startswith("hpcdl.train"), proc.stdout
     assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before  # nothing trained

@@ -142,9 +142,9 @@ def test_the_learning_rate_of_every_step_is_the_hpcdl_engines(digits_dir, tmp_pa
 def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupted_run(
     digits_dir, tmp_path, optimizer, sync_bn
 ):
-    """Stopped at step 7 with checkpoints every 5 steps: the resumed run retrains steps 6 and
-    7 from step 5's checkpoint (model, optimizer, dropout generators, BatchNorm counters) and
-    ends with the parameters and optimizer state of a run that was never stopped, bit for bit.
+    """Stopped by --max-steps 7 with checkpoints every 5 steps and at the stop: the resumed run
+    goes on from step 7's checkpoint (model, optimizer, dropout generators, BatchNorm counters)
+    and ends with the parameters and optimizer state of a run that was never stopped, bit for bit.
     With --sync-bn every rank's BatchNorm statistics are the same, so those are bitwise too."""
     common = ("--epochs", 2, "--optimizer", optimizer, "--weight-decay", 1e-4,
               "--checkpoint-every", 5, "--lr-decay", "cosine", "--warmup-epochs", 0.5,
@@ -155,16 +155,16 @@ def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupte
     stopped = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--max-steps", 7),
                         timeout=300)  # fmt: skip
     assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert final_state(cut).global_step == 5
+    assert final_state(cut).global_step == 7
     resumed = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--resume", "auto"),
                         timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "hpcdl: resumed at epoch 1, step 5 (auto)" in resumed.stdout
+    assert "hpcdl: resumed at epoch 1, step 7 (auto)" in resumed.stdout
     a, b = final_state(whole), final_state(cut)
     assert a.global_step == b.global_step == 88
     assert a.params.tobytes() == b.params.tobytes()
     # Without --sync-bn BatchNorm's running statistics are not bitwise: a checkpoint holds
-    # rank 0's (as with hpcdl's own models), so rank 1 resumed from rank 0's at step 5; they
+    # rank 0's (as with hpcdl's own models), so rank 1 resumed from rank 0's at step 7; they
     # never enter the training forward, and the epoch-end averaging brings them within rounding
     if sync_bn:
         assert a.buffers.tobytes() == b.buffers.tobytes()

@@ -57,9 +57,9 @@ def test_a_checkpoint_dir_below_a_regular_file_is_refused_and_the_file_kept(digi
 def test_a_missing_checkpoint_dir_is_probed_and_holds_only_checkpoints(digits_dir, tmp_path):
     ckpt_dir = tmp_path / "new" / "ck"
     proc = run_train(2, "--data", digits_dir / "train", *BASE, "--max-steps", 2,
-                     "--checkpoint-dir", ckpt_dir)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not (tmp_path / "new").exists()  # probed at start, removed: no checkpoint was due
+                     "--checkpoint-dir", ckpt_dir, "--batch-size", 5000)  # fmt: skip
+    assert proc.returncode == 2 and "--batch-size 5000" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "new").exists()  # probed at start, removed: the start-up stopped
     proc = run_train(2, "--data", digits_dir / "train", *BASE, "--max-steps", 2,
                      "--checkpoint-every", 2, "--checkpoint-dir", ckpt_dir)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
