@@ -29,12 +29,7 @@ from hpcdl.metrics import MetricsError, MetricsWriter, Progress
 from hpcdl.resume import continue_epoch, restore, stop_if_finished
 from hpcdl.run import Run, own
 from hpcdl.run_outputs import hold_checkpoint_dir
-from hpcdl.startup_checks import (
-    batch_size_error,
-    check_outputs,
-    check_stage_dir,
-    check_workers,
-)
+from hpcdl.startup_checks import batch_size_error, check_settings
 from hpcdl.startup_input import loader_line, open_input
 
 
@@ -217,9 +212,7 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
     with ExitStack() as stack:
         xp, error = backend.try_select(cfg.device, world.local_rank)
         agree_on_errors(world.comm, world.rank, error)  # no GPU: one message, every rank stops
-        check_outputs(cfg, world)  # config errors: said before the start line, every rank
-        check_stage_dir(cfg, world)
-        check_workers(cfg, world)
+        check_settings(cfg, world)  # config errors: said before the start line, every rank
         hold_checkpoint_dir(cfg, world, stack)  # one run at a time (NOTE [a run's outputs])
         aware = cuda_aware.detect(world.comm, cfg.device)
         host_staged = cfg.device == "gpu" and not aware.aware

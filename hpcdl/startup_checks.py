@@ -49,6 +49,14 @@ def verify_same_run(world: World, cfg: TrainConfig, layout: list) -> None:
         raise SystemExitWithMessage(error if world.rank == 0 else None)
 
 
+def check_settings(cfg: TrainConfig, world: World) -> None:
+    """The run's outputs, --stage-dir and --workers checked on every rank, each error said
+    once, before the start line; collective."""
+    check_outputs(cfg, world)
+    check_stage_dir(cfg, world)
+    check_workers(cfg, world)
+
+
 def check_outputs(cfg: TrainConfig, world: World) -> None:
     """--metrics must be a file rank 0 can create or append to, --checkpoint-dir a directory it
     can write checkpoints into, empty of checkpoints unless the run resumes.
