@@ -177,7 +177,8 @@ def stage_part(args: argparse.Namespace, mount: Path, scratch: Path) -> dict[str
                 wall, _ = timed(["cp", "-r", str(mount / "folder"), str(dst)])
             else:
                 cmd = [sys.executable, "-m", "hpcdl.stage", "--data", str(mount / "tar"),
-                       "--stage-dir", str(dst), "--quiet"]  # fmt: skip
+                       "--stage-dir", str(dst), "--batch-size", str(args.batch_size),
+                       "--ranks-per-node", str(args.ranks), "--quiet"]  # fmt: skip
                 wall, _ = timed(cmd, dict(env, XDG_CACHE_HOME=str(scratch / f"cache-st-{r}")))
             seconds[kind].append(wall)
             shutil.rmtree(dst, ignore_errors=True)
