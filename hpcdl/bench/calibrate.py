@@ -411,6 +411,8 @@ def describe(
     """The measured figures, one line per part."""
     p, n, c, peer = cal.pfs, cal.network, cal.compute, cal.peer or calibration.DEFAULT_PEER
     sweep = ", ".join(f"{r['threads']}t {r['opens_per_s']:.0f}/s" for r in rows)
+    if read := rows[-1].get("sweep_cut_at_files"):  # fewer files than thread counts
+        sweep += f" (thread sweep cut short: --data holds {read} file{'s' * (read > 1)} to read)"
     limit = (
         f"; limit {p.total_opens_per_s:.0f} opens/s" if p.total_opens_per_s
         else f"; limit {p.total_bandwidth_Bps / 1e6:.0f} MB/s" if p.total_bandwidth_Bps

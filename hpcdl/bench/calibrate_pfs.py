@@ -64,6 +64,8 @@ def measure_pfs(root: Path, max_threads: int, per_count: int) -> tuple[PfsFigure
     """Reader-thread sweep on distinct files; returns the figures and the sweep's rows."""
     counts = [1 << k for k in range(max_threads.bit_length()) if 1 << k <= max_threads]
     files = sample_files(root, per_count * len(counts))
+    cut = len(files) < len(counts)  # each thread count reads distinct files: as far as they reach
+    counts = counts[: len(files)]
     chunks = [files[i :: len(counts)] for i in range(len(counts))]
     rows = []
     for threads, chunk in zip(counts, chunks):
@@ -77,6 +79,8 @@ def measure_pfs(root: Path, max_threads: int, per_count: int) -> tuple[PfsFigure
                          open_s=statistics.mean(r[0] for r in results),
                          read_s=statistics.mean(r[1] for r in results),
                          bytes=nbytes))  # fmt: skip
+    if cut:
+        rows[-1]["sweep_cut_at_files"] = len(files)
     one, top = rows[0], rows[-1]
     thread_bw = one["bytes"] / max(one["read_s"] * one["files"], 1e-9)
     limited = top["opens_per_s"] < SATURATED * top["threads"] * one["opens_per_s"]
