@@ -6,6 +6,7 @@ torch."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,21 @@ def test_squeezenets_convolution_head_says_only_linear_heads_are_re_initialised(
                                 tmp_path / "squeezenet.pth"))  # fmt: skip
     assert "classifier.1.weight is (1000, 512, 1, 1) in the file, (3, 512, 1, 1)" in line, line
     assert "classifier.1 is a Conv2d: only a final nn.Linear of another class count" in line
+
+
+def test_the_fine_tune_example_without_network_is_one_line(tmp_path):
+    """examples/finetune_resnet18.py on a compute node without network: torchvision's download
+    fails (here: every HTTPS request goes to a closed port), and the example says what to do in
+    one line, exit 2, no traceback and no .pth written."""
+    env = {**mpi_env(), "HOME": str(tmp_path), "https_proxy": "http://127.0.0.1:9",
+           "HTTPS_PROXY": "http://127.0.0.1:9"}  # fmt: skip
+    env.pop("TORCH_HOME", None)
+    env.pop("XDG_CACHE_HOME", None)
+    out = tmp_path / "r18.pth"
+    example = Path(__file__).resolve().parents[1] / "examples" / "finetune_resnet18.py"
+    done = subprocess.run([sys.executable, str(example), str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = one_line_error(done)
+    assert "could not download" in line and "--random" in line and "copy" in line, line
+    assert not out.exists()
