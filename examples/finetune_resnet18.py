@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model = torchvision.models.resnet18(weights="IMAGENET1K_V1")
         except OSError as e:  # no network on a compute node: URLError, a refused connection
-            ap.error(f"could not download torchvision's ImageNet weights ({e}): on a machine "
-                     f"without network, copy {args.out} in from one with it, or give --random")  # fmt: skip
+            ap.error(
+                f"could not download torchvision's ImageNet weights ({e}): on a machine "
+                f"without network, copy {args.out} in from one with it, or give --random"
+            )
     try:
         with open(args.out, "xb") as f:
             torch.save(model.state_dict(), f)
