@@ -12,6 +12,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hpcdl import nn, resume
 from hpcdl.comm import collectives
 from hpcdl.comm.failure import agree_on_errors
@@ -19,11 +21,14 @@ from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
 from hpcdl.data.device import on_device
+from hpcdl.engine import tf32_unused
 from hpcdl.nn.step import StepParts, StepResult, train_step
 from hpcdl.nn.step_graph import StepGraph
 from hpcdl.resume import shapes
 from hpcdl.run import own
 from hpcdl.startup_checks import verify_same_run
+
+PLAIN_KERNELS = "hpcdl's plain kernels (add --gpu-kernels)"  # --tf32's matrix products: cuBLAS's
 
 
 @dataclass
@@ -60,6 +65,12 @@ class ArrayEngine:
             f"float32 master weights{scaling} (float32 arrays: {precision}'s accuracy, not its "
             "speed)"
         )
+
+    @property
+    def tf32_line(self) -> str | None:
+        if self.xp is np:
+            return tf32_unused("a CPU")
+        return None if nn.kernels.enabled() else tf32_unused(PLAIN_KERNELS)
 
     @property
     def flags_agreed(self) -> bool:

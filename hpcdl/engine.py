@@ -49,6 +49,12 @@ class Engine(Protocol):
         ...
 
     @property
+    def tf32_line(self) -> str | None:
+        """Where --tf32 changes nothing in this engine on this device, the start-up line that
+        says so (tf32_unused); None where it takes effect."""
+        ...
+
+    @property
     def flags_agreed(self) -> bool:
         """The gradient allreduce carries every rank's non-finite-loss flag (no collective of
         its own is needed to agree on a NaN loss)."""
@@ -79,3 +85,8 @@ class Engine(Protocol):
     def average_buffers(self) -> None:
         """Collective: the running statistics (BatchNorm) become their mean over the ranks."""
         ...
+
+
+def tf32_unused(where: str) -> str:
+    """The start-up line of a --tf32 that changes nothing on `where` (NOTE [TF32])."""
+    return f"hpcdl: --tf32 changes nothing on {where}: float32 stays IEEE float32"

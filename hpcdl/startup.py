@@ -304,9 +304,8 @@ def say_settings(cfg: TrainConfig, engine: Engine, say: Any) -> None:
         say(engine.precision_line)
     if cfg.lr == 0:
         say("hpcdl: --lr 0: the parameters will not change")
-    if cfg.tf32 and (cfg.device == "cpu" or (engine.kind == "hpcdl" and not cfg.gpu_kernels)):
-        where = "a CPU" if cfg.device == "cpu" else "hpcdl's plain kernels (add --gpu-kernels)"
-        say(f"hpcdl: --tf32 changes nothing on {where}: float32 stays IEEE float32")
+    if cfg.tf32 and (line := engine.tf32_line):
+        say(line)
 
 
 def start_diagnostics(cfg: TrainConfig, world: World, stack: ExitStack) -> diag.DiagSession:

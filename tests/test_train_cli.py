@@ -352,17 +352,35 @@ def test_tf32_where_it_changes_nothing_says_so_once(digits_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     said = [line for line in proc.stdout.splitlines() if "--tf32" in line]
     assert said == ["hpcdl: --tf32 changes nothing on a CPU: float32 stays IEEE float32"]
+    # on a GPU, each engine says it (the seam: startup asks the engine, not which one it is)
+    import torch  # noqa: PLC0415
+
+    from hpcdl import nn  # noqa: PLC0415
+    from hpcdl.array_engine import ArrayEngine  # noqa: PLC0415
+    from hpcdl.torch_engine import TorchEngine  # noqa: PLC0415
+    from hpcdl.torch_engine.device import BatchFeed  # noqa: PLC0415
+
+    cfg = TrainConfig(data="x", device="gpu", tf32=True)
     lines = {}
-    for kind, kernels in (("hpcdl", False), ("hpcdl", True), ("torch", False)):
-        cfg = TrainConfig(data="x", device="gpu", tf32=True, gpu_kernels=kernels)
-        lines[kind, kernels] = []
-        say_settings(cfg, SimpleNamespace(kind=kind), lines[kind, kernels].append)
+    on_gpu = SimpleNamespace(xp=SimpleNamespace())  # parts whose array module is not NumPy
+    for kernels in (False, True):
+        nn.kernels.enable(kernels)
+        try:
+            lines["hpcdl", kernels] = []
+            say_settings(cfg, ArrayEngine(on_gpu, None, False), lines["hpcdl", kernels].append)
+        finally:
+            nn.kernels.enable(False)
+    lines["torch", False] = []
+    cuda = TorchEngine(None, None, None, None, feed=BatchFeed(torch.device("cuda")))
+    say_settings(cfg, cuda, lines["torch", False].append)
     assert lines == {
         ("hpcdl", False): ["hpcdl: --tf32 changes nothing on hpcdl's plain kernels (add "
                            "--gpu-kernels): float32 stays IEEE float32"],
         ("hpcdl", True): [],
         ("torch", False): [],
     }  # fmt: skip
+    cpu = TorchEngine(None, None, None, None)
+    assert cpu.tf32_line == "hpcdl: --tf32 changes nothing on a CPU: float32 stays IEEE float32"
 
 
 def test_lr_zero_trains_without_changing_the_parameters_and_says_so_once(digits_dir, tmp_path):

@@ -44,6 +44,7 @@ from hpcdl.comm.failure import agree_on_errors
 from hpcdl.comm.reducer import GradientReducer
 from hpcdl.comm.world import World
 from hpcdl.config import TrainConfig
+from hpcdl.engine import tf32_unused
 from hpcdl.nn.model import FLAG_LOSS, FLAG_OVERFLOW
 from hpcdl.nn.precision import LossScaler
 from hpcdl.nn.step import StepResult, StepTimes
@@ -88,6 +89,10 @@ class TorchEngine:
             "hpcdl: precision bf16: forward and loss under torch.autocast (bfloat16 matrix "
             "products and convolutions), float32 parameters and gradients"
         )
+
+    @property
+    def tf32_line(self) -> str | None:
+        return None if self.feed.device.type == "cuda" else tf32_unused("a CPU")
 
     @property
     def flags_agreed(self) -> bool:
