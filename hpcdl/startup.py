@@ -239,7 +239,8 @@ def start_run(cfg: TrainConfig, world: World) -> Run:
         own(stack, stop.close, stop.abandon)
         threads = set_cpu_threads(world, say)  # after every start-up check: said once ready
         steps_per_epoch = sampler.steps_per_epoch(cfg.batch_size)
-        metrics = open_metrics(cfg, world, stack, aware.aware, threads, steps_per_epoch)
+        metrics = open_metrics(cfg, world, stack, (aware.aware, engine.kind), threads,
+                               steps_per_epoch)  # fmt: skip
         metrics.write("index", **index_record(train_ds, val_ds))  # image folders: index seconds
         shown = world.is_root and not cfg.quiet  # --quiet: no progress whatever --progress says
         return Run(
@@ -330,12 +331,13 @@ def open_metrics(
     cfg: TrainConfig,
     world: World,
     stack: ExitStack,
-    cuda_aware_mpi: bool,
+    aware_and_engine: tuple[bool, str],
     threads: list[int],
     steps_per_epoch: int,
 ) -> MetricsWriter:
     """The run's metrics (JSONL and --tensorboard, rank 0), owned by stack, with its `start`
-    record written."""
+    record written: whether MPI is CUDA-aware, and which engine runs the model."""
+    cuda_aware_mpi, engine = aware_and_engine
     metrics = MetricsWriter(
         cfg.metrics if world.is_root else None, tensorboard=tensorboard_events(cfg, world)
     )
@@ -345,6 +347,7 @@ def open_metrics(
         world_size=world.size,
         global_batch=cfg.batch_size * world.size,
         model=cfg.model,
+        engine=engine,
         device=cfg.device,
         cuda_aware=cuda_aware_mpi,
         cpu_threads=threads,
