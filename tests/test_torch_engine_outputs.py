@@ -1,7 +1,8 @@
 """A torch model (hpcdl.torch_engine) through the parts of a run the other torch-engine tests
-leave out: WebDataset tar shards staged to the node, `--shuffle node` (the sampler is the
-engine's neither way), every sample read once an epoch, `--tensorboard` beside the metrics, and `hpcdl.report` of the run
-(issue 61, "Everything the run does, for torch models too"). Real 2-rank runs under mpirun."""
+leave out: WebDataset tar shards staged to the node, `--shuffle node` (the sampler is not the
+engine's), every sample read once an epoch, `--tensorboard` beside the metrics, and
+`hpcdl.report` of the run (issue 61, "Everything the run does, for torch models too"). A real
+2-rank run under mpirun."""
 
 from __future__ import annotations
 
