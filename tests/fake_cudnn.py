@@ -44,9 +44,12 @@ class cudnnGraphNotSupportedError(Exception):  # noqa: N801 - the frontend's own
 
 class data_type(str, enum.Enum):  # noqa: N801 - the frontend's own name
     FLOAT = "FLOAT"
+    DOUBLE = "DOUBLE"
     HALF = "HALF"
     BFLOAT16 = "BFLOAT16"
+    INT32 = "INT32"
     INT64 = "INT64"
+    NOT_SET = "NOT_SET"
 
 
 class heur_mode(str, enum.Enum):  # noqa: N801
@@ -64,7 +67,8 @@ class numerical_note(str, enum.Enum):  # noqa: N801
     WINOGRAD = "WINOGRAD"
 
 
-_NUMPY = {data_type.FLOAT: "float32", data_type.HALF: "float16", data_type.BFLOAT16: "bfloat16"}
+_NUMPY = {data_type.FLOAT: "float32", data_type.DOUBLE: "float64", data_type.HALF: "float16",
+          data_type.BFLOAT16: "bfloat16"}  # fmt: skip
 _HOST_SCALARS = {data_type.FLOAT: ctypes.c_float, data_type.INT64: ctypes.c_int64}
 _POINTWISE = ("add", "relu", "relu_backward")
 _BUILD_ORDER = ("validate", "operation_graph", "plans", "support", "build")
