@@ -6,12 +6,12 @@ PyTorch's momentum rule) and backward (dx, d gamma, d beta) as cuDNN frontend gr
 Statistics and the parameter gradients are float32; the plans' x, y, dy and dx are in the
 layer's format, and y and dx come back in the dtype of x and dy (float32 emulated, the
 format's with real half arrays, hpcdl.nn.dtypes).
-Not for a float64 model: cuDNN's graph API has BatchNorm engines for float32 and half I/O with
-float32 statistics only, so a float64 BatchNorm keeps the reference (said once) rather than run
-in float32. Not with --sync-bn: cuDNN's fused graph cannot put the ranks' allreduce between the
-statistics and the normalisation, so SyncBatchNorm keeps the reference. Evaluation is one
-elementwise pass with the running statistics. Where none applies, BatchNorm runs its own GEMV-sum
-code.
+Not for a float64 model: cuDNN's graph API documents BatchNorm for float32 and half I/O with
+float32 statistics, and no float64 engine, so a float64 BatchNorm keeps the reference (said
+once) rather than have its statistics run in float32. Not with --sync-bn: cuDNN's fused graph
+cannot put the ranks' allreduce between the statistics and the normalisation, so SyncBatchNorm
+keeps the reference. Evaluation is one elementwise pass with the running statistics. Where none
+applies, BatchNorm runs its own GEMV-sum code.
 
 CudnnBatchNormRelu: the same training BatchNorm with the ReLU that follows it, and the residual
 add before that ReLU (a ResNet block's end), in one forward graph (batchnorm, add, relu) and
@@ -62,7 +62,8 @@ class CudnnBatchNorm:
         if layer.p["gamma"].dtype == np.float64:  # no float64 engine (module docstring)
             say_once(
                 "cudnn-bn-float64",
-                "--gpu-kernels: cuDNN has no float64 BatchNorm; a float64 model's BatchNorm "
+                "--gpu-kernels: cuDNN's graphs have no float64 BatchNorm; a float64 model's "
+                "BatchNorm "
                 "runs hpcdl's own float64 kernel",
             )
             return False
