@@ -1,7 +1,9 @@
 """A strict stand-in for NVIDIA's cuDNN frontend module (`cudnn`) that executes its graphs in NumPy.
 
-It refuses what the real frontend (nvidia-cudnn-frontend 1.32, its `python/` bindings and
-`test/python/` tests) refuses, so that a CPU test fails where a GPU run would:
+Each method takes the real one's parameters: names, positional order, keyword-only names and
+defaults of nvidia-cudnn-frontend 1.32 (tests/test_nn_cudnn_stand_in.py holds the wheel's).
+It refuses what the real frontend (its `python/` bindings and `test/python/` tests) refuses, so
+that a CPU test fails where a GPU run would:
 - enum arguments (data types, heuristic modes) that are not the module's own members, and
   dims / strides / padding that are not lists of ints of the right length;
 - a variant-pack value that is not a pointer: the real one takes an int address, a tensor with
@@ -11,8 +13,9 @@ It refuses what the real frontend (nvidia-cudnn-frontend 1.32, its `python/` bin
 - a pass-by-value tensor (host scalar) that is not [1, 1, 1, 1], or whose pack value is a
   device pointer; BatchNorm's epsilon and momentum not passed by value (as the frontend's own
   BatchNorm test passes them: host tensors);
-- pointwise ops (add, relu, relu_backward: the frontend's names and keywords) on anything
-  but the graph's tensors, a compute_data_type that is no cudnn.data_type, clips not floats;
+- an op on anything but the graph's tensors (what has no shape: AttributeError, as the
+  frontend's tensor_like), a compute_data_type that is no cudnn.data_type, ReLU clips and
+  slope not floats; a convolution without padding, stride or dilation;
 - operands of one convolution in different data types, statistics not in FLOAT (no engine:
   cudnnGraphNotSupportedError at check_support), and `refuse(op, dims, data_type)` for a shape
   cuDNN has no engine for;
@@ -20,7 +23,11 @@ It refuses what the real frontend (nvidia-cudnn-frontend 1.32, its `python/` bin
   check_support, or of notes that are not cudnn.numerical_note members;
 - the build steps out of order, executing an unbuilt graph, a workspace smaller than asked,
   a handle that create_handle did not make.
-It is stricter than the backend in one way, to catch layout bugs: a device pointer must be one
+Where frontend 1.32 finds a fault only when it lowers the graph to the backend (types, missing
+attributes), the stand-in refuses at the call, with the kind of error the lowering raises.
+It is stricter than the real one where a fault would pass silently: a pack keyed by another
+graph's tensor (the frontend takes its uid for this graph's), an array as an op's operand (the
+frontend binds it; hpcdl declares every tensor), and layouts: a device pointer must be one
 `pointer()` handed out, and a declared dim / stride must fit inside that array and its dtype
 must be the declared one (the backend would read whatever bytes lie there).
 
@@ -44,9 +51,12 @@ class cudnnGraphNotSupportedError(Exception):  # noqa: N801 - the frontend's own
 
 class data_type(str, enum.Enum):  # noqa: N801 - the frontend's own name
     FLOAT = "FLOAT"
+    DOUBLE = "DOUBLE"
     HALF = "HALF"
     BFLOAT16 = "BFLOAT16"
+    INT32 = "INT32"
     INT64 = "INT64"
+    NOT_SET = "NOT_SET"
 
 
 class heur_mode(str, enum.Enum):  # noqa: N801
@@ -64,9 +74,11 @@ class numerical_note(str, enum.Enum):  # noqa: N801
     WINOGRAD = "WINOGRAD"
 
 
-_NUMPY = {data_type.FLOAT: "float32", data_type.HALF: "float16", data_type.BFLOAT16: "bfloat16"}
+_NUMPY = {data_type.FLOAT: "float32", data_type.DOUBLE: "float64", data_type.HALF: "float16",
+          data_type.BFLOAT16: "bfloat16"}  # fmt: skip
 _HOST_SCALARS = {data_type.FLOAT: ctypes.c_float, data_type.INT64: ctypes.c_int64}
 _POINTWISE = ("add", "relu", "relu_backward")
+_ATTRIBUTES = ("padding", "stride", "dilation")  # a convolution's, among its inputs
 _BUILD_ORDER = ("validate", "operation_graph", "plans", "support", "build")
 
 
@@ -83,6 +95,16 @@ def _ints(value, length, what):
     return [int(v) for v in value]
 
 
+def _row_major(dim):
+    """The frontend's default strides: row-major over dim."""
+    return [int(np.prod(dim[i + 1 :])) for i in range(len(dim))]
+
+
+def _no_peers(peer_stats):
+    if peer_stats:
+        raise NotImplementedError("batchnorm: the stand-in models no peer_stats (SyncBatchNorm)")
+
+
 def _enum(value, kind, what):
     if not isinstance(value, kind):
         raise TypeError(f"{what}: expected cudnn.{kind.__name__}, got {type(value).__name__}")
@@ -95,8 +117,8 @@ class Tensor:
         self.data_type, self.is_pass_by_value = dtype, by_value
         self.op, self.inputs, self.is_output = op, {}, False
 
-    def set_output(self, flag):
-        self.is_output = bool(flag)
+    def set_output(self, value):
+        self.is_output = bool(value)
         return self
 
     def set_dim(self, dim):
@@ -107,8 +129,8 @@ class Tensor:
         self.stride = _ints(stride, len(self.dim or ()), "stride")
         return self
 
-    def set_data_type(self, dt):
-        self.data_type = _enum(dt, data_type, "set_data_type")
+    def set_data_type(self, dtype):
+        self.data_type = _enum(dtype, data_type, "set_data_type")
         return self
 
 
@@ -117,7 +139,7 @@ class Module:
     its NumPy device memory. refuse(op, x_dim, x_data_type) -> bool makes check_support fail as
     cuDNN does for a shape it has no engine for."""
 
-    cudnnGraphNotSupportedError = cudnnGraphNotSupportedError
+    Handle, cudnnGraphNotSupportedError = Handle, cudnnGraphNotSupportedError
     data_type, heur_mode, numerical_note = data_type, heur_mode, numerical_note
 
     def __init__(self, refuse=lambda op, dims, dtype: False):
@@ -130,12 +152,18 @@ class Module:
 
     def set_stream(self, handle, stream):
         if not isinstance(handle, Handle):
-            raise TypeError(f"cudnn.set_stream expects a cudnn.Handle, got {type(handle).__name__}")
+            raise TypeError(
+                "cudnn.set_stream expects a cudnn.Handle (from cudnn.create_handle()), "
+                f"got {type(handle).__name__}"
+            )
         if not isinstance(stream, int):
             raise TypeError(f"cudnn.set_stream expects a stream address (int), got {stream!r}")
         handle.stream = stream
 
-    def pygraph(self, io_data_type, intermediate_data_type, compute_data_type, handle):
+    def pygraph(self, name="test_graph", io_data_type=None, intermediate_data_type=None,
+                compute_data_type=None, handle=None):  # fmt: skip
+        """A graph; the stand-in needs all three data types and a handle (the frontend lets
+        them default and fails when it lowers the graph)."""
         for what, dt in (("io", io_data_type), ("intermediate", intermediate_data_type),
                          ("compute", compute_data_type)):  # fmt: skip
             _enum(dt, data_type, f"pygraph {what}_data_type")
@@ -176,78 +204,115 @@ class Graph:
         self.module, self.options, self.ops, self.built = module, options, [], []
         self.inputs: list[Tensor] = []
 
-    def tensor(self, name, dim, stride, data_type, is_pass_by_value=False):  # noqa: A002
-        t = Tensor(self, name, _ints(dim, 0, f"{name} dim"), None,
-                   _enum(data_type, globals()["data_type"], f"{name} data_type"),
-                   bool(is_pass_by_value))  # fmt: skip
-        t.stride = _ints(stride, len(t.dim), f"{name} stride")
+    def tensor(self, dim, stride=None, data_type=None, is_virtual=False,  # noqa: A002
+               is_pass_by_value=False, ragged_offset=None, reordering_type=None,
+               name=""):  # fmt: skip
+        """The frontend's tensor(): stride defaults to row-major, data_type to the graph's I/O
+        type; virtual, ragged and reordered tensors are not modelled."""
+        name = name or f"tensor_{len(self.inputs)}"
+        if is_virtual or ragged_offset is not None or reordering_type is not None:
+            raise NotImplementedError(f"{name}: the stand-in models no virtual, ragged or "
+                                      "reordered tensors")  # fmt: skip
+        dim = _ints(dim, 0, f"{name} dim")
+        stride = _row_major(dim) if stride is None else _ints(stride, len(dim), f"{name} stride")
+        dt = self.options["io_data_type"] if data_type is None else data_type
+        dt = _enum(dt, globals()["data_type"], f"{name} data_type")
+        t = Tensor(self, name, dim, stride, dt, bool(is_pass_by_value))
         if t.is_pass_by_value and t.dim != [1, 1, 1, 1]:
             raise ValueError(f"{name}: a pass-by-value tensor is a scalar, [1, 1, 1, 1]")
         self.inputs.append(t)
         return t
 
-    def _op(self, op, outputs, **inputs):
+    def _op(self, op, outputs, compute_data_type=None, **inputs):
+        """An op on this graph's tensors. What is no tensor fails as the frontend's tensor_like
+        does on it (AttributeError without a shape); an array, which the frontend would bind as
+        a tensor of its own, is refused: hpcdl declares every tensor."""
         for key, t in inputs.items():
-            if isinstance(t, Tensor) and t.graph is not self:
+            if key in _ATTRIBUTES or isinstance(t, Tensor) and t.graph is self:
+                continue
+            if isinstance(t, Tensor):
                 raise ValueError(f"{op} {key}: a tensor of another graph")
+            if not hasattr(t, "shape"):
+                raise AttributeError(f"'{type(t).__name__}' object has no attribute 'shape'")
+            raise TypeError(f"{op} {key}: expected a cudnn tensor, got {type(t).__name__}")
+        if compute_data_type is not None:
+            _enum(compute_data_type, data_type, f"{op} compute_data_type")
         outs = [Tensor(self, f"{op}:{i}", op=op) for i in range(outputs)]
         outs[0].inputs = inputs
         self.ops.append(outs)
         return outs[0] if outputs == 1 else outs
 
-    def batchnorm(self, name, input, scale, bias, in_running_mean, in_running_var, epsilon,  # noqa: A002
-                  momentum, peer_stats=None):  # fmt: skip
+    def batchnorm(self, input, scale, bias, in_running_mean=None, in_running_var=None,  # noqa: A002
+                  epsilon=None, momentum=None, *, peer_stats=None, name="",
+                  compute_data_type=None):  # fmt: skip
+        """Training BatchNorm with running statistics; epsilon and momentum passed by value."""
+        _no_peers(peer_stats)
+        if in_running_mean is None or in_running_var is None:
+            raise NotImplementedError("batchnorm: the stand-in models running statistics only")
         for what, t in (("epsilon", epsilon), ("momentum", momentum)):
-            if not (isinstance(t, Tensor) and t.is_pass_by_value):
+            if isinstance(t, Tensor) and not t.is_pass_by_value or t is None:
                 raise TypeError(f"batchnorm {what}: a pass-by-value tensor (a host scalar)")
-        return self._op("batchnorm", 5, x=input, scale=scale, bias=bias, rm=in_running_mean,
-                        rv=in_running_var, eps=epsilon, momentum=momentum)  # fmt: skip
+        return self._op("batchnorm", 5, compute_data_type, x=input, scale=scale, bias=bias,
+                        rm=in_running_mean, rv=in_running_var, eps=epsilon,
+                        momentum=momentum)  # fmt: skip
 
-    def batchnorm_backward(self, name, grad, input, scale, mean, inv_variance):  # noqa: A002
-        return self._op(
-            "batchnorm_backward", 3, dy=grad, x=input, scale=scale, mean=mean, inv_var=inv_variance
-        )
+    def batchnorm_backward(self, grad, input, scale, mean, inv_variance, *,  # noqa: A002
+                           peer_stats=None, name="", compute_data_type=None):  # fmt: skip
+        _no_peers(peer_stats)
+        return self._op("batchnorm_backward", 3, compute_data_type, dy=grad, x=input,
+                        scale=scale, mean=mean, inv_var=inv_variance)  # fmt: skip
 
-    def _pointwise(self, op, compute_data_type, clips=(), **inputs):
-        """The frontend's pointwise ops: tensor operands, an optional data_type compute type,
-        and (relu) clips that are floats or None."""
-        for key, t in inputs.items():
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{op} {key}: expected a cudnn tensor, got {type(t).__name__}")
-        if compute_data_type is not None:
-            _enum(compute_data_type, data_type, f"{op} compute_data_type")
+    def _pointwise(self, op, compute_data_type, clips, **inputs):
+        """The frontend's pointwise ops: clips (negative_slope, lower_clip, upper_clip) are
+        floats or None; the stand-in models a plain ReLU (no slope, lower clip 0)."""
         if any(c is not None and not isinstance(c, (int, float)) for c in clips):
             raise TypeError(f"{op}: clips are floats or None, got {clips!r}")
-        if clips and clips[0] not in (None, 0, 0.0):
-            raise NotImplementedError(f"{op}: the stand-in models lower_clip 0 only")
-        return self._op(op, 1, **inputs)
+        if clips and (
+            clips[0] not in (None, 0) or clips[1] not in (None, 0) or clips[2] is not None
+        ):
+            raise NotImplementedError(f"{op}: the stand-in models no leaky or clipped ReLU")
+        return self._op(op, 1, compute_data_type, **inputs)
 
-    def add(self, a, b, compute_data_type=None, name=""):
-        return self._pointwise("add", compute_data_type, a=a, b=b)
+    def add(self, a, b, *, name="", compute_data_type=None):
+        return self._pointwise("add", compute_data_type, (), a=a, b=b)
 
-    def relu(self, input, compute_data_type=None, lower_clip=None, upper_clip=None,  # noqa: A002
-             lower_clip_slope=None, name=""):  # fmt: skip
-        clips = (lower_clip, upper_clip, lower_clip_slope)
+    def relu(self, input, negative_slope=None, lower_clip=None, upper_clip=None, name="",  # noqa: A002
+             compute_data_type=None):  # fmt: skip
+        clips = (negative_slope, lower_clip, upper_clip)
         return self._pointwise("relu", compute_data_type, clips, input=input)
 
-    def relu_backward(self, loss, input, compute_data_type=None, lower_clip=None,  # noqa: A002
-                      upper_clip=None, lower_clip_slope=None, name=""):  # fmt: skip
-        clips = (lower_clip, upper_clip, lower_clip_slope)
+    def relu_backward(self, loss, input, negative_slope=None, lower_clip=None,  # noqa: A002
+                      upper_clip=None, name="", compute_data_type=None):  # fmt: skip
+        clips = (negative_slope, lower_clip, upper_clip)
         return self._pointwise("relu_backward", compute_data_type, clips, loss=loss, input=input)
 
-    def _conv(self, op, a, b, names, padding, stride, dilation):
-        conv = {k: _ints(v, 2, f"{op} {k}") for k, v in
-                (("padding", padding), ("stride", stride), ("dilation", dilation))}  # fmt: skip
-        return self._op(op, 1, **{names[0]: a, names[1]: b}, **conv)
+    def _conv(self, op, ports, attributes, compute_data_type):
+        padding, pre, post, stride, dilation = attributes
+        if padding is None and pre is not None and post is not None:
+            if _ints(pre, 2, f"{op} pre_padding") != _ints(post, 2, f"{op} post_padding"):
+                raise NotImplementedError(f"{op}: the stand-in models no asymmetric padding")
+            padding = pre
+        named = (("padding", padding), ("stride", stride), ("dilation", dilation))
+        for key, value in named:
+            if value is None:
+                raise ValueError(f"{op}: {key} not set")
+        conv = {key: _ints(value, 2, f"{op} {key}") for key, value in named}
+        return self._op(op, 1, compute_data_type, **ports, **conv)
 
-    def conv_fprop(self, image, weight, padding, stride, dilation):
-        return self._conv("conv_fprop", image, weight, ("x", "w"), padding, stride, dilation)
+    def conv_fprop(self, image, weight, padding=None, pre_padding=None, post_padding=None,
+                   stride=None, dilation=None, *, name="", compute_data_type=None):  # fmt: skip
+        attributes = (padding, pre_padding, post_padding, stride, dilation)
+        return self._conv("conv_fprop", {"x": image, "w": weight}, attributes, compute_data_type)
 
-    def conv_dgrad(self, loss, filter, padding, stride, dilation):  # noqa: A002
-        return self._conv("conv_dgrad", loss, filter, ("dy", "w"), padding, stride, dilation)
+    def conv_dgrad(self, loss, filter, padding=None, pre_padding=None, post_padding=None,  # noqa: A002
+                   stride=None, dilation=None, *, name="", compute_data_type=None):  # fmt: skip
+        attributes = (padding, pre_padding, post_padding, stride, dilation)
+        return self._conv("conv_dgrad", {"dy": loss, "w": filter}, attributes, compute_data_type)
 
-    def conv_wgrad(self, image, loss, padding, stride, dilation):
-        return self._conv("conv_wgrad", image, loss, ("x", "dy"), padding, stride, dilation)
+    def conv_wgrad(self, image, loss, padding=None, pre_padding=None, post_padding=None,
+                   stride=None, dilation=None, *, name="", compute_data_type=None):  # fmt: skip
+        attributes = (padding, pre_padding, post_padding, stride, dilation)
+        return self._conv("conv_wgrad", {"x": image, "dy": loss}, attributes, compute_data_type)
 
     def _step(self, name):
         expected = _BUILD_ORDER[len(self.built)] if len(self.built) < len(_BUILD_ORDER) else None
@@ -266,11 +331,11 @@ class Graph:
         self._step("operation_graph")
         self.built.append("operation_graph")
 
-    def create_execution_plans(self, modes):
+    def create_execution_plans(self, heuristics=None):
         self._step("plans")
-        for mode in modes:
+        for mode in heuristics or ():
             _enum(mode, heur_mode, "create_execution_plans")
-        self.built.append(("plans", tuple(m.value for m in modes)))
+        self.built.append(("plans", tuple(m.value for m in heuristics or ())))
 
     def deselect_numeric_notes(self, notes):
         """Leaves out the engines carrying any of `notes` (recorded in `built`). Only between
@@ -280,10 +345,11 @@ class Graph:
             raise RuntimeError(
                 f"deselect_numeric_notes called out of order; the graph is at {self.built}"
             )
-        if not isinstance(notes, list):
+        if not isinstance(notes, (list, tuple)):
             raise TypeError(f"deselect_numeric_notes takes a list, got {type(notes).__name__}")
         names = tuple(_enum(n, numerical_note, "deselect_numeric_notes").value for n in notes)
         self.built[-1] = (*self.built[-1], ("deselect", names))
+        return self
 
     def check_support(self):
         self._step("support")
@@ -295,15 +361,15 @@ class Graph:
         self._step("build")
         self.built.append("build")
 
-    def get_workspace_size(self):
+    def get_workspace_size(self, handle=None):
         return 64
 
-    def execute(self, pack, workspace, handle):
+    def execute(self, tensor_dict, workspace=None, handle=None):
         if "build" not in self.built:
             raise RuntimeError("execute before build_plans")
         if not isinstance(handle, Handle):
             raise TypeError(f"execute handle: expected a cudnn handle, got {type(handle).__name__}")
-        values = self._pointers(pack)
+        values = self._pointers(tensor_dict)
         space = self.module.memory.get(workspace) if type(workspace) is int else None
         if space is None or space.nbytes < self.get_workspace_size():
             raise ValueError(f"workspace: {workspace!r} is no device buffer of >= 64 bytes")
@@ -320,9 +386,14 @@ class Graph:
                     target = self.module.device_view(values[out], out)
                     target[...] = result.astype(target.dtype)
 
-    def _pointers(self, pack):
-        """tensor -> address, refusing what the frontend's variant-pack normalisation refuses."""
+    def _pointers(self, tensor_dict):
+        """tensor -> address, refusing what the frontend's variant-pack normalisation refuses.
+        Keys are tensors or their names (a name no tensor has: KeyError, as the frontend's);
+        the stand-in has no uids, and refuses another graph's tensor, whose uid the frontend
+        would take for whichever tensor of this graph has it."""
         needed = self.inputs + [t for outs in self.ops for t in outs if t.is_output]
+        names = {t.name: t for t in needed}
+        pack = {names[k] if isinstance(k, str) else k: v for k, v in tensor_dict.items()}
         for key, value in pack.items():
             if not isinstance(key, Tensor) or key.graph is not self:
                 raise ValueError(f"variant pack key {key!r} is no tensor of this graph")
@@ -349,12 +420,9 @@ class _Host:
 
 
 def _operand(tensor, values, virtual):
-    """An op's operand: a graph input or output read from memory, or an earlier op's result."""
-    if tensor in values:
-        return _read(values[tensor], tensor)
-    if tensor in virtual:
-        return virtual[tensor]
-    raise ValueError(f"{tensor.name}: an operand that is neither in the pack nor computed")
+    """An op's operand: a graph input or output read from memory, or an earlier op's result
+    (_op takes only this graph's tensors, so each is one or the other)."""
+    return _read(values[tensor], tensor) if tensor in values else virtual[tensor]
 
 
 def _read(value, tensor):

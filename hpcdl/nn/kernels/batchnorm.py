@@ -6,9 +6,12 @@ PyTorch's momentum rule) and backward (dx, d gamma, d beta) as cuDNN frontend gr
 Statistics and the parameter gradients are float32; the plans' x, y, dy and dx are in the
 layer's format, and y and dx come back in the dtype of x and dy (float32 emulated, the
 format's with real half arrays, hpcdl.nn.dtypes).
-Not with --sync-bn: cuDNN's fused graph cannot put the ranks' allreduce between the statistics
-and the normalisation, so SyncBatchNorm keeps the reference. Evaluation is one elementwise pass
-with the running statistics. Where none applies, BatchNorm runs its own GEMV-sum code.
+Not for a float64 model: cuDNN's graph API documents BatchNorm for float32 and half I/O with
+float32 statistics, and no float64 engine, so a float64 BatchNorm keeps the reference (said
+once) rather than have its statistics run in float32. Not with --sync-bn: cuDNN's fused graph
+cannot put the ranks' allreduce between the statistics and the normalisation, so SyncBatchNorm
+keeps the reference. Evaluation is one elementwise pass with the running statistics. Where none
+applies, BatchNorm runs its own GEMV-sum code.
 
 CudnnBatchNormRelu: the same training BatchNorm with the ReLU that follows it, and the residual
 add before that ReLU (a ResNet block's end), in one forward graph (batchnorm, add, relu) and
@@ -26,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module
-from hpcdl.nn.kernels import cudnn_graphs
+from hpcdl.nn.kernels import cudnn_graphs, say_once
 from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, nhwc
 
 _FLOAT32 = np.dtype(np.float32)
@@ -55,6 +58,14 @@ class CudnnBatchNorm:
         if cudnn_graphs.runtime_for(x) is None or x.ndim != 4 or not x.flags.c_contiguous:
             return False
         if layer.stat_reducer is not None:  # SyncBatchNorm: the reference (module docstring)
+            return False
+        if layer.p["gamma"].dtype == np.float64:  # no float64 engine (module docstring)
+            say_once(
+                "cudnn-bn-float64",
+                "--gpu-kernels: cuDNN's graphs have no float64 BatchNorm; a float64 model's "
+                "BatchNorm "
+                "runs hpcdl's own float64 kernel",
+            )
             return False
         return all(self.cache.get(key) is not None for key in self.keys(layer, x.shape).values())
 

@@ -7,6 +7,8 @@ only where the layer computes one); in bf16/fp16 an op cuDNN has no plan for run
 plan alone (PlanCache); a shape refused in float32 too stays with Conv2d's im2col path.
 y and dx come back in the dtype of x and dy: float32 (emulated) or the format's (real half
 arrays, hpcdl.nn.dtypes), so real arrays never pass through float32 between layers.
+A float64 model's three graphs are DOUBLE, its weight gradient summed in float64; a shape
+cuDNN has no DOUBLE plan for stays with Conv2d's own float64 code, never float32.
 Where none applies, Conv2d runs its own im2col / Winograd code.
 """
 
@@ -14,14 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from hpcdl.backend import array_module
 from hpcdl.nn.dtypes import matmul
 from hpcdl.nn.kernels import cudnn_graphs
 from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, krsc, nhwc
-
-_FLOAT32 = np.dtype(np.float32)
 
 
 class CudnnConv:
@@ -37,7 +35,7 @@ class CudnnConv:
         n, h, w, _ = x_shape
         ho, wo = layer.output_hw(h, w)
         shapes = (tuple(x_shape), tuple(layer.p["W"].shape), (n, ho, wo, layer.c_out))
-        io = cudnn_graphs.io_dtype(layer.precision).name
+        io = cudnn_graphs.io_dtype(layer.precision, layer.p["W"].dtype).name
         ops = ["conv_fprop", "conv_wgrad"] + (["conv_dgrad"] if layer.input_grad else [])
         pads, strides = (layer.ph, layer.pw), (layer.sh, layer.sw)
         return {op: PlanKey(op, shapes, io, pads, strides) for op in ops}
@@ -51,7 +49,7 @@ class CudnnConv:
         rt, xp = cudnn_graphs.runtime(), array_module(x)
         keys = self.keys(layer, x.shape)
         fprop = self.cache.get(keys["conv_fprop"])
-        io = cudnn_graphs.io_dtype(layer.precision)  # the layer's format (fprop may be float32)
+        io = cudnn_graphs.io_dtype(layer.precision, layer.p["W"].dtype)  # fprop's may be float32
         xs = layer._buffers.get("cudnn_x", x.shape, io, xp)  # kept for the weight gradient
         xs[...] = x  # exact: an emulated activation holds values of the format
         wk = layer._buffers.get("cudnn_w_krsc", _krsc_shape(layer), io, xp)
@@ -75,8 +73,9 @@ class CudnnConv:
             rows = dy.reshape(-1, dy.shape[-1])
             ones = layer._workspace("ones", (rows.shape[0],), dy.dtype, xp, fill=1)
             matmul(ones, rows, out=layer.g["b"])
-        dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), _FLOAT32, xp)
         wgrad = self.cache.get(keys["conv_wgrad"])
+        sums = cudnn_graphs.sums_dtype(wgrad.io)
+        dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), sums, xp)
         rt.run(wgrad, {**self._as(layer, {"x": xs, "dy": dys}, wgrad.io, xp), "dw": dwk}, xp)
         layer.g["W"][...] = dwk.transpose(1, 2, 3, 0)  # KRSC -> (kh, kw, C_in, C_out)
         if not layer.input_grad:
@@ -116,7 +115,7 @@ class CudnnConv:
         else:
             t = tensors(("x", x), ("dy", y))
             t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
-            rt.output(t["dw"], w, _FLOAT32)  # summed and kept in float32
+            rt.output(t["dw"], w, cudnn_graphs.sums_dtype(io))  # summed and kept in float32/64
         return rt.finish(g, t, io)
 
 

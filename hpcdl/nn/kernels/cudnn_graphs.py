@@ -29,7 +29,10 @@ NOTE [cuDNN graphs]
 - Dtypes (hpcdl.nn.dtypes): I/O in the layer's format (float32, or bf16/fp16 arrays of the
   emulated values: exact), sums (compute and intermediate) in float32. A float32 graph runs
   IEEE float32 engines only, unless --tf32 lets it use TF32 tensor cores (NOTE [TF32] in
-  hpcdl/nn/kernels/__init__.py).
+  hpcdl/nn/kernels/__init__.py). A float64 model's graphs are DOUBLE throughout (I/O, sums,
+  the weight gradient), never float32: where cuDNN has no DOUBLE plan the layer's own float64
+  kernel runs (said once), and an op cuDNN has no float64 engine for at all (BatchNorm) never
+  asks (io_dtype, the kernels' applies).
 Everything here but the calls into `cudnn` runs on CPU: tests/test_nn_cudnn.py drives it with a
 stand-in module that executes the graphs in NumPy.
 """
@@ -48,7 +51,8 @@ from hpcdl.nn.dtypes import half_dtype
 from hpcdl.nn.kernels import say_once
 from hpcdl.nn.workspace import Workspaces
 
-_DATA_TYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BFLOAT16"}
+_FLOAT64 = np.dtype(np.float64)
+_DATA_TYPES = {"float32": "FLOAT", "float64": "DOUBLE", "float16": "HALF", "bfloat16": "BFLOAT16"}
 
 
 def nhwc(shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -73,7 +77,7 @@ class PlanKey:
 
     op: str  # conv_fprop | conv_dgrad | conv_wgrad | bn_train | bn_backward
     shapes: tuple[tuple[int, ...], ...]  # (x, w or scale, y) in hpcdl's layouts
-    io: str  # "float32", "bfloat16" or "float16"
+    io: str  # "float32", "float64", "bfloat16" or "float16"
     padding: tuple[int, int] = (0, 0)
     stride: tuple[int, int] = (1, 1)
     tf32: bool = False  # a float32 plan that may run TF32 engines (--tf32; PlanCache sets it)
@@ -133,11 +137,12 @@ class Runtime:
         return getattr(self.cudnn.data_type, _DATA_TYPES[np.dtype(dtype).name])
 
     def graph(self, io_dtype: Any) -> Any:
-        dt = self.cudnn.data_type
+        """A graph with I/O in io_dtype and sums in sums_dtype(io_dtype)."""
+        sums = self.data_type(sums_dtype(io_dtype))
         return self.cudnn.pygraph(
             io_data_type=self.data_type(io_dtype),
-            intermediate_data_type=dt.FLOAT,
-            compute_data_type=dt.FLOAT,
+            intermediate_data_type=sums,
+            compute_data_type=sums,
             handle=self.handle,
         )
 
@@ -204,12 +209,14 @@ class PlanCache:
         self.builds = 0  # plans built so far (each key once)
 
     def get(self, key: PlanKey) -> Plan | None:
-        """key's plan; else, for a half format, the float32 one; else None (the reference)."""
+        """key's plan; else, for a half format, the float32 one; else None (the reference).
+        A float64 key never narrows to float32: without its DOUBLE plan the reference runs."""
         key = _with_tf32(key)
         plan = self._built(key)
         if plan is not None:
             return plan
-        wide = self._built(_with_tf32(replace(key, io="float32"))) if key.io != "float32" else None
+        half = key.io in ("bfloat16", "float16")
+        wide = self._built(_with_tf32(replace(key, io="float32"))) if half else None
         then = "that op runs in float32" if wide else self._refused_then
         why = self.refused[key]
         say_once(
@@ -251,13 +258,22 @@ def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> An
     return copy
 
 
-def io_dtype(precision: str) -> np.dtype:
-    """The I/O dtype of a layer at --precision: its format's arrays (hpcdl.nn.dtypes)."""
-    return half_dtype(precision)
+def io_dtype(precision: str, params: Any = np.float32) -> np.dtype:
+    """The I/O dtype of a layer at --precision whose parameters are of dtype params: float64 for
+    a float64 model, else its format's arrays (hpcdl.nn.dtypes)."""
+    return _FLOAT64 if np.dtype(params) == _FLOAT64 else half_dtype(precision)
+
+
+def sums_dtype(io: Any) -> np.dtype:
+    """The dtype of a graph's sums, statistics and weight gradient for I/O in io: float64 for
+    float64, else float32."""
+    return _FLOAT64 if np.dtype(io) == _FLOAT64 else np.dtype(np.float32)
 
 
 def dtype_named(name: str) -> np.dtype:
-    """The dtype a PlanKey names ("float32", "bfloat16", "float16")."""
+    """The dtype a PlanKey names ("float32", "float64", "bfloat16", "float16")."""
+    if name == "float64":
+        return _FLOAT64
     return half_dtype({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[name])
 
 
