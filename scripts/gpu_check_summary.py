@@ -1,6 +1,6 @@
 """The table that ends scripts/gpu-check.sh, from its raw/ folder; also writes the top-level
 tests.log, compute.jsonl, profile.jsonl, train.jsonl and loader.json beside it. It ends with
-issue 60's goals, each beside its figure (goal_lines).
+issue 60's goals, each beside its figure (gpu_check_goals.goal_lines).
 
     python scripts/gpu_check_summary.py RAW_DIR OUT_DIR
 """
@@ -11,6 +11,9 @@ import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from gpu_check_goals import goal_lines, junit_cases  # noqa: E402
 
 
 def last_json(path: Path) -> dict | None:
@@ -234,160 +237,17 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
 
 
-def load_facts(out: Path, status: dict, profiles: dict) -> dict:
-    """What the goals are judged from: the files this summary wrote, the phases, the profiles."""
+def load_facts(raw: Path, out: Path, status: dict, profiles: dict) -> dict:
+    """What the goals are judged from: the files this summary wrote, the phases, the profiles
+    and the pytest phases' JUnit XML."""
     return {
         "compute": _jsonl(out / "compute.jsonl"),
         "input": _jsonl(out / "input.jsonl"),
         "train": _jsonl(out / "train.jsonl"),
         "status": status,
         "profiles": profiles,
+        "junit": junit_cases(raw),
     }
-
-
-def _row_name(r: dict) -> str:
-    return (f"{r['model']} {r['precision']}" + (" gk" if r.get("gpu_kernels") else "")
-            + (" tf32" if r.get("tf32") else ""))  # fmt: skip
-
-
-def _worst(pairs: list[tuple[float, str]], goal: float, above: bool = True) -> tuple[str, str]:
-    """(mark, figure) for figures that must stay at or under goal (above=False: at or over)."""
-    if not pairs:
-        return "n/a ", "no figure"
-    value, name = max(pairs) if above else min(pairs)
-    missed = sum(1 for v, _ in pairs if (v > goal if above else v < goal))
-    mark = "MISS" if missed else "met "
-    return mark, f"worst {value:.2f} ({name}); {missed} of {len(pairs)} miss"
-
-
-def _compute_goals(rows: list[dict]) -> list[tuple[str, str, str]]:
-    ratios = [(r["ratio"], _row_name(r)) for r in rows if r.get("ratio")]
-    graph_rows = [r for r in rows if r.get("ratio") and r.get("gpu_kernels")
-                  and r["model"] in ("cnn", "resnet20")]  # fmt: skip
-    graph = [(r["ratio"], _row_name(r)) for r in graph_rows]
-    memory = [(r["hpcdl_peak_mib"] / r["torch_peak_mib"], _row_name(r)) for r in rows
-              if r.get("hpcdl_peak_mib") and r.get("torch_peak_mib")]  # fmt: skip
-    mark, figure = _worst(graph, 0.8)
-    off = [f"{_row_name(r)}: {r.get('step_graph')}" for r in graph_rows
-           if r.get("step_graph") != "captured"]  # fmt: skip
-    if off:  # a row whose steps ran plainly does not measure the graph
-        mark, figure = "MISS", f"{figure}; graph not on in {len(off)} ({'; '.join(off)})"
-    return [
-        ("compute: every ratio hpcdl/torch <= 1.0", *_worst(ratios, 1.0)),
-        ("compute, graph on (gk): cnn, resnet20 <= 0.8", mark, figure),
-        ("compute: peak memory <= 1.2x torch's", *_worst(memory, 1.2)),
-    ]
-
-
-def _mark(ok: bool) -> str:
-    return "met " if ok else "MISS"
-
-
-def _input_goals(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """Issue 60's input goals, one line per worker count and per loader: default slots against
-    the better DataLoader row at the same workers; their data wait, judged only where that
-    DataLoader waits <= 5 % itself (n/a, with both figures, where it does not); --decode gpu
-    with <= 2 workers against the same model's step alone (hpcdl.torch: torchvision's step;
-    hpcdl.train: hpcdl's own)."""
-    loaders = [r for r in rows if r["loader"] == "dataloader"]
-    best = {w: max((r for r in loaders if r["workers"] == w), key=lambda r: r["images_per_s"])
-            for w in {r["workers"] for r in loaders}}  # fmt: skip
-    own = {r["workers"]: r for r in rows if (r["loader"], r["decode"]) == ("hpcdl", "cpu")}
-    out = []
-    dry = rows and all(r.get("device") == "cpu" for r in rows)  # a CPU dry run: its own counts
-    for workers in sorted(set(best) | set(own)) if dry else (8, 15):
-        mine, theirs = own.get(workers), best.get(workers)
-        goal = f"input: default slots >= 1.0x DataLoader, {workers} workers"
-        if mine is None or theirs is None:
-            out.append((goal, "n/a ", "no row"))
-            continue
-        ratio = mine["images_per_s"] / theirs["images_per_s"]
-        out.append((goal, _mark(ratio >= 1.0), f"{ratio:.2f} ({mine['images_per_s']:.0f} vs "
-                    f"{theirs['images_per_s']:.0f} images/s)"))  # fmt: skip
-        wait, dl_wait = 100 * mine["data_wait_share"], 100 * theirs["data_wait_share"]
-        figure = f"{wait:.1f} %, DataLoader {dl_wait:.1f} %"
-        mark = _mark(wait <= 5.0) if dl_wait <= 5.0 else "n/a "
-        out.append((f"input: data wait <= 5 % where DataLoader's is, {workers} workers", mark,
-                    figure + ("" if dl_wait <= 5.0 else " (> 5 %: not judged)")))  # fmt: skip
-    out += _decode_goals(rows)
-    train = [r["images_per_s"] for r in rows  # hpcdl's own model: the torch engine's is 61's
-             if r["loader"] == "hpcdl.train" and str(r["model"]).startswith("hpcdl ")]  # fmt: skip
-    e2e = [(train[0] / max(r["images_per_s"] for r in best.values()), "hpcdl.train / best "
-            "DataLoader")] if train and best else []  # fmt: skip
-    goal = "end to end: hpcdl.train rn50 bf16 >= 1.0x torch+DataLoader"
-    return [(goal, *_worst(e2e, 1.0, above=False)), *out]
-
-
-def _decode_goals(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """--decode gpu with <= 2 workers against the same model's step alone: hpcdl.torch
-    (torchvision's step), hpcdl.train with hpcdl's own model ("hpcdl resnet50") and, where the
-    torch engine's row is there, with torchvision's (issue 61), one line each."""
-    alone = {r.get("model"): r["images_per_s"] for r in rows if r["loader"] == "none"}
-    out = []
-    for loader, own in (("hpcdl", None), ("hpcdl.train", True), ("hpcdl.train", False)):
-        fed = [r for r in rows if (r["loader"], r["decode"]) == (loader, "gpu")
-               and (r["workers"] or 0) <= 2 and alone.get(r.get("model"))
-               and (own is None or str(r.get("model")).startswith("hpcdl ") == own)]  # fmt: skip
-        which = "" if own is None else (", hpcdl's model" if own else ", a torch model")
-        goal = f"input: --decode gpu in {loader}{which} >= 0.95x the step alone"
-        if not fed:
-            if own is not False:  # the torch engine's row is new: no line where it is not there
-                out.append((goal, "n/a ", "no row"))
-            continue
-        r = max(fed, key=lambda r: r["images_per_s"])
-        ratio = r["images_per_s"] / alone[r.get("model")]
-        out.append((goal, _mark(ratio >= 0.95), f"{ratio:.2f} ({r['images_per_s']:.0f} vs "
-                    f"{alone[r.get('model')]:.0f} images/s, {r['workers']} workers)"))  # fmt: skip
-    return out
-
-
-def _other_goals(facts: dict) -> list[tuple[str, str, str]]:
-    status, train = facts["status"], {r["run"]: r.get("val_accuracy") for r in facts["train"]}
-    tests = {k: rc for k, (rc, _) in status.items() if k.startswith("tests")}
-    failed = sorted(k for k, (rc, _) in status.items() if rc not in ("0", "skipped"))
-    gaps = []
-    for run, acc in train.items():
-        base = train.get("ref-" + re.sub(r"-(gpu|cpu)-", "-cpu-", run))
-        if not run.startswith("ref-") and acc is not None and base is not None:
-            gaps.append((abs(acc - base) * 100, run))
-    gk = facts["profiles"].get("gk-cnn-fp32", {}).get("profile", {}).get("hpcdl")
-    timing, timed = "not recorded", "MISS"
-    if gk is not None:
-        device = gk.get("layers_gpu_ms")
-        timing = f"gk cnn layers {_ms(gk['layers_ms'])} ms wall, {_ms(device)} device"
-        timed = "n/a " if device is None else "met "
-    return [
-        ("correctness: GPU tests (float64 check, graph = plain)",
-         "met " if tests and all(rc == "0" for rc in tests.values()) else "MISS",
-         ", ".join(f"{k} exit {rc}" for k, rc in tests.items()) or "not run"),
-        ("seeded run: val acc within 1 point of the CPU run's", *_worst(gaps, 1.0)),
-        ("cnn slowdown with graphs: per-op device time", timed, timing),
-        ("no phase failed", "MISS" if failed else "met ", ", ".join(failed) or "all exit 0"),
-    ]  # fmt: skip
-
-
-def _torch_engine_goals(facts: dict) -> list[tuple[str, str, str]]:
-    """Issue 61: hpcdl.train --model torchvision:resnet50 against DataLoader at 8 workers."""
-    ours = [r["images_per_s"] for r in facts["train"]
-            if r["run"].startswith("tv-resnet50-") and r.get("images_per_s")]  # fmt: skip
-    theirs = [r["images_per_s"] for r in facts["input"]
-              if r["loader"] == "dataloader" and r["workers"] == 8]  # fmt: skip
-    pair = [(ours[0] / max(theirs), "torch engine / DataLoader")] if ours and theirs else []
-    return [("61: train --model torchvision:rn50 bf16 >= 1.0x DataLoader", *_worst(pair, 1, False))]
-
-
-def goal_lines(facts: dict) -> list[str]:
-    """Issue 60's goals, one line each: met / MISS / n/a, the goal, its figure. A CPU dry run
-    (every row's device cpu) marks every goal but "no phase failed" n/a: its figures check the
-    script, not the goals."""
-    goals = _compute_goals(facts["compute"]) + _input_goals(facts["input"])
-    goals += _torch_engine_goals(facts) + _other_goals(facts)  # "no phase failed" ends the table
-    head = "goals (issue 60)"
-    devices = {r.get("device") for r in facts["compute"] + facts["input"]}
-    if devices == {"cpu"}:
-        head += ": a CPU dry run, so the figures check the script, not the goals"
-        goals = [(g, m if g == "no phase failed" else "n/a ", f) for g, m, f in goals]
-    return [head] + [f"  {mark} {goal:<60} {figure}" for goal, mark, figure in goals]
 
 
 def main() -> int:
@@ -403,7 +263,7 @@ def main() -> int:
     compute_lines, compute = compute_section(raw, out)
     profile_text, profiles = profile_section(raw, out)
     lines += compute_lines + profile_text + loader_section(raw, out, compute) + input_section(out)
-    lines += goal_lines(load_facts(out, status, profiles))
+    lines += goal_lines(load_facts(raw, out, status, profiles))
     print("\n".join(lines))
     return 0
 

@@ -177,13 +177,13 @@ def test_torch_side_profiles_a_model_with_in_place_relus():
     assert torch.is_grad_enabled()
 
 
-def summary_script():
-    """scripts/gpu_check_summary.py (not a package), loaded from its file."""
+def summary_script(name: str = "gpu_check_summary"):
+    """scripts/gpu_check_summary.py (or its gpu_check_goals.py; not a package), from its file."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_summary.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_summary", path)
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -237,16 +237,21 @@ def test_the_gpu_checks_summary_puts_every_goal_beside_its_figure():
     assert "worst 2.92 (cnn fp32); 1 of 2 miss" in text  # memory: 1219 / 418
     assert "n/a  input: default slots" in text
     assert "met  seeded run: val acc within 1 point" in text
-    assert "MISS cnn slowdown with graphs: per-op device time" in text
-    assert "MISS no phase failed" in text and "loader" in text.splitlines()[-1]
+    assert "n/a  cnn slowdown with graphs: per-op device time" in text  # its profile: not run
+    assert "not recorded (profile-gk-cnn-fp32 not run)" in text
+    assert "MISS no phase failed" in text and "loader" in text.splitlines()[-2]
+    assert text.splitlines()[-1].startswith("  MISS every goal answered in this call")
 
 
 def test_a_graph_row_whose_step_ran_plainly_does_not_meet_the_graph_goal():
     """The graph goal counts only rows whose step replayed a CUDA graph (bench compute's
     step_graph): a fast row that ran plainly is a MISS that says why."""
-    goals = summary_script()._compute_goals
-    row = dict(model="resnet20", precision="fp32", gpu_kernels=True, ratio=0.7)
-    captured = goals([{**row, "step_graph": "captured"}])[1]
-    assert captured[1].strip() == "met" and "graph not on" not in captured[2]
-    off = goals([{**row, "step_graph": "off: dropout draws its seed on the host"}])[1]
-    assert off[1] == "MISS" and "resnet20 fp32 gk: off: dropout draws" in off[2]
+    compute_goals = summary_script("gpu_check_goals").compute_goals
+
+    rows = [dict(model=m, precision=p, gpu_kernels=True, ratio=0.7, step_graph="captured")
+            for m in ("cnn", "resnet20") for p in ("fp32", "bf16")]  # fmt: skip
+    captured = compute_goals(rows, {})[1]
+    assert captured.mark == "met " and "graph not on" not in captured.figure
+    rows[3]["step_graph"] = "off: dropout draws its seed on the host"
+    off = compute_goals(rows, {})[1]
+    assert off.mark == "MISS" and "resnet20 bf16 gk: off: dropout draws" in off.figure

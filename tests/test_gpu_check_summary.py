@@ -1,0 +1,262 @@
+"""scripts/gpu_check_summary.py on a GPU run's raw/ folder: each of issue 60's goals judged from
+the rows and tests it needs. A goal is met only where all of them are there; a failed row or
+test makes it a MISS, one skipped for time or never run leaves it n/a, named. The folders are
+built here in the shape of the recorded runs (docs/gpu-runs/), and the script runs as
+gpu-check.sh runs it: `python scripts/gpu_check_summary.py RAW OUT`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from xml.sax.saxutils import quoteattr
+
+REPO = Path(__file__).resolve().parents[1]
+FLOAT64 = ("tests.test_gpu_path", "test_a_model_computes_the_same_step_on_numpy_and_cupy")
+FLOAT64_GK = (
+    "tests.test_gpu_float64_kernels",
+    "test_the_float64_step_with_the_kernels_matches_numpy",
+)
+GRAPH = ("tests.test_step_graph", "test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu")
+SEGMENTED = (
+    "tests.test_step_graph",
+    "test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters",
+)
+BATCH = {"cnn": 256, "resnet20": 128, "resnet50": 64}
+
+
+def compute_row(model: str, precision: str, gk: bool, ratio: float = 0.7, tf32: bool = False):
+    """One `bench compute --json` line, as the 2026-11-27 run's compute.jsonl holds them."""
+    shape = [3, 224, 224] if model == "resnet50" else [3, 32, 32]
+    return dict(model=model, batch_size=BATCH[model], input_shape=shape, device="gpu",
+                precision=precision, tf32=tf32, gpu_kernels=gk,
+                step_graph="captured" if gk and model != "resnet50" else None,
+                hpcdl_ms_per_step=7.0 * ratio, torch_ms_per_step=7.0, ratio=ratio,
+                hpcdl_peak_mib=400.0, torch_peak_mib=400.0)  # fmt: skip
+
+
+def input_row(loader: str, decode: str, workers: int | None, rate: float, wait: float = 0.02,
+              model: str = "resnet50", batch: int = 128):  # fmt: skip
+    return dict(loader=loader, decode=decode, workers=workers, slots=None, slots_default=True,
+                batch=batch, model=model, precision="bf16", device="NVIDIA H200",
+                images_per_s=rate, data_wait_share=wait)  # fmt: skip
+
+
+def junit(cases: list[tuple[tuple[str, str], str, str]]) -> str:
+    """pytest's --junitxml text for cases ((classname, test), params, outcome)."""
+    body = []
+    for (classname, test), params, outcome in cases:
+        name = quoteattr(f"{test}[{params}]" if params else test)
+        inner = {"passed": "", "failed": '<failure message="assert 1e-06 &lt;= 1e-09">x</failure>',
+                 "skipped": '<skipped type="pytest.skip" message="needs CuPy and a GPU">s</skipped>'
+                 }[outcome]  # fmt: skip
+        body.append(f'<testcase classname="{classname}" name={name} time="0.1">{inner}</testcase>')
+    return ('<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests">'
+            f'<testsuite name="pytest">{"".join(body)}</testsuite></testsuites>')  # fmt: skip
+
+
+def passing_tests() -> list[tuple[tuple[str, str], str, str]]:
+    return [(FLOAT64, "resnet20-shape0", "passed"), (FLOAT64, "cnn-shape2", "passed"),
+            (FLOAT64_GK, "cnn", "passed"), (FLOAT64_GK, "resnet20", "passed"),
+            (GRAPH, "cnn-sgd", "passed"), (SEGMENTED, "sgd-False", "passed")]  # fmt: skip
+
+
+def gpu_run(tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A lent GPU's raw/ and OUT where every goal has its figure, each met; returns (raw, out,
+    parts): parts["phases"] (name -> "rc seconds"), parts["compute"] (phase -> row or None),
+    parts["input"] (rows) and parts["tests"] (JUnit cases), which write() puts on disk."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    raw.mkdir(parents=True)
+    compute, phases = {}, {}
+    for model in ("cnn", "resnet20", "resnet50"):
+        for precision in ("fp32", "bf16"):
+            for gk in (False, True):
+                name = f"compute-{'gk-' if gk else ''}{model}-{precision}"
+                compute[name], phases[name] = compute_row(model, precision, gk), "0 12"
+    profile = {"profile": {"hpcdl": {"rows": [], "layers_ms": 5.0, "layers_gpu_ms": 3.0,
+                                     "plain_step_ms": 6.0}, "torch": None}}  # fmt: skip
+    (raw / "profile-gk-cnn-fp32.log").write_text(json.dumps(profile) + "\n")
+    phases.update({"profile-gk-cnn-fp32": "0 9", "input": "0 150", "train-tv-resnet50-gpu": "0 40",
+                   "tests": "0 80", "tests-mpi": "0 30", "train-ref-cnn-cpu-1": "0 16",
+                   "train-cnn-gpu-1": "0 9"})  # fmt: skip
+    rows = [input_row("none", "-", None, 3000.0, 0.0), input_row("hpcdl", "gpu", 2, 2900.0),
+            input_row("none", "-", None, 2000.0, 0.0, "hpcdl resnet50"),
+            input_row("hpcdl.train", "gpu", 2, 1950.0, 0.02, "hpcdl resnet50")]  # fmt: skip
+    for workers in (2, 8, 15):
+        rows += [input_row("dataloader", "cpu", workers, 1400.0 + workers, 0.04),
+                 input_row("hpcdl", "cpu", workers, 1500.0 + workers, 0.03)]  # fmt: skip
+    for run, record in (("cnn-gpu-1", {"val_accuracy": 0.98}),
+                        ("ref-cnn-cpu-1", {"val_accuracy": 0.979}),
+                        ("tv-resnet50-gpu", {"images_per_s": 1500.0})):  # fmt: skip
+        summary = dict(event="summary", steps=660, **record)
+        (raw / f"train-{run}.jsonl").write_text(json.dumps(summary) + "\n")
+    return raw, out, {"phases": phases, "compute": compute, "input": rows, "tests": passing_tests()}
+
+
+def summarize(raw: Path, out: Path, parts: dict) -> list[str]:
+    """Writes parts into raw/ and OUT, runs the summary; its goal lines, each stripped."""
+    out.mkdir(exist_ok=True)
+    for name, row in parts["compute"].items():
+        (raw / f"{name}.log").write_text(json.dumps(row) + "\n" if row else "RuntimeError: x\n")
+    (raw / "phases.txt").write_text("".join(f"{k} {v}\n" for k, v in parts["phases"].items()))
+    (out / "input.jsonl").write_text("".join(json.dumps(r) + "\n" for r in parts["input"]))
+    if parts["tests"] is not None:
+        (raw / "tests.xml").write_text(junit(parts["tests"]))
+    script = REPO / "scripts" / "gpu_check_summary.py"
+    done = subprocess.run([sys.executable, str(script), str(raw), str(out)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    return [line.strip() for line in text[text.index("goals (issue 60)") :].splitlines()[1:]]
+
+
+def goal(lines: list[str], start: str) -> str:
+    (line,) = [line for line in lines if line[5:].startswith(start)]
+    return line
+
+
+def test_a_run_with_every_row_and_test_meets_every_goal_and_says_so_last(tmp_path):
+    lines = summarize(*gpu_run(tmp_path))
+    assert [line for line in lines if not line.startswith(("met ", "info"))] == []
+    assert goal(lines, "compute: every ratio").endswith("0 of 12 miss")
+    assert lines[-1].startswith("met  every goal answered in this call")
+
+
+def test_a_failed_compute_row_is_a_miss_and_one_skipped_for_time_is_named_not_met(tmp_path):
+    """The audit's raw/: resnet50 fp32 failed, its gk row cut by the budget; the ten rows there
+    all meet their goal. Neither goal they belong to may read "met"."""
+    raw, out, parts = gpu_run(tmp_path)
+    parts["compute"]["compute-resnet50-fp32"], parts["phases"]["compute-resnet50-fp32"] = (
+        None,
+        "1 20",
+    )
+    del parts["compute"]["compute-gk-resnet50-fp32"]
+    parts["phases"]["compute-gk-resnet50-fp32"] = "skipped 0"
+    lines = summarize(raw, out, parts)
+    for start in ("compute: every ratio", "compute: peak memory"):
+        line = goal(lines, start)
+        assert line.startswith("MISS") and "0 of 10 miss" in line
+        assert "failed: resnet50 fp32 (exit 1)" in line
+        assert "skipped for time: resnet50 fp32 gk" in line
+    assert goal(lines, "compute, graph on (gk)").startswith("met ")  # cnn, resnet20: all there
+    parts["phases"]["compute-resnet50-fp32"] = "skipped 0"  # only cut for time: not judged
+    skipped = summarize(raw, out, parts)
+    line = goal(skipped, "compute: every ratio")
+    assert line.startswith("n/a ") and "skipped for time: resnet50 fp32, resnet50 fp32 gk" in line
+    assert skipped[-1].startswith("MISS every goal answered in this call")
+    assert "compute: every ratio" in skipped[-1]
+
+
+def test_a_row_of_another_batch_is_not_the_goals_row(tmp_path):
+    raw, out, parts = gpu_run(tmp_path)
+    parts["compute"]["compute-gk-cnn-bf16"]["batch_size"] = 32
+    line = goal(summarize(raw, out, parts), "compute, graph on (gk)")
+    assert line.startswith("n/a ") and "not the goal's: cnn bf16 gk (b32, the goal's b256)" in line
+
+
+def test_tf32_rows_count_toward_no_goal_and_get_their_own_line(tmp_path):
+    raw, out, parts = gpu_run(tmp_path)
+    tf32 = {**compute_row("cnn", "fp32", True, ratio=1.6, tf32=True), "step_graph": "off: x"}
+    parts["compute"]["compute-gk-tf32-cnn-fp32"] = tf32
+    parts["phases"]["compute-gk-tf32-cnn-fp32"] = "0 10"
+    lines = summarize(raw, out, parts)
+    assert goal(lines, "compute: every ratio").startswith("met ")
+    assert goal(lines, "compute, graph on (gk)").startswith("met ")
+    assert "tf32" not in goal(lines, "compute: every ratio")
+    assert goal(lines, "compute --tf32").startswith("info") and "cnn fp32 gk tf32 1.60" in goal(
+        lines, "compute --tf32"
+    )
+    assert lines[-1].startswith("met  every goal answered")
+
+
+def test_correctness_is_judged_from_the_tests_it_names_not_from_an_optional_phase(tmp_path):
+    """Only the optional kernels' phase skipped: the float64 checks (plain and with the kernels)
+    and graph = plain passed in tests.xml, so both correctness goals are met."""
+    raw, out, parts = gpu_run(tmp_path)
+    parts["phases"]["tests-gpu-kernels"] = "skipped 0"
+    lines = summarize(raw, out, parts)
+    float64 = goal(lines, "correctness: float64")
+    assert float64.startswith("met ") and "4 of 4 cases passed" in float64
+    assert goal(lines, "correctness: graph and plain").startswith("met ")
+
+
+def test_a_failed_correctness_test_is_a_miss_named_and_one_that_did_not_run_is_n_a(tmp_path):
+    raw, out, parts = gpu_run(tmp_path)
+    parts["tests"][2] = (FLOAT64_GK, "cnn", "failed")
+    parts["tests"][4] = (GRAPH, "cnn-sgd", "skipped")
+    parts["phases"]["tests"] = "1 80"
+    lines = summarize(raw, out, parts)
+    float64 = goal(lines, "correctness: float64")
+    assert float64.startswith("MISS")
+    assert "failed: test_gpu_float64_kernels.py::" + FLOAT64_GK[1] + "[cnn]" in float64
+    graph = goal(lines, "correctness: graph and plain")
+    assert graph.startswith("n/a ") and f"skipped: test_step_graph.py::{GRAPH[1]}[cnn-sgd]" in graph
+    assert "needs CuPy and a GPU" in graph
+    assert goal(lines, "no phase failed").startswith("MISS")
+    parts["tests"] = [case for case in passing_tests() if case[0] != FLOAT64_GK]
+    parts["phases"]["tests"] = "0 80"
+    missing = goal(summarize(raw, out, parts), "correctness: float64")
+    assert missing.startswith("n/a ") and f"not run: test_gpu_float64_kernels.py::{FLOAT64_GK[1]}"
+    assert f"not run: test_gpu_float64_kernels.py::{FLOAT64_GK[1]}" in missing
+
+
+def test_without_a_junit_xml_correctness_is_not_met(tmp_path):
+    raw, out, parts = gpu_run(tmp_path)
+    parts["tests"] = None
+    line = goal(summarize(raw, out, parts), "correctness: float64")
+    assert line.startswith("n/a ") and "no JUnit XML (raw/tests*.xml)" in line
+    parts["phases"]["tests"] = "124 130"  # timed out: pytest wrote no XML
+    line = goal(summarize(raw, out, parts), "correctness: float64")
+    assert line.startswith("MISS") and "tests exit 124 left no JUnit XML" in line
+
+
+def test_end_to_end_pairs_the_rows_with_the_same_workers_and_batch(tmp_path):
+    """hpcdl.train (2 workers) against DataLoader at 2 workers, not the best over 8 and 15."""
+    raw, out, parts = gpu_run(tmp_path)
+    parts["input"] = [
+        r for r in parts["input"] if not (r["loader"] == "dataloader" and r["workers"] == 15)
+    ]
+    parts["input"].append(input_row("dataloader", "cpu", 15, 2600.0, 0.04))
+    line = goal(summarize(raw, out, parts), "end to end")
+    assert line.startswith("met ") and "1.39" in line  # 1950 / 1402, not / 2600 (0.75)
+    assert "2 workers b128: hpcdl.train 1950 vs DataLoader 1402 images/s" in line
+    parts["input"] = [
+        r for r in parts["input"] if not (r["loader"] == "dataloader" and r["workers"] == 2)
+    ]
+    line = goal(summarize(raw, out, parts), "end to end")
+    assert line.startswith("n/a ") and "no DataLoader row at 2 workers b128" in line
+    parts["input"].append(input_row("dataloader", "cpu", 2, 1000.0, batch=256))  # another batch
+    assert goal(summarize(raw, out, parts), "end to end").startswith("n/a ")
+
+
+def test_the_cpu_dry_run_judges_no_goal_and_not_whether_every_goal_was_answered(tmp_path):
+    raw, out, parts = gpu_run(tmp_path)
+    for row in [*parts["compute"].values(), *parts["input"]]:
+        row["device"] = "cpu"
+    lines = summarize(raw, out, parts)
+    assert [line for line in lines if line.startswith(("met ", "MISS"))] == [
+        goal(lines, "no phase failed")
+    ]
+    assert lines[-1].startswith("n/a  every goal answered in this call")
+
+
+def test_a_run_or_profile_skipped_for_time_leaves_its_goal_n_a_and_named_last(tmp_path):
+    raw, out, parts = gpu_run(tmp_path)
+    (raw / "train-cnn-gpu-1.jsonl").unlink()
+    (raw / "profile-gk-cnn-fp32.log").unlink()
+    parts["phases"]["train-cnn-gpu-1"] = parts["phases"]["profile-gk-cnn-fp32"] = "skipped 0"
+    del parts["phases"]["train-tv-resnet50-gpu"]
+    (raw / "train-tv-resnet50-gpu.jsonl").unlink()
+    lines = summarize(raw, out, parts)
+    seeded = goal(lines, "seeded run")
+    assert seeded.startswith("n/a ") and "train-cnn-gpu-1 skipped for time" in seeded
+    timing = goal(lines, "cnn slowdown with graphs")
+    assert timing.startswith("n/a ") and "profile-gk-cnn-fp32 skipped for time" in timing
+    engine = goal(lines, "61: train")
+    assert engine.startswith("n/a ") and "no row (train-tv-resnet50-gpu not run)" in engine
+    assert lines[-1].startswith("MISS every goal answered in this call  ")
+    lacking = "3 lack a row or test: 61: train --model torchvision:rn50 bf16 >= 1.0x DataLoader; "
+    assert lacking + "seeded run: val acc" in lines[-1]
+    parts["phases"]["train-cnn-gpu-1"] = "1 9"  # it ran and failed: no figure, and a MISS
+    assert goal(summarize(raw, out, parts), "seeded run").startswith("MISS")
