@@ -176,7 +176,11 @@ def compute_goals(rows: list[dict], status: dict) -> list[Goal]:
 
 def end_to_end_goal(rows: list[dict], status: dict) -> Goal:
     """hpcdl.train with hpcdl's model against torchvision's step fed by DataLoader with the same
-    workers and batch (the better DataLoader row of those: its prefetch depths), each pair named."""
+    batch and the same workers (the better DataLoader row of those: its prefetch depths), each
+    pair named. The call runs hpcdl.train with --decode gpu and 2 workers, DataLoader with 8 and
+    15: where no DataLoader row has hpcdl.train's workers, the one with the fewest more is its
+    pair (DataLoader fed by more workers: a met holds with the same workers too; the pair
+    says so), so the call answers the goal without a slow 2-worker DataLoader row."""
     text = "end to end: hpcdl.train rn50 bf16 >= 1.0x torch+DataLoader"
     train = [
         r for r in rows if r["loader"] == "hpcdl.train" and str(r["model"]).startswith("hpcdl ")
@@ -188,17 +192,21 @@ def end_to_end_goal(rows: list[dict], status: dict) -> Goal:
     pairs, unpaired = [], []
     for ours in train:
         batch = f" b{ours['batch']}" if ours.get("batch") else ""
-        same = [r for r in rows if r["loader"] == "dataloader" and r["workers"] == ours["workers"]
-                and r.get("batch", ours.get("batch")) == ours.get("batch")]  # fmt: skip
-        if not same:
+        workers = ours["workers"] or 0
+        fed = [r for r in rows if r["loader"] == "dataloader" and (r["workers"] or 0) >= workers
+               and r.get("batch", ours.get("batch")) == ours.get("batch")]  # fmt: skip
+        if not fed:
             ran = sorted({r["workers"] or 0 for r in rows if r["loader"] == "dataloader"})
-            unpaired.append(f"no DataLoader row at {ours['workers']} workers{batch} (DataLoader "
+            unpaired.append(f"no DataLoader row at {workers} or more workers{batch} (DataLoader "
                             f"at {', '.join(map(str, ran)) or 'no'} workers)")  # fmt: skip
             continue
-        theirs = max(same, key=lambda r: r["images_per_s"])
+        fewest = min(r["workers"] or 0 for r in fed)
+        theirs = max((r for r in fed if (r["workers"] or 0) == fewest),
+                     key=lambda r: r["images_per_s"])  # fmt: skip
+        more = f" at {fewest} workers" if fewest != workers else ""
         pairs.append((ours["images_per_s"] / theirs["images_per_s"],
-                      f"{ours['workers']} workers{batch}: hpcdl.train {ours['images_per_s']:.0f} "
-                      f"vs DataLoader {theirs['images_per_s']:.0f} images/s"))  # fmt: skip
+                      f"{workers} workers{batch}: hpcdl.train {ours['images_per_s']:.0f} "
+                      f"vs DataLoader{more} {theirs['images_per_s']:.0f} images/s"))  # fmt: skip
     return _judged(text, pairs, 1.0, {"unpaired": unpaired}, above=False)
 
 

@@ -195,9 +195,9 @@ def test_the_gpu_checks_goals_judge_each_worker_count_and_each_loader():
     assert "0.80 (200 vs 250 images/s, 2 workers)" in text
     assert "met  input: --decode gpu in hpcdl.train, a torch model >= 0.95x the step" in text
     assert "0.95 (3420 vs 3600 images/s, 2 workers)" in text
-    # hpcdl.train's 2 workers against DataLoader's with as many: none here, not judged
-    assert "n/a  end to end: hpcdl.train rn50 bf16" in text
-    assert "unpaired: no DataLoader row at 2 workers" in text
+    # hpcdl.train's 2 workers against DataLoader's with the fewest more (8; none with 2)
+    assert "end to end: hpcdl.train rn50 bf16" in text
+    assert "2 workers: hpcdl.train 200 vs DataLoader at 8 workers 1450 images/s" in text
     without = summary.goal_lines({**facts, "input": rows[:-1]})  # no torch engine row: no line
     assert not [ln for ln in without if "a torch model" in ln]
     # the same rows from a CPU dry run: every goal n/a but whether a phase failed
