@@ -63,8 +63,7 @@ class CudnnBatchNorm:
             say_once(
                 "cudnn-bn-float64",
                 "--gpu-kernels: cuDNN's graphs have no float64 BatchNorm; a float64 model's "
-                "BatchNorm "
-                "runs hpcdl's own float64 kernel",
+                "BatchNorm runs hpcdl's own float64 kernel",
             )
             return False
         return all(self.cache.get(key) is not None for key in self.keys(layer, x.shape).values())
