@@ -60,7 +60,8 @@
 #     reference ~16, the stager's build ~20        35   100     0
 #   sum                                           485 of 520: 35 s (7 %) to spare
 # Not in the plan: hpcdl.train resnet50 at DataLoader's 8 workers (~45 s more than the budget
-# holds); the end-to-end goal's hpcdl.train row is the input block's (--decode gpu, 2 workers).
+# holds); the end-to-end goal's hpcdl.train row is the input block's (--decode gpu, 2 workers),
+# which the summary pairs with DataLoader at 8 workers, named (scripts/gpu_check_goals.py).
 # The data is made first, beside the install, because every training run and the input rows
 # read it: a producer cut by a later block's reserve would fail all its consumers (as the data
 # phase after issue 61's row did). It is CPU work made before any timed row runs, so it

@@ -138,14 +138,25 @@ def test_a_failed_compute_row_is_a_miss_and_one_skipped_for_time_is_named_not_me
         line = goal(lines, start)
         assert line.startswith("MISS") and "0 of 10 miss" in line
         assert "failed: resnet50 fp32 (exit 1)" in line
-        assert "skipped for time: resnet50 fp32 gk" in line
+        # gk resnet50 fp32 runs after the goals (AFTER_THE_GOALS): cut, it leaves no gap
+        assert "resnet50 fp32 gk" not in line
     assert goal(lines, "compute, graph on (gk)").startswith("met ")  # cnn, resnet20: all there
     parts["phases"]["compute-resnet50-fp32"] = "skipped 0"  # only cut for time: not judged
     skipped = summarize(raw, out, parts)
     line = goal(skipped, "compute: every ratio")
-    assert line.startswith("n/a ") and "skipped for time: resnet50 fp32, resnet50 fp32 gk" in line
+    assert line.startswith("n/a ") and "skipped for time: resnet50 fp32" in line
+    assert "resnet50 fp32 gk" not in line
     assert skipped[-1].startswith("MISS every goal answered in this call")
     assert "compute: every ratio" in skipped[-1]
+
+
+def test_a_row_run_after_the_goals_counts_where_it_ran(tmp_path):
+    """gk resnet50 fp32 runs after every goal's rows: cut, it leaves no gap; run, its ratio
+    counts towards "every ratio" like the others'."""
+    raw, out, parts = gpu_run(tmp_path)
+    parts["compute"]["compute-gk-resnet50-fp32"] = compute_row("resnet50", "fp32", True, 1.3)
+    line = goal(summarize(raw, out, parts), "compute: every ratio")
+    assert line.startswith("MISS") and "1 of 12 miss" in line and "1.30" in line, line
 
 
 def test_a_row_of_another_batch_is_not_the_goals_row(tmp_path):
