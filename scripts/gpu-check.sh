@@ -308,8 +308,10 @@ JPEG_ARGS=(--data "$JPEGS/train" --val-data "$JPEGS/val" --model resnet18 --augm
 echo "== the goal tests (beside them: the seeded run, its CPU reference, the stager's build)"
 RESERVE=0
 PYTEST=(-q -rfEs --tb=short --color=no -p no:cacheprovider --durations=10)
+# the tests scripts/gpu_check_goals.py judges correctness by (FLOAT64_TESTS, GRAPH_TESTS)
 GOAL_TESTS=(test_a_model_computes_the_same_step_on_numpy_and_cupy
     test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu
+    test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters
     test_the_float64_step_with_the_kernels_matches_numpy)
 GOAL_FILES=()
 for f in tests/test_gpu_path.py tests/test_step_graph.py tests/test_gpu_float64_kernels.py; do

@@ -278,3 +278,22 @@ def test_a_run_or_profile_skipped_for_time_leaves_its_goal_n_a_and_named_last(tm
     assert lacking + "seeded run: val acc" in lines[-1]
     parts["phases"]["train-cnn-gpu-1"] = "1 9"  # it ran and failed: no figure, and a MISS
     assert goal(summarize(raw, out, parts), "seeded run").startswith("MISS")
+
+
+def test_the_call_runs_in_its_goal_window_every_test_the_summary_judges_by():
+    """scripts/gpu-check.sh's tests-goals phase selects (-k, files) each test that
+    gpu_check_goals judges correctness by: one left out would run only in the tail, which the
+    deadline cuts, and the goal would read n/a on every GPU run."""
+    import importlib.util  # noqa: PLC0415 (scripts/ is not a package)
+
+    spec = importlib.util.spec_from_file_location("goals", REPO / "scripts" / "gpu_check_goals.py")
+    goals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(goals)
+    script = (REPO / "scripts" / "gpu-check.sh").read_text()
+    block = script[script.index("GOAL_TESTS=(") : script.index("GOAL_K=")]
+    for name in (*goals.FLOAT64_TESTS, *goals.GRAPH_TESTS):
+        path, function = name.split("::")
+        assert function in block.split("GOAL_FILES")[0], function
+        assert path in block, path
+        text = (REPO / path).read_text()
+        assert "@pytest.mark.gpu" in text or "pytestmark = [pytest.mark.gpu" in text, path
