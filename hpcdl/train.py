@@ -8,7 +8,13 @@ bucketed allreduce that overlaps with backward (hpcdl.comm.reducer). Every rank 
 rank 0 prints and writes metrics.
 """
 
+# ruff: noqa: E402  (the stop signals are caught before the imports: NOTE [stop signals])
 from __future__ import annotations
+
+from hpcdl import stop_signals
+
+if __name__ == "__main__":  # the imports below take half a second, a torch model many more
+    stop_signals.catch()
 
 import atexit
 import sys
@@ -43,6 +49,7 @@ EXIT_LOADER_FAULT = 2  # a loader worker died
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_signals.catch()  # caught until the process exits (NOTE [stop signals])
     try:
         cfg = parse_args(argv)
     except ConfigError as exc:

@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hpcdl.figure_file",
         "hpcdl.units",
         "hpcdl.sigterm_blocked",
+        "hpcdl.stop_signals",
     ),  # fmt: skip
     ("hpcdl.backend", "hpcdl.nn"),  # arrays and models: no MPI, no data loading
     ("hpcdl.data", "hpcdl.comm"),  # data sets, sampler, loader; MPI world, reducer, failure

@@ -8,8 +8,9 @@
   traceback of its own. Without this, MPI_Abort's SIGTERM also kills the loader workers of the
   other ranks, and a rank that was busy in Python blamed its dead workers ("out of memory"
   ...), a cause it had guessed.
-- SIGTERM / SIGUSR1 (Slurm's time limit or --signal) may reach only some ranks. Each rank sets
-  a local flag; StopAgreement combines the flags with a non-blocking MAX-allreduce on its own
+- SIGTERM / SIGUSR1 / SIGINT (Slurm's time limit or --signal) may reach only some ranks. Each
+  rank records them from its first line on (hpcdl.stop_signals, NOTE [stop signals]);
+  StopAgreement combines the records with a non-blocking MAX-allreduce on its own
   communicator, started at the beginning of a step and completed at its end, so every rank
   learns "stop after this step" at the same step boundary without adding latency.
 
@@ -63,9 +64,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import diag, messages
+from hpcdl import diag, messages, stop_signals
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 NOTICE_TAG, ACK_TAG = 1, 2
 POLL_S = 0.05  # how often the notice thread looks for a notice
 ACK_WAIT_S = 5.0  # how long a failing rank waits for the others' lines before MPI_Abort
@@ -292,35 +292,31 @@ class SystemExitWithMessage(Exception):
 
 
 class StopAgreement:
-    """Catches SIGTERM/SIGUSR1 and agrees collectively, once per step, on whether to stop."""
+    """Agrees collectively, once per step, on whether to stop for a stop signal; the signals are
+    caught by hpcdl.stop_signals (NOTE [stop signals]), from before this agreement exists to
+    the process's exit."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm.Dup()
         self.signal_name: str | None = None
-        self._local = np.zeros(1, np.int32)  # written by the signal handler
         self._send = np.zeros(1, np.int32)  # snapshot: MPI must not see it change mid-call
         self._global = np.zeros(1, np.int32)
         self._request = None
-        self._previous = {}
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self._local[0] = max(self._local[0], int(signum))
-        diag.instant(diag.Kind.SIGNAL, int(signum))
+        self._began_catching = stop_signals.catch()  # False under hpcdl.train: caught already
+        stop_signals.on_signal(_signal_event)
 
     def requested(self) -> bool:
         """This rank caught a stop signal (the ranks agree on it at the next step boundary).
 
         For waits outside a step: the loader stops waiting on a stalled worker, so the rank
         reaches that boundary, and the checkpoint, anyway."""
-        return bool(self._local[0])
+        return bool(stop_signals.caught())
 
     def start_step(self) -> None:
         """Begin combining the flags; completes in should_stop()."""
         from mpi4py import MPI  # noqa: PLC0415
 
-        self._send[0] = self._local[0]
+        self._send[0] = stop_signals.caught()
         self._global[0] = 0
         self._request = self.comm.Iallreduce(self._send, self._global, op=MPI.MAX)
 
@@ -337,7 +333,8 @@ class StopAgreement:
         return False
 
     def close(self) -> None:
-        """Every rank together: complete the step's agreement, restore the handlers."""
+        """Every rank together: complete the step's agreement. The signals stay caught (a
+        signal after the loop changes nothing), unless this agreement began catching them."""
         if self._request is not None:
             self._request.Wait()
             self._request = None
@@ -345,8 +342,12 @@ class StopAgreement:
         self.comm.Free()
 
     def abandon(self) -> None:
-        """This rank alone (it failed): restore the signal handlers and leave the agreement
-        in flight; MPI_Abort ends it. Main thread only."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+        """This rank alone (it failed): leave the agreement in flight, MPI_Abort ends it; put
+        back the signal handlers if this agreement installed them. Main thread only."""
+        if self._began_catching:
+            stop_signals.release()
+            self._began_catching = False
+
+
+def _signal_event(signum: int) -> None:
+    diag.instant(diag.Kind.SIGNAL, int(signum))  # the flight recorder: when it came

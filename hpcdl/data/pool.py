@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import diag, messages
+from hpcdl import diag, messages, stop_signals
 from hpcdl.data.dataset import DataError
 from hpcdl.data.kinds import reopen_spec
 from hpcdl.data.slots import (
@@ -199,7 +199,8 @@ class WorkerPool:
 
     def _start(self, w: int, config: bytes, env: dict[str, str]) -> None:
         parent_end, child_end = socket.socketpair()
-        with spawning_on(self.cores):
+        # blocked until the worker ignores them (NOTE [stop signals] in hpcdl/stop_signals.py)
+        with spawning_on(self.cores), stop_signals.blocked_for_children():
             proc = subprocess.Popen(
                 [sys.executable, "-m", "hpcdl.data.worker", str(child_end.fileno()),
                  str(self.ring.fd)],

@@ -11,11 +11,11 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import signal
 import socket
 import sys
 import traceback
 
+from hpcdl import stop_signals
 from hpcdl.data.augment import parse_augment
 from hpcdl.data.batch import BatchBuilder
 from hpcdl.data.dataset import DataError
@@ -43,9 +43,9 @@ def _reply(sock, op: int, slot=0, batch=0, counts=(0, 0, 0), text: str = "") -> 
 def main(argv: list[str]) -> int:
     # Ctrl-C reaches the whole process group, and Slurm's time-limit SIGTERM/SIGUSR1 every
     # process of the job step: the training process decides (it may still need batches to
-    # reach a checkpoint), workers follow; they exit on STOP or on end of file.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    # reach a checkpoint), workers follow; they exit on STOP or on end of file. The pool
+    # started this process with them blocked (NOTE [stop signals] in hpcdl/stop_signals.py).
+    stop_signals.ignore()
     sock = socket.socket(fileno=int(argv[0]))
     shm_fd = int(argv[1])
     header = recv_exact(sock, 8)
