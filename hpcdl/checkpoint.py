@@ -146,9 +146,11 @@ def _write_h5(path: str, ckpt: Checkpoint) -> None:
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in directory, oldest first (temporary files are never listed)."""
     directory = Path(directory)
-    if not directory.is_dir():
+    try:  # not is_dir() first: a start-up's probe can make and remove it in between
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [(int(m[2]), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m[2]), directory / n) for n in names if (m := _NAME.match(n))]
     return [p for _, p in sorted(found)]
 
 
