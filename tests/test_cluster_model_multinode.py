@@ -1,9 +1,12 @@
 """The cluster model against training runs on 4 emulated nodes (tools.bench.validate).
 
 Calibrate under mpirun across the nodes, predict with the dry run, then train 2 epochs with
-staging from the slow FUSE file system, three times from empty stage dirs. The model's epoch 1,
-later epoch and staging finish lie within 15 % of the runs' medians, and its PFS opens are each
-run's, up to one open per loader miss (a loader that read a file before its copy was ready).
+staging from the slow FUSE file system, twice from empty stage dirs. The model's epoch 1, later
+epoch and staging finish lie within 15 % of the runs' medians (their means), and its PFS opens
+are each run's, up to one open per loader miss (a loader that read a file before its copy was
+ready). Two runs, not the tool's three: each is 44 s of CI's longest test (calibration 150 s,
+runs 43-44 s each, 2026-11-29), and with one rank per node no run stalled in the runs recorded,
+whose errors stayed within about 5 %, a third of the bound.
 
 One rank per node: with two, 8 ranks spin in MPI on this 2-core machine beside 4 stagers and
 the FUSE server, and about one run in four stalls for 1-6 s in epoch 1 while staging runs
@@ -29,7 +32,7 @@ def test_model_predicts_a_4_node_run_within_15_percent_and_its_pfs_opens(tmp_pat
     if reason:
         pytest.skip(reason)
     require_fuse()
-    setup = Setup(nodes=4, ranks_per_node=1, runs=3, calibrate_steps=20)
+    setup = Setup(nodes=4, ranks_per_node=1, runs=2, calibrate_steps=20)
     result = run_case(setup, tmp_path)
     assert not leftovers(), leftovers()
     errors, measured, predicted = compare(result), result["measured"], result["predicted"]
