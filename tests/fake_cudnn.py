@@ -534,3 +534,25 @@ def _relu(a, _):
 def _relu_backward(a, _):
     """The loss where the forward input was > 0 (lower_clip 0), else 0."""
     return np.where(a["input"] > 0, a["loss"].astype(np.float64), 0.0)
+
+
+def install(monkeypatch, module: Module, stream: int = 1, batch_norm: bool = True,
+            enable: bool = False) -> Module:  # fmt: skip
+    """module as the process's cuDNN on NumPy arrays until monkeypatch undoes it, with fresh
+    kernels (plan caches): Conv2d's, and BatchNorm's (the fused one first) unless batch_norm is
+    False; enable: --gpu-kernels on."""
+    from hpcdl.nn import kernels  # noqa: PLC0415
+    from hpcdl.nn.kernels import batchnorm, conv, cudnn_graphs  # noqa: PLC0415
+
+    runtime = cudnn_graphs.Runtime(
+        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: stream
+    )
+    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
+    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
+    monkeypatch.setattr(conv, "KERNELS", [conv.CudnnConv()])
+    if batch_norm:
+        fused = [batchnorm.CudnnBatchNormRelu(), batchnorm.CudnnBatchNorm()]
+        monkeypatch.setattr(batchnorm, "KERNELS", fused)
+    if enable:
+        monkeypatch.setattr(kernels, "_enabled", True)
+    return module

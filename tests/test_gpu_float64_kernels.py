@@ -11,8 +11,6 @@ import pytest
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.nn import kernels
-from hpcdl.nn.kernels import batchnorm as bn_kernels
-from hpcdl.nn.kernels import conv as conv_kernels
 from hpcdl.nn.kernels import cudnn_graphs
 
 MODELS = [("cnn", (3, 16, 16)), ("resnet20", (3, 16, 16))]
@@ -64,23 +62,9 @@ def test_the_float64_step_with_the_kernels_matches_numpy(name, shape):
     assert_same_step(fast, one_step(name, shape, np, with_kernels=False))
 
 
-def use_stand_in(monkeypatch, module):
-    """module as the process's cuDNN on NumPy arrays, with fresh plan caches."""
-    runtime = cudnn_graphs.Runtime(
-        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: 1
-    )
-    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
-    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
-    monkeypatch.setattr(conv_kernels, "KERNELS", [conv_kernels.CudnnConv()])
-    monkeypatch.setattr(
-        bn_kernels, "KERNELS", [bn_kernels.CudnnBatchNormRelu(), bn_kernels.CudnnBatchNorm()]
-    )
-    return module
-
-
 @pytest.fixture
 def stand_in(monkeypatch):
-    return use_stand_in(monkeypatch, fake_cudnn.Module())
+    return fake_cudnn.install(monkeypatch, fake_cudnn.Module())
 
 
 @pytest.mark.parametrize(("name", "shape"), MODELS)
@@ -98,7 +82,7 @@ def test_the_float64_step_with_the_stand_in_kernels_matches_numpy(stand_in, name
 def test_a_float64_convolution_cuDNN_refuses_runs_the_layers_float64_code(monkeypatch, capsys):
     """No DOUBLE plan for a shape: that layer's own float64 code runs (said once), never the
     op's float32 plan as a half format's would."""
-    module = use_stand_in(monkeypatch, fake_cudnn.Module(lambda op, dims, dt: dt == "DOUBLE"))
+    module = fake_cudnn.install(monkeypatch, fake_cudnn.Module(lambda op, dims, dt: dt == "DOUBLE"))
     fast = one_step("cnn", (3, 16, 16), np, with_kernels=True)
     assert_same_step(fast, one_step("cnn", (3, 16, 16), np, with_kernels=False))
     assert module.executions == 0

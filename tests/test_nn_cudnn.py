@@ -5,7 +5,7 @@ NumPy (tests/fake_cudnn.py); against the NumPy reference on a GPU where one exis
 import fake_cudnn
 import numpy as np
 import pytest
-from fake_cudnn import Module
+from fake_cudnn import Module, install
 
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
@@ -20,15 +20,7 @@ STREAM = 0x5EED  # the stand-in runtime's "current stream"
 @pytest.fixture
 def fake(monkeypatch):
     """The stand-in module as the process's cuDNN, on NumPy arrays, kernels on."""
-    module = Module()
-    runtime = cudnn_graphs.Runtime(
-        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: STREAM
-    )
-    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
-    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
-    monkeypatch.setattr(conv_kernels, "KERNELS", [conv_kernels.CudnnConv()])
-    monkeypatch.setattr(kernels, "_enabled", True)
-    return module
+    return install(monkeypatch, Module(), stream=STREAM, batch_norm=False, enable=True)
 
 
 def conv_pair(monkeypatch, c_in, c_out, k, stride, pad, bias=True, precision="fp32"):

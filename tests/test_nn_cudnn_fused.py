@@ -5,32 +5,18 @@ of ResNet blocks with --gpu-kernels only."""
 
 import numpy as np
 import pytest
-from fake_cudnn import Module
+from fake_cudnn import Module, install
 
 from hpcdl import nn
 from hpcdl.nn import kernels
 from hpcdl.nn.kernels import batchnorm as bn_kernels
-from hpcdl.nn.kernels import conv as conv_kernels
-from hpcdl.nn.kernels import cudnn_graphs
 
 FUSED = bn_kernels.CudnnBatchNormRelu
 
 
-def install(monkeypatch, module):
-    runtime = cudnn_graphs.Runtime(
-        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: 7
-    )
-    monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
-    monkeypatch.setattr(cudnn_graphs, "_LOADED", True)
-    monkeypatch.setattr(conv_kernels, "KERNELS", [conv_kernels.CudnnConv()])
-    monkeypatch.setattr(bn_kernels, "KERNELS", [FUSED(), bn_kernels.CudnnBatchNorm()])
-    monkeypatch.setattr(kernels, "_enabled", True)
-    return module
-
-
 @pytest.fixture
 def fake(monkeypatch):
-    return install(monkeypatch, Module())
+    return install(monkeypatch, Module(), stream=7, enable=True)
 
 
 def bn_layer(precision="fp32", channels=5):
@@ -148,7 +134,7 @@ def test_resnet_blocks_use_the_fused_kernel_with_gpu_kernels_and_the_reference_w
 def test_a_shape_cudnn_cannot_fuse_runs_the_unfused_kernels_said_once_per_shape(
     monkeypatch, capsys
 ):
-    install(monkeypatch, Module(refuse=lambda op, dims, dtype: op == "relu"))
+    install(monkeypatch, Module(refuse=lambda op, dims, dtype: op == "relu"), stream=7, enable=True)
     fused = resnet(monkeypatch, True)
     relu_bns, add_bns = block_norms(fused)
     assert all(type(bn.seam.kernel) is bn_kernels.CudnnBatchNorm for bn in relu_bns + add_bns)
