@@ -241,22 +241,28 @@ def _tests_goal(text: str, wanted: tuple[str, ...], junit: dict, status: dict) -
 
 
 def _seeded_goal(facts: dict) -> Goal:
-    """The seeded cnn run on the device within 1 point of the CPU run's val acc (other pairs
-    count too, where there)."""
+    """The seeded cnn run on the device (cnn-gpu-1) within 1 point of the CPU run's val acc
+    (ref-cnn-cpu-1). Other device/CPU pairs (resnet18's) are shown, not judged: their gap is
+    their training path's drift (22.5 points in a recorded H200 run), not what the goal asks."""
     status, train = facts["status"], {r["run"]: r.get("val_accuracy") for r in facts["train"]}
-    gaps = []
+    gaps, others = [], []
     for run, acc in train.items():
         base = train.get("ref-" + re.sub(r"-(gpu|cpu)-", "-cpu-", run))
         if not run.startswith("ref-") and acc is not None and base is not None:
-            gaps.append((abs(acc - base) * 100, run))
+            pair = (abs(acc - base) * 100, run)
+            (gaps if re.fullmatch(r"cnn-(gpu|cpu)-1", run) else others).append(pair)
     text = "seeded run: val acc within 1 point of the CPU run's"
-    if any(re.fullmatch(r"cnn-(gpu|cpu)-1", run) for _, run in gaps):
-        return _judged(text, gaps, 1.0, {})
-    device = [k for k in status if re.fullmatch(r"train-cnn-(gpu|cpu)-1", k)]
-    pair = [*(device or ["train-cnn-gpu-1"]), "train-ref-cnn-cpu-1"]
-    states = {k: _state(status, k) for k in pair if train.get(k.removeprefix("train-")) is None}
-    why = "failed" if any(s.startswith("exit") for s in states.values()) else "not run"
-    return _judged(text, gaps, 1.0, {why: [f"{k} {s}" for k, s in states.items()]})
+    shown = "; ".join(f"{run} vs ref-{re.sub(r'-(gpu|cpu)-', '-cpu-', run)}: {gap:.1f} points "
+                      "(not judged)" for gap, run in others)  # fmt: skip
+    if gaps:
+        judged = _judged(text, gaps, 1.0, {})
+    else:
+        device = [k for k in status if re.fullmatch(r"train-cnn-(gpu|cpu)-1", k)]
+        pair = [*(device or ["train-cnn-gpu-1"]), "train-ref-cnn-cpu-1"]
+        states = {k: _state(status, k) for k in pair if train.get(k.removeprefix("train-")) is None}
+        why = "failed" if any(s.startswith("exit") for s in states.values()) else "not run"
+        judged = _judged(text, gaps, 1.0, {why: [f"{k} {s}" for k, s in states.items()]})
+    return judged._replace(figure=f"{judged.figure}; {shown}") if shown else judged
 
 
 def _timing_goal(facts: dict) -> Goal:
