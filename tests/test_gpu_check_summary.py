@@ -310,3 +310,19 @@ def test_the_seeded_goal_judges_the_seeded_cnn_run_alone(tmp_path):
     line = goal(summarize(raw, out, parts), "seeded run")
     assert line.startswith("met "), line
     assert "resnet18-gpu-1 vs ref-resnet18-cpu-1: 22.5 points (not judged)" in line, line
+
+
+def test_a_case_two_pytest_phases_ran_counts_once(tmp_path):
+    """tests-goals runs the goal tests, and `tests` (-m gpu tests) runs them again: each case
+    counts once, failed where either run failed, passed where one passed and the other was
+    skipped."""
+    raw, out, parts = gpu_run(tmp_path)
+    again = [(test, params, "skipped" if test == FLOAT64 else outcome)
+             for test, params, outcome in parts["tests"]]  # fmt: skip
+    (raw / "tests-goals.xml").write_text(junit(again))
+    lines = summarize(raw, out, parts)
+    assert "4 of 4 cases passed" in goal(lines, "correctness: float64")
+    again[2] = (FLOAT64_GK, "cnn", "failed")
+    (raw / "tests-goals.xml").write_text(junit(again))
+    float64 = goal(summarize(raw, out, parts), "correctness: float64")
+    assert float64.startswith("MISS") and "of 4 cases" in float64, float64
