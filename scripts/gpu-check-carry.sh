@@ -24,7 +24,8 @@ LIMIT=$((64 * 1024 * 1024))
 call() {
     echo "the device call (its tool's run), from this checkout's root:"
     echo "  carry: [\".carry\"]   timeout_s: 600"
-    echo "  command: GPU_CHECK_WHEELS=\$PWD/.carry/whl GPU_CHECK_OPENSSL=\$PWD/.carry/openssl" \
+    echo "  command: GPU_CHECK_COMMIT=$(git rev-parse --short HEAD)$(git diff --quiet HEAD ||
+        echo +changes) GPU_CHECK_WHEELS=\$PWD/.carry/whl GPU_CHECK_OPENSSL=\$PWD/.carry/openssl" \
         "bash scripts/gpu-check.sh \$OUT/gpu-check"
     echo "it brings back \$OUT/gpu-check/: summary.txt, env.txt and raw.tar.gz (the whole run, those"
     echo "two included); unpack the archive from the call's files_at into the run's folder, commit it:"

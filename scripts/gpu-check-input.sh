@@ -8,8 +8,9 @@
 # process per core in ~5 s), so 50 batches an epoch, and each row times 50 steps after 6: one
 # epoch boundary in 56 steps, as in training, not one every 6. Last, the goal's hpcdl.train row:
 # hpcdl's own resnet50 step alone (`bench compute`), then `hpcdl.train --decode gpu` with 2
-# workers on the same folder, one epoch and 20 steps of the next (its rate: the partial epoch;
-# scripts/gpu_check_train_rows.py turns the two into rows loader none / hpcdl.train).
+# workers on the same folder, 56 steps (its rate: steps 7-56, the epoch boundary at 50 among
+# them, as the rows above time theirs; scripts/gpu_check_train_rows.py turns the two into rows
+# loader none / hpcdl.train).
 #
 #   bash scripts/gpu-check-input.sh OUT [DEVICE]       # DEVICE gpu (default) or cpu (a try here)
 #
@@ -35,7 +36,7 @@ if [ "$DEVICE" = gpu ]; then
         --batch-size 128 --steps 50 --warmup 6)
     WORKERS=8,15
     OWN=(--model resnet50 --batch-size 128 --precision bf16)
-    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_STEPS=10 OWN_TRAIN=(--epochs 2 --max-steps 70)
+    OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_STEPS=10 OWN_TRAIN=(--epochs 2 --max-steps 56)
 else  # the same rows, small: checks the script, not the speed
     COMMON=(--device cpu --data "$JPEGS" --make-jpegs 48 --image-size 160x120 --batch-size 8
         --augment rrc64+flip --steps 3 --warmup 1 --model sleep:5)
@@ -45,6 +46,9 @@ else  # the same rows, small: checks the script, not the speed
 fi
 rc=0
 LOG="$OUT/input.log"
+# the device's name for the rows made below; here, not after the training run: a phase cut
+# while torch imports would lose the end-to-end row that run made
+NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'gpu' else 'cpu')")"
 run() {
     printf '%s\n' "$*" >>"$OUT/input-commands.txt"
     timeout -k 5 "$LIMIT" "$@" >>"$LOG" 2>&1 || rc=$?
@@ -63,10 +67,9 @@ run "$PY" -m hpcdl.bench compute --device "$DEVICE" "${OWN[@]}" --input-shape "$
 LOG="$OUT/input-train.log"
 rm -f "$OUT/input-train.jsonl"
 run mpirun -np 1 "$PY" -m hpcdl.train --device "$DEVICE" --decode gpu --workers 2 --data "$JPEGS" \
-    --augment "$OWN_AUGMENT" "${OWN_TRAIN[@]}" "${OWN[@]}" --seed 0 \
+    --augment "$OWN_AUGMENT" "${OWN_TRAIN[@]}" "${OWN[@]}" --seed 0 --metrics-every 1 \
     --metrics "$OUT/input-train.jsonl"
 LOG="$OUT/input.log"
-NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'gpu' else 'cpu')")"
 run "$PY" scripts/gpu_check_train_rows.py "$OUT/input-own-step.log" "$OUT/input-train.jsonl" \
     "$OUT/input-train.log" "$OUT/input.jsonl" 2 "$NAME"
 grep "images/s" "$OUT/input.log"

@@ -8,8 +8,9 @@ COMPUTE_LOG: the output of `python -m hpcdl.bench compute --json` for hpcdl's ow
 last JSON line); METRICS and TRAIN_LOG: hpcdl.train's --metrics file and output, the same
 model, precision and batch, fed by `--decode gpu` (the log's start line gives the slots).
 Appends two rows with the issue's fields to OUT_JSONL: loader `none` (hpcdl's step alone, from
-the compute bench) and loader `hpcdl.train` (images/s over the epochs after the first, the
-data-wait share from the run's mean step), and prints their ratio.
+the compute bench) and loader `hpcdl.train` (images/s over the steps after the first 6, from
+the step records, as `bench input` times its rows; without step records, over the epochs after
+the first; the data-wait share from the run's mean step), and prints their ratio.
 
 With --alone-input (issue 61: hpcdl.train with a torch model, torchvision's resnet50): the step
 alone is the input phase's (INPUT_JSONL's last `none` row of a torch model, torchvision's step
@@ -23,6 +24,10 @@ import json
 import re
 import sys
 from pathlib import Path
+
+# as `hpcdl.bench input` times its rows: the steps after 6, one epoch boundary among them
+# (gpu-check-input.sh runs 56 steps of 50 an epoch, --metrics-every 1)
+WARMUP_STEPS = 6
 
 
 def train_rows(
@@ -44,9 +49,11 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
     summary = next((r for r in reversed(metrics) if r.get("event") == "summary"), None)
     if not epochs or summary is None:
         raise ValueError("the metrics file holds no epoch or summary record")
-    later = epochs[1:] or epochs
-    images = sum(r["images_per_s"] * r["seconds"] for r in later)
-    rate = images / sum(r["seconds"] for r in later)
+    rate = steps_rate(metrics, summary["global_batch"])
+    if rate is None:  # no step records: the epochs after the first
+        later = epochs[1:] or epochs
+        images = sum(r["images_per_s"] * r["seconds"] for r in later)
+        rate = images / sum(r["seconds"] for r in later)
     step = summary["mean_step"]
     slots = re.search(r"(\d+) batch slots( \(auto\))?", log)
     if slots is None:
@@ -56,6 +63,17 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
                 data_wait_share=step["t_data"] / step["t_step"],
                 batch=summary["global_batch"] // summary["world_size"], model=model,
                 precision=summary["precision"], device=device)  # fmt: skip
+
+
+def steps_rate(metrics: list[dict], global_batch: int) -> float | None:
+    """Images/s over the steps after the first WARMUP_STEPS, from the step records (each
+    `time` the end of its step), or None where fewer than two such records exist."""
+    after = [r for r in metrics if r.get("event") == "step" and "time" in r
+             and r["step"] >= WARMUP_STEPS]  # fmt: skip
+    if len(after) < 2 or after[-1]["time"] <= after[0]["time"]:
+        return None
+    steps = after[-1]["step"] - after[0]["step"]
+    return steps * global_batch / (after[-1]["time"] - after[0]["time"])
 
 
 def step_alone(input_jsonl: Path) -> dict:

@@ -237,6 +237,25 @@ def test_the_gpu_checks_train_rows_take_the_later_epochs_and_the_start_lines_slo
         rows_of(compute, metrics[-1:], log, 2, "H100")
 
 
+def test_the_gpu_checks_train_row_times_the_steps_after_six_as_the_input_rows_do():
+    """With step records (--metrics-every 1), the hpcdl.train row's rate is that of the steps
+    after the first 6, across the epoch boundary, as `bench input` times its rows (50 steps
+    after 6, one boundary inside), not the later epochs' (20 steps right after a boundary)."""
+    rows_of = script("gpu_check_train_rows").train_rows
+    compute = {"model": "resnet50", "hpcdl_images_per_s": 1000.0}
+    steps = [
+        {"event": "step", "step": k, "time": 100.0 + (5.0 if k > 1 else 0) + 0.1 * k}
+        for k in range(1, 57)
+    ]  # step 1 takes 5 s more (start-up); then 0.1 s each
+    metrics = [*steps[:50], {"event": "epoch", "images_per_s": 100.0, "seconds": 10.0},
+               *steps[50:], {"event": "epoch", "images_per_s": 50.0, "seconds": 2.0},
+               {"event": "summary", "global_batch": 128, "world_size": 1, "precision": "bf16",
+                "mean_step": {"t_data": 0.01, "t_step": 0.1}}]  # fmt: skip
+    log = "hpcdl: loader: 2 worker(s) per rank, 4 batch slots (auto), files decoded in the rank"
+    _, fed = rows_of(compute, metrics, log, 2, "H100")
+    assert fed["images_per_s"] == pytest.approx(128 / 0.1)  # steps 7-56, not the epochs' 50
+
+
 def test_the_torch_engines_decode_row_is_set_beside_the_input_phases_step_alone(tmp_path):
     """gpu_check_train_rows --alone-input (issue 61): `hpcdl.train --model torchvision:resnet50
     --decode gpu` as one row under the input phase's step-alone row's model and device, so the
