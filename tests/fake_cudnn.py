@@ -189,6 +189,9 @@ class Module:
         array = self.memory.get(address) if type(address) is int else None
         if array is None:
             raise ValueError(f"{tensor.name}: {address!r} is no device pointer")
+        if address % ALIGNMENT:  # the frontend declares every tensor 16-byte aligned
+            raise RuntimeError(f"cudaErrorMisalignedAddress: {tensor.name} at {address:#x} is not "
+                               f"{ALIGNMENT}-byte aligned")  # fmt: skip
         if array.dtype.name != _NUMPY.get(tensor.data_type, "?"):
             raise TypeError(f"{tensor.name}: declared {tensor.data_type}, memory is {array.dtype}")
         extent = 1 + sum((d - 1) * s for d, s in zip(tensor.dim, tensor.stride, strict=True))
@@ -197,6 +200,12 @@ class Module:
         flat = array.reshape(-1)
         strides = [s * flat.itemsize for s in tensor.stride]
         return np.lib.stride_tricks.as_strided(flat, shape=tensor.dim, strides=strides)
+
+
+# The byte alignment the frontend declares for every tensor (its default; a view into a flat
+# vector at an odd offset is not: a real GPU stops with cudaErrorMisalignedAddress, as the
+# H200 run of 2026-11-29 did for BatchNorm's gamma views)
+ALIGNMENT = 16
 
 
 class Graph:

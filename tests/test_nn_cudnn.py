@@ -257,6 +257,7 @@ def test_cudnn_conv_on_the_gpu_matches_the_numpy_reference(c_in, c_out, k, strid
     nn.Model("c", [ref], (c_in, 9, 9), 10, seed=4)
     fast = nn.Conv2d(c_in, c_out, k, stride=stride, padding=pad, bias=bias)
     nn.Model("c", [fast], (c_in, 9, 9), 10, seed=4, xp=cp)
+    ref.input_grad = fast.input_grad = True  # a model's first layer computes no dx: this one does
     x = np.random.default_rng(0).standard_normal((3, 9, 9, c_in)).astype(np.float32)
     kernels.enable(True)
     try:

@@ -52,6 +52,10 @@ from hpcdl.nn.kernels import say_once
 from hpcdl.nn.workspace import Workspaces
 
 _FLOAT64 = np.dtype(np.float64)
+# the byte alignment the frontend declares for every tensor: a device pointer that is not (a view
+# into a flat vector at an odd offset) stops a real GPU with cudaErrorMisalignedAddress (the
+# H200 run of 2026-11-29: BatchNorm's gamma views, 8 bytes past a 16-byte boundary)
+ALIGNMENT = 16
 _DATA_TYPES = {"float32": "FLOAT", "float64": "DOUBLE", "float16": "HALF", "bfloat16": "BFLOAT16"}
 
 
@@ -183,15 +187,29 @@ class Runtime:
 
     def run(self, plan: Plan, arrays: dict[str, Any], xp: Any) -> None:
         """Execute plan with arrays by tensor name on the current stream: device arrays as
-        device pointers, pass-by-value scalars as host addresses (NOTE [cuDNN graphs])."""
-        pack = {
-            plan.tensors[name]: host_address(a) if name in plan.by_value else self.pointer(a)
-            for name, a in arrays.items()
-        }
+        device pointers, pass-by-value scalars as host addresses (NOTE [cuDNN graphs]). An
+        array not ALIGNMENT-byte aligned (a view into a flat vector: BatchNorm's gamma and
+        running statistics) goes through an aligned copy of its own, in and back out; one
+        array under two names (running statistics updated in place) is one copy."""
+        pack, staged = {}, {}
+        for name, a in arrays.items():
+            if name in plan.by_value:
+                pack[plan.tensors[name]] = host_address(a)
+                continue
+            address = self.pointer(a)
+            if address % ALIGNMENT:
+                if address not in staged:
+                    copy = self.work.get(f"cudnn_aligned:{address}", a.shape, a.dtype, xp)
+                    copy[...] = a
+                    staged[address] = (a, copy)
+                address = self.pointer(staged[address][1])
+            pack[plan.tensors[name]] = address
         size = max(plan.workspace_bytes, 1)
         workspace = self.work.at_least("cudnn_workspace", (size,), np.uint8, xp)
         self.cudnn.set_stream(handle=self.handle, stream=self.stream())
         plan.graph.execute(pack, self.pointer(workspace), handle=self.handle)
+        for a, copy in staged.values():  # outputs back where they belong (inputs: unchanged)
+            a[...] = copy
 
 
 class PlanCache:
