@@ -11,8 +11,9 @@ import warnings
 
 from helpers import make_tree, stage_bytes, start_session, temp_files, wait_until
 
+from hpcdl.staging import status as codes  # its codes on use: collects without a stager
 from hpcdl.staging.ownership import data_key
-from hpcdl.staging.status import FAILED, READY, StatusView
+from hpcdl.staging.status import StatusView
 
 ARGS = dict(world_size=1, seed=0, shuffle="global")  # SamplerSpec fields but num_samples
 
@@ -133,7 +134,7 @@ def test_sigkill_to_stager_falls_back_with_one_warning_and_no_temp_files(tmp_pat
     states = status.states()
     for fid, entry in enumerate(ds.files):
         path = locate(fid)
-        if states[fid] != READY:
+        if states[fid] != codes.READY:
             assert path == ds.root / entry.relpath
     session.close()
     assert temp_files(tmp_path) == []
@@ -171,7 +172,7 @@ def test_missing_source_and_symlinked_dir_are_failed_not_fatal(tmp_path, capfd):
     assert "d1" in err and "symlink" in err and "read from the PFS" in err
     assert ds.files[0].relpath in err and "No such file" in err
     states = status.states()
-    assert states[0] == FAILED and states[1] == FAILED
+    assert states[0] == codes.FAILED and states[1] == codes.FAILED
     assert list(outside.iterdir()) == []
     assert session.locator()(0) == ds.root / ds.files[0].relpath
     session.close()

@@ -23,14 +23,8 @@ from helpers import mpi_env, read_events, run_train, stage_bytes, temp_files, tr
 
 from hpcdl import checkpoint
 from hpcdl.data.convert import write_dataset
-from hpcdl.staging.status import (
-    FLAG_CAPACITY_FULL,
-    FLAG_NOSPACE,
-    PENDING,
-    READY,
-    RUN_RUNNING,
-    StatusView,
-)
+from hpcdl.staging import status as codes  # its codes on use: collects without a stager
+from hpcdl.staging.status import StatusView
 
 TMPFS_SIZE = 200 * 1024
 NOSPACE_TEXT = "No space left on device; staging stops growing, the remaining files are read"
@@ -173,14 +167,14 @@ def check_enospc_result(result: dict, data: Path) -> set[str]:
         assert copies[rel] == sha256(sources[rel]), rel
     assert result["stderr"].count(NOSPACE_TEXT) == 1, result["stderr"]
     header, states = result["header"], result["states"]
-    assert header["flags"] & FLAG_NOSPACE, header
+    assert header["flags"] & codes.FLAG_NOSPACE, header
     assert header["files_staged"] + header["files_reused"] == len(staged)
     assert header["failures"] == 0
     # The capacity shrank to what is resident; everything else stays PENDING (read from the PFS).
     staged_bytes = sum(sources[rel].stat().st_size for rel in staged)
     assert header["bytes_resident"] == header["capacity"] == staged_bytes, header
-    assert states.count(READY) == len(staged)
-    assert states.count(PENDING) == len(sources) - len(staged), states
+    assert states.count(codes.READY) == len(staged)
+    assert states.count(codes.PENDING) == len(sources) - len(staged), states
     return staged
 
 
@@ -307,14 +301,14 @@ def test_sigkill_to_the_stager_mid_run_falls_back_to_the_pfs_with_the_same_param
     status = StatusView(status_path(stage))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.poll() is None:
-        if status.field("run_state") == RUN_RUNNING and status.field("plan_ready") >= 1:
+        if status.field("run_state") == codes.RUN_RUNNING and status.field("plan_ready") >= 1:
             break
         time.sleep(0.005)
     pid = status.field("pid")
     assert job.poll() is None and pid > 0 and status.field("plan_ready") >= 1, job.poll()
     os.kill(pid, signal.SIGKILL)
     in_flight = temp_files(stage)
-    ready_at_kill = [i for i, s in enumerate(status.states()) if s == READY]
+    ready_at_kill = [i for i, s in enumerate(status.states()) if s == codes.READY]
     still_training = job.poll() is None
     out, err = job.communicate(timeout=300)
     status.close()
@@ -413,7 +407,7 @@ def test_capacity_below_the_data_set_size_is_respected_through_the_trainer(digit
     view = StatusView(status_path(stage))
     header = view.header()
     view.close()
-    assert header["capacity"] == capacity and header["flags"] & FLAG_CAPACITY_FULL, header
+    assert header["capacity"] == capacity and header["flags"] & codes.FLAG_CAPACITY_FULL, header
     assert 0 < header["bytes_resident"] <= capacity
     assert 0 < sum(p.stat().st_size for p in data_files(stage).values()) <= capacity
     assert temp_files(stage) == []
