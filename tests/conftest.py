@@ -25,6 +25,19 @@ def no_stale_open_mpi_session_dirs() -> None:
     remove_stale_session_dirs(Path(tempfile.gettempdir()))
 
 
+@pytest.fixture(autouse=True)
+def stop_signals_released():
+    """After every test: the stop signals handled as in a fresh process. hpcdl.train catches
+    them until its process exits (NOTE [stop signals]); a run inside this pytest process must not
+    leave them caught for the tests after it (hpcdl.torch.Loader installs its SIGTERM handler
+    only where nobody handles SIGTERM: test_config.py calling hpcdl.train.main(["--help"]) made
+    test_torch_loader_handlers fail in the full run)."""
+    yield
+    from hpcdl import stop_signals
+
+    stop_signals.release()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def index_cache(tmp_path_factory) -> Path:
     """The image-folder index cache of this test session ($XDG_CACHE_HOME, inherited by the
