@@ -84,6 +84,11 @@ carried() { # carried VAR DIR PATTERN
 }
 carried GPU_CHECK_WHEELS "${GPU_CHECK_WHEELS:-}" "*.whl"
 carried GPU_CHECK_OPENSSL "${GPU_CHECK_OPENSSL:-}" "*"
+# OUT is the run's alone: its last step packs every file there into raw.tar.gz and removes them
+if [ -d "${1:-gpu-check}" ] && [ -n "$(ls -A "${1:-gpu-check}")" ]; then
+    echo "gpu-check: ${1:-gpu-check} is not empty; give a new or empty folder for OUT" >&2
+    exit 2
+fi
 OUT="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 DEVICE="${GPU_CHECK_DEVICE:-gpu}"

@@ -256,3 +256,20 @@ def test_the_call_gpu_check_carry_prints_is_refused_at_once_where_nothing_was_ca
         "device call's carry?"
     ]
     assert not (tmp_path / "out").exists() and done.stdout == ""
+
+
+def test_an_out_folder_that_holds_files_is_refused_and_left_as_it_was(tmp_path):
+    """The call's last step packs every file of OUT into raw.tar.gz and removes it: an OUT that
+    already holds a user's files is refused in one line, exit 2, before any phase runs."""
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    env = {**os.environ, "GPU_CHECK_DEVICE": "cpu"}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"gpu-check: {out} is not empty; give a new or empty folder for OUT"
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
