@@ -326,6 +326,7 @@ PYTEST=(-q -rfEs --tb=short --color=no -p no:cacheprovider --durations=10)
 # the tests scripts/gpu_check_goals.py judges correctness by (FLOAT64_TESTS, GRAPH_TESTS)
 GOAL_TESTS=(test_a_model_computes_the_same_step_on_numpy_and_cupy
     test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu
+    test_two_plain_runs_on_deterministic_engines_give_the_same_bits_on_the_gpu
     test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters
     test_the_float64_step_with_the_kernels_matches_numpy)
 GOAL_FILES=()

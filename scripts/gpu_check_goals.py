@@ -32,6 +32,8 @@ FLOAT64_TESTS = (
 GRAPH_TESTS = (
     "tests/test_step_graph.py::test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu",
     "tests/test_step_graph.py::"
+    "test_two_plain_runs_on_deterministic_engines_give_the_same_bits_on_the_gpu",
+    "tests/test_step_graph.py::"
     "test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters",
 )
 

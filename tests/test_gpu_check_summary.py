@@ -19,6 +19,10 @@ FLOAT64_GK = (
     "test_the_float64_step_with_the_kernels_matches_numpy",
 )
 GRAPH = ("tests.test_step_graph", "test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu")
+DETERMINISTIC = (
+    "tests.test_step_graph",
+    "test_two_plain_runs_on_deterministic_engines_give_the_same_bits_on_the_gpu",
+)
 SEGMENTED = (
     "tests.test_step_graph",
     "test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters",
@@ -59,7 +63,8 @@ def junit(cases: list[tuple[tuple[str, str], str, str]]) -> str:
 def passing_tests() -> list[tuple[tuple[str, str], str, str]]:
     return [(FLOAT64, "resnet20-shape0", "passed"), (FLOAT64, "cnn-shape2", "passed"),
             (FLOAT64_GK, "cnn", "passed"), (FLOAT64_GK, "resnet20", "passed"),
-            (GRAPH, "cnn-sgd", "passed"), (SEGMENTED, "sgd-False", "passed")]  # fmt: skip
+            (GRAPH, "cnn-sgd", "passed"), (DETERMINISTIC, "cnn", "passed"),
+            (SEGMENTED, "sgd-False", "passed")]  # fmt: skip
 
 
 def gpu_run(tmp_path: Path) -> tuple[Path, Path, dict]:

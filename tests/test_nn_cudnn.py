@@ -2,6 +2,9 @@
 fallback and the seam's choice, on CPU with a stand-in cudnn module that runs the graphs in
 NumPy (tests/fake_cudnn.py); against the NumPy reference on a GPU where one exists."""
 
+import subprocess
+import sys
+
 import fake_cudnn
 import numpy as np
 import pytest
@@ -123,6 +126,45 @@ def test_float32_graphs_leave_out_tf32_engines_unless_tf32_is_allowed(fake, monk
     monkeypatch.setattr(kernels, "_tf32", True)
     run(fast, np.ones((2, 9, 9, 3), np.float32))
     assert [deselected(g) for g in fake.graphs[3:]] == ([[]] * 3 if fp32 else [])
+
+
+@pytest.mark.parametrize(("precision", "tf32"), [("fp32", False), ("fp32", True), ("bf16", False)])
+def test_deterministic_graphs_leave_out_nondeterministic_engines(
+    fake, monkeypatch, precision, tf32
+):
+    """HPCDL_DETERMINISTIC (NOTE [deterministic engines]). Off, the plans keep cuDNN's
+    nondeterministic engines (its default); on, every graph of every format leaves them out,
+    beside what NOTE [TF32] leaves out, in plans built anew."""
+    monkeypatch.setattr(kernels, "_tf32", tf32)
+    fast, _ = conv_pair(monkeypatch, 3, 4, 3, 1, 1, precision=precision)
+    x = np.ones((2, 9, 9, 3), np.float32)
+    y_default = run(fast, x)[0]
+    strict = [("TENSOR_CORE", "DOWN_CONVERT_INPUTS")] if precision == "fp32" and not tf32 else []
+    assert [deselected(g) for g in fake.graphs] == [strict] * 3  # fprop, wgrad, dgrad
+    monkeypatch.setattr(kernels, "_deterministic", True)
+    y = run(fast, x)[0]
+    notes = (*strict[0], "NONDETERMINISTIC") if strict else ("NONDETERMINISTIC",)
+    assert [deselected(g) for g in fake.graphs[3:]] == [[notes]] * 3
+    np.testing.assert_array_equal(y, y_default)  # the stand-in's arithmetic is one engine's
+    run(fast, x)
+    assert len(fake.graphs) == 6  # built once per setting
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("0", False), ("", False)])
+def test_the_environment_turns_deterministic_engines_on(value, on):
+    code = "from hpcdl.nn import kernels; print(kernels.deterministic())"
+    env = {"HPCDL_DETERMINISTIC": value, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(on)
+
+
+def test_the_setting_is_read_and_changed_in_one_place(monkeypatch):
+    monkeypatch.setattr(kernels, "_deterministic", False)
+    kernels.make_deterministic(True)
+    assert kernels.deterministic() is True
+    kernels.make_deterministic(False)
+    assert kernels.deterministic() is False
 
 
 def test_layouts_are_nhwc_activations_and_krsc_filters_named_in_nchw_order(fake, monkeypatch):

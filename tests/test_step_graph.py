@@ -107,9 +107,12 @@ def test_a_failed_capture_falls_back_to_plain_steps_said_once(monkeypatch, capsy
 @pytest.mark.parametrize("model", ["resnet20", "cnn"])  # cnn: Philox dropout, its keys fed
 def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(monkeypatch, optimizer, model):
     """The graph is a --gpu-kernels feature (its GEMMs through hpcdl's own cuBLAS handle: NOTE
-    [capturable GEMM]); plain steps run the same kernels."""
+    [capturable GEMM]); plain steps run the same kernels, on deterministic cuDNN engines (NOTE
+    [deterministic engines]: with atomics in the sums, Adam's steps drifted 1.2e-4 apart on
+    the H200 of 2026-11-29, SGD's stayed within 1e-6)."""
     cp = cupy_or_none()
     monkeypatch.setattr(kernels, "_enabled", True)
+    monkeypatch.setattr(kernels, "_deterministic", True)
     graphed = parts_of(model, xp=cp, graph=StepGraph(), optimizer=optimizer)
     plain = parts_of(model, xp=cp, optimizer=optimizer)
     for seed in range(4):
@@ -124,6 +127,24 @@ def test_graph_and_plain_steps_give_the_same_parameters_on_the_gpu(monkeypatch, 
     np.testing.assert_allclose(
         cp.asnumpy(graphed.model.buffers), cp.asnumpy(plain.model.buffers), rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("model", ["resnet20", "cnn"])
+def test_two_plain_runs_on_deterministic_engines_give_the_same_bits_on_the_gpu(monkeypatch, model):
+    """NOTE [deterministic engines]: Adam, which magnifies a gradient's last bits, over the
+    same batches twice; every loss, parameter and statistic the same, bit for bit."""
+    cp = cupy_or_none()
+    monkeypatch.setattr(kernels, "_enabled", True)
+    monkeypatch.setattr(kernels, "_deterministic", True)
+    runs = [parts_of(model, xp=cp, optimizer="adam") for _ in range(2)]
+    for seed in range(4):
+        x, y = batch(cp, seed)
+        a, b = (train_step(parts, x, y, 0.05 / (seed + 1)) for parts in runs)
+        assert float(a.loss) == float(b.loss)
+    for name in ("params", "buffers"):
+        np.testing.assert_array_equal(*(cp.asnumpy(getattr(p.model, name)) for p in runs))
 
 
 @pytest.mark.parametrize(("optimizer", "kept_out"), [("sgd", False), ("adam", False)])
@@ -452,6 +473,7 @@ def test_segmented_graph_and_plain_steps_with_a_reducer_give_the_same_parameters
 ):
     cp = cupy_or_none()
     monkeypatch.setattr(kernels, "_enabled", True)  # the graph's GEMMs: NOTE [capturable GEMM]
+    monkeypatch.setattr(kernels, "_deterministic", True)  # NOTE [deterministic engines]
     graphed = gpu_reducer_parts(cp, StepGraph(), optimizer, fp16)
     plain = gpu_reducer_parts(cp, None, optimizer, fp16)
     applied = []

@@ -29,6 +29,20 @@ tolerance. PyTorch's own default differs (TF32 convolutions, IEEE matmuls:
 torch.backends.cudnn.conv.fp32_precision "tf32", cuda.matmul "ieee"), so `bench compute` sets
 PyTorch to hpcdl's arithmetic, either way, and says so in its row ("tf32"). Set it before the
 first plan is built: plans are cached per process.
+
+NOTE [deterministic engines]
+cuDNN's heuristics may pick engines that sum with atomics (cuDNN notes them NONDETERMINISTIC,
+typically weight gradients and BatchNorm's statistics): their sums come out in another order
+on each run, so the same step gives other low bits each time. SGD keeps such differences
+small; Adam divides each update by the gradient's own size, so where a gradient is a sum that
+nearly cancels, noise in its last bits moves the parameter by a sizeable part of the learning
+rate (the H200 run of 2026-11-29: graph and plain Adam steps 1.2e-4 apart on 79 of 269,722
+parameters, SGD's within 1e-6). HPCDL_DETERMINISTIC=1 (`kernels.make_deterministic`) leaves
+those engines out of every graph, in plans of their own (PyTorch's
+torch.backends.cudnn.deterministic), so a step's bits repeat: a CUDA graph replay and a plain
+step, two runs, a resumed run. Off by default, as in PyTorch: the engines left out may be the
+fastest, and no recorded GPU run has timed the difference yet. hpcdl's own kernels, cuBLAS on
+its fixed workspace (NOTE [capturable GEMM]) and CuPy's reductions repeat their bits either way.
 """
 
 from __future__ import annotations
@@ -41,9 +55,11 @@ from typing import Any, Protocol
 FAMILIES = ("conv", "batchnorm", "pool", "dropout", "optimizer")
 ENV = "HPCDL_GPU_KERNELS"
 TF32_ENV = "HPCDL_TF32"
+DETERMINISTIC_ENV = "HPCDL_DETERMINISTIC"
 
 _enabled = os.environ.get(ENV, "") not in ("", "0")
 _tf32 = os.environ.get(TF32_ENV, "") not in ("", "0")
+_deterministic = os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0")
 _said: set[str] = set()
 
 
@@ -76,6 +92,18 @@ def allow_tf32(on: bool) -> None:
 def tf32() -> bool:
     """Whether float32 convolutions and GEMMs may use TF32 tensor cores (NOTE [TF32])."""
     return _tf32
+
+
+def make_deterministic(on: bool) -> None:
+    """Leave cuDNN's nondeterministic engines out of every plan, or not (NOTE [deterministic
+    engines]); set it before the first plan is built, as --tf32."""
+    global _deterministic
+    _deterministic = bool(on)
+
+
+def deterministic() -> bool:
+    """Whether cuDNN plans leave out engines cuDNN notes as NONDETERMINISTIC."""
+    return _deterministic
 
 
 def candidates(family: str) -> list[Any]:

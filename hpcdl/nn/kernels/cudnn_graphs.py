@@ -85,6 +85,7 @@ class PlanKey:
     padding: tuple[int, int] = (0, 0)
     stride: tuple[int, int] = (1, 1)
     tf32: bool = False  # a float32 plan that may run TF32 engines (--tf32; PlanCache sets it)
+    deterministic: bool = False  # without nondeterministic engines (PlanCache sets it)
 
 
 @dataclass
@@ -174,13 +175,19 @@ class Runtime:
     ) -> Plan:
         """Validate and build the plans of a graph described with io_dtype (the frontend's
         sequence); a float32 graph without --tf32 leaves out the engines cuDNN notes as
-        running on tensor cores (TF32, NOTE [TF32]); by_value names the tensors of scalar()."""
+        running on tensor cores (TF32, NOTE [TF32]), and with HPCDL_DETERMINISTIC any graph
+        those it notes as nondeterministic (NOTE [deterministic engines]); by_value names the
+        tensors of scalar()."""
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([self.cudnn.heur_mode.A, self.cudnn.heur_mode.FALLBACK])
+        note, notes = self.cudnn.numerical_note, []
         if np.dtype(io_dtype) == np.float32 and not kernels.tf32():
-            note = self.cudnn.numerical_note
-            graph.deselect_numeric_notes([note.TENSOR_CORE, note.DOWN_CONVERT_INPUTS])
+            notes += [note.TENSOR_CORE, note.DOWN_CONVERT_INPUTS]
+        if kernels.deterministic():
+            notes.append(note.NONDETERMINISTIC)
+        if notes:
+            graph.deselect_numeric_notes(notes)
         graph.check_support()
         graph.build_plans()
         return Plan(graph, tensors, int(graph.get_workspace_size()), frozenset(by_value))
@@ -229,12 +236,12 @@ class PlanCache:
     def get(self, key: PlanKey) -> Plan | None:
         """key's plan; else, for a half format, the float32 one; else None (the reference).
         A float64 key never narrows to float32: without its DOUBLE plan the reference runs."""
-        key = _with_tf32(key)
+        key = _as_built(key)
         plan = self._built(key)
         if plan is not None:
             return plan
         half = key.io in ("bfloat16", "float16")
-        wide = self._built(_with_tf32(replace(key, io="float32"))) if half else None
+        wide = self._built(_as_built(replace(key, io="float32"))) if half else None
         then = "that op runs in float32" if wide else self._refused_then
         why = self.refused[key]
         say_once(
@@ -259,11 +266,15 @@ class PlanCache:
         return plan
 
 
-def _with_tf32(key: PlanKey) -> PlanKey:
-    """key as it is built now: a float32 plan with --tf32 is another plan (NOTE [TF32]). Called
-    per op and step: without --tf32 the key is returned as it is, no copy."""
+def _as_built(key: PlanKey) -> PlanKey:
+    """key as it is built now: a float32 plan with --tf32 is another plan (NOTE [TF32]), and
+    so is a deterministic one (NOTE [deterministic engines]). Called per op and step: with
+    neither, the key is returned as it is, no copy."""
     tf32 = key.io == "float32" and kernels.tf32()
-    return key if key.tf32 == tf32 else replace(key, tf32=tf32)
+    deterministic = kernels.deterministic()
+    if key.tf32 == tf32 and key.deterministic == deterministic:
+        return key
+    return replace(key, tf32=tf32, deterministic=deterministic)
 
 
 def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> Any:
