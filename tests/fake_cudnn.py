@@ -56,6 +56,7 @@ class data_type(str, enum.Enum):  # noqa: N801 - the frontend's own name
     BFLOAT16 = "BFLOAT16"
     INT32 = "INT32"
     INT64 = "INT64"
+    BOOLEAN = "BOOLEAN"  # a bitmask: eight elements to a byte (cudnn's BOOLEAN is packed)
     NOT_SET = "NOT_SET"
 
 
@@ -75,9 +76,9 @@ class numerical_note(str, enum.Enum):  # noqa: N801
 
 
 _NUMPY = {data_type.FLOAT: "float32", data_type.DOUBLE: "float64", data_type.HALF: "float16",
-          data_type.BFLOAT16: "bfloat16"}  # fmt: skip
+          data_type.BFLOAT16: "bfloat16", data_type.BOOLEAN: "uint8"}  # fmt: skip
 _HOST_SCALARS = {data_type.FLOAT: ctypes.c_float, data_type.INT64: ctypes.c_int64}
-_POINTWISE = ("add", "relu", "relu_backward")
+_POINTWISE = ("add", "relu", "relu_backward", "cmp_gt", "scale")
 _ATTRIBUTES = ("padding", "stride", "dilation")  # a convolution's, among its inputs
 _BUILD_ORDER = ("validate", "operation_graph", "plans", "support", "build")
 
@@ -184,6 +185,19 @@ class Module:
         self.memory[address] = array
         return address
 
+    def write(self, address, tensor, result):
+        """result into the memory at address as tensor declares it (a bitmask: packed)."""
+        target = self.device_view(address, tensor)
+        if tensor.data_type is not data_type.BOOLEAN:
+            target[...] = result.astype(target.dtype)
+            return
+        array = self.memory[address]
+        bits = np.unpackbits(array, bitorder="little").view(np.bool_)
+        np.lib.stride_tricks.as_strided(bits, shape=tensor.dim, strides=tensor.stride)[...] = (
+            result.astype(bool)
+        )
+        array[...] = np.packbits(bits, bitorder="little")
+
     def device_view(self, address, tensor):
         """The registered array at address as cuDNN reads it: dim over stride, bounds checked."""
         array = self.memory.get(address) if type(address) is int else None
@@ -195,9 +209,12 @@ class Module:
         if array.dtype.name != _NUMPY.get(tensor.data_type, "?"):
             raise TypeError(f"{tensor.name}: declared {tensor.data_type}, memory is {array.dtype}")
         extent = 1 + sum((d - 1) * s for d, s in zip(tensor.dim, tensor.stride, strict=True))
-        if extent > array.size:
-            raise ValueError(f"{tensor.name}: dim/stride reach {extent} elements of {array.size}")
+        size = array.size * 8 if tensor.data_type is data_type.BOOLEAN else array.size
+        if extent > size:
+            raise ValueError(f"{tensor.name}: dim/stride reach {extent} elements of {size}")
         flat = array.reshape(-1)
+        if tensor.data_type is data_type.BOOLEAN:  # bits in memory order, low bit first
+            flat = np.unpackbits(flat, bitorder="little").view(np.bool_)
         strides = [s * flat.itemsize for s in tensor.stride]
         return np.lib.stride_tricks.as_strided(flat, shape=tensor.dim, strides=strides)
 
@@ -271,6 +288,11 @@ class Graph:
         return self._op("batchnorm_backward", 3, compute_data_type, dy=grad, x=input,
                         scale=scale, mean=mean, inv_var=inv_variance)  # fmt: skip
 
+    def batchnorm_inference(self, input, mean, inv_variance, scale, bias, *, name="",  # noqa: A002
+                            compute_data_type=None):  # fmt: skip
+        return self._op("batchnorm_inference", 1, compute_data_type, x=input, mean=mean,
+                        inv_var=inv_variance, scale=scale, bias=bias)  # fmt: skip
+
     def _pointwise(self, op, compute_data_type, clips, **inputs):
         """The frontend's pointwise ops: clips (negative_slope, lower_clip, upper_clip) are
         floats or None; the stand-in models a plain ReLU (no slope, lower clip 0)."""
@@ -284,6 +306,13 @@ class Graph:
 
     def add(self, a, b, *, name="", compute_data_type=None):
         return self._pointwise("add", compute_data_type, (), a=a, b=b)
+
+    def cmp_gt(self, input, comparison, *, name="", compute_data_type=None):  # noqa: A002
+        """1 where input > comparison: with a BOOLEAN output, the bitmask of BnAddRelu."""
+        return self._pointwise("cmp_gt", compute_data_type, (), input=input, comparison=comparison)
+
+    def scale(self, input, scale, *, name="", compute_data_type=None):  # noqa: A002
+        return self._pointwise("scale", compute_data_type, (), input=input, scale=scale)
 
     def relu(self, input, negative_slope=None, lower_clip=None, upper_clip=None, name="",  # noqa: A002
              compute_data_type=None):  # fmt: skip
@@ -390,10 +419,11 @@ class Graph:
                     for k, t in outs[0].inputs.items()}  # fmt: skip
             results = globals()[f"_{outs[0].op}"](args, outs[0].dim)
             for out, result in zip(outs, results if len(outs) > 1 else [results], strict=True):
+                if out.data_type in _NUMPY and out.data_type is not data_type.BOOLEAN:
+                    result = result.astype(_NUMPY[out.data_type]).astype(np.float64)  # typed
                 virtual[out] = result
                 if out.is_output:
-                    target = self.module.device_view(values[out], out)
-                    target[...] = result.astype(target.dtype)
+                    self.module.write(values[out], out, result)
 
     def _pointers(self, tensor_dict):
         """tensor -> address, refusing what the frontend's variant-pack normalisation refuses.
@@ -444,6 +474,10 @@ def _support(module, out):
     """Refuse a graph no engine runs: mixed I/O types, non-FLOAT statistics, refuse()."""
     tensors = {k: t for k, t in out.inputs.items() if isinstance(t, Tensor)}
     declared = [t for t in tensors.values() if t.dim is not None and t.data_type is not None]
+    if out.op == "cmp_gt" and out.data_type is not data_type.BOOLEAN:
+        raise cudnnGraphNotSupportedError("cmp_gt: a bitmask output is typed BOOLEAN")
+    if out.op == "batchnorm_backward":
+        _norm_prologue(tensors["dy"])
     if out.op in _POINTWISE:  # refuse(op, None, None) where no operand is declared
         dims, dtype = (declared[0].dim, declared[0].data_type.value) if declared else (None, None)
         if module.refuse(out.op, dims, dtype):
@@ -464,6 +498,24 @@ def _support(module, out):
         raise cudnnGraphNotSupportedError(
             f"no engine for {out.op} {first.dim}\nWarning: CUDNN_STATUS_NOT_SUPPORTED; Reason: "
             "finalize_internal()"
+        )
+
+
+def _norm_prologue(grad):
+    """What cuDNN's norm engines fuse before BatchNorm's backward (the frontend's samples):
+    nothing (grad a tensor of the graph), the ReLU's backward over batchnorm_inference's
+    recomputed output (DReluForkDBn), or the loss scaled by a BOOLEAN bitmask (BnAddRelu);
+    the fused result typed. Anything else found no engine on the H200 (2026-11-29)."""
+    if grad.op is None:
+        return
+    ports = grad.inputs
+    fork = grad.op == "relu_backward" and getattr(ports["input"], "op", "") == "batchnorm_inference"
+    mask = ports.get("scale")
+    bitmask = grad.op == "scale" and mask.op is None and mask.data_type is data_type.BOOLEAN
+    if not (fork or bitmask) or grad.data_type is None:
+        raise cudnnGraphNotSupportedError(
+            "no engine — python or backend — proposed a plan for this graph (the backend "
+            f"declined: No valid engine configs for {grad.op} -> batchnorm_backward)"
         )
 
 
@@ -530,6 +582,18 @@ def _batchnorm_backward(a, _):
     m = x.size // x.shape[1]
     dx = a["scale"] * a["inv_var"] * (dy - dbias / m - xhat * dscale / m)
     return dx, dscale, dbias
+
+
+def _batchnorm_inference(a, _):
+    return (a["x"].astype(np.float64) - a["mean"]) * a["inv_var"] * a["scale"] + a["bias"]
+
+
+def _cmp_gt(a, _):
+    return a["input"] > a["comparison"]
+
+
+def _scale(a, _):
+    return a["input"].astype(np.float64) * a["scale"]
 
 
 def _add(a, _):

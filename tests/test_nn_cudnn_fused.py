@@ -8,8 +8,10 @@ import pytest
 from fake_cudnn import Module, install
 
 from hpcdl import nn
+from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.nn import kernels
 from hpcdl.nn.kernels import batchnorm as bn_kernels
+from hpcdl.nn.kernels import cudnn_graphs
 
 FUSED = bn_kernels.CudnnBatchNormRelu
 
@@ -19,10 +21,11 @@ def fake(monkeypatch):
     return install(monkeypatch, Module(), stream=7, enable=True)
 
 
-def bn_layer(precision="fp32", channels=5):
+def bn_layer(precision="fp32", channels=5, xp=np):
     bn = nn.BatchNorm(channels)
-    model = nn.Model("b", [bn], (channels, 6, 6), 10, seed=2)
-    model._compute_params[...] = np.random.default_rng(9).uniform(0.5, 1.5, model.params.size)
+    model = nn.Model("b", [bn], (channels, 6, 6), 10, seed=2, xp=xp)
+    scales = np.random.default_rng(9).uniform(0.5, 1.5, model.params.size)
+    model._compute_params[...] = xp.asarray(scales, dtype=model._compute_params.dtype)
     if precision != "fp32":
         model.set_precision(precision, real=True)
     bn.input_grad = True
@@ -73,15 +76,78 @@ def test_fused_kernel_gives_the_reference_forward_and_backward(fake, with_residu
 
 
 def test_the_fused_graph_is_batchnorm_add_relu_with_float32_statistics(fake):
+    """BnAddRelu (NOTE [fused BatchNorm backward]): the forward writes the ReLU's bitmask,
+    which the backward's product reads; the product is typed and an output (the shortcut's)."""
     bn = bn_layer()
     x = np.random.default_rng(1).standard_normal((2, 6, 6, 5)).astype(np.float32)
     bn.forward_relu(x, True, residual=np.ones_like(x))
     bn.backward(np.ones_like(x))
     forward, backward = fake.graphs
-    assert [outs[0].op for outs in forward.ops] == ["batchnorm", "add", "relu"]
-    assert [outs[0].op for outs in backward.ops] == ["relu_backward", "batchnorm_backward"]
+    assert [outs[0].op for outs in forward.ops] == ["batchnorm", "add", "relu", "cmp_gt"]
     assert forward.ops[1][0].inputs["a"] is forward.ops[0][0]  # bn's y feeds the add, virtual
     assert not forward.ops[0][0].is_output
+    mask = forward.ops[3][0]
+    assert mask.is_output and mask.data_type is fake.data_type.BOOLEAN
+    assert bn._work.last("cudnn_mask").nbytes == -(-x.size // 8)  # eight elements to a byte
+    assert [outs[0].op for outs in backward.ops] == ["scale", "batchnorm_backward"]
+    product = backward.ops[0][0]
+    assert product.is_output and product.data_type is fake.data_type.FLOAT
+    assert backward.ops[0][0].inputs["scale"].data_type is fake.data_type.BOOLEAN
+
+
+def test_the_fused_bn_relu_backward_recomputes_batchnorms_output(fake):
+    """DReluForkDBn (NOTE [fused BatchNorm backward]): no tensor of the forward's output is
+    kept; the ReLU's backward reads batchnorm_inference's result, typed in the I/O format."""
+    bn = bn_layer("bf16")
+    x = np.random.default_rng(1).standard_normal((2, 6, 6, 5)).astype(nn.dtypes.half_dtype("bf16"))
+    bn.forward_relu(x, True)
+    bn.backward(np.ones_like(x))
+    forward, backward = fake.graphs
+    assert [outs[0].op for outs in forward.ops] == ["batchnorm", "relu"]
+    ops = [outs[0] for outs in backward.ops]
+    assert [op.op for op in ops] == ["batchnorm_inference", "relu_backward", "batchnorm_backward"]
+    assert ops[1].inputs["input"] is ops[0] and not ops[0].is_output
+    assert ops[1].data_type is fake.data_type.BFLOAT16 and not ops[1].is_output
+    assert bn._work.last("cudnn_z") is None and bn._work.last("cudnn_mask") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["bn-relu", "bn-add-relu"])
+@pytest.mark.parametrize(("precision", "tol"), [("fp32", 1e-3), ("bf16", 3e-2)])
+def test_the_fused_kernel_runs_on_the_gpu_and_gives_the_reference(
+    monkeypatch, with_residual, precision, tol
+):
+    """Real cuDNN takes the fused graphs of NOTE [fused BatchNorm backward] in bf16 (the H200
+    of 2026-11-29 refused the earlier ones for every shape) and they give the reference's
+    numbers; in float32 either kernel may run (the frontend's samples are half), and what ran
+    must agree too. resnet50's channels: 64."""
+    cp = cupy_or_none()
+    if cudnn_graphs.runtime() is None:
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    monkeypatch.setattr(kernels, "_enabled", True)
+    rng, half = np.random.default_rng(4), nn.dtypes.half_dtype(precision)
+    x, residual, dz = (cp.asarray(rng.standard_normal((8, 6, 6, 64)).astype(half)) for _ in "xrd")
+    residual = residual if with_residual else None
+    bn, bn_ref = bn_layer(precision, 64, cp), bn_layer(channels=64, xp=cp)
+    z = bn.forward_relu(x, True, residual=residual)
+    if precision == "bf16":
+        assert isinstance(bn.seam.kernel, FUSED), "cuDNN refused the fused BatchNorm graphs"
+    dx = bn.backward(dz)
+    z_ref, dx_ref, dpre_ref, grads_ref, _ = reference(bn_ref, x, residual, dz)
+    f32 = np.float32
+    np.testing.assert_allclose(cp.asnumpy(z.astype(f32)), cp.asnumpy(z_ref), rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        cp.asnumpy(dx.astype(f32)), cp.asnumpy(dx_ref), rtol=tol, atol=tol * 10
+    )
+    for name in ("gamma", "beta"):
+        np.testing.assert_allclose(
+            cp.asnumpy(bn.g[name]), cp.asnumpy(grads_ref[name]), rtol=tol, atol=tol * 10
+        )
+    if with_residual and isinstance(bn.seam.kernel, FUSED):
+        np.testing.assert_allclose(
+            cp.asnumpy(bn.residual_grad.astype(f32)), cp.asnumpy(dpre_ref), rtol=tol, atol=tol
+        )
 
 
 def watch_outputs(model):

@@ -14,12 +14,26 @@ keeps the reference. Evaluation is one elementwise pass with the running statist
 applies, BatchNorm runs its own GEMV-sum code.
 
 CudnnBatchNormRelu: the same training BatchNorm with the ReLU that follows it, and the residual
-add before that ReLU (a ResNet block's end), in one forward graph (batchnorm, add, relu) and
-one backward graph (relu_backward, batchnorm_backward; the add's gradient, the relu's, is an
-output for the shortcut). A container asks for it (BatchNorm.forward_relu) on a BN -> ReLU or
-BN -> add -> ReLU pattern in training; cuDNN takes the fused graph or refuses it per shape
-(PlanCache), and a refused shape runs CudnnBatchNorm, then the ReLU, as before. Not for
-SyncBatchNorm: its split (statistics, allreduce, finalize) stays the reference's.
+add before that ReLU (a ResNet block's end), in one forward and one backward graph each. A
+container asks for it (BatchNorm.forward_relu) on a BN -> ReLU or BN -> add -> ReLU pattern in
+training; cuDNN takes the fused graphs or refuses them per shape (PlanCache), and a refused
+shape runs CudnnBatchNorm, then the ReLU, as before. Not for SyncBatchNorm: its split
+(statistics, allreduce, finalize) stays the reference's.
+
+NOTE [fused BatchNorm backward]
+cuDNN's norm engines fuse only two ReLU backwards into BatchNorm's (the patterns of the
+frontend's test/python/test_batchnorm.py and samples/cpp/norm/batchnorm.cpp), the fused result
+typed in the I/O format:
+- BN -> ReLU (DReluForkDBn): the backward graph recomputes BatchNorm's output from x and the
+  saved statistics (batchnorm_inference), takes the ReLU's backward over it, then BatchNorm's;
+  the forward is batchnorm, relu;
+- BN -> add -> ReLU (BnAddRelu): the forward also writes the ReLU's bitmask (cmp_gt of its
+  output against zeros, a BOOLEAN tensor packed eight elements to a byte, which only cuDNN
+  reads), and the backward scales the loss by it, an output too (the shortcut's gradient),
+  then runs BatchNorm's backward.
+A ReLU backward that reads the post-ReLU activation as a tensor, as built until the H200 run
+of 2026-11-29, found no engine for any shape there, in float32 or bf16 ("No valid engine
+configs"), so every fused layer had run unfused; tests/fake_cudnn.py now refuses it too.
 """
 
 from __future__ import annotations
@@ -188,6 +202,7 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         xp = array_module(x)
         rt, c, train_plan = cudnn_graphs.runtime(), layer.channels, self._plan(layer, x, "train")
         io = train_plan.io
+        z = xp.empty(x.shape, dtype=io)  # the output: the backward graphs do not read it
         arrays = {
             "x": _kept(layer, "cudnn_x", x, io, xp),
             "scale": layer.p["gamma"],
@@ -200,22 +215,24 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
             "momentum": host_scalar(layer, "cudnn_momentum", layer.momentum),
             "mean": layer._work.get("cudnn_mean", (c,), _FLOAT32, xp),
             "inv_var": layer._work.get("cudnn_inv_var", (c,), _FLOAT32, xp),
-            "z": layer._work.get("cudnn_z", x.shape, io, xp),  # kept: relu_backward's mask
+            "z": z,
         }
-        if layer.residual is not None:
+        if layer.residual is not None:  # BnAddRelu: the bitmask kept for backward
             arrays["residual"] = cudnn_graphs.in_dtype(
                 layer._work, "cudnn_residual", layer.residual, io, xp
             )
+            zeros = f"cudnn_zeros:{x.shape}:{io}"  # read only: one per shape, for every layer
+            arrays["zeros"] = rt.work.get(zeros, x.shape, io, xp, zeroed=True)
+            arrays["mask"] = layer._work.get("cudnn_mask", (bitmask_bytes(x.shape),), np.uint8, xp)
         layer.train = train
         rt.run(train_plan, arrays, xp)
-        return arrays["z"].astype(x.dtype)  # a fresh array, x's dtype
+        return z if io == x.dtype else z.astype(x.dtype)
 
     def backward(self, layer: Any, dy: Any) -> Any:
         rt, xp, work = cudnn_graphs.runtime(), array_module(dy), layer._work
         plan = self._plan(layer, dy, "backward")
         arrays = {
             "dz": _kept(layer, "cudnn_dy", dy, plan.io, xp),
-            "z": work.last("cudnn_z"),
             "x": work.last("cudnn_x"),
             "scale": layer.p["gamma"],
             "mean": work.last("cudnn_mean"),
@@ -225,7 +242,9 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
             "dbias": layer.g["beta"],
         }
         if layer.residual is not None:
-            arrays["dpre"] = xp.empty(dy.shape, dtype=plan.io)
+            arrays["mask"], arrays["dpre"] = work.last("cudnn_mask"), xp.empty(dy.shape, plan.io)
+        else:  # DReluForkDBn recomputes BatchNorm's output
+            arrays["bias"] = layer.p["beta"]
         rt.run(plan, arrays, xp)
         if layer.residual is not None:  # the shortcut's gradient: the add's, the relu's
             layer.residual_grad = arrays["dpre"].astype(dy.dtype, copy=False)
@@ -243,10 +262,11 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         x_layout, c_layout, residual = nhwc(x_shape), nhwc(c_shape), key.op.startswith("bn_add")
         g, fp32 = rt.graph(io), rt.data_type(_FLOAT32)
         t = {"x": rt.tensor(g, "x", x_layout, io)}
-        vectors = ("scale",) + (("bias", "in_mean", "in_var") if key.op.endswith("train") else
-                                ("mean", "inv_var"))  # fmt: skip
+        train = key.op.endswith("train")
+        vectors = ("scale",) + (("bias", "in_mean", "in_var") if train else
+                                ("mean", "inv_var") + (() if residual else ("bias",)))  # fmt: skip
         t.update({name: rt.tensor(g, name, c_layout, _FLOAT32) for name in vectors})
-        if key.op.endswith("train"):
+        if train:
             t.update({name: rt.scalar(g, name) for name in ("epsilon", "momentum")})
             outs = g.batchnorm(name="bn", **{kw: t[name] for kw, name in _TRAIN_INPUTS})
             t.update(zip(("y", "mean", "inv_var", "out_mean", "out_var"), outs, strict=True))
@@ -258,12 +278,23 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
             rt.output(t["z"], x_layout, io)
             for name in ("mean", "inv_var", "out_mean", "out_var"):
                 rt.output(t[name], c_layout, _FLOAT32)
+            if residual:  # the bitmask (NOTE [fused BatchNorm backward])
+                t["zeros"] = rt.tensor(g, "zeros", x_layout, io)
+                t["mask"] = g.cmp_gt(input=t["z"], comparison=t["zeros"], name="relu_mask")
+                rt.output(t["mask"], x_layout, cudnn_graphs.BITMASK)
             return rt.finish(g, t, io, by_value=("epsilon", "momentum"))
-        t.update({name: rt.tensor(g, name, x_layout, io) for name in ("dz", "z")})
-        t["dpre"] = g.relu_backward(loss=t["dz"], input=t["z"], compute_data_type=fp32,
-                                    name="relu_backward")  # fmt: skip
-        if residual:
+        t["dz"] = rt.tensor(g, "dz", x_layout, io)
+        if residual:  # BnAddRelu: the loss where the bitmask is set
+            t["mask"] = rt.tensor(g, "mask", x_layout, cudnn_graphs.BITMASK)
+            t["dpre"] = g.scale(input=t["dz"], scale=t["mask"], compute_data_type=fp32,
+                                name="relu_backward")  # fmt: skip
             rt.output(t["dpre"], x_layout, io)
+        else:  # DReluForkDBn: over BatchNorm's output, recomputed
+            y = g.batchnorm_inference(t["x"], t["mean"], t["inv_var"], t["scale"], t["bias"],
+                                      name="bn_recomputed", compute_data_type=fp32)  # fmt: skip
+            t["dpre"] = g.relu_backward(loss=t["dz"], input=y, compute_data_type=fp32,
+                                        name="relu_backward")  # fmt: skip
+            t["dpre"].set_data_type(rt.data_type(io))
         inputs = {"grad": t["dpre"], "input": t["x"], "scale": t["scale"], "mean": t["mean"],
                   "inv_variance": t["inv_var"]}  # fmt: skip
         outs = g.batchnorm_backward(name="bn_backward", **inputs)
@@ -272,6 +303,11 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         rt.output(t["dscale"], c_layout, _FLOAT32)
         rt.output(t["dbias"], c_layout, _FLOAT32)
         return rt.finish(g, t, io)
+
+
+def bitmask_bytes(shape: tuple[int, ...]) -> int:
+    """The bytes of a BOOLEAN bitmask over shape: eight elements to a byte, whole bytes."""
+    return -(-int(np.prod(shape)) // 8)
 
 
 def _kept(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:

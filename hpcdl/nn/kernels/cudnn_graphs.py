@@ -57,6 +57,8 @@ _FLOAT64 = np.dtype(np.float64)
 # H200 run of 2026-11-29: BatchNorm's gamma views, 8 bytes past a 16-byte boundary)
 ALIGNMENT = 16
 _DATA_TYPES = {"float32": "FLOAT", "float64": "DOUBLE", "float16": "HALF", "bfloat16": "BFLOAT16"}
+# a tensor's dtype: a bitmask, cuDNN's BOOLEAN (eight elements to a byte; a uint8 array holds it)
+BITMASK = "bitmask"
 
 
 def nhwc(shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -139,6 +141,8 @@ class Runtime:
             self.handle = self.cudnn.create_handle()
 
     def data_type(self, dtype: Any) -> Any:
+        if isinstance(dtype, str) and dtype == BITMASK:
+            return self.cudnn.data_type.BOOLEAN
         return getattr(self.cudnn.data_type, _DATA_TYPES[np.dtype(dtype).name])
 
     def graph(self, io_dtype: Any) -> Any:
