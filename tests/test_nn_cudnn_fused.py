@@ -234,3 +234,28 @@ def test_real_half_arrays_cross_the_fused_and_cudnn_layers(fake, precision):
     crossings = [entry for entry in seen if entry[2] is not None]
     assert crossings and all(entry[1] == entry[2] == half for entry in crossings), crossings
     assert model.grads.dtype == np.float32 and np.isfinite(model.grads).all()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_batchnorm_holds_its_input_for_backward_and_copies_it_only_to_change_its_dtype(
+    monkeypatch, fused
+):
+    """A pass over each BatchNorm input per step saved: the graphs read x where it is (x is a
+    convolution's output, which nothing changes before BatchNorm's backward has read it); a
+    half input whose plan fell back to float32 is copied, as before."""
+    refuse = (lambda op, dims, dtype: False) if fused else (lambda op, dims, dtype: op == "relu")
+    install(monkeypatch, Module(refuse=refuse), stream=7, enable=True)
+    bn = bn_layer()
+    x = np.random.default_rng(1).standard_normal((2, 6, 6, 5)).astype(np.float32)
+    bn.forward_relu(x, True) if fused else bn.forward(x)
+    assert isinstance(bn.seam.kernel, FUSED) is fused
+    assert bn._work.held("cudnn_x") is x
+    bn.backward(np.ones_like(x))
+    assert bn._work.last("cudnn_x") is None and bn._work.last("cudnn_dy") is None
+    half = bn_layer("bf16")
+    refuse_bf16 = lambda op, dims, dtype: dtype == "BFLOAT16"  # noqa: E731
+    install(monkeypatch, Module(refuse=refuse_bf16), stream=7, enable=True)
+    xh = x.astype(nn.dtypes.half_dtype("bf16"))
+    half.forward_relu(xh, True) if fused else half.forward(xh)
+    held = half._work.held("cudnn_x")
+    assert held is not xh and held.dtype == np.float32  # the float32 plan's copy

@@ -21,6 +21,7 @@ class Workspaces:
 
     def __init__(self) -> None:
         self._arrays: dict[str, Any] = {}
+        self._held: dict[str, Any] = {}  # arrays a caller owns, kept by reference (hold)
 
     def get(
         self,
@@ -53,3 +54,14 @@ class Workspaces:
     def last(self, name: str) -> Any:
         """The array last handed out under `name`, or None."""
         return self._arrays.get(name)
+
+    def hold(self, name: str, array: Any) -> Any:
+        """Keep `array` (not a copy) under `name` until the next hold of that name: what a
+        forward keeps for its backward, such as an input its caller does not change in
+        between. get() never hands it out."""
+        self._held[name] = array
+        return array
+
+    def held(self, name: str) -> Any:
+        """The array last held under `name`, or None."""
+        return self._held.get(name)

@@ -93,8 +93,7 @@ class CudnnBatchNorm:
         rt, c = cudnn_graphs.runtime(), layer.channels
         train_plan = self.cache.get(self.keys(layer, x.shape)["bn_train"])
         io = train_plan.io  # the layer's format, or float32 where cuDNN had no half plan
-        xs = layer._work.get("cudnn_x", x.shape, io, xp)  # kept for backward
-        xs[...] = x
+        xs = _kept(layer, "cudnn_x", x, io, xp)  # for backward
         mean = layer._work.get("cudnn_mean", (c,), _FLOAT32, xp)
         inv_var = layer._work.get("cudnn_inv_var", (c,), _FLOAT32, xp)
         y = xp.empty(x.shape, dtype=io)
@@ -121,9 +120,8 @@ class CudnnBatchNorm:
         rt, xp = cudnn_graphs.runtime(), array_module(dy)
         work = layer._work
         plan = self.cache.get(self.keys(layer, dy.shape)["bn_backward"])
-        xs = cudnn_graphs.in_dtype(work, "cudnn_x", work.last("cudnn_x"), plan.io, xp)
-        dys = work.get("cudnn_dy", dy.shape, plan.io, xp)
-        dys[...] = dy
+        xs = cudnn_graphs.in_dtype(work, "cudnn_x", work.held("cudnn_x"), plan.io, xp)
+        dys = _operand(layer, "cudnn_dy", dy, plan.io, xp)
         dx = xp.empty(dy.shape, dtype=plan.io)
         arrays = {
             "dy": dys,
@@ -232,8 +230,8 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         rt, xp, work = cudnn_graphs.runtime(), array_module(dy), layer._work
         plan = self._plan(layer, dy, "backward")
         arrays = {
-            "dz": _kept(layer, "cudnn_dy", dy, plan.io, xp),
-            "x": work.last("cudnn_x"),
+            "dz": _operand(layer, "cudnn_dy", dy, plan.io, xp),
+            "x": work.held("cudnn_x"),
             "scale": layer.p["gamma"],
             "mean": work.last("cudnn_mean"),
             "inv_var": work.last("cudnn_inv_var"),
@@ -310,11 +308,21 @@ def bitmask_bytes(shape: tuple[int, ...]) -> int:
     return -(-int(np.prod(shape)) // 8)
 
 
+def _operand(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:
+    """x as a graph reads it: itself where it is C-contiguous in dtype, else its copy in the
+    layer's workspace name (a half array whose plan fell back to float32)."""
+    if x.dtype == dtype and x.flags.c_contiguous:
+        return x
+    copy = layer._work.get(name, x.shape, dtype, xp)
+    copy[...] = x
+    return copy
+
+
 def _kept(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:
-    """x copied into the layer's workspace name in dtype (kept for backward)."""
-    kept = layer._work.get(name, x.shape, dtype, xp)
-    kept[...] = x
-    return kept
+    """x as a graph reads it (_operand), held for backward: BatchNorm's input, a convolution's
+    output that nothing changes before BatchNorm's backward has read it, is no longer copied
+    (a pass over each BatchNorm input per step)."""
+    return layer._work.hold(name, _operand(layer, name, x, dtype, xp))
 
 
 KERNELS: list[Any] = [CudnnBatchNormRelu(), CudnnBatchNorm()]
