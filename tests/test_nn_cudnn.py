@@ -272,11 +272,22 @@ def test_half_precision_runs_the_formats_arrays_and_sums_weight_gradients_in_flo
     assert graph.options["compute_data_type"] == "FLOAT"
     wgrad = next(g for g in fake.graphs if g.ops[0][0].op == "conv_wgrad").ops[0][0]
     assert wgrad.data_type == "FLOAT" and wgrad.inputs["x"].data_type == name
-    assert fast._workspace("cudnn_x").dtype == nn.dtypes.half_dtype(precision)
+    assert fast._buffers.held("cudnn_x").dtype == nn.dtypes.half_dtype(precision)
     y_ref, _, grads_ref = reference(ref, x)
     tol = 2e-2 if precision == "bf16" else 2e-3  # the output's rounding to the format
     np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol)
     np.testing.assert_allclose(grads["W"], grads_ref["W"], rtol=tol, atol=tol)
+
+
+def test_a_convolution_holds_its_input_for_the_weight_gradient_without_a_copy(fake, monkeypatch):
+    """A float32 input is read where it is (a pass per convolution and step saved); an
+    emulated one (float32 holding the format's values) is copied into the format, as before."""
+    fast, _ = conv_pair(monkeypatch, 3, 4, 3, 1, 1)
+    x = np.random.default_rng(3).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    fast.forward(x)
+    assert fast._buffers.held("cudnn_x") is x
+    fast.backward(np.ones((2, 9, 9, 4), np.float32))
+    assert fast._buffers.last("cudnn_x") is None and fast._buffers.last("cudnn_dy") is None
 
 
 def test_without_the_frontend_the_kernel_never_applies(monkeypatch):

@@ -93,7 +93,7 @@ class CudnnBatchNorm:
         rt, c = cudnn_graphs.runtime(), layer.channels
         train_plan = self.cache.get(self.keys(layer, x.shape)["bn_train"])
         io = train_plan.io  # the layer's format, or float32 where cuDNN had no half plan
-        xs = _kept(layer, "cudnn_x", x, io, xp)  # for backward
+        xs = cudnn_graphs.kept(layer._work, "cudnn_x", x, io, xp)  # for backward
         mean = layer._work.get("cudnn_mean", (c,), _FLOAT32, xp)
         inv_var = layer._work.get("cudnn_inv_var", (c,), _FLOAT32, xp)
         y = xp.empty(x.shape, dtype=io)
@@ -121,7 +121,7 @@ class CudnnBatchNorm:
         work = layer._work
         plan = self.cache.get(self.keys(layer, dy.shape)["bn_backward"])
         xs = cudnn_graphs.in_dtype(work, "cudnn_x", work.held("cudnn_x"), plan.io, xp)
-        dys = _operand(layer, "cudnn_dy", dy, plan.io, xp)
+        dys = cudnn_graphs.operand(layer._work, "cudnn_dy", dy, plan.io, xp)
         dx = xp.empty(dy.shape, dtype=plan.io)
         arrays = {
             "dy": dys,
@@ -202,7 +202,7 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         io = train_plan.io
         z = xp.empty(x.shape, dtype=io)  # the output: the backward graphs do not read it
         arrays = {
-            "x": _kept(layer, "cudnn_x", x, io, xp),
+            "x": cudnn_graphs.kept(layer._work, "cudnn_x", x, io, xp),
             "scale": layer.p["gamma"],
             "bias": layer.p["beta"],
             "in_mean": layer.b["running_mean"],
@@ -230,7 +230,7 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         rt, xp, work = cudnn_graphs.runtime(), array_module(dy), layer._work
         plan = self._plan(layer, dy, "backward")
         arrays = {
-            "dz": _operand(layer, "cudnn_dy", dy, plan.io, xp),
+            "dz": cudnn_graphs.operand(layer._work, "cudnn_dy", dy, plan.io, xp),
             "x": work.held("cudnn_x"),
             "scale": layer.p["gamma"],
             "mean": work.last("cudnn_mean"),
@@ -306,23 +306,6 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
 def bitmask_bytes(shape: tuple[int, ...]) -> int:
     """The bytes of a BOOLEAN bitmask over shape: eight elements to a byte, whole bytes."""
     return -(-int(np.prod(shape)) // 8)
-
-
-def _operand(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:
-    """x as a graph reads it: itself where it is C-contiguous in dtype, else its copy in the
-    layer's workspace name (a half array whose plan fell back to float32)."""
-    if x.dtype == dtype and x.flags.c_contiguous:
-        return x
-    copy = layer._work.get(name, x.shape, dtype, xp)
-    copy[...] = x
-    return copy
-
-
-def _kept(layer: Any, name: str, x: Any, dtype: Any, xp: Any) -> Any:
-    """x as a graph reads it (_operand), held for backward: BatchNorm's input, a convolution's
-    output that nothing changes before BatchNorm's backward has read it, is no longer copied
-    (a pass over each BatchNorm input per step)."""
-    return layer._work.hold(name, _operand(layer, name, x, dtype, xp))
 
 
 KERNELS: list[Any] = [CudnnBatchNormRelu(), CudnnBatchNorm()]

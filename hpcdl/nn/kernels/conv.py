@@ -50,8 +50,7 @@ class CudnnConv:
         keys = self.keys(layer, x.shape)
         fprop = self.cache.get(keys["conv_fprop"])
         io = cudnn_graphs.io_dtype(layer.precision, layer.p["W"].dtype)  # fprop's may be float32
-        xs = layer._buffers.get("cudnn_x", x.shape, io, xp)  # kept for the weight gradient
-        xs[...] = x  # exact: an emulated activation holds values of the format
+        xs = cudnn_graphs.kept(layer._buffers, "cudnn_x", x, io, xp)  # for the weight gradient
         wk = layer._buffers.get("cudnn_w_krsc", _krsc_shape(layer), io, xp)
         wk[...] = layer.p["W"].transpose(3, 0, 1, 2)  # (kh, kw, C_in, C_out) -> KRSC
         y = xp.empty(keys["conv_fprop"].shapes[2], dtype=fprop.io)
@@ -66,9 +65,8 @@ class CudnnConv:
     def backward(self, layer: Any, dy: Any) -> Any:
         rt, xp = cudnn_graphs.runtime(), array_module(dy)
         keys = self.keys(layer, layer.x_shape)
-        xs, wk = layer._workspace("cudnn_x"), layer._workspace("cudnn_w_krsc")
-        dys = layer._buffers.get("cudnn_dy", dy.shape, xs.dtype, xp)
-        dys[...] = dy
+        xs, wk = layer._buffers.held("cudnn_x"), layer._workspace("cudnn_w_krsc")
+        dys = cudnn_graphs.operand(layer._buffers, "cudnn_dy", dy, xs.dtype, xp)
         if layer.has_bias:  # a GEMV with ones, as the reference
             rows = dy.reshape(-1, dy.shape[-1])
             ones = layer._workspace("ones", (rows.shape[0],), dy.dtype, xp, fill=1)

@@ -291,6 +291,24 @@ def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> An
     return copy
 
 
+def operand(work: Workspaces, name: str, x: Any, dtype: Any, xp: Any) -> Any:
+    """x as a graph reads it: itself where it is C-contiguous in dtype, else its copy in the
+    workspace name (an emulated activation in the format, a half array whose plan fell back
+    to float32: exact either way)."""
+    if x.dtype == dtype and x.flags.c_contiguous:
+        return x
+    copy = work.get(name, x.shape, dtype, xp)
+    copy[...] = x
+    return copy
+
+
+def kept(work: Workspaces, name: str, x: Any, dtype: Any, xp: Any) -> Any:
+    """operand(x), held for the backward (Workspaces.hold): a layer's input, which nothing
+    changes before the layer's backward has read it (a convolution's or BatchNorm's), is not
+    copied; a pass over each such input per step."""
+    return work.hold(name, operand(work, name, x, dtype, xp))
+
+
 def io_dtype(precision: str, params: Any = np.float32) -> np.dtype:
     """The I/O dtype of a layer at --precision whose parameters are of dtype params: float64 for
     a float64 model, else its format's arrays (hpcdl.nn.dtypes)."""
