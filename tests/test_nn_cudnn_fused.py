@@ -88,7 +88,7 @@ def test_the_fused_graph_is_batchnorm_add_relu_with_float32_statistics(fake):
     assert not forward.ops[0][0].is_output
     mask = forward.ops[3][0]
     assert mask.is_output and mask.data_type is fake.data_type.BOOLEAN
-    assert bn._work.last("cudnn_mask").nbytes == -(-x.size // 8)  # eight elements to a byte
+    assert bn._work.last("cudnn_mask").nbytes >= -(-x.size // 8)  # eight elements to a byte
     assert [outs[0].op for outs in backward.ops] == ["scale", "batchnorm_backward"]
     product = backward.ops[0][0]
     assert product.is_output and product.data_type is fake.data_type.FLOAT

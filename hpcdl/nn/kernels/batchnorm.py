@@ -304,8 +304,10 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
 
 
 def bitmask_bytes(shape: tuple[int, ...]) -> int:
-    """The bytes of a BOOLEAN bitmask over shape: eight elements to a byte, whole bytes."""
-    return -(-int(np.prod(shape)) // 8)
+    """The bytes given to a BOOLEAN bitmask over shape: one per element, though cuDNN packs
+    eight to a byte (its C++ sample allocates n / 8; its Python test a torch.bool tensor of n),
+    so that no reading of the layout writes past the buffer before a GPU has shown which."""
+    return int(np.prod(shape))
 
 
 KERNELS: list[Any] = [CudnnBatchNormRelu(), CudnnBatchNorm()]
