@@ -272,7 +272,9 @@ def test_a_stage_file_system_full_at_start_trains_from_the_pfs_with_one_warning(
 def test_sigkill_to_the_stager_mid_run_falls_back_to_the_pfs_with_the_same_parameters(
     digits_dir, tmp_path
 ):
-    common = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 20]
+    # 6 epochs: the kill lands at the first published copy, in the run's first second, and
+    # the epochs after it read the copies published before it (hits) and the PFS (misses)
+    common = ["--data", digits_dir / "train", "--model", "mlp", "--epochs", 6]
     common += ["--batch-size", 8, "--workers", 1, "--seed", 5, "--quiet"]
     plain = run_train(2, *common, "--checkpoint-dir", tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr[-3000:]

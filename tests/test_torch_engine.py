@@ -38,6 +38,25 @@ def final_state(ckpt_dir: Path) -> checkpoint.Checkpoint:
     return checkpoint.load(checkpoint.latest(ckpt_dir))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(digits_dir, tmp_path_factory):
+    """uninterrupted(*flags): the checkpoint dir of a 2-rank run of args(flags) that nothing
+    stopped, run once per module for each set of flags (SIGTERM's and SIGKILL's test compare
+    with the same run: 4-5 s of CI each)."""
+    done: dict[tuple[str, ...], Path] = {}
+
+    def run(*flags) -> Path:
+        key = tuple(map(str, flags))
+        if key not in done:
+            whole = tmp_path_factory.mktemp("whole")
+            first = run_train(2, *args(digits_dir, *flags, "--checkpoint-dir", whole), timeout=300)
+            assert first.returncode == 0, first.stderr[-3000:]
+            done[key] = whole
+        return done[key]
+
+    return run
+
+
 def test_backward_hands_growing_gradient_prefixes_to_the_reducer_as_it_goes():
     """FlatModule: autograd writes into the flat gradient vector (the reducer's buffer), and
     the hooks report final prefixes while backward runs, not only at its end."""
@@ -182,16 +201,14 @@ def test_resume_auto_after_a_stop_between_checkpoints_is_bitwise_an_uninterrupte
     ids=["SIGTERM", "SIGKILL", "SIGKILL-sync-bn"],
 )
 def test_resume_auto_after_a_signal_to_one_rank_is_bitwise_an_uninterrupted_run(
-    digits_dir, tmp_path, sig, sync_bn
+    digits_dir, tmp_path, sig, sync_bn, uninterrupted
 ):
     """SIGTERM to rank 1: the job stops with a checkpoint at the agreed step (exit 3).
     SIGKILL to rank 1 once step 10's checkpoint exists: the job ends, the checkpoint stays.
     Either way `--resume auto` ends with the uninterrupted run's parameters, bit for bit (with
     --sync-bn, its BatchNorm statistics too: every rank's are the same)."""
     common = ("--epochs", 2, "--checkpoint-every", 10, "--metrics-every", 1, *sync_bn)
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    first = run_train(2, *args(digits_dir, *common, "--checkpoint-dir", whole), timeout=300)
-    assert first.returncode == 0, first.stderr[-3000:]
+    whole, cut = uninterrupted(*common), tmp_path / "cut"
     env = {**mpi_env(), "HPCDL_TORCH_SLOW": "0.05", "HPCDL_TEST_MARKER": str(cut)}
     metrics = tmp_path / "cut.jsonl"
     cmd = train_cmd(2, *args(digits_dir, *common, "--checkpoint-dir", cut, "--metrics", metrics))

@@ -35,7 +35,9 @@ def test_the_survivors_of_a_killed_rank_end_as_stop_and_resume_would(sync_bn, di
     their own, in forward and in backward: a rank lost there must not leave the survivors
     waiting in one."""
     out, metrics = tmp_path / "continue", tmp_path / "continue.jsonl"
-    env = {**mpi_env(), "HPCDL_TORCH_SLOW": "0.1", "HPCDL_TEST_MARKER": str(out)}
+    # 0.1 s a step until the kill lands mid-epoch; the survivors rebuild the module from step
+    # 10's checkpoint and train on at full speed (tests/torch_models.py)
+    env = {**mpi_env(), "HPCDL_TORCH_SLOW": f"0.1:{out}", "HPCDL_TEST_MARKER": str(out)}
     cmd = launch_cmd(3, digits_dir, out, "--on-node-loss", "continue", "--metrics", str(metrics),
                      "--metrics-every", "1", *sync_bn)  # fmt: skip
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -5,8 +5,10 @@
 - HPCDL_TORCH_DIGESTS=DIR: every inference forward (the zero-sample check at start-up, each
   validation batch) appends a digest of the module's parameters and buffers to DIR/rank-R.txt
   (R: OMPI_COMM_WORLD_RANK), so the last line is what the rank finished with.
-- HPCDL_TORCH_SLOW=SECONDS: every training forward sleeps SECONDS, so a test can signal or
-  kill a run while it trains (no effect on what it computes).
+- HPCDL_TORCH_SLOW=SECONDS[:CKPT_DIR]: every training forward sleeps SECONDS, so a test can
+  signal or kill a run while it trains (no effect on what it computes). With CKPT_DIR, only a
+  module built while CKPT_DIR held no checkpoint sleeps: the survivors of a killed rank rebuild
+  it from the checkpoint they resume (--on-node-loss continue) and train on at full speed.
 - not_a_model: returns a string, which is neither kind of model.
 """
 
@@ -20,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hpcdl import checkpoint
+
 
 class SmallCNN(nn.Module):
     def __init__(self, channels: int, num_classes: int) -> None:
@@ -28,12 +32,13 @@ class SmallCNN(nn.Module):
         self.norm = nn.BatchNorm2d(8)
         self.dropout = nn.Dropout(0.2)
         self.head = nn.Linear(8 * 4 * 4, num_classes)
+        self.sleep_s = slow_seconds()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             self.record()
-        elif os.environ.get("HPCDL_TORCH_SLOW"):
-            time.sleep(float(os.environ["HPCDL_TORCH_SLOW"]))
+        elif self.sleep_s:
+            time.sleep(self.sleep_s)
         y = nn.functional.adaptive_avg_pool2d(torch.relu(self.norm(self.conv(x))), 4)
         return self.head(self.dropout(torch.flatten(y, 1)))
 
@@ -47,6 +52,14 @@ class SmallCNN(nn.Module):
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
         with open(Path(where) / f"rank-{rank}.txt", "a") as f:
             f.write(h.hexdigest() + "\n")
+
+
+def slow_seconds() -> float:
+    """The sleep of each training forward that HPCDL_TORCH_SLOW asks of a module built now."""
+    seconds, _, ckpt_dir = os.environ.get("HPCDL_TORCH_SLOW", "").partition(":")
+    if not seconds or (ckpt_dir and checkpoint.list_checkpoints(ckpt_dir)):
+        return 0.0
+    return float(seconds)
 
 
 def small_cnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
