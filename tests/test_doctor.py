@@ -310,35 +310,44 @@ def test_text_lists_a_fact_per_rank_where_ranks_differ(tmp_path):
 
 
 @pytest.mark.parametrize(  # fmt: skip
-    ("cudnn", "on", "tf32", "expected"),
+    ("cudnn", "on", "setting", "expected"),
     [
-        ("9.19.0", True, False, "; cuDNN 9.19.0; fast kernels and CUDA graphs of the step on"),
+        ("9.19.0", True, None, "; cuDNN 9.19.0; fast kernels and CUDA graphs of the step on"),
         (
             None,
             False,
-            False,
+            None,
             "; cuDNN frontend not installed; fast kernels and CUDA graphs of the step off "
             "(--gpu-kernels or HPCDL_GPU_KERNELS=1)",
         ),
         (
             "9.19.0",
             True,
-            True,
+            "tf32",
             "; fast kernels and CUDA graphs of the step on; float32 on TF32 tensor cores "
             "(HPCDL_TF32)",
         ),
+        (
+            "9.19.0",
+            True,
+            "deterministic",
+            "; fast kernels and CUDA graphs of the step on; deterministic cuDNN engines "
+            "(HPCDL_DETERMINISTIC)",
+        ),
     ],
 )
-def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on, tf32, expected):
+def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on, setting, expected):
     """On a GPU node (CuPy present) the line carries cuDNN's version, --gpu-kernels and, where
-    HPCDL_TF32 set it, that float32 runs on TF32 tensor cores (NOTE [TF32])."""
+    HPCDL_TF32 set it, that float32 runs on TF32 tensor cores (NOTE [TF32]); where
+    HPCDL_DETERMINISTIC did, that cuDNN's engines are the deterministic ones."""
     from hpcdl.doctor.__main__ import render  # noqa: PLC0415
 
     proc = run_doctor("--json", "--stage-dir", tmp_path)
     facts = json.loads(proc.stdout)["nodes"][0]["facts"]
-    assert {"cudnn", "gpu_kernels", "tf32"} <= set(facts["gpus"])
-    assert facts["gpus"]["tf32"] is False  # HPCDL_TF32 is not set here
-    gpus = {**facts["gpus"], "cupy": "14.0.0", "cudnn": cudnn, "gpu_kernels": on, "tf32": tf32}
+    assert {"cudnn", "gpu_kernels", "tf32", "deterministic"} <= set(facts["gpus"])
+    assert facts["gpus"]["tf32"] is facts["gpus"]["deterministic"] is False  # neither set here
+    gpus = {**facts["gpus"], "cupy": "14.0.0", "cudnn": cudnn, "gpu_kernels": on,
+            "tf32": setting == "tf32", "deterministic": setting == "deterministic"}  # fmt: skip
     report = {"host": "n1", "rank": 0, "facts": {**facts, "gpus": gpus}, "problems": []}
     gpu_line = next(line for line in render(merge([report])).splitlines() if "GPUs" in line)
     assert gpu_line.endswith(expected), gpu_line

@@ -235,7 +235,8 @@ def fast_kernels(v: dict) -> str:
     cudnn = f"cuDNN {v['cudnn']}" if v.get("cudnn") else "cuDNN frontend not installed"
     graphs = "on" if v.get("gpu_kernels") else "off (--gpu-kernels or HPCDL_GPU_KERNELS=1)"
     tf32 = "; float32 on TF32 tensor cores (HPCDL_TF32)" if v.get("tf32") else ""
-    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}"
+    same = "; deterministic cuDNN engines (HPCDL_DETERMINISTIC)" if v.get("deterministic") else ""
+    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}{same}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,6 +82,7 @@ def gpus(local_rank: int, local_size: int) -> Found:
         "cudnn": None,  # cuDNN's version through its frontend (--gpu-kernels), if installed
         "gpu_kernels": kernels.enabled(),  # HPCDL_GPU_KERNELS: fast kernels and step graphs
         "tf32": kernels.tf32(),  # HPCDL_TF32: float32 convolutions and GEMMs on TF32 cores
+        "deterministic": kernels.deterministic(),  # HPCDL_DETERMINISTIC: cuDNN's engines
     }
     try:
         import cupy  # noqa: PLC0415
