@@ -10,7 +10,8 @@ model, precision and batch, fed by `--decode gpu` (the log's start line gives th
 Appends two rows with the issue's fields to OUT_JSONL: loader `none` (hpcdl's step alone, from
 the compute bench) and loader `hpcdl.train` (images/s over the steps after the first 6, from
 the step records, as `bench input` times its rows; without step records, over the epochs after
-the first; the data-wait share from the run's mean step), and prints their ratio.
+the first; `timed` says which: "steps 7-56" or "epochs 2-3"; the data-wait share from the run's
+mean step), and prints their ratio.
 
 With --alone-input (issue 61: hpcdl.train with a torch model, torchvision's resnet50): the step
 alone is the input phase's (INPUT_JSONL's last `none` row of a torch model, torchvision's step
@@ -49,11 +50,14 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
     summary = next((r for r in reversed(metrics) if r.get("event") == "summary"), None)
     if not epochs or summary is None:
         raise ValueError("the metrics file holds no epoch or summary record")
-    rate = steps_rate(metrics, summary["global_batch"])
-    if rate is None:  # no step records: the epochs after the first
+    window = steps_window(metrics, summary["global_batch"])
+    if window is not None:
+        rate, timed = window[0], f"steps {window[1]}-{window[2]}"
+    else:  # no step records: the epochs after the first
         later = epochs[1:] or epochs
         images = sum(r["images_per_s"] * r["seconds"] for r in later)
         rate = images / sum(r["seconds"] for r in later)
+        timed = f"epochs {later[0]['epoch'] + 1}-{later[-1]['epoch'] + 1}"
     step = summary["mean_step"]
     slots = re.search(r"(\d+) batch slots( \(auto\))?", log)
     if slots is None:
@@ -62,18 +66,20 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
                 slots_default=slots[2] is not None, images_per_s=rate,
                 data_wait_share=step["t_data"] / step["t_step"],
                 batch=summary["global_batch"] // summary["world_size"], model=model,
-                precision=summary["precision"], device=device)  # fmt: skip
+                precision=summary["precision"], device=device, timed=timed)  # fmt: skip
 
 
-def steps_rate(metrics: list[dict], global_batch: int) -> float | None:
-    """Images/s over the steps after the first WARMUP_STEPS, from the step records (each
-    `time` the end of its step), or None where fewer than two such records exist."""
+def steps_window(metrics: list[dict], global_batch: int) -> tuple[float, int, int] | None:
+    """(images/s, first step, last step) over the steps after the first WARMUP_STEPS, from the
+    step records (each `time` the end of its step: the window runs from the end of the record
+    at or after WARMUP_STEPS to the last), or None where fewer than two such records exist."""
     after = [r for r in metrics if r.get("event") == "step" and "time" in r
              and r["step"] >= WARMUP_STEPS]  # fmt: skip
     if len(after) < 2 or after[-1]["time"] <= after[0]["time"]:
         return None
     steps = after[-1]["step"] - after[0]["step"]
-    return steps * global_batch / (after[-1]["time"] - after[0]["time"])
+    rate = steps * global_batch / (after[-1]["time"] - after[0]["time"])
+    return rate, after[0]["step"] + 1, after[-1]["step"]
 
 
 def step_alone(input_jsonl: Path) -> dict:
