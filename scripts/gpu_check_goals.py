@@ -322,7 +322,7 @@ def _no_row(text: str, status: dict, phase: str) -> Goal:
                 True)  # fmt: skip
 
 
-def input_goals(rows: list[dict], status: dict, timing: tuple | None = None) -> list[Goal]:
+def input_goals(rows: list[dict], status: dict, timing: dict | None = None) -> list[Goal]:
     """Issue 60's input goals, one line per worker count and per loader: default slots against
     the better DataLoader row at the same workers; their data wait, judged only where that
     DataLoader waits <= 5 % itself (n/a, with both figures, where it does not); --decode gpu
@@ -348,15 +348,16 @@ def input_goals(rows: list[dict], status: dict, timing: tuple | None = None) -> 
         mark = _mark(wait <= 5.0) if dl_wait <= 5.0 else "n/a "  # not judged: still answered
         out.append(Goal(f"input: data wait <= 5 % where DataLoader's is, {workers} workers", mark,
                         figure + ("" if dl_wait <= 5.0 else " (> 5 %: not judged)")))  # fmt: skip
-    return [end_to_end_goal(rows, status), *out, *_decode_goals(rows, status, timing)]
+    return [end_to_end_goal(rows, status), *out, *_decode_goals(rows, status, timing or {})]
 
 
-def _decode_goals(rows: list[dict], status: dict, timing: tuple | None) -> list[Goal]:
+def _decode_goals(rows: list[dict], status: dict, timing: dict) -> list[Goal]:
     """--decode gpu with <= 2 workers against the same model's step alone: hpcdl.torch
     (torchvision's step), hpcdl.train with hpcdl's own model ("hpcdl resnet50") and, where the
-    torch engine's row is there, with torchvision's (issue 61), one line each. An hpcdl.train
-    row says the steps it was timed over (its `timed`), and the torch model's step alone (`bench
-    input`'s) its own: timing, the input phase's (warm-up, timed steps)."""
+    torch engine's row is there, with torchvision's (issue 61), one line each. The torch
+    engine's line says how each side was timed: timing["decode"], the steps its run's records
+    time (gpu_check_train_rows.py's window), and timing["input"], `bench input`'s (warm-up,
+    timed steps) for its step alone."""
     alone = {r.get("model"): r["images_per_s"] for r in rows if r["loader"] == "none"}
     out = []
     for loader, own in (("hpcdl", None), ("hpcdl.train", True), ("hpcdl.train", False)):
@@ -375,9 +376,10 @@ def _decode_goals(rows: list[dict], status: dict, timing: tuple | None) -> list[
         figure = (
             f"{ratio:.2f} ({r['images_per_s']:.0f} vs {step:.0f} images/s, {r['workers']} workers)"
         )
-        if r.get("timed") and own is False and timing:
-            figure += (f"; hpcdl.train over {r['timed']} vs the step alone over steps "
-                       f"{timing[0] + 1}-{sum(timing)} (bench input)")  # fmt: skip
+        window, steps = timing.get("decode"), timing.get("input")
+        if own is False and window and steps:
+            figure += (f"; hpcdl.train over steps {window[0]}-{window[1]} (its step records) vs "
+                       f"the step alone over steps {steps[0] + 1}-{sum(steps)}")  # fmt: skip
         out.append(Goal(goal, _mark(ratio >= 0.95), figure))
     return out
 
@@ -436,7 +438,9 @@ def goal_lines(facts: dict) -> list[str]:
     "no phase failed" n/a: its figures check the script, not the goals."""
     status = facts["status"]
     goals = compute_goals(facts["compute"], status)
-    goals += input_goals(facts["input"], status, facts.get("input_timing"))
+    decode = [r.get("steps_timed") for r in facts["train"] if r["run"].startswith("tv-decode-")]
+    timing = {"input": facts.get("input_timing"), "decode": decode[0] if decode else None}
+    goals += input_goals(facts["input"], status, timing)
     goals += [_torch_engine_goal(facts), *_other_goals(facts)]
     goals.append(answered_goal(goals))
     head = "goals (issue 60)"

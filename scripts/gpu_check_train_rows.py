@@ -10,8 +10,7 @@ model, precision and batch, fed by `--decode gpu` (the log's start line gives th
 Appends two rows with the issue's fields to OUT_JSONL: loader `none` (hpcdl's step alone, from
 the compute bench) and loader `hpcdl.train` (images/s over the steps after the first 6, from
 the step records, as `bench input` times its rows; without step records, over the epochs after
-the first; `timed` says which: "steps 7-56" or "epochs 2-3"; the data-wait share from the run's
-mean step), and prints their ratio.
+the first; the data-wait share from the run's mean step), and prints their ratio.
 
 With --alone-input (issue 61: hpcdl.train with a torch model, torchvision's resnet50): the step
 alone is the input phase's (INPUT_JSONL's last `none` row of a torch model, torchvision's step
@@ -52,12 +51,11 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
         raise ValueError("the metrics file holds no epoch or summary record")
     window = steps_window(metrics, summary["global_batch"])
     if window is not None:
-        rate, timed = window[0], f"steps {window[1]}-{window[2]}"
+        rate = window[0]
     else:  # no step records: the epochs after the first
         later = epochs[1:] or epochs
         images = sum(r["images_per_s"] * r["seconds"] for r in later)
         rate = images / sum(r["seconds"] for r in later)
-        timed = f"epochs {later[0]['epoch'] + 1}-{later[-1]['epoch'] + 1}"
     step = summary["mean_step"]
     slots = re.search(r"(\d+) batch slots( \(auto\))?", log)
     if slots is None:
@@ -66,7 +64,7 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
                 slots_default=slots[2] is not None, images_per_s=rate,
                 data_wait_share=step["t_data"] / step["t_step"],
                 batch=summary["global_batch"] // summary["world_size"], model=model,
-                precision=summary["precision"], device=device, timed=timed)  # fmt: skip
+                precision=summary["precision"], device=device)  # fmt: skip
 
 
 def steps_window(metrics: list[dict], global_batch: int) -> tuple[float, int, int] | None:
