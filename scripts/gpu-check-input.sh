@@ -48,7 +48,8 @@ rc=0
 LOG="$OUT/input.log"
 # the device's name for the rows made below; here, not after the training run: a phase cut
 # while torch imports would lose the end-to-end row that run made
-NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'gpu' else 'cpu')")"
+NAME=cpu
+[ "$DEVICE" = gpu ] && NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name())")"
 run() {
     printf '%s\n' "$*" >>"$OUT/input-commands.txt"
     timeout -k 5 "$LIMIT" "$@" >>"$LOG" 2>&1 || rc=$?

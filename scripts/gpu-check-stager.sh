@@ -10,6 +10,7 @@
 # compiled against the machine's own libcrypto.so.3 unless the tree brings one. Prints the
 # binary's path on its last line and exits 0; else a last line "not built: WHY" and exits 1,
 # or 0 where no headers were carried and there are none here (a run without the stager).
+# STAGER_BUILD_TYPE: CMake's build type (default Release; gpu-check.sh's CPU dry run: None).
 # Fetch the packages beside a checkout (not on the device: it has no network), e.g. on Ubuntu
 # 24.04, the device image's base: `apt-get download libssl-dev`.
 set -uo pipefail
@@ -45,7 +46,8 @@ if [ -n "$CARRIED" ]; then
         -DOPENSSL_CRYPTO_LIBRARY="$LIB")
 fi
 FLAGS="${ARCH_INCLUDE:+-isystem $ARCH_INCLUDE}"
-if ! CXXFLAGS="$FLAGS" cmake -S . -B "$BUILD/build" "${ARGS[@]}" >"$BUILD/cmake.log" 2>&1; then
+if ! CXXFLAGS="$FLAGS" cmake -S . -B "$BUILD/build" -DCMAKE_BUILD_TYPE="${STAGER_BUILD_TYPE:-Release}" \
+    "${ARGS[@]}" >"$BUILD/cmake.log" 2>&1; then
     if grep -q "needs OpenSSL 3" "$BUILD/cmake.log" && [ -z "$CARRIED" ]; then
         # none carried: a run without the stager, said so, is what was asked for (exit 0)
         echo "not built: no OpenSSL 3 headers here (carry libssl-dev's .deb: GPU_CHECK_OPENSSL)"

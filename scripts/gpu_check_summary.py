@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from gpu_check_goals import goal_lines, junit_cases  # noqa: E402
+from gpu_check_train_rows import WARMUP_STEPS, steps_window  # noqa: E402
 
 
 def last_json(path: Path) -> dict | None:
@@ -70,7 +71,7 @@ def train_section(raw: Path, out: Path, status: dict) -> list[str]:
         name = path.stem.removeprefix("train-")
         rc = status.get(f"train-{name}", ("-",))[0]
         summary = (records(path, "summary") or [{}])[-1]
-        summaries.append({"run": name, "exit": rc, **summary})
+        summaries.append({"run": name, "exit": rc, **summary, **run_timing(path, summary)})
         scales = [r["loss_scale"] for r in records(path, "step") if "loss_scale" in r]
         fp16 = (
             f"scale {min(scales):g}..{max(scales):g}, skipped {summary.get('skipped_steps')}"
@@ -90,6 +91,23 @@ def train_section(raw: Path, out: Path, status: dict) -> list[str]:
             continue
         lines.append(f"  {run} vs {base}: {100 * (ref - acc[base]):+.1f} points of val acc")
     return lines
+
+
+def run_timing(path: Path, summary: dict) -> dict:
+    """A run's flags that its rate depends on (workers, batch_size, metrics_every, from its
+    start record), steps_per_epoch, and its images/s over the steps after the warm-up from its
+    step records (steps_images_per_s, steps_timed [first, last]; gpu_check_train_rows.py's
+    window, as `bench input` times its rows), where there are such records."""
+    start = (records(path, "start") or [{}])[-1]
+    config = start.get("config") or {}
+    config = json.loads(config) if isinstance(config, str) else config
+    out = {k: config.get(k) for k in ("workers", "batch_size", "metrics_every")}
+    out["steps_per_epoch"], out["warmup_steps"] = start.get("steps_per_epoch"), WARMUP_STEPS
+    batch = summary.get("global_batch") or start.get("global_batch")
+    window = steps_window(records(path, "step"), batch) if batch else None
+    if window is not None:
+        out["steps_images_per_s"], out["steps_timed"] = window[0], list(window[1:])
+    return out
 
 
 def compute_section(raw: Path, out: Path) -> tuple[list[str], dict]:
@@ -237,6 +255,17 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
 
 
+def input_timing(path: Path) -> tuple[int, int] | None:
+    """(warm-up, timed steps) of the input phase's DataLoader rows: the --warmup and --steps of
+    its first `hpcdl.bench input` command (scripts/gpu-check-input.sh), or None."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    for line in text.splitlines():
+        warmup, steps = re.search(r" --warmup (\d+)", line), re.search(r" --steps (\d+)", line)
+        if "hpcdl.bench input" in line and warmup and steps:
+            return int(warmup[1]), int(steps[1])
+    return None
+
+
 def load_facts(raw: Path, out: Path, status: dict, profiles: dict) -> dict:
     """What the goals are judged from: the files this summary wrote, the phases, the profiles
     and the pytest phases' JUnit XML."""
@@ -244,6 +273,7 @@ def load_facts(raw: Path, out: Path, status: dict, profiles: dict) -> dict:
         "compute": _jsonl(out / "compute.jsonl"),
         "input": _jsonl(out / "input.jsonl"),
         "train": _jsonl(out / "train.jsonl"),
+        "input_timing": input_timing(out / "input-commands.txt"),
         "status": status,
         "profiles": profiles,
         "junit": junit_cases(raw),

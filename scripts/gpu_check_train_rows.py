@@ -49,8 +49,10 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
     summary = next((r for r in reversed(metrics) if r.get("event") == "summary"), None)
     if not epochs or summary is None:
         raise ValueError("the metrics file holds no epoch or summary record")
-    rate = steps_rate(metrics, summary["global_batch"])
-    if rate is None:  # no step records: the epochs after the first
+    window = steps_window(metrics, summary["global_batch"])
+    if window is not None:
+        rate = window[0]
+    else:  # no step records: the epochs after the first
         later = epochs[1:] or epochs
         images = sum(r["images_per_s"] * r["seconds"] for r in later)
         rate = images / sum(r["seconds"] for r in later)
@@ -65,15 +67,17 @@ def fed_row(metrics: list[dict], log: str, workers: int, device: str, model: str
                 precision=summary["precision"], device=device)  # fmt: skip
 
 
-def steps_rate(metrics: list[dict], global_batch: int) -> float | None:
-    """Images/s over the steps after the first WARMUP_STEPS, from the step records (each
-    `time` the end of its step), or None where fewer than two such records exist."""
+def steps_window(metrics: list[dict], global_batch: int) -> tuple[float, int, int] | None:
+    """(images/s, first step, last step) over the steps after the first WARMUP_STEPS, from the
+    step records (each `time` the end of its step: the window runs from the end of the record
+    at or after WARMUP_STEPS to the last), or None where fewer than two such records exist."""
     after = [r for r in metrics if r.get("event") == "step" and "time" in r
              and r["step"] >= WARMUP_STEPS]  # fmt: skip
     if len(after) < 2 or after[-1]["time"] <= after[0]["time"]:
         return None
     steps = after[-1]["step"] - after[0]["step"]
-    return steps * global_batch / (after[-1]["time"] - after[0]["time"])
+    rate = steps * global_batch / (after[-1]["time"] - after[0]["time"])
+    return rate, after[0]["step"] + 1, after[-1]["step"]
 
 
 def step_alone(input_jsonl: Path) -> dict:

@@ -108,6 +108,9 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(dry_run):
     assert len(trained) == 2 and any(m.startswith("hpcdl ") for m in trained)  # and a torch model
     phases = files["raw/phases.txt"]
     assert "train-tv-decode-resnet50-cpu 0 " in phases  # --decode gpu with a torch model
+    # the torch engine's row is timed over its steps after the warm-up (its step records)
+    runs = {r["run"]: r for r in map(json.loads, files["train.jsonl"].splitlines())}
+    assert runs["tv-resnet50-cpu"]["steps_timed"] == [7, 9], runs["tv-resnet50-cpu"]
     assert "compute-gk-tf32-cnn-fp32 0 " in phases  # --tf32 in both frameworks
     computed = [json.loads(x) for x in files["compute.jsonl"].splitlines()]
     assert sorted(r["tf32"] for r in computed) == [False] * (len(computed) - 1) + [True]

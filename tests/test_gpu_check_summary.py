@@ -92,11 +92,23 @@ def gpu_run(tmp_path: Path) -> tuple[Path, Path, dict]:
         rows += [input_row("dataloader", "cpu", workers, 1400.0 + workers, 0.04),
                  input_row("hpcdl", "cpu", workers, 1500.0 + workers, 0.03)]  # fmt: skip
     for run, record in (("cnn-gpu-1", {"val_accuracy": 0.98}),
-                        ("ref-cnn-cpu-1", {"val_accuracy": 0.979}),
-                        ("tv-resnet50-gpu", {"images_per_s": 1500.0})):  # fmt: skip
+                        ("ref-cnn-cpu-1", {"val_accuracy": 0.979})):  # fmt: skip
         summary = dict(event="summary", steps=660, **record)
         (raw / f"train-{run}.jsonl").write_text(json.dumps(summary) + "\n")
+    (raw / "train-tv-resnet50-gpu.jsonl").write_text(torch_engine_run(1500.0))
     return raw, out, {"phases": phases, "compute": compute, "input": rows, "tests": passing_tests()}
+
+
+def torch_engine_run(rate: float) -> str:
+    """The torch engine's metrics as gpu-check.sh runs it: 8 workers, batch 128, a step record
+    each of 56 steps, `rate` images/s over steps 7-56 (its summary's rate lower: start-up)."""
+    config = {"workers": 8, "batch_size": 128, "metrics_every": 1}
+    records = [dict(event="start", time=0.0, global_batch=128, steps_per_epoch=50,
+                    config=json.dumps(config))]  # fmt: skip
+    records += [dict(event="step", step=k, time=5.0 + k * 128 / rate) for k in range(1, 57)]
+    records.append(dict(event="summary", global_batch=128, world_size=1, steps=56,
+                        images_per_s=0.8 * rate))  # fmt: skip
+    return "".join(json.dumps(r) + "\n" for r in records)
 
 
 def summarize(raw: Path, out: Path, parts: dict) -> list[str]:
