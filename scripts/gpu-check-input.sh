@@ -8,7 +8,7 @@
 # process per core in ~5 s), so 50 batches an epoch, and each row times 50 steps after 6: one
 # epoch boundary in 56 steps, as in training, not one every 6. Last, the goal's hpcdl.train row:
 # hpcdl's own resnet50 step alone (`bench compute`), then `hpcdl.train --decode gpu` with 2
-# workers on the same folder, 56 steps (its rate: steps 7-56, the epoch boundary at 50 among
+# workers on the same folder, both with --gpu-kernels on a GPU (rows named so), 56 steps (its rate: steps 7-56, the epoch boundary at 50 among
 # them, as the rows above time theirs; scripts/gpu_check_train_rows.py turns the two into rows
 # loader none / hpcdl.train).
 #
@@ -35,7 +35,9 @@ if [ "$DEVICE" = gpu ]; then
     COMMON=(--device gpu --data "$JPEGS" --make-jpegs 6400 --image-size 500x375
         --batch-size 128 --steps 50 --warmup 6)
     WORKERS=8,15
-    OWN=(--model resnet50 --batch-size 128 --precision bf16)
+    # --gpu-kernels: the plain step's 0.14-0.18x is known from two lends; what the fast path
+    # reaches end to end is the question left (scripts/gpu_check_train_rows.py names it)
+    OWN=(--model resnet50 --batch-size 128 --precision bf16 --gpu-kernels)
     OWN_SHAPE=3,224,224 OWN_AUGMENT=rrc224+flip OWN_STEPS=10 OWN_TRAIN=(--epochs 2 --max-steps 56)
 else  # the same rows, small: checks the script, not the speed
     COMMON=(--device cpu --data "$JPEGS" --make-jpegs 48 --image-size 160x120 --batch-size 8

@@ -216,8 +216,9 @@ def end_to_end_goal(rows: list[dict], status: dict) -> Goal:
         theirs = max((r for r in fed if (r["workers"] or 0) == fewest),
                      key=lambda r: r["images_per_s"])  # fmt: skip
         more = f" at {fewest} workers" if fewest != workers else ""
+        gk = " --gpu-kernels" if str(ours["model"]).endswith("--gpu-kernels") else ""
         pairs.append((ours["images_per_s"] / theirs["images_per_s"],
-                      f"{workers} workers{batch}: hpcdl.train {ours['images_per_s']:.0f} "
+                      f"{workers} workers{batch}: hpcdl.train{gk} {ours['images_per_s']:.0f} "
                       f"vs DataLoader{more} {theirs['images_per_s']:.0f} images/s"))  # fmt: skip
     return _judged(text, pairs, 1.0, {"unpaired": unpaired}, above=False)
 

@@ -34,7 +34,7 @@ def train_rows(
     compute: dict, metrics: list[dict], log: str, workers: int, device: str
 ) -> list[dict]:
     """The two rows; raises ValueError naming what is missing."""
-    model = f"hpcdl {compute['model']}"
+    model = f"hpcdl {compute['model']}" + (" --gpu-kernels" if compute.get("gpu_kernels") else "")
     fed = fed_row(metrics, log, workers, device, model)
     alone = dict(loader="none", decode="-", workers=None, slots=None, slots_default=False,
                  images_per_s=compute["hpcdl_images_per_s"], data_wait_share=0.0,

@@ -237,6 +237,23 @@ def test_the_gpu_checks_train_rows_take_the_later_epochs_and_the_start_lines_slo
         rows_of(compute, metrics[-1:], log, 2, "H100")
 
 
+def test_the_gpu_checks_train_rows_name_the_fast_kernels_when_the_step_ran_them():
+    """The end-to-end row runs hpcdl's resnet50 with --gpu-kernels on a GPU (the plain path's
+    0.14-0.18x is known from two lends); its rows say so, and the goal line names them."""
+    rows_of = script("gpu_check_train_rows").train_rows
+    compute = {"model": "resnet50", "hpcdl_images_per_s": 1000.0, "gpu_kernels": True}
+    metrics = [{"event": "epoch", "images_per_s": 900.0, "seconds": 2.0},
+               {"event": "summary", "global_batch": 128, "world_size": 1, "precision": "bf16",
+                "mean_step": {"t_data": 0.01, "t_step": 0.2}}]  # fmt: skip
+    log = "hpcdl: loader: 2 worker(s) per rank, 4 batch slots (auto), files decoded in the rank"
+    alone, fed = rows_of(compute, metrics, log, 2, "H200")
+    assert fed["model"] == alone["model"] == "hpcdl resnet50 --gpu-kernels"
+    rows = [fed, {**fed, "loader": "dataloader", "decode": "cpu", "workers": 8,
+                  "model": "resnet50", "images_per_s": 1800.0}]  # fmt: skip
+    line = script("gpu_check_goals").end_to_end_goal(rows, {"input": "0 100"})
+    assert "hpcdl.train --gpu-kernels 900 vs DataLoader at 8 workers 1800" in line.figure, line
+
+
 def test_the_gpu_checks_train_row_times_the_steps_after_six_as_the_input_rows_do():
     """With step records (--metrics-every 1), the hpcdl.train row's rate is that of the steps
     after the first 6, across the epoch boundary, as `bench input` times its rows (50 steps
