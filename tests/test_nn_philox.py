@@ -122,6 +122,9 @@ def test_fed_keys_drawn_before_each_replay_give_the_plain_steps_masks_and_genera
     (plain, _), (fed, _) = philox_model(monkeypatch), philox_model(monkeypatch)
     x = np.random.default_rng(0).standard_normal((5, 2, 4, 8)).astype(np.float32)
     keys, state = KeyFeed(), fed.get_rng_state()
+    with keys.recording(), pytest.raises(RuntimeError, match="not made before the capture"):
+        fed.body.forward(x, train=True)  # keys are made before, outside the graph's pool
+    KeyFeed.make_keys([fed.body.layers[1]], np)  # as StepGraph does before its capture
     with keys.recording():  # the capture
         fed.body.forward(x, train=True)
     assert keys.layers == [fed.body.layers[1]] and fed.get_rng_state() == state

@@ -87,6 +87,29 @@ def test_philox_dropout_is_captured_its_keys_drawn_before_each_replay(monkeypatc
     assert log.count("launch g0") == 2
 
 
+def test_dropout_keys_are_made_before_the_graphs_pool_is_the_allocator(monkeypatch):
+    """A key the host writes before each replay must not be a block of the graph's own pool:
+    one allocated during the capture may be a block an earlier kernel of the same graph used
+    for a temporary, which each replay writes over before the dropout reads its key. cnn's
+    first graph step differed from the plain one's on the H200 (2026-11-29, its loss 2.325269
+    against 2.327039) depending on what the process had allocated before."""
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    seen = []
+
+    class Watching(RecordingStream):
+        @contextlib.contextmanager
+        def capturing(self):
+            seen.append([getattr(layer, "fed_key", None) is not None for layer in dropouts])
+            yield
+
+    parts = parts_of("cnn", graph=StepGraph(make_stream=lambda xp: Watching([])))
+    dropouts = [layer for layer in parts.model.body.layers if isinstance(layer, nn.Dropout)]
+    assert parts.graph.takes(parts, batch()[0])
+    assert seen == [[True, True, True]]  # every key there before the graph's pool was
+    assert all(layer in parts.graph._keys.layers for layer in dropouts)
+
+
 def test_a_failed_capture_falls_back_to_plain_steps_said_once(monkeypatch, capsys):
     """Pretend the batch is on a GPU: the capture cannot work on NumPy arrays and fails."""
     monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)

@@ -205,6 +205,7 @@ class StepGraph:
             self._static = (images.copy(), xp.zeros(images.shape[:1], xp.int64))
             self._stream = self._make_stream(xp)
             self._lr = _captured_lr(parts.optimizer, xp)  # before capturing: not the graph's pool
+            KeyFeed.make_keys(_dropouts(parts.model), xp)  # nor the dropout keys
             self._stream.follows_caller()
             with self._stream.capturing():
                 # warm-up (workspaces, plans, the segments): its gradients are never handed to

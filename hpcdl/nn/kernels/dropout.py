@@ -11,14 +11,15 @@ Backward multiplies by the kept mask, as the reference does.
 NOTE [dropout keys in a graph]
 A captured step cannot draw on the host, and a mask's key baked into a graph would repeat
 every replay. So while a step is captured (KeyFeed.recording), each dropout layer's kernel
-reads its key from a 2-word device array of the layer's (`fed_key`, allocated without a
-kernel, so the graph holds no write to it) and draws nothing; the feed notes the layers in
-the order the forward reached them. Before each replay the step graph calls KeyFeed.draw(),
-which draws each layer's seed from its generator on the host in that order, as a plain step's
-forward would, and copies it into the layer's key on the caller's stream, which the replay
-follows. The generators' states, the masks and so the steps are the plain steps', bitwise.
-A dropout the kernel does not take (a non-contiguous input) cannot be fed: its capture
-raises, and the step runs plainly.
+reads its key from a 2-word device array of the layer's (`fed_key`, made before the capture
+with the caller's allocator, not the graph's pool, and without a kernel, so the graph holds no
+write to it and no temporary of the graph shares its memory) and draws nothing; the feed
+notes the layers in the order the forward reached them. Before each replay the step graph
+calls KeyFeed.draw(), which draws each layer's seed from its generator on the host in that
+order, as a plain step's forward would, and copies it into the layer's key on the caller's
+stream, which the replay follows. The generators' states, the masks and so the steps are the
+plain steps', bitwise. A dropout the kernel does not take (a non-contiguous input) cannot be
+fed: its capture raises, and the step runs plainly.
 """
 
 from __future__ import annotations
@@ -73,10 +74,20 @@ class KeyFeed:
         finally:
             _FEED = None
 
+    @staticmethod
+    def make_keys(layers: list[Any], xp: Any) -> None:
+        """Each layer's fed key, made once and before a capture, outside the graph's memory
+        pool: a block allocated during the capture may be one an earlier kernel of the same
+        graph used for a temporary, which each replay would write over after the host had
+        written the key (cnn's graph and plain steps differed so on the H200, 2026-11-29)."""
+        for layer in layers:
+            if getattr(layer, "fed_key", None) is None:
+                layer.fed_key = xp.empty(2, np.uint32)
+
     def note(self, layer: Any, xp: Any) -> Any:
-        """The layer's fed key (made once, with no kernel), the layer noted."""
+        """The layer's fed key (make_keys made it), the layer noted."""
         if getattr(layer, "fed_key", None) is None:
-            layer.fed_key = xp.empty(2, np.uint32)
+            raise RuntimeError("a dropout layer's key was not made before the capture")
         self.layers.append(layer)
         return layer.fed_key
 
