@@ -121,7 +121,7 @@ class CudnnBatchNorm:
         work = layer._work
         plan = self.cache.get(self.keys(layer, dy.shape)["bn_backward"])
         xs = cudnn_graphs.in_dtype(work, "cudnn_x", work.held("cudnn_x"), plan.io, xp)
-        dys = cudnn_graphs.operand(layer._work, "cudnn_dy", dy, plan.io, xp)
+        dys = cudnn_graphs.operand(work, "cudnn_dy", dy, plan.io, xp)
         dx = xp.empty(dy.shape, dtype=plan.io)
         arrays = {
             "dy": dys,
@@ -230,7 +230,7 @@ class CudnnBatchNormRelu(CudnnBatchNorm):
         rt, xp, work = cudnn_graphs.runtime(), array_module(dy), layer._work
         plan = self._plan(layer, dy, "backward")
         arrays = {
-            "dz": cudnn_graphs.operand(layer._work, "cudnn_dy", dy, plan.io, xp),
+            "dz": cudnn_graphs.operand(work, "cudnn_dy", dy, plan.io, xp),
             "x": work.held("cudnn_x"),
             "scale": layer.p["gamma"],
             "mean": work.last("cudnn_mean"),
