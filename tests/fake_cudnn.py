@@ -22,7 +22,12 @@ that a CPU test fails where a GPU run would:
 - a numeric-note filter (deselect_numeric_notes) before create_execution_plans or after
   check_support, or of notes that are not cudnn.numerical_note members;
 - the build steps out of order, executing an unbuilt graph, a workspace smaller than asked,
-  a handle that create_handle did not make.
+  a handle that create_handle did not make;
+- engines, as frontend 1.32's ranked plan list (`Module(engines=...)`, each an Engine with a
+  name, numerical notes, workspace, whether it builds and its time): an index out of range
+  (IndexError), one a note filter left out (ValueError, as its _reject_if_barred), one that
+  does not build (cudnnGraphNotSupportedError), executing an engine not built; a graph whose
+  every engine a note filter left out finds no engine at check_support.
 Where frontend 1.32 finds a fault only when it lowers the graph to the backend (types, missing
 attributes), the stand-in refuses at the call, with the kind of error the lowering raises.
 It is stricter than the real one where a fault would pass silently: a pack keyed by another
@@ -81,6 +86,15 @@ _HOST_SCALARS = {data_type.FLOAT: ctypes.c_float, data_type.INT64: ctypes.c_int6
 _POINTWISE = ("add", "relu", "relu_backward", "cmp_gt", "scale")
 _ATTRIBUTES = ("padding", "stride", "dilation")  # a convolution's, among its inputs
 _BUILD_ORDER = ("validate", "operation_graph", "plans", "support", "build")
+
+
+class Engine:
+    """One entry of a graph's ranked engine list: its name, the numerical notes cuDNN gives it,
+    its workspace bytes, whether it builds, and how long a run takes (the stand-in's timer)."""
+
+    def __init__(self, name="engine0", notes=(), workspace=64, builds=True, ms=1.0):
+        self.name, self.notes, self.workspace = name, frozenset(notes), workspace
+        self.builds, self.ms = builds, ms
 
 
 class Handle:
@@ -143,8 +157,11 @@ class Module:
     Handle, cudnnGraphNotSupportedError = Handle, cudnnGraphNotSupportedError
     data_type, heur_mode, numerical_note = data_type, heur_mode, numerical_note
 
-    def __init__(self, refuse=lambda op, dims, dtype: False):
+    def __init__(self, refuse=lambda op, dims, dtype: False, engines=None):
         self.refuse, self.graphs, self.executions = refuse, [], 0
+        self.engines = list(engines or [Engine()])  # each graph's ranked list (heuristics)
+        self.runs: list[str] = []  # the engine of each execute, by name
+        self.capturing = False  # what Runtime.capturing reads: a CUDA graph capture under way
         self.memory: dict[int, np.ndarray] = {}  # address -> the array there ("device" memory)
         self.streams: list[int] = []  # the handle's stream at each execute
 
@@ -176,6 +193,11 @@ class Module:
 
     def backend_version(self):
         return 91900
+
+    def timer(self, run) -> float:
+        """Runtime.timer on the stand-in: run(), and the time of the engine it ran."""
+        run()
+        return next(e.ms for e in self.engines if e.name == self.runs[-1])
 
     def pointer(self, array) -> int:
         """Put a C-contiguous NumPy array on the stand-in's device: its address."""
@@ -229,6 +251,9 @@ class Graph:
     def __init__(self, module, options):
         self.module, self.options, self.ops, self.built = module, options, [], []
         self.inputs: list[Tensor] = []
+        self.barred: set[int] = set()  # engines a note filter left out
+        self.engines_built: set[int] = set()
+        self.selected: int | None = None  # the engine execute() runs
 
     def tensor(self, dim, stride=None, data_type=None, is_virtual=False,  # noqa: A002
                is_pass_by_value=False, ragged_offset=None, reordering_type=None,
@@ -387,32 +412,88 @@ class Graph:
             raise TypeError(f"deselect_numeric_notes takes a list, got {type(notes).__name__}")
         names = tuple(_enum(n, numerical_note, "deselect_numeric_notes").value for n in notes)
         self.built[-1] = (*self.built[-1], ("deselect", names))
+        self.barred |= {i for i, e in enumerate(self.module.engines) if e.notes & set(names)}
         return self
 
     def check_support(self):
         self._step("support")
         for outs in self.ops:
             _support(self.module, outs[0])
+        if len(self.barred) == len(self.module.engines):
+            raise cudnnGraphNotSupportedError("No valid engine configs (every one deselected)")
         self.built.append("support")
 
-    def build_plans(self):
-        self._step("build")
-        self.built.append("build")
+    def get_execution_plan_count(self):
+        """The ranked list's length, deselected engines included (their indices stay); an
+        unplanned graph has none."""
+        return len(self.module.engines) if len(self.built) >= 3 else 0
+
+    def get_plan_name_at_index(self, index):
+        return self.module.engines[self._index(index)].name
+
+    def build_plan_at_index(self, index):
+        """Build the engine at index and select it (execute() runs it)."""
+        if "support" not in self.built:
+            raise RuntimeError(f"build_plan_at_index before check_support; at {self.built}")
+        engine = self.module.engines[self._index(index)]
+        if not engine.builds:
+            raise cudnnGraphNotSupportedError(f"{engine.name} does not build for this graph")
+        self.engines_built.add(index)
+        self.selected = index
+        if "build" not in self.built:
+            self.built.append("build")
+        return self
+
+    def build_plans(self, *, ctx=None):
+        """The frontend's walk: select the first engine that builds, or raise why none does."""
+        if "build" not in self.built:
+            self._step("build")
+        for index in range(len(self.module.engines)):
+            try:
+                return self.build_plan_at_index(index)
+            except (ValueError, cudnnGraphNotSupportedError):
+                continue
+        raise cudnnGraphNotSupportedError("no plan in the list could be built")
+
+    def _index(self, index, built=False):
+        """index into the ranked list: in range, not deselected, and built where it must be."""
+        if type(index) is not int or not 0 <= index < len(self.module.engines):
+            raise IndexError(f"plan index {index!r} out of range for "
+                             f"{len(self.module.engines)} plan(s)")  # fmt: skip
+        if index in self.barred:
+            raise ValueError(f"plan {index} is excluded by a note filter")
+        if built and index not in self.engines_built:
+            raise RuntimeError(f"plan {index} is not built")
+        return index
 
     def get_workspace_size(self, handle=None):
-        return 64
+        if self.selected is None:
+            raise RuntimeError("Call build() first")
+        return self.module.engines[self.selected].workspace
+
+    def get_workspace_size_plan_at_index(self, index, handle=None):
+        return self.module.engines[self._index(index)].workspace
 
     def execute(self, tensor_dict, workspace=None, handle=None):
-        if "build" not in self.built:
+        if "build" not in self.built or self.selected is None:
             raise RuntimeError("execute before build_plans")
+        self._run(tensor_dict, workspace, handle, self.selected)
+
+    def execute_plan_at_index(self, tensor_dict, workspace=None, index=0, handle=None):
+        self._run(tensor_dict, workspace, handle, self._index(index, built=True))
+
+    def _run(self, tensor_dict, workspace, handle, index):
         if not isinstance(handle, Handle):
             raise TypeError(f"execute handle: expected a cudnn handle, got {type(handle).__name__}")
         values = self._pointers(tensor_dict)
+        engine = self.module.engines[index]
         space = self.module.memory.get(workspace) if type(workspace) is int else None
-        if space is None or space.nbytes < self.get_workspace_size():
-            raise ValueError(f"workspace: {workspace!r} is no device buffer of >= 64 bytes")
+        if space is None or space.nbytes < engine.workspace:
+            raise ValueError(f"workspace: {workspace!r} is no device buffer of >= "
+                             f"{engine.workspace} bytes ({engine.name})")  # fmt: skip
         self.module.executions += 1
         self.module.streams.append(handle.stream)
+        self.module.runs.append(engine.name)
         virtual = {}  # an op's results that the next ops read (no memory of their own)
         for outs in self.ops:
             args = {k: (_operand(t, values, virtual) if isinstance(t, Tensor) else t)
@@ -618,7 +699,12 @@ def install(monkeypatch, module: Module, stream: int = 1, batch_norm: bool = Tru
     from hpcdl.nn.kernels import batchnorm, conv, cudnn_graphs  # noqa: PLC0415
 
     runtime = cudnn_graphs.Runtime(
-        module, pointer=module.pointer, is_device=lambda a: True, stream=lambda: stream
+        module,
+        pointer=module.pointer,
+        is_device=lambda a: True,
+        stream=lambda: stream,
+        capturing=lambda: module.capturing,
+        timer=module.timer,
     )
     monkeypatch.setattr(cudnn_graphs, "_RUNTIME", runtime)
     monkeypatch.setattr(cudnn_graphs, "_LOADED", True)

@@ -43,6 +43,19 @@ torch.backends.cudnn.deterministic), so a step's bits repeat: a CUDA graph repla
 step, two runs, a resumed run. Off by default, as in PyTorch: the engines left out may be the
 fastest, and no recorded GPU run has timed the difference yet. hpcdl's own kernels, cuBLAS on
 its fixed workspace (NOTE [capturable GEMM]) and CuPy's reductions repeat their bits either way.
+
+NOTE [engine autotuning]
+A cuDNN plan runs the first engine of cuDNN's heuristics (mode A, then FALLBACK) that builds,
+as PyTorch does with torch.backends.cudnn.benchmark off. HPCDL_CUDNN_AUTOTUNE=K (`set_autotune`;
+PyTorch's benchmark mode) builds the first K engines that build for each convolution plan and,
+the first time the plan runs outside a CUDA graph capture (the step graph's warm-up is such a
+run), times each on the real arrays with CUDA events (the best of 3 runs) and keeps the fastest
+(cudnn_graphs.Runtime.tune). Only convolutions: their outputs are overwritten and their inputs
+only read, so running one several times changes nothing; BatchNorm's training graph updates the
+running statistics in place. An engine needing more than TUNE_WORKSPACE_BYTES of workspace is
+not timed. The choice depends on timings, so two runs may choose other engines and differ in
+their low bits, as with PyTorch's benchmark mode; with HPCDL_DETERMINISTIC the engines timed are
+the deterministic ones. Off by default until a recorded GPU run shows what it buys.
 """
 
 from __future__ import annotations
@@ -56,11 +69,13 @@ FAMILIES = ("conv", "batchnorm", "pool", "dropout", "optimizer")
 ENV = "HPCDL_GPU_KERNELS"
 TF32_ENV = "HPCDL_TF32"
 DETERMINISTIC_ENV = "HPCDL_DETERMINISTIC"
+AUTOTUNE_ENV = "HPCDL_CUDNN_AUTOTUNE"
 
 _enabled = os.environ.get(ENV, "") not in ("", "0")
 _tf32 = os.environ.get(TF32_ENV, "") not in ("", "0")
 _deterministic = os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0")
 _said: set[str] = set()
+_autotune: int | None = None  # engines timed per convolution plan; None: not read from ENV yet
 
 
 class Kernel(Protocol):
@@ -104,6 +119,28 @@ def make_deterministic(on: bool) -> None:
 def deterministic() -> bool:
     """Whether cuDNN plans leave out engines cuDNN notes as NONDETERMINISTIC."""
     return _deterministic
+
+
+def set_autotune(engines: int) -> None:
+    """Time the first `engines` engines of each convolution plan and keep the fastest (NOTE
+    [engine autotuning]); 0 or 1: the heuristics' first. Set it before the first plan is built."""
+    global _autotune
+    _autotune = max(0, int(engines))
+
+
+def autotune() -> int:
+    """Engines timed per convolution plan (NOTE [engine autotuning]); 0 or 1: none timed. Read
+    from HPCDL_CUDNN_AUTOTUNE once; a value that is no count is said once and taken as 0."""
+    global _autotune
+    if _autotune is None:
+        raw = os.environ.get(AUTOTUNE_ENV, "").strip()
+        try:
+            _autotune = max(0, int(raw or 0))
+        except ValueError:
+            _autotune = 0
+            say_once(AUTOTUNE_ENV, f"{AUTOTUNE_ENV}={raw!r} is no count of engines to time "
+                     "(e.g. 8); cuDNN's heuristics choose")  # fmt: skip
+    return _autotune
 
 
 def candidates(family: str) -> list[Any]:

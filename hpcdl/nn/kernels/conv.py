@@ -114,7 +114,7 @@ class CudnnConv:
             t = tensors(("x", x), ("dy", y))
             t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
             rt.output(t["dw"], w, cudnn_graphs.sums_dtype(io))  # summed and kept in float32/64
-        return rt.finish(g, t, io)
+        return rt.finish(g, t, io, tune=True)
 
 
 def _krsc_shape(layer: Any) -> tuple[int, int, int, int]:

@@ -18,8 +18,12 @@ NOTE [cuDNN graphs]
   (C_out, kh, kw, C_in), so a kernel copies the weights into a KRSC workspace per forward
   and transposes the weight gradient back into the flat gradient buffer.
 - Plans: building one (validate, operation graph, heuristics A then FALLBACK, support check,
-  plans) costs milliseconds, so each is built once per PlanKey (operation, shapes, dtypes,
-  padding, stride) and cached per process. A key cuDNN refuses (cudnnGraphNotSupportedError or
+  an engine) costs milliseconds, so each is built once per PlanKey (operation, shapes, dtypes,
+  padding, stride) and cached per process. The engine is the first of the heuristics' ranked
+  list that builds (build_plan_at_index over the list, the frontend's own walk, which
+  build_plans() does too, but naming the engine: Plan.name); with HPCDL_CUDNN_AUTOTUNE=K a
+  convolution's first K are built and timed at its first run (NOTE [engine autotuning] in
+  hpcdl/nn/kernels/__init__.py). A key cuDNN refuses (cudnnGraphNotSupportedError or
   any error while building) is remembered as refused. In bf16/fp16 that op alone then runs the
   same op's float32 plan (its half inputs copied to float32, exact; the H100 had no bf16 plan
   for resnet50's 7x7 stem weight gradient over 3 channels); with none in float32 either the
@@ -59,6 +63,8 @@ ALIGNMENT = 16
 _DATA_TYPES = {"float32": "FLOAT", "float64": "DOUBLE", "float16": "HALF", "bfloat16": "BFLOAT16"}
 # a tensor's dtype: a bitmask, cuDNN's BOOLEAN (eight elements to a byte; a uint8 array holds it)
 BITMASK = "bitmask"
+# the most workspace an engine may ask for and still be timed (NOTE [engine autotuning])
+TUNE_WORKSPACE_BYTES = 512 << 20
 
 
 def nhwc(shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -88,6 +94,7 @@ class PlanKey:
     stride: tuple[int, int] = (1, 1)
     tf32: bool = False  # a float32 plan that may run TF32 engines (--tf32; PlanCache sets it)
     deterministic: bool = False  # without nondeterministic engines (PlanCache sets it)
+    autotune: int = 0  # engines timed for a convolution (HPCDL_CUDNN_AUTOTUNE; PlanCache sets it)
 
 
 @dataclass
@@ -99,6 +106,10 @@ class Plan:
     workspace_bytes: int
     by_value: frozenset[str] = frozenset()  # host scalars: their pack value is a host address
     io: np.dtype = np.dtype(np.float32)  # the I/O dtype it was built for (PlanCache sets it)
+    index: int = 0  # the engine it runs: its place in the heuristics' ranked list (-1: unknown)
+    name: str = ""  # that engine's name, as cuDNN gives it
+    untimed: tuple[int, ...] = ()  # engines built and not yet timed (autotune), index first
+    timed_ms: dict[int, float] = field(default_factory=dict)  # autotune: engine -> best ms
 
 
 def device_pointer(array: Any) -> int:
@@ -124,6 +135,25 @@ def current_stream() -> int:
     return int(cupy.cuda.get_current_stream().ptr)
 
 
+def stream_capturing() -> bool:
+    """Whether CuPy's current stream is capturing a CUDA graph (nothing may be timed then)."""
+    import cupy  # noqa: PLC0415 - only on the device path
+
+    return bool(cupy.cuda.get_current_stream().is_capturing())
+
+
+def cuda_ms(run: Callable[[], None]) -> float:
+    """Milliseconds of device time run() takes on CuPy's current stream (CUDA events)."""
+    import cupy  # noqa: PLC0415 - only on the device path
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    run()
+    stop.record()
+    stop.synchronize()
+    return float(cupy.cuda.get_elapsed_time(start, stop))
+
+
 @dataclass
 class Runtime:
     """The cuDNN module, its handle and how arrays become pointers. The default is CuPy's;
@@ -133,6 +163,8 @@ class Runtime:
     pointer: Callable[[Any], int] = device_pointer  # device tensors; scalars: host_address
     is_device: Callable[[Any], bool] = is_device_array
     stream: Callable[[], int] = current_stream
+    capturing: Callable[[], bool] = stream_capturing
+    timer: Callable[[Callable[[], None]], float] = cuda_ms  # ms a run takes (autotune)
     handle: Any = None
     work: Workspaces = field(default_factory=Workspaces)
 
@@ -175,13 +207,19 @@ class Runtime:
         tensor.set_output(True).set_dim(dim).set_stride(stride).set_data_type(self.data_type(dtype))
 
     def finish(
-        self, graph: Any, tensors: dict[str, Any], io_dtype: Any, by_value: tuple[str, ...] = ()
+        self,
+        graph: Any,
+        tensors: dict[str, Any],
+        io_dtype: Any,
+        by_value: tuple[str, ...] = (),
+        tune: bool = False,
     ) -> Plan:
-        """Validate and build the plans of a graph described with io_dtype (the frontend's
+        """Validate a graph described with io_dtype and build its engine (the frontend's
         sequence); a float32 graph without --tf32 leaves out the engines cuDNN notes as
         running on tensor cores (TF32, NOTE [TF32]), and with HPCDL_DETERMINISTIC any graph
         those it notes as nondeterministic (NOTE [deterministic engines]); by_value names the
-        tensors of scalar()."""
+        tensors of scalar(); tune: a graph that may run several times on the same arrays
+        (a convolution), whose first autotune() engines are built to be timed."""
         graph.validate()
         graph.build_operation_graph()
         graph.create_execution_plans([self.cudnn.heur_mode.A, self.cudnn.heur_mode.FALLBACK])
@@ -193,8 +231,32 @@ class Runtime:
         if notes:
             graph.deselect_numeric_notes(notes)
         graph.check_support()
-        graph.build_plans()
-        return Plan(graph, tensors, int(graph.get_workspace_size()), frozenset(by_value))
+        built = self._build_engines(graph, max(1, kernels.autotune()) if tune else 1)
+        plan = Plan(graph, tensors, int(graph.get_workspace_size()), frozenset(by_value))
+        plan.index, plan.name = built[0], engine_name(graph, built[0])
+        plan.untimed = tuple(built) if len(built) > 1 else ()
+        return plan
+
+    @staticmethod
+    def _build_engines(graph: Any, want: int) -> list[int]:
+        """Build the first `want` engines of the graph's ranked list that build, and select the
+        first (its index leads the list). Where none builds, build_plans() raises cuDNN's
+        reason (the frontend's own walk over the same list)."""
+        built: list[int] = []
+        for index in range(int(graph.get_execution_plan_count())):
+            try:
+                graph.build_plan_at_index(index)
+            except Exception:  # noqa: BLE001 - left out by a note, or declined: the next
+                continue
+            built.append(index)
+            if len(built) == want:
+                break
+        if not built:  # the frontend's own walk: cuDNN's reason, or its choice (index unknown)
+            graph.build_plans()
+            return [-1]
+        if len(built) > 1:
+            graph.build_plan_at_index(built[0])  # built: this only selects it
+        return built
 
     def run(self, plan: Plan, arrays: dict[str, Any], xp: Any) -> None:
         """Execute plan with arrays by tensor name on the current stream: device arrays as
@@ -215,12 +277,48 @@ class Runtime:
                     staged[address] = (a, copy)
                 address = self.pointer(staged[address][1])
             pack[plan.tensors[name]] = address
+        self.cudnn.set_stream(handle=self.handle, stream=self.stream())
+        if plan.untimed and not self.capturing():
+            self.tune(plan, pack, xp)
         size = max(plan.workspace_bytes, 1)
         workspace = self.work.at_least("cudnn_workspace", (size,), np.uint8, xp)
-        self.cudnn.set_stream(handle=self.handle, stream=self.stream())
         plan.graph.execute(pack, self.pointer(workspace), handle=self.handle)
         for a, copy in staged.values():  # outputs back where they belong (inputs: unchanged)
             a[...] = copy
+
+    def tune(self, plan: Plan, pack: dict[Any, int], xp: Any) -> None:
+        """Time the plan's built engines on pack's arrays and select the fastest (NOTE [engine
+        autotuning]): each run once, then the best of 3 by the timer; an engine that fails to
+        run, or needs over TUNE_WORKSPACE_BYTES of workspace, is not chosen. The workspace for
+        the timing is a temporary of the largest engine timed."""
+        graph, untimed, plan.untimed = plan.graph, plan.untimed, ()
+        need = {i: int(graph.get_workspace_size_plan_at_index(i)) for i in untimed}
+        timed = [i for i in untimed if need[i] <= TUNE_WORKSPACE_BYTES]
+        space = xp.empty(max([need[i] for i in timed] + [1]), dtype=np.uint8)
+        address = self.pointer(space)
+        for index in timed:
+
+            def once(index: int = index) -> None:
+                graph.execute_plan_at_index(pack, address, index, handle=self.handle)
+
+            try:
+                once()
+                plan.timed_ms[index] = min(self.timer(once) for _ in range(3))
+            except Exception:  # noqa: BLE001 - an engine that does not run is not chosen
+                continue
+        if not plan.timed_ms:
+            return
+        best = min(plan.timed_ms, key=plan.timed_ms.__getitem__)
+        graph.build_plan_at_index(best)  # built: this selects it
+        plan.index, plan.name, plan.workspace_bytes = best, engine_name(graph, best), need[best]
+
+
+def engine_name(graph: Any, index: int) -> str:
+    """The name cuDNN gives the engine at index of graph's ranked list ("" where it gives none)."""
+    try:
+        return str(graph.get_plan_name_at_index(index))
+    except Exception:  # noqa: BLE001 - a name is for reports: none is no failure
+        return ""
 
 
 class PlanCache:
@@ -272,13 +370,14 @@ class PlanCache:
 
 def _as_built(key: PlanKey) -> PlanKey:
     """key as it is built now: a float32 plan with --tf32 is another plan (NOTE [TF32]), and
-    so is a deterministic one (NOTE [deterministic engines]). Called per op and step: with
-    neither, the key is returned as it is, no copy."""
+    so is a deterministic one (NOTE [deterministic engines]) and one autotuned otherwise (NOTE
+    [engine autotuning]). Called per op and step: with none changed, the key is returned as it
+    is, no copy."""
     tf32 = key.io == "float32" and kernels.tf32()
-    deterministic = kernels.deterministic()
-    if key.tf32 == tf32 and key.deterministic == deterministic:
+    deterministic, autotune = kernels.deterministic(), kernels.autotune()
+    if key.tf32 == tf32 and key.deterministic == deterministic and key.autotune == autotune:
         return key
-    return replace(key, tf32=tf32, deterministic=deterministic)
+    return replace(key, tf32=tf32, deterministic=deterministic, autotune=autotune)
 
 
 def in_dtype(work: Workspaces, name: str, array: Any, dtype: Any, xp: Any) -> Any:
