@@ -88,9 +88,24 @@ def _state(status: dict, phase: str) -> str:
     return "skipped for time" if rc == "skipped" else f"exit {rc}"
 
 
+def _tuned(r: dict) -> bool:
+    """A row with cuDNN's engines timed in both frameworks (HPCDL_CUDNN_AUTOTUNE): no goal's."""
+    return (r.get("cudnn_autotune") or 0) > 1
+
+
 def _row_name(r: dict) -> str:
     return (f"{r['model']} {r['precision']}" + (" gk" if r.get("gpu_kernels") else "")
-            + (" tf32" if r.get("tf32") else ""))  # fmt: skip
+            + (" tf32" if r.get("tf32") else "") + (" tuned" if _tuned(r) else ""))  # fmt: skip
+
+
+def _tuned_figure(r: dict) -> str:
+    """A tuned row's ratio and what timing changed in hpcdl's plans (cudnn_plans)."""
+    figure = f"{_row_name(r)} {r['ratio']:.2f}" if r.get("ratio") else _row_name(r)
+    plans = r.get("cudnn_plans") or {}
+    if plans.get("timed"):
+        figure += (f" ({plans['changed']} of {plans['timed']} timed plans changed, "
+                   f"{plans['first_ms']:.2f} -> {plans['chosen_ms']:.2f} ms)")  # fmt: skip
+    return figure
 
 
 def _worst(pairs: list[tuple[float, str]], goal: float, above: bool = True) -> tuple[str, str]:
@@ -129,7 +144,7 @@ def _goal_rows(rows: list[dict], status: dict, wanted: list[tuple[str, str, bool
         batch, side = COMPUTE_ROWS[model]
         name = f"{model} {precision}" + (" gk" if gk else "")
         mine = [r for r in rows if (r["model"], r["precision"], bool(r.get("gpu_kernels")))
-                == (model, precision, gk) and not r.get("tf32")]  # fmt: skip
+                == (model, precision, gk) and not r.get("tf32") and not _tuned(r)]  # fmt: skip
         right = [r for r in mine if r.get("batch_size", batch) == batch
                  and (side is None or r.get("input_shape", [side])[-1] == side)]  # fmt: skip
         if right:
@@ -183,6 +198,12 @@ def compute_goals(rows: list[dict], status: dict) -> list[Goal]:
                        if k.startswith("compute-gk-tf32-") and status[k][0] != "0"]  # fmt: skip
         goals.append(Goal("compute --tf32 (no goal: what TF32 buys), ratio", "info",
                           ", ".join(tf32 + tf32_states) or "no row"))  # fmt: skip
+    tuned = [_tuned_figure(r) for r in rows if _tuned(r)]
+    tuned_states = [f"{k.removeprefix('compute-gk-tuned-')} {_state(status, k)}" for k in status
+                    if k.startswith("compute-gk-tuned-") and status[k][0] != "0"]  # fmt: skip
+    if tuned or tuned_states:
+        goals.append(Goal("compute autotuned (engines timed in both; no goal), ratio", "info",
+                          "; ".join(tuned + tuned_states)))  # fmt: skip
     return goals
 
 

@@ -127,7 +127,8 @@ def compute_section(raw: Path, out: Path) -> tuple[list[str], dict]:
             f"MiB {row.get('hpcdl_peak_mib') or 0:7.0f} / {row.get('torch_peak_mib') or 0:7.0f}"
         )
     (out / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    by_name = {(r["model"], r["precision"]): r for r in rows if not r.get("tf32")}
+    by_name = {(r["model"], r["precision"]): r for r in rows
+               if not r.get("tf32") and (r.get("cudnn_autotune") or 0) <= 1}  # fmt: skip
     return lines, by_name
 
 

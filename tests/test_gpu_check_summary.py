@@ -343,3 +343,22 @@ def test_a_case_two_pytest_phases_ran_counts_once(tmp_path):
     (raw / "tests-goals.xml").write_text(junit(again))
     float64 = goal(summarize(raw, out, parts), "correctness: float64")
     assert float64.startswith("MISS") and "of 4 cases" in float64, float64
+
+
+def test_autotuned_rows_count_toward_no_goal_and_get_their_own_line(tmp_path):
+    """HPCDL_CUDNN_AUTOTUNE rows (engines timed in both frameworks, NOTE [engine autotuning]):
+    a line of their own with hpcdl's per-step saving over the heuristics' engines; the goal
+    rows stay the untuned ones."""
+    raw, out, parts = gpu_run(tmp_path)
+    plans = {"plans": 159, "engines": {"eng0": 100}, "timed": 106, "changed": 40,
+             "first_ms": 21.5, "chosen_ms": 17.25}  # fmt: skip
+    tuned = {**compute_row("resnet50", "bf16", True, ratio=1.3), "cudnn_autotune": 8,
+             "cudnn_plans": plans}  # fmt: skip
+    parts["compute"]["compute-gk-tuned-resnet50-bf16"] = tuned
+    parts["phases"]["compute-gk-tuned-resnet50-bf16"] = "0 30"
+    lines = summarize(raw, out, parts)
+    assert goal(lines, "compute: every ratio").startswith("met ")
+    assert "tuned" not in goal(lines, "compute: every ratio")
+    line = goal(lines, "compute autotuned")
+    assert line.startswith("info") and "resnet50 bf16 gk tuned 1.30" in line, line
+    assert "40 of 106 timed plans changed, 21.50 -> 17.25 ms" in line, line

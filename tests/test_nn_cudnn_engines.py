@@ -62,6 +62,8 @@ def test_a_plan_runs_the_first_engine_that_builds_and_no_filter_left_out(fake, m
     )
     assert {p.index for p in plans().values()} == {2}
     assert set(fake.runs) == {"ieee_a"} and not any(p.timed_ms for p in plans().values())
+    report = cudnn_graphs.plan_report(("conv",))
+    assert (report["plans"], report["engines"], report["timed"]) == (3, {"ieee_a": 3}, 0)
     monkeypatch.setattr(kernels, "_tf32", True)
     fake.runs.clear()
     conv_step()
@@ -86,6 +88,9 @@ def test_autotune_times_the_first_k_engines_that_build_and_keeps_the_fastest(fak
     fake.runs.clear()
     conv_step()
     assert fake.runs == ["ieee_b"] * 3  # tuned once per plan
+    report = cudnn_graphs.plan_report(("conv",))  # the untuned plans of the first step, too
+    assert report["engines"] == {"ieee_a": 3, "ieee_b": 3} and report["timed"] == 3
+    assert (report["changed"], report["first_ms"], report["chosen_ms"]) == (3, 9.0, 3.0)
     for got, want in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_array_equal(got, want)
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from hpcdl import backend, nn
 from hpcdl.comm import blas_threads
+from hpcdl.nn.kernels import cudnn_graphs
 from hpcdl.nn.step import StepParts, train_step
 from hpcdl.nn.step_graph import StepGraph
 
@@ -186,6 +187,8 @@ def torch_setup(args: argparse.Namespace) -> TorchSetup | None:
     from hpcdl.torch_engine.device import set_fp32_precision, use_channels_last  # noqa: PLC0415
 
     set_fp32_precision(tf32(args))  # hpcdl's float32 arithmetic (NOTE [TF32])
+    # HPCDL_CUDNN_AUTOTUNE times hpcdl's engines: PyTorch's benchmark mode times its own
+    torch.backends.cudnn.benchmark = nn.kernels.autotune() > 1
     device = "cuda" if args.device == "gpu" else "cpu"
     model = model.to(device).train()
     x = torch.randn(args.batch_size, *args.shape, device=device)
@@ -249,4 +252,8 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "tf32": tf32(args),  # both frameworks' float32: TF32, else IEEE
         "torch_channels_last": getattr(args, "torch_channels_last", None),  # None: no torch
+        # engines timed per convolution in both frameworks (NOTE [engine autotuning]), and
+        # what hpcdl's cuDNN plans run (None: no plan, e.g. without --gpu-kernels)
+        "cudnn_autotune": nn.kernels.autotune(),
+        "cudnn_plans": cudnn_graphs.plan_report() if args.device == "gpu" else None,
     }

@@ -313,6 +313,35 @@ class Runtime:
         plan.index, plan.name, plan.workspace_bytes = best, engine_name(graph, best), need[best]
 
 
+def plan_report(families: tuple[str, ...] = ("conv", "batchnorm")) -> dict[str, Any] | None:
+    """What the process's cuDNN plans run, for a --json result: plans per engine name, and
+    with autotuning (NOTE [engine autotuning]) how many plans were timed, how many chose
+    another engine than the heuristics' first, and the ms per run of every plan together,
+    heuristics' first against the chosen (each plan once; a plan runs once per step, so it is
+    a per-step saving). None where no plan was built."""
+    plans = [
+        plan
+        for family in families
+        for kernel in kernels.candidates(family)
+        for plan in getattr(getattr(kernel, "cache", None), "_plans", {}).values()
+    ]
+    if not plans:
+        return None
+    engines: dict[str, int] = {}
+    for plan in plans:
+        engines[plan.name or "?"] = engines.get(plan.name or "?", 0) + 1
+    timed = [p for p in plans if p.timed_ms]
+    first = [p.timed_ms[min(p.timed_ms)] for p in timed]  # the heuristics' first that was timed
+    return {
+        "plans": len(plans),
+        "engines": dict(sorted(engines.items(), key=lambda kv: -kv[1])),
+        "timed": len(timed),
+        "changed": sum(p.index != min(p.timed_ms) for p in timed),
+        "first_ms": round(sum(first), 3),
+        "chosen_ms": round(sum(p.timed_ms[p.index] for p in timed), 3),
+    }
+
+
 def engine_name(graph: Any, index: int) -> str:
     """The name cuDNN gives the engine at index of graph's ranked list ("" where it gives none)."""
     try:
