@@ -612,4 +612,13 @@ def test_a_model_with_gpu_kernels_matches_the_numpy_reference(model_name):
     finally:
         kernels.enable(False)
     np.testing.assert_allclose(cp.asnumpy(logits), logits_ref, rtol=1e-3, atol=1e-4)
-    np.testing.assert_allclose(cp.asnumpy(fast.grads), ref.grads, rtol=1e-2, atol=1e-4)
+    grads, off = cp.asnumpy(fast.grads), []
+    for name, shape, at in ref.layout():  # each parameter beyond the tolerance, named
+        a, b = (g[at : at + int(np.prod(shape))] for g in (grads, ref.grads))
+        bad = ~np.isclose(a, b, rtol=1e-2, atol=1e-4)
+        if bad.any():
+            off.append(f"{name}: {bad.sum()} of {bad.size}, up to {np.abs(a - b).max():.2e} "
+                       f"(largest |grad| {np.abs(b).max():.2e})")  # fmt: skip
+    # the H200 run of 2026-11-29 found resnet20's float32 weight gradients off in one layer:
+    # which engines cuDNN ran says whether it is theirs (Winograd, FFT) or the kernels'
+    assert not off, (off, cudnn_graphs.plan_report(each=True))

@@ -62,8 +62,10 @@ def test_a_plan_runs_the_first_engine_that_builds_and_no_filter_left_out(fake, m
     )
     assert {p.index for p in plans().values()} == {2}
     assert set(fake.runs) == {"ieee_a"} and not any(p.timed_ms for p in plans().values())
-    report = cudnn_graphs.plan_report(("conv",))
+    report = cudnn_graphs.plan_report(("conv",), each=True)
     assert (report["plans"], report["engines"], report["timed"]) == (3, {"ieee_a": 3}, 0)
+    assert sorted(line.split()[0] for line in report["each"]) == sorted(plans())
+    assert all(line.endswith(": ieee_a") for line in report["each"])
     monkeypatch.setattr(kernels, "_tf32", True)
     fake.runs.clear()
     conv_step()

@@ -313,26 +313,28 @@ class Runtime:
         plan.index, plan.name, plan.workspace_bytes = best, engine_name(graph, best), need[best]
 
 
-def plan_report(families: tuple[str, ...] = ("conv", "batchnorm")) -> dict[str, Any] | None:
+def plan_report(
+    families: tuple[str, ...] = ("conv", "batchnorm"), each: bool = False
+) -> dict[str, Any] | None:
     """What the process's cuDNN plans run, for a --json result: plans per engine name, and
     with autotuning (NOTE [engine autotuning]) how many plans were timed, how many chose
     another engine than the heuristics' first, and the ms per run of every plan together,
     heuristics' first against the chosen (each plan once; a plan runs once per step, so it is
-    a per-step saving). None where no plan was built."""
-    plans = [
-        plan
+    a per-step saving); each: also every plan's key and engine. None where no plan was built."""
+    plans = {
+        key: plan
         for family in families
         for kernel in kernels.candidates(family)
-        for plan in getattr(getattr(kernel, "cache", None), "_plans", {}).values()
-    ]
+        for key, plan in getattr(getattr(kernel, "cache", None), "_plans", {}).items()
+    }
     if not plans:
         return None
     engines: dict[str, int] = {}
-    for plan in plans:
+    for plan in plans.values():
         engines[plan.name or "?"] = engines.get(plan.name or "?", 0) + 1
-    timed = [p for p in plans if p.timed_ms]
+    timed = [p for p in plans.values() if p.timed_ms]
     first = [p.timed_ms[min(p.timed_ms)] for p in timed]  # the heuristics' first that was timed
-    return {
+    report = {
         "plans": len(plans),
         "engines": dict(sorted(engines.items(), key=lambda kv: -kv[1])),
         "timed": len(timed),
@@ -340,6 +342,9 @@ def plan_report(families: tuple[str, ...] = ("conv", "batchnorm")) -> dict[str, 
         "first_ms": round(sum(first), 3),
         "chosen_ms": round(sum(p.timed_ms[p.index] for p in timed), 3),
     }
+    if each:
+        report["each"] = [f"{k.op} {k.shapes} {k.io}: {p.name}" for k, p in plans.items()]
+    return report
 
 
 def engine_name(graph: Any, index: int) -> str:
