@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path in one run (docs/PERFORMANCE.md, "GPU"), written for one call of a lent GPU
 # machine, in the order of what issue 60's open goals need: install (the data made beside it),
-# the compute rows against PyTorch eager on the same GPU (plain and --gpu-kernels) and cnn's
-# per-layer profiles with each layer's device time, the input rows, issue 61's training row, the
-# GPU tests that goals name beside the seeded run; then, while time is left, the rest. Not part
+# the --gpu-kernels compute rows against PyTorch eager on the same GPU, where their steps' time
+# goes by CUDA kernel, the rows with cuDNN's engines timed, the input rows, issue 61's training
+# row, the GPU tests that goals name beside the seeded run; then, while time is left, the rest
+# (the plain rows first). Not part
 # of CI: CI has no GPU (it runs GPU_CHECK_DEVICE=cpu, tests/test_gpu_check_dry_run.py).
 #
 #   bash scripts/gpu-check.sh OUT
@@ -40,27 +41,27 @@
 #                         producer was skipped or failed), is skipped and said, never run to fail;
 #                         one that the deadline stops is said and recorded as skipped too.
 #
-# Device seconds per block (H100/H200: plain compute rows, CPU references, training, loader from
-# the 2026-11-26 runs' phases.txt; gk rows and the input rows estimated from the 2026-11-27
-# logs), against the budget: 530 s, the phases end by 520 s, the summary and the archive by
-# ~525 s: inside 9 minutes with 60 s to the 600 s limit.
+# Device seconds per block (H100/H200: the 2026-11-29 runs' phases.txt; the kernel profiles
+# and tuned rows estimated from the rows they repeat), against the budget: 530 s, the phases end
+# by 520 s, the summary and the archive by ~525 s: inside 9 minutes with 60 s to the 600 s limit.
 #   goal block (in this order)                    est.  cap     kept for the blocks after it
-#   install (wheels ~1), the environment's probe   15   120     -
+#   install (wheels ~2), the environment's probe   15   120     -
 #     (imports of CuPy and torch ~10); beside
-#     them the data (6,400 JPEGs of 500x375 ~5,
-#     digits and 800 small JPEGs ~4, 16 cores),
+#     them the data (6,400 JPEGs of 500x375 ~11,
+#     digits and 800 small JPEGs, 16 cores),
 #     waited for before the compute rows
-#   compute: 11 rows (plain 10-17 s, gk ~20)      185   30-45   285
-#   profiles: cnn fp32 plain and gk                30   40      255
+#   compute: 5 gk rows (14-22 s, resnet50 42)     112   30-45   380
+#   kernel profiles: cnn fp32, resnet50 bf16       60   30-45   320
+#   tuned gk rows: resnet50 bf16, cnn fp32         65   35-60   255
 #   input: rows at 8 workers ~45, at 15 ~35,
 #     GPU decode ~35, own step ~20, hpcdl.train
-#     --decode gpu (56 steps) ~40                  175   200     55
+#     --decode gpu (56 steps) ~40                 135   200     55
 #   issue 61: train --model torchvision:resnet50
-#     (56 steps; 150 took 23 s on the H200)        20    90     35
-#   goal tests ~30 (the float64 checks, graph =
+#     (56 steps; 28 s on the H200)                 28    90     35
+#   goal tests ~45 (the float64 checks, graph =
 #     plain: 3 files, -m gpu) | beside them the
-#     seeded cnn run on the GPU ~8, its CPU
-#     reference ~16, the stager's build ~20        35   100     0
+#     seeded cnn run on the GPU ~11, its CPU
+#     reference ~7, the stager's build ~9          45   100     0
 #   sum                                           460 of 520: 60 s (12 %) to spare
 # Not in the plan: hpcdl.train resnet50 at DataLoader's 8 workers (~45 s more than the budget
 # holds); the end-to-end goal's hpcdl.train row is the input block's (--decode gpu, 2 workers),
@@ -69,12 +70,13 @@
 # read it: a producer cut by a later block's reserve would fail all its consumers (as the data
 # phase after issue 61's row did). It is CPU work made before any timed row runs, so it
 # disturbs none.
-# Cut from the goal window (a goal needs none of them; they run after, while time is left, in
-# this order): gk resnet50 fp32 (no goal singles it out), issue 61's --decode gpu row,
-# resnet50's profiles (bf16 plain ~16 s, gk ~15), the other ~200 GPU tests (100 took 81 s)
-# beside resnet18's CPU reference (79 s), the MPI GPU tests, the other training runs, the
-# loader's rate, the --gpu-kernels run, and cnn and resnet50 fp32 with --tf32 in both
-# frameworks. Skipped ones are said, not failed.
+# Cut from the goal window (they run after, while time is left, in this order): the 6 plain
+# rows (~95 s: the plain path has not changed since the first lend's figures; a goal without
+# them reads n/a, not met), gk resnet50 fp32 (no goal singles it out), cnn's per-layer
+# profiles, issue 61's --decode gpu row, resnet50's profiles (bf16 plain ~16 s, gk ~15), the
+# other ~200 GPU tests (100 took 81 s) beside resnet18's CPU reference (79 s), the MPI GPU
+# tests, the other training runs, the loader's rate, the --gpu-kernels run, and cnn and
+# resnet50 fp32 with --tf32 in both frameworks. Skipped ones are said, not failed.
 set -uo pipefail
 # Folders named but empty: the device call did not carry them (name the folder in its `carry`;
 # scripts/gpu-check-carry.sh prints the call). A run without them would spend the lend on errors.
@@ -215,38 +217,46 @@ fi
 wait "$data"
 
 # -- compute first (issue 60: the open goals' order): the rows against PyTorch eager on the same
-# GPU, plain and with --gpu-kernels (compute.jsonl holds both, "gpu_kernels": false / true; the
-# gk rows are named compute-gk-*), then the per-layer profiles with each layer's device time
-# (CUDA events: profile.jsonl, the summary's profile lines), plain and --gpu-kernels: cnn fp32,
-# to find where its step with cuDNN graphs loses against the plain kernels, and (late, no goal
-# waits on it) resnet50 bf16, the row furthest from its goal.
+# GPU with --gpu-kernels (compute.jsonl; the gk rows are named compute-gk-*; the plain rows,
+# whose code no lend since the first has changed, after the goals), then where the gk step's
+# time goes by CUDA kernel in both frameworks (kprofile-*: `bench compute --kernel-profile`,
+# torch.profiler's CUPTI record of every kernel either launches; the summary's kernel lines),
+# then the gk rows with cuDNN's engines timed in both frameworks (compute-gk-tuned-*:
+# HPCDL_CUDNN_AUTOTUNE=8 and PyTorch's cudnn.benchmark; NOTE [engine autotuning]). The
+# per-layer profiles (each layer synchronised: profile.jsonl) run after the goals.
 echo "== compute: hpcdl vs PyTorch eager, same device, same run"
 if [ "$DEVICE" = gpu ]; then  # model batch shape steps cap precision kernels
-    ROWS=("cnn 256 3,32,32 30 30 fp32 plain" "cnn 256 3,32,32 30 30 fp32 gk"
-        "cnn 256 3,32,32 30 30 bf16 plain" "cnn 256 3,32,32 30 30 bf16 gk"
-        "resnet20 128 3,32,32 30 30 fp32 plain" "resnet20 128 3,32,32 30 30 fp32 gk"
-        "resnet20 128 3,32,32 30 30 bf16 plain" "resnet20 128 3,32,32 30 30 bf16 gk"
-        "resnet50 64 3,224,224 8 45 bf16 plain" "resnet50 64 3,224,224 8 45 bf16 gk"
-        "resnet50 64 3,224,224 8 45 fp32 plain")
+    ROWS=("cnn 256 3,32,32 30 30 fp32 gk" "cnn 256 3,32,32 30 30 bf16 gk"
+        "resnet20 128 3,32,32 30 30 fp32 gk" "resnet20 128 3,32,32 30 30 bf16 gk"
+        "resnet50 64 3,224,224 8 45 bf16 gk")
+    KERNEL_PROFILES=("cnn 256 3,32,32 10 30 fp32" "resnet50 64 3,224,224 5 45 bf16")
+    TUNED_ROWS=("resnet50 64 3,224,224 8 60 bf16 gk" "cnn 256 3,32,32 30 35 fp32 gk")
+    PLAIN_ROWS=("cnn 256 3,32,32 30 30 fp32 plain" "cnn 256 3,32,32 30 30 bf16 plain"
+        "resnet20 128 3,32,32 30 30 fp32 plain" "resnet20 128 3,32,32 30 30 bf16 plain"
+        "resnet50 64 3,224,224 8 45 bf16 plain" "resnet50 64 3,224,224 8 45 fp32 plain")
     LATE_ROWS=("resnet50 64 3,224,224 8 45 fp32 gk")  # no goal singles it out: after the goals
     PROFILES=("cnn 256 3,32,32 10 fp32")
     LATE_PROFILES=("resnet50 64 3,224,224 4 bf16")
     TF32_ROWS=("cnn 256 3,32,32 30 30" "resnet50 64 3,224,224 8 45")  # last of all
 else  # one model, small: the dry run checks the script, not the speed. A row's time is its
     # start-up (torch's import): batch 4 and one step after the warm-up, as little as runs
-    ROWS=("cnn 4 3,32,32 1 120 fp32 plain" "cnn 4 3,32,32 1 120 fp32 gk"
-        "cnn 4 3,32,32 1 120 bf16 plain")
+    ROWS=("cnn 4 3,32,32 1 120 fp32 gk")
+    KERNEL_PROFILES=("cnn 4 3,32,32 1 120 fp32")
+    TUNED_ROWS=("cnn 4 3,32,32 1 120 fp32 gk")
+    PLAIN_ROWS=("cnn 4 3,32,32 1 120 fp32 plain" "cnn 4 3,32,32 1 120 bf16 plain")
     LATE_ROWS=("cnn 4 3,32,32 1 120 bf16 gk")
     PROFILES=("cnn 4 3,32,32 1 fp32")
     LATE_PROFILES=()
     TF32_ROWS=("cnn 4 3,32,32 1 120")
 fi
-compute() {  # compute ROW...: one `bench compute --json` phase each
-    local row model batch shape steps cap precision kernels gk
+compute() {  # compute ROW...: one `bench compute --json` phase each (TUNED=gk-tuned: autotuned)
+    local row model batch shape steps cap precision kernels gk name
     for row in "$@"; do
         read -r model batch shape steps cap precision kernels <<<"$row"
         gk=$([ "$kernels" = gk ] && echo --gpu-kernels)
-        phase "compute-${gk:+gk-}$model-$precision" "$cap" "$PY" -m hpcdl.bench compute \
+        name="compute-${gk:+gk-}$model-$precision"
+        [ -n "${TUNED:-}" ] && name="compute-gk-tuned-$model-$precision"
+        phase "$name" "$cap" env ${TUNED:+HPCDL_CUDNN_AUTOTUNE=8} "$PY" -m hpcdl.bench compute \
             --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
             --steps "$steps" --precision "$precision" $gk --json
     done
@@ -262,10 +272,21 @@ profiles() {  # profiles ROW...: each plain and --gpu-kernels
         done
     done
 }
-RESERVE=285
+kernel_profiles() {  # kernel_profiles ROW...: the gk step's CUDA kernels, hpcdl's and torch's
+    local row model batch shape steps cap precision
+    for row in "$@"; do
+        read -r model batch shape steps cap precision <<<"$row"
+        phase "kprofile-gk-$model-$precision" "$cap" "$PY" -m hpcdl.bench compute \
+            --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
+            --steps "$steps" --precision "$precision" --gpu-kernels --kernel-profile --json
+    done
+}
+RESERVE=380
 compute "${ROWS[@]}"
+RESERVE=320
+kernel_profiles "${KERNEL_PROFILES[@]}"
 RESERVE=255
-profiles "${PROFILES[@]}"
+TUNED=1 compute "${TUNED_ROWS[@]}"
 
 # -- input (issue 48; alone on the machine: nothing else runs beside it): the goal rows
 # (scripts/gpu-check-input.sh): the step alone, torch's DataLoader and hpcdl.torch.Loader
@@ -373,7 +394,8 @@ fi
 
 # ---- from here on no goal waits: the blocks below run while time is left, skipped where none is
 echo "== after the goals, while time is left"
-compute "${LATE_ROWS[@]}"
+compute "${PLAIN_ROWS[@]}" "${LATE_ROWS[@]}"
+profiles "${PROFILES[@]}"
 # issue 61's row fed by --decode gpu with 2 workers (the torch engine): one row of input.jsonl
 # beside the input phase's step alone (loader none)
 if needs "train-tv-decode-resnet50-$DEVICE" "$INPUT_JPEGS"; then

@@ -1,5 +1,6 @@
 """The table that ends scripts/gpu-check.sh, from its raw/ folder; also writes the top-level
-tests.log, compute.jsonl, profile.jsonl, train.jsonl and loader.json beside it. It ends with
+tests.log, compute.jsonl, profile.jsonl, kprofile.jsonl, train.jsonl and loader.json beside it.
+It ends with
 issue 60's goals, each beside its figure (gpu_check_goals.goal_lines).
 
     python scripts/gpu_check_summary.py RAW_DIR OUT_DIR
@@ -250,6 +251,54 @@ def profile_section(raw: Path, out: Path) -> tuple[list[str], dict]:
     return lines, results
 
 
+def _kernel_side(side: dict | None) -> str:
+    """One side of a kernel profile: wall and kernel ms per step, launches, busy share."""
+    if not side:
+        return "not run"
+    if side.get("kernel_ms_per_step") is None:
+        return f"wall {_ms(side.get('wall_ms_per_step'))} ms; {side.get('note') or 'no kernels'}"
+    return (f"wall {_ms(side['wall_ms_per_step'])}, kernels {_ms(side['kernel_ms_per_step'])} ms"
+            f" ({side['kernels_per_step']:g} per step, busy {side['busy'] or 0:.2f})")  # fmt: skip
+
+
+def kernel_profile_lines(name: str, result: dict) -> list[str]:
+    """One `bench compute --kernel-profile --json` run: each side's figures, the groups side by
+    side (largest first), and each side's three costliest kernels."""
+    ours, theirs = result.get("hpcdl"), result.get("torch")
+    lines = [f"  {name:18s} hpcdl {_kernel_side(ours)} | torch {_kernel_side(theirs)}"]
+    mine, other = (ours or {}).get("groups") or {}, (theirs or {}).get("groups") or {}
+    groups = sorted(set(mine) | set(other), key=lambda g: -max(mine.get(g, 0), other.get(g, 0)))
+    if groups:
+        lines.append("    groups hpcdl/torch ms: " + ", ".join(
+            f"{g} {mine.get(g, 0):.2f}/{other.get(g, 0):.2f}" for g in groups))  # fmt: skip
+    for side, label in ((ours, "hpcdl"), (theirs, "torch")):
+        top = (side or {}).get("kernels") or []
+        if top:
+            lines.append(f"    top {label}: " + "; ".join(
+                f"{k['name'][:48]} {k['ms_per_step']:.2f} ms x{k['calls_per_step']:g}"
+                for k in top[:3]))  # fmt: skip
+    return lines
+
+
+def kernel_profile_section(raw: Path, out: Path) -> list[str]:
+    """The kernel profiles (raw/kprofile-*.log) into kprofile.jsonl and their summary lines."""
+    paths = sorted(raw.glob("kprofile-*.log"))
+    if not paths:
+        return []
+    lines = ["kernel profile (ms per step; kernels: device time of each CUDA kernel, CUPTI)"]
+    results = []
+    for path in paths:
+        name = path.stem.removeprefix("kprofile-")
+        result = last_json(path)
+        if result is None or result.get("kind") != "kernel_profile":
+            lines.append(f"  {name:18s} (no result: see raw/{path.name})")
+            continue
+        results.append(result)
+        lines += kernel_profile_lines(name, result)
+    (out / "kprofile.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    return lines
+
+
 def _jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -293,7 +342,8 @@ def main() -> int:
     ]
     compute_lines, compute = compute_section(raw, out)
     profile_text, profiles = profile_section(raw, out)
-    lines += compute_lines + profile_text + loader_section(raw, out, compute) + input_section(out)
+    lines += compute_lines + kernel_profile_section(raw, out) + profile_text
+    lines += loader_section(raw, out, compute) + input_section(out)
     lines += goal_lines(load_facts(raw, out, status, profiles))
     print("\n".join(lines))
     return 0

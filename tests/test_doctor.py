@@ -334,6 +334,13 @@ def test_text_lists_a_fact_per_rank_where_ranks_differ(tmp_path):
             "; fast kernels and CUDA graphs of the step on; deterministic cuDNN engines "
             "(HPCDL_DETERMINISTIC)",
         ),
+        (
+            "9.19.0",
+            True,
+            "autotune",
+            "; fast kernels and CUDA graphs of the step on; cuDNN's first 8 engines timed per "
+            "convolution (HPCDL_CUDNN_AUTOTUNE)",
+        ),
     ],
 )
 def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on, setting, expected):
@@ -344,10 +351,12 @@ def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on,
 
     proc = run_doctor("--json", "--stage-dir", tmp_path)
     facts = json.loads(proc.stdout)["nodes"][0]["facts"]
-    assert {"cudnn", "gpu_kernels", "tf32", "deterministic"} <= set(facts["gpus"])
+    assert {"cudnn", "gpu_kernels", "tf32", "deterministic", "autotune"} <= set(facts["gpus"])
     assert facts["gpus"]["tf32"] is facts["gpus"]["deterministic"] is False  # neither set here
+    assert facts["gpus"]["autotune"] == 0
     gpus = {**facts["gpus"], "cupy": "14.0.0", "cudnn": cudnn, "gpu_kernels": on,
-            "tf32": setting == "tf32", "deterministic": setting == "deterministic"}  # fmt: skip
+            "tf32": setting == "tf32", "deterministic": setting == "deterministic",
+            "autotune": 8 if setting == "autotune" else 0}  # fmt: skip
     report = {"host": "n1", "rank": 0, "facts": {**facts, "gpus": gpus}, "problems": []}
     gpu_line = next(line for line in render(merge([report])).splitlines() if "GPUs" in line)
     assert gpu_line.endswith(expected), gpu_line

@@ -115,6 +115,12 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(dry_run):
     computed = [json.loads(x) for x in files["compute.jsonl"].splitlines()]
     assert sorted(r["tf32"] for r in computed) == [False] * (len(computed) - 1) + [True]
     assert "  gk-tf32-cnn-fp32 " in summary
+    # the gk step's kernels in both frameworks, and a row with cuDNN's engines timed in both
+    assert "kprofile-gk-cnn-fp32 0 " in phases and "compute-gk-tuned-cnn-fp32 0 " in phases
+    assert [r["cudnn_autotune"] for r in computed].count(8) == 1
+    assert "kernel profile (ms per step" in summary and "  gk-cnn-fp32" in summary
+    (profiled,) = map(json.loads, files["kprofile.jsonl"].splitlines())
+    assert profiled["torch"]["kernels"] and profiled["hpcdl"]["note"]  # CPU: torch's ops only
     assert {"raw/input.log", "raw/compute-cnn-fp32.log", "input.log", "commands.txt"} <= set(files)
 
 
@@ -124,9 +130,12 @@ def test_the_data_is_made_first_and_the_goal_blocks_run_before_the_rest(dry_run)
     its CPU reference before the blocks no goal waits on."""
     _, _, files = dry_run
     order = [line.split()[0] for line in files["raw/phases.txt"].splitlines()]
-    assert order.index("data") < order.index("compute-cnn-fp32") < order.index("input")
+    first = ("data", "compute-gk-cnn-fp32", "kprofile-gk-cnn-fp32", "compute-gk-tuned-cnn-fp32")
+    assert [order.index(p) for p in first] == sorted(order.index(p) for p in first)
+    assert order.index("compute-gk-tuned-cnn-fp32") < order.index("input")
     goal = max(order.index(p) for p in ("tests-goals", "train-cnn-cpu-1", "train-ref-cnn-cpu-1"))
-    late = ("compute-gk-cnn-bf16", "tests", "tests-mpi", "train-cnn-cpu-fp16-1", "loader")
+    late = ("compute-cnn-fp32", "compute-gk-cnn-bf16", "tests", "tests-mpi",
+            "train-cnn-cpu-fp16-1", "loader")  # fmt: skip
     assert goal < min(order.index(p) for p in late)
 
 

@@ -113,6 +113,12 @@ def torch_engine_run(rate: float) -> str:
 
 def summarize(raw: Path, out: Path, parts: dict) -> list[str]:
     """Writes parts into raw/ and OUT, runs the summary; its goal lines, each stripped."""
+    text = summary_text(raw, out, parts)
+    return [line.strip() for line in text[text.index("goals (issue 60)") :].splitlines()[1:]]
+
+
+def summary_text(raw: Path, out: Path, parts: dict) -> str:
+    """Writes parts into raw/ and OUT, runs the summary; what it printed."""
     out.mkdir(exist_ok=True)
     for name, row in parts["compute"].items():
         (raw / f"{name}.log").write_text(json.dumps(row) + "\n" if row else "RuntimeError: x\n")
@@ -124,8 +130,7 @@ def summarize(raw: Path, out: Path, parts: dict) -> list[str]:
     done = subprocess.run([sys.executable, str(script), str(raw), str(out)], capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    text = done.stdout
-    return [line.strip() for line in text[text.index("goals (issue 60)") :].splitlines()[1:]]
+    return done.stdout
 
 
 def goal(lines: list[str], start: str) -> str:
@@ -362,3 +367,46 @@ def test_autotuned_rows_count_toward_no_goal_and_get_their_own_line(tmp_path):
     line = goal(lines, "compute autotuned")
     assert line.startswith("info") and "resnet50 bf16 gk tuned 1.30" in line, line
     assert "40 of 106 timed plans changed, 21.50 -> 17.25 ms" in line, line
+
+
+def kernel_side(wall: float, kernels: list[tuple[str, str, float, float]]) -> dict:
+    """One side of `bench compute --kernel-profile --json` (hpcdl/bench/kernel_profile.py)."""
+    total = sum(ms for _, _, _, ms in kernels)
+    groups: dict[str, float] = {}
+    for _, group, _, ms in kernels:
+        groups[group] = groups.get(group, 0.0) + ms
+    return dict(device="cuda", wall_ms_per_step=wall, kernel_ms_per_step=total,
+                kernels_per_step=sum(c for _, _, c, _ in kernels), busy=total / wall,
+                kernels=[dict(name=n, group=g, calls_per_step=c, ms_per_step=ms,
+                              share=ms / total) for n, g, c, ms in kernels],
+                groups=groups, note=None)  # fmt: skip
+
+
+def test_kernel_profiles_get_their_lines_and_their_file(tmp_path):
+    """Each kprofile-* phase's last JSON line: both sides' figures, the groups side by side
+    (the larger first) and the costliest kernels, and kprofile.jsonl for the record."""
+    raw, out, parts = gpu_run(tmp_path)
+    hpcdl = kernel_side(
+        30.0,
+        [
+            ("sm90_xmma_wgrad_bf16", "convolution", 53, 12.5),
+            ("cupy_copy__float32_bfloat16", "elementwise/copy", 106, 2.0),
+        ],
+    )
+    torch = kernel_side(25.0, [("sm90_xmma_fprop_bf16", "convolution", 53, 9.0)])  # fmt: skip
+    profile = {"kind": "kernel_profile", "model": "resnet50", "precision": "bf16",
+               "hpcdl": hpcdl, "torch": torch}  # fmt: skip
+    (raw / "kprofile-gk-resnet50-bf16.log").write_text("table\n" + json.dumps(profile) + "\n")
+    (raw / "kprofile-gk-cnn-fp32.log").write_text("Traceback: x\n")
+    lines = summary_text(raw, out, parts).splitlines()
+    (head,) = [x for x in lines if x.startswith("  gk-resnet50-bf16 ") and "hpcdl wall" in x]
+    assert "hpcdl wall 30.00, kernels 14.50 ms (159 per step, busy 0.48)" in head, head
+    assert "torch wall 25.00, kernels 9.00 ms (53 per step" in head, head
+    assert "    groups hpcdl/torch ms: convolution 12.50/9.00, elementwise/copy 2.00/0.00" in lines
+    assert any(
+        line.startswith("    top hpcdl: sm90_xmma_wgrad_bf16 12.50 ms x53") for line in lines
+    )
+    assert any("gk-cnn-fp32" in line and "no result" in line for line in lines)
+    assert [json.loads(x)["model"] for x in (out / "kprofile.jsonl").read_text().splitlines()] == [
+        "resnet50"
+    ]

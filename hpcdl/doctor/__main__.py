@@ -236,7 +236,10 @@ def fast_kernels(v: dict) -> str:
     graphs = "on" if v.get("gpu_kernels") else "off (--gpu-kernels or HPCDL_GPU_KERNELS=1)"
     tf32 = "; float32 on TF32 tensor cores (HPCDL_TF32)" if v.get("tf32") else ""
     same = "; deterministic cuDNN engines (HPCDL_DETERMINISTIC)" if v.get("deterministic") else ""
-    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}{same}"
+    tuned = v.get("autotune") or 0
+    timed = (f"; cuDNN's first {tuned} engines timed per convolution (HPCDL_CUDNN_AUTOTUNE)"
+             if tuned > 1 else "")  # fmt: skip
+    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}{same}{timed}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,7 @@ def gpus(local_rank: int, local_size: int) -> Found:
         "gpu_kernels": kernels.enabled(),  # HPCDL_GPU_KERNELS: fast kernels and step graphs
         "tf32": kernels.tf32(),  # HPCDL_TF32: float32 convolutions and GEMMs on TF32 cores
         "deterministic": kernels.deterministic(),  # HPCDL_DETERMINISTIC: cuDNN's engines
+        "autotune": kernels.autotune(),  # HPCDL_CUDNN_AUTOTUNE: engines timed per convolution
     }
     try:
         import cupy  # noqa: PLC0415
