@@ -11,6 +11,7 @@ import pytest
 from fake_cudnn import Engine, Module, install
 
 from hpcdl import nn
+from hpcdl.backend import cupy_or_none, gpu_available
 from hpcdl.nn import kernels
 from hpcdl.nn.kernels import batchnorm as bn_kernels
 from hpcdl.nn.kernels import conv as conv_kernels
@@ -170,3 +171,39 @@ def test_the_environment_sets_the_engines_timed(value, count, said):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(count)
     assert ("HPCDL_CUDNN_AUTOTUNE='many' is no count" in out.stderr) is said
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_autotuned_convolutions_time_real_engines_and_give_the_reference_on_the_gpu(monkeypatch):
+    """Real cuDNN: a 3x3 convolution's first 4 engines built, timed at the first run and the
+    fastest kept, through the frontend's build / workspace / execute by index; the result is
+    the NumPy reference's."""
+    cp = cupy_or_none()
+    if cudnn_graphs.runtime() is None:
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    monkeypatch.setattr(kernels, "_autotune", 4)
+    ref = nn.Conv2d(16, 32, 3, padding=1)
+    nn.Model("c", [ref], (16, 12, 12), 10, seed=4)
+    fast = nn.Conv2d(16, 32, 3, padding=1)
+    nn.Model("c", [fast], (16, 12, 12), 10, seed=4, xp=cp)
+    ref.input_grad = fast.input_grad = True
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 12, 12, 16)).astype(np.float32)
+    dy = rng.standard_normal((8, 12, 12, 32)).astype(np.float32)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    y = fast.forward(cp.asarray(x))
+    dx = fast.backward(cp.asarray(dy))
+    assert isinstance(fast.seam.kernel, conv_kernels.CudnnConv)
+    monkeypatch.setattr(kernels, "_enabled", False)
+    conv = conv_kernels.KERNELS[0]
+    tuned = [
+        conv.cache._plans[cudnn_graphs._as_built(k)] for k in conv.keys(fast, x.shape).values()
+    ]
+    assert all(p.timed_ms and p.index in p.timed_ms and p.name for p in tuned), [
+        (p.name, p.timed_ms) for p in tuned
+    ]
+    assert max(len(p.timed_ms) for p in tuned) > 1  # cuDNN offers a 3x3 more than one engine
+    np.testing.assert_allclose(cp.asnumpy(y), ref.forward(x), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(dx), ref.backward(dy), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(fast.g["W"]), ref.g["W"], rtol=1e-3, atol=1e-3)
