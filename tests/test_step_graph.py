@@ -87,6 +87,18 @@ def test_philox_dropout_is_captured_its_keys_drawn_before_each_replay(monkeypatc
     assert log.count("launch g0") == 2
 
 
+def test_the_graphs_pool_is_counted_once_it_is_captured(monkeypatch):
+    """What the step graph's own memory pool holds (every allocation of its capture: the
+    activations of the step it replays), which the default pool does not count: `bench
+    compute`'s peak memory adds it (the second lend's gk rows left it out)."""
+    monkeypatch.setattr(step_graph, "is_device_array", lambda a: True)
+    monkeypatch.setattr(kernels, "_enabled", True)
+    parts = parts_of("cnn", graph=StepGraph(make_stream=lambda xp: RecordingStream([], 5 << 20)))
+    assert parts.graph.pool_bytes() == 0  # nothing captured, no pool
+    assert parts.graph.takes(parts, batch()[0])
+    assert parts.graph.pool_bytes() == 5 << 20
+
+
 def test_dropout_keys_are_made_before_the_graphs_pool_is_the_allocator(monkeypatch):
     """A key the host writes before each replay must not be a block of the graph's own pool:
     one allocated during the capture may be a block an earlier kernel of the same graph used
@@ -241,8 +253,11 @@ class RecordingStream:
     """GraphStream's stand-in on NumPy: a "capture" runs the step's work (NumPy cannot defer
     it), end() gives a graph named by its order, and a launch notes that name."""
 
-    def __init__(self, log):
-        self.log, self.ended = log, 0
+    def __init__(self, log, pool_bytes=0):
+        self.log, self.ended, self.held = log, 0, pool_bytes
+
+    def pool_bytes(self):
+        return self.held
 
     @contextlib.contextmanager
     def capturing(self):

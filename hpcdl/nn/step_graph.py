@@ -138,6 +138,10 @@ class StepGraph:
         self._stream: Any = None
         self._keys = KeyFeed()  # the dropout keys drawn before each replay
 
+    def pool_bytes(self) -> int:
+        """Bytes the graph's own memory pool holds (its capture's allocations); 0 before one."""
+        return 0 if self._stream is None else self._stream.pool_bytes()
+
     def why_not(self, parts: Any, images: Any) -> str | None:
         """Why this step cannot be a graph replay, or None when it can."""
         if not is_device_array(images):

@@ -86,6 +86,10 @@ class GraphStream:
         with self.stream, self._cp.cuda.using_allocator(self.pool.malloc):
             yield
 
+    def pool_bytes(self) -> int:
+        """Bytes the capture's pool holds (the default pool does not count them)."""
+        return int(self.pool.total_bytes())
+
     def current(self) -> Any:
         """A context in which the stream is CuPy's current one (the reducer's events are
         recorded there, so each follows the graph launched before it)."""
