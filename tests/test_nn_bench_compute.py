@@ -112,3 +112,32 @@ def test_on_a_gpu_the_torch_baseline_runs_channels_last(capsys):
     assert compute.main([*argv, "--device", "gpu", "--json"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["torch_channels_last"] is True and row["torch_ms_per_step"] > 0
+
+
+def test_the_row_says_how_many_engines_both_frameworks_time(monkeypatch, capsys):
+    """HPCDL_CUDNN_AUTOTUNE (NOTE [engine autotuning]) reaches the row and PyTorch's benchmark
+    mode; off, PyTorch's stays off."""
+    import torch  # noqa: PLC0415
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    argv = ["--model", "mlp", "--batch-size", "4", "--input-shape", "1,8,8", "--steps", "1"]
+    for engines, benchmark in ((8, True), (0, False)):
+        monkeypatch.setattr(kernels, "_autotune", engines)
+        assert compute.main([*argv, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["cudnn_autotune"] == engines and result["cudnn_plans"] is None
+        assert torch.backends.cudnn.benchmark is benchmark
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_a_captured_steps_peak_memory_counts_the_graphs_own_pool(monkeypatch, capsys):
+    """The capture allocates from the graph's own pool, which CuPy's default pool does not
+    count: the row's hpcdl peak holds it (the second lend's gk rows did not)."""
+    monkeypatch.setattr(kernels, "_enabled", kernels.enabled())
+    argv = ["--model", "cnn", "--batch-size", "64", "--input-shape", "3,32,32", "--steps", "2"]
+    assert compute.main([*argv, "--device", "gpu", "--gpu-kernels", "--no-torch", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step_graph"] == "captured"
+    assert result["hpcdl_graph_pool_mib"] > 0
+    assert result["hpcdl_peak_mib"] >= result["hpcdl_graph_pool_mib"]

@@ -151,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     graph = steppers[0][0].graph_state()
     if graph is not None:
         print(f"  CUDA graph of the step: {graph}")
-    memory = peak_memory_mib(args.device, torch_step is not None)
+    memory = peak_memory_mib(args.device, torch_step is not None, steppers[0][0].pool_bytes())
     if memory:
         print(
-            f"  peak GPU memory: hpcdl {memory['hpcdl_peak_mib']:.0f} MiB (CuPy pool), torch "
+            f"  peak GPU memory: hpcdl {memory['hpcdl_peak_mib']:.0f} MiB (CuPy's pools), torch "
             + (
                 "n/a"
                 if memory["torch_peak_mib"] is None
@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def peak_memory_mib(device: str, with_torch: bool) -> dict[str, float | None]:
+def peak_memory_mib(device: str, with_torch: bool, graph_bytes: int = 0) -> dict[str, float | None]:
     """Peak GPU memory of each framework after the timed steps (empty on CPU), in MiB.
 
     Both hold what they allocate in a caching pool and return nothing to the driver unless
-    asked, so CuPy's pool total after the run is hpcdl's high-water mark; its PyTorch peer is
+    asked, so CuPy's pools after the run are hpcdl's high-water mark: its default pool and
+    graph_bytes, what a captured step's own pool holds (every allocation of the capture: the
+    step's activations; StepGraph.pool_bytes), also given alone. The PyTorch peer is
     torch.cuda.max_memory_reserved() (the peak of what PyTorch's allocator held), with
     max_memory_allocated() beside it."""
     if device != "gpu":
@@ -192,8 +194,10 @@ def peak_memory_mib(device: str, with_torch: bool) -> dict[str, float | None]:
     import cupy  # noqa: PLC0415
 
     mib = float(1 << 20)
+    pools = cupy.get_default_memory_pool().total_bytes() + graph_bytes
     result: dict[str, float | None] = {
-        "hpcdl_peak_mib": round(cupy.get_default_memory_pool().total_bytes() / mib, 1),
+        "hpcdl_peak_mib": round(pools / mib, 1),
+        "hpcdl_graph_pool_mib": round(graph_bytes / mib, 1),
         "torch_peak_mib": None,
         "torch_peak_allocated_mib": None,
     }

@@ -49,7 +49,8 @@ def hpcdl_setup(args: argparse.Namespace) -> tuple[StepParts, Any, Any]:
 
 def hpcdl_stepper(args: argparse.Namespace):
     """(step, sync) for one hpcdl training step on a fixed random batch; step.graph_state()
-    says whether its steps replayed a CUDA graph (graph_state)."""
+    says whether its steps replayed a CUDA graph (graph_state), step.pool_bytes() what that
+    graph's own memory pool holds."""
     parts, x, y = hpcdl_setup(args)
     xp = parts.xp
 
@@ -57,6 +58,8 @@ def hpcdl_stepper(args: argparse.Namespace):
         train_step(parts, x, y, 0.01)
 
     step.graph_state = lambda: graph_state(parts, x)  # type: ignore[attr-defined]
+    # what the step graph's own pool holds (0 without one): part of hpcdl's peak memory
+    step.pool_bytes = lambda: parts.graph.pool_bytes() if parts.graph else 0  # type: ignore[attr-defined]
     return step, lambda: backend.synchronize(xp)
 
 
