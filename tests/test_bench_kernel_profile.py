@@ -4,10 +4,14 @@ hpcdl/bench/kernel_profile.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from hpcdl.bench import kernel_profile
+from hpcdl.backend import gpu_available
+from hpcdl.bench import compute, kernel_profile
 from hpcdl.bench.kernel_profile import GROUPS, Activity, SideProfile, kernel_group, short_name
+from hpcdl.nn import kernels
 
 # Names as the profiler gives them: cuDNN, cuBLAS and PyTorch kernels on Hopper, CuPy's and
 # hpcdl's own kernels, kineto's memcpy/memset names, and PyTorch's CPU ops off a GPU.
@@ -194,3 +198,54 @@ def test_a_side_the_profiler_cannot_see_lists_nothing_and_says_why():
     d = p.as_json()
     assert d["kernels"] == [] and d["groups"] == {} and d["note"] == "NumPy"
     assert d["kernel_ms_per_step"] is None and d["busy"] is None
+
+
+TINY = ["--device", "cpu", "--model", "cnn", "--batch-size", "4", "--input-shape", "3,16,16"]
+
+
+def test_on_a_cpu_torch_lists_its_ops_and_hpcdl_says_it_cannot(capsys):
+    pytest.importorskip("torch")
+    assert compute.main([*TINY, "--steps", "1", "--kernel-profile", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["kind"] == "kernel_profile" and result["model"] == "cnn"
+    assert result["gpu_kernels"] is False and result["step_graph"] is None
+    ours, theirs = result["hpcdl"], result["torch"]
+    assert ours["kernels"] == [] and "NumPy" in ours["note"] and ours["device"] == "cpu"
+    assert ours["wall_ms_per_step"] > 0 and theirs["wall_ms_per_step"] > 0
+    assert theirs["device"] == "cpu" and theirs["note"] is None
+    convs = [k for k in theirs["kernels"] if "conv" in k["name"]]
+    assert convs and all(k["ms_per_step"] > 0 for k in convs)
+    assert theirs["groups"]["convolution"] > 0 and theirs["kernels_per_step"] > 0
+    assert any("no kernels listed" in line for line in out)  # hpcdl's line says why
+
+
+def test_kernel_profile_runs_hpcdl_alone_without_torch(capsys):
+    assert compute.main([*TINY, "--steps", "1", "--kernel-profile", "--no-torch", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["torch"] is None and result["hpcdl"]["plain_wall_ms_per_step"] > 0
+
+
+def test_kernel_profile_and_profile_are_not_asked_together(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        compute.main(["--kernel-profile", "--profile", "--no-torch"])
+    assert stopped.value.code == 2
+    assert "--kernel-profile and --profile" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_on_a_gpu_both_sides_list_their_kernels_graph_replays_included(monkeypatch, capsys):
+    """CUPTI sees hpcdl's CuPy and cuDNN kernels, replayed from the step's CUDA graph too."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    monkeypatch.setattr(kernels, "_enabled", kernels.enabled())  # --gpu-kernels turns them on
+    argv = ["--device", "gpu", "--model", "cnn", "--batch-size", "8", "--steps", "2"]
+    assert compute.main([*argv, "--gpu-kernels", "--kernel-profile", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for side in ("hpcdl", "torch"):
+        assert result[side]["device"] == "cuda" and result[side]["note"] is None
+        assert result[side]["kernels_per_step"] > 0 and result[side]["kernel_ms_per_step"] > 0
+        assert result[side]["groups"].get("convolution", 0) > 0
+    assert result["step_graph"] == "captured"
