@@ -106,6 +106,7 @@ def test_a_kernel_lands_in_its_group_by_name(group, name):
 
 def test_every_group_is_reached_by_some_real_name():
     assert {group for group, _ in NAMES} == set(GROUPS)
+    assert {group for group, _ in kernel_profile.GROUP_PATTERNS} | {"other"} == set(GROUPS)
 
 
 def test_a_name_is_cut_to_one_short_line():

@@ -95,7 +95,17 @@ GROUP_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ),
     )
 )
-GROUPS = (*(group for group, _ in GROUP_PATTERNS), "other")
+GROUPS = (  # as the tables list them: compute first, then data movement and the rest
+    "convolution",
+    "gemm",
+    "batchnorm/norm",
+    "pooling",
+    "reduction",
+    "elementwise/copy",
+    "optimizer",
+    "memcpy/memset",
+    "other",
+)
 
 
 def kernel_group(name: str) -> str:
