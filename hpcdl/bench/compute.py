@@ -19,6 +19,7 @@ import time
 
 from hpcdl import backend, nn
 from hpcdl.bench.compute_setup import hpcdl_stepper, run_config, set_threads, torch_stepper
+from hpcdl.bench.kernel_profile import main_kernel_profile
 from hpcdl.bench.profile import main_profile
 from hpcdl.helpformat import HelpFormatter
 
@@ -70,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ms per layer, forward and backward, plus loss and update (hpcdl.bench.profile)",
     )
+    ap.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="device time per CUDA kernel of the step as it runs, from torch.profiler (CUPTI); "
+        "off a GPU, PyTorch's CPU ops (hpcdl.bench.kernel_profile)",
+    )
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     return ap
 
@@ -85,6 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--input-shape must be C,H,W (three integers), got {args.input_shape!r}")
     if args.batch_size < 1 or args.steps < 1 or args.chunk < 0:
         ap.error("--batch-size and --steps must be >= 1 and --chunk >= 0")
+    if args.kernel_profile and args.profile:
+        ap.error("--kernel-profile and --profile are two profiles of the step: ask for one")
     if args.profile and args.precision == "fp16":
         ap.error("--profile times fp32 and bf16 steps (fp16's loss scaler may skip one)")
     if args.tf32 and not args.gpu_kernels:  # else the row would set TF32 against IEEE
@@ -121,8 +130,8 @@ def time_interleaved(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.threads = set_threads(args.device, with_torch=not args.no_torch)
-    if args.profile:
-        return main_profile(args)
+    if args.profile or args.kernel_profile:  # parse_args refuses both at once
+        return (main_profile if args.profile else main_kernel_profile)(args)
     try:
         steppers = [hpcdl_stepper(args)]
     except backend.BackendError as exc:
