@@ -29,6 +29,7 @@ from hpcdl.nn.precision import check_precision, rounding
 # their own.
 STEP_FLAGS = 2
 FLAG_LOSS, FLAG_OVERFLOW = 0, 1
+ALIGN_BYTES = 16  # where each layer's views start, as far as one shift allows (aligned_zeros)
 
 
 class Model:
@@ -191,13 +192,14 @@ def bind_flat(
     """
     leaves = list(root.leaves())
     names = leaf_names(root)
-    p_total = sum(int(np.prod(s.shape)) for leaf in leaves for s in leaf.param_specs)
-    s_total = sum(int(np.prod(shape)) for leaf in leaves for _, shape, _ in leaf.buffer_specs)
+    p_sizes = [int(np.prod(s.shape)) for leaf in leaves for s in leaf.param_specs]
+    s_sizes = [int(np.prod(shape)) for leaf in leaves for _, shape, _ in leaf.buffer_specs]
+    p_total, s_total = sum(p_sizes), sum(s_sizes)
     host_params = np.zeros(p_total, dtype=dtype)
     host_buffers = np.zeros(s_total, dtype=dtype)
-    params = xp.zeros(p_total, dtype=dtype)
-    grads = xp.zeros(p_total + spare, dtype=dtype)
-    buffers = xp.zeros(s_total, dtype=dtype)
+    params = aligned_zeros(xp, p_total, dtype, p_sizes)
+    grads = aligned_zeros(xp, p_total + spare, dtype, p_sizes)
+    buffers = aligned_zeros(xp, s_total, dtype, s_sizes)
     layout: list[tuple[str, tuple[int, ...], int]] = []
     offset = b_offset = 0
     placed = []
@@ -228,6 +230,20 @@ def bind_flat(
     for leaf, p, g, b, end in placed:
         leaf.bind(p, g, b, end)
     return params, grads, buffers, layout
+
+
+def aligned_zeros(xp: ModuleType, size: int, dtype: Any, sizes: list[int]) -> Any:
+    """xp.zeros(size) whose views of `sizes` (laid out back to back from 0) start on an
+    ALIGN_BYTES boundary where one shift can put them there: a view into a slightly larger
+    allocation, starting `pad` elements in, pad chosen for the most aligned views. cuDNN
+    declares every tensor 16-byte aligned, and the runtime copies a misaligned one in and out
+    on every run (NOTE [cuDNN graphs]): behind a 10-class Linear bias (40 bytes) every view of
+    a ResNet was. Sizes and offsets stay those of the layout (checkpoints, the reducer and
+    export read them); the allocation is assumed aligned (NumPy's and CuPy's are)."""
+    per = max(1, ALIGN_BYTES // np.dtype(dtype).itemsize)
+    starts = np.cumsum([0, *sizes[:-1]]) if sizes else np.zeros(0, np.int64)
+    pad = max(range(per), key=lambda p: (int(((starts + p) % per == 0).sum()), -p))
+    return xp.zeros(size + pad, dtype=dtype)[pad:]
 
 
 def rank_rng_state(seed: int, rank: int) -> dict:
