@@ -261,9 +261,10 @@ class Runtime:
     def run(self, plan: Plan, arrays: dict[str, Any], xp: Any) -> None:
         """Execute plan with arrays by tensor name on the current stream: device arrays as
         device pointers, pass-by-value scalars as host addresses (NOTE [cuDNN graphs]). An
-        array not ALIGNMENT-byte aligned (a view into a flat vector: BatchNorm's gamma and
-        running statistics) goes through an aligned copy of its own, in and back out; one
-        array under two names (running statistics updated in place) is one copy."""
+        array not ALIGNMENT-byte aligned (a view into a flat vector that no shift of it could
+        align: hpcdl.nn.model.aligned_zeros; BatchNorm's beta behind 5 channels of gamma) goes
+        through an aligned copy of its own, in and back out; one array under two names
+        (running statistics updated in place) is one copy."""
         pack, staged = {}, {}
         for name, a in arrays.items():
             if name in plan.by_value:
