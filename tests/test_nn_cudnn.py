@@ -279,6 +279,39 @@ def test_half_precision_runs_the_formats_arrays_and_sums_weight_gradients_in_flo
     np.testing.assert_allclose(grads["W"], grads_ref["W"], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(("precision", "name"), [("bf16", "BFLOAT16"), ("fp16", "HALF")])
+def test_half_weight_gradients_come_out_in_the_format_and_widen_into_float32(
+    fake, monkeypatch, precision, name
+):
+    """HPCDL_HALF_WGRAD (NOTE [half weight gradients]): the weight gradient's graph writes the
+    format, as PyTorch's autocast computes it, and the transpose into the float32 gradient
+    buffer widens it: the reference's gradient rounded to the format once. In plans of their
+    own; float32 keeps its float32 weight gradient."""
+    fast, ref = conv_pair(monkeypatch, 3, 4, 3, 1, 1, precision=precision)
+    x = np.random.default_rng(3).standard_normal((2, 9, 9, 3)).astype(np.float32)
+    nn.precision.round_in_place(x, precision)
+    grads_float = run(fast, x)[2]["W"]
+    monkeypatch.setattr(kernels, "_half_wgrad", True)
+    y, _, grads = run(fast, x)
+    wgrads = [g.ops[0][0] for g in fake.graphs if g.ops[0][0].op == "conv_wgrad"]
+    assert [w.data_type for w in wgrads] == ["FLOAT", name]  # a plan of its own
+    assert grads["W"].dtype == np.float32
+    rounded = grads_float.copy()
+    nn.precision.round_in_place(rounded, precision)
+    np.testing.assert_array_equal(grads["W"], rounded)
+    _, _, grads_ref = reference(ref, x)
+    tol = 2e-2 if precision == "bf16" else 2e-3
+    np.testing.assert_allclose(grads["W"], grads_ref["W"], rtol=tol, atol=tol)
+
+
+def test_half_weight_gradients_leave_float32_alone(fake, monkeypatch):
+    fast, _ = conv_pair(monkeypatch, 3, 4, 3, 1, 1)
+    monkeypatch.setattr(kernels, "_half_wgrad", True)
+    run(fast, np.ones((2, 9, 9, 3), np.float32))
+    (wgrad,) = [g.ops[0][0] for g in fake.graphs if g.ops[0][0].op == "conv_wgrad"]
+    assert wgrad.data_type == "FLOAT"
+
+
 def test_a_convolution_holds_its_input_for_the_weight_gradient_without_a_copy(fake, monkeypatch):
     """A float32 input is read where it is (a pass per convolution and step saved); an
     emulated one (float32 holding the format's values) is copied into the format, as before."""

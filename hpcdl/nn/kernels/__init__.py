@@ -56,6 +56,17 @@ running statistics in place. An engine needing more than TUNE_WORKSPACE_BYTES of
 not timed. The choice depends on timings, so two runs may choose other engines and differ in
 their low bits, as with PyTorch's benchmark mode; with HPCDL_DETERMINISTIC the engines timed are
 the deterministic ones. Off by default until a recorded GPU run shows what it buys.
+
+NOTE [half weight gradients]
+In bf16/fp16 a convolution's weight gradient graph writes float32 (sums_dtype): the sums are
+float32 in the engine either way, and the result lands in the float32 gradient buffer without
+a rounding. PyTorch's autocast computes it in the format instead (the gradient of the
+format's copy of the weight), then widens it. HPCDL_HALF_WGRAD=1 (`set_half_wgrad`) does the
+same: the graph writes the format and the transpose into the gradient buffer widens it, so
+each weight gradient is rounded to the format once, as PyTorch's. cuDNN may have faster
+engines for a weight gradient written in the format; the 2026-11-29 lend's profile put
+resnet50 bf16's convolution backward at twice PyTorch's. Off by default (no GPU has timed it);
+float32 and float64 keep their own.
 """
 
 from __future__ import annotations
@@ -70,12 +81,14 @@ ENV = "HPCDL_GPU_KERNELS"
 TF32_ENV = "HPCDL_TF32"
 DETERMINISTIC_ENV = "HPCDL_DETERMINISTIC"
 AUTOTUNE_ENV = "HPCDL_CUDNN_AUTOTUNE"
+HALF_WGRAD_ENV = "HPCDL_HALF_WGRAD"
 
 _enabled = os.environ.get(ENV, "") not in ("", "0")
 _tf32 = os.environ.get(TF32_ENV, "") not in ("", "0")
 _deterministic = os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0")
 _said: set[str] = set()
 _autotune: int | None = None  # engines timed per convolution plan; None: not read from ENV yet
+_half_wgrad = os.environ.get(HALF_WGRAD_ENV, "") not in ("", "0")
 
 
 class Kernel(Protocol):
@@ -141,6 +154,18 @@ def autotune() -> int:
             say_once(AUTOTUNE_ENV, f"{AUTOTUNE_ENV}={raw!r} is no count of engines to time "
                      "(e.g. 8); cuDNN's heuristics choose")  # fmt: skip
     return _autotune
+
+
+def set_half_wgrad(on: bool) -> None:
+    """Write a bf16/fp16 convolution's weight gradient in the format, or in float32 (NOTE
+    [half weight gradients]); set it before the first plan is built."""
+    global _half_wgrad
+    _half_wgrad = bool(on)
+
+
+def half_wgrad() -> bool:
+    """Whether a bf16/fp16 convolution's weight gradient comes out in the format."""
+    return _half_wgrad
 
 
 def candidates(family: str) -> list[Any]:

@@ -6,7 +6,9 @@ It applies to a layer and input shape once all three plans are built (the data g
 only where the layer computes one); in bf16/fp16 an op cuDNN has no plan for runs its float32
 plan alone (PlanCache); a shape refused in float32 too stays with Conv2d's im2col path.
 y and dx come back in the dtype of x and dy: float32 (emulated) or the format's (real half
-arrays, hpcdl.nn.dtypes), so real arrays never pass through float32 between layers.
+arrays, hpcdl.nn.dtypes), so real arrays never pass through float32 between layers. The
+weight gradient comes out in float32, or with HPCDL_HALF_WGRAD in the format, as PyTorch's
+autocast computes it (NOTE [half weight gradients] in hpcdl/nn/kernels/__init__.py).
 A float64 model's three graphs are DOUBLE, its weight gradient summed in float64; a shape
 cuDNN has no DOUBLE plan for stays with Conv2d's own float64 code, never float32.
 Where none applies, Conv2d runs its own im2col / Winograd code.
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpcdl.backend import array_module
+from hpcdl.nn import kernels
 from hpcdl.nn.dtypes import matmul
 from hpcdl.nn.kernels import cudnn_graphs
 from hpcdl.nn.kernels.cudnn_graphs import Plan, PlanCache, PlanKey, krsc, nhwc
@@ -38,7 +41,10 @@ class CudnnConv:
         io = cudnn_graphs.io_dtype(layer.precision, layer.p["W"].dtype).name
         ops = ["conv_fprop", "conv_wgrad"] + (["conv_dgrad"] if layer.input_grad else [])
         pads, strides = (layer.ph, layer.pw), (layer.sh, layer.sw)
-        return {op: PlanKey(op, shapes, io, pads, strides) for op in ops}
+        keys = {op: PlanKey(op, shapes, io, pads, strides) for op in ops}
+        if kernels.half_wgrad() and io in ("bfloat16", "float16"):  # NOTE [half weight gradients]
+            keys["conv_wgrad"] = PlanKey("conv_wgrad_half", shapes, io, pads, strides)
+        return keys
 
     def applies(self, layer: Any, x: Any) -> bool:
         if cudnn_graphs.runtime_for(x) is None or not x.flags.c_contiguous:
@@ -72,10 +78,9 @@ class CudnnConv:
             ones = layer._workspace("ones", (rows.shape[0],), dy.dtype, xp, fill=1)
             matmul(ones, rows, out=layer.g["b"])
         wgrad = self.cache.get(keys["conv_wgrad"])
-        sums = cudnn_graphs.sums_dtype(wgrad.io)
-        dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), sums, xp)
+        dwk = layer._buffers.get("cudnn_dw_krsc", _krsc_shape(layer), wgrad.out, xp)
         rt.run(wgrad, {**self._as(layer, {"x": xs, "dy": dys}, wgrad.io, xp), "dw": dwk}, xp)
-        layer.g["W"][...] = dwk.transpose(1, 2, 3, 0)  # KRSC -> (kh, kw, C_in, C_out)
+        layer.g["W"][...] = dwk.transpose(1, 2, 3, 0)  # KRSC -> (kh, kw, C_in, C_out), widened
         if not layer.input_grad:
             return None
         dgrad = self.cache.get(keys["conv_dgrad"])
@@ -110,10 +115,14 @@ class CudnnConv:
             t = tensors(("dy", y), ("w", w))
             t["dx"] = g.conv_dgrad(loss=t["dy"], filter=t["w"], **conv)
             rt.output(t["dx"], x, io)
-        else:
+        else:  # summed in float32/64 and kept so; conv_wgrad_half: written in the format
             t = tensors(("x", x), ("dy", y))
             t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
-            rt.output(t["dw"], w, cudnn_graphs.sums_dtype(io))  # summed and kept in float32/64
+            out = io if key.op == "conv_wgrad_half" else cudnn_graphs.sums_dtype(io)
+            rt.output(t["dw"], w, out)
+            plan = rt.finish(g, t, io, tune=True)
+            plan.out = out
+            return plan
         return rt.finish(g, t, io, tune=True)
 
 
