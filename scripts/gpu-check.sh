@@ -73,7 +73,8 @@
 # read it: a producer cut by a later block's reserve would fail all its consumers (as the data
 # phase after issue 61's row did). It is CPU work made before any timed row runs, so it
 # disturbs none.
-# Cut from the goal window (they run after, while time is left, in this order): the 6 plain
+# Cut from the goal window (they run after, while time is left, in this order): resnet50 bf16
+# gk with HPCDL_HALF_WGRAD (~45 s: bf16 weight gradients, as autocast's), the 6 plain
 # rows (~95 s: the plain path has not changed since the first lend's figures; a goal without
 # them reads n/a, not met), gk resnet50 fp32 (no goal singles it out), cnn's per-layer
 # profiles, issue 61's --decode gpu row, resnet50's profiles (bf16 plain ~16 s, gk ~15), the
@@ -235,6 +236,7 @@ if [ "$DEVICE" = gpu ]; then  # model batch shape steps cap precision kernels
         "resnet20 128 3,32,32 30 30 bf16 gk")
     KERNEL_PROFILES=("resnet50 64 3,224,224 5 45 bf16" "cnn 256 3,32,32 10 30 fp32")
     TUNED_ROWS=("resnet50 64 3,224,224 8 60 bf16 gk" "cnn 256 3,32,32 30 35 fp32 gk")
+    HALF_ROWS=("resnet50 64 3,224,224 8 45 bf16 gk")  # HPCDL_HALF_WGRAD, after the goals
     PLAIN_ROWS=("cnn 256 3,32,32 30 30 fp32 plain" "cnn 256 3,32,32 30 30 bf16 plain"
         "resnet20 128 3,32,32 30 30 fp32 plain" "resnet20 128 3,32,32 30 30 bf16 plain"
         "resnet50 64 3,224,224 8 45 bf16 plain" "resnet50 64 3,224,224 8 45 fp32 plain")
@@ -247,20 +249,24 @@ else  # one model, small: the dry run checks the script, not the speed. A row's 
     ROWS=("cnn 4 3,32,32 1 120 fp32 gk")
     KERNEL_PROFILES=("cnn 4 3,32,32 1 120 fp32")
     TUNED_ROWS=("cnn 4 3,32,32 1 120 fp32 gk")
+    HALF_ROWS=("cnn 4 3,32,32 1 120 bf16 gk")
     PLAIN_ROWS=("cnn 4 3,32,32 1 120 fp32 plain" "cnn 4 3,32,32 1 120 bf16 plain")
     LATE_ROWS=("cnn 4 3,32,32 1 120 bf16 gk")
     PROFILES=("cnn 4 3,32,32 1 fp32")
     LATE_PROFILES=()
     TF32_ROWS=("cnn 4 3,32,32 1 120")
 fi
-compute() {  # compute ROW...: one `bench compute --json` phase each (TUNED=gk-tuned: autotuned)
+compute() {  # compute ROW...: one `bench compute --json` phase each; TUNED=1: engines timed
+    # in both (compute-gk-tuned-*), HALF=1: half weight gradients (compute-gk-halfwgrad-*)
     local row model batch shape steps cap precision kernels gk name
     for row in "$@"; do
         read -r model batch shape steps cap precision kernels <<<"$row"
         gk=$([ "$kernels" = gk ] && echo --gpu-kernels)
         name="compute-${gk:+gk-}$model-$precision"
         [ -n "${TUNED:-}" ] && name="compute-gk-tuned-$model-$precision"
-        phase "$name" "$cap" env ${TUNED:+HPCDL_CUDNN_AUTOTUNE=8} "$PY" -m hpcdl.bench compute \
+        [ -n "${HALF:-}" ] && name="compute-gk-halfwgrad-$model-$precision"
+        phase "$name" "$cap" env ${TUNED:+HPCDL_CUDNN_AUTOTUNE=8} ${HALF:+HPCDL_HALF_WGRAD=1} \
+            "$PY" -m hpcdl.bench compute \
             --device "$DEVICE" --model "$model" --batch-size "$batch" --input-shape "$shape" \
             --steps "$steps" --precision "$precision" $gk --json
     done
@@ -403,6 +409,7 @@ fi
 
 # ---- from here on no goal waits: the blocks below run while time is left, skipped where none is
 echo "== after the goals, while time is left"
+HALF=1 compute "${HALF_ROWS[@]}"
 compute "${PLAIN_ROWS[@]}" "${LATE_ROWS[@]}"
 profiles "${PROFILES[@]}"
 # issue 61's row fed by --decode gpu with 2 workers (the torch engine): one row of input.jsonl

@@ -89,13 +89,16 @@ def _state(status: dict, phase: str) -> str:
 
 
 def _tuned(r: dict) -> bool:
-    """A row with cuDNN's engines timed in both frameworks (HPCDL_CUDNN_AUTOTUNE): no goal's."""
-    return (r.get("cudnn_autotune") or 0) > 1
+    """A row with cuDNN's engines timed in both frameworks (HPCDL_CUDNN_AUTOTUNE), or with
+    weight gradients in the format (HPCDL_HALF_WGRAD): an opt-in's row, no goal's."""
+    return (r.get("cudnn_autotune") or 0) > 1 or bool(r.get("half_wgrad"))
 
 
 def _row_name(r: dict) -> str:
     return (f"{r['model']} {r['precision']}" + (" gk" if r.get("gpu_kernels") else "")
-            + (" tf32" if r.get("tf32") else "") + (" tuned" if _tuned(r) else ""))  # fmt: skip
+            + (" tf32" if r.get("tf32") else "")
+            + (" tuned" if (r.get("cudnn_autotune") or 0) > 1 else "")
+            + (" halfwgrad" if r.get("half_wgrad") else ""))  # fmt: skip
 
 
 def _tuned_figure(r: dict) -> str:
@@ -199,11 +202,12 @@ def compute_goals(rows: list[dict], status: dict) -> list[Goal]:
         goals.append(Goal("compute --tf32 (no goal: what TF32 buys), ratio", "info",
                           ", ".join(tf32 + tf32_states) or "no row"))  # fmt: skip
     tuned = [_tuned_figure(r) for r in rows if _tuned(r)]
-    tuned_states = [f"{k.removeprefix('compute-gk-tuned-')} {_state(status, k)}" for k in status
-                    if k.startswith("compute-gk-tuned-") and status[k][0] != "0"]  # fmt: skip
+    opt_ins = ("compute-gk-tuned-", "compute-gk-halfwgrad-")
+    tuned_states = [f"{k.removeprefix('compute-gk-')} {_state(status, k)}" for k in status
+                    if k.startswith(opt_ins) and status[k][0] != "0"]  # fmt: skip
     if tuned or tuned_states:
-        goals.append(Goal("compute autotuned (engines timed in both; no goal), ratio", "info",
-                          "; ".join(tuned + tuned_states)))  # fmt: skip
+        goals.append(Goal("compute autotuned / half weight gradients (opt-ins, no goal), ratio",
+                          "info", "; ".join(tuned + tuned_states)))  # fmt: skip
     return goals
 
 

@@ -128,8 +128,8 @@ def compute_section(raw: Path, out: Path) -> tuple[list[str], dict]:
             f"MiB {row.get('hpcdl_peak_mib') or 0:7.0f} / {row.get('torch_peak_mib') or 0:7.0f}"
         )
     (out / "compute.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    by_name = {(r["model"], r["precision"]): r for r in rows
-               if not r.get("tf32") and (r.get("cudnn_autotune") or 0) <= 1}  # fmt: skip
+    by_name = {(r["model"], r["precision"]): r for r in rows if not r.get("tf32")
+               and (r.get("cudnn_autotune") or 0) <= 1 and not r.get("half_wgrad")}  # fmt: skip
     return lines, by_name
 
 

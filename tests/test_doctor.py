@@ -341,6 +341,13 @@ def test_text_lists_a_fact_per_rank_where_ranks_differ(tmp_path):
             "; fast kernels and CUDA graphs of the step on; cuDNN's first 8 engines timed per "
             "convolution (HPCDL_CUDNN_AUTOTUNE)",
         ),
+        (
+            "9.19.0",
+            True,
+            "half_wgrad",
+            "; fast kernels and CUDA graphs of the step on; bf16/fp16 weight gradients in the "
+            "format (HPCDL_HALF_WGRAD)",
+        ),
     ],
 )
 def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on, setting, expected):
@@ -353,10 +360,11 @@ def test_the_gpu_line_names_cudnn_and_whether_graphs_are_on(tmp_path, cudnn, on,
     facts = json.loads(proc.stdout)["nodes"][0]["facts"]
     assert {"cudnn", "gpu_kernels", "tf32", "deterministic", "autotune"} <= set(facts["gpus"])
     assert facts["gpus"]["tf32"] is facts["gpus"]["deterministic"] is False  # neither set here
-    assert facts["gpus"]["autotune"] == 0
+    assert facts["gpus"]["autotune"] == 0 and facts["gpus"]["half_wgrad"] is False
     gpus = {**facts["gpus"], "cupy": "14.0.0", "cudnn": cudnn, "gpu_kernels": on,
             "tf32": setting == "tf32", "deterministic": setting == "deterministic",
-            "autotune": 8 if setting == "autotune" else 0}  # fmt: skip
+            "autotune": 8 if setting == "autotune" else 0,
+            "half_wgrad": setting == "half_wgrad"}  # fmt: skip
     report = {"host": "n1", "rank": 0, "facts": {**facts, "gpus": gpus}, "problems": []}
     gpu_line = next(line for line in render(merge([report])).splitlines() if "GPUs" in line)
     assert gpu_line.endswith(expected), gpu_line

@@ -118,6 +118,8 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(dry_run):
     # the gk step's kernels in both frameworks, and a row with cuDNN's engines timed in both
     assert "kprofile-gk-cnn-fp32 0 " in phases and "compute-gk-tuned-cnn-fp32 0 " in phases
     assert [r["cudnn_autotune"] for r in computed].count(8) == 1
+    assert "compute-gk-halfwgrad-cnn-bf16 0 " in phases  # bf16 weight gradients, after the goals
+    assert [r["half_wgrad"] for r in computed].count(True) == 1
     assert "kernel profile (ms per step" in summary and "  gk-cnn-fp32" in summary
     (profiled,) = map(json.loads, files["kprofile.jsonl"].splitlines())
     assert profiled["torch"]["kernels"] and profiled["hpcdl"]["note"]  # CPU: torch's ops only

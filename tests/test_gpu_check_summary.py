@@ -361,12 +361,17 @@ def test_autotuned_rows_count_toward_no_goal_and_get_their_own_line(tmp_path):
              "cudnn_plans": plans}  # fmt: skip
     parts["compute"]["compute-gk-tuned-resnet50-bf16"] = tuned
     parts["phases"]["compute-gk-tuned-resnet50-bf16"] = "0 30"
+    half = {**compute_row("resnet50", "bf16", True, ratio=1.4), "half_wgrad": True}
+    parts["compute"]["compute-gk-halfwgrad-resnet50-bf16"] = half
+    parts["phases"]["compute-gk-halfwgrad-resnet50-bf16"] = "0 30"
+    parts["phases"]["compute-gk-tuned-cnn-fp32"] = "skipped 0"
     lines = summarize(raw, out, parts)
     assert goal(lines, "compute: every ratio").startswith("met ")
     assert "tuned" not in goal(lines, "compute: every ratio")
     line = goal(lines, "compute autotuned")
     assert line.startswith("info") and "resnet50 bf16 gk tuned 1.30" in line, line
     assert "40 of 106 timed plans changed, 21.50 -> 17.25 ms" in line, line
+    assert "resnet50 bf16 gk halfwgrad 1.40" in line and "tuned-cnn-fp32 skipped" in line, line
 
 
 def kernel_side(wall: float, kernels: list[tuple[str, str, float, float]]) -> dict:

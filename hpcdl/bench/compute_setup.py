@@ -258,5 +258,6 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
         # engines timed per convolution in both frameworks (NOTE [engine autotuning]), and
         # what hpcdl's cuDNN plans run (None: no plan, e.g. without --gpu-kernels)
         "cudnn_autotune": nn.kernels.autotune(),
+        "half_wgrad": nn.kernels.half_wgrad(),  # bf16/fp16 weight gradients in the format
         "cudnn_plans": cudnn_graphs.plan_report() if args.device == "gpu" else None,
     }

@@ -239,7 +239,12 @@ def fast_kernels(v: dict) -> str:
     tuned = v.get("autotune") or 0
     timed = (f"; cuDNN's first {tuned} engines timed per convolution (HPCDL_CUDNN_AUTOTUNE)"
              if tuned > 1 else "")  # fmt: skip
-    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}{same}{timed}"
+    half = (
+        "; bf16/fp16 weight gradients in the format (HPCDL_HALF_WGRAD)"
+        if v.get("half_wgrad")
+        else ""
+    )
+    return f"; {cudnn}; fast kernels and CUDA graphs of the step {graphs}{tf32}{same}{timed}{half}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,7 @@ def gpus(local_rank: int, local_size: int) -> Found:
         "tf32": kernels.tf32(),  # HPCDL_TF32: float32 convolutions and GEMMs on TF32 cores
         "deterministic": kernels.deterministic(),  # HPCDL_DETERMINISTIC: cuDNN's engines
         "autotune": kernels.autotune(),  # HPCDL_CUDNN_AUTOTUNE: engines timed per convolution
+        "half_wgrad": kernels.half_wgrad(),  # HPCDL_HALF_WGRAD: weight gradients in the format
     }
     try:
         import cupy  # noqa: PLC0415
