@@ -51,7 +51,7 @@
 #     digits and 800 small JPEGs, 16 cores),
 #     waited for before the compute rows
 #   compute: 5 gk rows (14-22 s, resnet50 42)     112   30-45   350
-#   kernel profiles: resnet50 bf16, cnn fp32       60   30-45   290
+#   kernel profiles: resnet50 bf16, cnn bf16       60   30-45   290
 #   tuned gk rows: resnet50 bf16, cnn fp32         65   35-60   225
 #   input: rows at 8 workers ~45, at 15 ~35,
 #     GPU decode ~35, own step ~20, hpcdl.train
@@ -234,7 +234,8 @@ if [ "$DEVICE" = gpu ]; then  # model batch shape steps cap precision kernels
     ROWS=("resnet50 64 3,224,224 8 45 bf16 gk" "cnn 256 3,32,32 30 30 fp32 gk"
         "cnn 256 3,32,32 30 30 bf16 gk" "resnet20 128 3,32,32 30 30 fp32 gk"
         "resnet20 128 3,32,32 30 30 bf16 gk")
-    KERNEL_PROFILES=("resnet50 64 3,224,224 5 45 bf16" "cnn 256 3,32,32 10 30 fp32")
+    # cnn in bf16: further from its goal (0.91) than fp32 (0.84), and slower than its own fp32
+    KERNEL_PROFILES=("resnet50 64 3,224,224 5 45 bf16" "cnn 256 3,32,32 10 30 bf16")
     TUNED_ROWS=("resnet50 64 3,224,224 8 60 bf16 gk" "cnn 256 3,32,32 30 35 fp32 gk")
     HALF_ROWS=("resnet50 64 3,224,224 8 45 bf16 gk")  # HPCDL_HALF_WGRAD, after the goals
     PLAIN_ROWS=("cnn 256 3,32,32 30 30 fp32 plain" "cnn 256 3,32,32 30 30 bf16 plain"
