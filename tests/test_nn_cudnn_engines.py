@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from fake_cudnn import Engine, Module, install
+from fake_cudnn import Engine, Graph, Module, install
 
 from hpcdl import nn
 from hpcdl.backend import cupy_or_none, gpu_available
@@ -117,6 +117,23 @@ def test_autotune_times_nothing_in_a_capture_and_tunes_at_the_next_plain_run(fak
     conv_step()
     assert {p.name for p in plans().values()} == {"ieee_b"}
     assert not any(p.untimed for p in plans().values())
+
+
+def test_a_timing_that_fails_keeps_the_heuristics_engine_said_once(fake, monkeypatch, capsys):
+    """Where the timing itself fails (the frontend's workspace query, say), the step goes on
+    with the heuristics' engine, in one line."""
+    monkeypatch.setattr(kernels, "_autotune", 3)
+
+    def broken(self, index, handle=None):
+        raise RuntimeError("no workspace size")
+
+    monkeypatch.setattr(Graph, "get_workspace_size_plan_at_index", broken)
+    _, y, dx, dw = conv_step()
+    assert {p.name for p in plans().values()} == {"ieee_a"}
+    assert not any(p.timed_ms or p.untimed for p in plans().values())
+    assert set(fake.runs) == {"ieee_a"}
+    err = capsys.readouterr().err
+    assert err.count("timing cuDNN's engines failed (RuntimeError: no workspace size)") == 1
 
 
 def test_batchnorm_graphs_are_never_timed(monkeypatch):

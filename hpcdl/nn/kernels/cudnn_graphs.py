@@ -281,12 +281,26 @@ class Runtime:
             pack[plan.tensors[name]] = address
         self.cudnn.set_stream(handle=self.handle, stream=self.stream())
         if plan.untimed and not self.capturing():
-            self.tune(plan, pack, xp)
+            self._tune_or_keep(plan, pack, xp)
         size = max(plan.workspace_bytes, 1)
         workspace = self.work.at_least("cudnn_workspace", (size,), np.uint8, xp)
         plan.graph.execute(pack, self.pointer(workspace), handle=self.handle)
         for a, copy in staged.values():  # outputs back where they belong (inputs: unchanged)
             a[...] = copy
+
+    def _tune_or_keep(self, plan: Plan, pack: dict[Any, int], xp: Any) -> None:
+        """tune(), or where it fails, the heuristics' engine selected again, said once: the
+        step goes on either way."""
+        try:
+            self.tune(plan, pack, xp)
+        except Exception as exc:  # noqa: BLE001 - a failed timing never stops the step
+            plan.untimed, plan.timed_ms = (), {}
+            say_once(
+                "cudnn-autotune-failed",
+                f"timing cuDNN's engines failed ({type(exc).__name__}: {exc}); the heuristics' "
+                "engines run (HPCDL_CUDNN_AUTOTUNE)",
+            )
+            plan.graph.build_plan_at_index(plan.index)
 
     def tune(self, plan: Plan, pack: dict[Any, int], xp: Any) -> None:
         """Time the plan's built engines on pack's arrays and select the fastest (NOTE [engine
