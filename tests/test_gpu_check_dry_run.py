@@ -116,11 +116,12 @@ def test_the_cpu_dry_run_runs_every_phase_and_judges_no_goal(dry_run):
     assert sorted(r["tf32"] for r in computed) == [False] * (len(computed) - 1) + [True]
     assert "  gk-tf32-cnn-fp32 " in summary
     # the gk step's kernels in both frameworks, and a row with cuDNN's engines timed in both
-    assert "kprofile-gk-cnn-fp32 0 " in phases and "compute-gk-tuned-cnn-fp32 0 " in phases
+    assert "kprofile-gk-cnn-bf16 0 " in phases and "compute-gk-tuned-cnn-fp32 0 " in phases
     assert [r["cudnn_autotune"] for r in computed].count(8) == 1
     assert "compute-gk-halfwgrad-cnn-bf16 0 " in phases  # bf16 weight gradients, after the goals
     assert [r["half_wgrad"] for r in computed].count(True) == 1
-    assert "kernel profile (ms per step" in summary and "  gk-cnn-fp32" in summary
+    assert "kernel profile (ms per step" in summary
+    assert [x for x in summary.splitlines() if x.startswith("  gk-cnn-bf16") and "hpcdl wall" in x]
     (profiled,) = map(json.loads, files["kprofile.jsonl"].splitlines())
     assert profiled["torch"]["kernels"] and profiled["hpcdl"]["note"]  # CPU: torch's ops only
     assert {"raw/input.log", "raw/compute-cnn-fp32.log", "input.log", "commands.txt"} <= set(files)
@@ -132,11 +133,11 @@ def test_the_data_is_made_first_and_the_goal_blocks_run_before_the_rest(dry_run)
     its CPU reference before the blocks no goal waits on."""
     _, _, files = dry_run
     order = [line.split()[0] for line in files["raw/phases.txt"].splitlines()]
-    first = ("data", "compute-gk-cnn-fp32", "kprofile-gk-cnn-fp32", "compute-gk-tuned-cnn-fp32")
+    first = ("data", "compute-gk-cnn-fp32", "kprofile-gk-cnn-bf16", "compute-gk-tuned-cnn-fp32")
     assert [order.index(p) for p in first] == sorted(order.index(p) for p in first)
     assert order.index("compute-gk-tuned-cnn-fp32") < order.index("input")
     goal = max(order.index(p) for p in ("tests-goals", "train-cnn-cpu-1", "train-ref-cnn-cpu-1"))
-    late = ("compute-cnn-fp32", "compute-gk-cnn-bf16", "tests", "tests-mpi",
+    late = ("compute-cnn-fp32", "compute-gk-halfwgrad-cnn-bf16", "tests", "tests-mpi",
             "train-cnn-cpu-fp16-1", "loader")  # fmt: skip
     assert goal < min(order.index(p) for p in late)
 
