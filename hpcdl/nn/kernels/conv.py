@@ -107,23 +107,23 @@ class CudnnConv:
         def tensors(*named: tuple[str, Any]) -> dict[str, Any]:  # the graph's inputs, in io
             return {name: rt.tensor(g, name, dims, io) for name, dims in named}
 
+        out = io  # the output's dtype
         if key.op == "conv_fprop":
             t = tensors(("x", x), ("w", w))
             t["y"] = g.conv_fprop(image=t["x"], weight=t["w"], **conv)
-            rt.output(t["y"], y, io)
+            rt.output(t["y"], y, out)
         elif key.op == "conv_dgrad":
             t = tensors(("dy", y), ("w", w))
             t["dx"] = g.conv_dgrad(loss=t["dy"], filter=t["w"], **conv)
-            rt.output(t["dx"], x, io)
+            rt.output(t["dx"], x, out)
         else:  # summed in float32/64 and kept so; conv_wgrad_half: written in the format
             t = tensors(("x", x), ("dy", y))
             t["dw"] = g.conv_wgrad(image=t["x"], loss=t["dy"], **conv)
             out = io if key.op == "conv_wgrad_half" else cudnn_graphs.sums_dtype(io)
             rt.output(t["dw"], w, out)
-            plan = rt.finish(g, t, io, tune=True)
-            plan.out = out
-            return plan
-        return rt.finish(g, t, io, tune=True)
+        plan = rt.finish(g, t, io, tune=True)
+        plan.out = out
+        return plan
 
 
 def _krsc_shape(layer: Any) -> tuple[int, int, int, int]:

@@ -106,7 +106,7 @@ class Plan:
     workspace_bytes: int
     by_value: frozenset[str] = frozenset()  # host scalars: their pack value is a host address
     io: np.dtype = np.dtype(np.float32)  # the I/O dtype it was built for (PlanCache sets it)
-    out: np.dtype | None = None  # a weight gradient's output dtype, where it is not io's
+    out: np.dtype | None = None  # a convolution's output dtype (a weight gradient's: float32)
     index: int = 0  # the engine it runs: its place in the heuristics' ranked list (-1: unknown)
     name: str = ""  # that engine's name, as cuDNN gives it
     untimed: tuple[int, ...] = ()  # engines built and not yet timed (autotune), index first
