@@ -13,6 +13,24 @@ import pytest
 from hpcdl.backend import cupy_or_none, gpu_available
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N --dist loadscope` (scripts/test.sh), scoped by helpers.xdist_scope: each
+    test module runs whole on one worker, so its module fixtures are made once, and the modules
+    that start Slurm or emulated nodes run on one worker, one test after another. (xdist's own
+    loadgroup marks do not group under pytest 9, whose nodes keep their id elsewhere.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from helpers import xdist_scope
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByTestGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return ByTestGroup(config, log)
+
+
 @pytest.fixture(autouse=True)
 def no_stale_open_mpi_session_dirs() -> None:
     """Before every test: the session dirs of Open MPI launchers and remote daemons that a

@@ -2,8 +2,8 @@
 fixtures and hooks): mpirun and `python -m hpcdl.train` as a user runs them, waiting on a
 condition with a deadline (never a fixed sleep), small real data sets on disk (file trees, image
 folders), a staging session and its stager, the processes a test started, hpcdl's own output
-lines, `python -m hpcdl.stage` run as a user would, and the session dirs killed Open MPI
-launchers and daemons leave behind."""
+lines, `python -m hpcdl.stage` run as a user would, the session dirs killed Open MPI
+launchers and daemons leave behind, and which tests may run beside which (xdist_scope)."""
 
 from __future__ import annotations
 
@@ -391,3 +391,31 @@ def finished_metrics(path: Path) -> Path:
                     "images_per_s": 320.0})  # fmt: skip
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+# The test modules that start this host's one Slurm (its ports) or emulated nodes (their network
+# namespaces): never two at once, so under pytest-xdist they share one worker (conftest.py's
+# pytest_xdist_make_scheduler). Every module with a test marked slurm or multinode is here
+# (test_test_workers.py checks).
+ONE_AT_A_TIME = frozenset(
+    f"tests/{name}.py"
+    for name in (
+        "test_bench_torch_sync",
+        "test_cluster_model_multinode",
+        "test_data_tarshards_training",
+        "test_diag_multinode",
+        "test_jobs_slurm",
+        "test_jobs_slurm_nodes",
+        "test_jobs_slurm_stop",
+        "test_multinode",
+        "test_multinode_peers",
+        "test_node_loss",
+    )
+)
+ONE_AT_A_TIME_GROUP = "slurm-and-emulated-nodes"
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The xdist scope of a test: its module, or the one group of ONE_AT_A_TIME's modules."""
+    module = nodeid.split("::", 1)[0]
+    return ONE_AT_A_TIME_GROUP if module in ONE_AT_A_TIME else module

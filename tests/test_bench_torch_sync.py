@@ -49,6 +49,7 @@ def test_an_unknown_model_is_one_line():
     assert done.stderr.strip().count("\n") == 0 and "--models vgg" in done.stderr
 
 
+@pytest.mark.multinode
 def test_the_same_modes_across_two_emulated_nodes_behind_a_1gbit_link():
     from tools.bench.cluster import unavailable
 

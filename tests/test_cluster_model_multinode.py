@@ -26,7 +26,7 @@ from slowfs import require_fuse
 from tools.bench.cluster import leftovers, unavailable
 from tools.bench.validate import CHECKS, Setup, compare, run_case
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.alone]  # its 15 % is wall clock
 
 
 def test_model_predicts_a_4_node_run_within_15_percent_and_its_pfs_opens(tmp_path):

@@ -109,11 +109,13 @@ def test_keep_staged_moves_nothing(tmp_path):
 
 
 def _waiting_on_flock(timeout: float = 10.0) -> bool:
-    """True once some process waits for an flock (a '->' line in /proc/locks)."""
+    """True once a thread of this process waits for an flock: a '->' line in /proc/locks with
+    this pid ("1: -> FLOCK ADVISORY WRITE PID ..."), not another test's process beside it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lines = Path("/proc/locks").read_text().splitlines()
-        if any("->" in line and "FLOCK" in line for line in lines):
+        waits = [line.split()[1:] for line in lines if "->" in line.split()[1:2]]
+        if any(w[1] == "FLOCK" and w[4] == str(os.getpid()) for w in waits if len(w) > 4):
             return True
         time.sleep(0.01)
     return False
