@@ -1,6 +1,6 @@
-"""scripts/test.sh's pytest-xdist workers (tests/conftest.py): a module whole on one worker, and
-the modules that start Slurm or emulated nodes together on one, so that no two of them run at
-once."""
+"""scripts/test.sh's pytest-xdist workers (HPCDL_TEST_WORKERS=N; tests/conftest.py): a module
+whole on one worker, and the modules that start Slurm or emulated nodes together on one, so that
+no two of them run at once."""
 
 from __future__ import annotations
 
